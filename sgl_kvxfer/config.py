@@ -1,0 +1,206 @@
+"""Frozen configuration chain that mirrors process nesting.
+
+    ServerArgs          (HTTP server, tokenizer manager, launcher)
+      └─ SchedulerConfig    (scheduler process: batching, radix cache)
+           └─ EngineConfig      (model runner: weights, KV pool, attention)
+
+Each component receives only its own level. Flat keyword arguments (as `Engine(**kw)` and the
+CLI use) are routed to their level by field name in `ServerArgs.from_flat`. Argparse defaults
+come from these dataclasses (`add_cli_args`). Derived values are properties.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+LOAD_FORMAT_CHOICES = ("auto", "safetensors", "gguf", "dummy")
+KV_INT4_CHOICES = ("auto", "on", "off")
+KV_IMPORTANCE_CHOICES = ("attn", "norm")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str | None = None  # None or "smollm2-135m": the embedded default
+    tokenizer_path: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"  # "cpu", "cuda", or auto
+    load_format: str = "auto"
+    context_length: int | None = None
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
+    attention_backend: str | None = None  # None: torch on CPU, triton on GPU
+    random_seed: int = 42
+    page_size: int = 1
+    # SpectrumKV (issue 4); budget 1.0 keeps every token at the model dtype.
+    kv_tier_budget: float = 1.0
+    kv_tier_policy: str = "greedy"
+    kv_sink_tokens: int = 4
+    kv_importance: str = "attn"
+    kv_recency_lambda: float = 0.0
+    kv_int4: str = "auto"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMAT_CHOICES:
+            raise ValueError(f"load_format must be one of {LOAD_FORMAT_CHOICES}, got {self.load_format!r}")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError(f"max_total_tokens must be >= 16, got {self.max_total_tokens}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"context_length must be >= 1, got {self.context_length}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not 0.0 < self.kv_tier_budget <= 1.0:
+            raise ValueError(f"kv_tier_budget must be in (0, 1], got {self.kv_tier_budget}")
+        if self.kv_int4 not in KV_INT4_CHOICES:
+            raise ValueError(f"kv_int4 must be one of {KV_INT4_CHOICES}, got {self.kv_int4!r}")
+        if self.kv_importance not in KV_IMPORTANCE_CHOICES:
+            raise ValueError(f"kv_importance must be one of {KV_IMPORTANCE_CHOICES}, got {self.kv_importance!r}")
+        if self.kv_sink_tokens < 0 or self.kv_recency_lambda < 0:
+            raise ValueError("kv_sink_tokens and kv_recency_lambda must be >= 0")
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend:
+            return self.attention_backend
+        return "torch" if self.resolved_device == "cpu" else "triton"
+
+    @property
+    def tiering_enabled(self) -> bool:
+        return self.kv_tier_budget < 1.0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = None  # -1 disables chunking
+    max_prefill_tokens: int = 16384
+    disable_radix_cache: bool = False
+    schedule_policy: str = "lpm"  # longest-prefix-match first, or "fcfs"
+    stream_interval: int = 1
+
+    def __post_init__(self):
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be -1 or >= 1, got {self.chunked_prefill_size}")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+
+    @property
+    def resolved_chunked_prefill_size(self) -> int | None:
+        """Tokens per prefill chunk, or None for no chunking."""
+        if self.chunked_prefill_size == -1:
+            return None
+        return self.chunked_prefill_size or 2048
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+    enable_metrics: bool = False
+    skip_tokenizer_init: bool = False
+    ipc_dir: str | None = None  # directory for ipc:// sockets; default a fresh temp dir
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+    @property
+    def engine(self) -> EngineConfig:
+        return self.scheduler.engine
+
+    # Every cross-process link is named here, and only here.
+    def ipc_addr(self, link: str) -> str:
+        assert link in ("scheduler_input", "detokenizer_input", "tokenizer_input"), link
+        assert self.ipc_dir is not None, "ServerArgs.with_ipc_dir() must run before processes start"
+        return f"ipc://{os.path.join(self.ipc_dir, link)}"
+
+    def with_ipc_dir(self) -> "ServerArgs":
+        if self.ipc_dir is not None:
+            return self
+        import tempfile
+
+        return dataclasses.replace(self, ipc_dir=tempfile.mkdtemp(prefix="sgl_kvxfer_ipc_"))
+
+    # ---------------------------------------------------------------- flat views
+    @classmethod
+    def from_flat(cls, **kwargs: Any) -> "ServerArgs":
+        """Route flat keyword arguments to their level; unknown names raise TypeError."""
+        levels = {EngineConfig: {}, SchedulerConfig: {}, ServerArgs: {}}
+        owner = {}
+        for level in levels:
+            for f in dataclasses.fields(level):
+                if f.name not in ("engine", "scheduler"):
+                    owner[f.name] = level
+        for key, value in kwargs.items():
+            if key == "model":  # SGLang alias
+                key = "model_path"
+            if key not in owner:
+                raise TypeError(f"unknown server argument {key!r}")
+            levels[owner[key]][key] = value
+        engine = EngineConfig(**levels[EngineConfig])
+        scheduler = SchedulerConfig(engine=engine, **levels[SchedulerConfig])
+        return cls(scheduler=scheduler, **levels[ServerArgs])
+
+    def to_flat(self) -> dict[str, Any]:
+        flat = {}
+        for obj in (self.engine, self.scheduler, self):
+            for f in dataclasses.fields(obj):
+                if f.name not in ("engine", "scheduler"):
+                    flat[f.name] = getattr(obj, f.name)
+        return flat
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, choices: dict[str, tuple] | None = None) -> None:
+        """One `--flag-name` per field, defaults from the dataclasses. `choices` may restrict
+        registry-backed flags (e.g. {"attention_backend": ("torch", "triton")})."""
+        choices = choices or {}
+        for level in (EngineConfig, SchedulerConfig, ServerArgs):
+            for f in dataclasses.fields(level):
+                if f.name in ("engine", "scheduler", "ipc_dir"):
+                    continue
+                flag = "--" + f.name.replace("_", "-")
+                default = f.default
+                names = [flag] + (["--model"] if f.name == "model_path" else [])
+                if f.type in ("bool",) or isinstance(default, bool):
+                    parser.add_argument(*names, dest=f.name, action="store_true", default=default)
+                    continue
+                kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
+                extra = {"choices": choices[f.name]} if f.name in choices else {}
+                if f.name == "dtype":
+                    extra = {"choices": DTYPE_CHOICES}
+                elif f.name == "load_format":
+                    extra = {"choices": LOAD_FORMAT_CHOICES}
+                elif f.name == "kv_int4":
+                    extra = {"choices": KV_INT4_CHOICES}
+                elif f.name == "kv_importance":
+                    extra = {"choices": KV_IMPORTANCE_CHOICES}
+                parser.add_argument(*names, dest=f.name, type=kind, default=default, **extra)
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> "ServerArgs":
+        return cls.from_flat(**vars(namespace))

@@ -1,0 +1,116 @@
+"""Typed messages for all cross-process traffic, grouped by destination.
+
+Process diagram (server mode):
+
+    TokenizerManager --(to_scheduler)--> Scheduler --(to_detokenizer)--> Detokenizer
+           ^                                                                |
+           +------------------------(to_tokenizer)--------------------------+
+
+One serializer (msgspec msgpack over tagged Structs); no pickle on any socket.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from sgl_kvxfer.sampling.params import SamplingParams
+
+
+# ---------------------------------------------------------------- to the scheduler
+class TokenizedGenerateReq(msgspec.Struct, tag=True):
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    stream: bool = False
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class FlushCacheReq(msgspec.Struct, tag=True):
+    pass
+
+
+class GetInternalStateReq(msgspec.Struct, tag=True):
+    pass
+
+
+# ---------------------------------------------------------------- from the scheduler
+class ReqOutput(msgspec.Struct):
+    """One request's progress since the previous ReqOutput for the same rid.
+
+    `new_output_ids` and the logprob lists are *deltas*; the detokenizer and the tokenizer
+    manager accumulate them. `finish_reason` is None until the request ends; it is then an
+    SGLang finish dict ({"type": "length"|"stop"|"abort", ...}).
+    Logprob entries are [logprob | None, token_id]; top-logprob positions are lists of those.
+    """
+    rid: str
+    new_output_ids: list[int]
+    finish_reason: dict | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    num_retractions: int = 0
+    input_token_logprobs: list[list] | None = None
+    input_top_logprobs: list | None = None
+    input_token_ids_logprobs: list | None = None
+    output_token_logprobs: list[list] | None = None
+    output_top_logprobs: list | None = None
+    output_token_ids_logprobs: list | None = None
+
+
+class BatchTokenIDOut(msgspec.Struct, tag=True):
+    outputs: list[ReqOutput]
+
+
+class InternalState(msgspec.Struct, tag=True):
+    """Scheduler statistics for /server_info and /metrics."""
+    max_total_num_tokens: int
+    max_req_input_len: int
+    num_running_reqs: int
+    num_queue_reqs: int
+    kv_used_tokens: int
+    kv_cached_tokens: int
+    kv_bytes_per_token: float
+    last_gen_throughput: float
+    cache_hit_rate: float
+    extra: dict = {}
+
+
+class FlushCacheResult(msgspec.Struct, tag=True):
+    success: bool
+    message: str = ""
+
+
+# ---------------------------------------------------------------- to the tokenizer manager
+class BatchStrOut(msgspec.Struct, tag=True):
+    """Detokenized outputs: `texts[i]` is the cumulative text of `outputs[i].rid` (stop-trimmed
+    once finished)."""
+    outputs: list[ReqOutput]
+    texts: list[str]
+
+
+ToScheduler = TokenizedGenerateReq | AbortReq | FlushCacheReq | GetInternalStateReq
+ToDetokenizer = BatchTokenIDOut | InternalState | FlushCacheResult
+ToTokenizer = BatchStrOut | InternalState | FlushCacheResult
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {
+    "scheduler": msgspec.msgpack.Decoder(ToScheduler),
+    "detokenizer": msgspec.msgpack.Decoder(ToDetokenizer),
+    "tokenizer": msgspec.msgpack.Decoder(ToTokenizer),
+}
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, destination: str):
+    """Decode a message for `destination` in {"scheduler", "detokenizer", "tokenizer"}."""
+    return _decoders[destination].decode(data)

@@ -1,0 +1,70 @@
+"""ZMQ queue wrappers: the only module that imports zmq.
+
+Each process *binds* its own input PULL socket (address from `ServerArgs.ipc_addr`) and
+*connects* PUSH sockets to its peers. Messages are encoded with `message.encode`.
+"""
+from __future__ import annotations
+
+import zmq
+import zmq.asyncio
+
+from sgl_kvxfer.message import decode, encode
+
+
+class PushQueue:
+    def __init__(self, addr: str, bind: bool = False):
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        (self._sock.bind if bind else self._sock.connect)(addr)
+
+    def put(self, msg) -> None:
+        self._sock.send(encode(msg), copy=False)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class PullQueue:
+    def __init__(self, addr: str, destination: str, bind: bool = True):
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        (self._sock.bind if bind else self._sock.connect)(addr)
+        self._destination = destination
+
+    def get(self, timeout: float | None = None):
+        """Block up to `timeout` seconds (forever if None); return a message or None."""
+        if timeout is not None and not self._sock.poll(int(timeout * 1000)):
+            return None
+        return decode(self._sock.recv(copy=False).bytes, self._destination)
+
+    def get_all_nowait(self) -> list:
+        msgs = []
+        while True:
+            try:
+                data = self._sock.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return msgs
+            msgs.append(decode(data.bytes, self._destination))
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class AsyncPullQueue:
+    """asyncio flavour for the tokenizer manager's event loop."""
+
+    def __init__(self, addr: str, destination: str, bind: bool = True):
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        (self._sock.bind if bind else self._sock.connect)(addr)
+        self._destination = destination
+
+    async def get(self):
+        data = await self._sock.recv(copy=False)
+        return decode(data.bytes, self._destination)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
