@@ -56,6 +56,10 @@ class ReqOutput(msgspec.Struct):
     completion_tokens: int
     cached_tokens: int
     num_retractions: int = 0
+    # Detokenization options, copied from the request's SamplingParams.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
     input_token_logprobs: list[list] | None = None
     input_top_logprobs: list | None = None
     input_token_ids_logprobs: list | None = None
