@@ -1,0 +1,72 @@
+"""ModelRunner: weights, KV pool, req-to-token table and attention backend; runs a ForwardBatch.
+
+Owns every tensor of the engine. The scheduler talks to it only through `forward(batch)` and
+the pool/allocator handles it exposes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from sgl_kvxfer.config import EngineConfig
+from sgl_kvxfer.engine.forward_batch import ForwardBatch
+from sgl_kvxfer.engine.memory import kv_pool_tokens
+from sgl_kvxfer.layers.attention import create_attention_backend
+from sgl_kvxfer.mem_cache import create_kv_pool
+from sgl_kvxfer.mem_cache.allocator import TokenSlotAllocator
+from sgl_kvxfer.mem_cache.req_to_token import ReqToTokenPool
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, max_running_requests: int | None = None):
+        from sgl_kvxfer.models.arch_config import ModelArchConfig
+        from sgl_kvxfer.models.loader import load_model, resolve_dtype, resolve_model_path
+
+        self.config = config
+        self.device = config.resolved_device
+        torch.manual_seed(config.random_seed)
+        self.model_dir = resolve_model_path(config.model_path)
+        with open(os.path.join(self.model_dir, "config.json")) as f:
+            self.hf_config = json.load(f)
+        arch = ModelArchConfig.from_hf_dict(self.hf_config)
+        self.dtype = resolve_dtype(config.dtype, arch, self.device)
+        self.model, self.arch = load_model(self.model_dir, config.load_format, self.dtype, self.device,
+                                           config.random_seed)
+        self.model.eval()
+        self.context_len = config.context_length or self.arch.max_position_embeddings
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.max_total_tokens = kv_pool_tokens(
+            self.device, config.mem_fraction_static, weight_bytes,
+            self._bytes_per_token_estimate(), config.max_total_tokens)
+        self.kv_pool = create_kv_pool(config, self.arch, self.max_total_tokens, self.dtype, self.device)
+        self.allocator = TokenSlotAllocator(self.max_total_tokens, self.device)
+        self.max_running_requests = max_running_requests or min(256, max(self.max_total_tokens // 32, 4))
+        # +1 row so a retracted request can be re-admitted while the batch is full.
+        self.req_to_token = ReqToTokenPool(self.max_running_requests + 1,
+                                           min(self.context_len, self.max_total_tokens) + 1, self.device)
+        self.attn_backend = create_attention_backend(
+            config.resolved_attention_backend, kv_pool=self.kv_pool,
+            num_q_heads=self.arch.num_attention_heads, num_kv_heads=self.arch.num_key_value_heads,
+            head_dim=self.arch.head_dim)
+        logger.info("model %s (%s) on %s: KV pool %d tokens, %.0f bytes/token, backend %s",
+                    self.model_dir, self.dtype, self.device, self.max_total_tokens,
+                    self.kv_pool.bytes_per_token(), config.resolved_attention_backend)
+
+    def _bytes_per_token_estimate(self) -> float:
+        a = self.arch
+        return 2.0 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * torch.finfo(self.dtype).bits / 8
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the model; returns fp32 logits [len(batch.logits_positions), vocab]."""
+        batch.attn_backend = self.attn_backend
+        self.attn_backend.prepare_metadata(batch)
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        if batch.logits_positions.numel() == 0:
+            return hidden.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[batch.logits_positions])

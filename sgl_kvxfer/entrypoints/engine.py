@@ -1,0 +1,137 @@
+"""Offline Engine: the same Scheduler in-process, with SGLang's offline `Engine` API.
+
+    from sgl_kvxfer import Engine
+    with Engine(model_path="smollm2-135m") as engine:
+        out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+        print(out["text"], out["meta_info"]["finish_reason"])
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Iterator
+
+from sgl_kvxfer.config import ServerArgs
+from sgl_kvxfer.message import TokenizedGenerateReq
+from sgl_kvxfer.sampling.params import SamplingParams
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **server_args: Any):
+        from sgl_kvxfer.engine.model_runner import ModelRunner
+        from sgl_kvxfer.models.loader import load_tokenizer, resolve_tokenizer_path
+        from sgl_kvxfer.scheduler.scheduler import Scheduler
+
+        self.server_args = ServerArgs.from_flat(model_path=model_path, **server_args)
+        cfg = self.server_args.scheduler
+        self.runner = ModelRunner(cfg.engine, cfg.max_running_requests)
+        self.tokenizer = load_tokenizer(resolve_tokenizer_path(self.runner.model_dir, cfg.engine.tokenizer_path))
+        self.scheduler = Scheduler(cfg, self.runner, self.tokenizer)
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                 logprob_start_len: int | None = None, top_logprobs_num: int | None = None,
+                 token_ids_logprob: list[int] | None = None, return_text_in_logprobs: bool = False,
+                 stream: bool = False, rid: str | list[str] | None = None, **ignored: Any):
+        """Returns one SGLang-shaped dict, or a list for a batch (or n > 1); with stream=True an
+        iterator of cumulative dicts (single prompt only). Raises ValueError on bad input."""
+        msgs, single = self._tokenize(prompt, input_ids, sampling_params, return_logprob,
+                                      logprob_start_len, top_logprobs_num, token_ids_logprob, rid, stream)
+        if stream:
+            if len(msgs) != 1:
+                raise ValueError("stream=True supports a single prompt with n=1")
+            return self._stream(msgs[0], return_text_in_logprobs)
+        results = list(self._run(msgs, return_text_in_logprobs, stream=False))[-1]
+        return results[0] if single else results
+
+    def flush_cache(self) -> bool:
+        return self.scheduler.flush_cache().success
+
+    def get_server_info(self) -> dict:
+        import msgspec
+
+        return {**self.server_args.to_flat(), **msgspec.structs.asdict(self.scheduler.internal_state())}
+
+    def shutdown(self) -> None:
+        self.scheduler = None
+        self.runner = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ------------------------------------------------------------------ internals
+    def _tokenize(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
+                  top_logprobs_num, token_ids_logprob, rid, stream):
+        if prompt is None and input_ids is None:
+            raise ValueError("Either prompt (text) or input_ids should be provided.")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt must be a string or a list of strings")
+            ids_list = [self.tokenizer.encode(t) for t in texts]
+        else:
+            single = not input_ids or not isinstance(input_ids[0], list)
+            ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
+        if len(params_list) != len(ids_list):
+            raise ValueError(f"got {len(params_list)} sampling_params for {len(ids_list)} prompts")
+        rids = rid if isinstance(rid, list) else [rid] * len(ids_list)
+        vocab = self.runner.arch.vocab_size
+        msgs = []
+        for ids, raw, r in zip(ids_list, params_list, rids):
+            params = SamplingParams.from_dict(raw, vocab)
+            for _ in range(params.n):
+                msg = TokenizedGenerateReq(
+                    rid=r if (r and params.n == 1) else uuid.uuid4().hex, input_ids=ids, sampling=params,
+                    return_logprob=return_logprob,
+                    logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
+                    top_logprobs_num=top_logprobs_num or 0, token_ids_logprob=token_ids_logprob, stream=stream)
+                self._check(msg)
+                msgs.append(msg)
+        return msgs, single and len(msgs) == 1
+
+    def _check(self, msg: TokenizedGenerateReq) -> None:
+        from sgl_kvxfer.scheduler.req import Req
+
+        error = self.scheduler.validate(Req(msg, 0))
+        if error:
+            raise ValueError(error)
+
+    def _stream(self, msg, return_text_in_logprobs) -> Iterator[dict]:
+        for results in self._run([msg], return_text_in_logprobs, stream=True):
+            yield results[0]
+
+    def _run(self, msgs, return_text_in_logprobs, stream: bool):
+        from sgl_kvxfer.detokenizer.incremental import IncrementalDetokenizer
+        from sgl_kvxfer.tokenizer.output_state import RequestOutputState
+
+        start = time.perf_counter()
+        states, detoks, done = {}, {}, set()
+        for m in msgs:
+            states[m.rid] = RequestOutputState(m.rid, self.tokenizer, m.return_logprob, return_text_in_logprobs,
+                                               m.top_logprobs_num, m.token_ids_logprob)
+            detoks[m.rid] = IncrementalDetokenizer(self.tokenizer, m.sampling.skip_special_tokens,
+                                                   m.sampling.spaces_between_special_tokens)
+            self.scheduler.handle(m)
+        while len(done) < len(msgs):
+            if not self.scheduler.step() and not self.scheduler.outbox:
+                raise RuntimeError("scheduler is idle but requests are unfinished")
+            changed = False
+            for out in self.scheduler.take_outputs():
+                text = detoks[out.rid].append(out.new_output_ids)
+                if out.finish_reason is not None:
+                    text = detoks[out.rid].finish(out.finish_reason, out.no_stop_trim)
+                    done.add(out.rid)
+                states[out.rid].add(out, text)
+                changed = True
+            if stream and changed:
+                latency = time.perf_counter() - start
+                yield [states[m.rid].to_dict(latency if m.rid in done else None) for m in msgs]
+        if not stream:
+            latency = time.perf_counter() - start
+            yield [states[m.rid].to_dict(latency) for m in msgs]

@@ -1,0 +1,16 @@
+"""Attention backend registry: name -> lazily imported class. Names feed --attention-backend."""
+from __future__ import annotations
+
+import importlib
+
+ATTENTION_BACKENDS = {
+    "torch": "sgl_kvxfer.layers.attention.torch_backend:TorchAttentionBackend",
+    "triton": "sgl_kvxfer.layers.attention.triton_backend:TritonAttentionBackend",
+}
+
+
+def create_attention_backend(name: str, **kwargs):
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(ATTENTION_BACKENDS)}")
+    module, cls = ATTENTION_BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(**kwargs)

@@ -1,0 +1,32 @@
+"""Attention backend interface: plan once per batch, run once per layer.
+
+Invariants: `prepare_metadata(batch)` runs before any layer's `forward`; `forward` stores the
+new k/v into the KV pool at `batch.out_cache_loc` *before* attending, so a request's new
+tokens see themselves (causal). Backends never change slot ownership.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from sgl_kvxfer.engine.forward_batch import ForwardBatch
+from sgl_kvxfer.mem_cache.kv_pool import KVPool
+
+
+class AttentionBackend(ABC):
+    def __init__(self, kv_pool: KVPool, num_q_heads: int, num_kv_heads: int, head_dim: int):
+        self.kv_pool = kv_pool
+        self.num_q_heads = num_q_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+
+    @abstractmethod
+    def prepare_metadata(self, batch: ForwardBatch) -> None:
+        """Plan index/mask tensors for this batch into `batch.attn_metadata`."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] (rotated) -> attention output [T, Hq, D]."""

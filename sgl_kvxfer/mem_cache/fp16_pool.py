@@ -1,0 +1,36 @@
+"""Fp16KVPool: every token's K and V held at the model dtype (fp16/bf16 on GPU; fp32 on CPU).
+
+Layout per layer: k_buffer[layer] and v_buffer[layer], each [size + 1, Hkv, D]; row 0 is padding.
+"""
+from __future__ import annotations
+
+import torch
+
+from sgl_kvxfer.mem_cache.kv_pool import KVPool
+
+
+class Fp16KVPool(KVPool):
+    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str):
+        super().__init__(size, num_layers, num_kv_heads, head_dim, dtype, device)
+        shape = (size + 1, num_kv_heads, head_dim)
+        # torch.zeros on a multi-GB CPU buffer would touch every page at start-up; empty() is lazy.
+        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in self.k_buffer + self.v_buffer:
+            buf[0].zero_()
+
+    def set_kv(self, layer_id, slots, k, v):
+        self.k_buffer[layer_id][slots] = k.to(self.dtype)
+        self.v_buffer[layer_id][slots] = v.to(self.dtype)
+
+    def get_kv(self, layer_id, slots):
+        return self.k_buffer[layer_id][slots], self.v_buffer[layer_id][slots]
+
+    def bytes_per_token(self, with_scales: bool = True) -> float:
+        elem = torch.finfo(self.dtype).bits // 8
+        return float(2 * self.num_layers * self.num_kv_heads * self.head_dim * elem)
+
+    @staticmethod
+    def bytes_per_token_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> float:
+        return float(2 * num_layers * num_kv_heads * head_dim * (torch.finfo(dtype).bits // 8))

@@ -1,0 +1,50 @@
+"""Base class of the KV pool family: token slot -> per-layer K and V storage.
+
+Every pool maps the same slot id to the same token in every layer that stores KV. Families:
+`Fp16KVPool` (model dtype, this issue), tiered pools (SpectrumKV: per-slot precision) and
+layer-mapped pools (FusedKV: some layers store nothing) are sibling files, each a subclass.
+
+Mutation: `set_kv` / `write_external` write slots; only the scheduler thread calls them, and
+only for slots it owns (allocated and not yet freed). Reads never mutate.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class KVPool(ABC):
+    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str):
+        self.size = size  # usable slots 1..size; slot 0 is padding
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+
+    @abstractmethod
+    def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [n, Hkv, D] (model dtype, K already rotated) at `slots` [n]."""
+
+    @abstractmethod
+    def get_kv(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather K, V at `slots` (any shape S) as [*S, Hkv, D] in the model dtype."""
+
+    @abstractmethod
+    def bytes_per_token(self, with_scales: bool = True) -> float:
+        """Resident bytes one token costs across all layers (K and V)."""
+
+    def stores_layer(self, layer_id: int) -> bool:
+        """Per-layer storage map: False for layers whose KV is rebuilt, not stored (FusedKV)."""
+        return True
+
+    def write_external(self, slots: torch.Tensor, layers_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write KV computed elsewhere (PD transfer, SCD) for every storing layer, in order."""
+        for layer_id, (k, v) in enumerate(layers_kv):
+            if self.stores_layer(layer_id):
+                self.set_kv(layer_id, slots, k, v)
+
+    def read_external(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.get_kv(layer_id, slots) for layer_id in range(self.num_layers) if self.stores_layer(layer_id)]

@@ -1,0 +1,76 @@
+"""ScheduleBatch (scheduler side, ids and lists) and `prepare_batch`, the one place where the
+scheduler's integer state becomes tensors (a ForwardBatch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.scheduler.req import Req
+
+
+@dataclass
+class ReqSlice:
+    """Tokens fill_ids[start : start + length] of `req` computed in this batch."""
+    req: Req
+    start: int
+    length: int
+    sample: bool  # the last token's logits draw the next token
+    # Filled by prepare_batch: rows of the logits tensor that belong to this slice.
+    logprob_rows: tuple[int, int] = (0, 0)  # [row_lo, row_hi) of prompt-logprob positions
+    logprob_first_pos: int = 0  # token position whose logits sit at row_lo
+    sample_row: int = -1
+
+
+@dataclass
+class ScheduleBatch:
+    mode: ForwardMode
+    slices: list[ReqSlice] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.slices)
+
+
+def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_token: torch.Tensor,
+                  device: str) -> ForwardBatch:
+    """Write the new slots into the req-to-token table and build the ForwardBatch.
+
+    Prompt-logprob positions of a slice: p in [logprob_start_len, prompt_len - 1) intersected
+    with [start, start + length); the logits at position p score token p + 1.
+    """
+    input_ids, positions, logits_rows = [], [], []
+    prefix_lens, extend_lens, seq_lens, rows = [], [], [], []
+    flat, cursor = 0, 0
+    for s in batch.slices:
+        req = s.req
+        fill = req.fill_ids
+        input_ids.extend(fill[s.start : s.start + s.length])
+        positions.extend(range(s.start, s.start + s.length))
+        req_to_token[req.req_pool_idx, s.start : s.start + s.length] = out_cache_loc[cursor : cursor + s.length]
+        cursor += s.length
+        if not req.input_logprobs_done:
+            lo = max(req.logprob_start_len, s.start)
+            hi = min(len(req.origin_input_ids) - 1, s.start + s.length)
+            row_lo = len(logits_rows)
+            if hi > lo:
+                logits_rows.extend(range(flat + lo - s.start, flat + hi - s.start))
+            s.logprob_rows, s.logprob_first_pos = (row_lo, len(logits_rows)), lo
+        if s.sample:
+            s.sample_row = len(logits_rows)
+            logits_rows.append(flat + s.length - 1)
+        flat += s.length
+        prefix_lens.append(s.start)
+        extend_lens.append(s.length)
+        seq_lens.append(s.start + s.length)
+        rows.append(req.req_pool_idx)
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    return ForwardBatch(
+        mode=batch.mode, input_ids=t(input_ids), positions=t(positions), out_cache_loc=out_cache_loc,
+        req_pool_indices=t(rows), seq_lens=t(seq_lens), extend_prefix_lens=prefix_lens,
+        extend_seq_lens=extend_lens, seq_lens_cpu=seq_lens, logits_positions=t(logits_rows),
+        req_to_token=req_to_token)

@@ -1,0 +1,102 @@
+"""KV slot lifecycle of requests: admit (prefix match + lock), grow, cache, release.
+
+Owns the ownership rules of mem_cache/prefix_cache.py from the request side. With the radix
+cache disabled, `tree` is None and every slot is private to its request.
+"""
+from __future__ import annotations
+
+import torch
+
+from sgl_kvxfer.mem_cache.allocator import TokenSlotAllocator
+from sgl_kvxfer.mem_cache.radix_cache import RadixCache
+from sgl_kvxfer.mem_cache.req_to_token import ReqToTokenPool
+from sgl_kvxfer.scheduler.req import Req
+
+
+class KVLifecycle:
+    def __init__(self, allocator: TokenSlotAllocator, req_to_token: ReqToTokenPool, use_radix: bool):
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.tree = RadixCache(allocator) if use_radix else None
+
+    def available_tokens(self) -> int:
+        """Slots obtainable now: free plus evictable."""
+        evictable = self.tree.evictable_size() if self.tree else 0
+        return self.allocator.available_size() + evictable
+
+    def match(self, req: Req) -> int:
+        """Prefix length the cache could serve (no side effects beyond LRU touch)."""
+        if self.tree is None:
+            return 0
+        slots, _ = self.tree.match_prefix(req.fill_ids[: req.prefix_match_limit()])
+        return int(slots.numel())
+
+    def admit(self, req: Req) -> bool:
+        """Give `req` a table row and its cached prefix (locked). False if no row is free."""
+        row = self.req_to_token.alloc()
+        if row is None:
+            return False
+        req.req_pool_idx = row
+        if self.tree is not None:
+            slots, node = self.tree.match_prefix(req.fill_ids[: req.prefix_match_limit()])
+            self.tree.inc_lock_ref(node)
+            req.last_node = node
+            self.req_to_token.write(row, 0, slots)
+            req.prefix_len = req.kv_len = int(slots.numel())
+        if req.num_retractions == 0:  # a recomputation after retraction keeps its first report
+            req.cached_tokens = req.prefix_len
+        return True
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n fresh slots, evicting unlocked cache leaves if needed."""
+        short = n - self.allocator.available_size()
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short)
+        return self.allocator.alloc(n)
+
+    def cache(self, req: Req, finished: bool) -> None:
+        """Hand the request's computed KV to the prefix cache (or free it without one).
+
+        finished=False keeps the request running on the cache's copy of its tokens: its row is
+        rewritten to the tree's slots and its lock moves to the new last node.
+        """
+        row, kv_len = req.req_pool_idx, req.kv_len
+        slots = self.req_to_token.read(row, kv_len).clone()
+        if self.tree is None:
+            if finished:
+                self.allocator.free(slots)
+                self._release_row(req)
+            return
+        tokens = req.fill_ids[:kv_len]
+        present = self.tree.insert(tokens, slots)
+        if present > req.prefix_len:  # our duplicates of tokens someone else cached first
+            self.allocator.free(slots[req.prefix_len : present])
+        if finished:
+            self.tree.dec_lock_ref(req.last_node)
+            self._release_row(req)
+            return
+        new_slots, node = self.tree.match_prefix(tokens)
+        assert new_slots.numel() == kv_len, "inserted tokens must match back in full"
+        self.req_to_token.write(row, 0, new_slots)
+        self.tree.inc_lock_ref(node)
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node, req.prefix_len = node, kv_len
+
+    def release(self, req: Req) -> None:
+        """Drop a request's KV without caching it (retraction)."""
+        if req.req_pool_idx is None:
+            return
+        private = self.req_to_token.read(req.req_pool_idx, req.kv_len, start=req.prefix_len).clone()
+        self.allocator.free(private)
+        if self.tree is not None and req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        self._release_row(req)
+
+    def _release_row(self, req: Req) -> None:
+        self.req_to_token.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node = None, None
+        req.prefix_len = req.kv_len = 0
+
+    def flush(self) -> None:
+        if self.tree is not None:
+            self.tree.reset()

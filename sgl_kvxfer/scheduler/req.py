@@ -1,0 +1,76 @@
+"""Per-request scheduler state (plain Python; tensors only for slot ids and the RNG).
+
+KV bookkeeping of a request in the req-to-token row `req_pool_idx`:
+
+    fill_ids:  [ origin_input_ids ............ | output_ids ......... ]
+    row:       [ prefix (cache-owned, locked) | private slots | (none) ]
+               0                       prefix_len           kv_len
+    Running invariant: kv_len == len(fill_ids) - 1 (the newest token's KV is computed by the
+    next decode step).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sgl_kvxfer.message import TokenizedGenerateReq
+from sgl_kvxfer.sampling.params import SamplingParams
+
+
+class Req:
+    def __init__(self, msg: TokenizedGenerateReq, arrival: int):
+        self.rid = msg.rid
+        self.origin_input_ids: list[int] = list(msg.input_ids)
+        self.sampling: SamplingParams = msg.sampling
+        self.return_logprob = msg.return_logprob
+        self.logprob_start_len = msg.logprob_start_len
+        self.top_logprobs_num = msg.top_logprobs_num
+        self.token_ids_logprob = msg.token_ids_logprob
+        self.stream = msg.stream
+        self.arrival = arrival
+        self.output_ids: list[int] = []
+        self.finished_reason: dict | None = None
+        # KV state
+        self.req_pool_idx: int | None = None
+        self.prefix_len = 0
+        self.kv_len = 0
+        self.last_node: Any = None
+        self.cached_tokens = 0
+        self.num_retractions = 0
+        # Output state: deltas not yet sent.
+        self.sent_output_len = 0
+        self.input_logprobs_done = not (msg.return_logprob and msg.logprob_start_len >= 0)
+        self.input_logprobs_sent = self.input_logprobs_done
+        self.input_token_logprobs: list[list] = []
+        self.input_top_logprobs: list = []
+        self.input_token_ids_logprobs: list = []
+        self.output_token_logprobs: list[list] = []
+        self.output_top_logprobs: list = []
+        self.output_token_ids_logprobs: list = []
+        seed = msg.sampling.sampling_seed
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling.max_new_tokens - len(self.output_ids), 0)
+
+    def prefix_match_limit(self) -> int:
+        """Longest prefix the cache may serve: at least one token must be computed (its logits
+        sample the next token), and prompt logprobs need logits from logprob_start_len on."""
+        limit = len(self.fill_ids) - 1
+        if not self.input_logprobs_done:
+            limit = min(limit, self.logprob_start_len)
+        return max(limit, 0)
+
+    def finish(self, reason: dict) -> None:
+        if self.finished_reason is None:
+            self.finished_reason = reason

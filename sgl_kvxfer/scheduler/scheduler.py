@@ -1,0 +1,245 @@
+"""Scheduler: continuous batching with chunked prefill, prefix caching and retraction.
+
+The same class runs inside the server's scheduler process (via `event_loop`) and inside the
+offline Engine (which calls `handle` and `step` directly). Policy decisions live in
+`policy.py`; KV ownership in `kv_lifecycle.py`; logits handling in `results.py`.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from sgl_kvxfer.config import SchedulerConfig
+from sgl_kvxfer.engine.forward_batch import ForwardMode
+from sgl_kvxfer.message import (AbortReq, FlushCacheReq, FlushCacheResult, GetInternalStateReq, InternalState,
+                                ReqOutput, TokenizedGenerateReq)
+from sgl_kvxfer.scheduler.batch import ReqSlice, ScheduleBatch, prepare_batch
+from sgl_kvxfer.scheduler.kv_lifecycle import KVLifecycle
+from sgl_kvxfer.scheduler.policy import PrefillAdder, decode_reserve, pick_retraction
+from sgl_kvxfer.scheduler.req import Req
+from sgl_kvxfer.scheduler.results import FinishChecker, make_output, process_logits
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.15, 0.002
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, runner, tokenizer=None):
+        self.config = config
+        self.runner = runner
+        self.max_running = runner.max_running_requests
+        self.kv = KVLifecycle(runner.allocator, runner.req_to_token, use_radix=not config.disable_radix_cache)
+        eos = set(runner.arch.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.checker = FinishChecker(eos, tokenizer, runner.context_len)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []  # decoding
+        self.chunked: Req | None = None  # mid-prefill, holds KV
+        self.outbox: list[ReqOutput] = []
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self._arrivals = itertools.count()
+        self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated": 0, "gen_throughput": 0.0}
+        self._tput_window = (time.monotonic(), 0)
+
+    # ------------------------------------------------------------------ messages
+    def handle(self, msg):
+        """Apply one incoming message; returns a reply message for request/response types."""
+        if isinstance(msg, TokenizedGenerateReq):
+            req = Req(msg, next(self._arrivals))
+            error = self.validate(req)
+            if error:
+                req.finish({"type": "abort", "message": error, "status_code": 400, "err_type": "BadRequestError"})
+                self.outbox.append(make_output(req))
+            else:
+                self.waiting.append(req)
+            return None
+        if isinstance(msg, AbortReq):
+            self.abort(msg.rid, msg.abort_all)
+            return None
+        if isinstance(msg, FlushCacheReq):
+            return self.flush_cache()
+        if isinstance(msg, GetInternalStateReq):
+            return self.internal_state()
+        raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
+
+    def validate(self, req: Req) -> str | None:
+        """A clear message naming what is wrong with the request, or None."""
+        n, ctx = len(req.origin_input_ids), self.runner.context_len
+        if n == 0:
+            return "The input is empty: provide a non-empty text or input_ids."
+        if n >= ctx:
+            return f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
+        total = n + req.sampling.max_new_tokens
+        if total > ctx:
+            return (f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                    f"You requested a total of {total} tokens: {n} tokens from the input messages and "
+                    f"{req.sampling.max_new_tokens} tokens for the completion.")
+        if total > self.runner.max_total_tokens:
+            return f"The request needs {total} KV slots but the KV pool holds only {self.runner.max_total_tokens}."
+        if req.logprob_start_len > n:
+            return f"logprob_start_len ({req.logprob_start_len}) is larger than the prompt ({n} tokens)."
+        vocab = self.runner.arch.vocab_size
+        if any(not 0 <= t < vocab for t in req.origin_input_ids):
+            return f"input_ids contain a token id outside the vocabulary [0, {vocab})."
+        return None
+
+    def abort(self, rid: str, abort_all: bool = False) -> None:
+        reason = {"type": "abort", "message": "Abort requested", "status_code": None, "err_type": None}
+        for req in [r for r in self.waiting if abort_all or r.rid == rid]:
+            self.waiting.remove(req)
+            req.finish(reason)
+            self.kv.release(req)
+            self.outbox.append(make_output(req))
+        if self.chunked is not None and (abort_all or self.chunked.rid == rid):
+            req, self.chunked = self.chunked, None
+            req.finish(reason)
+            self.kv.release(req)
+            self.outbox.append(make_output(req))
+        for req in [r for r in self.running if abort_all or r.rid == rid]:
+            req.finish(reason)
+            self._retire(req)
+
+    def flush_cache(self) -> FlushCacheResult:
+        if self.running or self.waiting or self.chunked:
+            return FlushCacheResult(False, "Cache not flushed: requests are running or queued.")
+        self.kv.flush()
+        return FlushCacheResult(True, "Cache flushed.")
+
+    def internal_state(self) -> InternalState:
+        tree = self.kv.tree
+        cached = tree.evictable_size() + tree.protected_size() if tree else 0
+        used = self.runner.max_total_tokens - self.kv.allocator.available_size()
+        hit = self.stats["cached_tokens"] / max(self.stats["prompt_tokens"], 1)
+        return InternalState(
+            max_total_num_tokens=self.runner.max_total_tokens, max_req_input_len=self.runner.context_len - 1,
+            num_running_reqs=len(self.running) + (self.chunked is not None), num_queue_reqs=len(self.waiting),
+            kv_used_tokens=used, kv_cached_tokens=cached, kv_bytes_per_token=self.runner.kv_pool.bytes_per_token(),
+            last_gen_throughput=self.stats["gen_throughput"], cache_hit_rate=hit)
+
+    # ------------------------------------------------------------------ one iteration
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    def step(self) -> bool:
+        """Schedule, run and apply one batch. Returns False when there was nothing to run."""
+        batch = self._prefill_batch() or self._decode_batch()
+        if batch is None:
+            return False
+        loc = self._out_cache_loc
+        logits = self.runner.forward(prepare_batch(batch, loc, self.runner.req_to_token.table, self.runner.device))
+        process_logits(batch, logits, self.checker)
+        self._after_batch(batch)
+        return True
+
+    def take_outputs(self) -> list[ReqOutput]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    # ------------------------------------------------------------------ batch formation
+    def _reserve(self, reqs) -> int:
+        return sum(decode_reserve(r.remaining_new_tokens, self.new_token_ratio) for r in reqs)
+
+    def _prefill_batch(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked is None:
+            return None
+        cfg = self.config
+        free = self.kv.available_tokens() - self._reserve(self.running)
+        adder = PrefillAdder(cfg.max_prefill_tokens, cfg.resolved_chunked_prefill_size, free,
+                             self.max_running - len(self.running))
+        batch, slots = ScheduleBatch(ForwardMode.EXTEND), []
+        if self.chunked is not None:
+            req, self.chunked = self.chunked, None
+            if not self._add_slice(batch, slots, adder, req, admitted=True):
+                self.chunked = req  # not even one token fits: decode frees memory first
+                return None
+        if cfg.schedule_policy == "lpm" and len(self.waiting) < 128:
+            self.waiting.sort(key=lambda r: -self.kv.match(r))
+        while self.waiting and not adder.chunked_added:
+            req = self.waiting[0]
+            if not self.kv.admit(req):
+                break
+            if not self._add_slice(batch, slots, adder, req, admitted=False):
+                self.kv.release(req)
+                break
+            self.waiting.pop(0)
+        if not batch.slices:
+            return None
+        self._out_cache_loc = torch.cat(slots)
+        return batch
+
+    def _add_slice(self, batch, slots, adder, req: Req, admitted: bool) -> bool:
+        remaining = len(req.fill_ids) - req.kv_len
+        adm = adder.try_add(remaining, decode_reserve(req.remaining_new_tokens, self.new_token_ratio))
+        loc = self.kv.alloc(adm.extend_len) if adm is not None else None
+        if loc is None:
+            return False
+        if not admitted and req.num_retractions == 0:
+            self.stats["prompt_tokens"] += len(req.origin_input_ids)
+            self.stats["cached_tokens"] += req.prefix_len
+        sample = not adm.chunked and req.sampling.max_new_tokens > 0
+        batch.slices.append(ReqSlice(req, req.kv_len, adm.extend_len, sample))
+        slots.append(loc)
+        if adm.chunked:
+            self.chunked = req
+        return True
+
+    def _decode_batch(self) -> ScheduleBatch | None:
+        if not self.running:
+            return None
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        loc = self.kv.alloc(len(self.running))
+        while loc is None and len(self.running) > 1:
+            # Out of KV: retract and later recompute the request that made the least progress.
+            self._retract(self.running.pop(pick_retraction([r.arrival for r in self.running])))
+            self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+            loc = self.kv.alloc(len(self.running))
+        if loc is None:
+            raise RuntimeError("KV pool exhausted with a single running request; the pool is too small")
+        self._out_cache_loc = loc
+        return ScheduleBatch(ForwardMode.DECODE, [ReqSlice(r, r.kv_len, 1, True) for r in self.running])
+
+    def _retract(self, req: Req) -> None:
+        self.kv.release(req)
+        req.num_retractions += 1
+        self.waiting.insert(0, req)
+        logger.info("retracted %s to free KV (retraction #%d)", req.rid, req.num_retractions)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _after_batch(self, batch: ScheduleBatch) -> None:
+        interval = self.config.stream_interval
+        if batch.mode == ForwardMode.DECODE:
+            self._count_generated(len(batch.slices))
+        for s in batch.slices:
+            req = s.req
+            if req.finished:
+                if req in self.running:
+                    self.running.remove(req)
+                if self.chunked is req:
+                    self.chunked = None
+                self._retire(req)
+                continue
+            if batch.mode == ForwardMode.EXTEND and req is not self.chunked:
+                self.kv.cache(req, finished=False)  # share the prompt with later requests now
+                self.running.append(req)
+            step = req.sampling.stream_interval or interval
+            if req.stream and len(req.output_ids) - req.sent_output_len >= step:
+                self.outbox.append(make_output(req))
+
+    def _retire(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.cache(req, finished=True)
+        self.outbox.append(make_output(req))
+
+    def _count_generated(self, n: int) -> None:
+        self.stats["generated"] += n
+        start, count = self._tput_window
+        now = time.monotonic()
+        if now - start >= 1.0:
+            self.stats["gen_throughput"] = (self.stats["generated"] - count) / (now - start)
+            self._tput_window = (now, self.stats["generated"])
