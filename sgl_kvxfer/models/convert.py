@@ -12,6 +12,7 @@ leaves only a `*.tmp-*` dir that is ignored (and cleaned on the next attempt).
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -53,6 +54,40 @@ def is_converted(out_dir: str) -> bool:
     )
 
 
+def _inline_chat_template(out_dir: str, template: str | None) -> None:
+    """Also store the chat template inside tokenizer_config.json (transformers 5 writes
+    chat_template.jinja; older readers and our tokenizer manager look in the json)."""
+    if not template:
+        return
+    path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["chat_template"] = template
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2, ensure_ascii=False)
+
+
+def _save_plain(model, out_dir: str) -> None:
+    """Write config + float32 safetensors ourselves: `save_pretrained` refuses models
+    that carry the GGUF quantizer marker even though weights are already dequantized."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(out_dir)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out_dir)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    state = {
+        name: t.detach().to("cpu").contiguous().clone()
+        for name, t in model.state_dict().items()
+        if not (tied and name == "lm_head.weight") and not name.endswith("rotary_emb.inv_freq")
+    }
+    save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
 def convert_gguf(gguf_path: str, out_dir: str) -> str:
     """Dequantize `gguf_path` into an HF-format dir at `out_dir` (float32 safetensors,
     config.json, generation_config.json, tokenizer files). Idempotent."""
@@ -72,11 +107,15 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
         with tqdm(total=3, desc=f"sgl_kvxfer: converting {src_file}", unit="step") as bar:
             tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=src_file)
             tok.save_pretrained(tmp)
+            _inline_chat_template(tmp, getattr(tok, "chat_template", None))
             bar.update(1)
             model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=src_file, dtype=torch.float32)
             bar.update(1)
-            model.save_pretrained(tmp, safe_serialization=True)
+            _save_plain(model, tmp)
             bar.update(1)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; safetensors writes 0600
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o644)
         if os.path.exists(out_dir):  # an incomplete leftover from an older layout
             shutil.rmtree(out_dir)
         # NOTE: os.replace is atomic on one filesystem; a concurrent converter that
