@@ -1,0 +1,85 @@
+"""Builders of random tiered caches for the kernel tests and benchmarks (no Triton import)."""
+from __future__ import annotations
+
+import torch
+
+from .paged_layout import TieredBlockTables, TieredKVLayer, allocate_tiered_layer
+from .tier_codec import TIERS, TIER_FP16
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def random_block_tables(lens, page_size: int, device="cpu", seed: int = 0, spare_pages: int = 1):
+    """lens: list of (n16, n8, n4) per request. Pages of each tier are handed out in a random
+    order (so page ids are not monotone). -> (TieredBlockTables, (P16, P8, P4) pool sizes)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    pools, tables = [], []
+    for t in TIERS:
+        need = [cdiv(l[t], page_size) for l in lens]
+        total = sum(need) + spare_pages
+        perm = torch.randperm(total, generator=g).to(torch.int32)
+        width = max(1, max(need) if need else 1)
+        bt = torch.zeros(B, width, dtype=torch.int32)
+        pos = 0
+        for b, n in enumerate(need):
+            bt[b, :n] = perm[pos:pos + n]
+            pos += n
+        pools.append(total)
+        tables.append(bt.to(device))
+    lens_t = tuple(torch.tensor([l[t] for l in lens], dtype=torch.int32, device=device)
+                   for t in TIERS)
+    return TieredBlockTables(tuple(tables), lens_t), tuple(pools)
+
+
+def slots_for(tables: TieredBlockTables, page_size: int):
+    """Destination (tier, page, offset) int32 [N] of every cached token, request-major, tier
+    order fp16 -> int8 -> int4 (the order gather_request_kv returns)."""
+    tiers, pages, offs = [], [], []
+    for b in range(tables.batch_size):
+        for t in TIERS:
+            n = int(tables.lens[t][b])
+            i = torch.arange(n)
+            tiers.append(torch.full((n,), t, dtype=torch.int32))
+            pages.append(tables.tables[t][b].cpu()[i // page_size])
+            offs.append((i % page_size).to(torch.int32))
+    dev = tables.lens[0].device
+    return tuple(torch.cat(x).to(torch.int32).to(dev) for x in (tiers, pages, offs))
+
+
+def build_random_cache(lens, num_kv_heads: int, head_dim: int, group_size: int, page_size: int,
+                       dtype=torch.float16, device="cpu", seed: int = 0):
+    """Random K/V for every cached token, quantized and stored with the torch reference store.
+    -> (layer, tables, (k, v) [N, Hkv, D] originals, request-major, tier order 16/8/4)."""
+    from .store import store_tiered_kv_reference  # local: store imports triton
+
+    tables, pools = random_block_tables(lens, page_size, device, seed)
+    layer = allocate_tiered_layer(pools, page_size, num_kv_heads, head_dim, group_size, dtype,
+                                  device, fill=0.0)
+    tiers, pages, offs = slots_for(tables, page_size)
+    g = torch.Generator().manual_seed(seed + 1)
+    N = tiers.shape[0]
+    k = torch.randn(N, num_kv_heads, head_dim, generator=g).to(dtype).to(device)
+    v = torch.randn(N, num_kv_heads, head_dim, generator=g).to(dtype).to(device)
+    store_tiered_kv_reference(layer, k, v, tiers, pages, offs)
+    return layer, tables, (k, v)
+
+
+def fill_random_pools(layer: TieredKVLayer, seed: int = 0) -> None:
+    """Fill every pool with valid random contents in place (benchmarks: values don't matter
+    for timing, but must be finite)."""
+    g = torch.Generator(device=layer[0].k.device).manual_seed(seed)
+    for t in TIERS:
+        tp = layer[t]
+        if t == TIER_FP16:
+            for x in (tp.k, tp.v):
+                x.normal_(generator=g)
+            continue
+        for x in (tp.k, tp.v):
+            x.random_(0, 256, generator=g)
+        for s in (tp.k_scale, tp.v_scale):
+            s.uniform_(0.001, 0.02, generator=g)
+        for z in (tp.k_zero, tp.v_zero):
+            z.uniform_(-1.0, 0.0, generator=g)
