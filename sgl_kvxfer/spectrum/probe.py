@@ -31,7 +31,9 @@ PROBE_NUM_TRIALS = 3
 PROBE_MIN_SUCCESSES = 2
 INT4_MODES = ("auto", "on", "off")
 # NOTE: belongs in the typed env.py once it exists; read here so the probe works standalone.
-ENV_PROBE_CACHE = "SGL_KVXFER_PROBE_CACHE"
+from sgl_kvxfer import env as _env
+
+ENV_PROBE_CACHE = _env.PROBE_CACHE.name
 _FINGERPRINT_VERSION = 1
 
 
@@ -96,7 +98,7 @@ def model_fingerprint(config: Mapping[str, Any] | Any,
 
 
 def probe_cache_dir() -> Path:
-    env = os.environ.get(ENV_PROBE_CACHE)
+    env = _env.PROBE_CACHE.get()
     return Path(env) if env else Path.home() / ".cache" / "sgl_kvxfer" / "int4_probe"
 
 

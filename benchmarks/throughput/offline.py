@@ -1,0 +1,240 @@
+"""Offline throughput: the same prompts through sgl_kvxfer's Engine and HF transformers `generate`.
+
+Both sides generate exactly `--output-len` tokens per prompt (ignore_eos / min_new_tokens), on
+the same prompts (real text from ../shared/data, cut to lengths uniform in the input range).
+HF is batched as well as it allows: prompts sorted by length, left padding, `--hf-batch-size`.
+On CUDA we also time decode steps and compare them with the weight+KV bandwidth roofline.
+
+    python benchmarks/throughput/offline.py --num-prompts 256 --output-len 128
+    python benchmarks/throughput/offline.py --model-preset llama-3-8b --load-format dummy --device cuda
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.report import RESULTS_DIR, device_name, git_commit, write_json  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "data", "prose_eval.jsonl")
+
+
+def make_prompts(tokenizer, num: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    text_ids: list[int] = []
+    if os.path.exists(DATA):
+        with open(DATA) as f:
+            for line in f:
+                text_ids.extend(tokenizer.encode(json.loads(line)["text"]))
+                if len(text_ids) > hi * 8:
+                    break
+    prompts = []
+    for _ in range(num):
+        n = rng.randint(lo, hi)
+        if len(text_ids) > n:
+            start = rng.randrange(0, len(text_ids) - n)
+            ids = [t % vocab for t in text_ids[start : start + n]]
+        else:
+            ids = [rng.randrange(10, vocab) for _ in range(n)]
+        prompts.append(ids)
+    return prompts
+
+
+def run_engine(args, model_dir, prompts):
+    from sgl_kvxfer import Engine
+
+    kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
+                  max_running_requests=args.max_running_requests, attention_backend=args.attention_backend)
+    if args.mem_fraction_static:
+        kwargs["mem_fraction_static"] = args.mem_fraction_static
+    engine = Engine(model_dir, **{k: v for k, v in kwargs.items() if v is not None})
+    params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+    engine.generate(input_ids=prompts[:2], sampling_params=params)  # warm-up
+    engine.flush_cache()
+    sync(args.device)
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    sync(args.device)
+    elapsed = time.perf_counter() - t0
+    out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    result = {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed,
+              "total_tok_s": (out_tokens + sum(map(len, prompts))) / elapsed,
+              "max_running_requests": engine.runner.max_running_requests,
+              "kv_pool_tokens": engine.runner.max_total_tokens}
+    if args.device.startswith("cuda"):
+        result["decode_step"] = decode_roofline(engine, prompts, args)
+    dtype = engine.runner.dtype
+    engine.shutdown()
+    del engine
+    return result, dtype
+
+
+def decode_roofline(engine, prompts, args) -> dict:
+    """Time pure decode steps at a fixed batch and compare with bytes moved / copy bandwidth."""
+    from sgl_kvxfer.message import TokenizedGenerateReq
+    from sgl_kvxfer.sampling.params import SamplingParams
+
+    sched = engine.scheduler
+    batch = min(args.roofline_batch, len(prompts))
+    steps = 32
+    params = SamplingParams.from_dict({"max_new_tokens": steps + 8, "temperature": 0, "ignore_eos": True})
+    for i in range(batch):
+        sched.handle(TokenizedGenerateReq(rid=f"roof{i}", input_ids=prompts[i], sampling=params))
+    while sched.waiting or sched.chunked:
+        sched.step()
+    times = []
+    for _ in range(steps):
+        sync(args.device)
+        t0 = time.perf_counter()
+        sched.step()
+        sync(args.device)
+        times.append(time.perf_counter() - t0)
+    while sched.has_work():
+        sched.step()
+    sched.take_outputs()
+    runner = engine.runner
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    ctx = sum(len(p) + steps // 2 for p in prompts[:batch])
+    kv_bytes = ctx * runner.kv_pool.bytes_per_token()
+    copy_bw = measure_copy_bandwidth()
+    step = statistics.median(times)
+    roofline = (weight_bytes + kv_bytes) / copy_bw
+    return {"batch": batch, "median_step_s": step, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+            "copy_bandwidth_Bps": copy_bw, "roofline_step_s": roofline, "fraction_of_roofline": roofline / step}
+
+
+def measure_copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t0)  # read + write
+
+
+def run_hf(args, model_dir, prompts, dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if args.load_format == "dummy":
+        config = LlamaConfig.from_pretrained(model_dir)
+        with torch.device(args.device):
+            model = LlamaForCausalLM(config).to(dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device)
+    model.eval()
+    pad = 0
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out_tokens = 0
+
+    def generate(batch_ids):
+        width = max(map(len, batch_ids))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_ids], device=args.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_ids], device=args.device)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.output_len,
+                                 min_new_tokens=args.output_len, do_sample=False, pad_token_id=pad)
+        return (out.shape[1] - width) * len(batch_ids)
+
+    generate([prompts[0]])  # warm-up
+    sync(args.device)
+    t0 = time.perf_counter()
+    for s in range(0, len(order), args.hf_batch_size):
+        out_tokens += generate([prompts[i] for i in order[s : s + args.hf_batch_size]])
+    sync(args.device)
+    elapsed = time.perf_counter() - t0
+    return {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed,
+            "total_tok_s": (out_tokens + sum(map(len, prompts))) / elapsed, "batch_size": args.hf_batch_size}
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def plot(path_png: str, title: str, ours: dict, hf: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    names, vals = ["sgl_kvxfer Engine", "HF generate"], [ours["output_tok_s"], hf["output_tok_s"]]
+    bars = ax.bar(names, vals, color=["#2a7", "#888"])
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None, help="model dir; default: embedded SmolLM2-135M-Instruct")
+    p.add_argument("--model-preset", default=None, help="write a preset config (e.g. llama-3-8b) for dummy weights")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len-min", type=int, default=128)
+    p.add_argument("--input-len-max", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--roofline-batch", type=int, default=32)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default=None, help="suffix for the result file name")
+    p.add_argument("--out-dir", default=RESULTS_DIR)
+    args = p.parse_args()
+
+    from sgl_kvxfer.models.loader import load_tokenizer, resolve_model_path, resolve_tokenizer_path
+
+    if args.model_preset:
+        from sgl_kvxfer.models.presets import write_preset_config
+
+        model_dir = write_preset_config(args.model_preset, tempfile.mkdtemp(prefix="preset_"))
+        args.load_format = "dummy"
+    else:
+        model_dir = resolve_model_path(args.model_path)
+    tokenizer = load_tokenizer(resolve_tokenizer_path(model_dir))
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompts = make_prompts(tokenizer, args.num_prompts, args.input_len_min, args.input_len_max,
+                           min(vocab, len(tokenizer)), args.seed)
+    ours, dtype = run_engine(args, model_dir, prompts)
+    print(f"sgl_kvxfer: {ours['output_tok_s']:.1f} output tok/s ({ours['elapsed_s']:.1f} s)", flush=True)
+    hf = None if args.skip_hf else run_hf(args, model_dir, prompts, dtype)
+    if hf:
+        print(f"HF generate: {hf['output_tok_s']:.1f} output tok/s ({hf['elapsed_s']:.1f} s); "
+              f"ratio {ours['output_tok_s'] / hf['output_tok_s']:.2f}x", flush=True)
+    model_name = args.model_preset or os.path.basename(model_dir.rstrip("/"))
+    name = f"offline_{model_name}_{args.device.split(':')[0]}" + (f"_{args.tag}" if args.tag else "")
+    payload = {
+        "benchmark": "offline_throughput", "device": device_name(args.device), "commit": git_commit(),
+        "params": {**vars(args), "model_dir": model_dir, "dtype_resolved": str(dtype)},
+        "sgl_kvxfer": ours, "hf_generate": hf,
+        "ratio_output_tok_s": ours["output_tok_s"] / hf["output_tok_s"] if hf else None,
+    }
+    path = write_json(name, payload, args.out_dir)
+    if hf:
+        plot(path[:-5] + ".png", f"{model_name} on {payload['device']}\n{args.num_prompts} prompts, "
+             f"in {args.input_len_min}-{args.input_len_max}, out {args.output_len}", ours, hf)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Every environment toggle of sgl_kvxfer, typed, in one place (prefix SGL_KVXFER_).
+
+Read through the accessors below at the point of use, so tests can monkeypatch os.environ.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str | None
+    doc: str
+
+    def get(self) -> str | None:
+        return os.environ.get(self.name, self.default)
+
+    def get_float(self) -> float:
+        return float(self.get())
+
+
+MODEL_CACHE = EnvVar("SGL_KVXFER_MODEL_CACHE", None,
+                     "root folder for converted models (default ~/.cache/sgl_kvxfer/models)")
+PROBE_CACHE = EnvVar("SGL_KVXFER_PROBE_CACHE", None,
+                     "folder for cached int4-probe decisions (default ~/.cache/sgl_kvxfer/int4_probe)")
+STARTUP_TIMEOUT = EnvVar("SGL_KVXFER_STARTUP_TIMEOUT", "900",
+                         "seconds launch_server waits for the scheduler and detokenizer to come up")
+COMMIT = EnvVar("SGL_KVXFER_COMMIT", None, "commit recorded by benchmarks when git is unavailable")
+
+ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT)
