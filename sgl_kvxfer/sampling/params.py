@@ -83,6 +83,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
         return params._normalized()._validated(vocab_size)
 
     def _normalized(self) -> "SamplingParams":
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SamplingParamsError(f"temperature must be finite and >= 0, got {self.temperature}")
         if self.temperature < 1e-6:  # greedy: SGLang pins top_k to 1
             return msgspec.structs.replace(self, temperature=1.0, top_k=1)
         return self

@@ -1,0 +1,1 @@
+"""Detokenizer process: scheduler token ids -> cumulative text for the tokenizer manager."""

@@ -1,0 +1,65 @@
+"""Detokenizer process main loop.
+
+    scheduler --BatchTokenIDOut--> [ DetokenizerManager ] --BatchStrOut--> tokenizer manager
+              --InternalState / FlushCacheResult-------------------------> (forwarded as is)
+
+Invariant: one `IncrementalDetokenizer` per live rid, created on the rid's first `ReqOutput`
+and dropped on the one that carries a finish_reason, so state never outlives a request.
+"""
+from __future__ import annotations
+
+import logging
+
+from sgl_kvxfer.config import ServerArgs
+from sgl_kvxfer.detokenizer.incremental import IncrementalDetokenizer
+from sgl_kvxfer.message import BatchStrOut, BatchTokenIDOut, ReqOutput
+from sgl_kvxfer.message.queue import PullQueue, PushQueue
+
+logger = logging.getLogger(__name__)
+
+
+class DetokenizerManager:
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer  # None under --skip-tokenizer-init: texts stay ""
+        self._states: dict[str, IncrementalDetokenizer] = {}
+
+    def _text(self, out: ReqOutput) -> str:
+        if self._tokenizer is None:
+            return ""
+        det = self._states.get(out.rid)
+        if det is None:
+            det = IncrementalDetokenizer(self._tokenizer, out.skip_special_tokens, out.spaces_between_special_tokens)
+            self._states[out.rid] = det
+        text = det.append(out.new_output_ids)
+        if out.finish_reason is not None:
+            text = det.finish(out.finish_reason, out.no_stop_trim)
+            del self._states[out.rid]
+        return text
+
+    def handle(self, msg):
+        if isinstance(msg, BatchTokenIDOut):
+            return BatchStrOut(outputs=msg.outputs, texts=[self._text(o) for o in msg.outputs])
+        return msg  # InternalState and FlushCacheResult go through unchanged
+
+
+def run_detokenizer_process(server_args: ServerArgs, conn) -> None:
+    """`conn` is a duplex pipe: the launcher sends the scheduler's tokenizer_path (or None to
+    stop), we ack {"status": "ready"|"error"}. Started together with the scheduler, so the heavy
+    imports below overlap with model loading."""
+    logging.basicConfig(level=server_args.log_level.upper(), format="[detokenizer] %(asctime)s %(levelname)s %(message)s")
+    from sgl_kvxfer.models.loader import load_tokenizer
+
+    tokenizer_path = conn.recv()
+    try:
+        tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(tokenizer_path)
+        manager = DetokenizerManager(tokenizer)
+        recv = PullQueue(server_args.ipc_addr("detokenizer_input"), "detokenizer", bind=True)
+        send = PushQueue(server_args.ipc_addr("tokenizer_input"))
+    except Exception as e:  # report, do not hang the launcher
+        logger.exception("detokenizer failed to start")
+        conn.send({"status": "error", "error": f"{type(e).__name__}: {e}"})
+        return
+    conn.send({"status": "ready"})
+
+    while True:
+        send.put(manager.handle(recv.get()))

@@ -1,0 +1,1 @@
+"""HTTP server (FastAPI): native SGLang routes, OpenAI routes, auth, error envelopes, metrics."""

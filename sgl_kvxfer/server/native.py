@@ -1,0 +1,183 @@
+"""SGLang's native routes: /generate, health, model/server info, flush, abort, load, metrics."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from sgl_kvxfer.server.errors import contract_error, openai_error, read_json_body, request_error
+from sgl_kvxfer.server.streaming import collect, dumps, sse_merge
+from sgl_kvxfer.tokenizer.generate_input import ContractError, RequestError, parse_generate_request
+
+SGLANG_VERSION = "0.5.23"
+FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n")
+router = APIRouter()
+
+
+def _tm(request: Request):
+    return request.app.state.tm
+
+
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(request: Request):
+    body, err = await read_json_body(request)
+    if err is not None:
+        return err
+    tm = _tm(request)
+    try:
+        req = parse_generate_request(body, tm.vocab_size or None)
+        prompts = tm.prepare(req.items)
+    except ContractError as e:
+        return contract_error(str(e))
+    except RequestError as e:
+        return request_error(str(e), e.status_code)
+    states = [tm.submit(item, ids) for item, ids in zip(req.items, prompts)]
+    extra = (lambda i: {"prompt_token_ids": prompts[i]}) if req.return_prompt_token_ids else None
+    if req.stream:
+        return StreamingResponse(sse_merge(tm, states, req.is_batch, extra), media_type="text/event-stream")
+    try:
+        results = await collect(tm, states, request.is_disconnected)
+    except RequestError as e:
+        return request_error(str(e), e.status_code)
+    if any(r is None for r in results):
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    if extra is not None:
+        results = [{**r, **extra(i)} for i, r in enumerate(results)]
+    return Response(dumps(results if req.is_batch else results[0]), media_type="application/json")
+
+
+@router.get("/health")
+@router.get("/health_generate")
+async def health(request: Request):
+    tm = _tm(request)
+    if tm.shutting_down:
+        return Response(status_code=503)
+    if request.url.path == "/health" and os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "").lower() == "false":
+        return Response(status_code=200)
+    return Response(status_code=200 if await tm.health_generate() else 503)
+
+
+@router.get("/ready")
+async def ready(request: Request):
+    return Response(status_code=503 if _tm(request).shutting_down else 200)
+
+
+def model_info(app) -> dict:
+    args, info = app.state.server_args, app.state.tm.info
+    model_path = args.engine.model_path or info.get("model_path")
+    return {
+        "model_path": model_path,
+        "served_model_name": args.served_model_name or model_path,
+        "tokenizer_path": args.engine.tokenizer_path or info.get("tokenizer_path"),
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "load_format": info.get("load_format", args.engine.load_format),
+        "reasoning_parser": None,
+        "tool_call_parser": None,
+        "disaggregation_mode": "null",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": info.get("model_type"),
+        "architectures": info.get("architectures"),
+    }
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def get_model_info(request: Request):
+    return model_info(request.app)
+
+
+def internal_state_dict(state) -> dict:
+    d = msgspec.structs.asdict(state)
+    extra = d.pop("extra", None) or {}
+    d["token_usage"] = round(d["kv_used_tokens"] / max(1, d["max_total_num_tokens"]), 6)
+    return {**d, **extra}
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def get_server_info(request: Request):
+    app = request.app
+    args, info, tm = app.state.server_args, app.state.tm.info, app.state.tm
+    try:
+        states = [internal_state_dict(await tm.get_internal_state())]
+    except asyncio.TimeoutError:
+        states = []
+    flat = {k: v for k, v in args.to_flat().items() if k not in ("api_key", "admin_api_key")}
+    mi = model_info(app)
+    flat.update({
+        "model_path": mi["model_path"], "tokenizer_path": mi["tokenizer_path"], "served_model_name": mi["served_model_name"],
+        "tp_size": 1, "dp_size": 1, "pp_size": 1, "disaggregation_mode": "null", "disaggregation_bootstrap_port": 8998,
+        "load_balance_method": "round_robin", "kv_cache_dtype": "auto", "context_length": tm.context_len,
+        "launch_command": app.state.launch_command, "status": "ready",
+        "max_total_num_tokens": info.get("max_total_num_tokens"), "max_req_input_len": info.get("max_req_input_len"),
+        "startup_time": app.state.startup_time, "kv_events": None, "internal_states": states,
+        "version": SGLANG_VERSION, "frontend": "python",
+    })
+    return JSONResponse(flat)
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request, timeout: float = 0.0):
+    tm, deadline = _tm(request), time.monotonic() + max(0.0, timeout)
+    while True:
+        result = await tm.flush_cache()
+        if result.success:
+            return PlainTextResponse(FLUSH_OK)
+        if time.monotonic() >= deadline:
+            return PlainTextResponse(result.message or "Cache not flushed: requests are running.", status_code=400)
+        await asyncio.sleep(0.2)
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request):
+    body, err = await read_json_body(request)
+    if err is not None:
+        return err
+    if not isinstance(body, dict) or not isinstance(body.get("rid", ""), str):
+        return openai_error("body must be {\"rid\": str, \"abort_all\": bool}", 400)
+    _tm(request).abort(body.get("rid") or "", bool(body.get("abort_all", False)))
+    return Response(status_code=200)
+
+
+async def _load(request: Request) -> dict:
+    st = await _tm(request).get_internal_state()
+    return {"dp_rank": 0, "num_reqs": st.num_running_reqs + st.num_queue_reqs,
+            "num_waiting_reqs": st.num_queue_reqs, "num_tokens": st.kv_used_tokens}
+
+
+@router.get("/get_load")
+async def get_load(request: Request):
+    return [await _load(request)]
+
+
+@router.get("/v1/loads")
+async def v1_loads(request: Request):
+    return {"timestamp": time.time(), "loads": [await _load(request)]}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    app = request.app
+    if not app.state.server_args.enable_metrics:
+        return openai_error("Not Found (start the server with --enable-metrics)", 404, err_type="404")
+    try:
+        state = internal_state_dict(await app.state.tm.get_internal_state())
+    except asyncio.TimeoutError:
+        state = None
+    text = app.state.tm.metrics.render(model_info(app)["served_model_name"], state)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+@router.api_route("/start_profile", methods=["GET", "POST"])
+@router.api_route("/stop_profile", methods=["GET", "POST"])
+async def profile_stub():
+    return PlainTextResponse("Profiling is not supported by sgl_kvxfer.\n")
+

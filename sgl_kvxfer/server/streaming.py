@@ -1,0 +1,101 @@
+"""Fan-in of per-request snapshot streams: SSE for `stream: true`, a list otherwise.
+
+A batch (or n>1) in stream mode interleaves chunks from all items, each tagged `"index": i`.
+NOTE: cancellation (client disconnect) must reach every per-item `TokenizerManager.wait`
+generator; their `finally` blocks abort the unfinished requests and free their KV.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+from sgl_kvxfer.server.errors import stream_error_event
+from sgl_kvxfer.tokenizer.generate_input import RequestError
+
+DONE = b"data: [DONE]\n\n"
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, list):
+        return [_finite(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    return obj
+
+
+def dumps(obj) -> bytes:
+    """Strict JSON: non-finite floats (e.g. -inf logprobs) become null, as orjson does."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    except ValueError:
+        return json.dumps(_finite(obj), ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def sse(obj) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+async def _final(tm, state, is_disconnected):
+    result = None
+    async for snapshot in tm.wait(state, False, is_disconnected):
+        result = snapshot
+    return result
+
+
+async def collect(tm, states, is_disconnected=None) -> list:
+    """Final snapshots in order (None for an item whose client went away)."""
+    tasks = [asyncio.ensure_future(_final(tm, s, is_disconnected)) for s in states]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def iter_snapshots(tm, states):
+    """Yield (index, snapshot) as they come, from all items at once."""
+    if len(states) == 1:
+        async for snapshot in tm.wait(states[0], True):
+            yield 0, snapshot
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, state):
+        try:
+            async for snapshot in tm.wait(state, True):
+                await queue.put((i, snapshot, None))
+        except RequestError as e:
+            await queue.put((i, None, e))
+        finally:
+            await queue.put((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(states)]
+    try:
+        live = len(tasks)
+        while live:
+            i, snapshot, error = await queue.get()
+            if error is not None:
+                raise error
+            if snapshot is None:
+                live -= 1
+                continue
+            yield i, snapshot
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def sse_merge(tm, states, is_batch: bool, extra=None):
+    try:
+        async for i, snapshot in iter_snapshots(tm, states):
+            if is_batch:
+                snapshot["index"] = i
+            if extra is not None:
+                snapshot.update(extra(i))
+            yield sse(snapshot)
+    except RequestError as e:
+        yield stream_error_event(str(e), e.status_code)
+    yield DONE

@@ -1,0 +1,1 @@
+"""Tokenizer manager (HTTP process): tokenize, send to the scheduler, gather detokenized output."""

@@ -1,0 +1,122 @@
+"""HTTP-layer tests over the model-free fake scheduler: auth, exact error envelopes, SSE
+framing, batch interleaving, disconnect abort, and process hygiene. Fast (no weights)."""
+import json
+import time
+
+import pytest
+import requests
+from conftest import start_server
+
+KEY, ADMIN = "sk-test", "sk-admin"
+
+
+@pytest.fixture(scope="module")
+def auth_server():
+    handle = start_server(["--api-key", KEY, "--admin-api-key", ADMIN, "--enable-metrics", "--log-level", "warning"],
+                          fake=True, name="fake_auth")
+    yield handle
+    handle.stop()
+
+
+def test_auth(auth_server):
+    url, bearer = auth_server.url, {"Authorization": f"Bearer {KEY}"}
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    r = requests.post(url + "/generate", json=body)
+    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+    assert requests.post(url + "/generate", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert requests.post(url + "/generate", json=body, headers={"Authorization": KEY}).status_code == 401
+    assert requests.post(url + "/generate", json=body, headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+    assert requests.get(url + "/v1/models", headers=bearer).status_code == 200
+    for path in ("/health", "/health_generate", "/metrics"):
+        assert requests.get(url + path).status_code == 200, path
+    assert requests.post(url + "/flush_cache", headers=bearer).status_code == 401
+    assert requests.post(url + "/flush_cache", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+
+
+def test_error_envelopes(fake_server):
+    url = fake_server.url
+    r = requests.post(url + "/generate", json={"text": "a", "sampling_params": {"foo": 1}})
+    assert r.status_code == 400 and isinstance(r.json()["error"], str) and r.json()["error"].startswith("unknown field `foo`")
+    r = requests.post(url + "/generate", json={"text": "a", "sampling_params": {"top_p": 5}})
+    assert r.status_code == 400 and "message" in r.json()["error"]
+    r = requests.post(url + "/v1/chat/completions", json={"messages": 3})
+    body = r.json()
+    assert r.status_code == 400 and body["object"] == "error" and body["type"] == "Bad Request" and body["code"] == 400
+    r = requests.get(url + "/no/such/route")
+    assert r.status_code == 404 and r.json()["code"] == 404
+    r = requests.get(url + "/v1/models/not-this-one")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_sse_framing_and_batch_index(fake_server):
+    body = {"text": ["one two", "three"], "sampling_params": {"max_new_tokens": 4}, "stream": True}
+    with requests.post(fake_server.url + "/generate", json=body, stream=True) as r:
+        raw = r.content
+    frames = raw.split(b"\n\n")
+    assert frames[-1] == b"" and frames[-2] == b"data: [DONE]"
+    events = [json.loads(f[6:]) for f in frames[:-2]]
+    assert all(f.startswith(b"data: ") for f in frames[:-1])
+    assert {e["index"] for e in events} == {0, 1}
+    finals = {e["index"]: e for e in events if e["meta_info"]["finish_reason"]}
+    assert finals[0]["meta_info"]["completion_tokens"] == 4 and finals[0]["text"] == "one twoone two"
+
+
+def test_completion_stream_deltas_and_echo(fake_server):
+    body = {"prompt": "ab cd", "max_tokens": 4, "stream": True, "echo": True}
+    with requests.post(fake_server.url + "/v1/completions", json=body, stream=True) as r:
+        lines = [l for l in r.iter_lines() if l]
+    chunks = [json.loads(l[6:]) for l in lines[:-1]]
+    assert lines[-1] == b"data: [DONE]"
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == "ab cd" + "ab cdab cd" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "text_completion" for c in chunks)
+
+
+def test_disconnect_aborts(fake_server):
+    url = fake_server.url
+    r = requests.post(url + "/generate", stream=True,
+                      json={"text": "x y", "sampling_params": {"max_new_tokens": 2000}, "stream": True})
+    assert r.status_code == 200
+    lines = r.iter_lines()  # NOTE: keep a reference; a collected iterator closes the connection
+    next(lines)
+    assert requests.get(url + "/get_server_info").json()["internal_states"][0]["num_running_reqs"] == 1
+    r.close()
+    for _ in range(50):
+        if requests.get(url + "/get_server_info").json()["internal_states"][0]["num_running_reqs"] == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("disconnect did not abort the request")
+
+
+def test_non_stream_disconnect_aborts(fake_server):
+    url = fake_server.url
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(url + "/generate", json={"text": "x y", "sampling_params": {"max_new_tokens": 2000}}, timeout=1)
+    for _ in range(40):  # the server polls for disconnects every couple of seconds
+        if requests.get(url + "/get_server_info").json()["internal_states"][0]["num_running_reqs"] == 0:
+            break
+        time.sleep(0.25)
+    else:
+        pytest.fail("disconnect did not abort the non-streaming request")
+
+
+def test_sigterm_stops_all_children(auth_server):
+    assert len(auth_server.children()) >= 2
+    assert auth_server.stop() == []
+
+
+def test_child_crash_takes_server_down():
+    import os
+    import signal
+
+    handle = start_server(["--log-level", "warning"], fake=True, name="fake_crash")
+    try:
+        workers = [p for p in handle.children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        os.kill(workers[0].pid, signal.SIGKILL)
+        assert handle.proc.wait(30) != 0, "the launcher exits non-zero when a child dies"
+        time.sleep(1)
+        assert not workers[1].is_running() or workers[1].status() == "zombie"
+    finally:
+        assert handle.stop() == []

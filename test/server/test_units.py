@@ -1,0 +1,115 @@
+"""Server-side pure-Python pieces: incremental detokenization, output accumulation, /generate
+parsing, launcher flags. No server, no model weights (tokenizer only)."""
+import pytest
+
+from sgl_kvxfer.detokenizer.incremental import IncrementalDetokenizer
+from sgl_kvxfer.message import ReqOutput
+from sgl_kvxfer.server.flags import parse_server_args
+from sgl_kvxfer.tokenizer.generate_input import ContractError, RequestError, parse_generate_request
+from sgl_kvxfer.tokenizer.output_state import RequestOutputState
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from sgl_kvxfer.models.loader import load_tokenizer
+
+    return load_tokenizer(smollm2_path)
+
+
+TEXTS = ["Hello, world! The quick brown fox.", "héllo wörld — 你好，世界 🙂🚀 done", "  leading spaces\n\nand\ttabs"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_matches_full_decode(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    det = IncrementalDetokenizer(tokenizer)
+    seen = []
+    for t in ids:
+        seen.append(det.append([t]))
+    assert all("\ufffd" not in s for s in seen), "incomplete UTF-8 must be held back"
+    assert all(b.startswith(a) for a, b in zip(seen, seen[1:])), "streamed text only grows"
+    assert det.finish(None, False) == tokenizer.decode(ids)
+
+
+def test_finish_trims_stop_string_and_stop_token(tokenizer):
+    ids = tokenizer.encode("The answer is 42. END of text", add_special_tokens=False)
+    det = IncrementalDetokenizer(tokenizer)
+    det.append(ids)
+    assert det.finish({"type": "stop", "matched": " END"}, no_stop_trim=False) == "The answer is 42."
+    det = IncrementalDetokenizer(tokenizer)
+    det.append(ids)
+    assert det.finish({"type": "stop", "matched": " END"}, no_stop_trim=True).endswith("END of text")
+    eos = tokenizer.eos_token_id
+    det = IncrementalDetokenizer(tokenizer)
+    det.append(ids[:3] + [eos])
+    assert det.finish({"type": "stop", "matched": eos}, False) == tokenizer.decode(ids[:3])
+    # A non-special stop token id is not rendered either.
+    det = IncrementalDetokenizer(tokenizer)
+    det.append(ids[:4])
+    assert det.finish({"type": "stop", "matched": ids[3]}, False) == tokenizer.decode(ids[:3])
+
+
+def test_skip_special_tokens(tokenizer):
+    ids = tokenizer.encode("hi", add_special_tokens=False) + [tokenizer.eos_token_id]
+    kept = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert tokenizer.eos_token in kept.append(ids)
+    assert IncrementalDetokenizer(tokenizer).append(ids) == "hi"
+
+
+def _out(rid, ids, done, finish=None, lp=None, lp_in=None):
+    return ReqOutput(rid=rid, new_output_ids=ids, finish_reason=finish, prompt_tokens=3, completion_tokens=done,
+                     cached_tokens=1, output_token_logprobs=lp, input_token_logprobs=lp_in)
+
+
+def test_output_state_shape(tokenizer):
+    st = RequestOutputState("r1", tokenizer, True, True, 0, None)
+    st.add(_out("r1", [28], 1, lp=[[-0.1, 28]], lp_in=[[None, 19556], [-2.0, 905]]), ",")
+    mid = st.to_dict()
+    assert mid["meta_info"]["finish_reason"] is None and "e2e_latency" not in mid["meta_info"]
+    st.add(_out("r1", [905], 2, {"type": "length", "length": 2}, lp=[[-0.2, 905]]), ", world")
+    d = st.to_dict(0.5)
+    assert d["text"] == ", world" and d["output_ids"] == [28, 905]
+    m = d["meta_info"]
+    assert m["id"] == "r1" and m["completion_tokens"] == 2 and m["cached_tokens"] == 1 and m["prompt_tokens"] == 3
+    assert m["reasoning_tokens"] == 0 and m["weight_version"] == "default" and m["e2e_latency"] == 0.5
+    assert m["input_token_logprobs"][0] == [None, 19556, tokenizer.decode([19556])]
+    assert m["output_token_logprobs"] == [[-0.1, 28, ","], [-0.2, 905, " world"]]
+    assert m["output_token_logprobs_length"] == 2
+    assert "input_top_logprobs" not in m
+    assert mid["output_ids"] == [28], "snapshots are copies"
+
+
+def test_parse_batch_and_n():
+    req = parse_generate_request({"text": ["a", "b"], "sampling_params": {"n": 2, "max_new_tokens": 3}, "x": 1})
+    assert req.is_batch and len(req.items) == 4 and [i.text for i in req.items] == ["a", "a", "b", "b"]
+    assert len({i.rid for i in req.items}) == 4 and all(i.sampling.n == 1 for i in req.items)
+    single = parse_generate_request({"input_ids": [1, 2, 3], "rid": "abc"})
+    assert not single.is_batch and single.items[0].rid == "abc" and single.items[0].input_ids == [1, 2, 3]
+
+
+@pytest.mark.parametrize("body,kind", [
+    ({"text": "a", "sampling_params": {"bogus": 1}}, ContractError),
+    ({"text": "a", "sampling_params": {"max_new_tokens": "5"}}, ContractError),
+    ({"text": 3}, ContractError),
+    ({"text": "a", "stream": "yes"}, ContractError),
+    ({"input_ids": [1, "x"]}, ContractError),
+    ([1, 2], ContractError),
+    ({}, RequestError),
+    ({"input_ids": []}, RequestError),
+    ({"text": "a", "sampling_params": {"temperature": -1}}, RequestError),
+    ({"text": "a", "sampling_params": {"top_p": 0}}, RequestError),
+    ({"text": "a", "sampling_params": {"max_new_tokens": -1}}, RequestError),
+    ({"text": ["a", "b"], "rid": ["x", "x"]}, RequestError),
+    ({"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]}, RequestError),
+])
+def test_parse_errors(body, kind):
+    with pytest.raises(kind):
+        parse_generate_request(body)
+
+
+def test_flags():
+    args = parse_server_args(["--model", "smollm2-135m", "--tp-size", "1", "--trust-remote-code", "--port", "1234"])
+    assert args.engine.model_path == "smollm2-135m" and args.port == 1234
+    for bad in (["--tp-size", "2"], ["--speculative-algorithm", "EAGLE"], ["--enable-lora"], ["--no-such-flag"]):
+        with pytest.raises(SystemExit):
+            parse_server_args(bad)
