@@ -20,6 +20,7 @@ DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "gguf", "dummy")
 KV_INT4_CHOICES = ("auto", "on", "off")
 KV_IMPORTANCE_CHOICES = ("attn", "norm")
+KV_BUDGET_UNIT_CHOICES = ("bytes", "cost")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,13 @@ class EngineConfig:
     kv_importance: str = "attn"
     kv_recency_lambda: float = 0.0
     kv_int4: str = "auto"
+    # "bytes": resident KV bytes (scales included) <= b x fp16 bytes; "cost": the paper's Eq. 3
+    # normalized cost (scales not counted). See sgl_kvxfer/spectrum/byte_budget.py.
+    kv_budget_unit: str = "bytes"
+    kv_quant_group_size: int = 32  # channels per (scale, zero) pair of the int tiers
+    kv_importance_window: int = 32  # last W prompt queries whose attention ranks tokens
+    kv_decode_recent: int = 64  # newest generated tokens kept fp16; older ones demoted in runs of this size
+    kv_tier_staging: float = 0.25  # share of KV memory kept as fp16 slots for tokens not yet tiered
 
     def __post_init__(self):
         if self.dtype not in DTYPE_CHOICES:
@@ -56,6 +64,10 @@ class EngineConfig:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.attention_backend == "triton" and self.page_size > 1 and (
+                self.page_size < 16 or self.page_size & (self.page_size - 1)):
+            raise ValueError(f"--attention-backend triton needs --page-size 1 (default 64) or a power "
+                             f"of two >= 16, got {self.page_size}")
         if not 0.0 < self.kv_tier_budget <= 1.0:
             raise ValueError(f"kv_tier_budget must be in (0, 1], got {self.kv_tier_budget}")
         if self.kv_int4 not in KV_INT4_CHOICES:
@@ -64,6 +76,22 @@ class EngineConfig:
             raise ValueError(f"kv_importance must be one of {KV_IMPORTANCE_CHOICES}, got {self.kv_importance!r}")
         if self.kv_sink_tokens < 0 or self.kv_recency_lambda < 0:
             raise ValueError("kv_sink_tokens and kv_recency_lambda must be >= 0")
+        if self.kv_budget_unit not in KV_BUDGET_UNIT_CHOICES:
+            raise ValueError(f"kv_budget_unit must be one of {KV_BUDGET_UNIT_CHOICES}, got {self.kv_budget_unit!r}")
+        if self.kv_quant_group_size < 2 or self.kv_quant_group_size % 2:
+            raise ValueError(f"kv_quant_group_size must be an even number >= 2, got {self.kv_quant_group_size}")
+        if self.kv_importance_window < 1 or self.kv_decode_recent < 1:
+            raise ValueError("kv_importance_window and kv_decode_recent must be >= 1")
+        if not 0.0 < self.kv_tier_staging < 1.0:
+            raise ValueError(f"kv_tier_staging must be in (0, 1), got {self.kv_tier_staging}")
+        if self.tiering_enabled and (self.attention_backend not in (None, "torch") or self.page_size > 1):
+            raise ValueError("SpectrumKV tiering (--kv-tier-budget < 1) runs on the torch attention backend "
+                             "with --page-size 1 for now (the tier stores are page-size-1 pools)")
+        if self.tiering_enabled:
+            from sgl_kvxfer.spectrum.policies import TIER_POLICIES
+
+            if self.kv_tier_policy not in TIER_POLICIES:
+                raise ValueError(f"kv_tier_policy must be one of {tuple(TIER_POLICIES)}, got {self.kv_tier_policy!r}")
 
     @property
     def resolved_device(self) -> str:
@@ -77,7 +105,19 @@ class EngineConfig:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend:
             return self.attention_backend
+        if self.tiering_enabled:  # the tier stores are read by the torch backend for now
+            return "torch"
         return "torch" if self.resolved_device == "cpu" else "triton"
+
+    @property
+    def resolved_page_size(self) -> int:
+        """KV page size: --page-size, except that the Triton backend (paged kernels) turns the
+        token-granular default 1 into the kernels' DEFAULT_PAGE_SIZE (64)."""
+        if self.page_size == 1 and self.resolved_attention_backend == "triton":
+            from sgl_kvxfer.kernels.paged_layout import DEFAULT_PAGE_SIZE
+
+            return DEFAULT_PAGE_SIZE
+        return self.page_size
 
     @property
     def tiering_enabled(self) -> bool:
@@ -199,6 +239,12 @@ class ServerArgs:
                     extra = {"choices": KV_INT4_CHOICES}
                 elif f.name == "kv_importance":
                     extra = {"choices": KV_IMPORTANCE_CHOICES}
+                elif f.name == "kv_budget_unit":
+                    extra = {"choices": KV_BUDGET_UNIT_CHOICES}
+                elif f.name == "kv_tier_policy":
+                    from sgl_kvxfer.spectrum.policies import TIER_POLICIES
+
+                    extra = {"choices": tuple(TIER_POLICIES)}
                 parser.add_argument(*names, dest=f.name, type=kind, default=default, **extra)
 
     @classmethod

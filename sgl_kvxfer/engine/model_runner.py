@@ -15,8 +15,7 @@ from sgl_kvxfer.config import EngineConfig
 from sgl_kvxfer.engine.forward_batch import ForwardBatch
 from sgl_kvxfer.engine.memory import kv_pool_tokens
 from sgl_kvxfer.layers.attention import create_attention_backend
-from sgl_kvxfer.mem_cache import create_kv_pool
-from sgl_kvxfer.mem_cache.allocator import TokenSlotAllocator
+from sgl_kvxfer.mem_cache import create_kv_pool, create_slot_allocator
 from sgl_kvxfer.mem_cache.req_to_token import ReqToTokenPool
 
 logger = logging.getLogger(__name__)
@@ -40,11 +39,16 @@ class ModelRunner:
         self.model.eval()
         self.context_len = config.context_length or self.arch.max_position_embeddings
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.max_total_tokens = kv_pool_tokens(
-            self.device, config.mem_fraction_static, weight_bytes,
-            self._bytes_per_token_estimate(), config.max_total_tokens)
+        self.page_size = config.resolved_page_size
+        tokens = kv_pool_tokens(self.device, config.mem_fraction_static, weight_bytes,
+                                self._bytes_per_token_estimate(), config.max_total_tokens)
+        self.max_total_tokens = tokens - tokens % self.page_size  # whole pages
+        if self.max_total_tokens == 0:
+            raise RuntimeError(f"the KV pool ({tokens} tokens) is smaller than one page ({self.page_size})")
         self.kv_pool = create_kv_pool(config, self.arch, self.max_total_tokens, self.dtype, self.device)
-        self.allocator = TokenSlotAllocator(self.max_total_tokens, self.device)
+        self.allocator = create_slot_allocator(config, self.kv_pool, self.device)
+        if config.tiering_enabled:  # SpectrumKV: a request must fit the fp16 (staging) store
+            self.max_total_tokens = self.allocator.size
         self.max_running_requests = max_running_requests or min(256, max(self.max_total_tokens // 32, 4))
         # +1 row so a retracted request can be re-admitted while the batch is full.
         self.req_to_token = ReqToTokenPool(self.max_running_requests + 1,
@@ -53,9 +57,9 @@ class ModelRunner:
             config.resolved_attention_backend, kv_pool=self.kv_pool,
             num_q_heads=self.arch.num_attention_heads, num_kv_heads=self.arch.num_key_value_heads,
             head_dim=self.arch.head_dim)
-        logger.info("model %s (%s) on %s: KV pool %d tokens, %.0f bytes/token, backend %s",
+        logger.info("model %s (%s) on %s: KV pool %d tokens, %.0f bytes/token, page %d, backend %s",
                     self.model_dir, self.dtype, self.device, self.max_total_tokens,
-                    self.kv_pool.bytes_per_token(), config.resolved_attention_backend)
+                    self.kv_pool.bytes_per_token(), self.page_size, config.resolved_attention_backend)
 
     def _bytes_per_token_estimate(self) -> float:
         a = self.arch

@@ -5,12 +5,63 @@ import importlib
 
 KV_POOLS = {
     "fp16": "sgl_kvxfer.mem_cache.fp16_pool:Fp16KVPool",
+    "tiered": "sgl_kvxfer.mem_cache.tiered_pool:TieredKVPool",
+    "paged_fp16": "sgl_kvxfer.mem_cache.paged_fp16_pool:PagedFp16KVPool",
 }
 
 
-def create_kv_pool(config, arch, size: int, dtype, device: str):
-    """Pick the pool family for an EngineConfig; every family shares the KVPool interface."""
-    name = "fp16"
+def _load(name: str):
     module, cls = KV_POOLS[name].split(":")
-    pool_cls = getattr(importlib.import_module(module), cls)
-    return pool_cls(size, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, dtype, device)
+    return getattr(importlib.import_module(module), cls)
+
+
+def create_kv_pool(config, arch, size: int, dtype, device: str, int4_allowed: bool | None = None):
+    """Pick the pool family for an EngineConfig; every family shares the KVPool interface.
+
+    `size` is the fp16 token count the memory budget affords; the tiered family (SpectrumKV,
+    kv_tier_budget < 1) divides that same memory into fp16 / int8 / int4 stores.
+    """
+    dims = (arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)
+    if not config.tiering_enabled:
+        if config.resolved_page_size > 1:  # head-major pages the Triton kernels read
+            return _load("paged_fp16")(size, *dims, dtype, device, page_size=config.resolved_page_size)
+        return _load("fp16")(size, *dims, dtype, device)
+    if int4_allowed is None:
+        int4_allowed = config.kv_int4 != "off"  # "auto" is sized for the probe's own 3-tier run
+    pool_cls = _load("tiered")
+    return pool_cls(size, *dims, dtype, device, plan=tier_store_plan(config, arch, size, dtype, int4_allowed),
+                    group_size=config.kv_quant_group_size)
+
+
+def tier_store_plan(config, arch, size: int, dtype, int4_allowed: bool):
+    """Store sizes for the configured policy's planned tier mix (see tier_plan.py)."""
+    import torch
+
+    from sgl_kvxfer.kernels.tier_codec import payload_bytes
+    from sgl_kvxfer.mem_cache.tier_plan import plan_tier_stores
+    from sgl_kvxfer.spectrum.budget import KVLayout
+    from sgl_kvxfer.spectrum.byte_budget import planned_fractions
+    from sgl_kvxfer.spectrum.policies import create_tier_policy
+
+    layers, heads, dim, group = arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, config.kv_quant_group_size
+    layout = KVLayout(layers, heads, dim, group)
+    fractions = planned_fractions(create_tier_policy(config.kv_tier_policy), config.kv_tier_budget, layout,
+                                  config.kv_budget_unit, config.kv_sink_tokens, int4_allowed)
+    elem = torch.finfo(dtype).bits // 8
+    per_token = [2 * layers * heads * payload_bytes(t, dim, group, elem) for t in (0, 1, 2)]
+    return plan_tier_stores(size, per_token[0], tuple(per_token), fractions, config.kv_tier_staging)
+
+
+def create_slot_allocator(config, pool, device: str):
+    """The allocator matching create_kv_pool's family for the same config and pool."""
+    if config.tiering_enabled:
+        from sgl_kvxfer.mem_cache.tiered_allocator import TieredSlotAllocator
+
+        return TieredSlotAllocator(pool, device)
+    if config.resolved_page_size > 1:  # slots in aligned pages (paged_allocator.py)
+        from sgl_kvxfer.mem_cache.paged_allocator import PagedTokenSlotAllocator
+
+        return PagedTokenSlotAllocator(pool.size, config.resolved_page_size, device)
+    from sgl_kvxfer.mem_cache.allocator import TokenSlotAllocator
+
+    return TokenSlotAllocator(pool.size, device)

@@ -11,6 +11,8 @@ import torch
 
 
 class TokenSlotAllocator:
+    page_size = 1
+
     def __init__(self, size: int, device: str = "cpu"):
         self.size = size  # usable slots: ids 1..size
         self.device = device
@@ -35,6 +37,10 @@ class TokenSlotAllocator:
     def free(self, slots: torch.Tensor) -> None:
         if slots.numel():
             self._pending_free.append(slots.to(self.device, torch.int64))
+
+    def reclaimable(self, slots: torch.Tensor) -> int:
+        """How many of `slots`, once freed, count toward a later `alloc` (eviction targets)."""
+        return int(slots.numel())
 
     def _merge(self) -> None:
         self._free = torch.cat([self._free] + self._pending_free)

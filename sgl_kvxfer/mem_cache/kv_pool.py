@@ -15,6 +15,10 @@ import torch
 
 
 class KVPool(ABC):
+    # True when request rows may hold the padding slot 0 for a token that is masked out of
+    # attention (SpectrumKV TIER_DROP); backends then mask keys whose slot is 0.
+    drops_tokens = False
+
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str):
         self.size = size  # usable slots 1..size; slot 0 is padding

@@ -22,8 +22,8 @@ class PrefixCache(ABC):
         """Longest cached prefix of `key`: (slots int64 [m], last node)."""
 
     @abstractmethod
-    def insert(self, key: list[int], slots: torch.Tensor) -> int:
-        """Insert key -> slots; returns the number of leading tokens already cached."""
+    def insert(self, key: list[int], slots: torch.Tensor, tiers: torch.Tensor | None = None) -> int:
+        """Insert key -> slots (+ per-token tiers); returns the number of leading tokens already cached."""
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int:

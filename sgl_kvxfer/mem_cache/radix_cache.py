@@ -3,9 +3,16 @@
 Each edge holds a run of token ids (`key`) and the KV slots of those tokens (`value`), plus
 optional per-token precision tiers (`tiers`, SpectrumKV). A node is *protected* while any
 running request holds a lock on it or on a descendant; only unprotected leaves are evictable.
+With a tiered pool, `insert` without tiers records the allocator's `tier_of(slots)`; slot 0 in
+`value` is a dropped token (TIER_DROP): attention masks it and the allocator never frees it.
 
     root ── "The cat" ──┬── " sat" (leaf)
                         └── " ran" ── " away" (leaf)
+
+Page mode (page_size P > 1, slots from PagedTokenSlotAllocator): every edge holds whole pages,
+keys are matched and inserted only in whole pages (a tail shorter than P is ignored) and edges
+split only at page boundaries, so a node's slots are whole pages that it alone owns. Children
+are keyed by their first page of tokens (tuple), since two siblings may share a first token.
 """
 from __future__ import annotations
 
@@ -43,9 +50,16 @@ def _common_len(a: list[int], b: list[int]) -> int:
 
 
 class RadixCache(PrefixCache):
-    def __init__(self, allocator: TokenSlotAllocator):
+    def __init__(self, allocator: TokenSlotAllocator, page_size: int = 1):
         self.allocator = allocator
+        self.page_size = page_size
         self.reset_state()
+
+    def _child_key(self, key: list[int]):
+        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+
+    def _page_floor(self, n: int) -> int:
+        return n - n % self.page_size
 
     def reset_state(self) -> None:
         self.root = TreeNode()
@@ -57,11 +71,12 @@ class RadixCache(PrefixCache):
     def match_prefix(self, key):
         node, slots = self.root, []
         node.last_access = next(_clock)
+        key = key[: self._page_floor(len(key))]
         while key:
-            child = node.children.get(key[0])
+            child = node.children.get(self._child_key(key))
             if child is None:
                 break
-            n = _common_len(child.key, key)
+            n = self._page_floor(_common_len(child.key, key))  # >= 1 page: the child key matched
             if n < len(child.key):
                 child = self._split(child, n)
             slots.append(child.value)
@@ -84,8 +99,8 @@ class RadixCache(PrefixCache):
         upper = TreeNode(child.parent, child.key[:n], child.value[:n],
                          None if child.tiers is None else child.tiers[:n])
         upper.lock_ref = child.lock_ref
-        upper.children = {child.key[n]: child}
-        child.parent.children[child.key[0]] = upper
+        upper.children = {self._child_key(child.key[n:]): child}
+        child.parent.children[self._child_key(child.key)] = upper
         child.parent = upper
         child.key, child.value = child.key[n:], child.value[n:]
         if child.tiers is not None:
@@ -96,15 +111,18 @@ class RadixCache(PrefixCache):
     def insert(self, key, slots, tiers: torch.Tensor | None = None):
         node, done = self.root, 0
         node.last_access = next(_clock)
+        key = key[: self._page_floor(len(key))]  # page mode: a partial last page stays private
         while done < len(key):
-            child = node.children.get(key[done])
+            child = node.children.get(self._child_key(key[done:]))
             if child is None:
-                rest = TreeNode(node, list(key[done:]), slots[done:].clone(),
-                                None if tiers is None else tiers[done:].clone())
-                node.children[key[done]] = rest
+                rest_tiers = None if tiers is None else tiers[done : len(key)].clone()
+                if rest_tiers is None and hasattr(self.allocator, "tier_of"):  # tiered pool: id -> tier
+                    rest_tiers = self.allocator.tier_of(slots[done : len(key)])
+                rest = TreeNode(node, list(key[done:]), slots[done : len(key)].clone(), rest_tiers)
+                node.children[self._child_key(rest.key)] = rest
                 self._evictable += len(rest.key)
                 return done
-            n = _common_len(child.key, key[done:])
+            n = self._page_floor(_common_len(child.key, key[done:]))
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = next(_clock)
@@ -130,17 +148,20 @@ class RadixCache(PrefixCache):
             node = node.parent
 
     # ------------------------------------------------------------------ eviction
-    def evict(self, num_tokens):
+    def evict(self, num_tokens, reclaim=None):
+        """Free LRU unlocked leaves until `reclaim(slots)` (default: the allocator's count of ids
+        a later alloc can use) sums to `num_tokens`; returns that sum."""
+        reclaim = reclaim or self.allocator.reclaimable
         heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_tokens:
             _, _, leaf = heapq.heappop(heap)
             self.allocator.free(leaf.value)
-            freed += len(leaf.key)
+            freed += reclaim(leaf.value)
             self._evictable -= len(leaf.key)
             parent = leaf.parent
-            del parent.children[leaf.key[0]]
+            del parent.children[self._child_key(leaf.key)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed

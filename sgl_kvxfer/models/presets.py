@@ -63,3 +63,17 @@ def write_preset_config(name: str, out_dir: str) -> str:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(PRESETS[name], f, indent=2)
     return out_dir
+
+
+def write_dummy_tokenizer(out_dir: str, vocab_size: int) -> str:
+    """A word-level tokenizer over tokens "t0" .. "t{vocab-1}" (id i <-> "ti"), saved in HF form,
+    so a dummy-weights dir runs the Engine with input_ids and no model download or conversion."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"}, f)
+    return out_dir

@@ -2,12 +2,19 @@
 
 Owns the ownership rules of mem_cache/prefix_cache.py from the request side. With the radix
 cache disabled, `tree` is None and every slot is private to its request.
+
+Page mode (allocator.page_size P > 1): the tree holds whole pages only, so `prefix_len` is
+always a multiple of P and a request's partial last page is private to it:
+
+    row:  [ prefix (tree pages, locked) | private full pages | private partial page ]
+          0                    prefix_len (P-aligned)          floor(kv_len, P)    kv_len
 """
 from __future__ import annotations
 
 import torch
 
 from sgl_kvxfer.mem_cache.allocator import TokenSlotAllocator
+from sgl_kvxfer.mem_cache.paged_allocator import pages_needed
 from sgl_kvxfer.mem_cache.radix_cache import RadixCache
 from sgl_kvxfer.mem_cache.req_to_token import ReqToTokenPool
 from sgl_kvxfer.scheduler.req import Req
@@ -16,8 +23,9 @@ from sgl_kvxfer.scheduler.req import Req
 class KVLifecycle:
     def __init__(self, allocator: TokenSlotAllocator, req_to_token: ReqToTokenPool, use_radix: bool):
         self.allocator = allocator
+        self.page_size = getattr(allocator, "page_size", 1)
         self.req_to_token = req_to_token
-        self.tree = RadixCache(allocator) if use_radix else None
+        self.tree = RadixCache(allocator, self.page_size) if use_radix else None
 
     def available_tokens(self) -> int:
         """Slots obtainable now: free plus evictable."""
@@ -47,12 +55,24 @@ class KVLifecycle:
             req.cached_tokens = req.prefix_len
         return True
 
-    def alloc(self, n: int) -> torch.Tensor | None:
-        """n fresh slots, evicting unlocked cache leaves if needed."""
-        short = n - self.allocator.available_size()
+    def alloc(self, reqs: list[Req], lens: list[int] | None = None) -> torch.Tensor | None:
+        """Slots for the next `lens[i]` positions (default 1: decode) of each request, from
+        position `kv_len` on, concatenated; evicts unlocked cache leaves if needed. None (and
+        nothing changed) when the pool cannot cover them all."""
+        lens = [1] * len(reqs) if lens is None else lens
+        if self.page_size == 1:
+            need = sum(lens)
+        else:
+            need = pages_needed([r.kv_len for r in reqs], lens, self.page_size) * self.page_size
+        short = need - self.allocator.available_size()
         if short > 0 and self.tree is not None:
             self.tree.evict(short)
-        return self.allocator.alloc(n)
+        if self.page_size == 1:
+            return self.allocator.alloc(need)
+        table = self.req_to_token.table
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=table.device)
+        last_pos = torch.tensor([max(r.kv_len - 1, 0) for r in reqs], dtype=torch.int64, device=table.device)
+        return self.allocator.alloc_extend(table[rows, last_pos], [r.kv_len for r in reqs], lens)
 
     def cache(self, req: Req, finished: bool) -> None:
         """Hand the request's computed KV to the prefix cache (or free it without one).
@@ -67,20 +87,23 @@ class KVLifecycle:
                 self.allocator.free(slots)
                 self._release_row(req)
             return
-        tokens = req.fill_ids[:kv_len]
-        present = self.tree.insert(tokens, slots)
+        cached_len = kv_len - kv_len % self.page_size  # the tree takes whole pages only
+        tokens = req.fill_ids[:cached_len]
+        present = self.tree.insert(tokens, slots[:cached_len])
         if present > req.prefix_len:  # our duplicates of tokens someone else cached first
             self.allocator.free(slots[req.prefix_len : present])
         if finished:
+            if cached_len < kv_len:  # the private partial last page
+                self.allocator.free(slots[cached_len:])
             self.tree.dec_lock_ref(req.last_node)
             self._release_row(req)
             return
         new_slots, node = self.tree.match_prefix(tokens)
-        assert new_slots.numel() == kv_len, "inserted tokens must match back in full"
-        self.req_to_token.write(row, 0, new_slots)
+        assert new_slots.numel() == cached_len, "inserted tokens must match back in full"
+        self.req_to_token.write(row, 0, new_slots)  # whole pages: the partial tail is untouched
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(req.last_node)
-        req.last_node, req.prefix_len = node, kv_len
+        req.last_node, req.prefix_len = node, cached_len
 
     def release(self, req: Req) -> None:
         """Drop a request's KV without caching it (retraction)."""

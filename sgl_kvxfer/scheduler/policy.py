@@ -19,9 +19,13 @@ class PrefillAdder:
     Budgets: `token_budget` new tokens per batch; `chunk_size` (None = no chunking) caps one
     request's tokens per batch; `free_tokens` KV slots (free + evictable) must cover every new
     token plus the decode reservation of admitted requests; `max_new_reqs` caps admissions.
+    With `page_size` P > 1 each admission also charges P - 1 tokens: the worst-case unused room
+    of its partial last page (allocation is in whole pages).
     """
 
-    def __init__(self, token_budget: int, chunk_size: int | None, free_tokens: int, max_new_reqs: int):
+    def __init__(self, token_budget: int, chunk_size: int | None, free_tokens: int, max_new_reqs: int,
+                 page_size: int = 1):
+        self.page_slack = page_size - 1
         self.token_budget = token_budget
         self.chunk_size = chunk_size
         self.free_tokens = free_tokens
@@ -36,15 +40,16 @@ class PrefillAdder:
         if self.chunk_size is not None:
             take = min(take, self.chunk_size)
         chunked = take < extend_len
-        need = take + (0 if chunked else decode_reserve)
+        slack = self.page_slack
+        need = take + slack + (0 if chunked else decode_reserve)
         if need > self.free_tokens:
             # Fall back to a chunk that fits in memory now, if chunking is allowed.
-            take = min(take, self.free_tokens) if self.chunk_size is not None else 0
-            if take <= 0 or (take == extend_len and take + decode_reserve > self.free_tokens):
+            take = min(take, self.free_tokens - slack) if self.chunk_size is not None else 0
+            if take <= 0 or (take == extend_len and take + slack + decode_reserve > self.free_tokens):
                 return None
             chunked = take < extend_len
         self.token_budget -= take
-        self.free_tokens -= take + (0 if chunked else decode_reserve)
+        self.free_tokens -= take + slack + (0 if chunked else decode_reserve)
         self.num_added += 1
         self.chunked_added = chunked
         return Admission(take, chunked)

@@ -21,6 +21,7 @@ from sgl_kvxfer.scheduler.kv_lifecycle import KVLifecycle
 from sgl_kvxfer.scheduler.policy import PrefillAdder, decode_reserve, pick_retraction
 from sgl_kvxfer.scheduler.req import Req
 from sgl_kvxfer.scheduler.results import FinishChecker, make_output, process_logits
+from sgl_kvxfer.scheduler.tiering import create_engine_tiering
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated": 0, "gen_throughput": 0.0}
         self._tput_window = (time.monotonic(), 0)
+        self.tiering = None
+        self.tiering = create_engine_tiering(self, tokenizer)  # SpectrumKV; None at kv_tier_budget 1
 
     # ------------------------------------------------------------------ messages
     def handle(self, msg):
@@ -119,7 +122,8 @@ class Scheduler:
             max_total_num_tokens=self.runner.max_total_tokens, max_req_input_len=self.runner.context_len - 1,
             num_running_reqs=len(self.running) + (self.chunked is not None), num_queue_reqs=len(self.waiting),
             kv_used_tokens=used, kv_cached_tokens=cached, kv_bytes_per_token=self.runner.kv_pool.bytes_per_token(),
-            last_gen_throughput=self.stats["gen_throughput"], cache_hit_rate=hit)
+            last_gen_throughput=self.stats["gen_throughput"], cache_hit_rate=hit,
+            extra=self.tiering.server_info() if self.tiering is not None else {})
 
     # ------------------------------------------------------------------ one iteration
     def has_work(self) -> bool:
@@ -131,7 +135,10 @@ class Scheduler:
         if batch is None:
             return False
         loc = self._out_cache_loc
-        logits = self.runner.forward(prepare_batch(batch, loc, self.runner.req_to_token.table, self.runner.device))
+        fb = prepare_batch(batch, loc, self.runner.req_to_token.table, self.runner.device)
+        if self.tiering is not None:
+            self.tiering.before_forward(batch, fb)
+        logits = self.runner.forward(fb)
         process_logits(batch, logits, self.checker)
         self._after_batch(batch)
         return True
@@ -150,7 +157,7 @@ class Scheduler:
         cfg = self.config
         free = self.kv.available_tokens() - self._reserve(self.running)
         adder = PrefillAdder(cfg.max_prefill_tokens, cfg.resolved_chunked_prefill_size, free,
-                             self.max_running - len(self.running))
+                             self.max_running - len(self.running), page_size=self.kv.page_size)
         batch, slots = ScheduleBatch(ForwardMode.EXTEND), []
         if self.chunked is not None:
             req, self.chunked = self.chunked, None
@@ -175,7 +182,7 @@ class Scheduler:
     def _add_slice(self, batch, slots, adder, req: Req, admitted: bool) -> bool:
         remaining = len(req.fill_ids) - req.kv_len
         adm = adder.try_add(remaining, decode_reserve(req.remaining_new_tokens, self.new_token_ratio))
-        loc = self.kv.alloc(adm.extend_len) if adm is not None else None
+        loc = self.kv.alloc([req], [adm.extend_len]) if adm is not None else None
         if loc is None:
             return False
         if not admitted and req.num_retractions == 0:
@@ -192,12 +199,12 @@ class Scheduler:
         if not self.running:
             return None
         self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
-        loc = self.kv.alloc(len(self.running))
+        loc = self.kv.alloc(self.running)
         while loc is None and len(self.running) > 1:
             # Out of KV: retract and later recompute the request that made the least progress.
             self._retract(self.running.pop(pick_retraction([r.arrival for r in self.running])))
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-            loc = self.kv.alloc(len(self.running))
+            loc = self.kv.alloc(self.running)
         if loc is None:
             raise RuntimeError("KV pool exhausted with a single running request; the pool is too small")
         self._out_cache_loc = loc
@@ -211,6 +218,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ bookkeeping
     def _after_batch(self, batch: ScheduleBatch) -> None:
+        if self.tiering is not None:  # re-tier finished prefills, demote old decode tokens
+            self.tiering.after_forward(batch, self.chunked)
         interval = self.config.stream_interval
         if batch.mode == ForwardMode.DECODE:
             self._count_generated(len(batch.slices))

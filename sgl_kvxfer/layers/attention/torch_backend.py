@@ -3,7 +3,8 @@
 Decode: one padded gather per layer.  slots [B, Lmax] = req_to_token rows, padded with slot 0,
 and a key mask [B, 1, 1, Lmax] that hides the padding.
 Extend: one SDPA call per request over its whole sequence (prefix from the pool + new tokens),
-with a causal mask shifted by the prefix length:
+with a causal mask shifted by the prefix length (pools with `drops_tokens` also mask prefix keys
+whose slot is 0: SpectrumKV's dropped tokens):
 
     keys:      0 ........ prefix-1 | prefix ........ seq-1
     query j:   all visible         | visible iff key <= prefix + j
@@ -40,17 +41,21 @@ class TorchAttentionBackend(AttentionBackend):
             rows = table[batch.req_pool_indices, :lmax]
             cols = torch.arange(lmax, device=rows.device)
             valid = cols[None, :] < batch.seq_lens[:, None]
+            if self.kv_pool.drops_tokens:  # SpectrumKV TIER_DROP: slot 0 inside a row is masked
+                valid &= rows != 0
             batch.attn_metadata = _DecodePlan(torch.where(valid, rows, 0), valid[:, None, None, :])
             return
         slots, masks, offsets, start = [], [], [], 0
         for i, (prefix, extend) in enumerate(zip(batch.extend_prefix_lens, batch.extend_seq_lens)):
             seq = prefix + extend
             slots.append(table[int(batch.req_pool_indices[i]), :seq])
+            dropped = self.kv_pool.drops_tokens and bool((slots[-1][:prefix] == 0).any())
             if prefix == 0:
                 masks.append(None)
             else:
                 q_pos = torch.arange(prefix, seq, device=table.device)[:, None]
-                masks.append(torch.arange(seq, device=table.device)[None, :] <= q_pos)
+                mask = torch.arange(seq, device=table.device)[None, :] <= q_pos
+                masks.append(mask & (slots[-1] != 0)[None, :] if dropped else mask)
             offsets.append(start)
             start += extend
         batch.attn_metadata = _ExtendPlan(slots, masks, offsets)

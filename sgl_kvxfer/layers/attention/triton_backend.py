@@ -1,0 +1,96 @@
+"""Triton attention backend: the paged kernels of `sgl_kvxfer.kernels` over PagedFp16KVPool.
+
+Each layer's pool buffers are viewed as the fp16 tier of a TieredKVLayer; the int8 / int4
+tiers are one-page placeholders with every request's count 0. Block tables come straight from
+the req-to-token rows, which the paged allocator keeps page-consistent:
+
+    row r:   pos 0 | .. | PAGE | .. | 2*PAGE | ..        slot(pos) = page(pos // PAGE) * PAGE + pos % PAGE
+    table:   row[0] // PAGE, row[PAGE] // PAGE, ...     (one column per page start)
+
+Decode: tables cover the whole sequence (the new token is stored first), lens = seq_lens.
+Extend: tables cover only the cached prefix (extend_prefix_lens); the new tokens are passed
+to the kernel as k/v at full precision (and stored for later batches). No host syncs: table
+widths and max_extend_len come from the batch's CPU-side lists.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.layers.attention.base import AttentionBackend
+from sgl_kvxfer.mem_cache.paged_fp16_pool import PagedFp16KVPool
+
+
+@dataclass
+class _TritonPlan:
+    tables: object  # kernels.paged_layout.TieredBlockTables
+    qo_indptr: torch.Tensor | None  # extend: int32 [B + 1] offsets of each request's new tokens
+    max_extend_len: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, kv_pool, num_q_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__(kv_pool, num_q_heads, num_kv_heads, head_dim)
+        if kv_pool.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"--attention-backend triton needs a float16 or bfloat16 model, got {kv_pool.dtype}; "
+                             f"pass --dtype float16 or --dtype bfloat16 (or use --attention-backend torch)")
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            raise ValueError(f"--attention-backend triton needs a power-of-two head_dim >= 16, got {head_dim}")
+        self.page_size = getattr(kv_pool, "page_size", 1)
+        if not isinstance(kv_pool, PagedFp16KVPool) or self.page_size < 16 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"--attention-backend triton needs the paged fp16 KV pool with a power-of-two "
+                             f"page size >= 16, got {type(kv_pool).__name__} with page size {self.page_size}")
+        if str(kv_pool.device).startswith("cpu"):
+            # Triton's CPU interpreter; must be set before the kernel modules are first imported.
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        from sgl_kvxfer.kernels.decode_attention import decode_attention_tiered
+        from sgl_kvxfer.kernels.extend_attention import extend_attention_tiered
+        from sgl_kvxfer.kernels.paged_layout import TierPages, TieredKVLayer, allocate_tiered_layer
+        from sgl_kvxfer.kernels.tier_codec import DEFAULT_GROUP_SIZE, TIER_FP16
+
+        self._decode, self._extend = decode_attention_tiered, extend_attention_tiered
+        group = min(DEFAULT_GROUP_SIZE, head_dim)
+        empty = allocate_tiered_layer((1, 1, 1), self.page_size, num_kv_heads, head_dim, group,
+                                      kv_pool.dtype, kv_pool.device, fill=0.0)
+        self.layers = [
+            TieredKVLayer((TierPages(TIER_FP16, kb, vb), empty[1], empty[2]), head_dim, group)
+            for kb, vb in zip(kv_pool.k_buffer, kv_pool.v_buffer)
+        ]
+
+    def prepare_metadata(self, batch: ForwardBatch) -> None:
+        from sgl_kvxfer.kernels.paged_layout import TieredBlockTables
+
+        P, table = self.page_size, batch.req_to_token
+        dev = table.device
+        if batch.mode == ForwardMode.DECODE:
+            lens_cpu, lens = batch.seq_lens_cpu, batch.seq_lens.to(torch.int32)
+            qo_indptr, max_extend = None, 1
+        else:
+            lens_cpu = batch.extend_prefix_lens
+            lens = torch.tensor(lens_cpu, dtype=torch.int32, device=dev)
+            indptr = [0]
+            for n in batch.extend_seq_lens:
+                indptr.append(indptr[-1] + n)
+            qo_indptr = torch.tensor(indptr, dtype=torch.int32, device=dev)
+            max_extend = max(batch.extend_seq_lens)
+        width = max(-(-max(lens_cpu) // P), 1)
+        # Slots at page starts -> page ids. Columns past a request's length hold stale slots,
+        # which are still valid page ids (the kernels never read past lens).
+        pages = (table[batch.req_pool_indices, : width * P : P] // P).to(torch.int32)
+        B = batch.batch_size
+        none_pages = torch.zeros((B, 1), dtype=torch.int32, device=dev)
+        none_lens = torch.zeros(B, dtype=torch.int32, device=dev)
+        tables = TieredBlockTables((pages, none_pages, none_pages), (lens, none_lens, none_lens))
+        batch.attn_metadata = _TritonPlan(tables, qo_indptr, max_extend)
+
+    def forward(self, q, k, v, layer_id, batch):
+        self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        plan = batch.attn_metadata
+        q = q.contiguous()
+        if batch.mode == ForwardMode.DECODE:
+            return self._decode(q, self.layers[layer_id], plan.tables, sm_scale=self.scale)
+        return self._extend(q, k.contiguous(), v.contiguous(), plan.qo_indptr, self.layers[layer_id],
+                            plan.tables, sm_scale=self.scale, max_extend_len=plan.max_extend_len)

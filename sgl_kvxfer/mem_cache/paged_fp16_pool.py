@@ -1,0 +1,43 @@
+"""PagedFp16KVPool: the fp16 family in the paged, head-major layout the Triton kernels read.
+
+Layout per layer (kernels/README.md section 2, the fp16 tier):
+
+    k_buffer[layer], v_buffer[layer]: [num_pages + 1, Hkv, PAGE, D]   page 0 = padding (zeroed)
+    slot s  ->  page s // PAGE, offset s % PAGE   (slots from PagedTokenSlotAllocator)
+
+Head-major inside a page: one (page, kv-head) tile is one contiguous PAGE * D block.
+`set_kv` / `get_kv` take token slots like every KVPool, so the torch backend runs on it too.
+"""
+from __future__ import annotations
+
+import torch
+
+from sgl_kvxfer.mem_cache.fp16_pool import Fp16KVPool
+from sgl_kvxfer.mem_cache.kv_pool import KVPool
+
+
+class PagedFp16KVPool(KVPool):
+    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str, page_size: int = 64):
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        super().__init__(self.num_pages * page_size, num_layers, num_kv_heads, head_dim, dtype, device)
+        shape = (self.num_pages + 1, num_kv_heads, page_size, head_dim)
+        # empty(): lazy on CPU; only the padding page must read as zeros (masked rows * 0).
+        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for buf in self.k_buffer + self.v_buffer:
+            buf[0].zero_()
+
+    def set_kv(self, layer_id, slots, k, v):
+        page, off = slots // self.page_size, slots % self.page_size
+        # Advanced indices split by a slice: the indexed view is [n, Hkv, D], like k and v.
+        self.k_buffer[layer_id][page, :, off] = k.to(self.dtype)
+        self.v_buffer[layer_id][page, :, off] = v.to(self.dtype)
+
+    def get_kv(self, layer_id, slots):
+        page, off = slots // self.page_size, slots % self.page_size
+        return self.k_buffer[layer_id][page, :, off], self.v_buffer[layer_id][page, :, off]
+
+    def bytes_per_token(self, with_scales: bool = True) -> float:
+        return Fp16KVPool.bytes_per_token_for(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)

@@ -1,0 +1,222 @@
+"""SpectrumKV in the engine: importance capture, re-tiering when a prefill ends, decode demotion.
+
+The scheduler calls two hooks per batch (both no-ops for requests they do not concern):
+
+    before_forward(batch, fb)    EXTEND: install `fb.extras["attn_observer"]`, which feeds each
+                                 request's ImportanceAccumulator with the queries of the last
+                                 W prompt positions (every layer and head, chunked prefill too)
+    after_forward(batch, chunked)  EXTEND, prefill complete: score, assign, re-tier private tokens
+                                 DECODE: demote generated tokens older than the recent window
+
+Prefill rule (runs before the prompt enters the radix cache):
+
+    row:  [ matched prefix (cache-owned) | private tokens ...................... ]
+          0                       prefix_len                               kv_len
+          keeps its cached tiers          policy(I[prefix_len:kv_len], b) -> tiers -> retier
+
+Tokens matched from the radix cache keep the tiers they were cached with: the cache owns them and
+other requests may be reading them. Each private run is assigned as its own span at budget b, so
+every run, and so the whole cache, respects b. Importance I (Eq. 13) is computed over the full
+sequence (attention over all keys, recency from the last token) and then cut to the run. Sinks
+are absolute positions [0, s): a run starting at p pins max(0, s - p) of them (policies that
+always pin, like sink-protect, pin at the head of each run).
+
+Decode rule: the newest R = kv_decode_recent generated tokens stay fp16; once 2R are unassigned,
+the oldest R are assigned by the same policy at b (KV-norm importance: no queries exist yet for
+them) and moved, so at most 2R - 1 generated tokens per request wait in fp16. On finish, all but
+the newest R are assigned. Keep/drop baselines (pdtrim, sws) trim only the prefill KV, as in
+PD transfer, and leave generated tokens fp16.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from weakref import WeakKeyDictionary
+
+import torch
+
+from sgl_kvxfer.engine.forward_batch import ForwardMode
+from sgl_kvxfer.spectrum.budget import KVLayout, assignment_bytes, fp16_bytes
+from sgl_kvxfer.spectrum.byte_budget import assign_tiers, planned_fractions
+from sgl_kvxfer.spectrum.importance import ImportanceAccumulator, KVNormAccumulator, token_importance
+from sgl_kvxfer.spectrum.policies import create_tier_policy
+from sgl_kvxfer.spectrum.tiers import NUM_TIERS
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    policy: str
+    budget: float
+    unit: str
+    int4_allowed: bool
+    decode_recent: int
+
+
+@dataclass(frozen=True)
+class TierRecord:
+    """One re-tiered run of a request: tiers asked for vs. got (counts by tier id)."""
+    rid: str
+    start: int
+    end: int
+    asked: tuple[int, ...]
+    got: tuple[int, ...]
+    byte_ratio: float  # payload incl. scales / fp16 payload of the run (dropped tokens: 0 bytes)
+
+
+def _counts(tiers: torch.Tensor) -> tuple[int, ...]:
+    return tuple(torch.bincount(tiers.cpu().to(torch.int64), minlength=NUM_TIERS).tolist())
+
+
+class EngineTiering:
+    def __init__(self, config, runner, kv):
+        self.config = config
+        self.pool = runner.kv_pool
+        self.allocator = kv.allocator
+        self.kv = kv
+        self.table = runner.req_to_token
+        a = runner.arch
+        self.layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, config.kv_quant_group_size)
+        self.settings = TierSettings(config.kv_tier_policy, config.kv_tier_budget, config.kv_budget_unit,
+                                     config.kv_int4 != "off", config.kv_decode_recent)
+        self.policy = create_tier_policy(self.settings.policy)
+        self.int4 = None  # probe.Int4Resolution once resolved
+        self._acc: WeakKeyDictionary = WeakKeyDictionary()  # req -> ImportanceAccumulator
+        self._tiered_len: WeakKeyDictionary = WeakKeyDictionary()  # req -> row prefix at final tiers
+        self.records: deque[TierRecord] = deque(maxlen=4096)
+
+    # ------------------------------------------------------------------ settings
+    def configure(self, **changes) -> TierSettings:
+        """Change policy / budget / unit / int4_allowed / decode_recent for later requests; returns
+        the old settings. Requests already tiered keep their tiers."""
+        old = self.settings
+        self.settings = replace(old, **changes)
+        self.policy = create_tier_policy(self.settings.policy)
+        return old
+
+    @contextmanager
+    def using(self, **changes):
+        old = self.configure(**changes)
+        try:
+            yield self
+        finally:
+            self.configure(**vars(old))
+
+    # ------------------------------------------------------------------ hooks
+    def before_forward(self, batch, fb) -> None:
+        if batch.mode != ForwardMode.EXTEND or self.config.kv_importance != "attn":
+            return
+        observed = {}
+        for i, s in enumerate(batch.slices):
+            n = len(s.req.fill_ids)
+            acc = self._acc.get(s.req)
+            if acc is None or acc.num_tokens != n:
+                acc = self._acc[s.req] = ImportanceAccumulator(n, self.config.kv_importance_window, fb.input_ids.device)
+            if s.start + s.length > acc.window_start:  # this chunk holds window queries
+                observed[i] = (acc, torch.arange(s.start, s.start + s.length, device=fb.input_ids.device))
+        if observed:
+            def observe(layer_id, i, q, keys):
+                if i in observed:
+                    acc, pos = observed[i]
+                    acc.add_layer(q, keys, q_positions=pos)
+            fb.extras["attn_observer"] = observe
+
+    def after_forward(self, batch, chunked) -> None:
+        for s in batch.slices:
+            req = s.req
+            if req.req_pool_idx is None:
+                continue
+            if batch.mode == ForwardMode.EXTEND:
+                if req is not chunked:
+                    self._tier_prefill(req)
+            else:
+                self._demote_decode(req, final=req.finished)
+
+    # ------------------------------------------------------------------ rules
+    def _tier_prefill(self, req) -> None:
+        start, n = req.prefix_len, req.kv_len
+        acc = self._acc.pop(req, None)
+        if n <= start:
+            return
+        slots = self.table.read(req.req_pool_idx, n).clone()
+        if self.config.kv_importance == "attn" and acc is not None and acc.has_data and acc.num_tokens == n:
+            attn = acc.scores().cpu()
+        else:  # norm mode, or a backend that feeds no observer
+            attn = self._norm_importance(slots)
+        importance = token_importance(attn, self.config.kv_recency_lambda)[start:]
+        sinks = max(0, self.policy.sink_count(self.config.kv_sink_tokens) - start)
+        self._retier(req, start, slots[start:], importance, sinks)
+        self._tiered_len[req] = n
+
+    def _demote_decode(self, req, final: bool) -> None:
+        done = self._tiered_len.get(req)
+        recent = self.settings.decode_recent
+        if done is None or self.policy.keep_drop:
+            return
+        end = req.kv_len - recent
+        if end - done < (1 if final else recent):
+            return
+        slots = self.table.read(req.req_pool_idx, end, start=done).clone()
+        self._retier(req, done, slots, self._norm_importance(slots), 0)
+        self._tiered_len[req] = end
+
+    def _retier(self, req, start: int, slots: torch.Tensor, importance: torch.Tensor, sinks: int) -> None:
+        st = self.settings
+        tiers = assign_tiers(self.policy, importance, st.budget, self.layout, st.unit, sinks, st.int4_allowed,
+                             self.config.random_seed)
+        new, got = self.allocator.retier(slots, tiers, self._make_room)
+        self.table.write(req.req_pool_idx, start, new)
+        got = got.cpu()
+        ratio = assignment_bytes(got, self.layout) / fp16_bytes(got.numel(), self.layout)
+        self.records.append(TierRecord(req.rid, start, start + slots.numel(), _counts(tiers), _counts(got), ratio))
+
+    def _make_room(self, tier: int, count: int) -> None:
+        """A tier store is short: evict LRU cache leaves until `count` of its ids are free."""
+        if self.kv.tree is not None:
+            self.kv.tree.evict(count, reclaim=lambda s: self.allocator.count_tier(s, tier))
+
+    def _norm_importance(self, slots: torch.Tensor) -> torch.Tensor:
+        acc = KVNormAccumulator(slots.numel())
+        for layer_id in range(self.pool.num_layers):
+            k, v = self.pool.get_kv(layer_id, slots)
+            acc.add_layer(k.cpu(), v.cpu())
+        return acc.scores()
+
+    # ------------------------------------------------------------------ int4 decision
+    def set_int4(self, resolution) -> None:
+        """Apply the int4 decision; re-divide the int stores when the planned mix changes."""
+        self.int4 = resolution
+        self.configure(int4_allowed=resolution.enabled)
+        st = self.settings
+        _, f8, f4, _ = planned_fractions(self.policy, st.budget, self.layout, st.unit, self.config.kv_sink_tokens,
+                                         st.int4_allowed)
+        n8, n4 = self.pool.int_store_sizes(f8, f4)
+        if (n8, n4) != (self.pool.plan.n8, self.pool.plan.n4):
+            if self.kv.tree is not None:
+                self.kv.tree.reset()  # start-up: nothing is locked; the probe's tokens go
+            self.allocator.repartition(n8, n4)
+        logger.info("SpectrumKV: int4 %s (%s); stores fp16 %d / int8 %d / int4 %d slots",
+                    "on" if resolution.enabled else "off", resolution.source,
+                    self.pool.plan.n16, self.pool.plan.n8, self.pool.plan.n4)
+
+    def server_info(self) -> dict:
+        return {"kv_tier_policy": self.settings.policy, "kv_tier_budget": self.settings.budget,
+                "kv_int4_enabled": self.settings.int4_allowed,
+                "kv_int4_source": self.int4.source if self.int4 is not None else "unresolved",
+                "kv_full_bytes_per_token": float(self.pool.full_bytes_per_token()),
+                "kv_tier_slots": [self.pool.plan.n16, self.pool.plan.n8, self.pool.plan.n4]}
+
+
+def create_engine_tiering(scheduler, tokenizer=None) -> EngineTiering | None:
+    """SpectrumKV for this scheduler, int4 resolved (probe runs here); None at kv_tier_budget 1."""
+    config = scheduler.config.engine
+    if not config.tiering_enabled:
+        return None
+    from sgl_kvxfer.scheduler.int4_probe import resolve_engine_int4
+
+    tiering = scheduler.tiering = EngineTiering(config, scheduler.runner, scheduler.kv)
+    tiering.set_int4(resolve_engine_int4(tiering, scheduler, tokenizer))
+    return tiering
