@@ -21,10 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.report import device_name, git_commit, write_json  # noqa: E402
 
 
-def generate(model_dir, backend, dtype, prompts, output_len):
+def generate(model_dir, backend, dtype, prompts, output_len, load_format="dummy"):
     from sgl_kvxfer import Engine
 
-    with Engine(model_dir, load_format="dummy", dtype=dtype, attention_backend=backend,
+    with Engine(model_dir, load_format=load_format, dtype=dtype, attention_backend=backend,
                 max_total_tokens=65536, chunked_prefill_size=512) as eng:
         params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
         return eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
@@ -58,6 +58,9 @@ def compare(ref, got) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="smollm2-135m")
+    p.add_argument("--model-path", default=None,
+                   help="real weights instead of a dummy preset ('smollm2-135m' = embedded default); "
+                        "prompts are then real text from this repo's docs")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--min-len", type=int, default=100)
@@ -68,17 +71,33 @@ def main():
 
     from sgl_kvxfer.models.presets import PRESETS, write_dummy_tokenizer, write_preset_config
 
-    model_dir = write_preset_config(args.preset, tempfile.mkdtemp(prefix="agreement_"))
-    vocab = PRESETS[args.preset]["vocab_size"]
-    write_dummy_tokenizer(model_dir, vocab)
     rng = random.Random(0)
-    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
-               for _ in range(args.num_prompts)]
+    load_format = "dummy"
+    if args.model_path:
+        from sgl_kvxfer.models.loader import load_tokenizer, resolve_model_path, resolve_tokenizer_path
+
+        model_dir, load_format = resolve_model_path(args.model_path), "auto"
+        args.preset = os.path.basename(model_dir.rstrip("/")) + "_real"
+        tokenizer = load_tokenizer(resolve_tokenizer_path(model_dir))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        text = "".join(open(os.path.join(root, f)).read() for f in ("README.md", "docs/structures.md", "docs/http_api.md"))
+        ids = tokenizer.encode(text)
+        prompts = []
+        for _ in range(args.num_prompts):
+            n = min(rng.randint(args.min_len, args.max_len), len(ids) - 1)
+            start = rng.randrange(0, len(ids) - n)
+            prompts.append(ids[start : start + n])
+    else:
+        model_dir = write_preset_config(args.preset, tempfile.mkdtemp(prefix="agreement_"))
+        vocab = PRESETS[args.preset]["vocab_size"]
+        write_dummy_tokenizer(model_dir, vocab)
+        prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
+                   for _ in range(args.num_prompts)]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     payload = {"device": device_name(device), "commit": git_commit(), "params": vars(args), "results": {}}
     for dtype in args.dtypes:
-        ref = generate(model_dir, "torch", dtype, prompts, args.output_len)
-        got = generate(model_dir, "triton", dtype, prompts, args.output_len)
+        ref = generate(model_dir, "torch", dtype, prompts, args.output_len, load_format)
+        got = generate(model_dir, "triton", dtype, prompts, args.output_len, load_format)
         res = compare(ref, got)
         payload["results"][dtype] = res
         print(f"{dtype}: exact sequences {res['exact_sequence_match_rate']:.0%}, tokens before first "

@@ -36,6 +36,11 @@ def make_prompts(tokenizer, num: int, lo: int, hi: int, vocab: int, seed: int) -
                 text_ids.extend(tokenizer.encode(json.loads(line)["text"]))
                 if len(text_ids) > hi * 8:
                     break
+    else:  # ../shared does not travel to the GPU machine: fall back to this repo's docs
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        for name in ("README.md", "docs/structures.md", "docs/http_api.md", "sgl_kvxfer/mem_cache/README.md"):
+            with open(os.path.join(root, name)) as f:
+                text_ids.extend(tokenizer.encode(f.read()))
     prompts = []
     for _ in range(num):
         n = rng.randint(lo, hi)
@@ -74,6 +79,11 @@ def run_engine(args, model_dir, prompts):
     dtype = engine.runner.dtype
     engine.shutdown()
     del engine
+    import gc
+
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()  # hand the KV pool back before HF allocates
     return result, dtype
 
 

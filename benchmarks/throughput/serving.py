@@ -78,6 +78,8 @@ def device_name(server_info: dict) -> str:
 
 
 def commit() -> str:
+    if os.environ.get("SGL_KVXFER_COMMIT"):  # no git on the GPU machine (see sgl_kvxfer/env.py)
+        return os.environ["SGL_KVXFER_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
     except (OSError, subprocess.CalledProcessError):

@@ -1,0 +1,17 @@
+# Sourced on the GPU machine: carried wheels, our package (editable), the converted model.
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/m
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || return 1
+export SGL_KVXFER_MODEL_CACHE=/tmp/models HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+if [ -f .carry_b/part_b ] && [ -f /tmp/m/part_a ] && [ ! -f /tmp/m/smollm2.gguf ]; then
+  cat /tmp/m/part_a .carry_b/part_b > /tmp/m/smollm2.gguf
+fi
+if [ -f /tmp/m/smollm2.gguf ]; then
+  python3 -c "
+from sgl_kvxfer.models.convert import convert_gguf, default_cache_dir, is_converted
+d = default_cache_dir()
+print(d if is_converted(d) else convert_gguf('/tmp/m/smollm2.gguf', d))" || return 1
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
