@@ -6,7 +6,7 @@ source scripts/gpu/env.sh || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_bench .whl_bench/*.whl || exit 1
 cat > /tmp/benchpy <<'PY'
 #!/usr/bin/env bash
-PYTHONPATH=/tmp/site_bench:/tmp/site exec python3 "$@"
+CUDA_VISIBLE_DEVICES= PYTHONPATH=/tmp/site_bench:/tmp/site exec python3 "$@"  # client only: the CPU import path of sglang
 PY
 chmod +x /tmp/benchpy
 python3 benchmarks/throughput/serving.py --bench-python /tmp/benchpy --num-prompts 64 --input-len 256 \

@@ -17,7 +17,7 @@ import torch
 
 from sgl_kvxfer.models import create_model
 from sgl_kvxfer.models.arch_config import ModelArchConfig
-from sgl_kvxfer.models.convert import EMBEDDED_NAMES, convert_gguf, default_cache_dir, embedded_gguf_path
+from sgl_kvxfer.models.convert import is_converted, EMBEDDED_NAMES, convert_gguf, default_cache_dir, embedded_gguf_path
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ def resolve_model_path(model_path: str | None, cache_dir: str | None = None) -> 
     """
     if model_path is None or _is_embedded_name(model_path):
         out = cache_dir or default_cache_dir("smollm2-135m-instruct")
+        if is_converted(out):  # an existing cache needs no GGUF (e.g. on the GPU machine)
+            return out
         return convert_gguf(embedded_gguf_path(), out)
     path = os.path.abspath(os.path.expanduser(model_path))
     if path.lower().endswith(".gguf"):
