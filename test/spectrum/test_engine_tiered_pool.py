@@ -177,3 +177,23 @@ def test_dropped_tokens_are_masked_not_zeroed():
     zeroed = F.scaled_dot_product_attention(q[:, :, None, :], zk.transpose(0, 1)[None], zv.transpose(0, 1)[None],
                                             enable_gqa=True)[:, :, 0]
     assert not torch.allclose(out, zeroed, atol=1e-3)
+
+
+def test_config_flags_come_from_the_policy_registry():
+    import argparse
+
+    from sgl_kvxfer.config import EngineConfig, ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    action = next(a for a in parser._actions if a.dest == "kv_tier_policy")
+    assert tuple(action.choices) == tuple(TIER_POLICIES)
+    args = parser.parse_args(["--kv-tier-budget", "0.5", "--kv-tier-policy", "pdtrim", "--kv-budget-unit", "cost"])
+    engine = ServerArgs.from_cli_args(args).engine
+    assert (engine.kv_tier_budget, engine.kv_tier_policy, engine.kv_budget_unit) == (0.5, "pdtrim", "cost")
+    assert engine.tiering_enabled and engine.resolved_attention_backend == "torch"
+    with pytest.raises(ValueError):
+        EngineConfig(kv_tier_budget=0.5, kv_tier_policy="nope")
+    with pytest.raises(ValueError):
+        EngineConfig(kv_tier_budget=0.5, page_size=16)
+    assert not EngineConfig().tiering_enabled

@@ -8,7 +8,6 @@ from sgl_kvxfer.spectrum.niah import DEFAULT_PROSE_PATH
 from sgl_kvxfer.spectrum.tiers import TIER_DROP
 
 pytestmark = pytest.mark.slow
-GREEDY = {"max_new_tokens": 24, "temperature": 0}
 SHORT = {"max_new_tokens": 8, "temperature": 0}
 KW = dict(max_total_tokens=12000, dtype="bfloat16")
 
@@ -73,9 +72,9 @@ def test_b05_shrinks_resident_kv_and_stays_close(base, tiered, prose):
     assert ratio <= 0.53, ratio  # everything resident is tiered: context + scored continuation
     first = [r for r in tiered.scheduler.tiering.records if r.start == 0][-1]
     assert first.end == 600 and first.byte_ratio <= 0.5 and first.asked == first.got
-    out_b = base.generate(input_ids=prose[:300], sampling_params=GREEDY)
-    out_t = tiered.generate(input_ids=prose[:300], sampling_params=GREEDY)
-    assert out_t["meta_info"]["completion_tokens"] == 24 and out_t["output_ids"][:8] == out_b["output_ids"][:8]
+    out_b = base.generate(input_ids=prose[:300], sampling_params=SHORT)
+    out_t = tiered.generate(input_ids=prose[:300], sampling_params=SHORT)
+    assert out_t["meta_info"]["completion_tokens"] == 8 and out_t["output_ids"][:4] == out_b["output_ids"][:4]
 
 
 def test_radix_hit_reuses_tiered_prefix(tiered, prose):
@@ -87,7 +86,7 @@ def test_radix_hit_reuses_tiered_prefix(tiered, prose):
     tiers = tree.match_tiers(node).clone()
     assert slots.numel() == 400 and set(tiers.tolist()) <= {0, 1, 2} and (tiers > 0).sum() > 350
     n_records = len(tiering.records)
-    out = tiered.generate(input_ids=ctx + prose[400:450], sampling_params=GREEDY)
+    out = tiered.generate(input_ids=ctx + prose[400:450], sampling_params=SHORT)
     assert out["meta_info"]["cached_tokens"] == 400
     new = list(tiering.records)[n_records:]
     assert new[0].start == 400  # only the private tail was assigned; the prefix kept its tiers
@@ -141,13 +140,16 @@ def test_decode_demotion_keeps_recent_window(tiered, prose):
     tiering = tiered.scheduler.tiering
     tiered.flush_cache()
     n_records = len(tiering.records)
-    prompt = prose[:100]
-    out = tiered.generate(input_ids=prompt, sampling_params={"max_new_tokens": 60, "temperature": 0,
-                                                             "ignore_eos": True})
+    with tiering.using(decode_recent=4):
+        out = tiered.generate(input_ids=prose[:100], sampling_params={"max_new_tokens": 20, "temperature": 0,
+                                                                      "ignore_eos": True})
     runs = [(r.start, r.end) for r in list(tiering.records)[n_records:] if r.start >= 100]
-    # R = 16: runs of 16 while decoding (after 32 unassigned), then all but the last 16 at finish
-    kv_len = 100 + 60 - 1
-    assert runs[0] == (100, 116) and runs[-1][1] == kv_len - 16, runs
-    assert all(b - a == 16 for a, b in runs[:-1])
-    assert out["meta_info"]["completion_tokens"] == 60
+    # R = 4: runs of 4 while decoding (each time 8 are unassigned), then all but the last 4 at finish
+    kv_len = 100 + 20 - 1
+    assert runs[0] == (100, 104) and runs[-1][1] == kv_len - 4, runs
+    assert all(b - a == 4 for a, b in runs[:-1]) and all(r.asked == r.got for r in tiering.records)
+    assert out["meta_info"]["completion_tokens"] == 20
+    tree = tiered.scheduler.kv.tree
+    tiers = tree.match_tiers(tree.match_prefix(prose[:100] + out["output_ids"][:-1])[1])
+    assert (tiers[100:kv_len - 4] > 0).all() and (tiers[kv_len - 4:] == 0).all()  # window cached fp16
     tiered.scheduler.kv.allocator.debug_check()
