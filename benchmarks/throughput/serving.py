@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import signal
 import socket
@@ -24,6 +23,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.report import device_name, git_commit  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -60,30 +62,15 @@ def start_server(port: int, server_args: list[str], log_path: str) -> subprocess
     raise RuntimeError(f"server did not start; see {log_path}")
 
 
-def device_name(server_info: dict) -> str:
-    dev = str(server_info.get("device", "auto"))
+def on_gpu(server_info: dict) -> bool:
+    if str(server_info.get("device", "auto")) == "cpu":
+        return False
     try:
         import torch
 
-        if dev != "cpu" and torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
+        return torch.cuda.is_available()
     except ImportError:
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or "cpu"
-    return f"CPU {model} x{os.cpu_count()}"
-
-
-def commit() -> str:
-    if os.environ.get("SGL_KVXFER_COMMIT"):  # no git on the GPU machine (see sgl_kvxfer/env.py)
-        return os.environ["SGL_KVXFER_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return False
 
 
 def run_rate(args, base_url: str, model_dir: str, rate: str, workdir: str) -> dict:
@@ -158,11 +145,12 @@ def main() -> None:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-    device = device_name(info)
-    tag = "cpu" if device.startswith("CPU") else device.split()[-1].lower()
+    gpu = on_gpu(info)
+    device = device_name("cuda" if gpu else "cpu")
+    tag = device.split()[-1].lower() if gpu else "cpu"
     result = {
         "benchmark": "serving", "tool": "sglang.bench_serving 0.5.23 --backend sglang --dataset-name random-ids",
-        "device": device, "commit": commit(), "utc": stamp, "model_path": info.get("model_path"),
+        "device": device, "commit": git_commit(), "utc": stamp, "model_path": info.get("model_path"),
         "parameters": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "max_concurrency",
                                                       "server_args", "rates")},
         "server": {k: info.get(k) for k in ("max_total_num_tokens", "chunked_prefill_size", "max_running_requests",
