@@ -43,6 +43,9 @@ class EngineConfig:
     kv_importance: str = "attn"
     kv_recency_lambda: float = 0.0
     kv_int4: str = "auto"
+    # Length of the int4 probe's NIAH trials. It must be a length at which the fp16 model itself
+    # retrieves, else the probe measures long-context ability, not int4 tolerance (spectrum/probe.py).
+    kv_int4_probe_tokens: int = 1024
     # "bytes": resident KV bytes (scales included) <= b x fp16 bytes; "cost": the paper's Eq. 3
     # normalized cost (scales not counted). See sgl_kvxfer/spectrum/byte_budget.py.
     kv_budget_unit: str = "bytes"
@@ -72,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"kv_tier_budget must be in (0, 1], got {self.kv_tier_budget}")
         if self.kv_int4 not in KV_INT4_CHOICES:
             raise ValueError(f"kv_int4 must be one of {KV_INT4_CHOICES}, got {self.kv_int4!r}")
+        if self.kv_int4_probe_tokens < 128:
+            raise ValueError(f"kv_int4_probe_tokens must be >= 128, got {self.kv_int4_probe_tokens}")
         if self.kv_importance not in KV_IMPORTANCE_CHOICES:
             raise ValueError(f"kv_importance must be one of {KV_IMPORTANCE_CHOICES}, got {self.kv_importance!r}")
         if self.kv_sink_tokens < 0 or self.kv_recency_lambda < 0:

@@ -29,13 +29,14 @@ METHODS = {  # name -> (policy, int4: True / False / None = the probe's decision
     "adaptive-2tier": ("adaptive-2tier", False), "pdtrim": ("pdtrim", False), "sws": ("sws", False)}
 
 
-def build_trials(tokenizer, texts, depths, tokens: int, seed: int = 0):
+def build_trials(tokenizer, texts, depths, tokens: int, per_depth: int = 1, seed: int = 0):
+    """`per_depth` trials (own passcode and filler) at each depth, depth-major order."""
     from sgl_kvxfer.scheduler.int4_probe import chat_prompt_ids
     from sgl_kvxfer.spectrum.niah import build_niah_prompt, make_passcode
 
     count = lambda s: len(tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
     trials = []
-    for i, depth in enumerate(depths):
+    for i, depth in enumerate(d for d in depths for _ in range(per_depth)):
         rng = random.Random(seed * 1000 + i)
         start = rng.randrange(len(texts))
         while True:
@@ -58,13 +59,14 @@ def run_point(engine, trials, tag: str):
         [o["text"] for o in outs], set(rids)
 
 
-def probe_baseline(engine) -> list[bool]:
+def probe_baseline(engine, probe_tokens: int) -> list[bool]:
     """The probe's own 3 trials on the untiered engine."""
     from sgl_kvxfer.scheduler.int4_probe import run_engine_trial
     from sgl_kvxfer.spectrum.niah import build_probe_trials, load_filler_texts, niah_success
 
     tok = engine.tokenizer
-    trials = build_probe_trials(load_filler_texts(), 3, count_tokens=lambda s: len(tok.encode(s, add_special_tokens=False)))
+    trials = build_probe_trials(load_filler_texts(), 3, target_tokens=probe_tokens,
+                                count_tokens=lambda s: len(tok.encode(s, add_special_tokens=False)))
     engine.flush_cache()
     return [bool(niah_success(run_engine_trial(engine.scheduler, tok, t.prompt), t.passcode)) for t in trials]
 
@@ -104,9 +106,11 @@ def run(args) -> str:
     probe = {"int4_enabled": res.enabled, "source": res.source,
              "outcomes": res.result.outcomes if res.result else None,
              "responses": res.result.responses if res.result else None}
-    probe["fp16_outcomes"] = probe_baseline(base)  # is a failure the int4 tier's or the model's?
+    probe["tokens"] = tiered.runner.config.kv_int4_probe_tokens
+    probe["fp16_outcomes"] = probe_baseline(base, probe["tokens"])  # is a failure the int4 tier's or the model's?
     print("probe:", probe, f"({time.time() - t0:.0f}s)", flush=True)
-    trials = build_trials(base.tokenizer, texts, depths, args.tokens)
+    per_depth = 1 if args.quick else args.trials_per_depth
+    trials = build_trials(base.tokenizer, texts, depths, args.tokens, per_depth)
     ok, texts_fp16, _ = run_point(base, trials, "fp16")
     print("fp16:", sum(ok), "/", len(ok), flush=True)
     grid = {"fp16": {"1.0": ok}}
@@ -127,8 +131,9 @@ def run(args) -> str:
     cos = kv_cosine(base, trials[len(trials) // 2]["ids"], tiered.runner.config.kv_quant_group_size)
     print("int4 cosine K %.4f V %.4f (mean over layers)" % (sum(cos["int4_k"]) / len(cos["int4_k"]),
                                                             sum(cos["int4_v"]) / len(cos["int4_v"])))
-    payload = {**metadata(args, base, {"depths": depths, "budgets": budgets, "methods": methods}),
-               "probe": probe, "fp16_accuracy": 100.0 * sum(grid["fp16"]["1.0"]) / len(depths),
+    payload = {**metadata(args, base, {"depths": depths, "budgets": budgets, "methods": methods,
+                                       "trials_per_depth": per_depth}),
+               "probe": probe, "fp16_accuracy": 100.0 * sum(grid["fp16"]["1.0"]) / len(trials),
                "results": rows, "grid": grid, "answers": answers, "kv_cosine": cos, "wall_s": time.time() - t0}
     path = write(args.out_dir, f"niah_{device_tag(base)}{'_quick' if args.quick else ''}", payload)
     print("wrote", path)
@@ -148,9 +153,10 @@ def plot(path: str) -> str:
     fig, axes = plt.subplots(1, len(methods) + 1, figsize=(2.2 * len(methods) + 4.5, 4.2),
                              gridspec_kw={"width_ratios": [1] * len(methods) + [2]})
     fp16 = data["grid"]["fp16"]["1.0"]
+    k = data["params"].get("trials_per_depth", 1)  # trials are depth-major: depth i = [i*k, (i+1)*k)
     for ax, method in zip(axes, methods):
         cols = [data["grid"][method][str(b)] for b in budgets] + [fp16]
-        img = [[float(col[i]) for col in cols] for i in range(len(depths))]
+        img = [[sum(col[i * k:(i + 1) * k]) / k for col in cols] for i in range(len(depths))]
         ax.imshow(img, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
         ax.set_xticks(range(len(budgets) + 1), [str(b) for b in budgets] + ["fp16"], fontsize=7)
         ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=6)
@@ -165,7 +171,8 @@ def plot(path: str) -> str:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     p = data["probe"]
-    fig.suptitle(f"NIAH {data['params']['tokens']} tokens, SmolLM2-135M; probe {p['outcomes']} "
+    fig.suptitle(f"NIAH {data['params']['tokens']} tokens x {k}/depth, SmolLM2-135M; "
+                 f"probe@{p.get('tokens', 4096)} {p['outcomes']} "
                  f"(fp16 {p.get('fp16_outcomes')}) -> int4 "
                  f"{'on' if p['int4_enabled'] else 'off'}; fp16 acc {data['fp16_accuracy']:.0f}%; "
                  f"{data['device']} @ {data['commit'][:10]}", fontsize=8)
@@ -180,6 +187,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap)
     ap.add_argument("--tokens", type=int, default=4096, help="user-message length in tokens")
+    ap.add_argument("--trials-per-depth", type=int, default=3, help="trials (passcode + filler) per depth")
     ap.add_argument("--budgets", type=float, nargs="*", default=None)
     ap.add_argument("--methods", nargs="*", default=None, choices=list(METHODS))
     ap.add_argument("--unit", default="bytes", choices=["bytes", "cost"])

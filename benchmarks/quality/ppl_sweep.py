@@ -72,7 +72,8 @@ def run(args) -> str:
     print(f"fp16 (untiered) PPL {ref:.4f} over {count} tokens ({time.time() - t0:.0f}s)", flush=True)
     rows, tiering = [], tiered.scheduler.tiering
     meta = metadata(args, base, {"budgets": budgets, "methods": methods, "units": units, "windows": len(windows)})
-    name = f"ppl_sweep_{device_tag(base)}{'_quick' if args.quick else ''}"
+    unit_tag = "" if units == ["bytes"] else "_" + "_".join(units)  # one file per unit set
+    name = f"ppl_sweep_{device_tag(base)}{unit_tag}{'_quick' if args.quick else ''}"
 
     def save(done: bool) -> str:  # after every point, so a run cut short keeps what it measured
         return write(args.out_dir, name, {**meta, "protocol": "compressed-prefix PPL (benchmarks/quality/README.md)",

@@ -3,7 +3,8 @@
 `resolve_engine_int4` applies `--kv-int4`:
     on / off   -> forced, nothing runs
     auto       -> skipped when the configured policy never emits int4 (the answer is moot);
-                  else the cached result for the model fingerprint, or 3 NIAH trials through this
+                  else the cached result for (model fingerprint, trial length), or 3 NIAH trials
+                  of --kv-int4-probe-tokens (1024) through this
                   scheduler (chat template, greedy decoding) under the probe's own settings:
                   greedy policy, cost budget 0.3, int4 on. int4 is enabled iff >= 2 succeed.
 It runs only when tiering is on (kv_tier_budget < 1), once per scheduler start, before any
@@ -66,7 +67,8 @@ def resolve_engine_int4(tiering, scheduler, tokenizer=None, cache_dir=None, mode
     if not uses_int4(tiering.policy):
         return Int4Resolution(enabled=False, source="unused")
     runner = scheduler.runner
-    fingerprint = model_fingerprint(runner.hf_config, runner.model.named_parameters())
+    probe_tokens = tiering.config.kv_int4_probe_tokens
+    fingerprint = f"{model_fingerprint(runner.hf_config, runner.model.named_parameters())}-t{probe_tokens}"
     cached = load_cached_probe(fingerprint, cache_dir)
     if cached is not None:
         return Int4Resolution(enabled=cached.int4_enabled, source="cache", result=cached)
@@ -74,10 +76,10 @@ def resolve_engine_int4(tiering, scheduler, tokenizer=None, cache_dir=None, mode
         from sgl_kvxfer.models.loader import load_tokenizer, resolve_tokenizer_path
 
         tokenizer = load_tokenizer(resolve_tokenizer_path(runner.model_dir, tiering.config.tokenizer_path))
-    trials = build_probe_trials(load_filler_texts(), PROBE_NUM_TRIALS,
+    trials = build_probe_trials(load_filler_texts(), PROBE_NUM_TRIALS, target_tokens=probe_tokens,
                                 count_tokens=lambda s: len(tokenizer.encode(s, add_special_tokens=False)))
-    logger.info("SpectrumKV: running the int4 probe (%d NIAH trials, %s at b=%.1f)", len(trials),
-                PROBE_POLICY, PROBE_BUDGET)
+    logger.info("SpectrumKV: running the int4 probe (%d NIAH trials of %d tokens, %s at b=%.1f)", len(trials),
+                probe_tokens, PROBE_POLICY, PROBE_BUDGET)
     with tiering.using(policy=PROBE_POLICY, budget=PROBE_BUDGET, unit="cost", int4_allowed=True):
         resolution = resolve_int4("auto", fingerprint, lambda p: run_engine_trial(scheduler, tokenizer, p),
                                   trials, cache_dir)

@@ -1,13 +1,14 @@
 """int4 tolerance probe (paper Sec. 4.5, Algorithm 1 step 1) and `--kv-int4 auto|on|off`.
 
-Rule: run PROBE_NUM_TRIALS (3) NIAH trials with the 3-tier greedy policy at b = 0.3 and int4
+Rule: run PROBE_NUM_TRIALS (3) NIAH trials of PROBE_TOKENS (1024, `--kv-int4-probe-tokens`)
+with the 3-tier greedy policy at b = 0.3 and int4
 enabled; int4 is enabled iff at least PROBE_MIN_SUCCESSES (2) succeed. Otherwise the model runs
 2-tier (fp16 + int8). Modes: "on" / "off" force the answer and never probe; "auto" reads the
 on-disk cache and probes only on a miss, then stores the result.
 
 Cache: one JSON file per model under $SGL_KVXFER_PROBE_CACHE, else ~/.cache/sgl_kvxfer/int4_probe/,
-named by `model_fingerprint` (config JSON + a strided sample of every weight's bytes), so a
-changed checkpoint or config re-probes. The trial runner is a callable prompt -> completion,
+named by `model_fingerprint` (config JSON + a strided sample of every weight's bytes) plus the
+trial length, so a changed checkpoint, config or probe length re-probes. The trial runner is a callable prompt -> completion,
 so this module knows nothing about the engine; the caller must run it under
 PROBE_POLICY at PROBE_BUDGET with int4 on and apply the chat template.
 """
@@ -29,6 +30,11 @@ PROBE_POLICY = "greedy"
 PROBE_BUDGET = 0.3
 PROBE_NUM_TRIALS = 3
 PROBE_MIN_SUCCESSES = 2
+# Trial length (--kv-int4-probe-tokens). The paper's models retrieve at 4k; SmolLM2-135M at fp16
+# does not (1 of these 3 trials at 4096 tokens, 3/3 at 1k), and a probe whose trials fail at fp16
+# would turn int4 off for a reason int4 has nothing to do with. Measured on an H200:
+# benchmarks/results/niah_NVIDIA_H200.json ("probe" -> "fp16_outcomes").
+PROBE_TOKENS = 1024
 INT4_MODES = ("auto", "on", "off")
 # NOTE: belongs in the typed env.py once it exists; read here so the probe works standalone.
 from sgl_kvxfer import env as _env
@@ -60,7 +66,7 @@ def run_int4_probe(run_trial: Callable[[str], str], trials: Sequence[NIAHTrial] 
                    fingerprint: str = "", min_successes: int = PROBE_MIN_SUCCESSES) -> ProbeResult:
     """Run every trial through `run_trial` (prompt -> completion) and apply the 2-of-3 rule."""
     if trials is None:
-        trials = build_probe_trials(load_filler_texts(), PROBE_NUM_TRIALS)
+        trials = build_probe_trials(load_filler_texts(), PROBE_NUM_TRIALS, target_tokens=PROBE_TOKENS)
     responses = [run_trial(t.prompt) for t in trials]
     outcomes = [niah_success(r, t.passcode) for r, t in zip(responses, trials)]
     return ProbeResult(fingerprint=fingerprint, outcomes=outcomes,

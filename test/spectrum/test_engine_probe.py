@@ -108,3 +108,25 @@ def test_engine_start_applies_probe_decision(smollm2_path, trial_log, tmp_path, 
     with Engine(smollm2_path, **kw) as eng:
         assert eng.get_server_info()["extra"]["kv_int4_source"] == "cache"
     assert len(trial_log.calls) == 3
+
+
+def test_probe_trial_length_follows_config_and_keys_the_cache(trial_log, tmp_path, monkeypatch):
+    """--kv-int4-probe-tokens sets the trials' length; a different length is a cache miss."""
+    lengths = []
+    real_build = int4_probe.build_probe_trials
+
+    def spy_build(texts, num_trials, target_tokens, count_tokens=None):
+        lengths.append(target_tokens)
+        return real_build(texts, num_trials, target_tokens=target_tokens, count_tokens=count_tokens)
+
+    monkeypatch.setattr(int4_probe, "build_probe_trials", spy_build)
+    sched = FakeScheduler()
+    for tokens, source in ((300, "probe"), (300, "cache"), (200, "probe")):
+        trial_log.tiering = FakeTiering("auto")
+        trial_log.tiering.config = EngineConfig(kv_tier_budget=0.5, kv_int4="auto", kv_int4_probe_tokens=tokens)
+        res = int4_probe.resolve_engine_int4(trial_log.tiering, sched, FakeTokenizer(), cache_dir=tmp_path)
+        assert res.source == source
+    assert lengths == [300, 200]
+    assert EngineConfig().kv_int4_probe_tokens == 1024
+    with pytest.raises(ValueError, match="kv_int4_probe_tokens"):
+        EngineConfig(kv_int4_probe_tokens=10)
