@@ -15,9 +15,12 @@ dtype) and fed to tl.dot; the running (max, sum, acc) is written as a partial re
                   [S16+S8, S)        int4 pages  ...
 
 Pages per split are scaled by the tier's bytes per page so every split moves about the same
-bytes; S is chosen to give ~SPLIT_WAVES programs per SM. Stage 2, grid (B * Hq): log-sum-exp
-merge of the S partials. Attention over a set is order-free (K is post-RoPE), so per-tier
-partials merge exactly like split-K partials of one sequence.
+bytes; S is chosen to give ~SPLIT_WAVES programs per SM. With EVEN_SPLITS each request instead
+divides its own pages of a tier evenly over that tier's splits (ppsT = cdiv(pages_b, ST)): the
+plan can then be fixed for a wide table (CUDA graphs) without short requests running all their
+pages in one split. Stage 2, grid (B * Hq): log-sum-exp merge of the S partials. Attention over
+a set is order-free (K is post-RoPE), so per-tier partials merge exactly like split-K partials
+of one sequence.
 """
 from __future__ import annotations
 
@@ -112,6 +115,17 @@ def _attend_pages(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _split_pages(local_split, n_tok, pps, n_split, PAGE: tl.constexpr, EVEN: tl.constexpr):
+    """Page range [p_lo, p_hi) of split `local_split` (0-based within its tier); empty past the
+    request's pages, so such splits are no-ops."""
+    n_pages = tl.cdiv(n_tok, PAGE)
+    if EVEN:
+        pps = tl.cdiv(n_pages, n_split)
+    p_lo = local_split * pps
+    return p_lo, tl.minimum(p_lo + pps, n_pages)
+
+
 @triton.autotune(configs=_DECODE_CONFIGS,
                  key=["HEAD_DIM", "PAGE", "BLOCK_G", "GROUP_SIZE", "PREFETCH", "FAST_DEQUANT"])
 @triton.jit
@@ -128,7 +142,7 @@ def _decode_tiered_kernel(
     n_split16, n_split8, pps16, pps8, pps4, qk_scale,
     NUM_KV_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, PAGE: tl.constexpr,
-    PREFETCH: tl.constexpr, FAST_DEQUANT: tl.constexpr,
+    PREFETCH: tl.constexpr, FAST_DEQUANT: tl.constexpr, EVEN_SPLITS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -147,8 +161,7 @@ def _decode_tiered_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     if split < n_split16:
         n_tok = tl.load(len16_ptr + b)
-        p_lo = split * pps16
-        p_hi = tl.minimum(p_lo + pps16, tl.cdiv(n_tok, PAGE))
+        p_lo, p_hi = _split_pages(split, n_tok, pps16, n_split16, PAGE, EVEN_SPLITS)
         acc, m_i, l_i = _attend_pages(
             acc, m_i, l_i, q, bt16_ptr + b * stride_bt16, n_tok, p_lo, p_hi,
             k16_ptr, v16_ptr, k16_ptr, k16_ptr, k16_ptr, k16_ptr,
@@ -156,8 +169,7 @@ def _decode_tiered_kernel(
             0, PAGE, HEAD_DIM, GROUP_SIZE, False, False)
     elif split < n_split16 + n_split8:
         n_tok = tl.load(len8_ptr + b)
-        p_lo = (split - n_split16) * pps8
-        p_hi = tl.minimum(p_lo + pps8, tl.cdiv(n_tok, PAGE))
+        p_lo, p_hi = _split_pages(split - n_split16, n_tok, pps8, n_split8, PAGE, EVEN_SPLITS)
         acc, m_i, l_i = _attend_pages(
             acc, m_i, l_i, q, bt8_ptr + b * stride_bt8, n_tok, p_lo, p_hi,
             k8_ptr, v8_ptr, k8s_ptr, k8z_ptr, v8s_ptr, v8z_ptr,
@@ -165,8 +177,8 @@ def _decode_tiered_kernel(
             1, PAGE, HEAD_DIM, GROUP_SIZE, PREFETCH, FAST_DEQUANT)
     else:
         n_tok = tl.load(len4_ptr + b)
-        p_lo = (split - n_split16 - n_split8) * pps4
-        p_hi = tl.minimum(p_lo + pps4, tl.cdiv(n_tok, PAGE))
+        n_split4 = tl.num_programs(1) - n_split16 - n_split8
+        p_lo, p_hi = _split_pages(split - n_split16 - n_split8, n_tok, pps4, n_split4, PAGE, EVEN_SPLITS)
         acc, m_i, l_i = _attend_pages(
             acc, m_i, l_i, q, bt4_ptr + b * stride_bt4, n_tok, p_lo, p_hi,
             k4_ptr, v4_ptr, k4s_ptr, k4z_ptr, v4s_ptr, v4z_ptr,
@@ -244,14 +256,21 @@ def decode_attention_tiered(
     q: torch.Tensor, layer: TieredKVLayer, tables: TieredBlockTables,
     sm_scale: Optional[float] = None, pages_per_split=None, out: Optional[torch.Tensor] = None,
     prefetch: bool = True, split_waves: int = SPLIT_WAVES, fast_dequant: bool = True,
+    split_plan=None, check: bool = True, even_splits: bool = False,
 ) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] over each request's tiered cache -> [B, Hq, D].
 
     pages_per_split: (fp16, int8, int4) pages per stage-1 program, default planned from the
     block-table widths (plan_splits); prefetch: register double-buffering of quantized pages;
     split_waves: stage-1 programs per SM the planner aims for; fast_dequant: fp16 bit-trick
-    dequantization (see _tiles._dequant_tile) instead of the codec-exact fp32 path."""
-    layer.check()
+    dequantization (see _tiles._dequant_tile) instead of the codec-exact fp32 path.
+    split_plan: a plan_splits result for these tables, reused as is (callers that run many
+    layers over one batch plan once); check=False skips the layout checks of `layer` and
+    `tables` (callers that checked them once). Splits past a request's length are no-ops, so
+    a plan for wider tables than the requests need stays exact (CUDA-graph decode);
+    even_splits: each request spreads its own pages over the planned split counts (module doc)."""
+    if check:
+        layer.check()
     B, Hq, D = q.shape
     Hkv, PAGE = layer.num_kv_heads, layer.page_size
     assert q.dtype == layer.dtype and D == layer.head_dim, (q.dtype, layer.dtype, D)
@@ -259,13 +278,15 @@ def decode_attention_tiered(
     assert Hq % Hkv == 0, (Hq, Hkv)
     assert PAGE >= 16 and PAGE & (PAGE - 1) == 0, "PAGE must be a power of two >= 16"
     assert D & (D - 1) == 0 and D >= 16, "head_dim must be a power of two >= 16"
-    tables.check(PAGE)
+    if check:
+        tables.check(PAGE)
     assert tables.batch_size == B
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     kv_group = Hq // Hkv
-    elem = q.element_size()
-    pps, splits = plan_splits(tables, Hkv, D, layer.group_size, elem, q.device, pages_per_split,
-                              split_waves)
+    if split_plan is None:
+        split_plan = plan_splits(tables, Hkv, D, layer.group_size, q.element_size(), q.device,
+                                 pages_per_split, split_waves)
+    pps, splits = split_plan
     S = sum(splits)
     o_part = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
@@ -286,7 +307,7 @@ def decode_attention_tiered(
         splits[0], splits[1], pps[0], pps[1], pps[2], sm_scale * LOG2E,
         NUM_KV_HEADS=Hkv, KV_GROUP=kv_group, BLOCK_G=max(16, next_pow2(kv_group)),
         HEAD_DIM=D, GROUP_SIZE=layer.group_size, PAGE=PAGE, PREFETCH=prefetch,
-        FAST_DEQUANT=fast_dequant,
+        FAST_DEQUANT=fast_dequant, EVEN_SPLITS=even_splits,
     )
     if out is None:
         out = torch.empty_like(q)

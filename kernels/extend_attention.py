@@ -126,9 +126,12 @@ def _extend_tiered_kernel(
 def extend_attention_tiered(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor,
     layer: TieredKVLayer, prefix_tables: TieredBlockTables, sm_scale: Optional[float] = None,
-    max_extend_len: Optional[int] = None, out: Optional[torch.Tensor] = None,
+    max_extend_len: Optional[int] = None, out: Optional[torch.Tensor] = None, check: bool = True,
 ) -> torch.Tensor:
-    layer.check()
+    """check=False skips the layout checks of `layer` and `prefix_tables` (callers that
+    checked them once, e.g. an attention backend running many layers over one batch)."""
+    if check:
+        layer.check()
     N, Hq, D = q.shape
     Hkv, PAGE = layer.num_kv_heads, layer.page_size
     assert q.dtype == k_new.dtype == v_new.dtype == layer.dtype and D == layer.head_dim
@@ -137,7 +140,8 @@ def extend_attention_tiered(
     assert Hq % Hkv == 0 and PAGE >= 16 and D & (D - 1) == 0
     assert qo_indptr.dtype == torch.int32 and qo_indptr.is_contiguous()
     B = qo_indptr.shape[0] - 1
-    prefix_tables.check(PAGE)
+    if check:
+        prefix_tables.check(PAGE)
     assert prefix_tables.batch_size == B
     if max_extend_len is None:  # host sync; pass it in from the scheduler to avoid one
         max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if B > 0 else 0

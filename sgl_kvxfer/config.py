@@ -36,6 +36,10 @@ class EngineConfig:
     attention_backend: str | None = None  # None: torch on CPU, triton on GPU
     random_seed: int = 42
     page_size: int = 1
+    # Decode steps replayed from CUDA graphs (engine/cuda_graph_runner.py): CUDA with the triton
+    # attention backend only. cuda_graph_max_bs None: min(max_running_requests, 256).
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
     # SpectrumKV (issue 4); budget 1.0 keeps every token at the model dtype.
     kv_tier_budget: float = 1.0
     kv_tier_policy: str = "greedy"
@@ -67,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.attention_backend == "triton" and self.page_size > 1 and (
                 self.page_size < 16 or self.page_size & (self.page_size - 1)):
             raise ValueError(f"--attention-backend triton needs --page-size 1 (default 64) or a power "

@@ -12,6 +12,7 @@ import os
 import torch
 
 from sgl_kvxfer.config import EngineConfig
+from sgl_kvxfer.engine.cuda_graph_runner import create_cuda_graph_runner
 from sgl_kvxfer.engine.forward_batch import ForwardBatch
 from sgl_kvxfer.engine.memory import kv_pool_tokens
 from sgl_kvxfer.layers.attention import create_attention_backend
@@ -50,9 +51,11 @@ class ModelRunner:
         if config.tiering_enabled:  # SpectrumKV: a request must fit the fp16 (staging) store
             self.max_total_tokens = self.allocator.size
         self.max_running_requests = max_running_requests or min(256, max(self.max_total_tokens // 32, 4))
-        # +1 row so a retracted request can be re-admitted while the batch is full.
-        self.req_to_token = ReqToTokenPool(self.max_running_requests + 1,
+        # +1 row so a retracted request can be re-admitted while the batch is full, +1 row the
+        # runner keeps: CUDA-graph padding rows read it (never handed out, never written).
+        self.req_to_token = ReqToTokenPool(self.max_running_requests + 2,
                                            min(self.context_len, self.max_total_tokens) + 1, self.device)
+        self.padding_req_row = self.req_to_token.alloc()
         self.attn_backend = create_attention_backend(
             config.resolved_attention_backend, kv_pool=self.kv_pool,
             num_q_heads=self.arch.num_attention_heads, num_kv_heads=self.arch.num_key_value_heads,
@@ -60,6 +63,7 @@ class ModelRunner:
         logger.info("model %s (%s) on %s: KV pool %d tokens, %.0f bytes/token, page %d, backend %s",
                     self.model_dir, self.dtype, self.device, self.max_total_tokens,
                     self.kv_pool.bytes_per_token(), self.page_size, config.resolved_attention_backend)
+        self.graph_runner = create_cuda_graph_runner(self)  # None where decode graphs do not apply
 
     def _bytes_per_token_estimate(self) -> float:
         a = self.arch
@@ -67,7 +71,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the model; returns fp32 logits [len(batch.logits_positions), vocab]."""
+        """Run the model; returns fp32 logits [len(batch.logits_positions), vocab].
+
+        NOTE: a decode batch replayed from a CUDA graph returns a view of the graph's static
+        logits; the caller consumes it before the next forward (process_logits does)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)  # decode: logits_positions == arange(B)
         batch.attn_backend = self.attn_backend
         self.attn_backend.prepare_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)

@@ -2,8 +2,13 @@
 
 Layout per layer (kernels/README.md section 2, the fp16 tier):
 
-    k_buffer[layer], v_buffer[layer]: [num_pages + 1, Hkv, PAGE, D]   page 0 = padding (zeroed)
+    k_buffer[layer], v_buffer[layer]: [num_pages + 2, Hkv, PAGE, D]
+    page:   0 (padding, zeroed) | 1 .. num_pages (allocator's) | num_pages + 1 (scratch)
     slot s  ->  page s // PAGE, offset s % PAGE   (slots from PagedTokenSlotAllocator)
+
+Page 0 must read as zeros (masked rows of the kernels read it). The scratch page is never
+handed out and never read as KV: writes that must land nowhere (the padding rows of a
+CUDA-graph decode batch) go to `scratch_slot`.
 
 Head-major inside a page: one (page, kv-head) tile is one contiguous PAGE * D block.
 `set_kv` / `get_kv` take token slots like every KVPool, so the torch backend runs on it too.
@@ -22,7 +27,8 @@ class PagedFp16KVPool(KVPool):
         self.page_size = page_size
         self.num_pages = size // page_size
         super().__init__(self.num_pages * page_size, num_layers, num_kv_heads, head_dim, dtype, device)
-        shape = (self.num_pages + 1, num_kv_heads, page_size, head_dim)
+        shape = (self.num_pages + 2, num_kv_heads, page_size, head_dim)
+        self.scratch_slot = (self.num_pages + 1) * page_size
         # empty(): lazy on CPU; only the padding page must read as zeros (masked rows * 0).
         self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -135,7 +135,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch) -> torch.Tensor:
         """input_ids, positions LongTensor[T] -> final-normed hidden states [T, hidden]."""
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # shared by all layers
+        # Every position < its request's seq_len: a host-side bound, so no device sync.
+        lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
+        bound = max(lens_cpu) if lens_cpu else None
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype, bound)  # shared by all layers
         residual = None
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, cos, sin, forward_batch)

@@ -130,11 +130,17 @@ class RotaryEmbedding:
         self._cos = freqs.cos() * self.attention_scaling
         self._sin = freqs.sin() * self.attention_scaling
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions LongTensor[T] -> (cos, sin) each [T, 1, D/2] in `dtype` (broadcast over heads)."""
-        # NOTE: positions.max() syncs on GPU; the engine may call `ensure(n)` ahead to avoid it.
-        need = int(positions.max().item()) + 1 if positions.numel() else 1
-        self.ensure(need, positions.device)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                num_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions LongTensor[T] -> (cos, sin) each [T, 1, D/2] in `dtype` (broadcast over heads).
+
+        num_positions: a host-side bound (every position < it), e.g. max(seq_lens_cpu); without
+        it the bound is positions.max(), a device sync (not allowed inside CUDA-graph capture)."""
+        if num_positions is None:
+            num_positions = int(positions.max().item()) + 1 if positions.numel() else 1
+        # NOTE: growth replaces the cache tensors; a captured CUDA graph keeps reading the old
+        # ones, so the graph runner ensures the whole context before it captures.
+        self.ensure(num_positions, positions.device)
         cos = self._cos.index_select(0, positions).to(dtype)
         sin = self._sin.index_select(0, positions).to(dtype)
         return cos.unsqueeze(1), sin.unsqueeze(1)

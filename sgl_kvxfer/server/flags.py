@@ -14,15 +14,15 @@ from sgl_kvxfer.config import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-# flag -> the only accepted values (None: any value, it only affects logging or CUDA graphs).
+# flag -> the only accepted values (None: any value is accepted and ignored).
 _NOOP_AT: dict[str, tuple[str, ...] | None] = {
     "--tp-size": ("1",), "--tensor-parallel-size": ("1",), "--dp-size": ("1",), "--data-parallel-size": ("1",),
     "--pp-size": ("1",), "--pipeline-parallel-size": ("1",), "--ep-size": ("1",), "--nnodes": ("1",),
     "--node-rank": ("0",), "--kv-cache-dtype": ("auto",), "--tokenizer-mode": ("auto",),
-    "--disaggregation-mode": ("null",), "--log-level-http": None, "--cuda-graph-max-bs": None,
+    "--disaggregation-mode": ("null",), "--log-level-http": None,
     "--watchdog-timeout": None, "--quantization": ("none",),
 }
-_NOOP_SWITCHES = ("--trust-remote-code", "--log-requests", "--disable-cuda-graph", "--disable-cuda-graph-padding",
+_NOOP_SWITCHES = ("--trust-remote-code", "--log-requests", "--disable-cuda-graph-padding",
                   "--enable-cache-report", "--disable-overlap-schedule", "--skip-server-warmup")
 UNSUPPORTED_FLAGS = (
     "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",

@@ -183,7 +183,8 @@ def test_prefill_adder_charges_page_slack():
 def test_paged_pool_set_get_roundtrip():
     pool = PagedFp16KVPool(32, num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                            device="cpu", page_size=16)
-    assert pool.k_buffer[0].shape == (3, 2, 16, 8) and bool((pool.k_buffer[0][0] == 0).all())
+    assert pool.k_buffer[0].shape == (4, 2, 16, 8) and bool((pool.k_buffer[0][0] == 0).all())
+    assert pool.scratch_slot == 3 * 16  # page 3: after the allocator's pages 1..2
     slots = torch.tensor([16, 17, 40])
     k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     pool.set_kv(0, slots, k, v)

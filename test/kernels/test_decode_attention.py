@@ -82,16 +82,41 @@ def test_decode_real_shapes_gpu(Hq, Hkv, D, mix):
     _check(lens, Hq, Hkv, D, 32, 64, None, mix, device="cuda")
 
 
-@pytest.mark.parametrize("prefetch,fast", [(False, True), (True, False), (False, False)])
-def test_decode_knobs_match_default(prefetch, fast):
+@pytest.mark.parametrize("prefetch,fast,even", [(False, True, False), (True, False, False), (False, False, False),
+                                               (True, True, True)])
+def test_decode_knobs_match_default(prefetch, fast, even):
     layer, tables, _ = build_random_cache([(2, 40, 35)], 1, 32, 16, 16, device=DEVICE, seed=9)
     q = torch.randn(1, 2, 32, generator=torch.Generator().manual_seed(2)).half().to(DEVICE)
     a = decode_attention_tiered(q, layer, tables, pages_per_split=(1, 2, 2))
     b = decode_attention_tiered(q, layer, tables, pages_per_split=(1, 2, 2), prefetch=prefetch,
-                                fast_dequant=fast)
+                                fast_dequant=fast, even_splits=even)
     r = decode_attention_tiered_reference(q, layer, tables)
     torch.testing.assert_close(a.float(), b.float(), atol=2e-3, rtol=0)
     torch.testing.assert_close(b.float(), r.float(), atol=KERNEL_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("even", [False, True])
+def test_decode_fixed_wide_plan_and_empty_rows(even):
+    """The CUDA-graph decode plan: fp16 tables padded to a fixed width (page id 0 past each
+    request), a split plan made once for that width and reused (split_plan, check=False). Splits
+    past a request's pages are no-ops (even=True: each request spreads its pages over the 6
+    splits instead), and a request with no tokens (a padding row) gives exactly 0."""
+    from sgl_kvxfer.kernels.decode_attention import plan_splits
+    from sgl_kvxfer.kernels.paged_layout import TieredBlockTables
+
+    lens = [(37, 0, 0), (0, 0, 0), (5, 0, 0)]
+    layer, tables, _ = build_random_cache(lens, 2, 32, 16, 16, device=DEVICE, seed=5)
+    q = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(6)).half().to(DEVICE)
+    narrow = tables.tables[0]
+    wide = torch.zeros(3, 12, dtype=torch.int32, device=DEVICE)
+    wide[:, : narrow.shape[1]] = narrow
+    wide_tables = TieredBlockTables((wide,) + tables.tables[1:], tables.lens)
+    plan = plan_splits(wide_tables, 2, 32, 16, 2, q.device, pages_per_split=(2, 1, 1))
+    assert plan[1][0] == 6  # 6 fp16 splits; the 37-token request fills 2, the 5-token one 1
+    o = decode_attention_tiered(q, layer, wide_tables, split_plan=plan, check=False, even_splits=even)
+    r = decode_attention_tiered_reference(q, layer, tables)
+    torch.testing.assert_close(o.float(), r.float(), atol=KERNEL_ATOL, rtol=0)
+    assert bool((o[1] == 0).all()), "a request without tokens must give exactly 0"
 
 
 @pytest.mark.gpu

@@ -15,6 +15,9 @@ from sgl_kvxfer.mem_cache.kv_pool import KVPool
 
 
 class AttentionBackend(ABC):
+    # True when `prepare_graph_metadata` is implemented (engine/cuda_graph_runner.py).
+    supports_cuda_graph = False
+
     def __init__(self, kv_pool: KVPool, num_q_heads: int, num_kv_heads: int, head_dim: int):
         self.kv_pool = kv_pool
         self.num_q_heads = num_q_heads
@@ -30,3 +33,9 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (rotated) -> attention output [T, Hq, D]."""
+
+    def prepare_graph_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
+        """CUDA-graph decode plan: like `prepare_metadata` for a DECODE batch, but from device
+        tensors alone (no host sync, `seq_lens_cpu` unused) and with every shape a function of
+        the batch size and `max_seq_len` (>= every seq_len), so one capture serves all replays."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

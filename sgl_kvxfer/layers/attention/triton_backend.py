@@ -11,6 +11,13 @@ Decode: tables cover the whole sequence (the new token is stored first), lens = 
 Extend: tables cover only the cached prefix (extend_prefix_lens); the new tokens are passed
 to the kernel as k/v at full precision (and stored for later batches). No host syncs: table
 widths and max_extend_len come from the batch's CPU-side lists.
+Graph decode (`prepare_graph_metadata`, CUDA-graph capture): the width is fixed at the
+context's page count and the split counts are fixed per batch size, so every shape is a function
+of B alone. The kernel runs with even_splits: each request divides its own pages (from lens, on
+device) over those splits, so a short request in a wide table still spreads its work; a request
+with seq_len 0 (a padding row) reads no page.
+Per-layer host work is hoisted: layer layouts are checked once here, tables and the split
+plan once per batch, so each layer's forward is two kernel launches plus the KV store.
 """
 from __future__ import annotations
 
@@ -29,9 +36,13 @@ class _TritonPlan:
     tables: object  # kernels.paged_layout.TieredBlockTables
     qo_indptr: torch.Tensor | None  # extend: int32 [B + 1] offsets of each request's new tokens
     max_extend_len: int
+    split_plan: tuple | None = None  # decode: kernels.decode_attention.plan_splits for `tables`
+    even_splits: bool = False  # decode: each request spreads its own pages over the splits
 
 
 class TritonAttentionBackend(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, kv_pool, num_q_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(kv_pool, num_q_heads, num_kv_heads, head_dim)
         if kv_pool.dtype not in (torch.float16, torch.bfloat16):
@@ -46,12 +57,12 @@ class TritonAttentionBackend(AttentionBackend):
         if str(kv_pool.device).startswith("cpu"):
             # Triton's CPU interpreter; must be set before the kernel modules are first imported.
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        from sgl_kvxfer.kernels.decode_attention import decode_attention_tiered
+        from sgl_kvxfer.kernels.decode_attention import decode_attention_tiered, plan_splits
         from sgl_kvxfer.kernels.extend_attention import extend_attention_tiered
         from sgl_kvxfer.kernels.paged_layout import TierPages, TieredKVLayer, allocate_tiered_layer
         from sgl_kvxfer.kernels.tier_codec import DEFAULT_GROUP_SIZE, TIER_FP16
 
-        self._decode, self._extend = decode_attention_tiered, extend_attention_tiered
+        self._decode, self._extend, self._plan_splits = decode_attention_tiered, extend_attention_tiered, plan_splits
         group = min(DEFAULT_GROUP_SIZE, head_dim)
         empty = allocate_tiered_layer((1, 1, 1), self.page_size, num_kv_heads, head_dim, group,
                                       kv_pool.dtype, kv_pool.device, fill=0.0)
@@ -59,12 +70,11 @@ class TritonAttentionBackend(AttentionBackend):
             TieredKVLayer((TierPages(TIER_FP16, kb, vb), empty[1], empty[2]), head_dim, group)
             for kb, vb in zip(kv_pool.k_buffer, kv_pool.v_buffer)
         ]
+        for layer in self.layers:  # once: forward passes check=False to the kernels
+            layer.check()
 
     def prepare_metadata(self, batch: ForwardBatch) -> None:
-        from sgl_kvxfer.kernels.paged_layout import TieredBlockTables
-
-        P, table = self.page_size, batch.req_to_token
-        dev = table.device
+        P, dev = self.page_size, batch.req_to_token.device
         if batch.mode == ForwardMode.DECODE:
             lens_cpu, lens = batch.seq_lens_cpu, batch.seq_lens.to(torch.int32)
             qo_indptr, max_extend = None, 1
@@ -76,21 +86,44 @@ class TritonAttentionBackend(AttentionBackend):
                 indptr.append(indptr[-1] + n)
             qo_indptr = torch.tensor(indptr, dtype=torch.int32, device=dev)
             max_extend = max(batch.extend_seq_lens)
-        width = max(-(-max(lens_cpu) // P), 1)
+        tables = self._tables(batch, lens, max(-(-max(lens_cpu) // P), 1))
+        tables.check(P)
+        plan = self._split_plan(tables) if batch.mode == ForwardMode.DECODE else None
+        batch.attn_metadata = _TritonPlan(tables, qo_indptr, max_extend, plan)
+
+    def prepare_graph_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
+        """Decode plan from device tensors only (no host sync, no seq_lens_cpu): block tables
+        of the fixed width cdiv(max_seq_len, PAGE) and split counts fixed by (B, width).
+        Padding rows (seq_len 0) read nothing and merge to 0."""
+        assert batch.mode == ForwardMode.DECODE
+        tables = self._tables(batch, batch.seq_lens.to(torch.int32), -(-max_seq_len // self.page_size))
+        tables.check(self.page_size)
+        batch.attn_metadata = _TritonPlan(tables, None, 1, self._split_plan(tables), even_splits=True)
+
+    def _tables(self, batch: ForwardBatch, lens: torch.Tensor, width: int):
+        from sgl_kvxfer.kernels.paged_layout import TieredBlockTables
+
+        P, table = self.page_size, batch.req_to_token
+        assert (width - 1) * P < table.shape[1], "block-table width past the req-to-token row"
         # Slots at page starts -> page ids. Columns past a request's length hold stale slots,
         # which are still valid page ids (the kernels never read past lens).
         pages = (table[batch.req_pool_indices, : width * P : P] // P).to(torch.int32)
-        B = batch.batch_size
-        none_pages = torch.zeros((B, 1), dtype=torch.int32, device=dev)
-        none_lens = torch.zeros(B, dtype=torch.int32, device=dev)
-        tables = TieredBlockTables((pages, none_pages, none_pages), (lens, none_lens, none_lens))
-        batch.attn_metadata = _TritonPlan(tables, qo_indptr, max_extend)
+        B = pages.shape[0]
+        none_pages = torch.zeros((B, 1), dtype=torch.int32, device=table.device)
+        none_lens = torch.zeros(B, dtype=torch.int32, device=table.device)
+        return TieredBlockTables((pages, none_pages, none_pages), (lens, none_lens, none_lens))
+
+    def _split_plan(self, tables) -> tuple:
+        pool, group = self.kv_pool, self.layers[0].group_size
+        return self._plan_splits(tables, self.num_kv_heads, self.head_dim, group, pool.dtype.itemsize,
+                                 torch.device(pool.device))
 
     def forward(self, q, k, v, layer_id, batch):
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         plan = batch.attn_metadata
         q = q.contiguous()
         if batch.mode == ForwardMode.DECODE:
-            return self._decode(q, self.layers[layer_id], plan.tables, sm_scale=self.scale)
+            return self._decode(q, self.layers[layer_id], plan.tables, sm_scale=self.scale,
+                                split_plan=plan.split_plan, check=False, even_splits=plan.even_splits)
         return self._extend(q, k.contiguous(), v.contiguous(), plan.qo_indptr, self.layers[layer_id],
-                            plan.tables, sm_scale=self.scale, max_extend_len=plan.max_extend_len)
+                            plan.tables, sm_scale=self.scale, max_extend_len=plan.max_extend_len, check=False)
