@@ -40,16 +40,15 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
     Prompt-logprob positions of a slice: p in [logprob_start_len, prompt_len - 1) intersected
     with [start, start + length); the logits at position p score token p + 1.
     """
-    input_ids, positions, logits_rows = [], [], []
+    input_ids, positions, token_rows, logits_rows = [], [], [], []
     prefix_lens, extend_lens, seq_lens, rows = [], [], [], []
-    flat, cursor = 0, 0
+    flat = 0
     for s in batch.slices:
         req = s.req
         fill = req.fill_ids
         input_ids.extend(fill[s.start : s.start + s.length])
         positions.extend(range(s.start, s.start + s.length))
-        req_to_token[req.req_pool_idx, s.start : s.start + s.length] = out_cache_loc[cursor : cursor + s.length]
-        cursor += s.length
+        token_rows.extend([req.req_pool_idx] * s.length)
         if not req.input_logprobs_done:
             lo = max(req.logprob_start_len, s.start)
             hi = min(len(req.origin_input_ids) - 1, s.start + s.length)
@@ -66,11 +65,15 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
         seq_lens.append(s.start + s.length)
         rows.append(req.req_pool_idx)
 
-    def t(x):
-        return torch.tensor(x, dtype=torch.int64, device=device)
-
+    # One host->device copy for every index list (per-request copies or table writes cost a
+    # launch each, which dominates a large decode batch on a GPU).
+    T, B, N = len(input_ids), len(rows), len(logits_rows)
+    packed = torch.tensor(input_ids + positions + token_rows + rows + seq_lens + logits_rows,
+                          dtype=torch.int64).to(device, non_blocking=True)
+    ids_t, pos_t, tok_rows_t, rows_t, lens_t, logits_t = packed.split([T, T, T, B, B, N])
+    req_to_token[tok_rows_t, pos_t] = out_cache_loc.to(req_to_token.dtype)
     return ForwardBatch(
-        mode=batch.mode, input_ids=t(input_ids), positions=t(positions), out_cache_loc=out_cache_loc,
-        req_pool_indices=t(rows), seq_lens=t(seq_lens), extend_prefix_lens=prefix_lens,
-        extend_seq_lens=extend_lens, seq_lens_cpu=seq_lens, logits_positions=t(logits_rows),
+        mode=batch.mode, input_ids=ids_t, positions=pos_t, out_cache_loc=out_cache_loc,
+        req_pool_indices=rows_t, seq_lens=lens_t, extend_prefix_lens=prefix_lens,
+        extend_seq_lens=extend_lens, seq_lens_cpu=seq_lens, logits_positions=logits_t,
         req_to_token=req_to_token)

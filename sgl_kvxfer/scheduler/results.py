@@ -52,9 +52,13 @@ def process_logits(batch: ScheduleBatch, logits: torch.Tensor, checker: FinishCh
             _record_prompt_logprobs(req, s, logprobs)
     sampled = [s for s in batch.slices if s.sample]
     if sampled:
-        rows = torch.tensor([s.sample_row for s in sampled], device=logits.device)
+        sample_rows = [s.sample_row for s in sampled]
+        if sample_rows == list(range(logits.shape[0])):  # decode: every row samples, in order
+            picked = logits
+        else:
+            picked = logits[torch.tensor(sample_rows, device=logits.device)]
         reqs = [s.req for s in sampled]
-        processed = apply_logit_processors(logits[rows], [r.sampling for r in reqs],
+        processed = apply_logit_processors(picked, [r.sampling for r in reqs],
                                            [r.output_ids for r in reqs], [checker.banned_ids(r) for r in reqs])
         tokens = sample(processed, [r.sampling for r in reqs], [r.generator for r in reqs])
         for s, req, token in zip(sampled, reqs, tokens):
