@@ -1,4 +1,5 @@
-"""Shared @triton.jit helpers: fp16 directed rounding, tier quantize and page-tile dequantize.
+"""Shared @triton.jit helpers: fp16 directed rounding, tier quantize, page-tile and row-gather
+loads, dequantize.
 
 Every helper mirrors kernels/tier_codec.py; a change to the codec must land here too.
 """
@@ -151,3 +152,33 @@ def _load_page_tile(
     q, s, z = _load_page_raw(data_ptr, scale_ptr, zero_ptr, base, sbase, offs_t, tmask,
                              TIER, HEAD_DIM, GROUP_SIZE)
     return _dequant_tile(q, s, z, OUT_DTYPE, TIER, PAGE, HEAD_DIM, FAST)
+
+
+@triton.jit
+def _load_rows_raw(
+    data_ptr, scale_ptr, zero_ptr, row_off, srow_off, tmask,
+    TIER: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
+):
+    """Token-gather twin of _load_page_raw: BLOCK_N rows that need not be adjacent.
+
+    row_off  int64 [BLOCK_N]: element offset of each token's (row, kv-head) vector in data_ptr
+    srow_off int64 [BLOCK_N]: the same for its D/G scales (and zeros)
+    Returns the (data, scale, zero) shapes of _load_page_raw with PAGE = BLOCK_N, so
+    _dequant_tile applies unchanged. Rows with tmask == False read as 0.
+    NOTE: each row is a separate short burst (int4: D/2 bytes + two D/G*2-byte scale rows),
+    so a gather moves whole sectors for a few useful bytes; see kernels/README.md section 6."""
+    NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
+    if TIER == 0:
+        offs_d = tl.arange(0, HEAD_DIM)
+        x = tl.load(data_ptr + row_off[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
+        return x, x, x
+    else:
+        GW: tl.constexpr = GROUP_SIZE if TIER == 1 else GROUP_SIZE // 2
+        offs_g = tl.arange(0, NG)
+        offs_j = tl.arange(0, GW)
+        offs3 = row_off[:, None, None] + offs_g[None, :, None] * GW + offs_j[None, None, :]
+        q = tl.load(data_ptr + offs3, mask=tmask[:, None, None], other=0)
+        soff = srow_off[:, None] + offs_g[None, :]
+        s = tl.load(scale_ptr + soff, mask=tmask[:, None], other=0.0)
+        z = tl.load(zero_ptr + soff, mask=tmask[:, None], other=0.0)
+        return q, s, z

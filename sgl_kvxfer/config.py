@@ -95,9 +95,9 @@ class EngineConfig:
             raise ValueError("kv_importance_window and kv_decode_recent must be >= 1")
         if not 0.0 < self.kv_tier_staging < 1.0:
             raise ValueError(f"kv_tier_staging must be in (0, 1), got {self.kv_tier_staging}")
-        if self.tiering_enabled and (self.attention_backend not in (None, "torch") or self.page_size > 1):
-            raise ValueError("SpectrumKV tiering (--kv-tier-budget < 1) runs on the torch attention backend "
-                             "with --page-size 1 for now (the tier stores are page-size-1 pools)")
+        if self.tiering_enabled and (self.attention_backend not in (None, "torch", "triton") or self.page_size > 1):
+            raise ValueError("SpectrumKV tiering (--kv-tier-budget < 1) runs on the torch or triton attention "
+                             "backend with --page-size 1 for now (the tier stores are page-size-1 pools)")
         if self.tiering_enabled:
             from sgl_kvxfer.spectrum.policies import TIER_POLICIES
 
@@ -116,15 +116,16 @@ class EngineConfig:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend:
             return self.attention_backend
-        if self.tiering_enabled:  # the tier stores are read by the torch backend for now
+        if self.tiering_enabled:  # triton (token-gather decode) only when asked for, for now
             return "torch"
         return "torch" if self.resolved_device == "cpu" else "triton"
 
     @property
     def resolved_page_size(self) -> int:
         """KV page size: --page-size, except that the Triton backend (paged kernels) turns the
-        token-granular default 1 into the kernels' DEFAULT_PAGE_SIZE (64)."""
-        if self.page_size == 1 and self.resolved_attention_backend == "triton":
+        token-granular default 1 into the kernels' DEFAULT_PAGE_SIZE (64). Tiered pools stay
+        slot-granular (page 1): triton reads them with the token-gather kernel."""
+        if self.page_size == 1 and self.resolved_attention_backend == "triton" and not self.tiering_enabled:
             from sgl_kvxfer.kernels.paged_layout import DEFAULT_PAGE_SIZE
 
             return DEFAULT_PAGE_SIZE

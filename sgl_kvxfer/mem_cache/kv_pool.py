@@ -18,6 +18,9 @@ class KVPool(ABC):
     # True when request rows may hold the padding slot 0 for a token that is masked out of
     # attention (SpectrumKV TIER_DROP); backends then mask keys whose slot is 0.
     drops_tokens = False
+    # Storage layout; attention backends may have one variant per layout (layers/attention):
+    # "token" ([size + 1, Hkv, D] per layer), "paged" (head-major pages), "tiered" (SpectrumKV).
+    layout = "token"
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str):

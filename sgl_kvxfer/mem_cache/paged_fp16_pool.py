@@ -22,6 +22,8 @@ from sgl_kvxfer.mem_cache.kv_pool import KVPool
 
 
 class PagedFp16KVPool(KVPool):
+    layout = "paged"
+
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str, page_size: int = 64):
         self.page_size = page_size

@@ -59,6 +59,7 @@ class _IntStore:
 
 class TieredKVPool(KVPool):
     drops_tokens = True
+    layout = "tiered"
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: str, plan: TierStorePlan, group_size: int = 32):

@@ -7,10 +7,15 @@ ATTENTION_BACKENDS = {
     "torch": "sgl_kvxfer.layers.attention.torch_backend:TorchAttentionBackend",
     "triton": "sgl_kvxfer.layers.attention.triton_backend:TritonAttentionBackend",
 }
+# (name, KVPool.layout) -> the variant of a backend that reads that pool layout natively.
+LAYOUT_VARIANTS = {
+    ("triton", "tiered"): "sgl_kvxfer.layers.attention.triton_tiered_backend:TritonTieredAttentionBackend",
+}
 
 
 def create_attention_backend(name: str, **kwargs):
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(ATTENTION_BACKENDS)}")
-    module, cls = ATTENTION_BACKENDS[name].split(":")
+    layout = getattr(kwargs.get("kv_pool"), "layout", None)
+    module, cls = LAYOUT_VARIANTS.get((name, layout), ATTENTION_BACKENDS[name]).split(":")
     return getattr(importlib.import_module(module), cls)(**kwargs)
