@@ -9,7 +9,8 @@ tail -c +50000001 "$G" > .carry_b/part_b
 PLAT="--platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any"
 get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT -d "$1" "${@:2}"; }
 get .whl gguf==0.19.0 msgspec==0.22.0 pyzmq==27.3.0 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 \
-    pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0
+    pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 \
+    opentelemetry-api==1.45.2 importlib_metadata==10.2.0
 get .whl_bench sglang==0.5.23 apache-tvm-ffi==0.1.15.post2 compressed-tensors==0.20.0 datasets==5.2.0 dill==0.4.1 \
     multiprocess==0.70.19 ipython==9.18.1 traitlets==5.16.1 loguru==0.7.3 orjson==3.13.0 pybase64==1.5.1 \
     huggingface_hub==2.4.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
