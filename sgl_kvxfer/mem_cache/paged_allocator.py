@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from sgl_kvxfer.mem_cache.free_list import LazyFreeList
+
 
 def pages_needed(starts: list[int], lens: list[int], page_size: int) -> int:
     """Fresh pages to add `lens[i]` tokens to rows that hold `starts[i]` tokens: the partial
@@ -35,26 +37,20 @@ class PagedTokenSlotAllocator:
         self.num_pages = size // page_size  # usable pages: ids 1..num_pages
         self.size = self.num_pages * page_size
         self.device = device
-        self.clear()
+        self._pages = LazyFreeList(1, self.num_pages, device)  # page 0 (padding) is never in it
 
     def clear(self) -> None:
-        self._free = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
-        self._pending_free: list[torch.Tensor] = []
+        self._pages.reset()
 
     def available_pages(self) -> int:
-        return int(self._free.numel()) + sum(int(t.numel()) for t in self._pending_free)
+        return self._pages.available()
 
     def available_size(self) -> int:
         return self.available_pages() * self.page_size
 
     def alloc_pages(self, n: int) -> torch.Tensor | None:
         """`n` page ids (int64 [n]) or None when fewer are free."""
-        if n > int(self._free.numel()) and self._pending_free:
-            self._merge()
-        if n > int(self._free.numel()):
-            return None
-        out, self._free = self._free[:n], self._free[n:]
-        return out
+        return self._pages.take(n)
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """Slots of `n` tokens on fresh pages (a new row's positions 0..n-1)."""
@@ -99,18 +95,11 @@ class PagedTokenSlotAllocator:
     def free(self, slots: torch.Tensor) -> None:
         """Free the pages of a row run that starts at a page-aligned position (see module doc)."""
         if slots.numel():
-            self._pending_free.append(slots[:: self.page_size].to(self.device, torch.int64) // self.page_size)
+            self._pages.give(slots[:: self.page_size].to(self.device, torch.int64) // self.page_size)
 
     def reclaimable(self, slots: torch.Tensor) -> int:
         """Tokens a later alloc gains once `slots` (a page-aligned run) are freed: whole pages."""
         return -(-int(slots.numel()) // self.page_size) * self.page_size
 
-    def _merge(self) -> None:
-        self._free = torch.cat([self._free] + self._pending_free)
-        self._pending_free = []
-
     def debug_check(self) -> None:
-        self._merge()
-        assert int(self._free.unique().numel()) == int(self._free.numel()), "double free"
-        assert not bool((self._free == 0).any()), "padding page 0 was freed"
-        assert int(self._free.numel()) <= self.num_pages
+        self._pages.check("page")
