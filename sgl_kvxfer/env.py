@@ -20,6 +20,11 @@ class EnvVar:
     def get_float(self) -> float:
         return float(self.get())
 
+    def get_bool(self) -> bool:
+        """Unset or "", "0", "false", "no", "off" (any case) -> False; anything else -> True."""
+        v = self.get()
+        return v is not None and v.strip().lower() not in ("", "0", "false", "no", "off")
+
 
 MODEL_CACHE = EnvVar("SGL_KVXFER_MODEL_CACHE", None,
                      "root folder for converted models (default ~/.cache/sgl_kvxfer/models)")
@@ -28,5 +33,8 @@ PROBE_CACHE = EnvVar("SGL_KVXFER_PROBE_CACHE", None,
 STARTUP_TIMEOUT = EnvVar("SGL_KVXFER_STARTUP_TIMEOUT", "900",
                          "seconds launch_server waits for the scheduler and detokenizer to come up")
 COMMIT = EnvVar("SGL_KVXFER_COMMIT", None, "commit recorded by benchmarks when git is unavailable")
+DISABLE_FUSED_ELEMENTWISE = EnvVar(
+    "SGL_KVXFER_DISABLE_FUSED_ELEMENTWISE", None,
+    "1: the model runs its unfused torch RMSNorm / RoPE / SwiGLU even on CUDA fp16/bf16")
 
-ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT)
+ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, DISABLE_FUSED_ELEMENTWISE)

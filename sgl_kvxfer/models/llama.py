@@ -16,12 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_kvxfer.models import fused_ops
 from sgl_kvxfer.models.arch_config import ModelArchConfig
-from sgl_kvxfer.models.rope import RotaryEmbedding, apply_rope
+from sgl_kvxfer.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    """HF-exact RMSNorm (float32 statistics), with optional fused residual add."""
+    """HF-exact RMSNorm (float32 statistics), with optional fused residual add.
+    One Triton launch on CUDA fp16/bf16 (`fused_ops.rmsnorm`)."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -30,13 +32,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x [T, H] -> normed [T, H]; with residual: (normed(x + residual), x + residual)."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(x.dtype)
-        return out if residual is None else (out, residual)
+        return fused_ops.rmsnorm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -59,8 +55,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         #   qkv columns: [0, q_size) q | [q_size, q_size+kv_size) k | [.., +kv_size) v
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        # q, k are strided views into qkv; rope_qk returns new contiguous tensors
+        q, k = fused_ops.rope_qk(q.view(t, self.num_heads, self.head_dim),
+                                 k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
         out = forward_batch.attn_backend.forward(q, k, v, self.layer_id, forward_batch)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -75,8 +72,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden] (SwiGLU)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

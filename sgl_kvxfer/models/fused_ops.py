@@ -1,0 +1,57 @@
+"""Dispatch of the model's elementwise ops: fused Triton kernels on CUDA fp16/bf16, torch otherwise.
+
+Under CUDA graphs a Llama decode step is launch-bound by ~44 small kernels per layer; the fused
+kernels (`sgl_kvxfer.kernels.fused_rmsnorm / fused_rope / fused_silu_mul`) cut RMSNorm, RoPE and
+SwiGLU to one launch each. The CPU / fp32 path stays the plain torch code (the HF-exactness tests
+rely on it). SGL_KVXFER_DISABLE_FUSED_ELEMENTWISE=1 forces the torch path everywhere.
+Kernel modules are imported lazily (they import triton) and looked up at call time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sgl_kvxfer import env
+from sgl_kvxfer.models.rope import apply_rope
+
+_FUSED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def wants_fused(device_type: str, dtype: torch.dtype) -> bool:
+    """True iff tensors of this device type and dtype take the fused kernels."""
+    return (device_type == "cuda" and dtype in _FUSED_DTYPES
+            and not env.DISABLE_FUSED_ELEMENTWISE.get_bool())
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x [T, H] -> normed; with residual: (normed(x + residual), x + residual). HF-exact math."""
+    if wants_fused(x.device.type, x.dtype) and weight.dtype == x.dtype:
+        from sgl_kvxfer.kernels import fused_rmsnorm as k
+
+        return k.fused_rmsnorm(x, weight, eps, residual)
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * xf.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [T, Hq, D], k [T, Hkv, D] (views allowed), cos/sin [T, 1, D/2] -> contiguous rotated q, k."""
+    if wants_fused(q.device.type, q.dtype) and cos.dtype == q.dtype:
+        from sgl_kvxfer.kernels import fused_rope as k_mod
+
+        return k_mod.fused_rope(q, k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+    if wants_fused(x.device.type, x.dtype):
+        from sgl_kvxfer.kernels import fused_silu_mul as k
+
+        return k.fused_silu_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
