@@ -5,6 +5,6 @@
 set -uo pipefail
 source scripts/gpu/env.sh || exit 1
 python3 -m pytest test/engine/test_cuda_graph.py test/engine/test_triton_backend.py \
-    test/kernels/test_decode_attention.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_cuda_graph.log"
+    test/kernels/test_decode_attention.py test/kernels/test_fused_elementwise.py -q -p no:cacheprovider -rs 2>&1 | tee "$OUT/pytest_cuda_graph.log"
 python3 benchmarks/throughput/decode_step.py --presets smollm2-135m llama-3-8b --batches 1 8 64 \
     --out-dir "$OUT" 2>&1 | grep -v Warning
