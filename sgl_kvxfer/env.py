@@ -33,8 +33,9 @@ PROBE_CACHE = EnvVar("SGL_KVXFER_PROBE_CACHE", None,
 STARTUP_TIMEOUT = EnvVar("SGL_KVXFER_STARTUP_TIMEOUT", "900",
                          "seconds launch_server waits for the scheduler and detokenizer to come up")
 COMMIT = EnvVar("SGL_KVXFER_COMMIT", None, "commit recorded by benchmarks when git is unavailable")
-DISABLE_FUSED_ELEMENTWISE = EnvVar(
-    "SGL_KVXFER_DISABLE_FUSED_ELEMENTWISE", None,
-    "1: the model runs its unfused torch RMSNorm / RoPE / SwiGLU even on CUDA fp16/bf16")
+FUSED_ELEMENTWISE = EnvVar(
+    "SGL_KVXFER_FUSED_ELEMENTWISE", None,
+    "1: on CUDA fp16/bf16 the model runs fused Triton RMSNorm / RoPE / SwiGLU (opt-in; not "
+    "bit-equal to the torch path on GPU, see kernels/README.md section 7)")
 
-ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, DISABLE_FUSED_ELEMENTWISE)
+ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE)
