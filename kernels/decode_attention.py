@@ -62,27 +62,6 @@ def _softmax_step(acc, m_i, l_i, q, k, v, tmask, qk_scale):
 
 
 @triton.jit
-def _attend_one_page(
-    acc, m_i, l_i, q, bt_row_ptr, n_tok, p,
-    data_k_ptr, data_v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
-    stride_p, stride_h, stride_sp, stride_sh, kv_head, qk_scale,
-    TIER: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    FAST: tl.constexpr,
-):
-    """Load, dequantize and accumulate page p of the row (no prefetch)."""
-    offs_t = tl.arange(0, PAGE)
-    page = tl.load(bt_row_ptr + p).to(tl.int64)
-    tmask = offs_t < n_tok - p * PAGE
-    base = page * stride_p + kv_head * stride_h
-    sbase = page * stride_sp + kv_head * stride_sh
-    k = _load_page_tile(data_k_ptr, ks_ptr, kz_ptr, base, sbase, offs_t, tmask,
-                        q.dtype, TIER, PAGE, HEAD_DIM, GROUP_SIZE, FAST)
-    v = _load_page_tile(data_v_ptr, vs_ptr, vz_ptr, base, sbase, offs_t, tmask,
-                        q.dtype, TIER, PAGE, HEAD_DIM, GROUP_SIZE, FAST)
-    return _softmax_step(acc, m_i, l_i, q, k, v, tmask, qk_scale)
-
-
-@triton.jit
 def _attend_pages(
     acc, m_i, l_i, q, bt_row_ptr, n_tok, p_lo, p_hi,
     data_k_ptr, data_v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
@@ -122,22 +101,17 @@ def _attend_pages(
             tmask = offs_t < n_tok - p * PAGE
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, tmask, qk_scale)
             kq, ks, kz, vq, vs, vz = kq_n, ks_n, kz_n, vq_n, vs_n, vz_n
-    elif TIER == 0:
-        for p in range(p_lo, p_hi):  # fp16 pages: the compiler's pipeliner overlaps the loads
-            acc, m_i, l_i = _attend_one_page(
-                acc, m_i, l_i, q, bt_row_ptr, n_tok, p, data_k_ptr, data_v_ptr, ks_ptr, kz_ptr,
-                vs_ptr, vz_ptr, stride_p, stride_h, stride_sp, stride_sh, kv_head, qk_scale,
-                TIER, PAGE, HEAD_DIM, GROUP_SIZE, FAST)
     else:
-        # HAZARD: with Triton 3.6 on an H200, letting the compiler software-pipeline this
-        # quantized-tier loop (autotuned num_stages 2-4) gave wrong results at small tiles
-        # (D 32, G 16, PAGE 16: test_decode_knobs_match_default) while the PREFETCH branch was
-        # right. num_stages=1 keeps it unpipelined, which is what PREFETCH=False means anyway.
-        for p in tl.range(p_lo, p_hi, num_stages=1):
-            acc, m_i, l_i = _attend_one_page(
-                acc, m_i, l_i, q, bt_row_ptr, n_tok, p, data_k_ptr, data_v_ptr, ks_ptr, kz_ptr,
-                vs_ptr, vz_ptr, stride_p, stride_h, stride_sp, stride_sh, kv_head, qk_scale,
-                TIER, PAGE, HEAD_DIM, GROUP_SIZE, FAST)
+        for p in range(p_lo, p_hi):
+            page = tl.load(bt_row_ptr + p).to(tl.int64)
+            tmask = offs_t < n_tok - p * PAGE
+            base = page * stride_p + kv_head * stride_h
+            sbase = page * stride_sp + kv_head * stride_sh
+            k = _load_page_tile(data_k_ptr, ks_ptr, kz_ptr, base, sbase, offs_t, tmask,
+                                q.dtype, TIER, PAGE, HEAD_DIM, GROUP_SIZE, FAST)
+            v = _load_page_tile(data_v_ptr, vs_ptr, vz_ptr, base, sbase, offs_t, tmask,
+                                q.dtype, TIER, PAGE, HEAD_DIM, GROUP_SIZE, FAST)
+            acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, tmask, qk_scale)
     return acc, m_i, l_i
 
 
