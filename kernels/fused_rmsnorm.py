@@ -74,11 +74,7 @@ def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def fused_rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                             residual: torch.Tensor | None = None):
-    """The unfused torch math of `sgl_kvxfer.models.llama.RMSNorm.forward`."""
-    if residual is not None:
-        x = x + residual
-        residual = x
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * xf.to(x.dtype)
-    return out if residual is None else (out, residual)
+    """The unfused torch math the model runs without this kernel (`fused_ops.rmsnorm_torch`)."""
+    from sgl_kvxfer.models.fused_ops import rmsnorm_torch
+
+    return rmsnorm_torch(x, weight, eps, residual)

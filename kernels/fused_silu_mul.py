@@ -14,7 +14,6 @@ from torch's by an fp32 ulp, so rare elements can differ by one dtype ulp.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -48,6 +47,7 @@ def fused_silu_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
 
 
 def fused_silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    """The unfused torch math of `LlamaMLP.forward`."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """The unfused torch math the model runs without this kernel (`fused_ops.silu_mul_torch`)."""
+    from sgl_kvxfer.models.fused_ops import silu_mul_torch
+
+    return silu_mul_torch(x)

@@ -31,6 +31,11 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
         from sgl_kvxfer.kernels import fused_rmsnorm as k
 
         return k.fused_rmsnorm(x, weight, eps, residual)
+    return rmsnorm_torch(x, weight, eps, residual)
+
+
+def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """The unfused HF-exact math (float32 statistics); the fused kernel's reference."""
     if residual is not None:
         x = x + residual
         residual = x
@@ -55,5 +60,10 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         from sgl_kvxfer.kernels import fused_silu_mul as k
 
         return k.fused_silu_mul(x)
+    return silu_mul_torch(x)
+
+
+def silu_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    """The unfused torch math; the fused kernel's reference."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
