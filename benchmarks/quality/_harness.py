@@ -96,3 +96,33 @@ def tier_stats(records, rids: set[str]) -> dict:
     return {"tier_fractions": [g / n for g in got],
             "byte_ratio": sum(r.byte_ratio * (r.end - r.start) for r in rows) / n,
             "fallback_tokens": sum(abs(a - g) for a, g in zip(asked, got)) // 2}
+
+
+def load_for_plot(path: str):
+    """(pyplot, result dict) for a results JSON; matplotlib on the Agg backend."""
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        return plt, json.load(f)
+
+
+def save_plot(fig, path: str) -> str:
+    """Write `fig` beside the results JSON `path` as .png."""
+    fig.tight_layout()
+    out = os.path.splitext(path)[0] + ".png"
+    fig.savefig(out, dpi=120)
+    print("wrote", out)
+    return out
+
+
+def run_then_plot(args, run, plot) -> None:
+    """`--plot-only PATH` re-plots a saved JSON; otherwise run, then plot what it wrote."""
+    path = args.plot_only or run(args)
+    try:
+        plot(path)
+    except ImportError:
+        print("matplotlib not installed: re-plot later with --plot-only", path)

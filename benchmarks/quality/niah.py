@@ -15,14 +15,14 @@ Methods: `spectrumkv` = the probe's policy (greedy, int4 as the probe decided), 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import tempfile
 import time
 
 import torch
 
-from _harness import add_common_args, device_tag, load_texts, make_engines, metadata, tier_stats, write
+from _harness import (add_common_args, device_tag, load_for_plot, load_texts, make_engines, metadata, run_then_plot,
+                      save_plot, tier_stats, write)
 
 METHODS = {  # name -> (policy, int4: True / False / None = the probe's decision)
     "spectrumkv": ("greedy", None), "sink-protect": ("sink-protect", None), "greedy-3tier": ("greedy", True),
@@ -141,14 +141,7 @@ def run(args) -> str:
 
 
 def plot(path: str) -> str:
-    import json
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with open(path) as f:
-        data = json.load(f)
+    plt, data = load_for_plot(path)
     depths, budgets, methods = data["params"]["depths"], data["params"]["budgets"], data["params"]["methods"]
     fig, axes = plt.subplots(1, len(methods) + 1, figsize=(2.2 * len(methods) + 4.5, 4.2),
                              gridspec_kw={"width_ratios": [1] * len(methods) + [2]})
@@ -176,11 +169,7 @@ def plot(path: str) -> str:
                  f"(fp16 {p.get('fp16_outcomes')}) -> int4 "
                  f"{'on' if p['int4_enabled'] else 'off'}; fp16 acc {data['fp16_accuracy']:.0f}%; "
                  f"{data['device']} @ {data['commit'][:10]}", fontsize=8)
-    fig.tight_layout()
-    out = os.path.splitext(path)[0] + ".png"
-    fig.savefig(out, dpi=120)
-    print("wrote", out)
-    return out
+    return save_plot(fig, path)
 
 
 def main():
@@ -193,11 +182,7 @@ def main():
     ap.add_argument("--unit", default="bytes", choices=["bytes", "cost"])
     ap.add_argument("--probe-cache", default=None, help="probe cache dir (default: a fresh one, so it runs)")
     args = ap.parse_args()
-    path = args.plot_only or run(args)
-    try:
-        plot(path)
-    except ImportError:
-        print("matplotlib not installed: re-plot later with --plot-only", path)
+    run_then_plot(args, run, plot)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import time
 
-from _harness import ALL_METHODS, add_common_args, device_tag, load_texts, make_engines, metadata, tier_stats, write
+from _harness import (ALL_METHODS, add_common_args, device_tag, load_for_plot, load_texts, make_engines, metadata,
+                      run_then_plot, save_plot, tier_stats, write)
 
 FULL_BUDGETS = [round(0.25 + 0.05 * i, 2) for i in range(11)] + [1.0]
 
@@ -101,14 +101,7 @@ def run(args) -> str:
 
 
 def plot(path: str) -> str:
-    import json
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with open(path) as f:
-        data = json.load(f)
+    plt, data = load_for_plot(path)
     units = data["params"]["units"]
     fig, axes = plt.subplots(1, len(units), figsize=(7 * len(units), 5), squeeze=False)
     for ax, unit in zip(axes[0], units):
@@ -125,11 +118,7 @@ def plot(path: str) -> str:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"{data['device']} @ {data['commit'][:10]}", fontsize=8)
-    fig.tight_layout()
-    out = os.path.splitext(path)[0] + ".png"
-    fig.savefig(out, dpi=120)
-    print("wrote", out)
-    return out
+    return save_plot(fig, path)
 
 
 def main():
@@ -143,11 +132,7 @@ def main():
     ap.add_argument("--methods", nargs="*", default=None, choices=ALL_METHODS)
     ap.add_argument("--units", nargs="*", default=["bytes"], choices=["bytes", "cost"])
     args = ap.parse_args()
-    path = args.plot_only or run(args)
-    try:
-        plot(path)
-    except ImportError:
-        print("matplotlib not installed: re-plot later with --plot-only", path)
+    run_then_plot(args, run, plot)
 
 
 if __name__ == "__main__":
