@@ -1,6 +1,8 @@
 """Builders of random tiered caches for the kernel tests and benchmarks (no Triton import)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .paged_layout import TieredBlockTables, TieredKVLayer, allocate_tiered_layer
@@ -83,3 +85,25 @@ def fill_random_pools(layer: TieredKVLayer, seed: int = 0) -> None:
             s.uniform_(0.001, 0.02, generator=g)
         for z in (tp.k_zero, tp.v_zero):
             z.uniform_(-1.0, 0.0, generator=g)
+
+
+# max |kernel - attention(original fp16 K/V)| per tier mix: what each tier's quantization costs
+TIER_ATOL = {"fp16": 4e-3, "int8": 2e-2, "int4": 2.5e-1, "mixed": 2.5e-1}
+
+
+def exact_attention(q, k, v, lens, group: int) -> torch.Tensor:
+    """fp32 attention of q [B, Hq, D] over the ORIGINAL (unquantized) k, v [N, Hkv, D], whose
+    rows are the requests' tokens back to back (request b has sum(lens[b]) rows); GQA group
+    `group`. A request with no tokens gets 0."""
+    out, pos = [], 0
+    for b, lb in enumerate(lens):
+        n = sum(lb)
+        kb = k[pos:pos + n].float().repeat_interleave(group, 1)
+        vb = v[pos:pos + n].float().repeat_interleave(group, 1)
+        pos += n
+        if n == 0:
+            out.append(torch.zeros(q.shape[1:], device=q.device))
+            continue
+        s = torch.einsum("hd,nhd->hn", q[b].float(), kb) / math.sqrt(q.shape[-1])
+        out.append(torch.einsum("hn,nhd->hd", s.softmax(-1), vb))
+    return torch.stack(out)

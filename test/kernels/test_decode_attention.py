@@ -1,6 +1,5 @@
 """decode_attention_tiered vs the dequantize-then-attend torch reference (+ per-tier
 accuracy against attention on the original, unquantized K/V)."""
-import math
 
 import pytest
 import torch
@@ -9,25 +8,11 @@ from sgl_kvxfer.kernels.decode_attention import (
     decode_attention_tiered,
     decode_attention_tiered_reference,
 )
-from sgl_kvxfer.kernels.testing import build_random_cache
+from sgl_kvxfer.kernels.testing import TIER_ATOL, build_random_cache, exact_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # max |kernel - reference| where both read the same dequantized values (fp16 P in the PV dot)
 KERNEL_ATOL = 4e-3
-# max |kernel - attention(original fp16 K/V)|: what each tier's quantization costs
-TIER_ATOL = {"fp16": 4e-3, "int8": 2e-2, "int4": 2.5e-1, "mixed": 2.5e-1}
-
-
-def _exact_attention(q, k, v, lens, group):
-    out, pos = [], 0
-    for b, l in enumerate(lens):
-        n = sum(l)
-        kb = k[pos:pos + n].float().repeat_interleave(group, 1)
-        vb = v[pos:pos + n].float().repeat_interleave(group, 1)
-        pos += n
-        s = torch.einsum("hd,nhd->hn", q[b].float(), kb) / math.sqrt(q.shape[-1])
-        out.append(torch.einsum("hn,nhd->hd", s.softmax(-1), vb))
-    return torch.stack(out)
 
 
 def _check(lens, Hq, Hkv, D, G, PAGE, pps, mix, dtype=torch.float16, device=DEVICE):
@@ -39,7 +24,7 @@ def _check(lens, Hq, Hkv, D, G, PAGE, pps, mix, dtype=torch.float16, device=DEVI
     torch.testing.assert_close(o.float(), r.float(), atol=KERNEL_ATOL, rtol=0)
     nonempty = [b for b, l in enumerate(lens) if sum(l) > 0]
     if nonempty:
-        ex = _exact_attention(q, k, v, lens, Hq // Hkv)
+        ex = exact_attention(q, k, v, lens, Hq // Hkv)
         err = (o.float() - ex).abs()[nonempty].max().item()
         assert err < TIER_ATOL[mix], (mix, err)
 

@@ -4,7 +4,6 @@ torch reference, plus per-tier accuracy against attention on the original K/V.
 The random caches give every request its rows in a random order (testing.random_block_tables
 at page size 1), so tiles gather non-adjacent rows; small tokens_per_split values make splits
 start and end inside tiers and span tier boundaries."""
-import math
 
 import pytest
 import torch
@@ -14,29 +13,12 @@ from sgl_kvxfer.kernels.gather_decode_attention import (
     decode_attention_gather_reference,
     plan_gather_splits,
 )
-from sgl_kvxfer.kernels.testing import build_random_cache
+from sgl_kvxfer.kernels.testing import TIER_ATOL, build_random_cache, exact_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # max |kernel - reference|, both reading the same dequantized values: fp16 P in the PV dot (GPU),
 # bf16: one output ulp at |o| ~ 1 is 2^-7 (the reference rounds fp32 -> bf16 once, too)
 KERNEL_ATOL = {torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
-# max |kernel - attention(original K/V)|: what each tier's quantization costs (as test_decode_attention)
-TIER_ATOL = {"fp16": 4e-3, "int8": 2e-2, "int4": 2.5e-1, "mixed": 2.5e-1}
-
-
-def _exact_attention(q, k, v, lens, group):
-    out, pos = [], 0
-    for b, l in enumerate(lens):
-        n = sum(l)
-        kb = k[pos:pos + n].float().repeat_interleave(group, 1)
-        vb = v[pos:pos + n].float().repeat_interleave(group, 1)
-        pos += n
-        if n == 0:
-            out.append(torch.zeros(q.shape[1:], device=q.device))
-            continue
-        s = torch.einsum("hd,nhd->hn", q[b].float(), kb) / math.sqrt(q.shape[-1])
-        out.append(torch.einsum("hn,nhd->hd", s.softmax(-1), vb))
-    return torch.stack(out)
 
 
 def _check(lens, Hq, Hkv, D, G, mix, tps=None, dtype=torch.float16, device=DEVICE, **kw):
@@ -47,7 +29,7 @@ def _check(lens, Hq, Hkv, D, G, mix, tps=None, dtype=torch.float16, device=DEVIC
     r = decode_attention_gather_reference(q, layer, tables)
     assert o.shape == q.shape and o.dtype == q.dtype
     torch.testing.assert_close(o.float(), r.float(), atol=KERNEL_ATOL[dtype], rtol=0)
-    ex = _exact_attention(q, k, v, lens, Hq // Hkv)
+    ex = exact_attention(q, k, v, lens, Hq // Hkv)
     for b, l in enumerate(lens):
         if sum(l) == 0:  # no keys: the merge returns zeros
             assert not o[b].any()
