@@ -25,7 +25,12 @@ class Fp16KVPool(KVPool):
         self.v_buffer[layer_id][slots] = v.to(self.dtype)
 
     def get_kv(self, layer_id, slots):
-        return self.k_buffer[layer_id][slots], self.v_buffer[layer_id][slots]
+        # index_select over flat slots, not buf[slots]: the same rows, but on CPU advanced
+        # indexing with a 2-D index runs ~6x slower (it was 40% of a bf16 decode step).
+        flat = slots.reshape(-1)
+        shape = (*slots.shape, self.num_kv_heads, self.head_dim)
+        return (self.k_buffer[layer_id].index_select(0, flat).view(shape),
+                self.v_buffer[layer_id].index_select(0, flat).view(shape))
 
     def bytes_per_token(self, with_scales: bool = True) -> float:
         elem = torch.finfo(self.dtype).bits // 8

@@ -1,0 +1,195 @@
+"""Where an offline run spends its time: prefill vs decode, model forward vs the host work around it.
+
+Runs the offline benchmark's workload (same prompts, warm-up, flush) through the Engine once
+unsynchronized (the throughput number) and once with every scheduler step and every forward
+synchronized and timed (the attribution; syncs cost a little, so its total runs a bit longer).
+Per phase it reports steps, tokens, forward seconds and host seconds (schedule + batch prep +
+sampling + bookkeeping = step minus forward); the rest of the run (detokenization, output
+assembly) is `outside_steps_s`. Decode steps are also bucketed by batch size. With
+`--torch-profile` the top kernels of one prefill batch and one decode step are listed.
+
+    python benchmarks/throughput/phase_profile.py --model-preset llama-3-8b --num-prompts 128
+    python benchmarks/throughput/phase_profile.py --device cpu --dtype bfloat16 --num-prompts 32 --output-len 64
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.report import RESULTS_DIR, device_name, git_commit, write_json  # noqa: E402
+from throughput.offline import make_prompts, sync  # noqa: E402
+
+
+class StepRecorder:
+    """Wraps scheduler.step and runner.forward; records (mode, batch, tokens, step_s, forward_s)."""
+
+    def __init__(self, engine, device: str):
+        self.sched, self.runner, self.device = engine.scheduler, engine.runner, device
+        self.rows: list[tuple[str, int, int, float, float]] = []
+        self._plain_step, self._plain_forward = self.sched.step, self.runner.forward
+        self._fwd: list = []
+
+    def __enter__(self):
+        def forward(batch):
+            sync(self.device)
+            t = time.perf_counter()
+            out = self._plain_forward(batch)
+            sync(self.device)
+            self._fwd.append((batch.mode.name.lower(), int(batch.input_ids.numel()),
+                              int(batch.req_pool_indices.numel()), time.perf_counter() - t))
+            return out
+
+        def step():
+            sync(self.device)
+            t = time.perf_counter()
+            ran = self._plain_step()
+            sync(self.device)
+            if ran and self._fwd:
+                mode, tokens, bs, fwd_s = self._fwd.pop()
+                self.rows.append((mode, bs, tokens, time.perf_counter() - t, fwd_s))
+            return ran
+
+        self.runner.forward, self.sched.step = forward, step
+        return self
+
+    def __exit__(self, *exc):
+        self.runner.forward, self.sched.step = self._plain_forward, self._plain_step
+
+    def summary(self, total_s: float) -> dict:
+        phases = {}
+        for mode in ("extend", "decode"):
+            rows = [r for r in self.rows if r[0] == mode]
+            fwd = sum(r[4] for r in rows)
+            step = sum(r[3] for r in rows)
+            phases[mode] = {"steps": len(rows), "tokens": sum(r[2] for r in rows), "step_s": step,
+                            "forward_s": fwd, "host_s": step - fwd}
+        buckets = collections.defaultdict(list)
+        for mode, bs, _, step_s, fwd_s in self.rows:
+            if mode == "decode":
+                buckets[bs].append((step_s, fwd_s))
+        by_batch = {bs: {"steps": len(v), "mean_step_ms": 1e3 * sum(s for s, _ in v) / len(v),
+                         "mean_forward_ms": 1e3 * sum(f for _, f in v) / len(v)}
+                    for bs, v in sorted(buckets.items())}
+        in_steps = sum(p["step_s"] for p in phases.values())
+        return {"total_s": total_s, "phases": phases, "outside_steps_s": total_s - in_steps,
+                "decode_by_batch": by_batch}
+
+
+def kernel_table(engine, prompts, params, device: str, rows: int) -> dict:
+    """torch.profiler over one prefill batch and one decode step: top kernels by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from sgl_kvxfer.message import TokenizedGenerateReq
+    from sgl_kvxfer.sampling.params import SamplingParams
+
+    sched = engine.scheduler
+    sp = SamplingParams.from_dict({**params, "max_new_tokens": 4})
+    for i, ids in enumerate(prompts):
+        sched.handle(TokenizedGenerateReq(rid=f"prof{i}", input_ids=ids, sampling=sp))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    sort = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    tables = {}
+    for phase in ("extend", "decode"):
+        if phase == "decode":
+            while sched.waiting or sched.chunked:
+                sched.step()
+        with profile(activities=acts) as prof:
+            sched.step()
+            sync(device)
+        tables[phase] = prof.key_averages().table(sort_by=sort, row_limit=rows)
+        print(f"--- top kernels, one {phase} step ---\n{tables[phase]}", flush=True)
+    while sched.has_work():
+        sched.step()
+    sched.take_outputs()
+    engine.flush_cache()
+    return tables
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--model-preset", default=None)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len-min", type=int, default=128)
+    p.add_argument("--input-len-max", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--torch-profile", action="store_true", help="also list top kernels per phase")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default=None)
+    p.add_argument("--out-dir", default=RESULTS_DIR)
+    args = p.parse_args()
+
+    from sgl_kvxfer import Engine
+    from sgl_kvxfer.models.loader import load_tokenizer, resolve_model_path, resolve_tokenizer_path
+
+    if args.model_preset:
+        from sgl_kvxfer.models.presets import write_preset_config
+
+        model_dir = write_preset_config(args.model_preset, tempfile.mkdtemp(prefix="preset_"))
+        args.load_format = "dummy"
+    else:
+        model_dir = resolve_model_path(args.model_path)
+    tokenizer = load_tokenizer(resolve_tokenizer_path(model_dir))
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompts = make_prompts(tokenizer, args.num_prompts, args.input_len_min, args.input_len_max,
+                           min(vocab, len(tokenizer)), args.seed)
+    kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
+                  attention_backend=args.attention_backend, mem_fraction_static=args.mem_fraction_static,
+                  chunked_prefill_size=args.chunked_prefill_size)
+    engine = Engine(model_dir, **{k: v for k, v in kwargs.items() if v is not None})
+    params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+    engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 4})  # JIT, autotune
+    engine.flush_cache()
+
+    def timed_run():
+        sync(args.device)
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        sync(args.device)
+        engine.flush_cache()
+        return time.perf_counter() - t0, sum(o["meta_info"]["completion_tokens"] for o in outs)
+
+    plain_s, out_tokens = timed_run()
+    with StepRecorder(engine, args.device) as rec:
+        synced_s, _ = timed_run()
+    result = {"unsynced": {"elapsed_s": plain_s, "output_tok_s": out_tokens / plain_s},
+              "synced": rec.summary(synced_s)}
+    if args.torch_profile:
+        result["kernel_tables"] = kernel_table(engine, prompts[:64], params, args.device, rows=25)
+    print(f"unsynced: {out_tokens / plain_s:.1f} output tok/s ({plain_s:.2f} s)")
+    s = result["synced"]
+    for mode, ph in s["phases"].items():
+        print(f"{mode:7s} steps {ph['steps']:5d} tokens {ph['tokens']:7d} forward {ph['forward_s']:.3f} s "
+              f"host {ph['host_s']:.3f} s")
+    print(f"outside steps {s['outside_steps_s']:.3f} s of {s['total_s']:.3f} s (synced run)")
+    for bs, b in list(s["decode_by_batch"].items())[-4:]:
+        print(f"decode bs {bs}: {b['steps']} steps, step {b['mean_step_ms']:.2f} ms, "
+              f"forward {b['mean_forward_ms']:.2f} ms")
+    model_name = args.model_preset or os.path.basename(model_dir.rstrip("/"))
+    name = f"phase_profile_{model_name}_{args.device.split(':')[0]}" + (f"_{args.tag}" if args.tag else "")
+    payload = {"benchmark": "phase_profile", "device": device_name(args.device), "commit": git_commit(),
+               "params": {**vars(args), "model_dir": model_dir,
+                          "max_running_requests": engine.runner.max_running_requests,
+                          "chunked_prefill_size": engine.server_args.scheduler.resolved_chunked_prefill_size},
+               **result}
+    print("wrote", write_json(name, payload, args.out_dir))
+
+
+if __name__ == "__main__":
+    main()
