@@ -1,4 +1,9 @@
-"""Greedy agreement and logprob closeness: triton backend (paged, page 64) vs torch backend (page 1).
+"""Greedy agreement and logprob closeness of two engine variants on the same prompts.
+
+`--compare backends` (default): triton backend (paged, page 64) vs torch backend (page 1).
+`--compare fused`: triton backend with the fused Triton RMSNorm / RoPE / SwiGLU kernels
+(SGL_KVXFER_FUSED_ELEMENTWISE=1) vs the same backend on the torch elementwise path; both with
+CUDA graphs, so this checks exactly what the fused default changes.
 
 Dummy weights, so near-ties are common and one flipped token changes the rest of a sequence:
 we report the exact-sequence match rate, the share of tokens generated before the first
@@ -21,9 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.report import device_name, git_commit, write_json  # noqa: E402
 
 
-def generate(model_dir, backend, dtype, prompts, output_len, load_format="dummy"):
-    from sgl_kvxfer import Engine
+def generate(model_dir, backend, dtype, prompts, output_len, load_format="dummy", fused=None):
+    from sgl_kvxfer import Engine, env
 
+    if fused is not None:  # read at call time, so it must be set before the graphs are captured
+        os.environ[env.FUSED_ELEMENTWISE.name] = "1" if fused else "0"
     with Engine(model_dir, load_format=load_format, dtype=dtype, attention_backend=backend,
                 max_total_tokens=65536, chunked_prefill_size=512) as eng:
         params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
@@ -46,7 +53,7 @@ def compare(ref, got) -> dict:
         exact += k == len(r["output_ids"])
         if k < len(r["output_ids"]):
             top = r["meta_info"]["output_top_logprobs"][k]
-            flips.append({"step": k, "torch_top2_gap": top[0][0] - top[1][0]})
+            flips.append({"step": k, "ref_top2_gap": top[0][0] - top[1][0]})
     t = torch.tensor
     return {"sequences": len(ref), "exact_sequence_match_rate": exact / len(ref),
             "tokens_before_first_divergence_rate": same_prefix / n_tok, "divergences": flips,
@@ -66,6 +73,7 @@ def main():
     p.add_argument("--min-len", type=int, default=100)
     p.add_argument("--max-len", type=int, default=2000)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
+    p.add_argument("--compare", choices=["backends", "fused"], default="backends")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args()
 
@@ -96,16 +104,21 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     payload = {"device": device_name(device), "commit": git_commit(), "params": vars(args), "results": {}}
     for dtype in args.dtypes:
-        ref = generate(model_dir, "torch", dtype, prompts, args.output_len, load_format)
-        got = generate(model_dir, "triton", dtype, prompts, args.output_len, load_format)
+        if args.compare == "fused":
+            ref = generate(model_dir, "triton", dtype, prompts, args.output_len, load_format, fused=False)
+            got = generate(model_dir, "triton", dtype, prompts, args.output_len, load_format, fused=True)
+        else:
+            ref = generate(model_dir, "torch", dtype, prompts, args.output_len, load_format)
+            got = generate(model_dir, "triton", dtype, prompts, args.output_len, load_format)
         res = compare(ref, got)
         payload["results"][dtype] = res
         print(f"{dtype}: exact sequences {res['exact_sequence_match_rate']:.0%}, tokens before first "
-              f"divergence {res['tokens_before_first_divergence_rate']:.1%}, divergences (step, torch top-2 gap) "
-              f"{[(d['step'], round(d['torch_top2_gap'], 4)) for d in res['divergences']]}, prompt logprob |diff| "
+              f"divergence {res['tokens_before_first_divergence_rate']:.1%}, divergences (step, reference top-2 gap) "
+              f"{[(d['step'], round(d['ref_top2_gap'], 4)) for d in res['divergences']]}, prompt logprob |diff| "
               f"max {res['prompt_logprob_abs_diff_max']:.4f} mean {res['prompt_logprob_abs_diff_mean']:.5f}, "
               f"matched output logprob |diff| max {res['output_logprob_abs_diff_max_matched']}", flush=True)
-    name = f"backend_agreement_{args.preset}_{device_name(device).replace(' ', '_')}"
+    kind = "backend_agreement" if args.compare == "backends" else "fused_agreement"
+    name = f"{kind}_{args.preset}_{device_name(device).replace(' ', '_')}"
     print("wrote", write_json(name, payload, args.out_dir))
 
 
