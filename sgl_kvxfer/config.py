@@ -33,7 +33,7 @@ class EngineConfig:
     context_length: int | None = None
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
-    attention_backend: str | None = None  # None: torch on CPU, triton on GPU
+    attention_backend: str | None = None  # None: triton on GPU; on CPU torch (fp32) or cpu (bf16)
     random_seed: int = 42
     page_size: int = 1
     # Decode steps replayed from CUDA graphs (engine/cuda_graph_runner.py): CUDA with the triton
@@ -118,7 +118,10 @@ class EngineConfig:
             return self.attention_backend
         if self.tiering_enabled:  # triton (token-gather decode) only when asked for, for now
             return "torch"
-        return "torch" if self.resolved_device == "cpu" else "triton"
+        if self.resolved_device == "cpu":
+            # fp32 ("auto" on CPU): the exact torch reference; bf16: native in-place decode
+            return "cpu" if self.dtype == "bfloat16" else "torch"
+        return "triton"
 
     @property
     def resolved_page_size(self) -> int:

@@ -38,4 +38,9 @@ FUSED_ELEMENTWISE = EnvVar(
     "1: on CUDA fp16/bf16 the model runs fused Triton RMSNorm / RoPE / SwiGLU (opt-in; not "
     "bit-equal to the torch path on GPU, see kernels/README.md section 7)")
 
-ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE)
+CPU_KERNELS = EnvVar(
+    "SGL_KVXFER_CPU_KERNELS", "1",
+    "0: on CPU bf16 keep the torch path instead of the native C++ kernels (kernels/cpu_ops.py: "
+    "RMSNorm / RoPE / SwiGLU, in-place decode attention, prepacked oneDNN linears)")
+
+ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS)

@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from sgl_kvxfer import env
 from sgl_kvxfer.config import EngineConfig
 from sgl_kvxfer.engine.cuda_graph_runner import create_cuda_graph_runner
 from sgl_kvxfer.engine.forward_batch import ForwardBatch
@@ -38,6 +39,8 @@ class ModelRunner:
         self.model, self.arch = load_model(self.model_dir, config.load_format, self.dtype, self.device,
                                            config.random_seed)
         self.model.eval()
+        if self.device == "cpu" and self.dtype == torch.bfloat16 and env.CPU_KERNELS.get_bool():
+            self._prepack_cpu()
         self.context_len = config.context_length or self.arch.max_position_embeddings
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.page_size = config.resolved_page_size
@@ -64,6 +67,16 @@ class ModelRunner:
                     self.model_dir, self.dtype, self.device, self.max_total_tokens,
                     self.kv_pool.bytes_per_token(), self.page_size, config.resolved_attention_backend)
         self.graph_runner = create_cuda_graph_runner(self)  # None where decode graphs do not apply
+
+    def _prepack_cpu(self) -> None:
+        """bf16 on CPU: oneDNN linears with weights packed once (models/cpu_linear.py)."""
+        from sgl_kvxfer.models.cpu_linear import can_prepack, pack_weight, prepack_linears_cpu
+
+        n = prepack_linears_cpu(self.model)
+        head = getattr(self.model, "lm_head_weight", None)
+        if head is not None and can_prepack(head):
+            self.model.packed_lm_head = pack_weight(head)
+        logger.info("CPU bf16: %d linears prepacked for oneDNN", n)
 
     def _bytes_per_token_estimate(self) -> float:
         a = self.arch

@@ -10,6 +10,8 @@ from sgl_kvxfer.mem_cache.kv_pool import KVPool
 
 
 class Fp16KVPool(KVPool):
+    stores_exact = True  # k/v are stored at the model dtype, unchanged
+
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str):
         super().__init__(size, num_layers, num_kv_heads, head_dim, dtype, device)

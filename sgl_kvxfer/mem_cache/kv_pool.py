@@ -21,6 +21,9 @@ class KVPool(ABC):
     # Storage layout; attention backends may have one variant per layout (layers/attention):
     # "token" ([size + 1, Hkv, D] per layer), "paged" (head-major pages), "tiered" (SpectrumKV).
     layout = "token"
+    # True when get_kv returns exactly what set_kv stored (no quantization): a backend may then
+    # attend a prefill's fresh k/v directly instead of reading them back from the pool.
+    stores_exact = False
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str):

@@ -71,6 +71,8 @@ class PagedTokenSlotAllocator:
                           cont_i = min(lens[i], room) tokens, then lens[i] - cont_i on fresh pages
         """
         P = self.page_size
+        if all(n == 1 for n in lens):
+            return self._alloc_decode(last_slots, starts)
         pages = self.alloc_pages(pages_needed(starts, lens, P))
         if pages is None:
             return None
@@ -91,6 +93,20 @@ class PagedTokenSlotAllocator:
         if not bool(is_cont.any()):
             return fresh
         return torch.where(cont_d.bool(), last_slots[req_d] + 1 + j_d, fresh)
+
+    def _alloc_decode(self, last_slots: torch.Tensor, starts: list[int]) -> torch.Tensor | None:
+        """alloc_extend with every len 1 (a decode step) in a handful of ops: a row whose last
+        page has room takes the next slot of it, a row at a page boundary a fresh page's first."""
+        P = self.page_size
+        at_boundary = [i for i, s in enumerate(starts) if s % P == 0]
+        pages = self.alloc_pages(len(at_boundary))
+        if pages is None:
+            return None
+        out = last_slots + 1
+        if at_boundary:
+            rows = torch.tensor(at_boundary, dtype=torch.int64).to(self.device, non_blocking=True)
+            out[rows] = pages * P
+        return out
 
     def free(self, slots: torch.Tensor) -> None:
         """Free the pages of a row run that starts at a page-aligned position (see module doc)."""

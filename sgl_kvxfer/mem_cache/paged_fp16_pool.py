@@ -23,6 +23,7 @@ from sgl_kvxfer.mem_cache.kv_pool import KVPool
 
 class PagedFp16KVPool(KVPool):
     layout = "paged"
+    stores_exact = True
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str, page_size: int = 64):

@@ -1,4 +1,5 @@
-"""Dispatch of the model's elementwise ops: fused Triton kernels on CUDA fp16/bf16, torch otherwise.
+"""Dispatch of the model's elementwise ops: fused Triton kernels on CUDA fp16/bf16, native C++
+kernels on CPU bf16 (`sgl_kvxfer.kernels.cpu_ops`), torch otherwise.
 
 Under CUDA graphs a Llama decode step is launch-bound by ~44 small kernels per layer; the fused
 kernels (`sgl_kvxfer.kernels.fused_rmsnorm / fused_rope / fused_silu_mul`) cut RMSNorm, RoPE and
@@ -7,6 +8,10 @@ rely on it). Opt-in: SGL_KVXFER_FUSED_ELEMENTWISE=1. On an H200 the kernels were
 torch path (RoPE not bitwise), which the GPU agreement tests have not yet been re-run with, so
 the verified torch path stays the default. Measured gain: kernels/README.md section 7.
 Kernel modules are imported lazily (they import triton) and looked up at call time.
+
+On CPU bf16 the native kernels are the default (SGL_KVXFER_CPU_KERNELS=0 turns them off): torch
+runs each of these ops as 5-10 separate bf16 passes, which was ~45% of a CPU prefill. fp32 keeps
+the torch path, which the HF-exactness tests pin.
 """
 from __future__ import annotations
 
@@ -25,12 +30,25 @@ def wants_fused(device_type: str, dtype: torch.dtype) -> bool:
             and env.FUSED_ELEMENTWISE.get_bool())
 
 
+def wants_cpu_native(t: torch.Tensor) -> bool:
+    """True iff this CPU tensor takes the native C++ kernels (bf16, enabled, extension built)."""
+    if t.device.type != "cpu" or t.dtype != torch.bfloat16 or not env.CPU_KERNELS.get_bool():
+        return False
+    from sgl_kvxfer.kernels import cpu_ops
+
+    return cpu_ops.available()
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """x [T, H] -> normed; with residual: (normed(x + residual), x + residual). HF-exact math."""
     if wants_fused(x.device.type, x.dtype) and weight.dtype == x.dtype:
         from sgl_kvxfer.kernels import fused_rmsnorm as k
 
         return k.fused_rmsnorm(x, weight, eps, residual)
+    if weight.dtype == x.dtype and wants_cpu_native(x):
+        from sgl_kvxfer.kernels import cpu_ops
+
+        return cpu_ops.add_rmsnorm(x, weight, eps, residual)
     return rmsnorm_torch(x, weight, eps, residual)
 
 
@@ -51,6 +69,10 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         from sgl_kvxfer.kernels import fused_rope as k_mod
 
         return k_mod.fused_rope(q, k, cos, sin)
+    if cos.dtype == q.dtype and wants_cpu_native(q):
+        from sgl_kvxfer.kernels import cpu_ops
+
+        return cpu_ops.rope_qk(q, k, cos, sin)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
@@ -60,6 +82,10 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         from sgl_kvxfer.kernels import fused_silu_mul as k
 
         return k.fused_silu_mul(x)
+    if wants_cpu_native(x):
+        from sgl_kvxfer.kernels import cpu_ops
+
+        return cpu_ops.silu_mul(x)
     return silu_mul_torch(x)
 
 

@@ -149,6 +149,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
+        packed = getattr(self, "packed_lm_head", None)  # models/cpu_linear.py (CPU bf16)
+        if packed is not None:
+            from sgl_kvxfer.models.cpu_linear import packed_linear
+
+            return packed_linear(hidden, packed).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     def _shard_slice(self, shard) -> slice:

@@ -54,6 +54,12 @@ class SamplingParams(msgspec.Struct, frozen=True):
     def is_greedy(self) -> bool:
         return self.top_k == 1
 
+    @property
+    def has_logit_processors(self) -> bool:
+        """True when logits need more than a plain sample (penalties or bias)."""
+        return bool(self.logit_bias or self.repetition_penalty != 1.0 or self.frequency_penalty
+                    or self.presence_penalty)
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, vocab_size: int | None = None) -> "SamplingParams":
         raw = dict(raw or {})

@@ -40,13 +40,14 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
     Prompt-logprob positions of a slice: p in [logprob_start_len, prompt_len - 1) intersected
     with [start, start + length); the logits at position p score token p + 1.
     """
+    if batch.mode == ForwardMode.DECODE and all(s.req.input_logprobs_done for s in batch.slices):
+        return _prepare_decode(batch, out_cache_loc, req_to_token, device)
     input_ids, positions, token_rows, logits_rows = [], [], [], []
     prefix_lens, extend_lens, seq_lens, rows = [], [], [], []
     flat = 0
     for s in batch.slices:
         req = s.req
-        fill = req.fill_ids
-        input_ids.extend(fill[s.start : s.start + s.length])
+        input_ids.extend(req.fill_slice(s.start, s.start + s.length))
         positions.extend(range(s.start, s.start + s.length))
         token_rows.extend([req.req_pool_idx] * s.length)
         if not req.input_logprobs_done:
@@ -77,3 +78,36 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
         req_pool_indices=rows_t, seq_lens=lens_t, extend_prefix_lens=prefix_lens,
         extend_seq_lens=extend_lens, seq_lens_cpu=seq_lens, logits_positions=logits_t,
         req_to_token=req_to_token)
+
+
+def _prepare_decode(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_token: torch.Tensor,
+                    device: str) -> ForwardBatch:
+    """prepare_batch for a decode batch (one token per request, every row samples): the same
+    ForwardBatch in one pass over the requests (host time per decode step is the GPU's bound)."""
+    slices = batch.slices
+    B = len(slices)
+    input_ids = [s.req.fill_slice(s.start, s.start + 1)[0] for s in slices]
+    positions = [s.start for s in slices]
+    rows = [s.req.req_pool_idx for s in slices]
+    seq_lens = [p + 1 for p in positions]
+    for i, s in enumerate(slices):
+        s.sample_row = i
+    packed = torch.tensor(input_ids + positions + rows + seq_lens, dtype=torch.int64).to(device, non_blocking=True)
+    ids_t, pos_t, rows_t, lens_t = packed.split([B, B, B, B])
+    req_to_token[rows_t, pos_t] = out_cache_loc.to(req_to_token.dtype)
+    return ForwardBatch(
+        mode=batch.mode, input_ids=ids_t, positions=pos_t, out_cache_loc=out_cache_loc,
+        req_pool_indices=rows_t, seq_lens=lens_t, extend_prefix_lens=positions,
+        extend_seq_lens=[1] * B, seq_lens_cpu=seq_lens, logits_positions=_arange(B, device),
+        req_to_token=req_to_token)
+
+
+_ARANGE: dict = {}
+
+
+def _arange(n: int, device: str) -> torch.Tensor:
+    """int64 [0, n) on `device`, cached (decode logits rows are always all rows)."""
+    key = (str(device), n)
+    if key not in _ARANGE:
+        _ARANGE[key] = torch.arange(n, dtype=torch.int64, device=device)
+    return _ARANGE[key]

@@ -70,8 +70,10 @@ class KVLifecycle:
         if self.page_size == 1:
             return self.allocator.alloc(need)
         table = self.req_to_token.table
-        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=table.device)
-        last_pos = torch.tensor([max(r.kv_len - 1, 0) for r in reqs], dtype=torch.int64, device=table.device)
+        # one host->device copy for both index lists
+        idx = torch.tensor([r.req_pool_idx for r in reqs] + [max(r.kv_len - 1, 0) for r in reqs],
+                           dtype=torch.int64).to(table.device, non_blocking=True)
+        rows, last_pos = idx.split(len(reqs))
         return self.allocator.alloc_extend(table[rows, last_pos], [r.kv_len for r in reqs], lens)
 
     def cache(self, req: Req, finished: bool) -> None:

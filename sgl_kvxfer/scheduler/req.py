@@ -53,7 +53,22 @@ class Req:
 
     @property
     def fill_ids(self) -> list[int]:
+        """A new list (O(seq_len)): hot paths use `seq_len` / `fill_slice` instead."""
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        """len(fill_ids), without building it."""
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end], copying only those tokens (a decode step's one token is O(1))."""
+        n = len(self.origin_input_ids)
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        if end <= n:
+            return self.origin_input_ids[start:end]
+        return self.origin_input_ids[start:] + self.output_ids[: end - n]
 
     @property
     def finished(self) -> bool:
@@ -66,7 +81,7 @@ class Req:
     def prefix_match_limit(self) -> int:
         """Longest prefix the cache may serve: at least one token must be computed (its logits
         sample the next token), and prompt logprobs need logits from logprob_start_len on."""
-        limit = len(self.fill_ids) - 1
+        limit = self.seq_len - 1
         if not self.input_logprobs_done:
             limit = min(limit, self.logprob_start_len)
         return max(limit, 0)

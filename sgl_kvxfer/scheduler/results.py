@@ -20,7 +20,7 @@ class FinishChecker:
         self.context_len = context_len
 
     def banned_ids(self, req: Req) -> list[int]:
-        if len(req.output_ids) >= req.sampling.min_new_tokens:
+        if len(req.output_ids) >= req.sampling.min_new_tokens:  # always, at min_new_tokens 0
             return []
         return sorted(set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else self.eos_ids))
 
@@ -37,7 +37,7 @@ class FinishChecker:
                 if s in tail:
                     req.finish({"type": "stop", "matched": s})
                     break
-        if not req.finished and len(req.fill_ids) >= self.context_len:
+        if not req.finished and req.seq_len >= self.context_len:
             req.finish({"type": "length", "length": len(req.output_ids)})
 
 
@@ -58,9 +58,11 @@ def process_logits(batch: ScheduleBatch, logits: torch.Tensor, checker: FinishCh
         else:
             picked = logits[torch.tensor(sample_rows, device=logits.device)]
         reqs = [s.req for s in sampled]
-        processed = apply_logit_processors(picked, [r.sampling for r in reqs],
-                                           [r.output_ids for r in reqs], [checker.banned_ids(r) for r in reqs])
-        tokens = sample(processed, [r.sampling for r in reqs], [r.generator for r in reqs])
+        params = [r.sampling for r in reqs]
+        banned = [checker.banned_ids(r) for r in reqs]
+        if any(banned) or any(p.has_logit_processors for p in params):
+            picked = apply_logit_processors(picked, params, [r.output_ids for r in reqs], banned)
+        tokens = sample(picked, params, [r.generator for r in reqs])
         for s, req, token in zip(sampled, reqs, tokens):
             req.output_ids.append(token)
             if req.return_logprob:
@@ -68,7 +70,7 @@ def process_logits(batch: ScheduleBatch, logits: torch.Tensor, checker: FinishCh
             checker.check(req)
     for s in batch.slices:
         req = s.req
-        if not s.sample and req.kv_len == len(req.fill_ids) and req.sampling.max_new_tokens == 0:
+        if not s.sample and req.kv_len == req.seq_len and req.sampling.max_new_tokens == 0:
             req.finish({"type": "length", "length": 0})
 
 

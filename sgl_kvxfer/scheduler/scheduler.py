@@ -180,7 +180,7 @@ class Scheduler:
         return batch
 
     def _add_slice(self, batch, slots, adder, req: Req, admitted: bool) -> bool:
-        remaining = len(req.fill_ids) - req.kv_len
+        remaining = req.seq_len - req.kv_len
         adm = adder.try_add(remaining, decode_reserve(req.remaining_new_tokens, self.new_token_ratio))
         loc = self.kv.alloc([req], [adm.extend_len]) if adm is not None else None
         if loc is None:

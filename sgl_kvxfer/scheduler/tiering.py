@@ -111,7 +111,7 @@ class EngineTiering:
             return
         observed = {}
         for i, s in enumerate(batch.slices):
-            n = len(s.req.fill_ids)
+            n = s.req.seq_len
             acc = self._acc.get(s.req)
             if acc is None or acc.num_tokens != n:
                 acc = self._acc[s.req] = ImportanceAccumulator(n, self.config.kv_importance_window, fb.input_ids.device)

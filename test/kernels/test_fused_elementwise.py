@@ -76,15 +76,30 @@ def _qkv_views(T, Hq, Hkv, D, dtype, device):
     return q, k, cos, sin
 
 
+def _rope_bound(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Per-element bound on |kernel - reference| for RoPE: the reference rounds x1*c and x2*s
+    to the dtype before subtracting (each off by <= eps/2 of its own size), a fused
+    multiply-add does not; under cancellation that is many ulps of the small result, but never
+    more than ~eps of the products' magnitudes: 2 eps (|x1 c| + |x2 s|) per output."""
+    eps = torch.finfo(x.dtype).eps
+    x, c, s = x.float(), cos.float(), sin.float()
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    mag = x1.abs() * c.abs() + x2.abs() * s.abs()  # same for both halves
+    return 2 * eps * torch.cat([mag, mag], dim=-1) + 1e-4
+
+
 def _check_rope(T, Hq, Hkv, D, dtype, device):
     q, k, cos, sin = _qkv_views(T, Hq, Hkv, D, dtype, device)
     assert T == 1 or not (q.is_contiguous() or k.is_contiguous())
     gq, gk = rope_mod.fused_rope(q, k, cos, sin)
     rq, rk = rope_mod.fused_rope_reference(q, k, cos, sin)
     assert gq.is_contiguous() and gk.is_contiguous()
-    if gq.is_cuda:
-        _gpu_close(gq, rq)
-        _gpu_close(gk, rk)
+    if gq.is_cuda:  # H200: FMA contraction, not bitwise (see _rope_bound)
+        for got, ref, x in ((gq, rq, q), (gk, rk, k)):
+            err = (got.float() - ref.float()).abs()
+            bound = _rope_bound(x, cos, sin)
+            assert bool((err <= bound).all()), f"max excess {float((err - bound).max()):.3g}"
     else:
         assert torch.equal(gq, rq) and torch.equal(gk, rk)
 
@@ -187,6 +202,8 @@ def test_model_dispatch_cpu_uses_torch(monkeypatch):
     assert calls == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="interpreter-only: with a GPU Triton launches real kernels (test_model_dispatch_gpu)")
 def test_model_dispatch_fused_when_cuda(monkeypatch):
     """Pretend CPU is CUDA: the model takes the fused kernels (interpreter), and matches torch."""
     model = _tiny_model(torch.float16, "cpu")

@@ -6,6 +6,7 @@ import importlib
 ATTENTION_BACKENDS = {
     "torch": "sgl_kvxfer.layers.attention.torch_backend:TorchAttentionBackend",
     "triton": "sgl_kvxfer.layers.attention.triton_backend:TritonAttentionBackend",
+    "cpu": "sgl_kvxfer.layers.attention.cpu_backend:CpuAttentionBackend",
 }
 # (name, KVPool.layout) -> the variant of a backend that reads that pool layout natively.
 LAYOUT_VARIANTS = {

@@ -73,7 +73,10 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         for i, extend in enumerate(batch.extend_seq_lens):
             s = plan.token_offsets[i]
-            keys, values = pool.get_kv(layer_id, plan.slots[i])  # [S, Hkv, D]
+            if batch.extend_prefix_lens[i] == 0 and pool.stores_exact and k.dtype == pool.dtype:
+                keys, values = k[s : s + extend], v[s : s + extend]  # == the pool's rows, no gather
+            else:
+                keys, values = pool.get_kv(layer_id, plan.slots[i])  # [S, Hkv, D]
             qi = q[s : s + extend].transpose(0, 1)[None]  # [1, Hq, E, D]
             mask = plan.masks[i]
             oi = F.scaled_dot_product_attention(

@@ -1,0 +1,133 @@
+"""Native CPU kernels (C++/OpenMP, `csrc/cpu_ops.cpp`) for half-precision serving on CPU.
+
+The Triton kernels only run interpreted on CPU, so a bf16 CPU engine would otherwise run the
+model's elementwise ops as 5-10 unfused torch ops each and decode attention as a gathered,
+padded copy of every request's KV. These four ops replace that:
+
+    add_rmsnorm(x, weight, eps, residual=None)  -> out | (out, x + residual)
+    silu_mul(x [T, 2I])                          -> [T, I]
+    rope_qk(q [T, Hq, D], k [T, Hkv, D], cos, sin [T, 1, D/2]) -> (q', k') contiguous
+    decode_attention(q [B, Hq, D], k_buf, v_buf [S, Hkv, D], table [R, C], rows [B], lens [B],
+                     scale) -> [B, Hq, D]   (reads the pool in place through table rows)
+
+Each has a `*_reference` torch function below (the model's own torch path) and a test in
+test/kernels/test_cpu_ops.py. The extension is compiled on first use with the system C++
+compiler (-O3 -march=native -fopenmp, about a minute on 2 cores) and cached by torch under
+$TORCH_EXTENSIONS_DIR; `available()` is False where no compiler or ninja is found, and callers
+then keep the torch path.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_ops.cpp")
+_module = None
+_load_error: str | None = None
+
+
+def _cpu_tag() -> str:
+    """-march=native code is only valid on this CPU: key the build by its model name."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return hashlib.sha1(name.encode()).hexdigest()[:8]
+
+
+def load():
+    """The compiled extension module (builds it once per machine); raises on failure."""
+    global _module, _load_error
+    if _module is not None:
+        return _module
+    if _load_error is not None:
+        raise RuntimeError(_load_error)
+    from torch.utils.cpp_extension import load as load_ext
+
+    try:
+        logger.info("building the native CPU kernels (first use on this machine; ~1 min)")
+        _module = load_ext(name=f"sgl_kvxfer_cpu_ops_{_cpu_tag()}", sources=[_SOURCE],
+                           extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off"],
+                           extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, ...: callers fall back to torch
+        _load_error = f"native CPU kernels unavailable: {type(e).__name__}: {str(e)[-400:]}"
+        raise RuntimeError(_load_error) from e
+    return _module
+
+
+def available() -> bool:
+    try:
+        load()
+        return True
+    except RuntimeError:
+        return False
+
+
+# ------------------------------------------------------------------ launchers
+def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """x [T, H] (last dim contiguous) -> normed; with residual: (normed(x + residual), x + residual)."""
+    assert x.device.type == "cpu" and x.dim() == 2, (x.device, x.shape)
+    out = load().add_rmsnorm(x, residual, weight.contiguous(), float(eps))
+    return out[0] if residual is None else (out[0], out[1])
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+    assert x.device.type == "cpu" and x.dim() == 2, (x.device, x.shape)
+    return load().silu_mul(x)
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [T, Hq, D], k [T, Hkv, D] (strided views allowed), cos/sin [T, 1, D/2] -> rotated copies."""
+    assert q.device.type == "cpu" and cos.dtype == q.dtype, (q.device, cos.dtype, q.dtype)
+    qo, ko = load().rope_qk(q, k, cos, sin)
+    return qo, ko
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor,
+                     rows: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Hq, D]; k_buf/v_buf [S, Hkv, D] (one layer of the pool); request b attends to slots
+    table[rows[b], :lens[b]]. Returns [B, Hq, D] in q's dtype (fp32 softmax and accumulation)."""
+    assert q.device.type == "cpu" and k_buf.device.type == "cpu"
+    return load().decode_attention(q.contiguous(), k_buf, v_buf, table, rows.to(torch.int64).contiguous(),
+                                   lens.to(torch.int64).contiguous(), float(scale))
+
+
+# ------------------------------------------------------------------ torch references
+def add_rmsnorm_reference(x, weight, eps, residual=None):
+    from sgl_kvxfer.models.fused_ops import rmsnorm_torch
+
+    return rmsnorm_torch(x, weight, eps, residual)
+
+
+def silu_mul_reference(x):
+    from sgl_kvxfer.models.fused_ops import silu_mul_torch
+
+    return silu_mul_torch(x)
+
+
+def rope_qk_reference(q, k, cos, sin):
+    from sgl_kvxfer.models.rope import apply_rope
+
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def decode_attention_reference(q, k_buf, v_buf, table, rows, lens, scale):
+    """Per request: gather its slots and run SDPA (the torch backend's decode math)."""
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        slots = table[int(rows[b]), : int(lens[b])].long()
+        keys, values = k_buf[slots], v_buf[slots]  # [L, Hkv, D]
+        out[b] = F.scaled_dot_product_attention(
+            q[b][None, :, None, :], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            scale=scale, enable_gqa=True)[0, :, 0, :]
+    return out
