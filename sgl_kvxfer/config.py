@@ -23,6 +23,9 @@ KV_IMPORTANCE_CHOICES = ("attn", "norm")
 KV_BUDGET_UNIT_CHOICES = ("bytes", "cost")
 
 
+CPU_DEFAULT_PAGE_SIZE = 16
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str | None = None  # None or "smollm2-135m": the embedded default
@@ -132,6 +135,10 @@ class EngineConfig:
             from sgl_kvxfer.kernels.paged_layout import DEFAULT_PAGE_SIZE
 
             return DEFAULT_PAGE_SIZE
+        if self.page_size == 1 and self.resolved_attention_backend == "cpu":
+            # runs of 16 slots per request: decode tokens of a request stay near each other
+            # instead of B rows apart (the in-place decode kernel is bound by scattered reads)
+            return CPU_DEFAULT_PAGE_SIZE
         return self.page_size
 
     @property
@@ -148,6 +155,8 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     schedule_policy: str = "lpm"  # longest-prefix-match first, or "fcfs"
     stream_interval: int = 1
+    # CUDA: launch decode step N+1 before applying step N's results (scheduler/overlap.py)
+    disable_overlap_schedule: bool = False
 
     def __post_init__(self):
         if self.max_running_requests is not None and self.max_running_requests < 1:

@@ -23,8 +23,11 @@ def create_kv_pool(config, arch, size: int, dtype, device: str, int4_allowed: bo
     """
     dims = (arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)
     if not config.tiering_enabled:
-        if config.resolved_page_size > 1:  # head-major pages the Triton kernels read
-            return _load("paged_fp16")(size, *dims, dtype, device, page_size=config.resolved_page_size)
+        page = config.resolved_page_size
+        if page > 1 and config.resolved_attention_backend == "cpu":  # slot rows, paged allocation
+            return _load("fp16")(size - size % page, *dims, dtype, device, page_size=page)
+        if page > 1:  # head-major pages the Triton kernels read
+            return _load("paged_fp16")(size, *dims, dtype, device, page_size=page)
         return _load("fp16")(size, *dims, dtype, device)
     if int4_allowed is None:
         int4_allowed = config.kv_int4 != "off"  # "auto" is sized for the probe's own 3-tier run

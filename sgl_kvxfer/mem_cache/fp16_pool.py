@@ -1,6 +1,7 @@
 """Fp16KVPool: every token's K and V held at the model dtype (fp16/bf16 on GPU; fp32 on CPU).
 
-Layout per layer: k_buffer[layer] and v_buffer[layer], each [size + 1, Hkv, D]; row 0 is padding.
+Layout per layer: k_buffer[layer] and v_buffer[layer], each [size + page_size, Hkv, D] indexed by
+slot; the first page (row 0 at page_size 1) is padding.
 """
 from __future__ import annotations
 
@@ -13,14 +14,18 @@ class Fp16KVPool(KVPool):
     stores_exact = True  # k/v are stored at the model dtype, unchanged
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str):
+                 dtype: torch.dtype, device: str, page_size: int = 1):
         super().__init__(size, num_layers, num_kv_heads, head_dim, dtype, device)
-        shape = (size + 1, num_kv_heads, head_dim)
+        # With a paged allocator (page_size P > 1; the cpu attention backend's default, so a
+        # request's tokens sit in runs of P rows) slots go up to size + P - 1 and page 0
+        # (rows 0..P-1) is the padding: P padding rows instead of one.
+        self.page_size = page_size
+        shape = (size + page_size, num_kv_heads, head_dim)
         # torch.zeros on a multi-GB CPU buffer would touch every page at start-up; empty() is lazy.
         self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for buf in self.k_buffer + self.v_buffer:
-            buf[0].zero_()
+            buf[:page_size].zero_()
 
     def set_kv(self, layer_id, slots, k, v):
         self.k_buffer[layer_id][slots] = k.to(self.dtype)

@@ -41,7 +41,7 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
     with [start, start + length); the logits at position p score token p + 1.
     """
     if batch.mode == ForwardMode.DECODE and all(s.req.input_logprobs_done for s in batch.slices):
-        return _prepare_decode(batch, out_cache_loc, req_to_token, device)
+        return prepare_decode(batch, out_cache_loc, req_to_token, device)
     input_ids, positions, token_rows, logits_rows = [], [], [], []
     prefix_lens, extend_lens, seq_lens, rows = [], [], [], []
     flat = 0
@@ -80,20 +80,24 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
         req_to_token=req_to_token)
 
 
-def _prepare_decode(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_token: torch.Tensor,
-                    device: str) -> ForwardBatch:
+def prepare_decode(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_token: torch.Tensor,
+                   device: str, input_ids: torch.Tensor | None = None) -> ForwardBatch:
     """prepare_batch for a decode batch (one token per request, every row samples): the same
-    ForwardBatch in one pass over the requests (host time per decode step is the GPU's bound)."""
+    ForwardBatch in one pass over the requests (host time per decode step is the GPU's bound).
+    `input_ids` (device, [B]): the tokens to feed when they are not on the host yet (the
+    overlap scheduler feeds the previous step's sampled tokens straight from the GPU)."""
     slices = batch.slices
     B = len(slices)
-    input_ids = [s.req.fill_slice(s.start, s.start + 1)[0] for s in slices]
     positions = [s.start for s in slices]
     rows = [s.req.req_pool_idx for s in slices]
     seq_lens = [p + 1 for p in positions]
     for i, s in enumerate(slices):
         s.sample_row = i
-    packed = torch.tensor(input_ids + positions + rows + seq_lens, dtype=torch.int64).to(device, non_blocking=True)
-    ids_t, pos_t, rows_t, lens_t = packed.split([B, B, B, B])
+    host_ids = [] if input_ids is not None else [s.req.fill_slice(s.start, s.start + 1)[0] for s in slices]
+    packed = torch.tensor(host_ids + positions + rows + seq_lens, dtype=torch.int64).to(device, non_blocking=True)
+    ids_t, pos_t, rows_t, lens_t = packed.split([len(host_ids), B, B, B])
+    if input_ids is not None:
+        ids_t = input_ids
     req_to_token[rows_t, pos_t] = out_cache_loc.to(req_to_token.dtype)
     return ForwardBatch(
         mode=batch.mode, input_ids=ids_t, positions=pos_t, out_cache_loc=out_cache_loc,

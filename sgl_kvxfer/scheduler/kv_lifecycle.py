@@ -55,15 +55,18 @@ class KVLifecycle:
             req.cached_tokens = req.prefix_len
         return True
 
-    def alloc(self, reqs: list[Req], lens: list[int] | None = None) -> torch.Tensor | None:
+    def alloc(self, reqs: list[Req], lens: list[int] | None = None,
+              starts: list[int] | None = None) -> torch.Tensor | None:
         """Slots for the next `lens[i]` positions (default 1: decode) of each request, from
-        position `kv_len` on, concatenated; evicts unlocked cache leaves if needed. None (and
-        nothing changed) when the pool cannot cover them all."""
+        position `starts[i]` (default `kv_len`; the overlap scheduler allocates one step ahead
+        of it) on, concatenated; evicts unlocked cache leaves if needed. None (and nothing
+        changed) when the pool cannot cover them all."""
         lens = [1] * len(reqs) if lens is None else lens
+        starts = [r.kv_len for r in reqs] if starts is None else starts
         if self.page_size == 1:
             need = sum(lens)
         else:
-            need = pages_needed([r.kv_len for r in reqs], lens, self.page_size) * self.page_size
+            need = pages_needed(starts, lens, self.page_size) * self.page_size
         short = need - self.allocator.available_size()
         if short > 0 and self.tree is not None:
             self.tree.evict(short)
@@ -71,10 +74,10 @@ class KVLifecycle:
             return self.allocator.alloc(need)
         table = self.req_to_token.table
         # one host->device copy for both index lists
-        idx = torch.tensor([r.req_pool_idx for r in reqs] + [max(r.kv_len - 1, 0) for r in reqs],
+        idx = torch.tensor([r.req_pool_idx for r in reqs] + [max(st - 1, 0) for st in starts],
                            dtype=torch.int64).to(table.device, non_blocking=True)
         rows, last_pos = idx.split(len(reqs))
-        return self.allocator.alloc_extend(table[rows, last_pos], [r.kv_len for r in reqs], lens)
+        return self.allocator.alloc_extend(table[rows, last_pos], starts, lens)
 
     def cache(self, req: Req, finished: bool) -> None:
         """Hand the request's computed KV to the prefix cache (or free it without one).

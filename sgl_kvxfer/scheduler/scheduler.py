@@ -16,8 +16,9 @@ from sgl_kvxfer.config import SchedulerConfig
 from sgl_kvxfer.engine.forward_batch import ForwardMode
 from sgl_kvxfer.message import (AbortReq, FlushCacheReq, FlushCacheResult, GetInternalStateReq, InternalState,
                                 ReqOutput, TokenizedGenerateReq)
-from sgl_kvxfer.scheduler.batch import ReqSlice, ScheduleBatch, prepare_batch
+from sgl_kvxfer.scheduler.batch import ReqSlice, ScheduleBatch, prepare_batch, prepare_decode
 from sgl_kvxfer.scheduler.kv_lifecycle import KVLifecycle
+from sgl_kvxfer.scheduler.overlap import InflightDecode, continues_after, overlap_ok, void_slot_owned
 from sgl_kvxfer.scheduler.policy import PrefillAdder, decode_reserve, pick_retraction
 from sgl_kvxfer.scheduler.req import Req
 from sgl_kvxfer.scheduler.results import FinishChecker, make_output, process_logits
@@ -48,6 +49,10 @@ class Scheduler:
         self._tput_window = (time.monotonic(), 0)
         self.tiering = None
         self.tiering = create_engine_tiering(self, tokenizer)  # SpectrumKV; None at kv_tier_budget 1
+        # Overlapped decode (scheduler/overlap.py): CUDA only (a CPU forward is synchronous).
+        self.overlap = (not config.disable_overlap_schedule and self.tiering is None
+                        and str(runner.device).startswith("cuda"))
+        self.inflight: InflightDecode | None = None
 
     # ------------------------------------------------------------------ messages
     def handle(self, msg):
@@ -108,7 +113,7 @@ class Scheduler:
             self._retire(req)
 
     def flush_cache(self) -> FlushCacheResult:
-        if self.running or self.waiting or self.chunked:
+        if self.running or self.waiting or self.chunked or self.inflight:
             return FlushCacheResult(False, "Cache not flushed: requests are running or queued.")
         self.kv.flush()
         return FlushCacheResult(True, "Cache flushed.")
@@ -127,10 +132,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one iteration
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked)
+        return bool(self.waiting or self.running or self.chunked or self.inflight)
 
     def step(self) -> bool:
         """Schedule, run and apply one batch. Returns False when there was nothing to run."""
+        if self.inflight is not None:
+            return self._step_overlapped()
         batch = self._prefill_batch() or self._decode_batch()
         if batch is None:
             return False
@@ -139,9 +146,64 @@ class Scheduler:
         if self.tiering is not None:
             self.tiering.before_forward(batch, fb)
         logits = self.runner.forward(fb)
+        if (self.overlap and batch.mode == ForwardMode.DECODE
+                and all(overlap_ok(s.req, self.checker, 0) for s in batch.slices)):
+            self.inflight = InflightDecode(batch, logits.argmax(dim=-1), loc)  # applied next step
+            return True
         process_logits(batch, logits, self.checker)
         self._after_batch(batch)
         return True
+
+    def _step_overlapped(self) -> bool:
+        """Launch the next decode step on the in-flight step's device-resident tokens, then
+        apply the in-flight step while the GPU runs the next one (scheduler/overlap.py)."""
+        prev, self.inflight = self.inflight, None
+        nxt = None
+        if not self.waiting and self.chunked is None:  # new prompts: prefill first, no overlap
+            nxt = self._launch_followup(prev)
+        self._apply_inflight(prev)
+        if nxt is not None and not self.running:  # prev finished everyone: nxt is all void
+            self._apply_inflight(nxt)
+            nxt = None
+        self.inflight = nxt  # invariant: an in-flight step has a running request
+        return True
+
+    def _launch_followup(self, prev: InflightDecode) -> InflightDecode | None:
+        ctx = self.runner.context_len
+        # not: requests already finished (prev holds their void token) or finished by prev for sure
+        keep = [i for i, s in enumerate(prev.batch.slices) if not s.req.finished
+                and continues_after(s.req, ctx) and overlap_ok(s.req, self.checker, 1)]
+        if not keep:
+            return None
+        reqs = [prev.batch.slices[i].req for i in keep]
+        starts = [prev.batch.slices[i].start + 1 for i in keep]
+        loc = self.kv.alloc(reqs, starts=starts)
+        if loc is None:  # out of KV: apply first, then the plain path retracts
+            return None
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        batch = ScheduleBatch(ForwardMode.DECODE, [ReqSlice(r, st, 1, True) for r, st in zip(reqs, starts)])
+        ids = prev.tokens if len(keep) == len(prev.batch.slices) else prev.tokens[
+            torch.tensor(keep, dtype=torch.int64).to(prev.tokens.device, non_blocking=True)]
+        fb = prepare_decode(batch, loc, self.runner.req_to_token.table, self.runner.device, input_ids=ids)
+        logits = self.runner.forward(fb)
+        return InflightDecode(batch, logits.argmax(dim=-1), loc)
+
+    def _apply_inflight(self, inf: InflightDecode) -> None:
+        """process_logits for an overlapped step: its tokens are the argmax already taken."""
+        tokens = inf.tokens.tolist()  # waits for this step only, not for one launched after it
+        live = []
+        for i, (s, token) in enumerate(zip(inf.batch.slices, tokens)):
+            req = s.req
+            if req.finished:  # finished (or aborted) after this step was launched: a void token
+                if void_slot_owned(s.start, self.kv.page_size):
+                    self.kv.allocator.free(inf.out_cache_loc[i : i + 1])
+                continue
+            req.kv_len = s.start + 1
+            req.output_ids.append(token)
+            self.checker.check(req)
+            live.append(s)
+        inf.batch.slices = live
+        self._after_batch(inf.batch)
 
     def take_outputs(self) -> list[ReqOutput]:
         out, self.outbox = self.outbox, []

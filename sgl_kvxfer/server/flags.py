@@ -23,7 +23,7 @@ _NOOP_AT: dict[str, tuple[str, ...] | None] = {
     "--watchdog-timeout": None, "--quantization": ("none",),
 }
 _NOOP_SWITCHES = ("--trust-remote-code", "--log-requests", "--disable-cuda-graph-padding",
-                  "--enable-cache-report", "--disable-overlap-schedule", "--skip-server-warmup")
+                  "--enable-cache-report", "--skip-server-warmup")
 UNSUPPORTED_FLAGS = (
     "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
     "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--enable-lora", "--lora-paths",
