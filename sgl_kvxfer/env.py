@@ -35,8 +35,8 @@ STARTUP_TIMEOUT = EnvVar("SGL_KVXFER_STARTUP_TIMEOUT", "900",
 COMMIT = EnvVar("SGL_KVXFER_COMMIT", None, "commit recorded by benchmarks when git is unavailable")
 FUSED_ELEMENTWISE = EnvVar(
     "SGL_KVXFER_FUSED_ELEMENTWISE", None,
-    "1: on CUDA fp16/bf16 the model runs fused Triton RMSNorm / RoPE / SwiGLU (opt-in; not "
-    "bit-equal to the torch path on GPU, see kernels/README.md section 7)")
+    "1: on CUDA fp16/bf16 the model runs fused Triton RMSNorm / RoPE / SwiGLU (opt-in: on an H200 "
+    "the fused RoPE is off torch by more than rounding allows, see kernels/README.md section 7)")
 
 CPU_KERNELS = EnvVar(
     "SGL_KVXFER_CPU_KERNELS", "1",

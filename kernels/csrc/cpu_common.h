@@ -4,6 +4,8 @@
 
 #include <torch/extension.h>
 
+#include <immintrin.h>
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -68,6 +70,43 @@ template <typename T> inline void load_row(const T* src, float* dst, int64_t n) 
 
 template <typename S> inline S* ptr(const at::Tensor& t) { return reinterpret_cast<S*>(t.data_ptr()); }
 
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define SGL_KVXFER_AVX512BF16 1
+// exp over 16 lanes: fast_exp's polynomial and its overflow / underflow rule (+inf above
+// 88.72, 0 below -103), ~2 ulp.
+inline __m512 exp16_avx512(__m512 x_in) {
+  const __m512 x = _mm512_max_ps(_mm512_min_ps(x_in, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  __m512 e = _mm512_scalef_ps(y, n);  // exact power-of-two scaling; x == 0 gives exactly 1
+  e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x_in, _mm512_set1_ps(88.72f), _CMP_GT_OQ), e,
+                           _mm512_set1_ps(INFINITY));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x_in, _mm512_set1_ps(-103.0f), _CMP_NLT_UQ), e);
+}
+
+// 16 bf16 -> 16 fp32 (exact), and back with round-to-nearest-even (VCVTNEPS2BF16; it flushes
+// fp32 subnormal inputs to zero, which only changes results below ~1e-38).
+inline __m512 load16_bf16(const uint16_t* p, __mmask16 m = 0xFFFF) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+inline void store16_bf16(uint16_t* p, __m512 v, __mmask16 m = 0xFFFF) {
+  _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+inline __m512 round16_bf16(__m512 v) {  // the fp32 value of v rounded to bf16
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v))), 16));
+}
+#endif
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                             const at::Tensor& table, const at::Tensor& rows, const at::Tensor& lens,

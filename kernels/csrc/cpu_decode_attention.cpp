@@ -116,23 +116,6 @@ void decode_attention_generic(const T* q, const T* kb, const T* vb, const I* tab
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define DECODE_ATTN_AVX512BF16 1
 
-// exp over 16 lanes: the fast_exp polynomial (same clamp to [-87, 88], ~2 ulp).
-inline __m512 dec_exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f),
-                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);  // exact power-of-two scaling; x == 0 gives exactly 1
-}
-
 // Two vectors of 16 partial sums each -> one vector whose lanes are pairwise partial sums,
 // keeping per-input order: lane layout after all four levels = input index (see dec_reduce16).
 inline __m512 dec_red_ps(__m512 a, __m512 b) {
@@ -304,7 +287,7 @@ void decode_attention_bf16_avx512(const uint16_t* q, const uint16_t* kb, const u
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < Lp; j += 16) {
-          __m512 e = dec_exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), m));
+          __m512 e = exp16_avx512(_mm512_sub_ps(_mm512_loadu_ps(sg + j), m));
           if (j + 16 == Lp) e = _mm512_maskz_mov_ps(last_mask, e);  // padding weights are exactly 0
           _mm512_storeu_ps(sg + j, e);
           sum = _mm512_add_ps(sum, e);

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from sgl_kvxfer.mem_cache.host_pages import advise_hugepages
 from sgl_kvxfer.mem_cache.kv_pool import KVPool
 
 
@@ -25,6 +26,7 @@ class Fp16KVPool(KVPool):
         self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for buf in self.k_buffer + self.v_buffer:
+            advise_hugepages(buf)  # CPU: before the first touch (host_pages.py)
             buf[:page_size].zero_()
 
     def set_kv(self, layer_id, slots, k, v):

@@ -1,7 +1,8 @@
 """Overlap scheduling (scheduler/overlap.py) is on for CUDA only; forced on here on CPU, it must
 give exactly the plain scheduler's outputs and leave no KV slot behind, through EOS stops,
 stop strings, length limits, mixed eligible / ineligible requests, aborts and a pool small
-enough to force retraction. Real SmolLM2 weights (natural EOS), fp32, token and paged pools."""
+enough to force retraction. Real SmolLM2 weights (natural EOS), fp32, token and paged pools.
+The CPU tests pin device="cpu" (deterministic fp32); the GPU test checks the CUDA-graph path."""
 import pytest
 
 from sgl_kvxfer.message import AbortReq, TokenizedGenerateReq
@@ -24,12 +25,10 @@ def _params(i):
     return p
 
 
-def _run(engine, overlap: bool, logprob_rows=()):
+def _run(engine, overlap: bool, params=None):
     engine.scheduler.overlap = overlap
-    outs = []
-    for i, prompt in enumerate(PROMPTS):  # one generate call runs them all concurrently
-        outs.append((prompt, _params(i), i in logprob_rows))
-    res = engine.generate([p for p, _, _ in outs], [q for _, q, _ in outs])
+    params = params or [_params(i) for i in range(len(PROMPTS))]
+    res = engine.generate(PROMPTS, params)  # one call: all requests run concurrently
     return [(r["output_ids"], r["meta_info"]["finish_reason"]) for r in res]
 
 
@@ -45,7 +44,7 @@ def _assert_no_leak(engine):
 def test_overlap_matches_plain_and_frees_every_slot(smollm2_path, page_size):
     from sgl_kvxfer import Engine
 
-    with Engine(smollm2_path, max_total_tokens=6000, page_size=page_size) as engine:
+    with Engine(smollm2_path, device="cpu", max_total_tokens=6000, page_size=page_size) as engine:
         plain = _run(engine, overlap=False)
         _assert_no_leak(engine)
         launched = []
@@ -66,10 +65,10 @@ def test_overlap_with_abort_and_retraction(smollm2_path, monkeypatch):
 
     prompts = [f"Item {i}: the history of the number {i * 37} in mathematics is" for i in range(12)]
     params = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
-    with Engine(smollm2_path, max_total_tokens=6000) as big:
+    with Engine(smollm2_path, device="cpu", max_total_tokens=6000) as big:
         expected = {f"r{i}": out["output_ids"] for i, out in enumerate(big.generate(prompts, params))}
     monkeypatch.setattr(sched_mod, "decode_reserve", lambda *a, **k: 0)
-    with Engine(smollm2_path, max_total_tokens=400, max_running_requests=12) as engine:
+    with Engine(smollm2_path, device="cpu", max_total_tokens=400, max_running_requests=12) as engine:
         sched = engine.scheduler
         sched.overlap = True
         sp = SamplingParams.from_dict(params)
@@ -91,4 +90,20 @@ def test_overlap_with_abort_and_retraction(smollm2_path, monkeypatch):
             if rid != "r1":
                 got = [t for o in outs[rid] for t in o.new_output_ids]
                 assert got == ids, rid
+        _assert_no_leak(engine)
+
+
+@pytest.mark.gpu
+def test_overlap_on_cuda_graphs(smollm2_path):
+    """CUDA, bf16, CUDA graphs: with fixed lengths both modes run the same batch shapes, so the
+    overlapped run must reproduce the plain one token for token; with natural EOS (void tokens)
+    every slot must still come back."""
+    from sgl_kvxfer import Engine
+
+    with Engine(smollm2_path, device="cuda", dtype="bfloat16", max_total_tokens=20000) as engine:
+        assert engine.scheduler.overlap and engine.runner.graph_runner is not None
+        fixed = [{"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}] * len(PROMPTS)
+        assert _run(engine, True, fixed) == _run(engine, False, fixed)
+        _assert_no_leak(engine)
+        _run(engine, True)
         _assert_no_leak(engine)
