@@ -7,6 +7,7 @@ padded copy of every request's KV. These four ops replace that:
     add_rmsnorm(x, weight, eps, residual=None)  -> out | (out, x + residual)
     silu_mul(x [T, 2I])                          -> [T, I]
     rope_qk(q [T, Hq, D], k [T, Hkv, D], cos, sin [T, 1, D/2]) -> (q', k') contiguous
+    bf16_to_f32(x)                               -> x.float(), in parallel (the logits)
     decode_attention(q [B, Hq, D], k_buf, v_buf [S, Hkv, D], table [R, C], rows [B], lens [B],
                      scale) -> [B, Hq, D]   (reads the pool in place through table rows)
 
@@ -107,6 +108,13 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     with _op("rope_qk"):
         qo, ko = load().rope_qk(q, k, cos, sin)
     return qo, ko
+
+
+def bf16_to_f32(x: torch.Tensor) -> torch.Tensor:
+    """Contiguous bf16 CPU tensor -> the same values in fp32 (exact), widened in parallel."""
+    assert x.device.type == "cpu" and x.dtype == torch.bfloat16, (x.device, x.dtype)
+    with _op("bf16_to_f32"):
+        return load().bf16_to_f32(x.contiguous())
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor,

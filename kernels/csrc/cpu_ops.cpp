@@ -185,6 +185,21 @@ std::vector<at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor& k, const 
   return {qo, ko};
 }
 
+// ---------------------------------------------------------------- bf16 -> fp32
+// Exact widening, in parallel (torch's .float() runs single-threaded at logits size: 16 ms
+// for a 256 x 49152 decode batch, 6% of the step).
+at::Tensor bf16_to_f32(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "bf16_to_f32: contiguous bf16 input");
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  const uint16_t* src = ptr<uint16_t>(x);
+  float* dst = ptr<float>(out);
+  at::parallel_for(0, x.numel(), 1 << 16, [=](int64_t begin, int64_t end) {
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) dst[i] = to_f32(src[i]);
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace sgl_kvxfer_cpu
 
@@ -194,5 +209,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rmsnorm", &add_rmsnorm, "RMSNorm with optional fused residual add (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (CPU)");
   m.def("rope_qk", &rope_qk, "RoPE on q and k, contiguous outputs (CPU)");
+  m.def("bf16_to_f32", &bf16_to_f32, "exact bf16 -> fp32 widening, parallel (CPU)");
   m.def("decode_attention", &sgl_kvxfer_cpu::decode_attention, "GQA decode attention over the KV pool in place (CPU)");
 }

@@ -161,9 +161,11 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab] float32."""
         packed = getattr(self, "packed_lm_head", None)  # models/cpu_linear.py (CPU bf16)
         if packed is not None:
+            from sgl_kvxfer.kernels import cpu_ops
             from sgl_kvxfer.models.cpu_linear import packed_linear
 
-            return packed_linear(hidden, packed).float()
+            logits = packed_linear(hidden, packed)
+            return cpu_ops.bf16_to_f32(logits) if cpu_ops.available() else logits.float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     def _shard_slice(self, shard) -> slice:

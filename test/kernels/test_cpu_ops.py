@@ -155,3 +155,23 @@ def test_prepack_swaps_bf16_linears_only():
     assert isinstance(model[0], PackedLinearCPU) and isinstance(model[1][0], PackedLinearCPU)
     assert {n for n, _ in model.named_parameters()} == names  # same parameters, same names
     assert torch.equal(model(x), ref)
+
+
+def test_bf16_to_f32_exact():
+    x = torch.randn(37, 49152 + 3).to(BF16)
+    x[0, :3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    got = cpu_ops.bf16_to_f32(x)
+    assert got.dtype == torch.float32 and torch.equal(got[:, 3:], x[:, 3:].float())
+    assert got[0, 0] == float("inf") and got[0, 1] == float("-inf") and bool(got[0, 2].isnan())
+
+
+def test_greedy_sample_takes_the_first_of_tied_maxima():
+    from sgl_kvxfer.sampling.params import SamplingParams
+    from sgl_kvxfer.sampling.sampler import sample
+
+    logits = torch.zeros(3, 1000)
+    logits[0, [7, 900]] = 5.0  # tie: the first index wins, as argmax
+    logits[1, 999] = 1.0
+    logits[2, :] = -1.0
+    greedy = SamplingParams.from_dict({"temperature": 0})
+    assert sample(logits, [greedy] * 3, [None] * 3) == [7, 999, 0]
