@@ -7,7 +7,8 @@ padded copy of every request's KV. These four ops replace that:
     add_rmsnorm(x, weight, eps, residual=None)  -> out | (out, x + residual)
     silu_mul(x [T, 2I])                          -> [T, I]
     rope_qk(q [T, Hq, D], k [T, Hkv, D], cos, sin [T, 1, D/2]) -> (q', k') contiguous
-    bf16_to_f32(x)                               -> x.float(), in parallel (the logits)
+    bf16_to_f32(x, out=None)                     -> x.float(), in parallel (the logits)
+    argmax_rows(x fp32 [R, V])                   -> x.argmax(-1), in parallel (greedy sampling)
     decode_attention(q [B, Hq, D], k_buf, v_buf [S, Hkv, D], table [R, C], rows [B], lens [B],
                      scale) -> [B, Hq, D]   (reads the pool in place through table rows)
 
@@ -110,11 +111,19 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return qo, ko
 
 
-def bf16_to_f32(x: torch.Tensor) -> torch.Tensor:
-    """Contiguous bf16 CPU tensor -> the same values in fp32 (exact), widened in parallel."""
+def bf16_to_f32(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Contiguous bf16 CPU tensor -> the same values in fp32 (exact), widened in parallel,
+    into `out` (contiguous fp32, same shape) when given."""
     assert x.device.type == "cpu" and x.dtype == torch.bfloat16, (x.device, x.dtype)
     with _op("bf16_to_f32"):
-        return load().bf16_to_f32(x.contiguous())
+        return load().bf16_to_f32(x.contiguous(), out)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [R, V] -> int64 [R]: torch.argmax(x, -1) (first maximal index; NaN is maximal)."""
+    assert x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2, (x.device, x.dtype)
+    with _op("argmax_rows"):
+        return load().argmax_rows(x.contiguous())
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, table: torch.Tensor,
@@ -128,6 +137,10 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
 
 
 # ------------------------------------------------------------------ torch references
+def argmax_rows_reference(x):
+    return x.argmax(dim=-1)
+
+
 def add_rmsnorm_reference(x, weight, eps, residual=None):
     from sgl_kvxfer.models.fused_ops import rmsnorm_torch
 

@@ -185,17 +185,51 @@ std::vector<at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor& k, const 
   return {qo, ko};
 }
 
-// ---------------------------------------------------------------- bf16 -> fp32
-// Exact widening, in parallel (torch's .float() runs single-threaded at logits size: 16 ms
-// for a 256 x 49152 decode batch, 6% of the step).
-at::Tensor bf16_to_f32(const at::Tensor& x) {
+// ---------------------------------------------------------------- logits helpers
+// Exact bf16 -> fp32 widening, in parallel, into `out` when given (a reused buffer: a fresh
+// 50 MB fp32 logits tensor per decode step page-faults for longer than the widening takes).
+at::Tensor bf16_to_f32(const at::Tensor& x, const c10::optional<at::Tensor>& out_opt) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "bf16_to_f32: contiguous bf16 input");
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  at::Tensor out = out_opt.has_value() ? *out_opt : at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.sizes() == x.sizes(),
+              "bf16_to_f32: out must be contiguous fp32 of x's shape");
   const uint16_t* src = ptr<uint16_t>(x);
   float* dst = ptr<float>(out);
   at::parallel_for(0, x.numel(), 1 << 16, [=](int64_t begin, int64_t end) {
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) dst[i] = to_f32(src[i]);
+  });
+  return out;
+}
+
+// Row-wise argmax of fp32 [R, V] with torch's semantics: the first maximal index, and a NaN
+// counts as the maximum (the first NaN's index). Parallel over rows.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) > 0,
+              "argmax_rows: contiguous fp32 [R, V] with V > 0");
+  const int64_t R = x.size(0), V = x.size(1);
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
+  const float* src = ptr<float>(x);
+  int64_t* dst = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [=](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = src + r * V;
+      float m = -INFINITY;
+      int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+      for (int64_t i = 0; i < V; ++i) {
+        m = row[i] > m ? row[i] : m;
+        nan |= row[i] != row[i];
+      }
+      int64_t idx = 0;
+      for (int64_t i = 0; i < V; ++i) {
+        if (nan ? row[i] != row[i] : row[i] == m) {
+          idx = i;
+          break;
+        }
+      }
+      dst[r] = idx;
+    }
   });
   return out;
 }
@@ -210,5 +244,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up (CPU)");
   m.def("rope_qk", &rope_qk, "RoPE on q and k, contiguous outputs (CPU)");
   m.def("bf16_to_f32", &bf16_to_f32, "exact bf16 -> fp32 widening, parallel (CPU)");
+  m.def("argmax_rows", &argmax_rows, "first-max argmax of each fp32 row, parallel (CPU)");
   m.def("decode_attention", &sgl_kvxfer_cpu::decode_attention, "GQA decode attention over the KV pool in place (CPU)");
 }

@@ -165,7 +165,14 @@ class LlamaForCausalLM(nn.Module):
             from sgl_kvxfer.models.cpu_linear import packed_linear
 
             logits = packed_linear(hidden, packed)
-            return cpu_ops.bf16_to_f32(logits) if cpu_ops.available() else logits.float()
+            if not cpu_ops.available():
+                return logits.float()
+            # NOTE: a reused buffer (no page faults per step): the caller consumes the logits
+            # before the next forward, as it must for CUDA-graph replays too
+            buf = getattr(self, "_logits_buf_cpu", None)
+            if buf is None or buf.shape != logits.shape:
+                buf = self._logits_buf_cpu = torch.empty(logits.shape, dtype=torch.float32)
+            return cpu_ops.bf16_to_f32(logits, buf)
         return F.linear(hidden, self.lm_head_weight).float()
 
     def _shard_slice(self, shard) -> slice:

@@ -34,8 +34,7 @@ def apply_logit_processors(logits: torch.Tensor, params: list[SamplingParams], h
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits [B, V] fp32 -> one token id per row."""
-    # max(dim).indices: the first maximal index like argmax, but ~2x faster on CPU
-    out = logits.max(dim=-1).indices.tolist()
+    out = _greedy(logits).tolist()
     for i, p in enumerate(params):
         if p.is_greedy:
             continue
@@ -55,3 +54,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         cpu_probs = probs.float().cpu()
         out[i] = int(torch.multinomial(cpu_probs / cpu_probs.sum(), 1, generator=gen).item())
     return out
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Row argmax (first maximal index). On CPU the native parallel kernel: torch's reduction
+    runs single-threaded, ~9 ms for a 256 x 49152 decode batch."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
+        from sgl_kvxfer import env
+        from sgl_kvxfer.kernels import cpu_ops
+
+        if env.CPU_KERNELS.get_bool() and cpu_ops.available():
+            return cpu_ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)

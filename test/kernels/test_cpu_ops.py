@@ -165,6 +165,18 @@ def test_bf16_to_f32_exact():
     assert got[0, 0] == float("inf") and got[0, 1] == float("-inf") and bool(got[0, 2].isnan())
 
 
+def test_bf16_to_f32_into_a_buffer_and_argmax_rows():
+    x = torch.randn(5, 1000).to(BF16)
+    buf = torch.empty(5, 1000)
+    assert cpu_ops.bf16_to_f32(x, buf).data_ptr() == buf.data_ptr() and torch.equal(buf, x.float())
+    f = torch.randn(64, 49152)
+    f[1, [10, 20]] = 100.0  # tie: first index
+    f[2, 5] = float("nan")  # NaN is the maximum, as in torch
+    f[3] = float("-inf")
+    assert torch.equal(cpu_ops.argmax_rows(f), cpu_ops.argmax_rows_reference(f))
+    assert cpu_ops.argmax_rows(f)[1] == 10 and cpu_ops.argmax_rows(f)[2] == 5
+
+
 def test_greedy_sample_takes_the_first_of_tied_maxima():
     from sgl_kvxfer.sampling.params import SamplingParams
     from sgl_kvxfer.sampling.sampler import sample
