@@ -184,7 +184,8 @@ def plot(path_png: str, title: str, ours: dict, hf: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    names, vals = ["sgl_kvxfer Engine", "HF generate"], [ours["output_tok_s"], hf["output_tok_s"]]
+    names = ["sgl_kvxfer Engine", f"HF generate (batch {hf['batch_size']})"]
+    vals = [ours["output_tok_s"], hf["output_tok_s"]]
     bars = ax.bar(names, vals, color=["#2a7", "#888"])
     ax.bar_label(bars, fmt="%.1f")
     ax.set_ylabel("output tokens / s")

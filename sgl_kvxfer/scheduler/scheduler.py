@@ -48,11 +48,12 @@ class Scheduler:
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated": 0, "gen_throughput": 0.0}
         self._tput_window = (time.monotonic(), 0)
         self.tiering = None
+        self.overlap = False  # NOTE: set before tiering: its int4 probe already runs steps
+        self.inflight: InflightDecode | None = None
         self.tiering = create_engine_tiering(self, tokenizer)  # SpectrumKV; None at kv_tier_budget 1
         # Overlapped decode (scheduler/overlap.py): CUDA only (a CPU forward is synchronous).
         self.overlap = (not config.disable_overlap_schedule and self.tiering is None
                         and str(runner.device).startswith("cuda"))
-        self.inflight: InflightDecode | None = None
 
     # ------------------------------------------------------------------ messages
     def handle(self, msg):

@@ -9,7 +9,9 @@ from sgl_kvxfer.spectrum.tiers import TIER_DROP
 
 pytestmark = pytest.mark.slow
 SHORT = {"max_new_tokens": 8, "temperature": 0}
-KW = dict(max_total_tokens=12000, dtype="bfloat16")
+# the torch backend: the untiered reference (bf16 CPU would default to the `cpu` backend, whose
+# 16-slot pages make prefix hits page-granular; the protocol below caches a 600-token context)
+KW = dict(max_total_tokens=12000, dtype="bfloat16", attention_backend="torch")
 
 
 @pytest.fixture(scope="module")
