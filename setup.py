@@ -35,6 +35,7 @@ setup(
         "uvicorn",
         "tqdm",
         "triton",
+        "ninja",  # builds the native CPU kernels (kernels/cpu_ops.py) on first use, with the system g++
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "requests", "aiohttp", "openai", "matplotlib", "psutil"],
