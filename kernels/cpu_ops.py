@@ -82,6 +82,19 @@ def available() -> bool:
         return False
 
 
+def load_error() -> str | None:
+    """Why the extension could not be built (None if it was, or was never tried)."""
+    return _load_error
+
+
+def enabled() -> bool:
+    """The engine's one switch for every native CPU path: SGL_KVXFER_CPU_KERNELS (default on)
+    and an extension that builds on this machine."""
+    from sgl_kvxfer import env
+
+    return env.CPU_KERNELS.get_bool() and available()
+
+
 # ------------------------------------------------------------------ launchers
 def _op(name: str):
     """Names the native call in torch.profiler tables (it is invisible there otherwise)."""

@@ -25,7 +25,7 @@ def create_kv_pool(config, arch, size: int, dtype, device: str, int4_allowed: bo
     if not config.tiering_enabled:
         page = config.resolved_page_size
         if page > 1 and config.resolved_attention_backend == "cpu":  # slot rows, paged allocation
-            return _load("fp16")(size - size % page, *dims, dtype, device, page_size=page)
+            return _load("fp16")(size, *dims, dtype, device, page_size=page)  # size: whole pages
         if page > 1:  # head-major pages the Triton kernels read
             return _load("paged_fp16")(size, *dims, dtype, device, page_size=page)
         return _load("fp16")(size, *dims, dtype, device)

@@ -32,11 +32,11 @@ def wants_fused(device_type: str, dtype: torch.dtype) -> bool:
 
 def wants_cpu_native(t: torch.Tensor) -> bool:
     """True iff this CPU tensor takes the native C++ kernels (bf16, enabled, extension built)."""
-    if t.device.type != "cpu" or t.dtype != torch.bfloat16 or not env.CPU_KERNELS.get_bool():
+    if t.device.type != "cpu" or t.dtype != torch.bfloat16:
         return False
     from sgl_kvxfer.kernels import cpu_ops
 
-    return cpu_ops.available()
+    return cpu_ops.enabled()
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -165,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
             from sgl_kvxfer.models.cpu_linear import packed_linear
 
             logits = packed_linear(hidden, packed)
-            if not cpu_ops.available():
+            if not cpu_ops.enabled():
                 return logits.float()
             # NOTE: a reused buffer (no page faults per step): the caller consumes the logits
             # before the next forward, as it must for CUDA-graph replays too

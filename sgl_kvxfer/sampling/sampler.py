@@ -60,9 +60,8 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
     """Row argmax (first maximal index). On CPU the native parallel kernel: torch's reduction
     runs single-threaded, ~9 ms for a 256 x 49152 decode batch."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
-        from sgl_kvxfer import env
         from sgl_kvxfer.kernels import cpu_ops
 
-        if env.CPU_KERNELS.get_bool() and cpu_ops.available():
+        if cpu_ops.enabled():
             return cpu_ops.argmax_rows(logits)
     return logits.argmax(dim=-1)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from sgl_kvxfer.engine.forward_batch import ForwardMode
 from sgl_kvxfer.layers.attention.torch_backend import TorchAttentionBackend
 
@@ -24,17 +26,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, kv_pool, num_q_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(kv_pool, num_q_heads, num_kv_heads, head_dim)
         self.native = None
-        import torch
-
         if (kv_pool.layout == "token" and not kv_pool.drops_tokens and head_dim % 8 == 0
                 and kv_pool.dtype in (torch.bfloat16, torch.float32)):
+            from sgl_kvxfer import env
             from sgl_kvxfer.kernels import cpu_ops
 
-            try:
-                cpu_ops.load()
+            if not env.CPU_KERNELS.get_bool():
+                logger.info("SGL_KVXFER_CPU_KERNELS=0: the cpu attention backend decodes with the torch path")
+            elif cpu_ops.available():
                 self.native = cpu_ops
-            except RuntimeError as e:
-                logger.warning("%s; the cpu attention backend decodes with the torch path", e)
+            else:
+                logger.warning("native CPU kernels unavailable (%s); the cpu attention backend decodes "
+                               "with the torch path", cpu_ops.load_error())
 
     def prepare_metadata(self, batch) -> None:
         if batch.mode == ForwardMode.DECODE and self.native is not None:
