@@ -19,7 +19,8 @@ class KVPool(ABC):
     # attention (SpectrumKV TIER_DROP); backends then mask keys whose slot is 0.
     drops_tokens = False
     # Storage layout; attention backends may have one variant per layout (layers/attention):
-    # "token" ([size + 1, Hkv, D] per layer), "paged" (head-major pages), "tiered" (SpectrumKV).
+    # "token" ([size + page_size, Hkv, D] per layer, slot-indexed), "paged" (head-major pages),
+    # "tiered" (SpectrumKV).
     layout = "token"
     # True when get_kv returns exactly what set_kv stored (no quantization): a backend may then
     # attend a prefill's fresh k/v directly instead of reading them back from the pool.
