@@ -107,3 +107,18 @@ def exact_attention(q, k, v, lens, group: int) -> torch.Tensor:
         s = torch.einsum("hd,nhd->hn", q[b].float(), kb) / math.sqrt(q.shape[-1])
         out.append(torch.einsum("hn,nhd->hd", s.softmax(-1), vb))
     return torch.stack(out)
+
+
+def rope_rounding_bound(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Per-element bound on |kernel - torch| for RoPE of x [T, H, D] (cos/sin [T, 1, D/2]) when
+    a compiler contracts the products into the add/sub instead of rounding each (torch rounds
+    x1*c and x2*s to the dtype first). Output [lo | hi] = [x1 c - x2 s | x2 c + x1 s]: each
+    half is off by at most ~eps of its own products' magnitudes, 2 eps (|a| + |b|) with margin,
+    plus 1e-4 for fp16 subnormals."""
+    eps = torch.finfo(x.dtype).eps
+    x, c, s = x.float(), cos.float(), sin.float()
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    lo = x1.abs() * c.abs() + x2.abs() * s.abs()
+    hi = x2.abs() * c.abs() + x1.abs() * s.abs()
+    return 2 * eps * torch.cat([lo, hi], dim=-1) + 1e-4

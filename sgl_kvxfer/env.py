@@ -34,9 +34,9 @@ STARTUP_TIMEOUT = EnvVar("SGL_KVXFER_STARTUP_TIMEOUT", "900",
                          "seconds launch_server waits for the scheduler and detokenizer to come up")
 COMMIT = EnvVar("SGL_KVXFER_COMMIT", None, "commit recorded by benchmarks when git is unavailable")
 FUSED_ELEMENTWISE = EnvVar(
-    "SGL_KVXFER_FUSED_ELEMENTWISE", None,
-    "1: on CUDA fp16/bf16 the model runs fused Triton RMSNorm / RoPE / SwiGLU (opt-in: on an H200 "
-    "the fused RoPE is off torch by more than rounding allows, see kernels/README.md section 7)")
+    "SGL_KVXFER_FUSED_ELEMENTWISE", "1",
+    "on CUDA fp16/bf16 the model runs fused Triton RMSNorm / RoPE(+KV store) / SwiGLU; 0: the "
+    "torch ops instead (kernels/README.md section 7)")
 
 CPU_KERNELS = EnvVar(
     "SGL_KVXFER_CPU_KERNELS", "1",

@@ -20,6 +20,7 @@ from sgl_kvxfer.models.loader import (
     resolve_model_path,
     resolve_tokenizer_path,
 )
+from sgl_kvxfer.layers.attention.base import rotate_and_attend
 from sgl_kvxfer.models.presets import write_preset_config
 from sgl_kvxfer.models.rope import RotaryEmbedding, compute_inv_freq
 
@@ -27,6 +28,12 @@ from sgl_kvxfer.models.rope import RotaryEmbedding, compute_inv_freq
 class DenseCausalBackend:
     """Test attention backend: causal SDPA within each sequence of a ragged batch.
     forward_batch.seq_lens lists the token count of each concatenated sequence."""
+
+    forward_qkv = rotate_and_attend
+
+    def __init__(self, config):
+        self.num_q_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
 
     def forward(self, q, k, v, layer_id, fb):
         outs, start = [], 0
@@ -37,8 +44,8 @@ class DenseCausalBackend:
         return torch.cat(outs)
 
 
-def _fb(seq_lens):
-    return SimpleNamespace(attn_backend=DenseCausalBackend(), seq_lens=list(seq_lens))
+def _fb(seq_lens, config):
+    return SimpleNamespace(attn_backend=DenseCausalBackend(config), seq_lens=list(seq_lens))
 
 
 def _ragged_positions(seq_lens):
@@ -172,7 +179,7 @@ def test_tiny_model_matches_transformers(kind, tie, rope):
     seq_lens = [13, 7]  # two requests in one ragged batch
     prompts = [torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in seq_lens]
     with torch.no_grad():
-        hidden = ours(torch.cat(prompts), _ragged_positions(seq_lens), _fb(seq_lens))
+        hidden = ours(torch.cat(prompts), _ragged_positions(seq_lens), _fb(seq_lens, ours.config))
         logits = ours.compute_logits(hidden)
         assert logits.dtype == torch.float32 and logits.shape == (sum(seq_lens), 96)
         for p, got in zip(prompts, logits.split(seq_lens)):
@@ -205,7 +212,7 @@ def test_embedded_default_matches_transformers(smollm2_path):
     assert cfg.tie_word_embeddings and cfg.num_hidden_layers == 30
     hf = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32, local_files_only=True).eval()
     with torch.no_grad():
-        ours = model.compute_logits(model(ids, torch.arange(20), _fb([20])))
+        ours = model.compute_logits(model(ids, torch.arange(20), _fb([20], model.config)))
         ref = hf(ids[None]).logits[0].float()
     torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-3)
 
@@ -218,7 +225,7 @@ def test_dummy_preset_without_weights(tmp_path):
     m1, cfg = load_model(d, "dummy", torch.float32, "cpu", seed=7)
     assert torch.all(m1.model.norm.weight == 1) and m1.model.layers[3].mlp.down_proj.weight.std() < 0.03
     with torch.no_grad():
-        out = m1(torch.tensor([1, 2, 3]), torch.arange(3), _fb([3]))
+        out = m1(torch.tensor([1, 2, 3]), torch.arange(3), _fb([3], m1.config))
     assert out.shape == (3, cfg.hidden_size) and torch.isfinite(out).all()
     tiny = tmp_path / "tiny"
     tiny.mkdir()

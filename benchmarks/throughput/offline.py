@@ -3,7 +3,8 @@
 Both sides generate exactly `--output-len` tokens per prompt (ignore_eos / min_new_tokens), on
 the same prompts (real text from ../shared/data, cut to lengths uniform in the input range).
 HF is batched as well as it allows: prompts sorted by length, left padding, at each
-`--hf-batch-size` given; the ratio is against HF's fastest batch size.
+`--hf-batch-size` given; the ratio is against HF's fastest batch size. With `--repeats N` both
+sides run N timed passes after their warm-up and report the median (every pass is in `run_s`).
 On CUDA we also time decode steps and compare them with the weight+KV bandwidth roofline.
 
     python benchmarks/throughput/offline.py --num-prompts 256 --output-len 128
@@ -68,13 +69,18 @@ def run_engine(args, model_dir, prompts):
     # run from hitting the radix cache.
     engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 4})
     engine.flush_cache()
-    sync(args.device)
-    t0 = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
-    sync(args.device)
-    elapsed = time.perf_counter() - t0
+    times = []
+    for _ in range(args.repeats):  # each timed run starts from an empty radix cache
+        sync(args.device)
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        sync(args.device)
+        times.append(time.perf_counter() - t0)
+        engine.flush_cache()
+    elapsed = statistics.median(times)
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    result = {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed,
+    result = {"elapsed_s": elapsed, "run_s": times, "output_tokens": out_tokens,
+              "output_tok_s": out_tokens / elapsed,
               "total_tok_s": (out_tokens + sum(map(len, prompts))) / elapsed,
               "max_running_requests": engine.runner.max_running_requests,
               "kv_pool_tokens": engine.runner.max_total_tokens}
@@ -150,7 +156,6 @@ def run_hf(args, model_dir, prompts, dtype, batch_size: int):
     model.eval()
     pad = 0
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out_tokens = 0
 
     def generate(batch_ids):
         width = max(map(len, batch_ids))
@@ -162,13 +167,17 @@ def run_hf(args, model_dir, prompts, dtype, batch_size: int):
         return (out.shape[1] - width) * len(batch_ids)
 
     generate([prompts[i] for i in order[: batch_size]])  # warm-up: one full batch
-    sync(args.device)
-    t0 = time.perf_counter()
-    for s in range(0, len(order), batch_size):
-        out_tokens += generate([prompts[i] for i in order[s : s + batch_size]])
-    sync(args.device)
-    elapsed = time.perf_counter() - t0
-    return {"elapsed_s": elapsed, "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed,
+    times = []
+    for _ in range(args.repeats):
+        sync(args.device)
+        t0 = time.perf_counter()
+        out_tokens = 0
+        for s in range(0, len(order), batch_size):
+            out_tokens += generate([prompts[i] for i in order[s : s + batch_size]])
+        sync(args.device)
+        times.append(time.perf_counter() - t0)
+    elapsed = statistics.median(times)
+    return {"elapsed_s": elapsed, "run_s": times, "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed,
             "total_tok_s": (out_tokens + sum(map(len, prompts))) / elapsed, "batch_size": batch_size}
 
 
@@ -211,6 +220,8 @@ def main() -> None:
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--roofline-batch", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per engine (and per HF batch size); throughput from the median")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default=None, help="suffix for the result file name")

@@ -19,9 +19,10 @@ class LazyFreeList:
     def reset(self) -> None:
         self._free = torch.arange(self.first, self.last + 1, dtype=torch.int64, device=self.device)
         self._queued: list[torch.Tensor] = []
+        self._queued_count = 0  # == sum of the queued tensors' sizes (available() is hot)
 
     def available(self) -> int:
-        return int(self._free.numel()) + sum(int(t.numel()) for t in self._queued)
+        return int(self._free.numel()) + self._queued_count
 
     def take(self, n: int) -> torch.Tensor | None:
         """`n` ids (int64 [n]) or None, changing nothing, when fewer are free."""
@@ -33,8 +34,10 @@ class LazyFreeList:
         return out
 
     def give(self, ids: torch.Tensor) -> None:
-        if ids.numel():
+        n = int(ids.numel())
+        if n:
             self._queued.append(ids.to(self.device, torch.int64))
+            self._queued_count += n
 
     def check(self, what: str) -> None:
         """Assert no id is free twice and none lies outside [first, last] (`what` names them)."""
@@ -46,4 +49,4 @@ class LazyFreeList:
 
     def _merge(self) -> None:
         self._free = torch.cat([self._free] + self._queued)
-        self._queued = []
+        self._queued, self._queued_count = [], 0

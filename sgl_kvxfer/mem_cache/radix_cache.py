@@ -42,11 +42,19 @@ class TreeNode:
 
 
 def _common_len(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix. Slice comparisons run in C: a full match (the common case
+    when a request re-inserts what it matched) costs one, a partial one O(log n) of them."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n - 1  # invariant: a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class RadixCache(PrefixCache):

@@ -3,10 +3,12 @@ kernels on CPU bf16 (`sgl_kvxfer.kernels.cpu_ops`), torch otherwise.
 
 Under CUDA graphs a Llama decode step is launch-bound by ~44 small kernels per layer; the fused
 kernels (`sgl_kvxfer.kernels.fused_rmsnorm / fused_rope / fused_silu_mul`) cut RMSNorm, RoPE and
-SwiGLU to one launch each. Opt-in (SGL_KVXFER_FUSED_ELEMENTWISE=1): greedy runs with and
-without them part only at exact or near ties of the top-2 logits on an H200, but the fused RoPE
-is off torch there by more than its rounding bound (an open kernel bug, kernels/README.md
-section 7). The CPU / fp32 path stays the plain torch code (the HF-exactness tests rely on it).
+SwiGLU to one launch each, and the Triton attention backend fuses RoPE with the KV store
+(`kernels/rope_store.py`, via `forward_qkv`). On by default on CUDA
+(SGL_KVXFER_FUSED_ELEMENTWISE=0 turns them off): compiled for a GPU they are within 2 ulp
+(RMSNorm, SiLU) or the product-rounding bound (RoPE) of the torch ops, and greedy runs with
+and without them part only at near ties of the top-2 logits (kernels/README.md section 7).
+The CPU / fp32 path stays the plain torch code (the HF-exactness tests rely on it).
 Kernel modules are imported lazily (they import triton) and looked up at call time.
 
 On CPU bf16 the native kernels are the default (SGL_KVXFER_CPU_KERNELS=0 turns them off): torch

@@ -3,7 +3,7 @@
 Every tensor here is token-major: T = total tokens of all requests in the batch,
 concatenated. Attention across requests is the backend's job (it knows the
 per-request extents from `forward_batch`); the model itself is position-wise
-except inside `attn_backend.forward`.
+except inside `attn_backend.forward_qkv` (RoPE, KV store, attention).
 
 Fused parameters (one matmul each): qkv_proj = [q | k | v] rows and
 gate_up_proj = [gate | up] rows. `load_weights` accepts HF's unfused names.
@@ -57,12 +57,7 @@ class LlamaAttention(nn.Module):
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         #   qkv columns: [0, q_size) q | [q_size, q_size+kv_size) k | [.., +kv_size) v
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # q, k are strided views into qkv; rope_qk returns new contiguous tensors
-        q, k = fused_ops.rope_qk(q.view(t, self.num_heads, self.head_dim),
-                                 k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim).contiguous()
-        out = forward_batch.attn_backend.forward(q, k, v, self.layer_id, forward_batch)
+        out = forward_batch.attn_backend.forward_qkv(qkv, cos, sin, self.layer_id, forward_batch)
         return self.o_proj(out.reshape(t, self.q_size))
 
 

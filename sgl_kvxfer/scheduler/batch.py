@@ -2,6 +2,7 @@
 scheduler's integer state becomes tensors (a ForwardBatch)."""
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -69,8 +70,7 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
     # One host->device copy for every index list (per-request copies or table writes cost a
     # launch each, which dominates a large decode batch on a GPU).
     T, B, N = len(input_ids), len(rows), len(logits_rows)
-    packed = torch.tensor(input_ids + positions + token_rows + rows + seq_lens + logits_rows,
-                          dtype=torch.int64).to(device, non_blocking=True)
+    packed = _int64_to_device((input_ids, positions, token_rows, rows, seq_lens, logits_rows), device)
     ids_t, pos_t, tok_rows_t, rows_t, lens_t, logits_t = packed.split([T, T, T, B, B, N])
     req_to_token[tok_rows_t, pos_t] = out_cache_loc.to(req_to_token.dtype)
     return ForwardBatch(
@@ -94,7 +94,7 @@ def prepare_decode(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_tok
     for i, s in enumerate(slices):
         s.sample_row = i
     host_ids = [] if input_ids is not None else [s.req.fill_slice(s.start, s.start + 1)[0] for s in slices]
-    packed = torch.tensor(host_ids + positions + rows + seq_lens, dtype=torch.int64).to(device, non_blocking=True)
+    packed = _int64_to_device((host_ids, positions, rows, seq_lens), device)
     ids_t, pos_t, rows_t, lens_t = packed.split([len(host_ids), B, B, B])
     if input_ids is not None:
         ids_t = input_ids
@@ -104,6 +104,19 @@ def prepare_decode(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_tok
         req_pool_indices=rows_t, seq_lens=lens_t, extend_prefix_lens=positions,
         extend_seq_lens=[1] * B, seq_lens_cpu=seq_lens, logits_positions=_arange(B, device),
         req_to_token=req_to_token)
+
+
+def _int64_to_device(lists, device: str) -> torch.Tensor:
+    """The concatenation of int lists as one int64 tensor on `device`. Through array('q'):
+    ~3x faster than torch.tensor(list) at prefill sizes (tens of thousands of ids per step)."""
+    buf = array("q")
+    for values in lists:
+        buf.extend(values)
+    host = torch.frombuffer(buf, dtype=torch.int64) if len(buf) else torch.empty(0, dtype=torch.int64)
+    if torch.device(device).type == "cpu":
+        return host.clone()  # own the memory: `buf` dies with this frame
+    # Pageable source: the copy has left `buf` when .to() returns, even with non_blocking.
+    return host.to(device, non_blocking=True)
 
 
 _ARANGE: dict = {}

@@ -55,6 +55,20 @@ class KVLifecycle:
             req.cached_tokens = req.prefix_len
         return True
 
+    def slots_needed(self, starts: list[int], lens: list[int]) -> int:
+        """Free slots that `alloc(reqs, lens, starts)` takes (whole fresh pages in page mode)."""
+        if self.page_size == 1:
+            return sum(lens)
+        return pages_needed(starts, lens, self.page_size) * self.page_size
+
+    def make_room(self, n: int) -> bool:
+        """Evict unlocked cache leaves until `n` slots are free. False when they cannot be (what
+        could be evicted is evicted anyway, as an allocation attempt would)."""
+        short = n - self.allocator.available_size()
+        if short > 0 and self.tree is not None:
+            self.tree.evict(short)
+        return self.allocator.available_size() >= n
+
     def alloc(self, reqs: list[Req], lens: list[int] | None = None,
               starts: list[int] | None = None) -> torch.Tensor | None:
         """Slots for the next `lens[i]` positions (default 1: decode) of each request, from
@@ -63,13 +77,9 @@ class KVLifecycle:
         changed) when the pool cannot cover them all."""
         lens = [1] * len(reqs) if lens is None else lens
         starts = [r.kv_len for r in reqs] if starts is None else starts
-        if self.page_size == 1:
-            need = sum(lens)
-        else:
-            need = pages_needed(starts, lens, self.page_size) * self.page_size
-        short = need - self.allocator.available_size()
-        if short > 0 and self.tree is not None:
-            self.tree.evict(short)
+        need = self.slots_needed(starts, lens)
+        if not self.make_room(need):
+            return None
         if self.page_size == 1:
             return self.allocator.alloc(need)
         table = self.req_to_token.table

@@ -93,7 +93,7 @@ class Scheduler:
         if req.logprob_start_len > n:
             return f"logprob_start_len ({req.logprob_start_len}) is larger than the prompt ({n} tokens)."
         vocab = self.runner.arch.vocab_size
-        if any(not 0 <= t < vocab for t in req.origin_input_ids):
+        if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= vocab:  # C loops: prompts are long
             return f"input_ids contain a token id outside the vocabulary [0, {vocab})."
         return None
 
@@ -221,10 +221,12 @@ class Scheduler:
         free = self.kv.available_tokens() - self._reserve(self.running)
         adder = PrefillAdder(cfg.max_prefill_tokens, cfg.resolved_chunked_prefill_size, free,
                              self.max_running - len(self.running), page_size=self.kv.page_size)
-        batch, slots = ScheduleBatch(ForwardMode.EXTEND), []
+        # Slices are admitted against free KV one by one (room is made as they come) and
+        # allocated together at the end: one allocation per batch, not per request.
+        batch, room = ScheduleBatch(ForwardMode.EXTEND), [0]
         if self.chunked is not None:
             req, self.chunked = self.chunked, None
-            if not self._add_slice(batch, slots, adder, req, admitted=True):
+            if not self._add_slice(batch, room, adder, req, admitted=True):
                 self.chunked = req  # not even one token fits: decode frees memory first
                 return None
         if cfg.schedule_policy == "lpm" and len(self.waiting) < 128:
@@ -233,27 +235,33 @@ class Scheduler:
             req = self.waiting[0]
             if not self.kv.admit(req):
                 break
-            if not self._add_slice(batch, slots, adder, req, admitted=False):
+            if not self._add_slice(batch, room, adder, req, admitted=False):
                 self.kv.release(req)
                 break
             self.waiting.pop(0)
         if not batch.slices:
             return None
-        self._out_cache_loc = torch.cat(slots)
+        loc = self.kv.alloc([s.req for s in batch.slices], [s.length for s in batch.slices],
+                            [s.start for s in batch.slices])
+        assert loc is not None, "room was made for every slice"
+        self._out_cache_loc = loc
         return batch
 
-    def _add_slice(self, batch, slots, adder, req: Req, admitted: bool) -> bool:
+    def _add_slice(self, batch, room: list[int], adder, req: Req, admitted: bool) -> bool:
+        """Add req's next slice if it fits; room[0]: slots the batch's slices so far will take."""
         remaining = req.seq_len - req.kv_len
         adm = adder.try_add(remaining, decode_reserve(req.remaining_new_tokens, self.new_token_ratio))
-        loc = self.kv.alloc([req], [adm.extend_len]) if adm is not None else None
-        if loc is None:
+        if adm is None:
             return False
+        need = self.kv.slots_needed([req.kv_len], [adm.extend_len])
+        if not self.kv.make_room(room[0] + need):
+            return False
+        room[0] += need
         if not admitted and req.num_retractions == 0:
             self.stats["prompt_tokens"] += len(req.origin_input_ids)
             self.stats["cached_tokens"] += req.prefix_len
         sample = not adm.chunked and req.sampling.max_new_tokens > 0
         batch.slices.append(ReqSlice(req, req.kv_len, adm.extend_len, sample))
-        slots.append(loc)
         if adm.chunked:
             self.chunked = req
         return True

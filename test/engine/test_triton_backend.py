@@ -136,3 +136,35 @@ def test_gpu_smollm2_shape_triton_vs_torch(tmp_path, dtype):
         tl_, rl = _logprobs(t["meta_info"]["input_token_logprobs"]), _logprobs(r["meta_info"]["input_token_logprobs"])
         assert torch.allclose(tl_, rl, atol=atol), (tl_ - rl).abs().max()
         assert abs(t["meta_info"]["output_token_logprobs"][0][0] - r["meta_info"]["output_token_logprobs"][0][0]) < atol
+
+
+def test_fused_rope_store_matches_unfused(tiny_dir, monkeypatch):
+    """forward_qkv's fused RoPE + KV store (kernels/rope_store.py), forced on under the
+    interpreter by treating CPU as CUDA: chunked prefill, a radix hit and a batched decode across
+    page boundaries give the unfused path's tokens and logprobs."""
+    from sgl_kvxfer.kernels import rope_store
+    from sgl_kvxfer.models import fused_ops
+
+    prompts = _prompts([40, 13, 30], seed=4)
+    again = prompts[0][:35] + [7, 8, 9]  # shares two whole pages with the first prompt
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    out, calls = {}, []
+    real_wants, real_store = fused_ops.wants_fused, rope_store.rope_store_kv
+    for fused in (False, True):
+        monkeypatch.setenv("SGL_KVXFER_FUSED_ELEMENTWISE", "1" if fused else "0")
+        if fused:
+            monkeypatch.setattr(fused_ops, "wants_fused", lambda dev, dt: real_wants("cuda" if dev == "cpu" else dev, dt))
+            monkeypatch.setattr(rope_store, "rope_store_kv", lambda *a, **kw: calls.append(kw) or real_store(*a, **kw))
+        with _engine(tiny_dir, "triton16") as eng:
+            kw = dict(sampling_params=params, return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+            # logprobs from 35 on: the cached pages before it may then be reused
+            out[fused] = eng.generate(input_ids=prompts, **kw) + [
+                eng.generate(input_ids=again, **{**kw, "logprob_start_len": 35})]
+            eng.flush_cache()
+            eng.runner.allocator.debug_check()
+    assert any(c["return_kv"] for c in calls) and any(not c["return_kv"] for c in calls)  # extend and decode
+    assert out[True][3]["meta_info"]["cached_tokens"] == 32
+    _assert_greedy_close(out[True], out[False])
+    for g, r in zip(out[True], out[False]):
+        gl, rl = _logprobs(g["meta_info"]["input_token_logprobs"]), _logprobs(r["meta_info"]["input_token_logprobs"])
+        assert torch.allclose(gl, rl, atol=ATOL), (gl - rl).abs().max()

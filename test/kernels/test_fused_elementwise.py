@@ -14,6 +14,8 @@ import torch
 from sgl_kvxfer.kernels import fused_rmsnorm as rms_mod
 from sgl_kvxfer.kernels import fused_rope as rope_mod
 from sgl_kvxfer.kernels import fused_silu_mul as silu_mod
+from sgl_kvxfer.kernels.testing import rope_rounding_bound
+from sgl_kvxfer.layers.attention.base import rotate_and_attend
 from sgl_kvxfer.models import fused_ops
 from sgl_kvxfer.models.arch_config import ModelArchConfig
 from sgl_kvxfer.models.llama import LlamaForCausalLM
@@ -76,29 +78,16 @@ def _qkv_views(T, Hq, Hkv, D, dtype, device):
     return q, k, cos, sin
 
 
-def _rope_bound(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Per-element bound on |kernel - reference| for RoPE: the reference rounds x1*c and x2*s
-    to the dtype before subtracting (each off by <= eps/2 of its own size), a fused
-    multiply-add does not; under cancellation that is many ulps of the small result, but never
-    more than ~eps of the products' magnitudes: 2 eps (|x1 c| + |x2 s|) per output."""
-    eps = torch.finfo(x.dtype).eps
-    x, c, s = x.float(), cos.float(), sin.float()
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    mag = x1.abs() * c.abs() + x2.abs() * s.abs()  # same for both halves
-    return 2 * eps * torch.cat([mag, mag], dim=-1) + 1e-4
-
-
 def _check_rope(T, Hq, Hkv, D, dtype, device):
     q, k, cos, sin = _qkv_views(T, Hq, Hkv, D, dtype, device)
     assert T == 1 or not (q.is_contiguous() or k.is_contiguous())
     gq, gk = rope_mod.fused_rope(q, k, cos, sin)
     rq, rk = rope_mod.fused_rope_reference(q, k, cos, sin)
     assert gq.is_contiguous() and gk.is_contiguous()
-    if gq.is_cuda:  # H200: FMA contraction, not bitwise (see _rope_bound)
+    if gq.is_cuda:  # H200: contracted, not bitwise (see rope_rounding_bound)
         for got, ref, x in ((gq, rq, q), (gk, rk, k)):
             err = (got.float() - ref.float()).abs()
-            bound = _rope_bound(x, cos, sin)
+            bound = rope_rounding_bound(x, cos, sin)
             assert bool((err <= bound).all()), f"max excess {float((err - bound).max()):.3g}"
     else:
         assert torch.equal(gq, rq) and torch.equal(gk, rk)
@@ -124,14 +113,11 @@ def test_rmsnorm_strided_rows(dtype, device):
     _check_rmsnorm(3, 64, dtype, device, True, strided=True)
 
 
-# NOTE: an open bug, hence opt-in: on the H200 (Triton 3.6) the fused RoPE differs from torch by
-# up to 0.025 (bf16) beyond the rounding bound of _rope_bound, in 11 of 14 cases (run of
-# 2026-11-22, benchmarks/results/gpu_final_20261122/pytest_gpu.log). The interpreter is exact.
-ROPE_GPU_XFAIL = pytest.mark.xfail(torch.cuda.is_available(), strict=False,
-                                   reason="fused RoPE off torch beyond rounding on H200 (open bug)")
+# On the H200 the compiled RoPE is not bitwise torch's (the compiler contracts its products;
+# 2026-11-22 runs), but within rope_rounding_bound. An earlier bound that mixed up the two
+# halves' products made that look like a bug (benchmarks/results/gpu_final_20261122/).
 
 
-@ROPE_GPU_XFAIL
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 4, 2, 16), (7, 4, 2, 16), (5, 9, 3, 64), (3, 4, 4, 24)])
 def test_rope_small(T, Hq, Hkv, D, dtype, device):
@@ -156,7 +142,7 @@ def test_empty_batch(device):
 
 def test_wants_fused(monkeypatch):
     monkeypatch.delenv("SGL_KVXFER_FUSED_ELEMENTWISE", raising=False)
-    assert not fused_ops.wants_fused("cuda", torch.bfloat16)  # opt-in
+    assert fused_ops.wants_fused("cuda", torch.bfloat16)  # the default on CUDA
     monkeypatch.setenv("SGL_KVXFER_FUSED_ELEMENTWISE", "1")
     assert fused_ops.wants_fused("cuda", torch.bfloat16) and fused_ops.wants_fused("cuda", torch.float16)
     assert not fused_ops.wants_fused("cuda", torch.float32)
@@ -166,6 +152,9 @@ def test_wants_fused(monkeypatch):
 
 
 class _IdentityAttention:
+    num_q_heads, num_kv_heads, head_dim = 4, 2, 16  # _tiny_model's
+    forward_qkv = rotate_and_attend
+
     def forward(self, q, k, v, layer_id, fb):
         return q
 
@@ -240,7 +229,6 @@ def test_rmsnorm_gpu(T, dtype):
     _check_rmsnorm(T, 4096, dtype, "cuda", False)
 
 
-@ROPE_GPU_XFAIL
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("T,Hq,Hkv,D", [(64, 32, 8, 128), (333, 32, 8, 128), (64, 9, 3, 64)])

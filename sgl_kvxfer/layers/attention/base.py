@@ -34,8 +34,28 @@ class AttentionBackend(ABC):
                 batch: ForwardBatch) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (rotated) -> attention output [T, Hq, D]."""
 
+    def forward_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_id: int,
+                    batch: ForwardBatch) -> torch.Tensor:
+        """The model's entry point: qkv [T, (Hq + 2 Hkv) D] (the fused projection's output),
+        cos/sin [T, 1, D/2] -> attention output [T, Hq, D]. Rotates q and k, then `forward`.
+        A backend may override it to fuse RoPE with the KV store (triton_backend.py)."""
+        return rotate_and_attend(self, qkv, cos, sin, layer_id, batch)
+
     def prepare_graph_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
         """CUDA-graph decode plan: like `prepare_metadata` for a DECODE batch, but from device
         tensors alone (no host sync, `seq_lens_cpu` unused) and with every shape a function of
         the batch size and `max_seq_len` (>= every seq_len), so one capture serves all replays."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+
+def rotate_and_attend(backend, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_id: int,
+                      batch) -> torch.Tensor:
+    """The unfused forward_qkv, for any object with num_q_heads / num_kv_heads / head_dim and
+    `forward` (test fakes assign it as their forward_qkv)."""
+    from sgl_kvxfer.models import fused_ops
+
+    T, Hq, Hkv, D = qkv.shape[0], backend.num_q_heads, backend.num_kv_heads, backend.head_dim
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    # q, k are strided views into qkv; rope_qk returns new contiguous tensors
+    q, k = fused_ops.rope_qk(q.view(T, Hq, D), k.view(T, Hkv, D), cos, sin)
+    return backend.forward(q, k, v.reshape(T, Hkv, D).contiguous(), layer_id, batch)

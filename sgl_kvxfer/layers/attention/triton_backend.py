@@ -17,7 +17,9 @@ of B alone. The kernel runs with even_splits: each request divides its own pages
 device) over those splits, so a short request in a wide table still spreads its work; a request
 with seq_len 0 (a padding row) reads no page.
 Per-layer host work is hoisted: layer layouts are checked once here, tables and the split
-plan once per batch, so each layer's forward is two kernel launches plus the KV store.
+plan once per batch, so each layer's forward is two kernel launches plus the KV store. With the
+fused elementwise kernels on, `forward_qkv` does RoPE and the KV store in one launch
+(kernels/rope_store.py), so a decode layer's attention is three launches in all.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import torch
 from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.layers.attention.base import AttentionBackend
 from sgl_kvxfer.mem_cache.paged_fp16_pool import PagedFp16KVPool
+from sgl_kvxfer.models import fused_ops
 
 
 @dataclass
@@ -118,8 +121,26 @@ class TritonAttentionBackend(AttentionBackend):
         return self._plan_splits(tables, self.num_kv_heads, self.head_dim, group, pool.dtype.itemsize,
                                  torch.device(pool.device))
 
+    def forward_qkv(self, qkv, cos, sin, layer_id, batch):
+        """With the fused elementwise kernels on: RoPE, the K/V store into the paged pool and
+        q's layout in one launch (kernels/rope_store.py), then the attention kernels. Extend
+        also gets the new k/v back (its kernel reads them at full precision)."""
+        if not (fused_ops.wants_fused(qkv.device.type, qkv.dtype) and cos.dtype == qkv.dtype):
+            return super().forward_qkv(qkv, cos, sin, layer_id, batch)
+        from sgl_kvxfer.kernels.rope_store import rope_store_kv
+
+        pool = self.kv_pool
+        q, k, v = rope_store_kv(qkv, cos, sin, batch.out_cache_loc, pool.k_buffer[layer_id],
+                                pool.v_buffer[layer_id], self.num_q_heads, self.num_kv_heads,
+                                return_kv=batch.mode != ForwardMode.DECODE)
+        return self._attend(q, k, v, layer_id, batch)
+
     def forward(self, q, k, v, layer_id, batch):
         self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        return self._attend(q, k, v, layer_id, batch)
+
+    def _attend(self, q, k, v, layer_id, batch):
+        """Attention over the pool, the batch's new K/V already stored."""
         plan = batch.attn_metadata
         q = q.contiguous()
         if batch.mode == ForwardMode.DECODE:
