@@ -6,7 +6,8 @@ synchronized and timed (the attribution; syncs cost a little, so its total runs 
 Per phase it reports steps, tokens, forward seconds and host seconds (schedule + batch prep +
 sampling + bookkeeping = step minus forward); the rest of the run (detokenization, output
 assembly) is `outside_steps_s`. Decode steps are also bucketed by batch size. With
-`--torch-profile` the top kernels of one prefill batch and one decode step are listed.
+`--torch-profile` the top kernels of one prefill batch and one decode step are listed; with
+`--cprofile N` the top N host functions of one more run.
 
     python benchmarks/throughput/phase_profile.py --model-preset llama-3-8b --num-prompts 128
     python benchmarks/throughput/phase_profile.py --device cpu --dtype bfloat16 --num-prompts 32 --output-len 64
@@ -112,6 +113,23 @@ def kernel_table(engine, prompts, params, device: str, rows: int) -> dict:
     return tables
 
 
+def host_profile(timed_run, rows: int) -> str:
+    """One more unsynced run under cProfile: where the host's time goes (Python and the
+    dispatch of every torch op), top `rows` functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    timed_run()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(rows)
+    print(f"--- cProfile, one run ---\n{text.getvalue()}", flush=True)
+    return text.getvalue()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None)
@@ -127,6 +145,8 @@ def main() -> None:
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--torch-profile", action="store_true", help="also list top kernels per phase")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also run the workload under cProfile and list its top N functions by own time")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default=None)
     p.add_argument("--out-dir", default=RESULTS_DIR)
@@ -172,6 +192,8 @@ def main() -> None:
               "synced": rec.summary(synced_s)}
     if args.torch_profile:
         result["kernel_tables"] = kernel_table(engine, prompts[:64], params, args.device, rows=25)
+    if args.cprofile:
+        result["cprofile"] = host_profile(timed_run, args.cprofile)
     print(f"unsynced: {out_tokens / plain_s:.1f} output tok/s ({plain_s:.2f} s)")
     s = result["synced"]
     for mode, ph in s["phases"].items():
