@@ -1,7 +1,9 @@
+import random
+
 import torch
 
 from sgl_kvxfer.mem_cache.allocator import TokenSlotAllocator
-from sgl_kvxfer.mem_cache.radix_cache import RadixCache
+from sgl_kvxfer.mem_cache.radix_cache import RadixCache, _common_len
 
 
 def _insert(tree, alloc, tokens):
@@ -72,3 +74,19 @@ def test_tiers_follow_tokens():
     tree.insert([1, 2, 3, 4], slots, tiers=torch.tensor([0, 1, 2, 2], dtype=torch.int8))
     _, node = tree.match_prefix([1, 2, 3])
     assert tree.match_tiers(node).tolist() == [0, 1, 2]
+
+
+def test_common_len_matches_a_token_by_token_scan():
+    """_common_len's slice comparisons + binary search find the first mismatch exactly."""
+
+    def scan(a, b):
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        return i
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        a = [rng.randrange(3) for _ in range(rng.randrange(40))]
+        b = a[: rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(6))]
+        assert _common_len(a, b) == _common_len(b, a) == scan(a, b), (a, b)
