@@ -122,3 +122,15 @@ def rope_rounding_bound(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     lo = x1.abs() * c.abs() + x2.abs() * s.abs()
     hi = x2.abs() * c.abs() + x1.abs() * s.abs()
     return 2 * eps * torch.cat([lo, hi], dim=-1) + 1e-4
+
+
+def assert_rope_close(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> None:
+    """A RoPE kernel's output vs torch's for input x: bitwise under the interpreter, within
+    `rope_rounding_bound` when compiled for a GPU (the compiler may contract the products)."""
+    if not got.is_cuda:
+        assert torch.equal(got, ref)
+        return
+    err = (got.float() - ref.float()).abs()
+    bound = rope_rounding_bound(x, cos, sin)
+    assert bool((err <= bound).all()), f"max excess {float((err - bound).max()):.3g}"

@@ -42,10 +42,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: ModelArchConfig, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scaling = self.head_dim**-0.5  # softmax scale the backend must use
+        self.scaling = config.head_dim**-0.5  # softmax scale the backend must use
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
