@@ -7,7 +7,9 @@ Per phase it reports steps, tokens, forward seconds and host seconds (schedule +
 sampling + bookkeeping = step minus forward); the rest of the run (detokenization, output
 assembly) is `outside_steps_s`. Decode steps are also bucketed by batch size. With
 `--torch-profile` the top kernels of one prefill batch and one decode step are listed; with
-`--cprofile N` the top N host functions of one more run.
+`--cprofile N` the top N host functions of one more run; with `--timeline` one more unsynced
+run under a CUDA-only torch.profiler: GPU busy time (union of kernel and copy intervals) per
+phase against the host's wall time per phase, i.e. how long the GPU sat idle waiting for the host.
 
     python benchmarks/throughput/phase_profile.py --model-preset llama-3-8b --num-prompts 128
     python benchmarks/throughput/phase_profile.py --device cpu --dtype bfloat16 --num-prompts 32 --output-len 64
@@ -130,6 +132,66 @@ def host_profile(timed_run, rows: int) -> str:
     return text.getvalue()
 
 
+def gpu_timeline(engine, timed_run) -> dict:
+    """One more unsynced run: the host's wall time per phase (perf_counter around each
+    scheduler step, no syncs) and the GPU's busy time per phase (CUDA-only torch.profiler).
+    The GPU phases split at the first decode-attention kernel; the host phases at the first
+    decode step (the workload prefills everything first, so both splits are one boundary)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sched = engine.scheduler
+    plain_step, marks = sched.step, []
+
+    def step():
+        mode = "extend" if (sched.waiting or sched.chunked) else "decode"
+        t = time.perf_counter()
+        ran = plain_step()
+        marks.append((mode, t, time.perf_counter()))
+        return ran
+
+    sched.step = step
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            wall_s, _ = timed_run()
+    finally:
+        sched.step = plain_step
+    spans = sorted((e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.name())  # us
+                   for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA)
+    split = next((a for a, _, n in spans if "decode" in n and "kernel" in n), spans[-1][1] if spans else 0)
+
+    def busy(lo, hi) -> float:  # union of [start, end) clipped to [lo, hi), in seconds
+        total, cur_a, cur_b = 0.0, None, None
+        for a, b, _ in spans:
+            a, b = max(a, lo), min(b, hi)
+            if b <= a:
+                continue
+            if cur_b is None or a > cur_b:
+                total += (cur_b - cur_a) if cur_b is not None else 0.0
+                cur_a, cur_b = a, b
+            else:
+                cur_b = max(cur_b, b)
+        total += (cur_b - cur_a) if cur_b is not None else 0.0
+        return total / 1e6
+
+    first_decode = next((t for m, t, _ in marks if m == "decode"), marks[-1][2] if marks else t0)
+    host = {"before_first_step_s": (marks[0][1] - t0) if marks else 0.0,
+            "extend_phase_s": first_decode - (marks[0][1] if marks else t0),
+            "decode_phase_s": (marks[-1][2] - first_decode) if marks else 0.0}
+    host["after_last_step_s"] = wall_s - sum(host.values())
+    end = spans[-1][1] if spans else 0
+    gpu = {"extend_busy_s": busy(spans[0][0] if spans else 0, split), "decode_busy_s": busy(split, end),
+           "kernels_and_copies": len(spans),
+           "extend_ops": sum(1 for a, _, _ in spans if a < split)}
+    out = {"wall_s": wall_s, "host_wall": host, "gpu": gpu}
+    print(f"timeline: wall {wall_s:.3f} s | host: extend phase {host['extend_phase_s']:.3f} s, decode phase "
+          f"{host['decode_phase_s']:.3f} s, outside {host['before_first_step_s'] + host['after_last_step_s']:.3f} s"
+          f" | GPU busy: extend {gpu['extend_busy_s']:.3f} s, decode {gpu['decode_busy_s']:.3f} s "
+          f"({gpu['kernels_and_copies']} kernels/copies)", flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None)
@@ -147,6 +209,8 @@ def main() -> None:
     p.add_argument("--torch-profile", action="store_true", help="also list top kernels per phase")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also run the workload under cProfile and list its top N functions by own time")
+    p.add_argument("--timeline", action="store_true",
+                   help="also compare host wall time and GPU busy time per phase (CUDA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default=None)
     p.add_argument("--out-dir", default=RESULTS_DIR)
@@ -192,6 +256,8 @@ def main() -> None:
               "synced": rec.summary(synced_s)}
     if args.torch_profile:
         result["kernel_tables"] = kernel_table(engine, prompts[:64], params, args.device, rows=25)
+    if args.timeline and args.device.startswith("cuda"):
+        result["timeline"] = gpu_timeline(engine, timed_run)
     if args.cprofile:
         result["cprofile"] = host_profile(timed_run, args.cprofile)
     print(f"unsynced: {out_tokens / plain_s:.1f} output tok/s ({plain_s:.2f} s)")

@@ -72,7 +72,7 @@ class PagedTokenSlotAllocator:
         """
         P = self.page_size
         if all(n == 1 for n in lens):
-            return self._alloc_decode(last_slots, starts)
+            return self.alloc_decode(last_slots, [i for i, s in enumerate(starts) if s % P == 0])
         pages = self.alloc_pages(pages_needed(starts, lens, P))
         if pages is None:
             return None
@@ -94,11 +94,11 @@ class PagedTokenSlotAllocator:
             return fresh
         return torch.where(cont_d.bool(), last_slots[req_d] + 1 + j_d, fresh)
 
-    def _alloc_decode(self, last_slots: torch.Tensor, starts: list[int]) -> torch.Tensor | None:
+    def alloc_decode(self, last_slots: torch.Tensor, at_boundary: list[int]) -> torch.Tensor | None:
         """alloc_extend with every len 1 (a decode step) in a handful of ops: a row whose last
-        page has room takes the next slot of it, a row at a page boundary a fresh page's first."""
+        page has room takes the next slot of it, a row at a page boundary (its index listed in
+        `at_boundary`: its start % PAGE == 0) a fresh page's first."""
         P = self.page_size
-        at_boundary = [i for i, s in enumerate(starts) if s % P == 0]
         pages = self.alloc_pages(len(at_boundary))
         if pages is None:
             return None

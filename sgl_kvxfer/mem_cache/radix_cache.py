@@ -77,7 +77,20 @@ class RadixCache(PrefixCache):
 
     # ------------------------------------------------------------------ lookup
     def match_prefix(self, key):
-        node, slots = self.root, []
+        path, node = self._walk(key)
+        value = torch.cat([n.value for n in path]) if path else torch.empty(0, dtype=torch.int64)
+        return value, node
+
+    def match_node(self, key) -> tuple[int, TreeNode]:
+        """match_prefix without gathering the slots: (matched length, last node). No tensor op,
+        for callers that already hold the slots (a request re-finding what it just inserted)."""
+        path, node = self._walk(key)
+        return sum(len(n.key) for n in path), node
+
+    def _walk(self, key) -> tuple[list[TreeNode], TreeNode]:
+        """Nodes along the longest cached prefix of `key` (splitting the last edge at the match
+        end), LRU-touched, and the last of them (the root when nothing matched)."""
+        node, path = self.root, []
         node.last_access = next(_clock)
         key = key[: self._page_floor(len(key))]
         while key:
@@ -87,11 +100,10 @@ class RadixCache(PrefixCache):
             n = self._page_floor(_common_len(child.key, key))  # >= 1 page: the child key matched
             if n < len(child.key):
                 child = self._split(child, n)
-            slots.append(child.value)
+            path.append(child)
             child.last_access = next(_clock)
             node, key = child, key[n:]
-        value = torch.cat(slots) if slots else torch.empty(0, dtype=torch.int64)
-        return value, node
+        return path, node
 
     def match_tiers(self, node: TreeNode) -> torch.Tensor | None:
         """Tiers of the path root..node (None when no node on it carries tiers)."""

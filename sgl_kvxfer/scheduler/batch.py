@@ -11,7 +11,7 @@ from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.scheduler.req import Req
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one is built per request per decode step
 class ReqSlice:
     """Tokens fill_ids[start : start + length] of `req` computed in this batch."""
     req: Req

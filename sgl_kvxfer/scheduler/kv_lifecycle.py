@@ -49,7 +49,8 @@ class KVLifecycle:
             slots, node = self.tree.match_prefix(req.fill_ids[: req.prefix_match_limit()])
             self.tree.inc_lock_ref(node)
             req.last_node = node
-            self.req_to_token.write(row, 0, slots)
+            if slots.numel():
+                self.req_to_token.write(row, 0, slots)
             req.prefix_len = req.kv_len = int(slots.numel())
         if req.num_retractions == 0:  # a recomputation after retraction keeps its first report
             req.cached_tokens = req.prefix_len
@@ -75,18 +76,24 @@ class KVLifecycle:
         position `starts[i]` (default `kv_len`; the overlap scheduler allocates one step ahead
         of it) on, concatenated; evicts unlocked cache leaves if needed. None (and nothing
         changed) when the pool cannot cover them all."""
-        lens = [1] * len(reqs) if lens is None else lens
         starts = [r.kv_len for r in reqs] if starts is None else starts
-        need = self.slots_needed(starts, lens)
+        P, at_boundary = self.page_size, None
+        if lens is None:  # decode, the hot case: one pass finds the rows that open a page
+            at_boundary = [i for i, s in enumerate(starts) if s % P == 0] if P > 1 else None
+            need = len(reqs) if P == 1 else len(at_boundary) * P
+        else:
+            need = self.slots_needed(starts, lens)
         if not self.make_room(need):
             return None
-        if self.page_size == 1:
+        if P == 1:
             return self.allocator.alloc(need)
         table = self.req_to_token.table
         # one host->device copy for both index lists
         idx = torch.tensor([r.req_pool_idx for r in reqs] + [max(st - 1, 0) for st in starts],
                            dtype=torch.int64).to(table.device, non_blocking=True)
         rows, last_pos = idx.split(len(reqs))
+        if at_boundary is not None:
+            return self.allocator.alloc_decode(table[rows, last_pos], at_boundary)
         return self.allocator.alloc_extend(table[rows, last_pos], starts, lens)
 
     def cache(self, req: Req, finished: bool) -> None:
@@ -96,26 +103,32 @@ class KVLifecycle:
         rewritten to the tree's slots and its lock moves to the new last node.
         """
         row, kv_len = req.req_pool_idx, req.kv_len
-        slots = self.req_to_token.read(row, kv_len).clone()
+        # A view of the row: insert clones what the tree keeps; what is freed is cloned first
+        # (the row is rewritten below and reused once the request is gone).
+        slots = self.req_to_token.read(row, kv_len)
         if self.tree is None:
             if finished:
-                self.allocator.free(slots)
+                self.allocator.free(slots.clone())
                 self._release_row(req)
             return
         cached_len = kv_len - kv_len % self.page_size  # the tree takes whole pages only
         tokens = req.fill_ids[:cached_len]
         present = self.tree.insert(tokens, slots[:cached_len])
         if present > req.prefix_len:  # our duplicates of tokens someone else cached first
-            self.allocator.free(slots[req.prefix_len : present])
+            self.allocator.free(slots[req.prefix_len : present].clone())
         if finished:
             if cached_len < kv_len:  # the private partial last page
-                self.allocator.free(slots[cached_len:])
+                self.allocator.free(slots[cached_len:].clone())
             self.tree.dec_lock_ref(req.last_node)
             self._release_row(req)
             return
-        new_slots, node = self.tree.match_prefix(tokens)
-        assert new_slots.numel() == cached_len, "inserted tokens must match back in full"
-        self.req_to_token.write(row, 0, new_slots)  # whole pages: the partial tail is untouched
+        if present > req.prefix_len:  # the row must point at the cached copies instead
+            new_slots, node = self.tree.match_prefix(tokens)
+            assert new_slots.numel() == cached_len, "inserted tokens must match back in full"
+            self.req_to_token.write(row, 0, new_slots)  # whole pages: the partial tail is untouched
+        else:  # the tree took the row's own slots: the row already holds them (no tensor op)
+            matched, node = self.tree.match_node(tokens)
+            assert matched == cached_len, "inserted tokens must match back in full"
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node, req.prefix_len = node, cached_len

@@ -12,6 +12,20 @@ and context limits are known ahead); a request that N finishes otherwise (EOS, s
 string, abort) computes one void token in N + 1, whose id is dropped and whose slot is freed
 when N + 1 is applied.
 
+Prefill batches overlap one batch deep: the next prefill batch is formed and launched before
+the previous one's first tokens are applied, so admission, KV allocation and batch packing of
+prefill N + 1, and applying prefill N (first tokens, finish checks, handing prompts to the
+prefix cache, joining the running set), run while the GPU computes. A decode batch is formed
+only after the pending prefill is applied. Admission counts the pending prefill's requests
+against max_running_requests and the decode reserve; a request that could share a prefix with
+a prefill still in flight is admitted without that hit (it recomputes those tokens).
+
+The host reads step N's tokens from a pinned buffer that a non-blocking copy fills right after
+N's argmax, and waits on an event recorded after that copy. A plain `.tolist()` would copy on
+the stream *behind* step N + 1 and so wait for N + 1 to finish too, which serializes the host
+work with the GPU and undoes the overlap (measured on an H200: 3.5 ms per decode step instead
+of max(host, GPU)).
+
 NOTE: correctness rests on stream order. Step N + 1 reads N's sampled ids, table rows and KV
 slots on the device after N wrote them; a slot or row freed on the host while N + 1 is in
 flight is only reused by work enqueued after N + 1.
@@ -27,27 +41,66 @@ from sgl_kvxfer.scheduler.req import Req
 
 
 @dataclass
-class InflightDecode:
-    """A launched decode batch whose results are not applied yet."""
+class InflightBatch:
+    """A launched batch (decode, or a prefill under `prefill_overlap_ok`) whose results are not
+    applied yet."""
     batch: ScheduleBatch
-    tokens: torch.Tensor  # int64 [B] on the device: each row's greedy token
-    out_cache_loc: torch.Tensor  # int64 [B]: the KV slot each row wrote
+    tokens: torch.Tensor  # int64 [sampled rows] on the device: each sampled row's greedy token
+    out_cache_loc: torch.Tensor  # int64 [batch tokens]: the KV slot each token wrote
+    host_tokens: torch.Tensor | None = None  # pinned int64 [B], filled by a copy behind `ready`
+    ready: object = None  # torch.cuda.Event recorded after that copy (CUDA only)
+
+    @classmethod
+    def launch(cls, batch: ScheduleBatch, logits: torch.Tensor, out_cache_loc: torch.Tensor) -> "InflightBatch":
+        """Greedy tokens of `logits` and, on CUDA, their copy to the host started now: it sits
+        in the stream before any later step, so reading it waits for this step alone."""
+        tokens = logits.argmax(dim=-1)
+        if tokens.device.type != "cuda":
+            return cls(batch, tokens, out_cache_loc)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(batch, tokens, out_cache_loc, host, ready)
+
+    def token_list(self) -> list[int]:
+        """The sampled ids on the host; blocks until this step (not a later one) is done."""
+        if self.ready is None:
+            return self.tokens.tolist()
+        self.ready.synchronize()
+        return self.host_tokens.tolist()
 
 
-def overlap_ok(req: Req, checker, pending: int) -> bool:
+def overlap_ok(req: Req, pending: int) -> bool:
     """`req` may decode overlapped with `pending` of its tokens not yet applied: its sampling
-    needs nothing but a GPU argmax."""
-    p = req.sampling
-    if not p.is_greedy or req.return_logprob or p.has_logit_processors:
-        return False
-    banned = p.stop_token_ids or not p.ignore_eos
-    return not banned or len(req.output_ids) + pending >= p.min_new_tokens
+    needs nothing but a GPU argmax (no ids banned by min_new_tokens any more)."""
+    return req.greedy_on_device and len(req.output_ids) + pending >= req.banned_until
 
 
-def continues_after(req: Req, context_len: int) -> bool:
-    """False when applying one more token certainly finishes `req` (length or context limit)."""
-    return (len(req.output_ids) + 1 < req.sampling.max_new_tokens
-            and req.seq_len + 1 < context_len)
+def continues_overlapped(req: Req, context_len: int) -> bool:
+    """Whether `req` joins the step launched before its in-flight token is applied: it is not
+    finished, that token certainly does not finish it (length and context limits are known
+    ahead), and it is overlap_ok with that one token pending. One pass of attribute reads:
+    this runs for every request on every decode step."""
+    n_out = len(req.output_ids) + 1
+    return (req.finished_reason is None and req.greedy_on_device and n_out >= req.banned_until
+            and n_out < req.sampling.max_new_tokens and req.prompt_len + n_out < context_len)
+
+
+def prefill_overlap_ok(batch: ScheduleBatch) -> bool:
+    """A prefill batch whose results may be applied after the next batch is launched (prefill
+    overlap, module doc): no prompt logprobs are due, every sampling slice is overlap_ok, and
+    every other slice is a chunk with more of its prompt to come (not max_new_tokens 0)."""
+    for s in batch.slices:
+        req = s.req
+        if not req.input_logprobs_done:
+            return False
+        if s.sample:
+            if not overlap_ok(req, 0):
+                return False
+        elif s.start + s.length >= req.seq_len:
+            return False
+    return True
 
 
 def void_slot_owned(start: int, page_size: int) -> bool:

@@ -29,6 +29,13 @@ class Req:
         self.token_ids_logprob = msg.token_ids_logprob
         self.stream = msg.stream
         self.arrival = arrival
+        # Fixed per request, read by every decode step (scheduler/overlap.py): the prompt's
+        # length, whether sampling needs nothing but a GPU argmax, and how many output tokens
+        # must exist before EOS / stop ids stop being banned (min_new_tokens; 0: never banned).
+        p = msg.sampling
+        self.prompt_len = len(self.origin_input_ids)
+        self.greedy_on_device = p.is_greedy and not msg.return_logprob and not p.has_logit_processors
+        self.banned_until = p.min_new_tokens if (p.stop_token_ids or not p.ignore_eos) else 0
         self.output_ids: list[int] = []
         self.finished_reason: dict | None = None
         # KV state
@@ -59,11 +66,11 @@ class Req:
     @property
     def seq_len(self) -> int:
         """len(fill_ids), without building it."""
-        return len(self.origin_input_ids) + len(self.output_ids)
+        return self.prompt_len + len(self.output_ids)
 
     def fill_slice(self, start: int, end: int) -> list[int]:
         """fill_ids[start:end], copying only those tokens (a decode step's one token is O(1))."""
-        n = len(self.origin_input_ids)
+        n = self.prompt_len
         if start >= n:
             return self.output_ids[start - n : end - n]
         if end <= n:

@@ -25,8 +25,10 @@ class FinishChecker:
         return sorted(set(req.sampling.stop_token_ids) | (set() if req.sampling.ignore_eos else self.eos_ids))
 
     def check(self, req: Req) -> None:
-        p, token = req.sampling, req.output_ids[-1]
-        if len(req.output_ids) >= p.max_new_tokens:
+        """Hot: runs for every request on every decode step."""
+        p, out = req.sampling, req.output_ids
+        n, token = len(out), out[-1]
+        if n >= p.max_new_tokens:
             req.finish({"type": "length", "length": p.max_new_tokens})
         elif token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
             req.finish({"type": "stop", "matched": token})
@@ -37,8 +39,8 @@ class FinishChecker:
                 if s in tail:
                     req.finish({"type": "stop", "matched": s})
                     break
-        if not req.finished and req.seq_len >= self.context_len:
-            req.finish({"type": "length", "length": len(req.output_ids)})
+        if req.finished_reason is None and req.prompt_len + n >= self.context_len:
+            req.finish({"type": "length", "length": n})
 
 
 def process_logits(batch: ScheduleBatch, logits: torch.Tensor, checker: FinishChecker) -> None:

@@ -18,7 +18,8 @@ from sgl_kvxfer.message import (AbortReq, FlushCacheReq, FlushCacheResult, GetIn
                                 ReqOutput, TokenizedGenerateReq)
 from sgl_kvxfer.scheduler.batch import ReqSlice, ScheduleBatch, prepare_batch, prepare_decode
 from sgl_kvxfer.scheduler.kv_lifecycle import KVLifecycle
-from sgl_kvxfer.scheduler.overlap import InflightDecode, continues_after, overlap_ok, void_slot_owned
+from sgl_kvxfer.scheduler.overlap import (InflightBatch, continues_overlapped, overlap_ok, prefill_overlap_ok,
+                                          void_slot_owned)
 from sgl_kvxfer.scheduler.policy import PrefillAdder, decode_reserve, pick_retraction
 from sgl_kvxfer.scheduler.req import Req
 from sgl_kvxfer.scheduler.results import FinishChecker, make_output, process_logits
@@ -49,7 +50,8 @@ class Scheduler:
         self._tput_window = (time.monotonic(), 0)
         self.tiering = None
         self.overlap = False  # NOTE: set before tiering: its int4 probe already runs steps
-        self.inflight: InflightDecode | None = None
+        self.inflight: InflightBatch | None = None  # decode step launched, not applied
+        self.pending_prefill: InflightBatch | None = None  # prefill launched, not applied
         self.tiering = create_engine_tiering(self, tokenizer)  # SpectrumKV; None at kv_tier_budget 1
         # Overlapped decode (scheduler/overlap.py): CUDA only (a CPU forward is synchronous).
         self.overlap = (not config.disable_overlap_schedule and self.tiering is None
@@ -98,6 +100,7 @@ class Scheduler:
         return None
 
     def abort(self, rid: str, abort_all: bool = False) -> None:
+        self._apply_prefill()  # its requests join `running`, where the loop below finds them
         reason = {"type": "abort", "message": "Abort requested", "status_code": None, "err_type": None}
         for req in [r for r in self.waiting if abort_all or r.rid == rid]:
             self.waiting.remove(req)
@@ -114,7 +117,7 @@ class Scheduler:
             self._retire(req)
 
     def flush_cache(self) -> FlushCacheResult:
-        if self.running or self.waiting or self.chunked or self.inflight:
+        if self.has_work():
             return FlushCacheResult(False, "Cache not flushed: requests are running or queued.")
         self.kv.flush()
         return FlushCacheResult(True, "Cache flushed.")
@@ -126,20 +129,24 @@ class Scheduler:
         hit = self.stats["cached_tokens"] / max(self.stats["prompt_tokens"], 1)
         return InternalState(
             max_total_num_tokens=self.runner.max_total_tokens, max_req_input_len=self.runner.context_len - 1,
-            num_running_reqs=len(self.running) + (self.chunked is not None), num_queue_reqs=len(self.waiting),
+            num_running_reqs=len(self.running) + len(self._pending_reqs()) + (self.chunked is not None),
+            num_queue_reqs=len(self.waiting),
             kv_used_tokens=used, kv_cached_tokens=cached, kv_bytes_per_token=self.runner.kv_pool.bytes_per_token(),
             last_gen_throughput=self.stats["gen_throughput"], cache_hit_rate=hit,
             extra=self.tiering.server_info() if self.tiering is not None else {})
 
     # ------------------------------------------------------------------ one iteration
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.inflight)
+        return bool(self.waiting or self.running or self.chunked or self.inflight or self.pending_prefill)
 
     def step(self) -> bool:
         """Schedule, run and apply one batch. Returns False when there was nothing to run."""
         if self.inflight is not None:
             return self._step_overlapped()
-        batch = self._prefill_batch() or self._decode_batch()
+        batch = self._prefill_batch()
+        if batch is None:
+            self._apply_prefill()  # decode needs the prefilled requests running, with their first token
+            batch = self._decode_batch()
         if batch is None:
             return False
         loc = self._out_cache_loc
@@ -147,10 +154,17 @@ class Scheduler:
         if self.tiering is not None:
             self.tiering.before_forward(batch, fb)
         logits = self.runner.forward(fb)
-        if (self.overlap and batch.mode == ForwardMode.DECODE
-                and all(overlap_ok(s.req, self.checker, 0) for s in batch.slices)):
-            self.inflight = InflightDecode(batch, logits.argmax(dim=-1), loc)  # applied next step
+        if self.overlap and batch.mode == ForwardMode.DECODE and all(overlap_ok(s.req, 0) for s in batch.slices):
+            self.inflight = InflightBatch.launch(batch, logits, loc)  # applied next step
             return True
+        if self.overlap and batch.mode == ForwardMode.EXTEND and prefill_overlap_ok(batch):
+            launched = InflightBatch.launch(batch, logits, loc)
+            for s in batch.slices:  # the next prefill continues a chunked prompt from here
+                s.req.kv_len = s.start + s.length
+            self._apply_prefill()  # the previous prefill, while the GPU runs this one
+            self.pending_prefill = launched
+            return True
+        self._apply_prefill()  # results apply in launch order
         process_logits(batch, logits, self.checker)
         self._after_batch(batch)
         return True
@@ -169,39 +183,55 @@ class Scheduler:
         self.inflight = nxt  # invariant: an in-flight step has a running request
         return True
 
-    def _launch_followup(self, prev: InflightDecode) -> InflightDecode | None:
-        ctx = self.runner.context_len
+    def _apply_prefill(self) -> None:
+        """Apply the pending prefill (prefill_overlap_ok): its kv_lens were set at launch; now
+        its first tokens, finish checks and the bookkeeping of _after_batch."""
+        if self.pending_prefill is None:
+            return
+        inf, self.pending_prefill = self.pending_prefill, None
+        tokens = iter(inf.token_list())
+        for s in inf.batch.slices:
+            if s.sample:
+                s.req.output_ids.append(next(tokens))
+                self.checker.check(s.req)
+        self._after_batch(inf.batch)
+
+    def _pending_reqs(self) -> list[Req]:
+        """Requests of the pending prefill that join `running` when it is applied."""
+        return [s.req for s in self.pending_prefill.batch.slices if s.sample] if self.pending_prefill else []
+
+    def _launch_followup(self, prev: InflightBatch) -> InflightBatch | None:
+        ctx, slices = self.runner.context_len, prev.batch.slices
         # not: requests already finished (prev holds their void token) or finished by prev for sure
-        keep = [i for i, s in enumerate(prev.batch.slices) if not s.req.finished
-                and continues_after(s.req, ctx) and overlap_ok(s.req, self.checker, 1)]
+        keep = [i for i, s in enumerate(slices) if continues_overlapped(s.req, ctx)]
         if not keep:
             return None
-        reqs = [prev.batch.slices[i].req for i in keep]
-        starts = [prev.batch.slices[i].start + 1 for i in keep]
+        reqs = [slices[i].req for i in keep]
+        starts = [slices[i].start + 1 for i in keep]
         loc = self.kv.alloc(reqs, starts=starts)
         if loc is None:  # out of KV: apply first, then the plain path retracts
             return None
         self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
         batch = ScheduleBatch(ForwardMode.DECODE, [ReqSlice(r, st, 1, True) for r, st in zip(reqs, starts)])
-        ids = prev.tokens if len(keep) == len(prev.batch.slices) else prev.tokens[
+        ids = prev.tokens if len(keep) == len(slices) else prev.tokens[
             torch.tensor(keep, dtype=torch.int64).to(prev.tokens.device, non_blocking=True)]
         fb = prepare_decode(batch, loc, self.runner.req_to_token.table, self.runner.device, input_ids=ids)
         logits = self.runner.forward(fb)
-        return InflightDecode(batch, logits.argmax(dim=-1), loc)
+        return InflightBatch.launch(batch, logits, loc)
 
-    def _apply_inflight(self, inf: InflightDecode) -> None:
+    def _apply_inflight(self, inf: InflightBatch) -> None:
         """process_logits for an overlapped step: its tokens are the argmax already taken."""
-        tokens = inf.tokens.tolist()  # waits for this step only, not for one launched after it
-        live = []
+        tokens = inf.token_list()  # waits for this step only, not for one launched after it
+        live, check = [], self.checker.check
         for i, (s, token) in enumerate(zip(inf.batch.slices, tokens)):
             req = s.req
-            if req.finished:  # finished (or aborted) after this step was launched: a void token
+            if req.finished_reason is not None:  # finished (or aborted) after this step was launched: a void token
                 if void_slot_owned(s.start, self.kv.page_size):
                     self.kv.allocator.free(inf.out_cache_loc[i : i + 1])
                 continue
             req.kv_len = s.start + 1
             req.output_ids.append(token)
-            self.checker.check(req)
+            check(req)
             live.append(s)
         inf.batch.slices = live
         self._after_batch(inf.batch)
@@ -218,9 +248,10 @@ class Scheduler:
         if not self.waiting and self.chunked is None:
             return None
         cfg = self.config
-        free = self.kv.available_tokens() - self._reserve(self.running)
+        pending = self._pending_reqs()  # already admitted: they count as running here
+        free = self.kv.available_tokens() - self._reserve(self.running) - self._reserve(pending)
         adder = PrefillAdder(cfg.max_prefill_tokens, cfg.resolved_chunked_prefill_size, free,
-                             self.max_running - len(self.running), page_size=self.kv.page_size)
+                             self.max_running - len(self.running) - len(pending), page_size=self.kv.page_size)
         # Slices are admitted against free KV one by one (room is made as they come) and
         # allocated together at the end: one allocation per batch, not per request.
         batch, room = ScheduleBatch(ForwardMode.EXTEND), [0]
@@ -292,22 +323,22 @@ class Scheduler:
         if self.tiering is not None:  # re-tier finished prefills, demote old decode tokens
             self.tiering.after_forward(batch, self.chunked)
         interval = self.config.stream_interval
-        if batch.mode == ForwardMode.DECODE:
+        extend = batch.mode == ForwardMode.EXTEND
+        if not extend:
             self._count_generated(len(batch.slices))
-        for s in batch.slices:
+        for s in batch.slices:  # hot: every request of every decode step
             req = s.req
-            if req.finished:
+            if req.finished_reason is not None:
                 if req in self.running:
                     self.running.remove(req)
                 if self.chunked is req:
                     self.chunked = None
                 self._retire(req)
                 continue
-            if batch.mode == ForwardMode.EXTEND and req is not self.chunked:
+            if extend and s.sample:  # its prompt is done (a chunk slice does not sample)
                 self.kv.cache(req, finished=False)  # share the prompt with later requests now
                 self.running.append(req)
-            step = req.sampling.stream_interval or interval
-            if req.stream and len(req.output_ids) - req.sent_output_len >= step:
+            if req.stream and len(req.output_ids) - req.sent_output_len >= (req.sampling.stream_interval or interval):
                 self.outbox.append(make_output(req))
 
     def _retire(self, req: Req) -> None:

@@ -25,10 +25,10 @@ def _params(i):
     return p
 
 
-def _run(engine, overlap: bool, params=None):
+def _run(engine, overlap: bool, params=None, prompts=PROMPTS):
     engine.scheduler.overlap = overlap
-    params = params or [_params(i) for i in range(len(PROMPTS))]
-    res = engine.generate(PROMPTS, params)  # one call: all requests run concurrently
+    params = params or [_params(i) for i in range(len(prompts))]
+    res = engine.generate(prompts, params)  # one call: all requests run concurrently
     return [(r["output_ids"], r["meta_info"]["finish_reason"]) for r in res]
 
 
@@ -93,6 +93,46 @@ def test_overlap_with_abort_and_retraction(smollm2_path, monkeypatch):
         _assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_overlap_across_batches_and_chunks(smollm2_path, page_size):
+    """Small prefill batches and chunks: many prefills are launched before the previous one is
+    applied (chunk continuations, shared prefixes, ineligible requests in between). Outputs
+    must equal the plain scheduler's and every slot must come back; an abort that lands while
+    a prefill is pending finishes that request alone."""
+    from sgl_kvxfer import Engine
+
+    shared = "The history of mathematics is long and full of surprising turns. " * 3
+    prompts = PROMPTS + [shared + "Tell me about Euclid.", shared + "Tell me about Gauss."]
+    params = [_params(i) for i in range(len(prompts))]
+    params[3] = {**params[3], "min_new_tokens": 2}  # banned EOS at its first token: no prefill overlap
+    with Engine(smollm2_path, device="cpu", max_total_tokens=6000, page_size=page_size,
+                max_prefill_tokens=48, chunked_prefill_size=32) as engine:
+        plain = _run(engine, overlap=False, params=params, prompts=prompts)
+        _assert_no_leak(engine)
+        pending_seen = []
+        real = engine.scheduler._apply_prefill
+        engine.scheduler._apply_prefill = lambda: (pending_seen.append(engine.scheduler.pending_prefill is not None),
+                                                   real())[1]
+        assert _run(engine, overlap=True, params=params, prompts=prompts) == plain
+        assert sum(pending_seen) >= 3  # prefills really were applied late (3 of its 5 batches qualify)
+        _assert_no_leak(engine)
+
+        sched = engine.scheduler
+        sp = SamplingParams.from_dict({"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+        for i, prompt in enumerate(prompts[:6]):
+            sched.handle(TokenizedGenerateReq(rid=f"a{i}", input_ids=engine.tokenizer.encode(prompt), sampling=sp))
+        while sched.pending_prefill is None:
+            sched.step()
+        victim = next(s.req.rid for s in sched.pending_prefill.batch.slices if s.sample)
+        sched.handle(AbortReq(rid=victim))
+        while sched.has_work():
+            sched.step()
+        finals = {o.rid: o for o in sched.take_outputs() if o.finish_reason is not None}
+        assert finals[victim].finish_reason["type"] == "abort"
+        assert all(o.finish_reason["type"] == "length" for rid, o in finals.items() if rid != victim)
+        _assert_no_leak(engine)
+
+
 @pytest.mark.gpu
 def test_overlap_on_cuda_graphs(smollm2_path):
     """CUDA, bf16, CUDA graphs: with fixed lengths both modes run the same batch shapes, so the
@@ -107,3 +147,26 @@ def test_overlap_on_cuda_graphs(smollm2_path):
         _assert_no_leak(engine)
         _run(engine, True)
         _assert_no_leak(engine)
+
+
+@pytest.mark.gpu
+def test_inflight_tokens_do_not_wait_for_the_next_step():
+    """Reading step N's tokens must not wait for work enqueued after N (step N + 1): with a
+    plain .tolist() the copy queues behind it and the host serializes with the GPU."""
+    import time
+
+    import torch
+
+    from sgl_kvxfer.scheduler.batch import ScheduleBatch
+    from sgl_kvxfer.scheduler.overlap import InflightBatch
+
+    logits = torch.randn(8, 100, device="cuda")
+    expected = logits.argmax(-1).tolist()
+    torch.cuda.synchronize()
+    inf = InflightBatch.launch(ScheduleBatch(None), logits, torch.zeros(8, dtype=torch.int64, device="cuda"))
+    torch.cuda._sleep(2_000_000_000)  # "step N + 1": about a second of GPU time behind the copy
+    t = time.perf_counter()
+    assert inf.token_list() == expected
+    waited = time.perf_counter() - t
+    torch.cuda.synchronize()
+    assert waited < 0.2, f"token_list waited {waited:.3f} s for later work"
