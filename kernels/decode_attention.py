@@ -18,9 +18,10 @@ Pages per split are scaled by the tier's bytes per page so every split moves abo
 bytes; S is chosen to give ~SPLIT_WAVES programs per SM. With EVEN_SPLITS each request instead
 divides its own pages of a tier evenly over that tier's splits (ppsT = cdiv(pages_b, ST)): the
 plan can then be fixed for a wide table (CUDA graphs) without short requests running all their
-pages in one split. Stage 2, grid (B * Hq): log-sum-exp merge of the S partials. Attention over
-a set is order-free (K is post-RoPE), so per-tier partials merge exactly like split-K partials
-of one sequence.
+pages in one split. A tier may get 0 splits (a caller that knows it holds no token: the
+pure-fp16 backend). Stage 2, grid (B * Hq): log-sum-exp merge of the S partials; with S == 1
+stage 1 writes the output itself and there is no stage 2. Attention over a set is order-free
+(K is post-RoPE), so per-tier partials merge exactly like split-K partials of one sequence.
 """
 from __future__ import annotations
 
@@ -47,6 +48,17 @@ else:
     _DECODE_CONFIGS = [
         triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3, 4)
     ]
+# fp16-only batches (no int8 / int4 splits) use this config without tuning. Measured on an H200
+# (benchmarks/kernels/decode_plan.py, graph plan, bf16): 4 warps beat 8 by ~25% at SmolLM2 and
+# ~15% at Llama-3-8B heads, stages barely matter. Tuning would otherwise happen on whatever batch
+# comes first; under CUDA-graph capture that is all-padding rows (empty), i.e. noise.
+_FP16_ONLY_CONFIG = (4, 2)  # (num_warps, num_stages)
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    if kwargs.get("FP16_ONLY") and not is_interpret():
+        return [c for c in configs if (c.num_warps, c.num_stages) == _FP16_ONLY_CONFIG]
+    return configs
 
 
 @triton.jit
@@ -127,7 +139,8 @@ def _split_pages(local_split, n_tok, pps, n_split, PAGE: tl.constexpr, EVEN: tl.
 
 
 @triton.autotune(configs=_DECODE_CONFIGS,
-                 key=["HEAD_DIM", "PAGE", "BLOCK_G", "GROUP_SIZE", "PREFETCH", "FAST_DEQUANT"])
+                 key=["HEAD_DIM", "PAGE", "BLOCK_G", "GROUP_SIZE", "PREFETCH", "FAST_DEQUANT", "FP16_ONLY"],
+                 prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
 def _decode_tiered_kernel(
     q_ptr, o_part_ptr, lse_part_ptr,
@@ -143,7 +156,10 @@ def _decode_tiered_kernel(
     NUM_KV_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, PAGE: tl.constexpr,
     PREFETCH: tl.constexpr, FAST_DEQUANT: tl.constexpr, EVEN_SPLITS: tl.constexpr,
+    FP16_ONLY: tl.constexpr, DIRECT: tl.constexpr,
 ):
+    """DIRECT (a single split per request): o_part_ptr is the output [B, Hq, D] in the model
+    dtype (stride_os unused) and gets the normalized result; no LSE, no merge pass."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // NUM_KV_HEADS
@@ -186,11 +202,16 @@ def _decode_tiered_kernel(
             2, PAGE, HEAD_DIM, GROUP_SIZE, PREFETCH, FAST_DEQUANT)
 
     nonempty = l_i > 0
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), NEG_BIG)
-    obase = b * stride_ob + q_heads * stride_oh + split * stride_os
-    tl.store(o_part_ptr + obase[:, None] + offs_d[None, :], o, mask=gmask[:, None])
-    tl.store(lse_part_ptr + b * stride_lb + q_heads * stride_lh + split, lse, mask=gmask)
+    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]  # a request without tokens gets 0
+    if DIRECT:
+        obase = b * stride_ob + q_heads * stride_oh
+        tl.store(o_part_ptr + obase[:, None] + offs_d[None, :], o.to(o_part_ptr.dtype.element_ty),
+                 mask=gmask[:, None])
+    else:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), NEG_BIG)
+        obase = b * stride_ob + q_heads * stride_oh + split * stride_os
+        tl.store(o_part_ptr + obase[:, None] + offs_d[None, :], o, mask=gmask[:, None])
+        tl.store(lse_part_ptr + b * stride_lb + q_heads * stride_lh + split, lse, mask=gmask)
 
 
 @triton.jit
@@ -288,8 +309,15 @@ def decode_attention_tiered(
                                  pages_per_split, split_waves)
     pps, splits = split_plan
     S = sum(splits)
-    o_part = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    direct = S == 1  # one split: stage 1 writes the result, no partials, no merge
+    if direct:
+        o_part, lse_part = out.unsqueeze(2), out.new_empty((1, 1, 1), dtype=torch.float32)
+    else:
+        o_part = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     f16, i8, i4 = layer.pages
     bt, ln = tables.tables, tables.lens
     _decode_tiered_kernel[(B * Hkv, S)](
@@ -308,10 +336,10 @@ def decode_attention_tiered(
         NUM_KV_HEADS=Hkv, KV_GROUP=kv_group, BLOCK_G=max(16, next_pow2(kv_group)),
         HEAD_DIM=D, GROUP_SIZE=layer.group_size, PAGE=PAGE, PREFETCH=prefetch,
         FAST_DEQUANT=fast_dequant, EVEN_SPLITS=even_splits,
+        FP16_ONLY=splits[1] == 0 and splits[2] == 0, DIRECT=direct,
     )
-    if out is None:
-        out = torch.empty_like(q)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
+    if direct:
+        return out
     _merge_splits_kernel[(B * Hq,)](
         o_part, lse_part, out, S,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),

@@ -111,6 +111,28 @@ def test_decode_fixed_wide_plan_and_empty_rows(even):
     assert bool((o[1] == 0).all()), "a request without tokens must give exactly 0"
 
 
+@pytest.mark.parametrize("fp16_splits", [1, 3])
+def test_decode_fp16_only_plan_direct_and_merged(fp16_splits):
+    """The pure-fp16 backend's plan: no split programs for the empty int8 / int4 tiers. With one
+    split per request the kernel writes the output itself (no partials, no merge), otherwise
+    it merges; both equal the reference, and a request without tokens gives exactly 0."""
+    from sgl_kvxfer.kernels.paged_layout import TieredBlockTables
+
+    lens = [(150, 0, 0), (0, 0, 0), (20, 0, 0), (64, 0, 0)]
+    layer, tables, _ = build_random_cache(lens, 2, 32, 16, 16, device=DEVICE, seed=9)
+    q = torch.randn(4, 4, 32, generator=torch.Generator().manual_seed(2)).half().to(DEVICE)
+    wide = torch.zeros(4, 16, dtype=torch.int32, device=DEVICE)
+    wide[:, : tables.tables[0].shape[1]] = tables.tables[0]
+    wide_tables = TieredBlockTables((wide,) + tables.tables[1:], tables.lens)
+    plan = ((-(-16 // fp16_splits), 1, 1), (fp16_splits, 0, 0))
+    out = torch.full_like(q, float("nan"))  # every row must be written, padding rows too
+    o = decode_attention_tiered(q, layer, wide_tables, split_plan=plan, check=False, even_splits=True, out=out)
+    assert o.data_ptr() == out.data_ptr()
+    r = decode_attention_tiered_reference(q, layer, tables)
+    torch.testing.assert_close(o.float(), r.float(), atol=KERNEL_ATOL, rtol=0)
+    assert bool((o[1] == 0).all()), "a request without tokens must give exactly 0"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mix", ["fp16", "int8", "int4"])

@@ -117,9 +117,13 @@ class TritonAttentionBackend(AttentionBackend):
         return TieredBlockTables((pages, none_pages, none_pages), (lens, none_lens, none_lens))
 
     def _split_plan(self, tables) -> tuple:
+        """plan_splits without split programs for the int8 / int4 tiers: here they are one-page
+        placeholders that never hold a token (each empty split program costs a launch slot
+        and a partial to merge; with one fp16 split the kernel then skips the merge)."""
         pool, group = self.kv_pool, self.layers[0].group_size
-        return self._plan_splits(tables, self.num_kv_heads, self.head_dim, group, pool.dtype.itemsize,
-                                 torch.device(pool.device))
+        pps, splits = self._plan_splits(tables, self.num_kv_heads, self.head_dim, group, pool.dtype.itemsize,
+                                        torch.device(pool.device))
+        return pps, (splits[0], 0, 0)
 
     def forward_qkv(self, qkv, cos, sin, layer_id, batch):
         """With the fused elementwise kernels on: RoPE, the K/V store into the paged pool and

@@ -1,0 +1,150 @@
+"""Decode attention at serving shapes, as CUDA-graph decode runs it: which launch plan is fastest.
+
+    python benchmarks/kernels/decode_plan.py [--batch 256 --ctx-min 160 --ctx-max 640]
+
+One layer of SmolLM2-135M heads (9 q / 3 kv, head_dim 64) by default, bf16, page 64, every
+request at its own length (uniform in [ctx-min, ctx-max]; the offline benchmark's prompts plus
+half its output), block tables as wide as the whole context (the graph plan's fixed width) and
+even splits. Swept: fp16 splits per request (S16), whether the two empty quantized tiers get
+their no-op split programs (the pure-fp16 backend has no int8 / int4 tokens), and each of the
+kernel's autotune configs (forced one at a time). Time: CUDA events around a graphed call,
+L2 flushed before each, median of --iters; bandwidth = K/V bytes read / time, against a
+device-to-device copy measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.report import RESULTS_DIR, device_name, git_commit, write_json  # noqa: E402
+
+def _attention_helpers():
+    """Timing helpers of the sibling attention.py, loaded by path (a `kernels` import would
+    find the repo's kernel package instead)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "attention_bench", os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod._graphed, mod._median_ms, mod.copy_bandwidth
+
+
+def build(args, dev):
+    from sgl_kvxfer.kernels.paged_layout import TieredBlockTables, allocate_tiered_layer
+    from sgl_kvxfer.kernels.testing import fill_random_pools
+
+    B, P, Hkv, D = args.batch, args.page, args.kv_heads, args.head_dim
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(args.ctx_min, args.ctx_max + 1, (B,), generator=g)
+    need = [math.ceil(int(n) / P) for n in lens]
+    width = math.ceil(args.max_seq / P)
+    layer = allocate_tiered_layer((sum(need) + 1, 1, 1), P, Hkv, D, 32, torch.bfloat16, dev)
+    fill_random_pools(layer)
+    perm = torch.randperm(sum(need), generator=g) + 1
+    table = torch.zeros(B, width, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[at : at + n]
+        at += n
+    zeros = torch.zeros(B, 1, dtype=torch.int32, device=dev)
+    none = torch.zeros(B, dtype=torch.int32, device=dev)
+    tables = TieredBlockTables((table.to(dev), zeros, zeros), (lens.to(torch.int32).to(dev), none, none))
+    return layer, tables, int(lens.sum())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--ctx-min", type=int, default=160)
+    p.add_argument("--ctx-max", type=int, default=640)
+    p.add_argument("--q-heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--page", type=int, default=64)
+    p.add_argument("--max-seq", type=int, default=8192)
+    p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out-dir", default=RESULTS_DIR)
+    args = p.parse_args()
+
+    from sgl_kvxfer.kernels import decode_attention as da
+
+    _graphed, _median_ms, copy_bandwidth = _attention_helpers()
+
+    dev = torch.device("cuda")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    copy_bw = copy_bandwidth(flush)
+    layer, tables, tokens = build(args, dev)
+    nbytes = tokens * args.kv_heads * args.head_dim * 2 * 2
+    q = torch.randn(args.batch, args.q_heads, args.head_dim, dtype=torch.bfloat16, device=dev)
+    kern = da._decode_tiered_kernel
+    all_configs = list(kern.configs)
+    default_plan = da.plan_splits(tables, args.kv_heads, args.head_dim, 32, 2, dev)
+    ref = None
+    rows = []
+    try:
+        for cfg in all_configs:
+            kern.configs = [cfg]
+            kern.cache.clear()
+            for s16 in args.splits:
+                for empty_tiers in (1, 0):
+                    plan = ((math.ceil(tables.tables[0].shape[1] / s16), 1, 1), (s16, empty_tiers, empty_tiers))
+
+                    def call(plan=plan):
+                        return da.decode_attention_tiered(q, layer, tables, split_plan=plan, check=False,
+                                                          even_splits=True)
+                    out = call()
+                    ref = out if ref is None else ref
+                    diff = (out.float() - ref.float()).abs().max().item()
+                    fn, graphed = _graphed(call)
+                    ms = _median_ms(fn, flush, args.iters)
+                    row = {"config": str(cfg), "S16": s16, "empty_tier_splits": empty_tiers, "ms": ms,
+                           "pct_copy_bw": 100 * nbytes / (ms * 1e-3) / copy_bw, "graphed": graphed,
+                           "max_abs_diff": diff}
+                    rows.append(row)
+                    print(f"{row['config']:40s} S16={s16} empty={empty_tiers}: {1e3 * ms:7.1f} us "
+                          f"({row['pct_copy_bw']:.0f}% of copy bw, diff {diff:.1e})", flush=True)
+    finally:
+        kern.configs = all_configs
+        kern.cache.clear()
+    best = min(rows, key=lambda r: r["ms"])
+    print("best:", best, "| the planner's default:", default_plan)
+    payload = {"benchmark": "decode_plan", "device": device_name("cuda"), "commit": git_commit(),
+               "params": vars(args), "tokens": tokens, "kv_bytes": nbytes, "copy_bandwidth_Bps": copy_bw,
+               "default_plan": default_plan, "rows": rows, "best": best}
+    path = write_json(f"decode_plan_{device_name('cuda').replace(' ', '_')}", payload, args.out_dir)
+    plot(path[: -len(".json")] + ".png", rows, args)
+    print("wrote", path)
+
+
+def plot(path_png, rows, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    configs = sorted({r["config"] for r in rows})
+    for cfg in configs:
+        for empty in (1, 0):
+            pts = [(r["S16"], 1e3 * r["ms"]) for r in rows if r["config"] == cfg and r["empty_tier_splits"] == empty]
+            ax.plot(*zip(*pts), marker="o", ls="-" if empty == 0 else ":",
+                    label=f"{cfg.split(',')[0][:28]}.. {'no' if empty == 0 else 'with'} empty-tier splits")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("fp16 splits per request (S16)")
+    ax.set_ylabel("us per layer")
+    ax.set_title(f"decode attention, B={args.batch}, ctx {args.ctx_min}-{args.ctx_max}, page {args.page}",
+                 fontsize=9)
+    ax.legend(fontsize=5)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
