@@ -269,3 +269,11 @@ def test_missing_paths_raise(tmp_path):
         load_model(write_preset_config("smollm2-135m", str(tmp_path / "w")), "auto", torch.float32, "cpu", 0)
     cfg_only = json.load(open(tmp_path / "w" / "config.json"))
     assert cfg_only["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_local_dir_named_like_the_embedded_model_is_a_model_dir(tmp_path):
+    """A preset config dir called "smollm2-135m" is that directory, not the embedded model
+    (which would need the GGUF package, absent on the GPU machine)."""
+    d = write_preset_config("smollm2-135m", str(tmp_path / "smollm2-135m"))
+    assert resolve_model_path(d) == d
+    assert resolve_model_path(d + "/") == os.path.abspath(d)

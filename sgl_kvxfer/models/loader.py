@@ -32,6 +32,10 @@ _DTYPES = {
 
 
 def _is_embedded_name(model_path: str) -> bool:
+    """A name of the embedded model (bare, or hub-style "org/name"), not a local directory
+    that happens to be called that (a preset config dir named "smollm2-135m" is a model dir)."""
+    if os.path.isdir(os.path.expanduser(model_path)):
+        return False
     return model_path.lower().rstrip("/").split("/")[-1] in EMBEDDED_NAMES
 
 
