@@ -59,7 +59,8 @@ def run_engine(args, model_dir, prompts):
     from sgl_kvxfer import Engine
 
     kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
-                  max_running_requests=args.max_running_requests, attention_backend=args.attention_backend)
+                  tokenizer_path=args.tokenizer_path, max_running_requests=args.max_running_requests,
+                  attention_backend=args.attention_backend)
     if args.mem_fraction_static:
         kwargs["mem_fraction_static"] = args.mem_fraction_static
     engine = Engine(model_dir, **{k: v for k, v in kwargs.items() if v is not None})
@@ -207,6 +208,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="model dir; default: embedded SmolLM2-135M-Instruct")
     p.add_argument("--model-preset", default=None, help="write a preset config (e.g. llama-3-8b) for dummy weights")
+    p.add_argument("--tokenizer-path", default=None,
+                   help="tokenizer dir (default: the model dir's, else the embedded SmolLM2 one)")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto")
@@ -237,7 +240,7 @@ def main() -> None:
         args.load_format = "dummy"
     else:
         model_dir = resolve_model_path(args.model_path)
-    tokenizer = load_tokenizer(resolve_tokenizer_path(model_dir))
+    tokenizer = load_tokenizer(resolve_tokenizer_path(model_dir, args.tokenizer_path))
     with open(os.path.join(model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     prompts = make_prompts(tokenizer, args.num_prompts, args.input_len_min, args.input_len_max,

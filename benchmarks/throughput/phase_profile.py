@@ -196,6 +196,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None)
     p.add_argument("--model-preset", default=None)
+    p.add_argument("--tokenizer-path", default=None,
+                   help="tokenizer dir (default: the model dir's, else the embedded SmolLM2 one)")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto")
@@ -226,7 +228,7 @@ def main() -> None:
         args.load_format = "dummy"
     else:
         model_dir = resolve_model_path(args.model_path)
-    tokenizer = load_tokenizer(resolve_tokenizer_path(model_dir))
+    tokenizer = load_tokenizer(resolve_tokenizer_path(model_dir, args.tokenizer_path))
     import json
 
     with open(os.path.join(model_dir, "config.json")) as f:
@@ -234,6 +236,7 @@ def main() -> None:
     prompts = make_prompts(tokenizer, args.num_prompts, args.input_len_min, args.input_len_max,
                            min(vocab, len(tokenizer)), args.seed)
     kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
+                  tokenizer_path=args.tokenizer_path,
                   attention_backend=args.attention_backend, mem_fraction_static=args.mem_fraction_static,
                   chunked_prefill_size=args.chunked_prefill_size)
     engine = Engine(model_dir, **{k: v for k, v in kwargs.items() if v is not None})

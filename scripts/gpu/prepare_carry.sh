@@ -14,5 +14,10 @@ get .whl gguf==0.19.0 msgspec==0.22.0 pyzmq==27.3.0 fastapi==0.165.0 starlette==
 get .whl_bench sglang==0.5.23 apache-tvm-ffi==0.1.15.post2 compressed-tensors==0.20.0 datasets==5.2.0 dill==0.4.1 \
     multiprocess==0.70.19 ipython==9.18.1 traitlets==5.16.1 loguru==0.7.3 orjson==3.13.0 pybase64==1.5.1 \
     huggingface_hub==2.4.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
-for d in .carry_a .carry_b .whl .whl_bench; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
-du -sh .carry_a .carry_b .whl .whl_bench
+# The SmolLM2 config + tokenizer (3 MB): dummy-weight runs at its real shape and real prompts.
+M=$(python -c "from sgl_kvxfer.models.loader import resolve_model_path; print(resolve_model_path(None))")
+mkdir -p .carry_tok/smol
+cp "$M"/config.json "$M"/tokenizer.json "$M"/tokenizer_config.json "$M"/generation_config.json .carry_tok/smol/
+cp "$M"/chat_template.jinja .carry_tok/smol/ 2>/dev/null || true
+for d in .carry_a .carry_b .carry_tok .whl .whl_bench; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
+du -sh .carry_a .carry_b .carry_tok .whl .whl_bench
