@@ -14,6 +14,7 @@ device-to-device copy measured in the same run.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -71,7 +72,13 @@ def main() -> None:
     p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out-dir", default=RESULTS_DIR)
+    p.add_argument("--plot-only", default=None, metavar="JSON", help="re-plot an existing result")
     args = p.parse_args()
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            data = json.load(f)
+        plot(args.plot_only[: -len(".json")] + ".png", data["rows"], data["params"])
+        return
 
     from sgl_kvxfer.kernels import decode_attention as da
 
@@ -119,11 +126,17 @@ def main() -> None:
                "params": vars(args), "tokens": tokens, "kv_bytes": nbytes, "copy_bandwidth_Bps": copy_bw,
                "default_plan": default_plan, "rows": rows, "best": best}
     path = write_json(f"decode_plan_{device_name('cuda').replace(' ', '_')}", payload, args.out_dir)
-    plot(path[: -len(".json")] + ".png", rows, args)
+    plot(path[: -len(".json")] + ".png", rows, vars(args))
     print("wrote", path)
 
 
-def plot(path_png, rows, args) -> None:
+def _warps_stages(config: str) -> str:
+    """"num_warps: 4, num_ctas: 1, num_stages: 2, ..." -> "4 warps, 2 stages"."""
+    kv = dict(part.strip().split(": ", 1) for part in config.split(",") if ": " in part)
+    return f"{kv.get('num_warps')} warps, {kv.get('num_stages')} stages"
+
+
+def plot(path_png, rows, params: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,11 +148,12 @@ def plot(path_png, rows, args) -> None:
         for empty in (1, 0):
             pts = [(r["S16"], 1e3 * r["ms"]) for r in rows if r["config"] == cfg and r["empty_tier_splits"] == empty]
             ax.plot(*zip(*pts), marker="o", ls="-" if empty == 0 else ":",
-                    label=f"{cfg.split(',')[0][:28]}.. {'no' if empty == 0 else 'with'} empty-tier splits")
+                    label=f"{_warps_stages(cfg)}, {'no' if empty == 0 else 'with'} empty-tier splits")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("fp16 splits per request (S16)")
     ax.set_ylabel("us per layer")
-    ax.set_title(f"decode attention, B={args.batch}, ctx {args.ctx_min}-{args.ctx_max}, page {args.page}",
+    ax.set_title(f"decode attention, heads {params['q_heads']}/{params['kv_heads']}/{params['head_dim']}, "
+                 f"B={params['batch']}, ctx {params['ctx_min']}-{params['ctx_max']}, page {params['page']}",
                  fontsize=9)
     ax.legend(fontsize=5)
     fig.tight_layout()
