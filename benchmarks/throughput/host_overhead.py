@@ -11,7 +11,6 @@ Reports seconds per phase and per decode step, median of `--repeats` runs after 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import shutil
@@ -25,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.report import RESULTS_DIR, device_name, git_commit, write_json  # noqa: E402
 from throughput.offline import make_prompts  # noqa: E402
+from throughput.phase_profile import StepMarks  # noqa: E402
 
 
 def one_layer_copy(model_dir: str) -> str:
@@ -87,29 +87,16 @@ def main() -> None:
     engine = Engine(model_dir, load_format="dummy", device="cpu", dtype="float32",
                     max_running_requests=args.num_prompts)
     engine.scheduler.overlap = args.overlap
-    sched = engine.scheduler
     engine.runner.forward = lambda batch: torch.zeros(batch.logits_positions.numel(), 4)  # token 0
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
-    times, steps = collections.defaultdict(float), collections.Counter()
-    plain_step = sched.step
-
-    def step():
-        mode = "extend" if (sched.waiting or sched.chunked) else "decode"
-        t = time.perf_counter()
-        ran = plain_step()
-        times[mode] += time.perf_counter() - t
-        steps[mode] += 1
-        return ran
-
-    sched.step = step
     runs = []
     for i in range(args.repeats + 1):  # the first is the warm-up
-        times.clear()
-        steps.clear()
-        t0 = time.perf_counter()
-        engine.generate(input_ids=prompts, sampling_params=params)
-        total = time.perf_counter() - t0
+        with StepMarks(engine.scheduler) as rec:
+            t0 = time.perf_counter()
+            engine.generate(input_ids=prompts, sampling_params=params)
+            total = time.perf_counter() - t0
         engine.flush_cache()
+        times, steps = rec.phase_totals()
         if i:
             runs.append({"total_s": total, "extend_s": times["extend"], "decode_s": times["decode"],
                          "outside_s": total - times["extend"] - times["decode"],

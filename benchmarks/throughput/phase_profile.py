@@ -132,6 +132,39 @@ def host_profile(timed_run, rows: int) -> str:
     return text.getvalue()
 
 
+class StepMarks:
+    """Wraps scheduler.step without syncs; records (mode, start, end) perf_counter times per
+    step. Mode: "extend" when something waits to prefill, else "decode"."""
+
+    def __init__(self, sched):
+        self.sched, self.marks = sched, []
+        self._plain = sched.step
+
+    def __enter__(self):
+        sched, plain = self.sched, self._plain
+
+        def step():
+            mode = "extend" if (sched.waiting or sched.chunked) else "decode"
+            t = time.perf_counter()
+            ran = plain()
+            self.marks.append((mode, t, time.perf_counter()))
+            return ran
+
+        sched.step = step
+        return self
+
+    def __exit__(self, *exc):
+        self.sched.step = self._plain
+
+    def phase_totals(self) -> tuple[dict, collections.Counter]:
+        """Seconds and step counts per mode."""
+        secs, steps = collections.defaultdict(float), collections.Counter()
+        for mode, a, b in self.marks:
+            secs[mode] += b - a
+            steps[mode] += 1
+        return secs, steps
+
+
 def gpu_timeline(engine, timed_run) -> dict:
     """One more unsynced run: the host's wall time per phase (perf_counter around each
     scheduler step, no syncs) and the GPU's busy time per phase (CUDA-only torch.profiler).
@@ -140,23 +173,10 @@ def gpu_timeline(engine, timed_run) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    sched = engine.scheduler
-    plain_step, marks = sched.step, []
-
-    def step():
-        mode = "extend" if (sched.waiting or sched.chunked) else "decode"
-        t = time.perf_counter()
-        ran = plain_step()
-        marks.append((mode, t, time.perf_counter()))
-        return ran
-
-    sched.step = step
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            wall_s, _ = timed_run()
-    finally:
-        sched.step = plain_step
+    with StepMarks(engine.scheduler) as rec, profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        wall_s, _ = timed_run()
+    marks = rec.marks
     spans = sorted((e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.name())  # us
                    for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA)
     split = next((a for a, _, n in spans if "decode" in n and "kernel" in n), spans[-1][1] if spans else 0)

@@ -17,6 +17,7 @@ from sgl_kvxfer.mem_cache.allocator import TokenSlotAllocator
 from sgl_kvxfer.mem_cache.paged_allocator import pages_needed
 from sgl_kvxfer.mem_cache.radix_cache import RadixCache
 from sgl_kvxfer.mem_cache.req_to_token import ReqToTokenPool
+from sgl_kvxfer.scheduler.batch import int64_to_device
 from sgl_kvxfer.scheduler.req import Req
 
 
@@ -89,8 +90,7 @@ class KVLifecycle:
             return self.allocator.alloc(need)
         table = self.req_to_token.table
         # one host->device copy for both index lists
-        idx = torch.tensor([r.req_pool_idx for r in reqs] + [max(st - 1, 0) for st in starts],
-                           dtype=torch.int64).to(table.device, non_blocking=True)
+        idx = int64_to_device(([r.req_pool_idx for r in reqs], [max(st - 1, 0) for st in starts]), table.device)
         rows, last_pos = idx.split(len(reqs))
         if at_boundary is not None:
             return self.allocator.alloc_decode(table[rows, last_pos], at_boundary)

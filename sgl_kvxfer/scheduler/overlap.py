@@ -80,11 +80,11 @@ def overlap_ok(req: Req, pending: int) -> bool:
 def continues_overlapped(req: Req, context_len: int) -> bool:
     """Whether `req` joins the step launched before its in-flight token is applied: it is not
     finished, that token certainly does not finish it (length and context limits are known
-    ahead), and it is overlap_ok with that one token pending. One pass of attribute reads:
-    this runs for every request on every decode step."""
+    ahead), and it is overlap_ok with that one token pending. Runs for every request on every
+    decode step, so it reads fixed per-request fields only."""
     n_out = len(req.output_ids) + 1
-    return (req.finished_reason is None and req.greedy_on_device and n_out >= req.banned_until
-            and n_out < req.sampling.max_new_tokens and req.prompt_len + n_out < context_len)
+    return (req.finished_reason is None and n_out < req.sampling.max_new_tokens
+            and req.prompt_len + n_out < context_len and overlap_ok(req, 1))
 
 
 def prefill_overlap_ok(batch: ScheduleBatch) -> bool:
