@@ -32,25 +32,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.report import device_name, git_commit, write_json  # noqa: E402
+from common.roofline import copy_bandwidth  # noqa: E402
 
 
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth (read + write bytes per second) of a 1 GiB buffer."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    sync()
-    return 2 * x.numel() * 10 / (time.perf_counter() - t0)
 
 
 def decode_steps(sched, n: int) -> list[float]:

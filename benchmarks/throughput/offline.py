@@ -5,7 +5,10 @@ the same prompts (real text from ../shared/data, cut to lengths uniform in the i
 HF is batched as well as it allows: prompts sorted by length, left padding, at each
 `--hf-batch-size` given; the ratio is against HF's fastest batch size. With `--repeats N` both
 sides run N timed passes after their warm-up and report the median (every pass is in `run_s`).
-On CUDA we also time decode steps and compare them with the weight+KV bandwidth roofline.
+On CUDA we also time decode steps and compare them with the weight+KV bandwidth roofline, and
+compute the workload's lower bound at this GPU's measured GEMM rate and copy bandwidth
+(`common/roofline.py`): the fastest any engine could finish, hence the largest ratio over HF
+this device allows.
 
     python benchmarks/throughput/offline.py --num-prompts 256 --output-len 128
     python benchmarks/throughput/offline.py --model-preset llama-3-8b --load-format dummy --device cuda
@@ -25,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.report import RESULTS_DIR, device_name, git_commit, write_json  # noqa: E402
+from common.roofline import copy_bandwidth, measure_offline_bound  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "data", "prose_eval.jsonl")
 
@@ -87,7 +91,7 @@ def run_engine(args, model_dir, prompts):
               "kv_pool_tokens": engine.runner.max_total_tokens}
     if args.device.startswith("cuda"):
         result["decode_step"] = decode_roofline(engine, prompts, args)
-    dtype = engine.runner.dtype
+    dtype, arch = engine.runner.dtype, engine.runner.arch
     engine.shutdown()
     del engine
     import gc
@@ -95,7 +99,7 @@ def run_engine(args, model_dir, prompts):
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()  # hand the KV pool back before HF allocates
-    return result, dtype
+    return result, dtype, arch
 
 
 def decode_roofline(engine, prompts, args) -> dict:
@@ -125,24 +129,11 @@ def decode_roofline(engine, prompts, args) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     ctx = sum(len(p) + steps // 2 for p in prompts[:batch])
     kv_bytes = ctx * runner.kv_pool.bytes_per_token()
-    copy_bw = measure_copy_bandwidth()
+    copy_bw = copy_bandwidth()
     step = statistics.median(times)
     roofline = (weight_bytes + kv_bytes) / copy_bw
     return {"batch": batch, "median_step_s": step, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
             "copy_bandwidth_Bps": copy_bw, "roofline_step_s": roofline, "fraction_of_roofline": roofline / step}
-
-
-def measure_copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (time.perf_counter() - t0)  # read + write
 
 
 def run_hf(args, model_dir, prompts, dtype, batch_size: int):
@@ -187,7 +178,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def plot(path_png: str, title: str, ours: dict, hf: dict) -> None:
+def plot(path_png: str, title: str, ours: dict, hf: dict, bound: dict | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -198,6 +189,11 @@ def plot(path_png: str, title: str, ours: dict, hf: dict) -> None:
     vals = [ours["output_tok_s"], hf["output_tok_s"]]
     bars = ax.bar(names, vals, color=["#2a7", "#888"])
     ax.bar_label(bars, fmt="%.1f")
+    if bound:  # the device's ceiling for this workload, at its measured GEMM rate and bandwidth
+        ax.axhline(bound["max_output_tok_s"], color="#c33", ls="--", lw=1)
+        ax.text(0.5, bound["max_output_tok_s"], f"lower-bound time: {bound['max_output_tok_s']:.0f} tok/s",
+                color="#c33", ha="center", va="bottom", fontsize=8, transform=ax.get_yaxis_transform())
+        ax.set_ylim(0, max(vals + [bound["max_output_tok_s"]]) * 1.15)
     ax.set_ylabel("output tokens / s")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
@@ -245,7 +241,7 @@ def main() -> None:
         vocab = json.load(f)["vocab_size"]
     prompts = make_prompts(tokenizer, args.num_prompts, args.input_len_min, args.input_len_max,
                            min(vocab, len(tokenizer)), args.seed)
-    ours, dtype = run_engine(args, model_dir, prompts)
+    ours, dtype, arch = run_engine(args, model_dir, prompts)
     print(f"sgl_kvxfer: {ours['output_tok_s']:.1f} output tok/s ({ours['elapsed_s']:.1f} s)", flush=True)
     hf = None
     if not args.skip_hf:  # HF at every requested batch size; the ratio is against its fastest
@@ -257,18 +253,29 @@ def main() -> None:
     if hf:
         print(f"HF generate: {hf['output_tok_s']:.1f} output tok/s ({hf['elapsed_s']:.1f} s); "
               f"ratio {ours['output_tok_s'] / hf['output_tok_s']:.2f}x", flush=True)
+    bound = None
+    if args.device.startswith("cuda"):
+        bound = measure_offline_bound(arch, [len(p) for p in prompts], args.output_len, dtype)
+        bound["max_output_tok_s"] = ours["output_tokens"] / bound["bound_s"]
+        bound["fraction_reached"] = bound["bound_s"] / ours["elapsed_s"]
+        if hf:
+            bound["max_ratio_vs_hf"] = hf["elapsed_s"] / bound["bound_s"]
+        print(f"lower bound at measured rates ({bound['flops_per_s'] / 1e12:.0f} TFLOP/s GEMM, "
+              f"{bound['bytes_per_s'] / 1e12:.2f} TB/s copy): {bound['bound_s']:.3f} s, we reach "
+              f"{bound['fraction_reached']:.0%} of it"
+              + (f"; the largest ratio over HF it allows is {bound['max_ratio_vs_hf']:.2f}x" if hf else ""), flush=True)
     model_name = args.model_preset or os.path.basename(model_dir.rstrip("/"))
     name = f"offline_{model_name}_{args.device.split(':')[0]}" + (f"_{args.tag}" if args.tag else "")
     payload = {
         "benchmark": "offline_throughput", "device": device_name(args.device), "commit": git_commit(),
         "params": {**vars(args), "model_dir": model_dir, "dtype_resolved": str(dtype)},
-        "sgl_kvxfer": ours, "hf_generate": hf,
+        "sgl_kvxfer": ours, "hf_generate": hf, "lower_bound": bound,
         "ratio_output_tok_s": ours["output_tok_s"] / hf["output_tok_s"] if hf else None,
     }
     path = write_json(name, payload, args.out_dir)
     if hf:
         plot(path[:-5] + ".png", f"{model_name} on {payload['device']}\n{args.num_prompts} prompts, "
-             f"in {args.input_len_min}-{args.input_len_max}, out {args.output_len}", ours, hf)
+             f"in {args.input_len_min}-{args.input_len_max}, out {args.output_len}", ours, hf, bound)
     print("wrote", path)
 
 
