@@ -34,8 +34,13 @@ def test_forward_flops_match_torch_flop_counter():
     ids = torch.randint(0, config.vocab_size, (1, seq))
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(input_ids=ids, logits_to_keep=1)
+    by_module = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
+    # the decoder layers and lm_head; some transformers versions add a tiny RoPE-table matmul
+    # outside the layers, which no engine needs per token
+    counted = sum(by_module[f"LlamaForCausalLM.model.layers.{i}"] for i in range(config.num_hidden_layers))
+    counted += by_module["LlamaForCausalLM.lm_head"]
     # eager attention multiplies the full seq x seq score matrix (the causal mask is added after)
-    assert shape_of(config, False).forward_flops(seq, seq * seq, 1) == counter.get_total_flops()
+    assert shape_of(config, False).forward_flops(seq, seq * seq, 1) == counted
 
 
 @pytest.mark.parametrize("tied", [False, True])
