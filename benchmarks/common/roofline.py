@@ -115,9 +115,7 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
     """Device-to-device copy bandwidth, read + write bytes per second, of an nbytes buffer."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    seconds = _median_cuda_s(lambda: dst.copy_(src), repeats)
-    del src, dst
-    return 2 * nbytes / seconds
+    return 2 * nbytes / _median_cuda_s(lambda: dst.copy_(src), repeats)
 
 
 def matmul_flops_per_s(dtype: torch.dtype, shapes: list[tuple[int, int, int]], repeats: int = 10) -> float:
@@ -130,7 +128,6 @@ def matmul_flops_per_s(dtype: torch.dtype, shapes: list[tuple[int, int, int]], r
         w = torch.randn(n, k, dtype=dtype, device="cuda")
         for fn in (lambda: torch.mm(a, w.t()), lambda: torch.mm(a, w.view(k, n))):
             best = max(best, 2 * m * n * k / _median_cuda_s(fn, repeats))
-        del a, w
     return best
 
 

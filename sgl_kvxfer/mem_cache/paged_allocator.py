@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from sgl_kvxfer.mem_cache.free_list import LazyFreeList
+from sgl_kvxfer.utils.host_copy import int64_to_device, to_device
 
 
 def pages_needed(starts: list[int], lens: list[int], page_size: int) -> int:
@@ -86,7 +87,7 @@ class PagedTokenSlotAllocator:
         k = (j - cont[req]).clamp(min=0)  # index among the request's fresh-page tokens
         is_cont = j < cont[req]
         host = torch.stack([req, j, is_cont.long(), page_base[req] + k // P, k % P])
-        req_d, j_d, cont_d, pidx_d, off_d = host.to(self.device).unbind(0)
+        req_d, j_d, cont_d, pidx_d, off_d = to_device(host, self.device).unbind(0)
         if pages.numel() == 0:
             return last_slots[req_d] + 1 + j_d
         fresh = pages[pidx_d.clamp(max=pages.numel() - 1)] * P + off_d
@@ -104,7 +105,7 @@ class PagedTokenSlotAllocator:
             return None
         out = last_slots + 1
         if at_boundary:
-            rows = torch.tensor(at_boundary, dtype=torch.int64).to(self.device, non_blocking=True)
+            rows = int64_to_device((at_boundary,), self.device)
             out[rows] = pages * P
         return out
 

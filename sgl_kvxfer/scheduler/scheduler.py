@@ -10,8 +10,6 @@ import itertools
 import logging
 import time
 
-import torch
-
 from sgl_kvxfer.config import SchedulerConfig
 from sgl_kvxfer.engine.forward_batch import ForwardMode
 from sgl_kvxfer.message import (AbortReq, FlushCacheReq, FlushCacheResult, GetInternalStateReq, InternalState,
@@ -24,6 +22,7 @@ from sgl_kvxfer.scheduler.policy import PrefillAdder, decode_reserve, pick_retra
 from sgl_kvxfer.scheduler.req import Req
 from sgl_kvxfer.scheduler.results import FinishChecker, make_output, process_logits
 from sgl_kvxfer.scheduler.tiering import create_engine_tiering
+from sgl_kvxfer.utils.host_copy import int64_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -213,8 +212,7 @@ class Scheduler:
             return None
         self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
         batch = ScheduleBatch(ForwardMode.DECODE, [ReqSlice(r, st, 1, True) for r, st in zip(reqs, starts)])
-        ids = prev.tokens if len(keep) == len(slices) else prev.tokens[
-            torch.tensor(keep, dtype=torch.int64).to(prev.tokens.device, non_blocking=True)]
+        ids = prev.tokens if len(keep) == len(slices) else prev.tokens[int64_to_device((keep,), prev.tokens.device)]
         fb = prepare_decode(batch, loc, self.runner.req_to_token.table, self.runner.device, input_ids=ids)
         logits = self.runner.forward(fb)
         return InflightBatch.launch(batch, logits, loc)

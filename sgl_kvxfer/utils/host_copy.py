@@ -1,0 +1,38 @@
+"""Host -> device copies that never make the host wait for the device.
+
+Hazard: `cpu_tensor.to("cuda", non_blocking=True)` from ordinary (pageable) memory is only
+asynchronous for small copies. Past the driver's staging buffer the driver waits for the stream
+to reach the copy, so the host also waits for every kernel queued before it: in the overlap
+scheduler that is the step in flight, which turns overlap back into lock-step. Staging through
+pinned memory makes the copy a true DMA that returns at once.
+
+Invariant: the pinned block comes from PyTorch's caching host allocator, which records the copy
+on the stream and does not hand the block out again until that copy has run, so a later call
+never overwrites bytes still in flight.
+"""
+from __future__ import annotations
+
+from array import array
+
+import torch
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A copy of CPU tensor `host` on `device` (always a new tensor, also on CPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.clone()
+    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    pinned.copy_(host)
+    return pinned.to(device, non_blocking=True)
+
+
+def int64_to_device(lists, device: torch.device | str) -> torch.Tensor:
+    """The concatenation of int lists as one int64 tensor on `device`. Through array('q'):
+    ~3x faster than torch.tensor(list) at prefill sizes (tens of thousands of ids per step)."""
+    buf = array("q")
+    for values in lists:
+        buf.extend(values)
+    if not len(buf):
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return to_device(torch.frombuffer(buf, dtype=torch.int64), device)
