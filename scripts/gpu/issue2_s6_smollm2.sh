@@ -6,7 +6,7 @@
 set -uo pipefail
 source scripts/gpu/env.sh || exit 1
 python3 -m pytest test/engine/test_overlap.py test/engine/test_cuda_graph.py test/engine/test_triton_backend.py \
-    test/kernels/test_fused_elementwise.py test/kernels/test_rope_store.py test/kernels/test_decode_attention.py \
+    test/engine/test_host_copy.py test/kernels/test_fused_elementwise.py test/kernels/test_rope_store.py test/kernels/test_decode_attention.py \
     -m gpu -q -p no:cacheprovider -rs 2>&1 | grep -v Warning | tee "$OUT/pytest_gpu.log" | tail -3
 python3 -m pytest test/benchmarks -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_roofline.log" | tail -1
 python3 benchmarks/throughput/offline.py --model-path smollm2-135m --dtype bfloat16 --num-prompts 256 \
