@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 6, issue 2 (carry .carry_b .whl, after stage_weights.sh): the GPU tests of the overlap
-# scheduler, CUDA graphs, decode attention and the fused kernels, plus the bound's arithmetic;
+# scheduler, host copies, CUDA graphs, decode attention and the fused kernels, plus the bound's arithmetic;
 # offline throughput vs HF on real SmolLM2 (median of 3 timed runs each side) with the workload's
 # lower bound at this GPU's measured rates. Results in $OUT. Set SGL_KVXFER_COMMIT to the commit.
 set -uo pipefail
