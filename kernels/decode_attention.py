@@ -128,6 +128,29 @@ def _attend_pages(
 
 
 @triton.jit
+def _attend_fp16_multi(
+    acc, m_i, l_i, q, bt_row_ptr, n_tok, p_lo, p_hi, k_ptr, v_ptr, stride_p, stride_h, kv_head, qk_scale,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGES_PER_ITER: tl.constexpr,
+):
+    """_attend_pages for the fp16 tier, PAGES_PER_ITER pages per step: one [PPI * PAGE, D] tile
+    of K and of V gathered from PPI pages. More bytes in flight per step and fewer dependent
+    page-id -> K/V round trips; the split's last step masks pages past p_hi."""
+    offs_n = tl.arange(0, PAGES_PER_ITER * PAGE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    page_of = offs_n // PAGE
+    in_page = (offs_n % PAGE).to(tl.int64) * HEAD_DIM
+    for p in range(p_lo, p_hi, PAGES_PER_ITER):
+        live = p + page_of < p_hi
+        page = tl.load(bt_row_ptr + p + page_of, mask=live, other=0).to(tl.int64)
+        tmask = live & (offs_n < n_tok - p * PAGE)
+        rows = page * stride_p + kv_head * stride_h + in_page
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, tmask, qk_scale)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _split_pages(local_split, n_tok, pps, n_split, PAGE: tl.constexpr, EVEN: tl.constexpr):
     """Page range [p_lo, p_hi) of split `local_split` (0-based within its tier); empty past the
     request's pages, so such splits are no-ops."""
@@ -139,7 +162,8 @@ def _split_pages(local_split, n_tok, pps, n_split, PAGE: tl.constexpr, EVEN: tl.
 
 
 @triton.autotune(configs=_DECODE_CONFIGS,
-                 key=["HEAD_DIM", "PAGE", "BLOCK_G", "GROUP_SIZE", "PREFETCH", "FAST_DEQUANT", "FP16_ONLY"],
+                 key=["HEAD_DIM", "PAGE", "BLOCK_G", "GROUP_SIZE", "PREFETCH", "FAST_DEQUANT", "FP16_ONLY",
+                      "PAGES_PER_ITER"],
                  prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
 def _decode_tiered_kernel(
@@ -156,7 +180,7 @@ def _decode_tiered_kernel(
     NUM_KV_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, PAGE: tl.constexpr,
     PREFETCH: tl.constexpr, FAST_DEQUANT: tl.constexpr, EVEN_SPLITS: tl.constexpr,
-    FP16_ONLY: tl.constexpr, DIRECT: tl.constexpr,
+    FP16_ONLY: tl.constexpr, DIRECT: tl.constexpr, PAGES_PER_ITER: tl.constexpr,
 ):
     """DIRECT (a single split per request): o_part_ptr is the output [B, Hq, D] in the model
     dtype (stride_os unused) and gets the normalized result; no LSE, no merge pass."""
@@ -178,11 +202,16 @@ def _decode_tiered_kernel(
     if split < n_split16:
         n_tok = tl.load(len16_ptr + b)
         p_lo, p_hi = _split_pages(split, n_tok, pps16, n_split16, PAGE, EVEN_SPLITS)
-        acc, m_i, l_i = _attend_pages(
-            acc, m_i, l_i, q, bt16_ptr + b * stride_bt16, n_tok, p_lo, p_hi,
-            k16_ptr, v16_ptr, k16_ptr, k16_ptr, k16_ptr, k16_ptr,
-            stride_p16, stride_h16, 0, 0, kv_head, qk_scale,
-            0, PAGE, HEAD_DIM, GROUP_SIZE, False, False)
+        if PAGES_PER_ITER > 1:
+            acc, m_i, l_i = _attend_fp16_multi(
+                acc, m_i, l_i, q, bt16_ptr + b * stride_bt16, n_tok, p_lo, p_hi, k16_ptr, v16_ptr,
+                stride_p16, stride_h16, kv_head, qk_scale, PAGE, HEAD_DIM, PAGES_PER_ITER)
+        else:
+            acc, m_i, l_i = _attend_pages(
+                acc, m_i, l_i, q, bt16_ptr + b * stride_bt16, n_tok, p_lo, p_hi,
+                k16_ptr, v16_ptr, k16_ptr, k16_ptr, k16_ptr, k16_ptr,
+                stride_p16, stride_h16, 0, 0, kv_head, qk_scale,
+                0, PAGE, HEAD_DIM, GROUP_SIZE, False, False)
     elif split < n_split16 + n_split8:
         n_tok = tl.load(len8_ptr + b)
         p_lo, p_hi = _split_pages(split - n_split16, n_tok, pps8, n_split8, PAGE, EVEN_SPLITS)
@@ -277,7 +306,7 @@ def decode_attention_tiered(
     q: torch.Tensor, layer: TieredKVLayer, tables: TieredBlockTables,
     sm_scale: Optional[float] = None, pages_per_split=None, out: Optional[torch.Tensor] = None,
     prefetch: bool = True, split_waves: int = SPLIT_WAVES, fast_dequant: bool = True,
-    split_plan=None, check: bool = True, even_splits: bool = False,
+    split_plan=None, check: bool = True, even_splits: bool = False, pages_per_iter: int = 1,
 ) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] over each request's tiered cache -> [B, Hq, D].
 
@@ -289,7 +318,8 @@ def decode_attention_tiered(
     layers over one batch plan once); check=False skips the layout checks of `layer` and
     `tables` (callers that checked them once). Splits past a request's length are no-ops, so
     a plan for wider tables than the requests need stays exact (CUDA-graph decode);
-    even_splits: each request spreads its own pages over the planned split counts (module doc)."""
+    even_splits: each request spreads its own pages over the planned split counts (module doc);
+    pages_per_iter: fp16 pages per loop step (a power of two; quantized tiers always take one)."""
     if check:
         layer.check()
     B, Hq, D = q.shape
@@ -302,6 +332,7 @@ def decode_attention_tiered(
     if check:
         tables.check(PAGE)
     assert tables.batch_size == B
+    assert pages_per_iter >= 1 and pages_per_iter & (pages_per_iter - 1) == 0, pages_per_iter
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     kv_group = Hq // Hkv
     if split_plan is None:
@@ -336,7 +367,7 @@ def decode_attention_tiered(
         NUM_KV_HEADS=Hkv, KV_GROUP=kv_group, BLOCK_G=max(16, next_pow2(kv_group)),
         HEAD_DIM=D, GROUP_SIZE=layer.group_size, PAGE=PAGE, PREFETCH=prefetch,
         FAST_DEQUANT=fast_dequant, EVEN_SPLITS=even_splits,
-        FP16_ONLY=splits[1] == 0 and splits[2] == 0, DIRECT=direct,
+        FP16_ONLY=splits[1] == 0 and splits[2] == 0, DIRECT=direct, PAGES_PER_ITER=pages_per_iter,
     )
     if direct:
         return out

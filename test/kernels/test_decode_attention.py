@@ -112,7 +112,8 @@ def test_decode_fixed_wide_plan_and_empty_rows(even):
 
 
 @pytest.mark.parametrize("fp16_splits", [1, 3])
-def test_decode_fp16_only_plan_direct_and_merged(fp16_splits):
+@pytest.mark.parametrize("pages_per_iter", [1, 4])
+def test_decode_fp16_only_plan_direct_and_merged(fp16_splits, pages_per_iter):
     """The pure-fp16 backend's plan: no split programs for the empty int8 / int4 tiers. With one
     split per request the kernel writes the output itself (no partials, no merge), otherwise
     it merges; both equal the reference, and a request without tokens gives exactly 0."""
@@ -126,7 +127,8 @@ def test_decode_fp16_only_plan_direct_and_merged(fp16_splits):
     wide_tables = TieredBlockTables((wide,) + tables.tables[1:], tables.lens)
     plan = ((-(-16 // fp16_splits), 1, 1), (fp16_splits, 0, 0))
     out = torch.full_like(q, float("nan"))  # every row must be written, padding rows too
-    o = decode_attention_tiered(q, layer, wide_tables, split_plan=plan, check=False, even_splits=True, out=out)
+    o = decode_attention_tiered(q, layer, wide_tables, split_plan=plan, check=False, even_splits=True, out=out,
+                                pages_per_iter=pages_per_iter)
     assert o.data_ptr() == out.data_ptr()
     r = decode_attention_tiered_reference(q, layer, tables)
     torch.testing.assert_close(o.float(), r.float(), atol=KERNEL_ATOL, rtol=0)
@@ -140,3 +142,15 @@ def test_decode_single_tier_dtype_gpu(dtype, mix):
     lens = {"fp16": [(70, 0, 0)], "int8": [(0, 70, 0)], "int4": [(0, 0, 70)]}[mix]
     _check(lens, Hq=8, Hkv=2, D=64, G=32, PAGE=16, pps=(1, 1, 1), mix=mix, dtype=dtype,
            device="cuda")
+
+
+@pytest.mark.parametrize("pages_per_iter", [2, 4])
+def test_decode_fp16_pages_per_iter_at_split_edges(pages_per_iter):
+    """Several fp16 pages per loop step, with split ranges (3 pages) that are not a multiple of
+    the step and sequences ending mid-page, next to int8 / int4 pages: equals the reference."""
+    lens = [(150, 40, 20), (33, 0, 17), (16, 16, 0)]
+    layer, tables, _ = build_random_cache(lens, 1, 32, 16, 16, device=DEVICE, seed=4)
+    q = torch.randn(3, 2, 32, generator=torch.Generator().manual_seed(3)).half().to(DEVICE)
+    o = decode_attention_tiered(q, layer, tables, pages_per_split=(3, 2, 2), pages_per_iter=pages_per_iter)
+    r = decode_attention_tiered_reference(q, layer, tables)
+    torch.testing.assert_close(o.float(), r.float(), atol=KERNEL_ATOL, rtol=0)
