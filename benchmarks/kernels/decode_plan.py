@@ -14,6 +14,7 @@ device-to-device copy measured in the same run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -70,7 +71,12 @@ def main() -> None:
     p.add_argument("--page", type=int, default=64)
     p.add_argument("--max-seq", type=int, default=8192)
     p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--pages-per-iter", type=int, nargs="+", default=[1],
+                   help="fp16 pages per kernel loop step to sweep")
+    p.add_argument("--empty-tiers", type=int, nargs="+", default=[1, 0], choices=[0, 1],
+                   help="sweep with (1) and without (0) the empty int8/int4 tiers' split programs")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--tag", default=None, help="suffix for the result file name")
     p.add_argument("--out-dir", default=RESULTS_DIR)
     p.add_argument("--plot-only", default=None, metavar="JSON", help="re-plot an existing result")
     args = p.parse_args()
@@ -91,7 +97,8 @@ def main() -> None:
     nbytes = tokens * args.kv_heads * args.head_dim * 2 * 2
     q = torch.randn(args.batch, args.q_heads, args.head_dim, dtype=torch.bfloat16, device=dev)
     kern = da._decode_tiered_kernel
-    all_configs = list(kern.configs)
+    all_configs, prune = list(kern.configs), kern.early_config_prune
+    kern.early_config_prune = None  # fp16-only launches are pinned to one config; sweep them all
     default_plan = da.plan_splits(tables, args.kv_heads, args.head_dim, 32, 2, dev)
     ref = None
     rows = []
@@ -99,33 +106,33 @@ def main() -> None:
         for cfg in all_configs:
             kern.configs = [cfg]
             kern.cache.clear()
-            for s16 in args.splits:
-                for empty_tiers in (1, 0):
-                    plan = ((math.ceil(tables.tables[0].shape[1] / s16), 1, 1), (s16, empty_tiers, empty_tiers))
+            for s16, empty_tiers, ppi in itertools.product(args.splits, args.empty_tiers, args.pages_per_iter):
+                plan = ((math.ceil(tables.tables[0].shape[1] / s16), 1, 1), (s16, empty_tiers, empty_tiers))
 
-                    def call(plan=plan):
-                        return da.decode_attention_tiered(q, layer, tables, split_plan=plan, check=False,
-                                                          even_splits=True)
-                    out = call()
-                    ref = out if ref is None else ref
-                    diff = (out.float() - ref.float()).abs().max().item()
-                    fn, graphed = _graphed(call)
-                    ms = _median_ms(fn, flush, args.iters)
-                    row = {"config": str(cfg), "S16": s16, "empty_tier_splits": empty_tiers, "ms": ms,
-                           "pct_copy_bw": 100 * nbytes / (ms * 1e-3) / copy_bw, "graphed": graphed,
-                           "max_abs_diff": diff}
-                    rows.append(row)
-                    print(f"{row['config']:40s} S16={s16} empty={empty_tiers}: {1e3 * ms:7.1f} us "
-                          f"({row['pct_copy_bw']:.0f}% of copy bw, diff {diff:.1e})", flush=True)
+                def call(plan=plan, ppi=ppi):
+                    return da.decode_attention_tiered(q, layer, tables, split_plan=plan, check=False,
+                                                      even_splits=True, pages_per_iter=ppi)
+                out = call()
+                ref = out if ref is None else ref
+                diff = (out.float() - ref.float()).abs().max().item()
+                fn, graphed = _graphed(call)
+                ms = _median_ms(fn, flush, args.iters)
+                row = {"config": str(cfg), "S16": s16, "empty_tier_splits": empty_tiers, "pages_per_iter": ppi,
+                       "ms": ms, "pct_copy_bw": 100 * nbytes / (ms * 1e-3) / copy_bw, "graphed": graphed,
+                       "max_abs_diff": diff}
+                rows.append(row)
+                print(f"{row['config']:40s} S16={s16} empty={empty_tiers} ppi={ppi}: {1e3 * ms:7.1f} us "
+                      f"({row['pct_copy_bw']:.0f}% of copy bw, diff {diff:.1e})", flush=True)
     finally:
-        kern.configs = all_configs
+        kern.configs, kern.early_config_prune = all_configs, prune
         kern.cache.clear()
     best = min(rows, key=lambda r: r["ms"])
     print("best:", best, "| the planner's default:", default_plan)
     payload = {"benchmark": "decode_plan", "device": device_name("cuda"), "commit": git_commit(),
                "params": vars(args), "tokens": tokens, "kv_bytes": nbytes, "copy_bandwidth_Bps": copy_bw,
                "default_plan": default_plan, "rows": rows, "best": best}
-    path = write_json(f"decode_plan_{device_name('cuda').replace(' ', '_')}", payload, args.out_dir)
+    tag = f"_{args.tag}" if args.tag else ""
+    path = write_json(f"decode_plan_{device_name('cuda').replace(' ', '_')}{tag}", payload, args.out_dir)
     plot(path[: -len(".json")] + ".png", rows, vars(args))
     print("wrote", path)
 
@@ -144,11 +151,13 @@ def plot(path_png, rows, params: dict) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3.8))
     configs = sorted({r["config"] for r in rows})
-    for cfg in configs:
-        for empty in (1, 0):
-            pts = [(r["S16"], 1e3 * r["ms"]) for r in rows if r["config"] == cfg and r["empty_tier_splits"] == empty]
+    ppis = sorted({r.get("pages_per_iter", 1) for r in rows})
+    for cfg, empty, ppi in itertools.product(configs, (1, 0), ppis):
+        pts = [(r["S16"], 1e3 * r["ms"]) for r in rows if r["config"] == cfg and r["empty_tier_splits"] == empty
+               and r.get("pages_per_iter", 1) == ppi]
+        if pts:
             ax.plot(*zip(*pts), marker="o", ls="-" if empty == 0 else ":",
-                    label=f"{_warps_stages(cfg)}, {'no' if empty == 0 else 'with'} empty-tier splits")
+                    label=f"{_warps_stages(cfg)}, {ppi} page(s)/step, {'no' if empty == 0 else 'with'} empty tiers")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("fp16 splits per request (S16)")
     ax.set_ylabel("us per layer")
