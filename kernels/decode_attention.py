@@ -14,7 +14,9 @@ dtype) and fed to tl.dot; the running (max, sum, acc) is written as a partial re
                   [S16, S16+S8)      int8 pages  [(s-S16)*pps8, ...)
                   [S16+S8, S)        int4 pages  ...
 
-Pages per split are scaled by the tier's bytes per page so every split moves about the same
+The fp16 tier's loop may take several pages per step (`pages_per_iter`, one [PPI * PAGE, D] tile
+gathered from PPI pages; default_pages_per_iter picks it from the tile size). Pages per split are
+scaled by the tier's bytes per page so every split moves about the same
 bytes; S is chosen to give ~SPLIT_WAVES programs per SM. With EVEN_SPLITS each request instead
 divides its own pages of a tier evenly over that tier's splits (ppsT = cdiv(pages_b, ST)): the
 plan can then be fixed for a wide table (CUDA graphs) without short requests running all their
@@ -53,6 +55,20 @@ else:
 # ~15% at Llama-3-8B heads, stages barely matter. Tuning would otherwise happen on whatever batch
 # comes first; under CUDA-graph capture that is all-padding rows (empty), i.e. noise.
 _FP16_ONLY_CONFIG = (4, 2)  # (num_warps, num_stages)
+
+
+# fp16 K (or V) elements one loop step loads: with page 64, head_dim 64 takes two pages a step and
+# head_dim 128 one. Measured on an H200 (benchmarks/kernels/decode_plan.py --pages-per-iter, graph
+# plan, bf16): SmolLM2 heads at batch 256 35.7 us with two pages vs 39.7 us with one (four:
+# 37.8); Llama-3-8B heads at batch 64 40.9 vs 42.8 us with two vs one, at batch 128 equal.
+FP16_STEP_ELEMS = 8192
+MAX_PAGES_PER_ITER = 4
+
+
+def default_pages_per_iter(page_size: int, head_dim: int) -> int:
+    """fp16 pages per decode loop step: FP16_STEP_ELEMS per step, 1 to MAX_PAGES_PER_ITER
+    (both sizes are powers of two, so the result is one too)."""
+    return max(1, min(MAX_PAGES_PER_ITER, FP16_STEP_ELEMS // (page_size * head_dim)))
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -306,7 +322,7 @@ def decode_attention_tiered(
     q: torch.Tensor, layer: TieredKVLayer, tables: TieredBlockTables,
     sm_scale: Optional[float] = None, pages_per_split=None, out: Optional[torch.Tensor] = None,
     prefetch: bool = True, split_waves: int = SPLIT_WAVES, fast_dequant: bool = True,
-    split_plan=None, check: bool = True, even_splits: bool = False, pages_per_iter: int = 1,
+    split_plan=None, check: bool = True, even_splits: bool = False, pages_per_iter: Optional[int] = None,
 ) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] over each request's tiered cache -> [B, Hq, D].
 
@@ -319,7 +335,8 @@ def decode_attention_tiered(
     `tables` (callers that checked them once). Splits past a request's length are no-ops, so
     a plan for wider tables than the requests need stays exact (CUDA-graph decode);
     even_splits: each request spreads its own pages over the planned split counts (module doc);
-    pages_per_iter: fp16 pages per loop step (a power of two; quantized tiers always take one)."""
+    pages_per_iter: fp16 pages per loop step, a power of two (default: default_pages_per_iter);
+    quantized tiers always take one."""
     if check:
         layer.check()
     B, Hq, D = q.shape
@@ -332,6 +349,8 @@ def decode_attention_tiered(
     if check:
         tables.check(PAGE)
     assert tables.batch_size == B
+    if pages_per_iter is None:
+        pages_per_iter = default_pages_per_iter(PAGE, D)
     assert pages_per_iter >= 1 and pages_per_iter & (pages_per_iter - 1) == 0, pages_per_iter
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     kv_group = Hq // Hkv

@@ -154,3 +154,12 @@ def test_decode_fp16_pages_per_iter_at_split_edges(pages_per_iter):
     o = decode_attention_tiered(q, layer, tables, pages_per_split=(3, 2, 2), pages_per_iter=pages_per_iter)
     r = decode_attention_tiered_reference(q, layer, tables)
     torch.testing.assert_close(o.float(), r.float(), atol=KERNEL_ATOL, rtol=0)
+
+
+def test_default_pages_per_iter_keeps_a_step_near_8k_elements():
+    from sgl_kvxfer.kernels.decode_attention import default_pages_per_iter
+
+    assert default_pages_per_iter(64, 64) == 2  # SmolLM2 heads on the triton backend's pages
+    assert default_pages_per_iter(64, 128) == 1  # Llama-3-8B heads
+    assert default_pages_per_iter(16, 32) == 4  # capped
+    assert default_pages_per_iter(128, 128) == 1
