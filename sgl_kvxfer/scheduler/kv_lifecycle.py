@@ -17,8 +17,8 @@ from sgl_kvxfer.mem_cache.allocator import TokenSlotAllocator
 from sgl_kvxfer.mem_cache.paged_allocator import pages_needed
 from sgl_kvxfer.mem_cache.radix_cache import RadixCache
 from sgl_kvxfer.mem_cache.req_to_token import ReqToTokenPool
-from sgl_kvxfer.utils.host_copy import int64_to_device
 from sgl_kvxfer.scheduler.req import Req
+from sgl_kvxfer.utils.host_copy import int64_to_device
 
 
 class KVLifecycle:
