@@ -75,6 +75,8 @@ def main() -> None:
                    help="fp16 pages per kernel loop step to sweep")
     p.add_argument("--empty-tiers", type=int, nargs="+", default=[1, 0], choices=[0, 1],
                    help="sweep with (1) and without (0) the empty int8/int4 tiers' split programs")
+    p.add_argument("--configs", nargs="+", default=None, metavar="WARPS:STAGES",
+                   help="launch configs to sweep instead of the kernel's autotune list, e.g. 4:1 2:1")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--tag", default=None, help="suffix for the result file name")
     p.add_argument("--out-dir", default=RESULTS_DIR)
@@ -98,12 +100,18 @@ def main() -> None:
     q = torch.randn(args.batch, args.q_heads, args.head_dim, dtype=torch.bfloat16, device=dev)
     kern = da._decode_tiered_kernel
     all_configs, prune = list(kern.configs), kern.early_config_prune
+    sweep = all_configs
+    if args.configs:
+        import triton
+
+        sweep = [triton.Config({}, num_warps=int(w), num_stages=int(st))
+                 for w, st in (c.split(":") for c in args.configs)]
     kern.early_config_prune = None  # fp16-only launches are pinned to one config; sweep them all
     default_plan = da.plan_splits(tables, args.kv_heads, args.head_dim, 32, 2, dev)
     ref = None
     rows = []
     try:
-        for cfg in all_configs:
+        for cfg in sweep:
             kern.configs = [cfg]
             kern.cache.clear()
             for s16, empty_tiers, ppi in itertools.product(args.splits, args.empty_tiers, args.pages_per_iter):
