@@ -131,11 +131,12 @@ def matmul_flops_per_s(dtype: torch.dtype, shapes: list[tuple[int, int, int]], r
     return best
 
 
-def measure_offline_bound(arch, prompt_lens: list[int], output_len: int, dtype: torch.dtype) -> dict:
+def measure_offline_bound(arch, prompt_lens: list[int], output_len: int, dtype: torch.dtype,
+                          prefill_rows: int) -> dict:
     """Measure this GPU's GEMM rate (a square GEMM and the model's own MLP shapes at a full
-    prefill batch) and copy bandwidth, then return `offline_lower_bound` for the workload."""
-    shape = ModelShape.from_arch(arch)
-    rows = 16384  # the default max_prefill_tokens
+    prefill batch of `prefill_rows` tokens) and copy bandwidth, then return
+    `offline_lower_bound` for the workload."""
+    shape, rows = ModelShape.from_arch(arch), prefill_rows
     gemms = [(8192, 8192, 8192), (rows, 2 * shape.intermediate, shape.hidden), (rows, shape.hidden, shape.intermediate)]
     flops = matmul_flops_per_s(dtype, gemms)
     bandwidth = copy_bandwidth()

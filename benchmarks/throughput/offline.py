@@ -92,6 +92,7 @@ def run_engine(args, model_dir, prompts):
     if args.device.startswith("cuda"):
         result["decode_step"] = decode_roofline(engine, prompts, args)
     dtype, arch = engine.runner.dtype, engine.runner.arch
+    result["max_prefill_tokens"] = engine.server_args.scheduler.max_prefill_tokens
     engine.shutdown()
     del engine
     import gc
@@ -282,7 +283,8 @@ def main() -> None:
               f"ratio {ours['output_tok_s'] / hf['output_tok_s']:.2f}x", flush=True)
     bound = None
     if args.device.startswith("cuda"):
-        bound = measure_offline_bound(arch, [len(p) for p in prompts], args.output_len, dtype)
+        bound = measure_offline_bound(arch, [len(p) for p in prompts], args.output_len, dtype,
+                                      prefill_rows=ours["max_prefill_tokens"])
         bound["max_output_tok_s"] = ours["output_tokens"] / bound["bound_s"]
         bound["fraction_reached"] = bound["bound_s"] / ours["elapsed_s"]
         if hf:
