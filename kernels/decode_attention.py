@@ -187,7 +187,7 @@ def _decode_tiered_kernel(
     k16_ptr, v16_ptr,
     k8_ptr, v8_ptr, k8s_ptr, k8z_ptr, v8s_ptr, v8z_ptr,
     k4_ptr, v4_ptr, k4s_ptr, k4z_ptr, v4s_ptr, v4z_ptr,
-    bt16_ptr, bt8_ptr, bt4_ptr, len16_ptr, len8_ptr, len4_ptr,
+    bt16_ptr, bt8_ptr, bt4_ptr, len16_ptr, len8_ptr, len4_ptr, order_ptr,
     stride_qb, stride_qh, stride_bt16, stride_bt8, stride_bt4,
     stride_p16, stride_h16, stride_p8, stride_h8, stride_p4, stride_h4,
     stride_sp8, stride_sh8, stride_sp4, stride_sh4,
@@ -196,13 +196,17 @@ def _decode_tiered_kernel(
     NUM_KV_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, PAGE: tl.constexpr,
     PREFETCH: tl.constexpr, FAST_DEQUANT: tl.constexpr, EVEN_SPLITS: tl.constexpr,
-    FP16_ONLY: tl.constexpr, DIRECT: tl.constexpr, PAGES_PER_ITER: tl.constexpr,
+    FP16_ONLY: tl.constexpr, DIRECT: tl.constexpr, PAGES_PER_ITER: tl.constexpr, ORDERED: tl.constexpr,
 ):
     """DIRECT (a single split per request): o_part_ptr is the output [B, Hq, D] in the model
-    dtype (stride_os unused) and gets the normalized result; no LSE, no merge pass."""
+    dtype (stride_os unused) and gets the normalized result; no LSE, no merge pass.
+    ORDERED: program row i serves request order_ptr[i] (a permutation of the batch, longest
+    first), so the GPU starts the longest requests first and the short ones fill the tail."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // NUM_KV_HEADS
+    if ORDERED:
+        b = tl.load(order_ptr + b)
     kv_head = pid_bh % NUM_KV_HEADS
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -318,11 +322,19 @@ def plan_splits(tables: TieredBlockTables, num_kv_heads: int, head_dim: int, gro
     return pps, splits
 
 
+def longest_first_order(tables: TieredBlockTables, elem_weights=(1.0, 0.5, 0.25)) -> torch.Tensor:
+    """int32 [B]: the batch's requests by decreasing work (tier tokens weighted by their bytes per
+    token), on the device without a host sync (capturable in a CUDA graph)."""
+    work = sum(ln.to(torch.float32) * w for ln, w in zip(tables.lens, elem_weights))
+    return torch.argsort(work, descending=True).to(torch.int32)
+
+
 def decode_attention_tiered(
     q: torch.Tensor, layer: TieredKVLayer, tables: TieredBlockTables,
     sm_scale: Optional[float] = None, pages_per_split=None, out: Optional[torch.Tensor] = None,
     prefetch: bool = True, split_waves: int = SPLIT_WAVES, fast_dequant: bool = True,
     split_plan=None, check: bool = True, even_splits: bool = False, pages_per_iter: Optional[int] = None,
+    request_order: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode attention of q [B, Hq, D] over each request's tiered cache -> [B, Hq, D].
 
@@ -336,7 +348,10 @@ def decode_attention_tiered(
     a plan for wider tables than the requests need stays exact (CUDA-graph decode);
     even_splits: each request spreads its own pages over the planned split counts (module doc);
     pages_per_iter: fp16 pages per loop step, a power of two (default: default_pages_per_iter);
-    quantized tiers always take one."""
+    quantized tiers always take one.
+    request_order: int32 [B], a permutation of the batch; the kernel's programs take the requests
+    in this order (longest_first_order: the GPU runs the long requests first, so the short ones
+    fill the tail instead of a long one running alone at the end)."""
     if check:
         layer.check()
     B, Hq, D = q.shape
@@ -376,6 +391,7 @@ def decode_attention_tiered(
         i8.k, i8.v, i8.k_scale, i8.k_zero, i8.v_scale, i8.v_zero,
         i4.k, i4.v, i4.k_scale, i4.k_zero, i4.v_scale, i4.v_zero,
         bt[0], bt[1], bt[2], ln[0], ln[1], ln[2],
+        request_order if request_order is not None else ln[0],
         q.stride(0), q.stride(1), bt[0].stride(0), bt[1].stride(0), bt[2].stride(0),
         f16.k.stride(0), f16.k.stride(1), i8.k.stride(0), i8.k.stride(1),
         i4.k.stride(0), i4.k.stride(1),
@@ -387,6 +403,7 @@ def decode_attention_tiered(
         HEAD_DIM=D, GROUP_SIZE=layer.group_size, PAGE=PAGE, PREFETCH=prefetch,
         FAST_DEQUANT=fast_dequant, EVEN_SPLITS=even_splits,
         FP16_ONLY=splits[1] == 0 and splits[2] == 0, DIRECT=direct, PAGES_PER_ITER=pages_per_iter,
+        ORDERED=request_order is not None,
     )
     if direct:
         return out

@@ -43,4 +43,9 @@ CPU_KERNELS = EnvVar(
     "0: on CPU bf16 keep the torch path instead of the native C++ kernels (kernels/cpu_ops.py: "
     "RMSNorm / RoPE / SwiGLU, in-place decode attention, prepacked oneDNN linears)")
 
-ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS)
+DECODE_LONGEST_FIRST = EnvVar(
+    "SGL_KVXFER_DECODE_LONGEST_FIRST", "1",
+    "the triton backend's decode attention serves a batch's requests longest first (one argsort "
+    "per batch; kernels/README.md); 0: in batch order")
+
+ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, DECODE_LONGEST_FIRST)

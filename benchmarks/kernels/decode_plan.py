@@ -75,6 +75,9 @@ def main() -> None:
                    help="fp16 pages per kernel loop step to sweep")
     p.add_argument("--empty-tiers", type=int, nargs="+", default=[1, 0], choices=[0, 1],
                    help="sweep with (1) and without (0) the empty int8/int4 tiers' split programs")
+    p.add_argument("--order", nargs="+", default=["none"], choices=["none", "longest"],
+                   help="request order of the kernel's programs to sweep: batch order, or longest first "
+                        "(decode_attention.longest_first_order, computed once per batch, outside the timing)")
     p.add_argument("--configs", nargs="+", default=None, metavar="WARPS:STAGES",
                    help="launch configs to sweep instead of the kernel's autotune list, e.g. 4:1 2:1")
     p.add_argument("--iters", type=int, default=20)
@@ -114,22 +117,24 @@ def main() -> None:
         for cfg in sweep:
             kern.configs = [cfg]
             kern.cache.clear()
-            for s16, empty_tiers, ppi in itertools.product(args.splits, args.empty_tiers, args.pages_per_iter):
+            for s16, empty_tiers, ppi, order in itertools.product(args.splits, args.empty_tiers,
+                                                                  args.pages_per_iter, args.order):
                 plan = ((math.ceil(tables.tables[0].shape[1] / s16), 1, 1), (s16, empty_tiers, empty_tiers))
+                perm = da.longest_first_order(tables) if order == "longest" else None
 
-                def call(plan=plan, ppi=ppi):
+                def call(plan=plan, ppi=ppi, perm=perm):
                     return da.decode_attention_tiered(q, layer, tables, split_plan=plan, check=False,
-                                                      even_splits=True, pages_per_iter=ppi)
+                                                      even_splits=True, pages_per_iter=ppi, request_order=perm)
                 out = call()
                 ref = out if ref is None else ref
                 diff = (out.float() - ref.float()).abs().max().item()
                 fn, graphed = _graphed(call)
                 ms = _median_ms(fn, flush, args.iters)
                 row = {"config": str(cfg), "S16": s16, "empty_tier_splits": empty_tiers, "pages_per_iter": ppi,
-                       "ms": ms, "pct_copy_bw": 100 * nbytes / (ms * 1e-3) / copy_bw, "graphed": graphed,
+                       "order": order, "ms": ms, "pct_copy_bw": 100 * nbytes / (ms * 1e-3) / copy_bw, "graphed": graphed,
                        "max_abs_diff": diff}
                 rows.append(row)
-                print(f"{row['config']:40s} S16={s16} empty={empty_tiers} ppi={ppi}: {1e3 * ms:7.1f} us "
+                print(f"{row['config']:40s} S16={s16} empty={empty_tiers} ppi={ppi} order={order}: {1e3 * ms:7.1f} us "
                       f"({row['pct_copy_bw']:.0f}% of copy bw, diff {diff:.1e})", flush=True)
     finally:
         kern.configs, kern.early_config_prune = all_configs, prune
@@ -160,12 +165,14 @@ def plot(path_png, rows, params: dict) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.8))
     configs = sorted({r["config"] for r in rows})
     ppis = sorted({r.get("pages_per_iter", 1) for r in rows})
-    for cfg, empty, ppi in itertools.product(configs, (1, 0), ppis):
+    orders = sorted({r.get("order", "none") for r in rows})
+    for cfg, empty, ppi, order in itertools.product(configs, (1, 0), ppis, orders):
         pts = [(r["S16"], 1e3 * r["ms"]) for r in rows if r["config"] == cfg and r["empty_tier_splits"] == empty
-               and r.get("pages_per_iter", 1) == ppi]
+               and r.get("pages_per_iter", 1) == ppi and r.get("order", "none") == order]
         if pts:
-            ax.plot(*zip(*pts), marker="o", ls="-" if empty == 0 else ":",
-                    label=f"{_warps_stages(cfg)}, {ppi} page(s)/step, {'no' if empty == 0 else 'with'} empty tiers")
+            ax.plot(*zip(*pts), marker="o" if order == "none" else "s", ls="-" if empty == 0 else ":",
+                    label=f"{_warps_stages(cfg)}, {ppi} page(s)/step, {'no' if empty == 0 else 'with'} empty tiers"
+                          + ("" if order == "none" else ", longest first"))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("fp16 splits per request (S16)")
     ax.set_ylabel("us per layer")

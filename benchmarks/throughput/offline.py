@@ -67,6 +67,8 @@ def run_engine(args, model_dir, prompts):
                   attention_backend=args.attention_backend)
     if args.mem_fraction_static:
         kwargs["mem_fraction_static"] = args.mem_fraction_static
+    if args.max_prefill_tokens:
+        kwargs["max_prefill_tokens"] = args.max_prefill_tokens
     engine = Engine(model_dir, **{k: v for k, v in kwargs.items() if v is not None})
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     # Warm-up over the same prompts with a few new tokens, so one-time Triton JIT compiles and
@@ -240,6 +242,7 @@ def main() -> None:
                    help="HF generate batch size(s); with several, the ratio uses HF's fastest")
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--max-prefill-tokens", type=int, default=None, help="engine default: 16384")
     p.add_argument("--roofline-batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs per engine (and per HF batch size); throughput from the median")

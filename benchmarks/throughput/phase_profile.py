@@ -7,7 +7,9 @@ Per phase it reports steps, tokens, forward seconds and host seconds (schedule +
 sampling + bookkeeping = step minus forward); the rest of the run (detokenization, output
 assembly) is `outside_steps_s`. Decode steps are also bucketed by batch size. With
 `--torch-profile` the top kernels of one prefill batch and one decode step are listed; with
-`--cprofile N` the top N host functions of one more run; with `--timeline` one more unsynced
+`--cprofile N` the top N host functions of one more run; with `--host-breakdown` the inclusive
+host time of the engine's own functions per phase in one more run (host_breakdown.py, no
+profiler overhead on what it does not wrap); with `--timeline` one more unsynced
 run under a CUDA-only torch.profiler: GPU busy time (union of kernel and copy intervals) per
 phase against the host's wall time per phase, i.e. how long the GPU sat idle waiting for the host.
 
@@ -63,7 +65,9 @@ class StepRecorder:
         return self
 
     def __exit__(self, *exc):
-        self.runner.forward, self.sched.step = self._plain_forward, self._plain_step
+        # the wrappers are instance attributes: dropping them exposes the class methods again
+        # (assigning the saved bound methods back would hide later class-level patches)
+        del self.runner.forward, self.sched.step
 
     def summary(self, total_s: float) -> dict:
         phases = {}
@@ -154,7 +158,7 @@ class StepMarks:
         return self
 
     def __exit__(self, *exc):
-        self.sched.step = self._plain
+        del self.sched.step
 
     def phase_totals(self) -> tuple[dict, collections.Counter]:
         """Seconds and step counts per mode."""
@@ -228,11 +232,14 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--max-prefill-tokens", type=int, default=None)
     p.add_argument("--torch-profile", action="store_true", help="also list top kernels per phase")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also run the workload under cProfile and list its top N functions by own time")
     p.add_argument("--timeline", action="store_true",
                    help="also compare host wall time and GPU busy time per phase (CUDA)")
+    p.add_argument("--host-breakdown", action="store_true",
+                   help="also time the engine's host-side functions per phase in one more run (host_breakdown.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default=None)
     p.add_argument("--out-dir", default=RESULTS_DIR)
@@ -258,7 +265,7 @@ def main() -> None:
     kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
                   tokenizer_path=args.tokenizer_path,
                   attention_backend=args.attention_backend, mem_fraction_static=args.mem_fraction_static,
-                  chunked_prefill_size=args.chunked_prefill_size)
+                  chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens)
     engine = Engine(model_dir, **{k: v for k, v in kwargs.items() if v is not None})
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 4})  # JIT, autotune
@@ -281,6 +288,13 @@ def main() -> None:
         result["kernel_tables"] = kernel_table(engine, prompts[:64], params, args.device, rows=25)
     if args.timeline and args.device.startswith("cuda"):
         result["timeline"] = gpu_timeline(engine, timed_run)
+    if args.host_breakdown:
+        from throughput.host_breakdown import HostBreakdown, format_report
+
+        with HostBreakdown(engine.scheduler) as hb:
+            hb_s, _ = timed_run()
+        result["host_breakdown"] = {"wall_s": hb_s, "phases": hb.report()}
+        print(f"host breakdown run: {hb_s:.3f} s\n{format_report(result['host_breakdown']['phases'])}", flush=True)
     if args.cprofile:
         result["cprofile"] = host_profile(timed_run, args.cprofile)
     print(f"unsynced: {out_tokens / plain_s:.1f} output tok/s ({plain_s:.2f} s)")

@@ -163,3 +163,28 @@ def test_default_pages_per_iter_keeps_a_step_near_8k_elements():
     assert default_pages_per_iter(64, 128) == 1  # Llama-3-8B heads
     assert default_pages_per_iter(16, 32) == 4  # capped
     assert default_pages_per_iter(128, 128) == 1
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_decode_longest_first_order_gives_the_same_outputs(direct):
+    """request_order only changes which program serves which request: every row still gets its
+    own request's attention (direct: the pure-fp16 one-split plan, the kernel writes the output;
+    else tiered pages in several splits whose partials merge)."""
+    from sgl_kvxfer.kernels.decode_attention import longest_first_order
+
+    lens = [(20, 0, 0), (150, 0, 0), (0, 0, 0), (64, 40, 3), (5, 0, 0)]
+    if direct:
+        lens = [(n, 0, 0) for n, _, _ in lens]
+    layer, tables, _ = build_random_cache(lens, 2, 32, 16, 16, device=DEVICE, seed=11)
+    q = torch.randn(5, 4, 32, generator=torch.Generator().manual_seed(8)).half().to(DEVICE)
+    order = longest_first_order(tables)
+    assert order.dtype == torch.int32 and order.tolist()[:2] == [1, 3] and sorted(order.tolist()) == list(range(5))
+    if direct:
+        plan = ((tables.tables[0].shape[1], 1, 1), (1, 0, 0))
+        o = decode_attention_tiered(q, layer, tables, split_plan=plan, request_order=order,
+                                    out=torch.full_like(q, float("nan")))
+    else:
+        o = decode_attention_tiered(q, layer, tables, pages_per_split=(2, 1, 1), request_order=order)
+    r = decode_attention_tiered_reference(q, layer, tables)
+    torch.testing.assert_close(o.float(), r.float(), atol=KERNEL_ATOL, rtol=0)
+    assert bool((o[2] == 0).all()), "a request without tokens must give exactly 0"

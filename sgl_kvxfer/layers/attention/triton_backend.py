@@ -41,6 +41,7 @@ class _TritonPlan:
     max_extend_len: int
     split_plan: tuple | None = None  # decode: kernels.decode_attention.plan_splits for `tables`
     even_splits: bool = False  # decode: each request spreads its own pages over the splits
+    request_order: torch.Tensor | None = None  # decode: int32 [B], longest request first
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -91,8 +92,10 @@ class TritonAttentionBackend(AttentionBackend):
             max_extend = max(batch.extend_seq_lens)
         tables = self._tables(batch, lens, max(-(-max(lens_cpu) // P), 1))
         tables.check(P)
-        plan = self._split_plan(tables) if batch.mode == ForwardMode.DECODE else None
-        batch.attn_metadata = _TritonPlan(tables, qo_indptr, max_extend, plan)
+        decode = batch.mode == ForwardMode.DECODE
+        plan = self._split_plan(tables) if decode else None
+        batch.attn_metadata = _TritonPlan(tables, qo_indptr, max_extend, plan,
+                                          request_order=self._request_order(tables) if decode else None)
 
     def prepare_graph_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
         """Decode plan from device tensors only (no host sync, no seq_lens_cpu): block tables
@@ -101,7 +104,18 @@ class TritonAttentionBackend(AttentionBackend):
         assert batch.mode == ForwardMode.DECODE
         tables = self._tables(batch, batch.seq_lens.to(torch.int32), -(-max_seq_len // self.page_size))
         tables.check(self.page_size)
-        batch.attn_metadata = _TritonPlan(tables, None, 1, self._split_plan(tables), even_splits=True)
+        batch.attn_metadata = _TritonPlan(tables, None, 1, self._split_plan(tables), even_splits=True,
+                                          request_order=self._request_order(tables))
+
+    def _request_order(self, tables):
+        """Longest request first (env DECODE_LONGEST_FIRST): one device argsort per batch, no sync."""
+        from sgl_kvxfer import env
+
+        if not env.DECODE_LONGEST_FIRST.get_bool() or tables.batch_size < 2:
+            return None
+        from sgl_kvxfer.kernels.decode_attention import longest_first_order
+
+        return longest_first_order(tables)
 
     def _tables(self, batch: ForwardBatch, lens: torch.Tensor, width: int):
         from sgl_kvxfer.kernels.paged_layout import TieredBlockTables
@@ -149,6 +163,7 @@ class TritonAttentionBackend(AttentionBackend):
         q = q.contiguous()
         if batch.mode == ForwardMode.DECODE:
             return self._decode(q, self.layers[layer_id], plan.tables, sm_scale=self.scale,
-                                split_plan=plan.split_plan, check=False, even_splits=plan.even_splits)
+                                split_plan=plan.split_plan, check=False, even_splits=plan.even_splits,
+                                request_order=plan.request_order)
         return self._extend(q, k.contiguous(), v.contiguous(), plan.qo_indptr, self.layers[layer_id],
                             plan.tables, sm_scale=self.scale, max_extend_len=plan.max_extend_len, check=False)
