@@ -18,11 +18,12 @@ for lf in 0 1; do
       --dtype bfloat16 --mem-fraction-static 0.5 --timeline --host-breakdown --tag lf$lf --out-dir "$OUT" 2>&1 \
       | grep -v Warning | grep -E "^timeline|^unsynced|^extend|^decode|^outside|^host|---| ms " | head -70
 done
-for mpt in 16384 32768 65536; do
-  for lf in 0 1; do
+for run in "16384 0" "16384 1" "32768 1" "65536 1"; do
+  read -r mpt lf <<< "$run"
+  {
     echo -n "max_prefill_tokens $mpt longest_first $lf: "
     SGL_KVXFER_DECODE_LONGEST_FIRST=$lf python3 benchmarks/throughput/offline.py --model-path $SMOL --load-format dummy \
         --dtype bfloat16 --skip-hf --repeats 3 --mem-fraction-static 0.5 --max-prefill-tokens $mpt \
         --tag mpt${mpt}_lf$lf --out-dir "$OUT" 2>&1 | grep -E "^sgl_kvxfer"
-  done
+  }
 done
