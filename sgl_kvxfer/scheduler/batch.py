@@ -2,13 +2,14 @@
 scheduler's integer state becomes tensors (a ForwardBatch)."""
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 import torch
 
 from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.scheduler.req import Req
-from sgl_kvxfer.utils.host_copy import int64_to_device
+from sgl_kvxfer.utils.host_copy import int64_to_device, to_device
 
 
 @dataclass(slots=True)  # slots: one is built per request per decode step
@@ -43,14 +44,14 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
     """
     if batch.mode == ForwardMode.DECODE and all(s.req.input_logprobs_done for s in batch.slices):
         return prepare_decode(batch, out_cache_loc, req_to_token, device)
-    input_ids, positions, token_rows, logits_rows = [], [], [], []
+    # Per-token lists cost ~30 ns per int to pack; only input_ids needs them. Positions and
+    # table rows follow from the per-request (start, length, row) in a few vector ops.
+    input_ids, logits_rows = array("q"), []
     prefix_lens, extend_lens, seq_lens, rows = [], [], [], []
     flat = 0
     for s in batch.slices:
         req = s.req
         input_ids.extend(req.fill_slice(s.start, s.start + s.length))
-        positions.extend(range(s.start, s.start + s.length))
-        token_rows.extend([req.req_pool_idx] * s.length)
         if not req.input_logprobs_done:
             lo = max(req.logprob_start_len, s.start)
             hi = min(len(req.origin_input_ids) - 1, s.start + s.length)
@@ -67,10 +68,19 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
         seq_lens.append(s.start + s.length)
         rows.append(req.req_pool_idx)
 
+    T, B, N = len(input_ids), len(rows), len(logits_rows)
+    small = torch.tensor((prefix_lens, extend_lens, rows), dtype=torch.int64)  # [3, B]
+    lens_t = small[1]
+    # position of flat token t = t - (first flat index of its request) + that request's start
+    shift = torch.repeat_interleave(small[0] - (torch.cumsum(lens_t, 0) - lens_t), lens_t, output_size=T)
+    positions = torch.arange(T, dtype=torch.int64) + shift
+    token_rows = torch.repeat_interleave(small[2], lens_t, output_size=T)
     # One host->device copy for every index list (per-request copies or table writes cost a
     # launch each, which dominates a large decode batch on a GPU).
-    T, B, N = len(input_ids), len(rows), len(logits_rows)
-    packed = int64_to_device((input_ids, positions, token_rows, rows, seq_lens, logits_rows), device)
+    host = torch.cat([torch.frombuffer(input_ids, dtype=torch.int64) if T else torch.empty(0, dtype=torch.int64),
+                      positions, token_rows, small[2],
+                      torch.tensor(seq_lens, dtype=torch.int64), torch.tensor(logits_rows, dtype=torch.int64)])
+    packed = to_device(host, device)
     ids_t, pos_t, tok_rows_t, rows_t, lens_t, logits_t = packed.split([T, T, T, B, B, N])
     req_to_token[tok_rows_t, pos_t] = out_cache_loc.to(req_to_token.dtype)
     return ForwardBatch(
