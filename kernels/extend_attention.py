@@ -28,6 +28,7 @@ import triton.language as tl
 from ._tiles import is_interpret, next_pow2
 from .decode_attention import LOG2E, NEG_BIG, _attend_pages
 from .paged_layout import TieredBlockTables, TieredKVLayer, gather_request_kv
+from .tuned_launch import TunedLauncher
 
 if is_interpret():
     _EXTEND_CONFIGS = [triton.Config({"BLOCK_ROWS": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
@@ -160,7 +161,12 @@ def extend_attention_tiered(
         block_t = max(1, meta["BLOCK_ROWS"] // block_g)
         return (B, Hkv, triton.cdiv(max_extend_len, block_t))
 
-    _extend_tiered_kernel[grid](
+    # the autotuner's key: its key arguments and every tensor argument's dtype
+    tune_key = (D, PAGE, block_g, layer.group_size, q.dtype, k_new.dtype, out.dtype, qo_indptr.dtype,
+                f16.k.dtype, i8.k.dtype, i8.k_scale.dtype, i8.k_zero.dtype, i4.k.dtype, i4.k_scale.dtype,
+                i4.k_zero.dtype, bt[0].dtype, bt[1].dtype, bt[2].dtype, ln[0].dtype, ln[1].dtype, ln[2].dtype)
+    _launch_extend(
+        tune_key, grid,
         q, k_new, v_new, out, qo_indptr,
         f16.k, f16.v,
         i8.k, i8.v, i8.k_scale, i8.k_zero, i8.v_scale, i8.v_zero,
@@ -176,6 +182,9 @@ def extend_attention_tiered(
         KV_GROUP=kv_group, BLOCK_G=block_g, HEAD_DIM=D, GROUP_SIZE=layer.group_size, PAGE=PAGE,
     )
     return out
+
+
+_launch_extend = TunedLauncher(_extend_tiered_kernel)
 
 
 def extend_attention_tiered_reference(q, k_new, v_new, qo_indptr, layer: TieredKVLayer,

@@ -1,0 +1,50 @@
+"""TunedLauncher: the first launch per key goes through the autotuner, later ones reuse its
+pick through the jitted function; both give the same result."""
+import pytest
+import torch
+import triton
+
+from sgl_kvxfer.kernels import extend_attention as ea
+from sgl_kvxfer.kernels.testing import build_random_cache
+from sgl_kvxfer.kernels.tuned_launch import TunedLauncher
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(D):
+    layer, tables, _ = build_random_cache([(17, 5, 20), (0, 0, 0)], 2, D, 16, 16, torch.float16, DEVICE, seed=3)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(12, 4, D, generator=g).half().to(DEVICE)
+    k = torch.randn(12, 2, D, generator=g).half().to(DEVICE)
+    v = torch.randn(12, 2, D, generator=g).half().to(DEVICE)
+    ind = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    return q, k, v, ind, layer, tables
+
+
+def test_second_launch_bypasses_the_autotuner_with_the_same_result(monkeypatch):
+    launcher = TunedLauncher(ea._extend_tiered_kernel)
+    monkeypatch.setattr(ea, "_launch_extend", launcher)
+    args = _inputs(32)
+    first = ea.extend_attention_tiered(*args)
+    assert len(launcher.configs) == 1
+    (config,) = launcher.configs.values()
+    assert config in ea._extend_tiered_kernel.configs
+    calls = []
+    plain_run = ea._extend_tiered_kernel.run
+    monkeypatch.setattr(ea._extend_tiered_kernel, "run", lambda *a, **k: calls.append(1) or plain_run(*a, **k))
+    second = ea.extend_attention_tiered(*args)
+    assert not calls, "the second launch with the same key must not go through Autotuner.run"
+    torch.testing.assert_close(first, second, atol=0, rtol=0)
+    torch.testing.assert_close(second.float(), ea.extend_attention_tiered_reference(*args).float(), atol=4e-3, rtol=0)
+    ea.extend_attention_tiered(*_inputs(16))  # another head_dim: a new key, through the autotuner
+    assert len(launcher.configs) == 2 and len(calls) == 1
+
+
+def test_rejects_an_autotuner_with_hooks():
+    @triton.autotune(configs=[triton.Config({}, num_warps=1)], key=[], reset_to_zero=["x_ptr"])
+    @triton.jit
+    def _zeroed(x_ptr):
+        pass
+
+    with pytest.raises(ValueError, match="hooks"):
+        TunedLauncher(_zeroed)
