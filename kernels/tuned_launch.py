@@ -31,9 +31,11 @@ class TunedLauncher:
         self.configs: dict = {}
 
     def __call__(self, key: tuple, grid, *args, **kwargs) -> None:
-        config = self.configs.get(key)
-        if config is None:
+        options = self.configs.get(key)
+        if options is None:
             self.kernel[grid](*args, **kwargs)
-            self.configs[key] = self.kernel.best_config
+            best = getattr(self.kernel, "best_config", None)  # a Triton without it: always tune-path
+            if best is not None and hasattr(best, "all_kwargs"):
+                self.configs[key] = best.all_kwargs()
             return
-        self.kernel.fn[grid](*args, **kwargs, **config.all_kwargs())
+        self.kernel.fn[grid](*args, **kwargs, **options)

@@ -10,6 +10,7 @@ python3 benchmarks/throughput/offline.py "${common[@]}" --max-prefill-tokens 327
     --out-dir "$OUT" 2>&1 | grep -v Warning | grep -v clean_up
 python3 benchmarks/throughput/offline.py "${common[@]}" --skip-hf --tag default_prefill_budget \
     --out-dir "$OUT" 2>&1 | grep -E "^sgl_kvxfer"
+python3 benchmarks/kernels/launch_overhead.py --out-dir "$OUT" 2>&1 | grep "us/call"
 python3 -m pytest test/kernels/test_tuned_launch.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_tuned_launch.log" | tail -1
 python3 -m pytest test/kernels/test_decode_attention.py test/kernels/test_extend_attention.py \
     test/engine/test_overlap.py test/engine/test_triton_backend.py test/engine/test_cuda_graph.py \
