@@ -70,11 +70,11 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
 
     T, B, N = len(input_ids), len(rows), len(logits_rows)
     small = torch.tensor((prefix_lens, extend_lens, rows), dtype=torch.int64)  # [3, B]
-    lens_t = small[1]
+    ext = small[1]
     # position of flat token t = t - (first flat index of its request) + that request's start
-    shift = torch.repeat_interleave(small[0] - (torch.cumsum(lens_t, 0) - lens_t), lens_t, output_size=T)
+    shift = torch.repeat_interleave(small[0] - (torch.cumsum(ext, 0) - ext), ext, output_size=T)
     positions = torch.arange(T, dtype=torch.int64) + shift
-    token_rows = torch.repeat_interleave(small[2], lens_t, output_size=T)
+    token_rows = torch.repeat_interleave(small[2], ext, output_size=T)
     # One host->device copy for every index list (per-request copies or table writes cost a
     # launch each, which dominates a large decode batch on a GPU).
     host = torch.cat([torch.frombuffer(input_ids, dtype=torch.int64) if T else torch.empty(0, dtype=torch.int64),
