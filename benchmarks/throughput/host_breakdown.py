@@ -57,6 +57,13 @@ TARGETS = (
 )
 
 
+def step_phase(sched) -> str:
+    """The phase a scheduler step about to run belongs to: "extend" while prompts wait to be
+    prefilled (or one is mid-chunk), else "decode". The offline workload prefills everything
+    first, so this splits a run at one boundary."""
+    return "extend" if (sched.waiting or sched.chunked) else "decode"
+
+
 class HostBreakdown:
     """Context manager: patches TARGETS (those that exist) on enter, restores on exit."""
 
@@ -103,7 +110,7 @@ class HostBreakdown:
         plain = type(sched).step.__get__(sched)  # the (patched) class method; an instance attribute sets the phase
 
         def step():
-            self.phase = "extend" if (sched.waiting or sched.chunked) else "decode"
+            self.phase = step_phase(sched)
             try:
                 return plain()
             finally:

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.report import RESULTS_DIR, device_name, git_commit, write_json  # noqa: E402
+from throughput.host_breakdown import step_phase  # noqa: E402
 from throughput.offline import make_prompts, sync  # noqa: E402
 
 
@@ -148,7 +149,7 @@ class StepMarks:
         sched, plain = self.sched, self._plain
 
         def step():
-            mode = "extend" if (sched.waiting or sched.chunked) else "decode"
+            mode = step_phase(sched)
             t = time.perf_counter()
             ran = plain()
             self.marks.append((mode, t, time.perf_counter()))
