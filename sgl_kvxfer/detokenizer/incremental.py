@@ -12,6 +12,9 @@ decodes a short window that starts a little before the newest ids:
 
 Invariant: `self._text` only ever grows while streaming (a held-back tail never shrinks it);
 `finish` may shorten it once, to trim a matched stop string.
+
+A request whose ids arrive all at once with its finish (not streamed) renders as one full decode
+of those ids, so `render_finished` renders many such requests with one batched decode call.
 """
 from __future__ import annotations
 
@@ -62,21 +65,16 @@ class IncrementalDetokenizer:
 
     def finish(self, finish_reason: dict | None, no_stop_trim: bool) -> str:
         """Flush any held-back tail and return the final text, trimmed at a matched stop."""
-        matched = (finish_reason or {}).get("matched") if (finish_reason or {}).get("type") == "stop" else None
-        if isinstance(matched, int) and not no_stop_trim and self._ids and self._ids[-1] == matched:
-            # A stop *token* is kept in output_ids but never rendered into the text.
-            body = self._ids[:-1]
+        matched = _matched_stop(finish_reason)
+        body = _rendered_ids(self._ids, finish_reason, no_stop_trim)
+        if len(body) < len(self._ids):  # a stop *token* is kept in output_ids, never rendered
             return self._render_all(body)
         if self._read < len(self._ids):
             window = self._decode(self._ids[self._prefix:])
             context = self._decode(self._ids[self._prefix:self._read])
             self._text += window[len(context):]
             self._read = len(self._ids)
-        if isinstance(matched, str) and matched and not no_stop_trim:
-            pos = self._text.find(matched)
-            if pos != -1:
-                return self._text[:pos]
-        return self._text
+        return _trim_stop_string(self._text, matched, no_stop_trim)
 
     def _render_all(self, ids: list[int]) -> str:
         # NOTE: only reached once, at finish; re-renders through the same windowed path so the
@@ -84,3 +82,55 @@ class IncrementalDetokenizer:
         det = IncrementalDetokenizer(self._tokenizer, self._skip_special_tokens, self._spaces_between_special_tokens)
         det.append(ids)
         return det.finish(None, True)
+
+
+def _matched_stop(finish_reason: dict | None):
+    return (finish_reason or {}).get("matched") if (finish_reason or {}).get("type") == "stop" else None
+
+
+def _trim_stop_string(text: str, matched, no_stop_trim: bool) -> str:
+    if isinstance(matched, str) and matched and not no_stop_trim:
+        pos = text.find(matched)
+        if pos != -1:
+            return text[:pos]
+    return text
+
+
+def _rendered_ids(ids: list[int], finish_reason: dict | None, no_stop_trim: bool) -> list[int]:
+    """The ids a finished request's text shows: all, less a matched stop *token* at the end."""
+    matched = _matched_stop(finish_reason)
+    if isinstance(matched, int) and not no_stop_trim and ids and ids[-1] == matched:
+        return ids[:-1]
+    return ids
+
+
+def render_finished(tokenizer, outputs) -> list[str]:
+    """Final texts of finished requests whose output carries all their ids (never streamed).
+    Each equals what `IncrementalDetokenizer.append(ids)` then `.finish(reason, no_stop_trim)`
+    returns: one full decode of the rendered ids, then the stop-string trim. All come from one
+    batched decode per (skip_special_tokens, spaces_between_special_tokens) pair, the fast
+    tokenizer's Rust `decode_batch`, instead of a decode call per request.
+    outputs: ReqOutput-like (new_output_ids, finish_reason, no_stop_trim and the two flags)."""
+    texts: list[str] = [""] * len(outputs)
+    groups: dict[tuple[bool, bool], list[int]] = {}
+    for i, out in enumerate(outputs):
+        groups.setdefault((out.skip_special_tokens, out.spaces_between_special_tokens), []).append(i)
+    for (skip, spaces), idx in groups.items():
+        bodies = [_rendered_ids(list(outputs[i].new_output_ids), outputs[i].finish_reason, outputs[i].no_stop_trim)
+                  for i in idx]
+        for i, text in zip(idx, _decode_batch(tokenizer, bodies, skip, spaces)):
+            out = outputs[i]
+            texts[i] = _trim_stop_string(text, _matched_stop(out.finish_reason), out.no_stop_trim)
+    return texts
+
+
+def _decode_batch(tokenizer, bodies: list[list[int]], skip_special_tokens: bool,
+                  spaces_between_special_tokens: bool) -> list[str]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    # HF's decode is the backend's decode plus an optional clean-up pass and the
+    # spaces_between_special_tokens option: batch through the backend only when neither applies.
+    if (backend is not None and spaces_between_special_tokens
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", False)):
+        return backend.decode_batch(bodies, skip_special_tokens=skip_special_tokens)
+    det = IncrementalDetokenizer(tokenizer, skip_special_tokens, spaces_between_special_tokens)
+    return [det._decode(ids) for ids in bodies]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from sgl_kvxfer.config import ServerArgs
-from sgl_kvxfer.detokenizer.incremental import IncrementalDetokenizer
+from sgl_kvxfer.detokenizer.incremental import IncrementalDetokenizer, render_finished
 from sgl_kvxfer.message import BatchStrOut, BatchTokenIDOut, ReqOutput
 from sgl_kvxfer.message.queue import PullQueue, PushQueue
 
@@ -36,9 +36,21 @@ class DetokenizerManager:
             del self._states[out.rid]
         return text
 
+    def _texts(self, outputs: list[ReqOutput]) -> list[str]:
+        """A request seen first in its finishing output (not streamed) carries all its ids:
+        those render together, by batched decodes (render_finished)."""
+        if self._tokenizer is None:
+            return [""] * len(outputs)
+        whole = [i for i, o in enumerate(outputs) if o.finish_reason is not None and o.rid not in self._states]
+        skip = set(whole)
+        texts = [None if i in skip else self._text(o) for i, o in enumerate(outputs)]
+        for i, text in zip(whole, render_finished(self._tokenizer, [outputs[i] for i in whole])):
+            texts[i] = text
+        return texts
+
     def handle(self, msg):
         if isinstance(msg, BatchTokenIDOut):
-            return BatchStrOut(outputs=msg.outputs, texts=[self._text(o) for o in msg.outputs])
+            return BatchStrOut(outputs=msg.outputs, texts=self._texts(msg.outputs))
         return msg  # InternalState and FlushCacheResult go through unchanged
 
 

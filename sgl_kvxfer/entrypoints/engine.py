@@ -36,13 +36,13 @@ class Engine:
                  stream: bool = False, rid: str | list[str] | None = None, **ignored: Any):
         """Returns one SGLang-shaped dict, or a list for a batch (or n > 1); with stream=True an
         iterator of cumulative dicts (single prompt only). Raises ValueError on bad input."""
-        msgs, single = self._tokenize(prompt, input_ids, sampling_params, return_logprob,
+        reqs, single = self._tokenize(prompt, input_ids, sampling_params, return_logprob,
                                       logprob_start_len, top_logprobs_num, token_ids_logprob, rid, stream)
         if stream:
-            if len(msgs) != 1:
+            if len(reqs) != 1:
                 raise ValueError("stream=True supports a single prompt with n=1")
-            return self._stream(msgs[0], return_text_in_logprobs)
-        results = list(self._run(msgs, return_text_in_logprobs, stream=False))[-1]
+            return self._stream(reqs[0], return_text_in_logprobs)
+        results = list(self._run(reqs, return_text_in_logprobs, stream=False))[-1]
         return results[0] if single else results
 
     def flush_cache(self) -> bool:
@@ -82,56 +82,64 @@ class Engine:
             raise ValueError(f"got {len(params_list)} sampling_params for {len(ids_list)} prompts")
         rids = rid if isinstance(rid, list) else [rid] * len(ids_list)
         vocab = self.runner.arch.vocab_size
-        msgs = []
+        parsed: dict[int, SamplingParams] = {}  # one parse per distinct dict (a batch often shares one)
+        reqs = []
         for ids, raw, r in zip(ids_list, params_list, rids):
-            params = SamplingParams.from_dict(raw, vocab)
+            params = parsed.get(id(raw))
+            if params is None:
+                params = parsed[id(raw)] = SamplingParams.from_dict(raw, vocab)
             for _ in range(params.n):
                 msg = TokenizedGenerateReq(
                     rid=r if (r and params.n == 1) else uuid.uuid4().hex, input_ids=ids, sampling=params,
                     return_logprob=return_logprob,
                     logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
                     top_logprobs_num=top_logprobs_num or 0, token_ids_logprob=token_ids_logprob, stream=stream)
-                self._check(msg)
-                msgs.append(msg)
-        return msgs, single and len(msgs) == 1
+                req = self.scheduler.new_req(msg)
+                error = self.scheduler.validate(req)
+                if error:  # before any request of the call is queued: all or nothing
+                    raise ValueError(error)
+                reqs.append(req)
+        return reqs, single and len(reqs) == 1
 
-    def _check(self, msg: TokenizedGenerateReq) -> None:
-        from sgl_kvxfer.scheduler.req import Req
-
-        error = self.scheduler.validate(Req(msg, 0))
-        if error:
-            raise ValueError(error)
-
-    def _stream(self, msg, return_text_in_logprobs) -> Iterator[dict]:
-        for results in self._run([msg], return_text_in_logprobs, stream=True):
+    def _stream(self, req, return_text_in_logprobs) -> Iterator[dict]:
+        for results in self._run([req], return_text_in_logprobs, stream=True):
             yield results[0]
 
-    def _run(self, msgs, return_text_in_logprobs, stream: bool):
-        from sgl_kvxfer.detokenizer.incremental import IncrementalDetokenizer
+    def _run(self, reqs, return_text_in_logprobs, stream: bool):
+        """Queue validated requests and step the scheduler until all finish. Not streamed, a
+        request's ids arrive once, with its finish, and every request finishing in one step is
+        rendered by one batched decode (render_finished)."""
+        from sgl_kvxfer.detokenizer.incremental import IncrementalDetokenizer, render_finished
         from sgl_kvxfer.tokenizer.output_state import RequestOutputState
 
         start = time.perf_counter()
         states, detoks, done = {}, {}, set()
-        for m in msgs:
-            states[m.rid] = RequestOutputState(m.rid, self.tokenizer, m.return_logprob, return_text_in_logprobs,
-                                               m.top_logprobs_num, m.token_ids_logprob)
-            detoks[m.rid] = IncrementalDetokenizer(self.tokenizer, m.sampling.skip_special_tokens,
-                                                   m.sampling.spaces_between_special_tokens)
-            self.scheduler.handle(m)
-        while len(done) < len(msgs):
+        for r in reqs:
+            states[r.rid] = RequestOutputState(r.rid, self.tokenizer, r.return_logprob, return_text_in_logprobs,
+                                               r.top_logprobs_num, r.token_ids_logprob)
+            detoks[r.rid] = IncrementalDetokenizer(self.tokenizer, r.sampling.skip_special_tokens,
+                                                   r.sampling.spaces_between_special_tokens)
+            self.scheduler.enqueue_validated(r)
+        while len(done) < len(reqs):
             if not self.scheduler.step() and not self.scheduler.outbox:
                 raise RuntimeError("scheduler is idle but requests are unfinished")
-            changed = False
-            for out in self.scheduler.take_outputs():
+            outputs = self.scheduler.take_outputs()
+            at_once, incremental = [], []
+            for out in outputs:
+                whole = not stream and out.finish_reason is not None and not detoks[out.rid].output_ids
+                (at_once if whole else incremental).append(out)
+            for out in incremental:
                 text = detoks[out.rid].append(out.new_output_ids)
                 if out.finish_reason is not None:
                     text = detoks[out.rid].finish(out.finish_reason, out.no_stop_trim)
                     done.add(out.rid)
                 states[out.rid].add(out, text)
-                changed = True
-            if stream and changed:
+            for out, text in zip(at_once, render_finished(self.tokenizer, at_once)):
+                done.add(out.rid)
+                states[out.rid].add(out, text)
+            if stream and outputs:
                 latency = time.perf_counter() - start
-                yield [states[m.rid].to_dict(latency if m.rid in done else None) for m in msgs]
+                yield [states[r.rid].to_dict(latency if r.rid in done else None) for r in reqs]
         if not stream:
             latency = time.perf_counter() - start
-            yield [states[m.rid].to_dict(latency) for m in msgs]
+            yield [states[r.rid].to_dict(latency) for r in reqs]

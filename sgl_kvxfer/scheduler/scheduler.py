@@ -60,13 +60,13 @@ class Scheduler:
     def handle(self, msg):
         """Apply one incoming message; returns a reply message for request/response types."""
         if isinstance(msg, TokenizedGenerateReq):
-            req = Req(msg, next(self._arrivals))
+            req = self.new_req(msg)
             error = self.validate(req)
             if error:
                 req.finish({"type": "abort", "message": error, "status_code": 400, "err_type": "BadRequestError"})
                 self.outbox.append(make_output(req))
             else:
-                self.waiting.append(req)
+                self.enqueue_validated(req)
             return None
         if isinstance(msg, AbortReq):
             self.abort(msg.rid, msg.abort_all)
@@ -76,6 +76,14 @@ class Scheduler:
         if isinstance(msg, GetInternalStateReq):
             return self.internal_state()
         raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
+
+    def new_req(self, msg: TokenizedGenerateReq) -> Req:
+        return Req(msg, next(self._arrivals))
+
+    def enqueue_validated(self, req: Req) -> None:
+        """Queue a request that `validate` passed (the offline Engine validates a whole call
+        before queueing any of it)."""
+        self.waiting.append(req)
 
     def validate(self, req: Req) -> str | None:
         """A clear message naming what is wrong with the request, or None."""

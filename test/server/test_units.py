@@ -113,3 +113,56 @@ def test_flags():
     for bad in (["--tp-size", "2"], ["--speculative-algorithm", "EAGLE"], ["--enable-lora"], ["--no-such-flag"]):
         with pytest.raises(SystemExit):
             parse_server_args(bad)
+
+
+def _finished(ids, finish, no_stop_trim=False, skip_special=True, spaces=True):
+    return ReqOutput(rid="r", new_output_ids=ids, finish_reason=finish, prompt_tokens=1, completion_tokens=len(ids),
+                     cached_tokens=0, skip_special_tokens=skip_special, spaces_between_special_tokens=spaces,
+                     no_stop_trim=no_stop_trim)
+
+
+def test_render_finished_equals_append_then_finish(tokenizer):
+    """The batched render of unstreamed finishes gives each request the text the incremental
+    detokenizer gives it: stop strings, stop tokens, no_stop_trim, special tokens, split UTF-8."""
+    from sgl_kvxfer.detokenizer.incremental import render_finished
+
+    eos = tokenizer.eos_token_id
+    words = tokenizer.encode("The answer is 42. END of text", add_special_tokens=False)
+    emoji = tokenizer.encode("ok 🙂🚀", add_special_tokens=False)
+    cases = [
+        _finished(words, {"type": "length", "length": len(words)}),
+        _finished(words, {"type": "stop", "matched": " END"}),
+        _finished(words, {"type": "stop", "matched": " END"}, no_stop_trim=True),
+        _finished(words[:3] + [eos], {"type": "stop", "matched": eos}),
+        _finished(words[:3] + [eos], {"type": "stop", "matched": eos}, skip_special=False),
+        _finished(words[:3] + [eos], {"type": "stop", "matched": eos}, no_stop_trim=True, skip_special=False),
+        _finished(words[:4], {"type": "stop", "matched": words[3]}),
+        _finished(emoji[:-1], {"type": "length", "length": len(emoji) - 1}),  # ends mid-character
+        _finished([], {"type": "abort", "message": "x"}),
+        _finished(words + [eos] + words, {"type": "length", "length": 9}, spaces=False, skip_special=False),
+    ]
+    expected = []
+    for out in cases:
+        det = IncrementalDetokenizer(tokenizer, out.skip_special_tokens, out.spaces_between_special_tokens)
+        det.append(out.new_output_ids)
+        expected.append(det.finish(out.finish_reason, out.no_stop_trim))
+    assert render_finished(tokenizer, cases) == expected
+    assert expected[1] == "The answer is 42." and tokenizer.eos_token in expected[5]
+
+
+def test_detokenizer_manager_renders_streamed_and_unstreamed_alike(tokenizer):
+    from sgl_kvxfer.detokenizer.process import DetokenizerManager
+    from sgl_kvxfer.message import BatchTokenIDOut
+
+    ids = tokenizer.encode("héllo wörld — 你好 🙂 done", add_special_tokens=False)
+    manager = DetokenizerManager(tokenizer)
+    first = _finished(ids[:4], None)
+    first.rid = "streamed"
+    manager.handle(BatchTokenIDOut([first]))
+    rest = _finished(ids[4:], {"type": "length", "length": len(ids)})
+    rest.rid = "streamed"
+    whole = _finished(ids, {"type": "length", "length": len(ids)})
+    whole.rid = "whole"
+    texts = manager.handle(BatchTokenIDOut([rest, whole])).texts
+    assert texts == [tokenizer.decode(ids), tokenizer.decode(ids)]
+    assert manager._states == {}
