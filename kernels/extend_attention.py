@@ -15,9 +15,16 @@ New token i of a request sees every prefix token (any tier, order-free) and new 
 tokens x the KV_GROUP query heads of one kv-head as the rows of one tile
 (row r -> token r // BLOCK_G, head r % BLOCK_G), so each prefix page is read once per
 kv-head and query block.
+
+Tiled launch (`tiles=(tile_req, tile_blk)`, CUDA-graph prefill): grid = (len(tile_req), Hkv)
+and program t takes block tile_blk[t] of request tile_req[t], at the fixed config
+GRAPH_CONFIG (BLOCK_T = graph_block_tokens(kv_group) new tokens per tile; build_tiles lists
+them). The grid then depends on the tile buffer's length alone, not on the batch; spare tiles
+name a request with no new tokens and return at once.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -40,12 +47,46 @@ else:
         triton.Config({"BLOCK_ROWS": r, "BLOCK_N": n}, num_warps=w, num_stages=s)
         for r, n, w, s in ((32, 64, 4, 2), (32, 32, 2, 3), (16, 64, 2, 2), (32, 64, 4, 3))
     ]
+# The tiled (graph) launch's config: the host builds tiles for its BLOCK_ROWS, so it is not tuned.
+GRAPH_CONFIG = (dict(BLOCK_ROWS=16, BLOCK_N=16, num_warps=4, num_stages=1) if is_interpret()
+                else dict(BLOCK_ROWS=32, BLOCK_N=64, num_warps=4, num_stages=2))
+
+
+def graph_block_tokens(kv_group: int) -> int:
+    """New tokens per tile of the tiled launch (GRAPH_CONFIG rows over next_pow2(kv_group) heads)."""
+    return max(1, GRAPH_CONFIG["BLOCK_ROWS"] // next_pow2(kv_group))
+
+
+def max_tiles(num_tokens: int, num_reqs: int, block_tokens: int) -> int:
+    """Tiles any batch of <= num_tokens new tokens over <= num_reqs requests needs: each request
+    has at most one partial tile."""
+    return -(-num_tokens // block_tokens) + num_reqs
+
+
+def build_tiles(extend_lens, block_tokens: int, num_tiles: int, spare_req: int):
+    """(tile_req, tile_blk) int32 numpy arrays of length num_tiles: every block of every request,
+    deepest blocks first (a block's causal work grows with its index, so the long ones start
+    first), then spare tiles (spare_req, 0), where spare_req must have no new tokens."""
+    import numpy as np
+
+    lens = np.asarray(extend_lens, dtype=np.int64)
+    per_req = -(-lens // block_tokens)
+    total = int(per_req.sum())
+    assert total <= num_tiles, (total, num_tiles)
+    req = np.repeat(np.arange(len(lens), dtype=np.int32), per_req)
+    first = np.repeat(np.cumsum(per_req) - per_req, per_req)
+    blk = (np.arange(total) - first).astype(np.int32)
+    order = np.argsort(-blk, kind="stable")
+    tile_req = np.full(num_tiles, spare_req, dtype=np.int32)
+    tile_blk = np.zeros(num_tiles, dtype=np.int32)
+    tile_req[:total], tile_blk[:total] = req[order], blk[order]
+    return tile_req, tile_blk
 
 
 @triton.autotune(configs=_EXTEND_CONFIGS, key=["HEAD_DIM", "PAGE", "BLOCK_G", "GROUP_SIZE"])
 @triton.jit
 def _extend_tiered_kernel(
-    q_ptr, kn_ptr, vn_ptr, o_ptr, qo_indptr_ptr,
+    q_ptr, kn_ptr, vn_ptr, o_ptr, qo_indptr_ptr, tile_req_ptr, tile_blk_ptr,
     k16_ptr, v16_ptr,
     k8_ptr, v8_ptr, k8s_ptr, k8z_ptr, v8s_ptr, v8z_ptr,
     k4_ptr, v4_ptr, k4s_ptr, k4z_ptr, v4s_ptr, v4z_ptr,
@@ -57,11 +98,16 @@ def _extend_tiered_kernel(
     qk_scale,
     KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, TILED: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    if TILED:
+        tile = tl.program_id(0)
+        b = tl.load(tile_req_ptr + tile)
+        blk = tl.load(tile_blk_ptr + tile)
+    else:
+        b = tl.program_id(0)
+        blk = tl.program_id(2)
     kv_head = tl.program_id(1)
-    blk = tl.program_id(2)
     BLOCK_T: tl.constexpr = BLOCK_ROWS // BLOCK_G  # new tokens per program
     q_start = tl.load(qo_indptr_ptr + b)
     n_new = tl.load(qo_indptr_ptr + b + 1) - q_start
@@ -128,9 +174,12 @@ def extend_attention_tiered(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor,
     layer: TieredKVLayer, prefix_tables: TieredBlockTables, sm_scale: Optional[float] = None,
     max_extend_len: Optional[int] = None, out: Optional[torch.Tensor] = None, check: bool = True,
+    tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """check=False skips the layout checks of `layer` and `prefix_tables` (callers that
-    checked them once, e.g. an attention backend running many layers over one batch)."""
+    checked them once, e.g. an attention backend running many layers over one batch).
+    tiles: (tile_req, tile_blk) int32 device tensors from build_tiles: the tiled launch (module
+    doc), which reads no host value of the batch (max_extend_len is then unused)."""
     if check:
         layer.check()
     N, Hq, D = q.shape
@@ -144,12 +193,12 @@ def extend_attention_tiered(
     if check:
         prefix_tables.check(PAGE)
     assert prefix_tables.batch_size == B
-    if max_extend_len is None:  # host sync; pass it in from the scheduler to avoid one
+    if max_extend_len is None and tiles is None:  # host sync; pass it in from the scheduler to avoid one
         max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if B > 0 else 0
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
-    if N == 0 or max_extend_len == 0:
+    if N == 0 or (tiles is None and max_extend_len == 0):
         return out
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     kv_group = Hq // Hkv
@@ -161,13 +210,18 @@ def extend_attention_tiered(
         block_t = max(1, meta["BLOCK_ROWS"] // block_g)
         return (B, Hkv, triton.cdiv(max_extend_len, block_t))
 
-    # the autotuner's key: its key arguments and every tensor argument's dtype
-    tune_key = (D, PAGE, block_g, layer.group_size, q.dtype, k_new.dtype, out.dtype, qo_indptr.dtype,
-                f16.k.dtype, i8.k.dtype, i8.k_scale.dtype, i8.k_zero.dtype, i4.k.dtype, i4.k_scale.dtype,
-                i4.k_zero.dtype, bt[0].dtype, bt[1].dtype, bt[2].dtype, ln[0].dtype, ln[1].dtype, ln[2].dtype)
-    _launch_extend(
-        tune_key, grid,
-        q, k_new, v_new, out, qo_indptr,
+    if tiles is not None:
+        assert block_g <= GRAPH_CONFIG["BLOCK_ROWS"], "the tiled launch needs kv_group <= its BLOCK_ROWS"
+        assert tiles[0].dtype == tiles[1].dtype == torch.int32 and tiles[0].shape == tiles[1].shape
+        launch, tile_args = functools.partial(_launch_tiled, (tiles[0].shape[0], Hkv)), tiles
+    else:
+        # the autotuner's key: its key arguments and every tensor argument's dtype
+        tune_key = (D, PAGE, block_g, layer.group_size, q.dtype, k_new.dtype, out.dtype, qo_indptr.dtype,
+                    f16.k.dtype, i8.k.dtype, i8.k_scale.dtype, i8.k_zero.dtype, i4.k.dtype, i4.k_scale.dtype,
+                    i4.k_zero.dtype, bt[0].dtype, bt[1].dtype, bt[2].dtype, ln[0].dtype, ln[1].dtype, ln[2].dtype)
+        launch, tile_args = functools.partial(_launch_extend, tune_key, grid), (qo_indptr, qo_indptr)
+    launch(
+        q, k_new, v_new, out, qo_indptr, *tile_args,
         f16.k, f16.v,
         i8.k, i8.v, i8.k_scale, i8.k_zero, i8.v_scale, i8.v_zero,
         i4.k, i4.v, i4.k_scale, i4.k_zero, i4.v_scale, i4.v_zero,
@@ -180,11 +234,17 @@ def extend_attention_tiered(
         i8.k_scale.stride(0), i8.k_scale.stride(1), i4.k_scale.stride(0), i4.k_scale.stride(1),
         sm_scale * LOG2E,
         KV_GROUP=kv_group, BLOCK_G=block_g, HEAD_DIM=D, GROUP_SIZE=layer.group_size, PAGE=PAGE,
+        TILED=tiles is not None,
     )
     return out
 
 
 _launch_extend = TunedLauncher(_extend_tiered_kernel)
+
+
+def _launch_tiled(grid, *args, **kwargs) -> None:
+    """The tiled launch at GRAPH_CONFIG, past the autotuner (its tiles are built for that config)."""
+    _extend_tiered_kernel.fn[grid](*args, **kwargs, **GRAPH_CONFIG)
 
 
 def extend_attention_tiered_reference(q, k_new, v_new, qo_indptr, layer: TieredKVLayer,

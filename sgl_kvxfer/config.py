@@ -43,6 +43,11 @@ class EngineConfig:
     # attention backend only. cuda_graph_max_bs None: min(max_running_requests, 256).
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    # Prefill (extend) forwards replayed from CUDA graphs, one per token bucket
+    # (engine/prefill_graph_runner.py). Off by default: it pays where prefill steps are bound by
+    # kernel launches (small models); max tokens None: the scheduler's max_prefill_tokens.
+    enable_prefill_cuda_graph: bool = False
+    prefill_cuda_graph_max_tokens: int | None = None
     # SpectrumKV (issue 4); budget 1.0 keeps every token at the model dtype.
     kv_tier_budget: float = 1.0
     kv_tier_policy: str = "greedy"
@@ -76,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.prefill_cuda_graph_max_tokens is not None and self.prefill_cuda_graph_max_tokens < 16:
+            raise ValueError(f"prefill_cuda_graph_max_tokens must be >= 16, got {self.prefill_cuda_graph_max_tokens}")
         if self.attention_backend == "triton" and self.page_size > 1 and (
                 self.page_size < 16 or self.page_size & (self.page_size - 1)):
             raise ValueError(f"--attention-backend triton needs --page-size 1 (default 64) or a power "

@@ -69,6 +69,8 @@ def run_engine(args, model_dir, prompts):
         kwargs["mem_fraction_static"] = args.mem_fraction_static
     if args.max_prefill_tokens:
         kwargs["max_prefill_tokens"] = args.max_prefill_tokens
+    if args.enable_prefill_cuda_graph:
+        kwargs["enable_prefill_cuda_graph"] = True
     engine = Engine(model_dir, **{k: v for k, v in kwargs.items() if v is not None})
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     # Warm-up over the same prompts with a few new tokens, so one-time Triton JIT compiles and
@@ -95,6 +97,8 @@ def run_engine(args, model_dir, prompts):
         result["decode_step"] = decode_roofline(engine, prompts, args)
     dtype, arch = engine.runner.dtype, engine.runner.arch
     result["max_prefill_tokens"] = engine.server_args.scheduler.max_prefill_tokens
+    graphs = engine.runner.prefill_graph_runner
+    result["prefill_graph_replays"] = graphs.replays if graphs is not None else 0
     engine.shutdown()
     del engine
     import gc
@@ -243,6 +247,8 @@ def main() -> None:
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--max-prefill-tokens", type=int, default=None, help="engine default: 16384")
+    p.add_argument("--enable-prefill-cuda-graph", action="store_true",
+                   help="replay prefill steps from CUDA graphs (engine/prefill_graph_runner.py)")
     p.add_argument("--roofline-batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs per engine (and per HF batch size); throughput from the median")

@@ -234,6 +234,7 @@ def main() -> None:
     p.add_argument("--mem-fraction-static", type=float, default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--max-prefill-tokens", type=int, default=None)
+    p.add_argument("--enable-prefill-cuda-graph", action="store_true")
     p.add_argument("--torch-profile", action="store_true", help="also list top kernels per phase")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also run the workload under cProfile and list its top N functions by own time")
@@ -266,7 +267,8 @@ def main() -> None:
     kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
                   tokenizer_path=args.tokenizer_path,
                   attention_backend=args.attention_backend, mem_fraction_static=args.mem_fraction_static,
-                  chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens)
+                  chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens,
+                  enable_prefill_cuda_graph=args.enable_prefill_cuda_graph)
     engine = Engine(model_dir, **{k: v for k, v in kwargs.items() if v is not None})
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
     engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 4})  # JIT, autotune

@@ -16,6 +16,7 @@ from sgl_kvxfer.config import EngineConfig
 from sgl_kvxfer.engine.cuda_graph_runner import create_cuda_graph_runner
 from sgl_kvxfer.engine.forward_batch import ForwardBatch
 from sgl_kvxfer.engine.memory import kv_pool_tokens
+from sgl_kvxfer.engine.prefill_graph_runner import create_prefill_graph_runner
 from sgl_kvxfer.layers.attention import create_attention_backend
 from sgl_kvxfer.mem_cache import create_kv_pool, create_slot_allocator
 from sgl_kvxfer.mem_cache.req_to_token import ReqToTokenPool
@@ -24,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, max_running_requests: int | None = None):
+    def __init__(self, config: EngineConfig, max_running_requests: int | None = None,
+                 max_prefill_tokens: int = 16384):
         from sgl_kvxfer.models.arch_config import ModelArchConfig
         from sgl_kvxfer.models.loader import load_model, resolve_dtype, resolve_model_path
 
@@ -67,6 +69,7 @@ class ModelRunner:
                     self.model_dir, self.dtype, self.device, self.max_total_tokens,
                     self.kv_pool.bytes_per_token(), self.page_size, config.resolved_attention_backend)
         self.graph_runner = create_cuda_graph_runner(self)  # None where decode graphs do not apply
+        self.prefill_graph_runner = create_prefill_graph_runner(self, max_prefill_tokens)  # None: off
 
     def _prepack_cpu(self) -> None:
         """bf16 on CPU: oneDNN linears with weights packed once (models/cpu_linear.py)."""
@@ -90,6 +93,8 @@ class ModelRunner:
         logits; the caller consumes it before the next forward (process_logits does)."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)  # decode: logits_positions == arange(B)
+        if self.prefill_graph_runner is not None and self.prefill_graph_runner.can_run(batch):
+            return self.prefill_graph_runner.replay(batch)
         batch.attn_backend = self.attn_backend
         self.attn_backend.prepare_metadata(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch)

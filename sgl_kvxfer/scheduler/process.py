@@ -34,7 +34,7 @@ def build_scheduler(server_args: ServerArgs):
     from sgl_kvxfer.scheduler.scheduler import Scheduler
 
     cfg = server_args.scheduler
-    runner = ModelRunner(cfg.engine, cfg.max_running_requests)
+    runner = ModelRunner(cfg.engine, cfg.max_running_requests, cfg.max_prefill_tokens)
     tokenizer_path = resolve_tokenizer_path(runner.model_dir, cfg.engine.tokenizer_path)
     scheduler = Scheduler(cfg, runner, load_tokenizer(tokenizer_path))
     info = {

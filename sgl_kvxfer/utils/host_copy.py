@@ -17,6 +17,15 @@ from array import array
 import torch
 
 
+def pinned(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`host` staged in pinned memory when `device` is CUDA (as is otherwise): the source of a
+    non_blocking copy_ into an existing device tensor."""
+    if torch.device(device).type != "cuda":
+        return host
+    staged = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    return staged.copy_(host)
+
+
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A copy of CPU tensor `host` on `device` (always a new tensor, also on CPU)."""
     device = torch.device(device)

@@ -17,6 +17,8 @@ from sgl_kvxfer.mem_cache.kv_pool import KVPool
 class AttentionBackend(ABC):
     # True when `prepare_graph_metadata` is implemented (engine/cuda_graph_runner.py).
     supports_cuda_graph = False
+    # True when `prepare_extend_graph_metadata` is implemented (engine/prefill_graph_runner.py).
+    supports_prefill_graph = False
 
     def __init__(self, kv_pool: KVPool, num_q_heads: int, num_kv_heads: int, head_dim: int):
         self.kv_pool = kv_pool
@@ -46,6 +48,14 @@ class AttentionBackend(ABC):
         tensors alone (no host sync, `seq_lens_cpu` unused) and with every shape a function of
         the batch size and `max_seq_len` (>= every seq_len), so one capture serves all replays."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_extend_graph_metadata(self, batch: ForwardBatch, prefix_lens: torch.Tensor,
+                                      qo_indptr: torch.Tensor, tiles: tuple, max_seq_len: int) -> None:
+        """CUDA-graph prefill plan for an EXTEND batch over fixed request rows, from device
+        tensors alone: prefix_lens int32 [R], qo_indptr int32 [R + 1] (rows without new tokens
+        included), tiles (tile_req, tile_blk) from kernels.extend_attention.build_tiles. Every
+        shape is a function of the static buffers' sizes and `max_seq_len`."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA-graph prefill")
 
 
 def rotate_and_attend(backend, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer_id: int,

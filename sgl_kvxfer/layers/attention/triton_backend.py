@@ -42,10 +42,12 @@ class _TritonPlan:
     split_plan: tuple | None = None  # decode: kernels.decode_attention.plan_splits for `tables`
     even_splits: bool = False  # decode: each request spreads its own pages over the splits
     request_order: torch.Tensor | None = None  # decode: int32 [B], longest request first
+    tiles: tuple | None = None  # graph extend: (tile_req, tile_blk), the kernel's tiled launch
 
 
 class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
+    supports_prefill_graph = True
 
     def __init__(self, kv_pool, num_q_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(kv_pool, num_q_heads, num_kv_heads, head_dim)
@@ -107,6 +109,14 @@ class TritonAttentionBackend(AttentionBackend):
         batch.attn_metadata = _TritonPlan(tables, None, 1, self._split_plan(tables), even_splits=True,
                                           request_order=self._request_order(tables))
 
+    def prepare_extend_graph_metadata(self, batch, prefix_lens, qo_indptr, tiles, max_seq_len) -> None:
+        """Graph prefill: prefix tables of the fixed width cdiv(max_seq_len, PAGE) over the static
+        request rows, and the extend kernel's tiled launch (no host value of the live batch)."""
+        assert batch.mode == ForwardMode.EXTEND
+        tables = self._tables(batch, prefix_lens, -(-max_seq_len // self.page_size))
+        tables.check(self.page_size)
+        batch.attn_metadata = _TritonPlan(tables, qo_indptr, 0, tiles=tiles)
+
     def _request_order(self, tables):
         """Longest request first (env DECODE_LONGEST_FIRST): one device argsort per batch, no sync."""
         from sgl_kvxfer import env
@@ -166,4 +176,5 @@ class TritonAttentionBackend(AttentionBackend):
                                 split_plan=plan.split_plan, check=False, even_splits=plan.even_splits,
                                 request_order=plan.request_order)
         return self._extend(q, k.contiguous(), v.contiguous(), plan.qo_indptr, self.layers[layer_id],
-                            plan.tables, sm_scale=self.scale, max_extend_len=plan.max_extend_len, check=False)
+                            plan.tables, sm_scale=self.scale, max_extend_len=plan.max_extend_len, check=False,
+                            tiles=plan.tiles)
