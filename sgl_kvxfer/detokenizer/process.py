@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from sgl_kvxfer.config import ServerArgs
+from sgl_kvxfer.detokenizer.byte_level import ByteLevelDecoder
 from sgl_kvxfer.detokenizer.incremental import IncrementalDetokenizer, render_finished
 from sgl_kvxfer.message import BatchStrOut, BatchTokenIDOut, ReqOutput
 from sgl_kvxfer.message.queue import PullQueue, PushQueue
@@ -22,6 +23,8 @@ class DetokenizerManager:
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer  # None under --skip-tokenizer-init: texts stay ""
         self._states: dict[str, IncrementalDetokenizer] = {}
+        if tokenizer is not None:
+            ByteLevelDecoder.of(tokenizer)  # build its table now, not on the first request
 
     def _text(self, out: ReqOutput) -> str:
         if self._tokenizer is None:

@@ -27,6 +27,9 @@ class Engine:
         self.runner = ModelRunner(cfg.engine, cfg.max_running_requests, cfg.max_prefill_tokens)
         self.tokenizer = load_tokenizer(resolve_tokenizer_path(self.runner.model_dir, cfg.engine.tokenizer_path))
         self.scheduler = Scheduler(cfg, self.runner, self.tokenizer)
+        from sgl_kvxfer.detokenizer.byte_level import ByteLevelDecoder
+
+        ByteLevelDecoder.of(self.tokenizer)  # build its table now, not on the first request
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,

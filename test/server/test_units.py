@@ -166,3 +166,24 @@ def test_detokenizer_manager_renders_streamed_and_unstreamed_alike(tokenizer):
     texts = manager.handle(BatchTokenIDOut([rest, whole])).texts
     assert texts == [tokenizer.decode(ids), tokenizer.decode(ids)]
     assert manager._states == {}
+
+
+def test_byte_level_table_decodes_like_the_backend(tokenizer):
+    """The table-driven decode (detokenizer/byte_level.py) equals the Rust decode on random ids:
+    split multi-byte characters, special tokens kept and skipped, ids past the vocabulary."""
+    import random
+
+    from sgl_kvxfer.detokenizer.byte_level import ByteLevelDecoder
+
+    fast, backend = ByteLevelDecoder.of(tokenizer), tokenizer.backend_tokenizer
+    assert fast is not None and ByteLevelDecoder.of(tokenizer) is fast  # built once per tokenizer
+    n = backend.get_vocab_size(with_added_tokens=True)
+    rng = random.Random(0)
+    seqs = [[rng.randrange(n) for _ in range(rng.randrange(0, 64))] for _ in range(400)]
+    seqs += [[rng.choice([0, 1, 2, 17, n - 1, n + 5, rng.randrange(n)]) for _ in range(12)] for _ in range(100)]
+    seqs += [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
+    seqs += [s[:k] for s in seqs[-3:] for k in range(len(s))]  # every prefix: characters cut mid-way
+    for skip in (True, False):
+        got = [fast.decode(s, skip) for s in seqs]
+        assert got == [backend.decode(s, skip_special_tokens=skip) for s in seqs]
+    assert any("\ufffd" in g for g in got) and any(tokenizer.eos_token in g for g in got)
