@@ -69,6 +69,33 @@ def graph_unsupported_reason(runner) -> str | None:
     return None
 
 
+def capture_graphs(sizes: list[int], step, what: str, size_name: str) -> dict[int, "torch.cuda.CUDAGraph"]:
+    """One CUDA graph of `step(size)` per size, largest first, all in one memory pool (smaller
+    graphs reuse the largest one's blocks), each after WARMUP_RUNS eager runs on the capture
+    stream (Triton JIT and autotune happen there). Shared by decode and prefill graphs."""
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graphs = {}
+    for size in sorted(sizes, reverse=True):
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                step(size)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            step(size)
+        graphs[size] = graph
+    torch.cuda.synchronize()
+    used = (free_before - torch.cuda.mem_get_info()[0]) / 2**30
+    logger.info("captured %d %s CUDA graphs (%s %s) in %.1f s, %.2f GiB", len(graphs), what, size_name,
+                sorted(sizes), time.perf_counter() - t0, used)
+    return graphs
+
+
 def create_cuda_graph_runner(runner) -> "CudaGraphRunner | None":
     """Capture at model-runner init (after the KV pool exists), or None where graphs do not apply."""
     reason = graph_unsupported_reason(runner)
@@ -156,23 +183,4 @@ class CudaGraphRunner:
         empty, so its config pick is not informed by real lengths (the eager path tunes on the
         first decode batch, equally arbitrary). Graphs keep the pick until restart."""
         self._inputs.copy_(self._padding)
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
-        t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        for bs in reversed(self.buckets):
-            with torch.cuda.stream(stream):
-                for _ in range(WARMUP_RUNS):
-                    self.decode_step_static(bs)
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.decode_step_static(bs)
-            self.graphs[bs] = graph
-            logger.debug("captured CUDA graph for decode batch size %d", bs)
-        torch.cuda.synchronize()
-        used = (free_before - torch.cuda.mem_get_info()[0]) / 2**30
-        logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s, %.2f GiB",
-                    len(self.graphs), self.buckets, time.perf_counter() - t0, used)
+        self.graphs = capture_graphs(self.buckets, self.decode_step_static, "decode", "batch sizes")

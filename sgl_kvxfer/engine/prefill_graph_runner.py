@@ -31,17 +31,16 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 
 import numpy as np
 import torch
 
+from sgl_kvxfer.engine.cuda_graph_runner import capture_graphs
 from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.utils.host_copy import pinned
 
 logger = logging.getLogger(__name__)
 
-WARMUP_RUNS = 2  # eager runs per bucket before capture: Triton JIT happens here
 SMALL_BUCKETS = (256, 512, 1024, 2048, 4096)
 BUCKET_STEP = 2048  # above the small buckets: a bucket wastes < 2048 padding tokens
 
@@ -124,7 +123,7 @@ class PrefillGraphRunner:
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(batch.logits_positions), vocab] fp32 of an extend batch, as
         ModelRunner.forward returns them (a new tensor)."""
-        T, B, R = batch.num_tokens, batch.batch_size, self.num_rows
+        T, B = batch.num_tokens, batch.batch_size
         tb = self.bucket_for(T)
         self._tokens[:, :T].copy_(torch.stack([batch.input_ids, batch.positions, batch.out_cache_loc]))
         if tb > T:  # columns a larger earlier batch left live must read as padding again
@@ -172,24 +171,6 @@ class PrefillGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        """Largest bucket first, all graphs in one memory pool. The static buffers are padding
-        here (no request has new tokens), so warm-up and capture write only the scratch page."""
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
-        t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        for tb in reversed(self.buckets):
-            with torch.cuda.stream(stream):
-                for _ in range(WARMUP_RUNS):
-                    self.extend_step_static(tb)
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.extend_step_static(tb)
-            self.graphs[tb] = graph
-        torch.cuda.synchronize()
-        used = (free_before - torch.cuda.mem_get_info()[0]) / 2**30
-        logger.info("captured %d prefill CUDA graphs (tokens %s) in %.1f s, %.2f GiB",
-                    len(self.graphs), self.buckets, time.perf_counter() - t0, used)
+        """The static buffers are padding here (no request has new tokens), so warm-up and
+        capture write only the scratch page."""
+        self.graphs = capture_graphs(self.buckets, self.extend_step_static, "prefill", "tokens")

@@ -31,9 +31,7 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return host.clone()
-    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-    pinned.copy_(host)
-    return pinned.to(device, non_blocking=True)
+    return pinned(host, device).to(device, non_blocking=True)
 
 
 def int64_to_device(lists, device: torch.device | str) -> torch.Tensor:
