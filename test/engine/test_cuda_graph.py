@@ -79,6 +79,31 @@ def _kv(pool):
     return [b.clone() for b in pool.k_buffer + pool.v_buffer]
 
 
+def _eager_then_static(pool, fb, eager_forward, replay):
+    """Run `fb` eagerly, put the KV pool back as it was, then run it through `replay`.
+    Returns (eager logits, static logits, KV after eager, KV after static)."""
+    before = _kv(pool)
+    ref = eager_forward(fb).clone()
+    after_eager = _kv(pool)
+    for buf, saved in zip(pool.k_buffer + pool.v_buffer, before):
+        buf.copy_(saved)
+    got = replay(fb).clone()
+    return ref, got, after_eager, _kv(pool)
+
+
+def _assert_kv_differs_only_in_new_slots(after_eager, after_static, fb, page_size, scratch_page):
+    """Page 0 stays zero; the batch's new slots are close; every other slot (scratch page aside)
+    is bitwise equal (never-written pages are torch.empty garbage, NaN included)."""
+    new_pages, new_offs = fb.out_cache_loc // page_size, fb.out_cache_loc % page_size
+    for e, s in zip(after_eager, after_static):
+        assert bool((s[0] == 0).all()), "page 0 must stay zero"
+        assert torch.allclose(s[new_pages, :, new_offs].float(), e[new_pages, :, new_offs].float(), atol=ATOL)
+        s[new_pages, :, new_offs] = e[new_pages, :, new_offs]
+        s[scratch_page], e[scratch_page] = 0, 0
+        assert torch.equal(s.view(torch.int16), e.view(torch.int16)), \
+            "the static path wrote KV outside the batch's new slots"
+
+
 def test_static_decode_matches_eager(tiny_dir):
     """Every decode step runs twice from the same KV state: the eager forward, then the graph
     runner's static path. Decode batch sizes 4, 3, 2, 2, 1 (bucket 4 without and with a padding
@@ -99,13 +124,7 @@ def test_static_decode_matches_eager(tiny_dir):
                 return eager_forward(fb)
             assert static.can_run(fb)
             assert torch.equal(fb.logits_positions.cpu(), torch.arange(fb.batch_size))
-            before = _kv(pool)
-            ref = eager_forward(fb).clone()
-            after_eager = _kv(pool)
-            for buf, saved in zip(pool.k_buffer + pool.v_buffer, before):
-                buf.copy_(saved)
-            got = static.replay(fb).clone()
-            after_static = _kv(pool)
+            ref, got, after_eager, after_static = _eager_then_static(pool, fb, eager_forward, static.replay)
             B, bs = fb.batch_size, bucket_for(fb.batch_size, static.buckets)
             assert bool((static.out_cache_loc[B:bs] == pool.scratch_slot).all())  # padding rows,
             assert bool((static.seq_lens[B:bs] == 0).all())  # also where an earlier batch was live
@@ -113,15 +132,7 @@ def test_static_decode_matches_eager(tiny_dir):
             assert got.shape == ref.shape
             # dummy-weight logits are ~0.5: 5e-3 is ~20 fp16 ulps (seen: 5e-4)
             assert (got - ref).abs().max() < 5e-3, (B, (got - ref).abs().max())
-            new_pages, new_offs = fb.out_cache_loc // P, fb.out_cache_loc % P
-            for e, s in zip(after_eager, after_static):
-                assert bool((s[0] == 0).all()), "page 0 must stay zero"
-                assert torch.allclose(s[new_pages, :, new_offs].float(), e[new_pages, :, new_offs].float(), atol=ATOL)
-                s[new_pages, :, new_offs] = e[new_pages, :, new_offs]
-                s[scratch_page], e[scratch_page] = 0, 0
-                # bitwise (never-written pages are torch.empty garbage, NaN included)
-                assert torch.equal(s.view(torch.int16), e.view(torch.int16)), \
-                    "the static path wrote KV outside the batch's new slots"
+            _assert_kv_differs_only_in_new_slots(after_eager, after_static, fb, P, scratch_page)
             seen.append(fb.batch_size)
             return got
 

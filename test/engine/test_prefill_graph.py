@@ -13,7 +13,9 @@ from sgl_kvxfer.engine.forward_batch import ForwardMode
 from sgl_kvxfer.engine.prefill_graph_runner import (PrefillGraphRunner, prefill_graph_buckets,
                                                     prefill_graph_unsupported_reason)
 
-from test_cuda_graph import ATOL, TINY, _assert_greedy_close, _engine, _kv, _prompts, tiny_dir  # noqa: F401
+from test_cuda_graph import (  # noqa: F401
+    ATOL, TINY, _assert_greedy_close, _assert_kv_differs_only_in_new_slots, _eager_then_static, _engine, _prompts,
+    tiny_dir)
 
 
 def test_prefill_buckets():
@@ -69,27 +71,14 @@ def test_static_prefill_matches_eager(tiny_dir):
             if not static.can_run(fb):
                 seen.append(("eager", fb.num_tokens))
                 return eager_forward(fb)
-            before = _kv(pool)
-            ref = eager_forward(fb).clone()
-            after_eager = _kv(pool)
-            for buf, saved in zip(pool.k_buffer + pool.v_buffer, before):
-                buf.copy_(saved)
-            got = static.replay(fb)
-            after_static = _kv(pool)
+            ref, got, after_eager, after_static = _eager_then_static(pool, fb, eager_forward, static.replay)
             T, tb = fb.num_tokens, static.bucket_for(fb.num_tokens)
             assert bool((static.out_cache_loc[T:tb] == pool.scratch_slot).all())  # padding tokens,
             assert bool((static.positions[T:tb] == 0).all())  # also where an earlier batch was live
             assert int(static.qo_indptr[-1]) == T and int(static.qo_indptr[fb.batch_size]) == T
             assert got.shape == ref.shape
             assert (got - ref).abs().max() < 5e-3, (T, (got - ref).abs().max())
-            new_pages, new_offs = fb.out_cache_loc // P, fb.out_cache_loc % P
-            for e, s in zip(after_eager, after_static):
-                assert bool((s[0] == 0).all()), "page 0 must stay zero"
-                assert torch.allclose(s[new_pages, :, new_offs].float(), e[new_pages, :, new_offs].float(), atol=ATOL)
-                s[new_pages, :, new_offs] = e[new_pages, :, new_offs]
-                s[scratch_page], e[scratch_page] = 0, 0
-                assert torch.equal(s.view(torch.int16), e.view(torch.int16)), \
-                    "the static path wrote KV outside the batch's new slots"
+            _assert_kv_differs_only_in_new_slots(after_eager, after_static, fb, P, scratch_page)
             seen.append((tb, T, [int(n) for n in fb.extend_prefix_lens]))
             return got
 
