@@ -37,8 +37,18 @@ setup(
         "triton",
         "ninja",  # builds the native CPU kernels (kernels/cpu_ops.py) on first use, with the system g++
     ],
+    # "test": what the test suite and the benchmarks run besides the runtime, including the real
+    # SGLang clients. SGLang 0.5.23 itself is installed with --no-deps (README): its declared
+    # dependencies are the GPU server's (CUDA torch 2.14, flashinfer, ...); the client modules
+    # (frontend DSL, bench_serving) import only the packages below.
     extras_require={
-        "test": ["pytest", "pytest-timeout", "requests", "aiohttp", "openai", "matplotlib", "psutil"],
+        "test": [
+            "pytest", "pytest-timeout", "requests", "aiohttp", "openai", "matplotlib", "psutil",
+            # sglang.lang (the frontend DSL)
+            "orjson", "pybase64", "pillow", "IPython", "packaging", "pydantic", "starlette",
+            # sglang.bench_serving (torchvision: benchmarks/common/torchvision_stub)
+            "datasets", "sentencepiece", "compressed-tensors", "apache-tvm-ffi",
+        ],
     },
     entry_points={"console_scripts": ["sgl-kvxfer-server=sgl_kvxfer.launch_server:main"]},
 )

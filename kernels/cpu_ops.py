@@ -13,10 +13,12 @@ padded copy of every request's KV. These four ops replace that:
                      scale) -> [B, Hq, D]   (reads the pool in place through table rows)
 
 Each has a `*_reference` torch function below (the model's own torch path) and a test in
-test/kernels/test_cpu_ops.py. The extension is compiled on first use with the system C++
-compiler (-O3 -march=native -fopenmp, about a minute on 2 cores) and cached by torch under
-$TORCH_EXTENSIONS_DIR; `available()` is False where no compiler or ninja is found, and callers
-then keep the torch path.
+test/kernels/test_cpu_ops.py. The extension is compiled with the system C++ compiler for the
+CPU's ISA level (sgl_kvxfer/utils/cpu_isa.py: -march=x86-64-v3 on AVX2, -march=native with
+512-bit vectors on AVX-512; about a minute on 2 cores) and cached by torch under
+$TORCH_EXTENSIONS_DIR. The engine builds it at start-up, before it reports ready
+(`engine/model_runner.py`); `available()` is False where no compiler or ninja is found, and
+callers then keep the torch path.
 """
 from __future__ import annotations
 
@@ -39,8 +41,10 @@ _load_error: str | None = None
 
 
 def _build_tag() -> str:
-    """Key of the cached build: -march=native code is only valid on this CPU model, and torch
-    rebuilds on changed sources but not on a changed header, so both go into the name."""
+    """Key of the cached build: code built for one CPU model and ISA level is only valid there,
+    and torch rebuilds on changed sources but not on a changed header, so all go into the name."""
+    from sgl_kvxfer.utils import cpu_isa
+
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -48,6 +52,7 @@ def _build_tag() -> str:
     except OSError:
         pass
     h = hashlib.sha1(name.encode())
+    h.update(" ".join(cpu_isa.native_build_flags()).encode())
     for f in sorted(os.listdir(_CSRC)):
         with open(os.path.join(_CSRC, f), "rb") as fh:
             h.update(fh.read())
@@ -55,22 +60,36 @@ def _build_tag() -> str:
 
 
 def load():
-    """The compiled extension module (builds it once per machine); raises on failure."""
+    """The compiled extension module; builds it once per machine and ISA level (about a minute
+    on 2 cores, announced with a start and a "done in N s" line; silent when cached). Raises on
+    failure."""
     global _module, _load_error
     if _module is not None:
         return _module
     if _load_error is not None:
         raise RuntimeError(_load_error)
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as load_ext
 
+    from sgl_kvxfer.utils import cpu_isa
+
+    name = f"sgl_kvxfer_cpu_ops_{_build_tag()}"
+    start = time.perf_counter()
     try:
-        logger.info("building the native CPU kernels (first use on this machine; ~1 min)")
-        _module = load_ext(name=f"sgl_kvxfer_cpu_ops_{_build_tag()}", sources=_SOURCES, extra_include_paths=[_CSRC],
-                           extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffp-contract=off"],
+        cached = os.path.exists(os.path.join(_get_build_directory(name, verbose=False), name + ".so"))
+        if not cached:
+            logger.info("building the native CPU kernels for %s (once per machine, about a minute)...",
+                        cpu_isa.level())
+        _module = load_ext(name=name, sources=_SOURCES, extra_include_paths=[_CSRC],
+                           extra_cflags=["-O3", *cpu_isa.native_build_flags(), "-fopenmp", "-ffp-contract=off"],
                            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, ...: callers fall back to torch
         _load_error = f"native CPU kernels unavailable: {type(e).__name__}: {str(e)[-400:]}"
         raise RuntimeError(_load_error) from e
+    if not cached:
+        logger.info("native CPU kernels built: done in %.0f s", time.perf_counter() - start)
     return _module
 
 

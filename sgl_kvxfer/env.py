@@ -43,9 +43,16 @@ CPU_KERNELS = EnvVar(
     "0: on CPU bf16 keep the torch path instead of the native C++ kernels (kernels/cpu_ops.py: "
     "RMSNorm / RoPE / SwiGLU, in-place decode attention, prepacked oneDNN linears)")
 
+CPU_ISA = EnvVar(
+    "SGL_KVXFER_CPU_ISA", "auto",
+    "cap on the CPU instruction set the native CPU paths use: auto (what the CPU has), baseline, "
+    "avx2, avx512, avx512_bf16, amx (sgl_kvxfer/utils/cpu_isa.py); avx2 on an AVX-512 machine "
+    "runs the paths of an AVX2-only CPU")
+
 DECODE_LONGEST_FIRST = EnvVar(
     "SGL_KVXFER_DECODE_LONGEST_FIRST", "1",
     "the triton backend's decode attention serves a batch's requests longest first (one argsort "
     "per batch; kernels/README.md); 0: in batch order")
 
-ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, DECODE_LONGEST_FIRST)
+ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, CPU_ISA,
+       DECODE_LONGEST_FIRST)

@@ -1,10 +1,29 @@
-"""Shared pytest setup: markers and the embedded default model (converted once per machine)."""
+"""Shared pytest setup: markers, the embedded default model (converted once per machine), a
+private temp root, and the CPU ISA cap.
+
+- Every temp file of the run (pytest's tmp_path, server logs, ipc sockets, what child processes
+  write to $TMPDIR) goes under one fresh folder, removed when the run ends: a run leaves nothing
+  in /tmp.
+- SGL_KVXFER_CPU_ISA=avx2 (sgl_kvxfer/utils/cpu_isa.py) runs the suite on an AVX-512 machine as
+  an AVX2-only CPU runs it: our native paths take the cap themselves, and torch's own oneDNN /
+  ATen dispatch is capped here, before torch starts, for this process and every server it spawns.
+"""
 import os
+import shutil
+import tempfile
+
+from sgl_kvxfer.utils.cpu_isa import torch_cap_env
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("PYTEST_TIMEOUT", "900")  # pytest-timeout: no test hangs the run
+for _name, _value in torch_cap_env().items():
+    os.environ.setdefault(_name, _value)
+TMP_ROOT = tempfile.mkdtemp(prefix="sgl_kvxfer_tests_")
+os.environ["TMPDIR"] = TMP_ROOT
+tempfile.tempdir = None  # re-read TMPDIR
 
-import pytest
-import torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton kernels are built when their module is imported: on a CPU-only machine the
 # interpreter must be on before any test module imports them (kernels or engine backend).
@@ -15,6 +34,12 @@ if not torch.cuda.is_available():
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running test (model conversion, real weights)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
+    if not config.option.basetemp:
+        config.option.basetemp = os.path.join(TMP_ROOT, "pytest")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(TMP_ROOT, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

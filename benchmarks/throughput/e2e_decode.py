@@ -1,21 +1,25 @@
-"""End-to-end decode throughput through the Engine's scheduler, per SpectrumKV tier budget.
+"""End-to-end decode throughput through the offline Engine, per SpectrumKV tier budget.
 
-`batch` requests of `context` distinct random tokens each (dummy weights, realistic shapes) are
-prefilled once, then every request decodes together in phases, one per `--backends` entry, the
-runner's attention backend swapped between phases (the torch backend reads the same pool through
-get_kv). Each timed step is one full scheduler iteration (schedule, allocate, forward, sample),
-synchronized. Reports the median decode step, tokens/s (= batch / step), the resident KV bytes
-(per context token and vs fp16) and the weights + KV bytes roofline at the measured copy bandwidth.
+`batch` requests of `context` random tokens each (dummy weights, realistic shapes) run through
+`Engine.generate` only, the public entry point. Per budget and attention backend, one engine:
 
-Each `--kv-tier-budgets` entry is a fresh engine with `--attention-backend triton`:
-    b = 1.0   untiered: paged fp16 pool (page 64), paged Triton kernels for prefill and decode
-    b < 1     TieredKVPool (greedy policy, bytes unit, int4 on): decode runs the token-gather
-              kernel; prefill runs the torch extend path (the tiered backend delegates it), so it
-              uses a smaller chunk (--tiered-chunked-prefill-size; see run()'s NOTE)
-Prefill time is reported too (it includes the Triton JIT of the first chunk).
+    1. prefill: generate(max_new_tokens=1) on every prompt (timed: includes the Triton JIT)
+    2. decode:  generate(max_new_tokens=n1) and generate(max_new_tokens=n2) on the same prompts,
+       each `--repeats` times. The prompts are radix-cache hits by then (one token each is
+       recomputed), so both calls pay the same small prefill and the decode step is
+           step = (T(n2) - T(n1)) / (n2 - n1)      (medians of the repeats)
+       which takes every per-step cost the engine has (scheduling, allocation, forward,
+       sampling, demotion of old tokens at b < 1) and nothing else.
 
-    python benchmarks/throughput/e2e_decode.py --preset llama-3-8b --context 32768 --batch 8 \
-        --kv-tier-budgets 1.0 0.5 0.25
+The pool is sized to hold every request to its last token, from what the device has: the batch
+shrinks (and the result says so) when `batch x (context + n2)` tokens do not fit next to the
+weights. Reports tokens/s (= batch / step), resident KV bytes (per context token, and vs fp16)
+and the weights + KV bytes roofline of the step at the measured copy bandwidth.
+
+    python benchmarks/throughput/e2e_decode.py --preset llama-3-8b --context 16384 32768 \
+        --batch 8 32 --kv-tier-budgets 1.0 0.5 0.25              # GPU
+    python benchmarks/throughput/e2e_decode.py --preset tiny --context 128 --batch 2 \
+        --n1 2 --n2 4 --repeats 1 --device cpu                       # CPU smoke run
 """
 from __future__ import annotations
 
@@ -34,149 +38,113 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.report import device_name, git_commit, write_json  # noqa: E402
 from common.roofline import copy_bandwidth  # noqa: E402
 
+HEADROOM_BYTES = 6 * 2**30  # activations of a prefill chunk, CUDA graphs, the allocator's slack
+
 
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
-def decode_steps(sched, n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        sync()
-        t = time.perf_counter()
-        sched.step()
-        sync()
-        times.append(time.perf_counter() - t)
-    return times
+def kv_bytes_per_token(preset: dict, dtype: str) -> float:
+    dim = preset.get("head_dim") or preset["hidden_size"] // preset["num_attention_heads"]
+    elem = 4 if dtype in ("float", "float32") else 2
+    return 2.0 * preset["num_hidden_layers"] * preset["num_key_value_heads"] * dim * elem
 
 
-def tiered_pool_size(args, budget: float, total: int) -> tuple[int, float]:
-    """(max_total_tokens, kv_tier_staging) for a TieredKVPool that holds every request at the
-    policy's planned tier mix, plus, in the fp16 staging store, one whole request (tokens are
-    tiered when their prefill ends, so the request being prefilled is all fp16) and every
-    request's fp16 decode window (< 2 x kv_decode_recent) and decode tokens. tier_plan.py's
-    arithmetic, inverted; 5% slack on the tiered part."""
-    from sgl_kvxfer.config import EngineConfig
-    from sgl_kvxfer.kernels.tier_codec import payload_bytes
-    from sgl_kvxfer.models.presets import PRESETS
-    from sgl_kvxfer.spectrum.budget import KVLayout
-    from sgl_kvxfer.spectrum.byte_budget import planned_fractions
-    from sgl_kvxfer.spectrum.policies import create_tier_policy
-
-    cfg, arch = EngineConfig(), PRESETS[args.preset]
-    layers, heads = arch["num_hidden_layers"], arch["num_key_value_heads"]
-    dim = arch.get("head_dim") or arch["hidden_size"] // arch["num_attention_heads"]
-    group = cfg.kv_quant_group_size
-    elem = 4 if args.dtype in ("float", "float32") else 2
-    b16, b8, b4 = (2 * layers * heads * payload_bytes(t, dim, group, elem) for t in (0, 1, 2))
-    layout = KVLayout(layers, heads, dim, group)
-    f16, f8, f4 = planned_fractions(create_tier_policy(args.kv_tier_policy), budget, layout, cfg.kv_budget_unit,
-                                    cfg.kv_sink_tokens, True)[:3]
-    resident = (f16 + f8 + f4) or 1.0  # dropped tokens take no slot
-    mix_bytes = (f16 * b16 + f8 * b8 + f4 * b4) / resident if f16 + f8 + f4 else b16
-    stage = args.context + args.batch * (2 * cfg.kv_decode_recent + total) + 2048
-    tiered = 1.05 * args.batch * (args.context + total) * resident
-    size = int((stage * b16 + tiered * mix_bytes) / b16) + 2
-    return size, stage / size
+def weight_bytes(preset: dict, dtype: str) -> float:
+    h, i, v, n = preset["hidden_size"], preset["intermediate_size"], preset["vocab_size"], preset["num_hidden_layers"]
+    dim = preset.get("head_dim") or h // preset["num_attention_heads"]
+    qkv = h * dim * (preset["num_attention_heads"] + 2 * preset["num_key_value_heads"])
+    per_layer = qkv + preset["num_attention_heads"] * dim * h + 3 * h * i + 2 * h
+    elem = 4 if dtype in ("float", "float32") else 2
+    return float(elem * (n * per_layer + v * h * (1 if preset.get("tie_word_embeddings") else 2) + h))
 
 
-def engine_kwargs(args, budget: float, total: int) -> dict:
-    kw = dict(load_format="dummy", dtype=args.dtype, attention_backend="triton", max_running_requests=args.batch)
-    if budget >= 1.0:
-        chunk = args.chunked_prefill_size
-        kw["max_total_tokens"] = args.batch * (args.context + total + 2 * 64) + 1024
-    else:
-        chunk = args.tiered_chunked_prefill_size
-        size, staging = tiered_pool_size(args, budget, total)
-        kw.update(kv_tier_budget=budget, kv_tier_policy=args.kv_tier_policy, kv_int4="on",
-                  max_total_tokens=size, kv_tier_staging=staging)
-    return dict(kw, chunked_prefill_size=chunk, max_prefill_tokens=chunk)
+def fit_batch(args, preset: dict, context: int, batch: int) -> tuple[int, int]:
+    """(batch that fits, pool tokens it needs): every request to its last token, in the KV
+    memory the device has after the weights and HEADROOM_BYTES. An fp16 pool of this size also
+    holds the tiered pools of b < 1 (they get the same memory, divided into smaller tiers)."""
+    need_per_req = context + args.n2 + 2 * 64 + 64  # + the decode window and a page of slack
+    if args.device == "cpu":
+        return batch, batch * need_per_req + 1024
+    free, _ = torch.cuda.mem_get_info()
+    kv_room = free - weight_bytes(preset, args.dtype) - HEADROOM_BYTES
+    fits = int(kv_room // (need_per_req * kv_bytes_per_token(preset, args.dtype)))
+    if fits < 1:
+        raise SystemExit(f"context {context} does not fit this device even at batch 1 "
+                         f"({free / 2**30:.1f} GiB free)")
+    batch = min(batch, fits)
+    return batch, batch * need_per_req + 1024
 
 
-def resident_kv(runner, kv_tokens: int) -> dict:
-    """KV bytes held now (scales included). Tiered: per store from the allocator's occupancy
-    (dropped tokens hold nothing); paged fp16: context tokens x full bytes."""
-    pool, full = runner.kv_pool, runner.kv_pool.bytes_per_token()
-    if getattr(pool, "layout", "") != "tiered":
-        return {"kv_resident_bytes": kv_tokens * full, "kv_full_bytes_per_token": full, "kv_tier_slots_used": None}
-    used = runner.allocator.used_counts()
-    return {"kv_resident_bytes": float(sum(c * pool.token_bytes(t) for t, c in used.items())),
-            "kv_full_bytes_per_token": float(pool.full_bytes_per_token()),
-            "kv_tier_slots_used": [used[t] for t in (0, 1, 2)]}
+def engine_kwargs(args, preset: dict, budget: float, backend: str, pool_tokens: int, batch: int) -> dict:
+    kw = dict(load_format="dummy", dtype=args.dtype, device=args.device, attention_backend=backend,
+              max_running_requests=batch, max_total_tokens=pool_tokens, chunked_prefill_size=args.chunk,
+              max_prefill_tokens=args.chunk)
+    if args.device != "cpu":
+        # what is used now + the weights + the pool, as a fraction (the pool is capped at
+        # max_total_tokens anyway; engine/memory.py)
+        free, total = torch.cuda.mem_get_info()
+        need = total - free + weight_bytes(preset, args.dtype) + pool_tokens * args.kv_bytes + 2**30
+        kw["mem_fraction_static"] = min(0.95, need / total)
+    if budget < 1.0:
+        # `greedy` at the budget; int4 forced on (the probe decides int4 for real models only)
+        kw.update(kv_tier_budget=budget, kv_tier_policy=args.kv_tier_policy, kv_int4="on")
+    return kw
 
 
-def run(args, model_dir: str, prompts: list[list[int]], budget: float) -> dict:
-    """Prefill once (triton backend), then time decode with each backend in turn on the SAME
-    requests and pool (the runner's backend object is swapped between phases).
+def timed_generate(engine, prompts, n: int) -> float:
+    params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    sync()
+    t = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    sync()
+    assert all(o["meta_info"]["completion_tokens"] == n for o in outs)
+    return time.perf_counter() - t
 
-    NOTE: torch-backend extend at 32k materializes scores: SDPA with a mask and enable_gqa falls
-    back to the math kernel, [Hq, chunk, context] fp32 per call (8 GiB at 32 heads, chunk 2048,
-    32k). The untiered triton backend prefills with the paged extend kernel; the tiered one
-    delegates extend to the torch backend, hence --tiered-chunked-prefill-size."""
+
+def resident_kv(engine, kv_tokens: int, full: float) -> dict:
+    """KV held now (scales included): the pool's resident bytes per token (what /server_info
+    reports) x the tokens a decode step reads; `full` is the fp16 pool's bytes per token."""
+    per_token = float(engine.get_server_info()["kv_bytes_per_token"])
+    return {"kv_bytes_per_token": per_token, "kv_full_bytes_per_token": full,
+            "kv_fraction_of_fp16": per_token / full, "kv_resident_bytes": per_token * kv_tokens}
+
+
+def run_point(args, model_dir: str, preset: dict, context: int, batch: int, budget: float, backend: str) -> dict:
     from sgl_kvxfer import Engine
-    from sgl_kvxfer.layers.attention import create_attention_backend
-    from sgl_kvxfer.message import TokenizedGenerateReq
-    from sgl_kvxfer.sampling.params import SamplingParams
 
-    phases = args.backends
-    total = len(phases) * (args.warmup + args.steps) + 2
-    kw = engine_kwargs(args, budget, total)
+    fitted, pool_tokens = fit_batch(args, preset, context, batch)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(10, preset["vocab_size"]) for _ in range(context)] for _ in range(fitted)]
+    kw = engine_kwargs(args, preset, budget, backend, pool_tokens, fitted)
     engine = Engine(model_dir, **kw)
-    runner, sched = engine.runner, engine.scheduler
-    params = SamplingParams.from_dict({"max_new_tokens": total, "temperature": 0, "ignore_eos": True})
-    for i, ids in enumerate(prompts):
-        sched.handle(TokenizedGenerateReq(rid=f"r{i}", input_ids=ids, sampling=params))
-    sync()
-    t0 = time.perf_counter()
-    while sched.waiting or sched.chunked:
-        sched.step()
-    sync()
-    prefill_s = time.perf_counter() - t0
-    assert len(sched.running) == args.batch, "every request must decode together"
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    backends = {"triton": runner.attn_backend}
-    tiered = budget < 1.0
-    out = {"kv_tier_budget": budget, "pool": type(runner.kv_pool).__name__, "page_size": runner.page_size,
-           "dtype": str(runner.dtype), "engine_kwargs": kw,
-           "decode_backend": type(runner.attn_backend).__name__,
-           "prefill_backend": "torch (delegated extend)" if tiered else "triton",
-           "prefill_s": prefill_s, "prefill_tok_s": args.batch * args.context / prefill_s,
-           "weight_bytes": weight_bytes, "phases": []}
-    if tiered:
-        recs = list(sched.tiering.records)
-        out["tier_records"] = {"runs": len(recs), "fallback_runs": sum(r.asked != r.got for r in recs),
-                               "asked": [sum(r.asked[t] for r in recs) for t in range(4)],
-                               "got": [sum(r.got[t] for r in recs) for t in range(4)]}
-        out["kv_tier_slots"] = [runner.kv_pool.plan.n16, runner.kv_pool.plan.n8, runner.kv_pool.plan.n4]
-    for name in phases:
-        if name not in backends:
-            backends[name] = create_attention_backend(
-                name, kv_pool=runner.kv_pool, num_q_heads=runner.arch.num_attention_heads,
-                num_kv_heads=runner.arch.num_key_value_heads, head_dim=runner.arch.head_dim)
-        runner.attn_backend = backends[name]
-        decode_steps(sched, args.warmup)  # Triton autotune / JIT, allocator warm-up
-        times = decode_steps(sched, args.steps)
-        assert len(sched.running) == args.batch
-        step = statistics.median(times)
-        ctx = sum(r.kv_len for r in sched.running)
-        kv = resident_kv(runner, ctx)
-        out["phases"].append({
-            "backend": name, "backend_class": type(backends[name]).__name__,
-            "decode_step_median_s": step, "decode_step_min_s": min(times),
-            "decode_tok_s": args.batch / step, "kv_tokens": ctx, **kv,
-            "kv_bytes_per_context_token": kv["kv_resident_bytes"] / ctx,
-            "kv_fraction_of_fp16": kv["kv_resident_bytes"] / (ctx * kv["kv_full_bytes_per_token"]),
-            "kv_bytes_per_step": kv["kv_resident_bytes"]})
+    prefill_s = timed_generate(engine, prompts, 1)
+    t1, t2 = [], []
+    for _ in range(args.repeats):
+        t1.append(timed_generate(engine, prompts, args.n1))
+        t2.append(timed_generate(engine, prompts, args.n2))
+    step = (statistics.median(t2) - statistics.median(t1)) / (args.n2 - args.n1)
+    kv = resident_kv(engine, fitted * (context + (args.n1 + args.n2) // 2), args.kv_bytes)
+    wbytes = weight_bytes(preset, args.dtype)
     engine.shutdown()
-    del engine, runner, sched, backends
+    del engine
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    out = {"context": context, "batch": fitted, "batch_asked": batch, "kv_tier_budget": budget, "backend": backend,
+           "engine_kwargs": kw, "prefill_s": prefill_s, "prefill_tok_s": fitted * context / prefill_s,
+           "generate_s": {"n1": t1, "n2": t2}, "decode_step_s": step, "decode_tok_s": fitted / step,
+           "weight_bytes": wbytes, **kv}
+    if args.bandwidth:
+        out["roofline_step_s"] = (wbytes + kv["kv_resident_bytes"]) / args.bandwidth
+        out["fraction_of_roofline"] = out["roofline_step_s"] / step
     return out
 
 
-def plot(path_png: str, title: str, runs: list[dict]) -> bool:
-    """Decode tok/s per budget and backend (best phase) | resident KV bytes vs fp16."""
+def plot(path_png: str, title: str, rows: list[dict]) -> bool:
+    """Decode tok/s per (context, batch) and budget | fraction of the weights+KV roofline."""
     try:
         import matplotlib
 
@@ -184,21 +152,22 @@ def plot(path_png: str, title: str, runs: list[dict]) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    names = sorted({ph["backend"] for r in runs for ph in r["phases"]})
-    labels = [f"b={r['kv_tier_budget']:g}" for r in runs]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / max(1, len(names))
-    for i, name in enumerate(names):
-        tok = [max((ph["decode_tok_s"] for ph in r["phases"] if ph["backend"] == name), default=0.0) for r in runs]
-        ax1.bar([x + i * width for x in range(len(runs))], tok, width, label=name)
-    ax1.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(runs))], labels)
-    ax1.set_ylabel("decode tok/s (batch / median step)")
-    ax1.legend()
-    frac = [r["phases"][-1]["kv_fraction_of_fp16"] for r in runs]
-    ax2.bar(labels, frac, color="tab:gray")
-    for x, f in enumerate(frac):
-        ax2.text(x, f, f"{f:.3f}", ha="center", va="bottom")
-    ax2.set_ylabel("resident KV bytes / fp16 bytes")
+    shapes = sorted({(r["context"], r["batch_asked"]) for r in rows})
+    series = sorted({(r["kv_tier_budget"], r["backend"]) for r in rows}, reverse=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / max(1, len(series))
+    for i, (budget, backend) in enumerate(series):
+        pick = {(r["context"], r["batch_asked"]): r for r in rows if (r["kv_tier_budget"], r["backend"]) == (budget, backend)}
+        xs = [x + i * width for x in range(len(shapes))]
+        label = f"b={budget:g} {backend}"
+        axes[0].bar(xs, [pick[s]["decode_tok_s"] if s in pick else 0 for s in shapes], width, label=label)
+        axes[1].bar(xs, [pick[s].get("fraction_of_roofline", 0) if s in pick else 0 for s in shapes], width,
+                    label=label)
+    ticks = [x + width * (len(series) - 1) / 2 for x in range(len(shapes))]
+    for ax, ylabel in zip(axes, ("decode tok/s (batch / step)", "weights+KV roofline / measured step")):
+        ax.set_xticks(ticks, [f"ctx {c}\nbatch {b}" for c, b in shapes])
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path_png, dpi=120)
@@ -206,64 +175,59 @@ def plot(path_png: str, title: str, runs: list[dict]) -> bool:
     return True
 
 
-def main():
+def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="llama-3-8b")
-    p.add_argument("--context", type=int, default=32768)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--chunked-prefill-size", type=int, default=8192)
-    p.add_argument("--tiered-chunked-prefill-size", type=int, default=2048,
-                   help="prefill chunk at b < 1 (torch extend path; bounds its [Hq, chunk, context] scores)")
-    p.add_argument("--kv-tier-budgets", type=float, nargs="+", default=[1.0],
-                   help="one engine per budget; 1.0 = untiered paged pool, < 1 = tiered pool")
+    p.add_argument("--context", type=int, nargs="+", default=[16384, 32768])
+    p.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--kv-tier-budgets", type=float, nargs="+", default=[1.0, 0.5, 0.25],
+                   help="one engine per budget; 1.0 = untiered pool, < 1 = SpectrumKV tiers")
     p.add_argument("--kv-tier-policy", default="greedy")
-    p.add_argument("--backends", nargs="+", default=["triton", "torch", "triton"],
-                   help="decode phases, in order, on the same running requests")
+    p.add_argument("--backends", nargs="+", default=["triton"], help="attention backends, one engine each")
+    p.add_argument("--n1", type=int, default=16, help="decode tokens of the short generate call")
+    p.add_argument("--n2", type=int, default=80, help="decode tokens of the long generate call")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--chunk", type=int, default=8192, help="--chunked-prefill-size and --max-prefill-tokens")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
-    assert all(0.0 < b <= 1.0 for b in args.kv_tier_budgets), args.kv_tier_budgets
+    args = p.parse_args(argv)
+    if not all(0.0 < b <= 1.0 for b in args.kv_tier_budgets) or args.n2 <= args.n1:
+        p.error("budgets must be in (0, 1] and --n2 > --n1")
 
     from sgl_kvxfer.models.presets import PRESETS, write_dummy_tokenizer, write_preset_config
 
-    model_dir = write_preset_config(args.preset, tempfile.mkdtemp(prefix="e2e_decode_"))
-    vocab = PRESETS[args.preset]["vocab_size"]
-    write_dummy_tokenizer(model_dir, vocab)
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(10, vocab) for _ in range(args.context)] for _ in range(args.batch)]
-    bw = copy_bandwidth()
-    tiered = any(b < 1.0 for b in args.kv_tier_budgets)
-    name = f"e2e_decode_{'tiered_' if tiered else ''}{args.preset}_{device_name('cuda').replace(' ', '_')}"
-    runs = []
-    for budget in args.kv_tier_budgets:
-        result = run(args, model_dir, prompts, budget)
-        for ph in result["phases"]:
-            ph["roofline_step_s"] = (result["weight_bytes"] + ph["kv_bytes_per_step"]) / bw
-            ph["fraction_of_roofline"] = ph["roofline_step_s"] / ph["decode_step_median_s"]
-            print(f"b={budget:<5g} {ph['backend']:7s}: decode {ph['decode_tok_s']:8.1f} tok/s "
-                  f"(step {ph['decode_step_median_s'] * 1e3:7.2f} ms, {ph['fraction_of_roofline']:.0%} of the "
-                  f"weights+KV roofline {ph['roofline_step_s'] * 1e3:.2f} ms); KV "
-                  f"{ph['kv_bytes_per_context_token'] / 1024:.1f} KiB/token ({ph['kv_fraction_of_fp16']:.3f} of fp16)")
-        print(f"b={budget:<5g} prefill ({result['prefill_backend']}, page {result['page_size']}): "
-              f"{result['prefill_s']:.1f} s, {result['prefill_tok_s']:.0f} tok/s")
-        best = {}
-        for ph in result["phases"]:
-            best[ph["backend"]] = max(best.get(ph["backend"], 0.0), ph["decode_tok_s"])
-        if "triton" in best and "torch" in best:
-            print(f"b={budget:<5g} triton / torch decode speed-up: {best['triton'] / best['torch']:.2f}x")
-        runs.append(result)
-    payload = {"device": device_name("cuda"), "commit": git_commit(), "torch": torch.__version__,
-               "params": vars(args), "copy_bandwidth_Bps": bw, "runs": runs}
+    preset = PRESETS[args.preset]
+    args.kv_bytes = kv_bytes_per_token(preset, args.dtype)
+    args.bandwidth = copy_bandwidth() if args.device != "cpu" else None
+    device = device_name(args.device)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="e2e_decode_") as model_dir:
+        write_preset_config(args.preset, model_dir)
+        write_dummy_tokenizer(model_dir, preset["vocab_size"])
+        for context in args.context:
+            for batch in args.batch:
+                for budget in args.kv_tier_budgets:
+                    for backend in args.backends:
+                        r = run_point(args, model_dir, preset, context, batch, budget, backend)
+                        rows.append(r)
+                        roof = f", {r['fraction_of_roofline']:.0%} of roofline" if "fraction_of_roofline" in r else ""
+                        print(f"ctx {context} batch {r['batch']} b={budget:g} {backend}: {r['decode_tok_s']:.1f} tok/s "
+                              f"(step {r['decode_step_s'] * 1e3:.2f} ms{roof}); KV {r['kv_fraction_of_fp16']:.3f} of "
+                              f"fp16; prefill {r['prefill_s']:.1f} s", flush=True)
+    params = {k: v for k, v in vars(args).items() if k not in ("bandwidth", "kv_bytes")}
+    payload = {"benchmark": "e2e_decode", "device": device, "commit": git_commit(), "torch": torch.__version__,
+               "command": " ".join(["python", "benchmarks/throughput/e2e_decode.py", *(argv if argv is not None
+                                                                                         else sys.argv[1:])]),
+               "params": params, "copy_bandwidth_Bps": args.bandwidth, "rows": rows}
+    name = f"e2e_decode_{args.preset}_{device.split(' (')[0].replace(' ', '_')}"
     path = write_json(name, payload, args.out_dir)
     print("wrote", path)
-    title = (f"e2e decode, {args.preset} dummy, ctx {args.context} x batch {args.batch}, {payload['device']}\n"
-             f"triton backend: b=1 paged fp16, b<1 tiered pool + token-gather decode")
-    if plot(path[:-5] + ".png", title, runs):
+    title = f"e2e decode through Engine.generate, {args.preset} dummy weights, {device}"
+    if plot(path[:-5] + ".png", title, rows):
         print("wrote", path[:-5] + ".png")
+    return path
 
 
 if __name__ == "__main__":

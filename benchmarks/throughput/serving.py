@@ -7,8 +7,8 @@ rates, and record TTFT / ITL / throughput per rate.
         --server-args "--model-path /models/llama-8b"
 
 Writes benchmarks/results/serving_<device-tag>_<utc>.json (+ .png when matplotlib is present)
-with the device, commit and every parameter. bench_serving runs from `.venv-bench` (see
-scripts/install_clients.sh) because it imports torchvision, which pins its own torch.
+with the device, commit and every parameter. bench_serving runs in this environment
+(benchmarks/common/sglang_clients.py).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.report import device_name, git_commit  # noqa: E402
+from common.sglang_clients import bench_serving_command, bench_serving_env  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -75,13 +76,13 @@ def on_gpu(server_info: dict) -> bool:
 
 def run_rate(args, base_url: str, model_dir: str, rate: str, workdir: str) -> dict:
     out_file = os.path.join(workdir, f"rate_{rate}.jsonl")
-    cmd = [args.bench_python, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", base_url,
-           "--tokenizer", model_dir, "--model", model_dir, "--dataset-name", "random-ids",
-           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-           "--random-range-ratio", "1.0", "--num-prompts", str(args.num_prompts), "--request-rate", rate,
-           "--max-concurrency", str(args.max_concurrency), "--seed", "1", "--disable-tqdm", "--output-file", out_file]
-    env = {k: v for k, v in os.environ.items() if k != "API_KEY"}
-    proc = subprocess.run(cmd, cwd=workdir, env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+    cmd = bench_serving_command(
+        "--backend", "sglang", "--base-url", base_url, "--tokenizer", model_dir, "--model", model_dir,
+        "--dataset-name", "random-ids", "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len), "--random-range-ratio", "1.0",
+        "--num-prompts", str(args.num_prompts), "--request-rate", rate, "--max-concurrency", str(args.max_concurrency),
+        "--seed", "1", "--disable-tqdm", "--output-file", out_file)
+    proc = subprocess.run(cmd, cwd=workdir, env=bench_serving_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"bench_serving failed at rate {rate}:\n{(proc.stdout + proc.stderr)[-3000:]}")
     with open(out_file) as f:
@@ -123,7 +124,6 @@ def main() -> None:
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--server-args", default="--max-total-tokens 16384 --chunked-prefill-size 512")
     p.add_argument("--base-url", default=None, help="use a running server instead of starting one")
-    p.add_argument("--bench-python", default=os.path.join(ROOT, ".venv-bench", "bin", "python"))
     p.add_argument("--out", default=None)
     args = p.parse_args()
 

@@ -41,8 +41,8 @@ class ModelRunner:
         self.model, self.arch = load_model(self.model_dir, config.load_format, self.dtype, self.device,
                                            config.random_seed)
         self.model.eval()
-        if self.device == "cpu" and self.dtype == torch.bfloat16 and env.CPU_KERNELS.get_bool():
-            self._prepack_cpu()
+        if self.device == "cpu":
+            self._prepare_cpu()
         self.context_len = config.context_length or self.arch.max_position_embeddings
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.page_size = config.resolved_page_size
@@ -71,15 +71,27 @@ class ModelRunner:
         self.graph_runner = create_cuda_graph_runner(self)  # None where decode graphs do not apply
         self.prefill_graph_runner = create_prefill_graph_runner(self, max_prefill_tokens)  # None: off
 
-    def _prepack_cpu(self) -> None:
-        """bf16 on CPU: oneDNN linears with weights packed once (models/cpu_linear.py)."""
+    def _prepare_cpu(self) -> None:
+        """Everything the CPU paths build or convert once happens here, before the engine serves:
+        the native C++ kernels (every CPU dtype samples greedily with them) and, for bf16, the
+        linears' prepared weights, whose form follows the ISA (models/cpu_linear.py)."""
+        from sgl_kvxfer.kernels import cpu_ops
+        from sgl_kvxfer.utils import cpu_isa
+
+        if not env.CPU_KERNELS.get_bool():
+            return
+        logger.info("%s", cpu_isa.describe())
+        if not cpu_ops.available():
+            logger.warning("%s; the torch paths run instead", cpu_ops.load_error())
+        if self.dtype != torch.bfloat16:
+            return
         from sgl_kvxfer.models.cpu_linear import can_prepack, pack_weight, prepack_linears_cpu
 
         n = prepack_linears_cpu(self.model)
         head = getattr(self.model, "lm_head_weight", None)
         if head is not None and can_prepack(head):
             self.model.packed_lm_head = pack_weight(head)
-        logger.info("CPU bf16: %d linears prepacked for oneDNN", n)
+        logger.info("CPU bf16: %d linears prepared", n)
 
     def _bytes_per_token_estimate(self) -> float:
         a = self.arch

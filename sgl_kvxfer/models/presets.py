@@ -52,6 +52,24 @@ PRESETS: dict[str, dict] = {
         "eos_token_id": 2,
         "torch_dtype": "bfloat16",
     },
+    # A few KB of weights: CPU smoke runs of the benchmarks (test/benchmarks), not a real model.
+    "tiny": {
+        **_LLAMA,
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    },
 }
 
 

@@ -13,6 +13,7 @@ request is served; the probe's cached prefixes are flushed afterwards.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 from sgl_kvxfer.message import TokenizedGenerateReq
@@ -78,12 +79,14 @@ def resolve_engine_int4(tiering, scheduler, tokenizer=None, cache_dir=None, mode
         tokenizer = load_tokenizer(resolve_tokenizer_path(runner.model_dir, tiering.config.tokenizer_path))
     trials = build_probe_trials(load_filler_texts(), PROBE_NUM_TRIALS, target_tokens=probe_tokens,
                                 count_tokens=lambda s: len(tokenizer.encode(s, add_special_tokens=False)))
-    logger.info("SpectrumKV: running the int4 probe (%d NIAH trials of %d tokens, %s at b=%.1f)", len(trials),
-                probe_tokens, PROBE_POLICY, PROBE_BUDGET)
+    logger.info("SpectrumKV: running the int4 probe (%d NIAH trials of %d tokens, %s at b=%.1f; once per "
+                "model, then cached)...", len(trials), probe_tokens, PROBE_POLICY, PROBE_BUDGET)
+    start = time.perf_counter()
     with tiering.using(policy=PROBE_POLICY, budget=PROBE_BUDGET, unit="cost", int4_allowed=True):
         resolution = resolve_int4("auto", fingerprint, lambda p: run_engine_trial(scheduler, tokenizer, p),
                                   trials, cache_dir)
     scheduler.flush_cache()
-    logger.info("SpectrumKV int4 probe: %d/%d trials retrieved the passcode -> int4 %s",
-                resolution.result.successes, len(trials), "on" if resolution.enabled else "off")
+    logger.info("SpectrumKV int4 probe: %d/%d trials retrieved the passcode -> int4 %s; done in %.0f s",
+                resolution.result.successes, len(trials), "on" if resolution.enabled else "off",
+                time.perf_counter() - start)
     return resolution

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -72,7 +73,7 @@ def start_server(args: list[str], fake: bool = False, env: dict | None = None, n
     port = free_port()
     entry = [os.path.join(ROOT, "test", "server", "fake_server.py")] if fake else ["-m", "sgl_kvxfer.launch_server"]
     cmd = [sys.executable, *entry, "--port", str(port), *args]
-    log_path = os.path.join("/tmp", f"sgl_kvxfer_{name}_{port}.log")
+    log_path = os.path.join(tempfile.gettempdir(), f"sgl_kvxfer_{name}_{port}.log")
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path)

@@ -1,6 +1,6 @@
 """Real SGLang clients against a real server: every `python/` frontend-DSL program, and
-`python -m sglang.bench_serving --backend sglang --dataset-name random-ids` (run from the
-separate `.venv-bench`, see scripts/install_clients.sh)."""
+`python -m sglang.bench_serving --backend sglang --dataset-name random-ids`
+(benchmarks/common/sglang_clients.py says how it runs)."""
 import importlib
 import os
 import re
@@ -13,7 +13,8 @@ from conftest import ROOT
 
 pytestmark = pytest.mark.slow
 sys.path.insert(0, os.path.join(ROOT, "python"))
-BENCH_PY = os.path.join(ROOT, ".venv-bench", "bin", "python")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from common.sglang_clients import bench_serving_command, bench_serving_env  # noqa: E402
 
 
 def run_program(name, url):
@@ -55,18 +56,16 @@ def test_stream_gen(live_server):
     assert out["pieces"] > 1 and out["streamed"] == out["final"] and out["final"].strip()
 
 
-@pytest.mark.skipif(not os.path.exists(BENCH_PY), reason=".venv-bench is absent: run scripts/install_clients.sh")
 def test_bench_serving_random_ids(live_server, tmp_path):
     model_dir = requests.get(live_server.url + "/get_model_info").json()["model_path"]
     out_file = tmp_path / "bench.jsonl"
-    cmd = [BENCH_PY, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", live_server.url,
-           "--tokenizer", model_dir, "--model", model_dir, "--dataset-name", "random-ids",
-           "--random-input-len", "32", "--random-output-len", "8", "--random-range-ratio", "1.0",
-           "--num-prompts", "50", "--request-rate", "inf", "--max-concurrency", "16", "--disable-tqdm",
-           "--output-file", str(out_file)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("API_KEY", None)
-    proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=1200)
+    cmd = bench_serving_command(
+        "--backend", "sglang", "--base-url", live_server.url, "--tokenizer", model_dir, "--model", model_dir,
+        "--dataset-name", "random-ids", "--random-input-len", "32", "--random-output-len", "8",
+        "--random-range-ratio", "1.0", "--num-prompts", "50", "--request-rate", "inf", "--max-concurrency", "16",
+        "--disable-tqdm", "--output-file", str(out_file))
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=bench_serving_env(), capture_output=True, text=True,
+                          timeout=1200)
     report = proc.stdout + proc.stderr
     print(report[-3000:])
     assert proc.returncode == 0, report[-3000:]
