@@ -21,6 +21,7 @@ LOAD_FORMAT_CHOICES = ("auto", "safetensors", "gguf", "dummy")
 KV_INT4_CHOICES = ("auto", "on", "off")
 KV_IMPORTANCE_CHOICES = ("attn", "norm")
 KV_BUDGET_UNIT_CHOICES = ("bytes", "cost")
+KV_TRANSFER_STREAM_CHOICES = ("auto", "end", "int8")
 
 
 CPU_DEFAULT_PAGE_SIZE = 16
@@ -164,6 +165,23 @@ class SchedulerConfig:
     stream_interval: int = 1
     # CUDA: launch decode step N+1 before applying step N's results (scheduler/overlap.py)
     disable_overlap_schedule: bool = False
+    # PD disaggregation (sgl_kvxfer/disagg/), SGLang's flags: the server's role, the prefill's
+    # bootstrap server port (decode: the fallback when a request's bootstrap_port is null), the
+    # transfer engine ("fake": no KV moves).
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "mooncake"
+    # Ours: seconds a room may go without progress (no claim, no segment, no ack) before it
+    # fails (the decode then prefills locally); the registered transfer buffer per server
+    # (prefill: packed segments; decode: staging regions); at kv_tier_budget < 1, what streams
+    # during chunked prefill ("end": nothing, tiers go out at prefill end; "int8": chunks at
+    # int8, final tiers after; "auto": the measured default); a link rate / latency paced in
+    # the engine (0: unpaced; benchmarks/pd/shaped_link.py shapes the kernel's link instead).
+    kv_transfer_timeout: float = 30.0
+    kv_transfer_buffer_mb: int = 1024
+    kv_transfer_stream: str = "auto"
+    kv_transfer_rate_gbps: float = 0.0
+    kv_transfer_latency_ms: float = 0.0
 
     def __post_init__(self):
         if self.max_running_requests is not None and self.max_running_requests < 1:
@@ -174,6 +192,27 @@ class SchedulerConfig:
             raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        from sgl_kvxfer.disagg import DISAGGREGATION_MODES, TRANSFER_BACKEND_CHOICES
+
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKEND_CHOICES:
+            raise ValueError(f"disaggregation_transfer_backend must be one of {TRANSFER_BACKEND_CHOICES} "
+                             f"(nixl, ascend and mori are not implemented), got {self.disaggregation_transfer_backend!r}")
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError(f"disaggregation_bootstrap_port must be in 1..65535, got {self.disaggregation_bootstrap_port}")
+        if self.kv_transfer_timeout <= 0 or self.kv_transfer_buffer_mb < 1:
+            raise ValueError("kv_transfer_timeout must be > 0 and kv_transfer_buffer_mb >= 1")
+        if self.kv_transfer_stream not in KV_TRANSFER_STREAM_CHOICES:
+            raise ValueError(f"kv_transfer_stream must be one of {KV_TRANSFER_STREAM_CHOICES}, got {self.kv_transfer_stream!r}")
+        if self.kv_transfer_rate_gbps < 0 or self.kv_transfer_latency_ms < 0:
+            raise ValueError("kv_transfer_rate_gbps and kv_transfer_latency_ms must be >= 0")
+
+    @property
+    def resolved_kv_transfer_stream(self) -> str:
+        """What streams during a tiered prefill; "auto" is the variant measured faster
+        (benchmarks/pd/README.md)."""
+        return "end" if self.kv_transfer_stream == "auto" else self.kv_transfer_stream
 
     @property
     def resolved_chunked_prefill_size(self) -> int | None:
@@ -272,6 +311,13 @@ class ServerArgs:
                     extra = {"choices": KV_IMPORTANCE_CHOICES}
                 elif f.name == "kv_budget_unit":
                     extra = {"choices": KV_BUDGET_UNIT_CHOICES}
+                elif f.name == "kv_transfer_stream":
+                    extra = {"choices": KV_TRANSFER_STREAM_CHOICES}
+                elif f.name in ("disaggregation_mode", "disaggregation_transfer_backend"):
+                    from sgl_kvxfer.disagg import DISAGGREGATION_MODES, TRANSFER_BACKEND_CHOICES
+
+                    extra = {"choices": DISAGGREGATION_MODES if f.name == "disaggregation_mode"
+                             else TRANSFER_BACKEND_CHOICES}
                 elif f.name == "kv_tier_policy":
                     from sgl_kvxfer.spectrum.policies import TIER_POLICIES
 

@@ -54,5 +54,10 @@ DECODE_LONGEST_FIRST = EnvVar(
     "the triton backend's decode attention serves a batch's requests longest first (one argsort "
     "per batch; kernels/README.md); 0: in batch order")
 
+KV_TRANSFER_FAULT = EnvVar(
+    "SGL_KVXFER_KV_TRANSFER_FAULT", None,
+    "tests only: a fault the PD prefill's sender injects into every KV write: corrupt, truncate or "
+    "delay:<seconds> (sgl_kvxfer/disagg/common.py)")
+
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, CPU_ISA,
-       DECODE_LONGEST_FIRST)
+       DECODE_LONGEST_FIRST, KV_TRANSFER_FAULT)

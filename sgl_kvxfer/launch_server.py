@@ -1,6 +1,8 @@
 """`python -m sgl_kvxfer.launch_server` / `sgl-kvxfer-server`: the process diagram.
 
     launcher (this process: HTTP server + TokenizerManager, asyncio)
+      ├── bootstrap    (PD prefill only, not with the fake backend: disagg/bootstrap_server.py on
+      │                 --disaggregation-bootstrap-port; spawned first, the scheduler registers in it)
       ├── scheduler    (spawned; loads the model; ack = scheduler info dict)
       └── detokenizer  (spawned with the scheduler; sent its tokenizer_path after the scheduler ack)
 
@@ -118,6 +120,14 @@ def launch_server(server_args: ServerArgs, scheduler_target=None, launch_command
     procs: list[mp.Process] = []
     stopping, crashed = threading.Event(), threading.Event()
     try:
+        cfg = server_args.scheduler
+        if cfg.disaggregation_mode == "prefill" and cfg.disaggregation_transfer_backend != "fake":
+            from sgl_kvxfer.disagg.bootstrap_server import run_bootstrap_server
+
+            boot, boot_conn = _spawn(ctx, "bootstrap", run_bootstrap_server,
+                                     (server_args.host, cfg.disaggregation_bootstrap_port, server_args.log_level))
+            procs.append(boot)
+            _wait_ack("bootstrap server", boot, boot_conn)
         sched, sched_conn = _spawn(ctx, "scheduler", scheduler_target, (server_args,))
         detok, detok_conn = _spawn(ctx, "detokenizer", run_detokenizer_process, (server_args,), duplex=True)
         procs += [sched, detok]

@@ -24,6 +24,9 @@ class Engine:
 
         self.server_args = ServerArgs.from_flat(model_path=model_path, **server_args)
         cfg = self.server_args.scheduler
+        if cfg.disaggregation_mode != "null":
+            raise ValueError("PD roles (disaggregation_mode prefill / decode) run in the server: "
+                             "python -m sgl_kvxfer.launch_server --disaggregation-mode ...")
         self.runner = ModelRunner(cfg.engine, cfg.max_running_requests, cfg.max_prefill_tokens)
         self.tokenizer = load_tokenizer(resolve_tokenizer_path(self.runner.model_dir, cfg.engine.tokenizer_path))
         self.scheduler = Scheduler(cfg, self.runner, self.tokenizer)

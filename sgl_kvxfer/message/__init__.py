@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
+from sgl_kvxfer.message.disagg import BootstrapInfo, ToKVDecode, ToKVPrefill
 from sgl_kvxfer.sampling.params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
     stream: bool = False
+    bootstrap: BootstrapInfo | None = None  # PD: the router's bootstrap_host / port / room
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -66,6 +68,7 @@ class ReqOutput(msgspec.Struct):
     output_token_logprobs: list[list] | None = None
     output_top_logprobs: list | None = None
     output_token_ids_logprobs: list | None = None
+    extra_meta: dict | None = None  # merged into meta_info (e.g. PD's kv_transfer)
 
 
 class BatchTokenIDOut(msgspec.Struct, tag=True):
@@ -108,6 +111,8 @@ _decoders = {
     "scheduler": msgspec.msgpack.Decoder(ToScheduler),
     "detokenizer": msgspec.msgpack.Decoder(ToDetokenizer),
     "tokenizer": msgspec.msgpack.Decoder(ToTokenizer),
+    "kv_prefill": msgspec.msgpack.Decoder(ToKVPrefill),  # message/disagg.py
+    "kv_decode": msgspec.msgpack.Decoder(ToKVDecode),
 }
 
 
@@ -116,5 +121,6 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def decode(data: bytes, destination: str):
-    """Decode a message for `destination` in {"scheduler", "detokenizer", "tokenizer"}."""
+    """Decode a message for `destination` in {"scheduler", "detokenizer", "tokenizer",
+    "kv_prefill", "kv_decode"}."""
     return _decoders[destination].decode(data)

@@ -1,7 +1,8 @@
 """ZMQ queue wrappers: the only module that imports zmq.
 
-Each process *binds* its own input PULL socket (address from `ServerArgs.ipc_addr`) and
-*connects* PUSH sockets to its peers. Messages are encoded with `message.encode`.
+Each process *binds* its own input PULL socket (address from `ServerArgs.ipc_addr`, or
+`tcp://host:*` for the PD KV managers, which then publish `endpoint`) and *connects* PUSH sockets
+to its peers. Messages are encoded with `message.encode`.
 """
 from __future__ import annotations
 
@@ -48,8 +49,25 @@ class PullQueue:
                 return msgs
             msgs.append(decode(data.bytes, self._destination))
 
+    @property
+    def endpoint(self) -> str:
+        """The bound address, with the port resolved (tcp://host:* binds a free one)."""
+        return self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    @property
+    def port(self) -> int:
+        return int(self.endpoint.rsplit(":", 1)[1])
+
     def close(self) -> None:
         self._sock.close(linger=0)
+
+
+def wait_readable(queues: list[PullQueue], timeout: float) -> None:
+    """Block until any of the queues has a message, or `timeout` seconds pass."""
+    poller = zmq.Poller()
+    for q in queues:
+        poller.register(q._sock, zmq.POLLIN)
+    poller.poll(int(timeout * 1000))
 
 
 class AsyncPullQueue:

@@ -57,6 +57,19 @@ class KVLifecycle:
             req.cached_tokens = req.prefix_len
         return True
 
+    def admit_external(self, req: Req) -> bool:
+        """A row for a request whose prompt KV is written from outside (PD decode): no prefix
+        match; positions get slots as the KV arrives (`alloc` + a row write, kv_len grows), and
+        `release` frees what arrived. False if no row is free."""
+        row = self.req_to_token.alloc()
+        if row is None:
+            return False
+        req.req_pool_idx, req.prefix_len, req.kv_len = row, 0, 0
+        if self.tree is not None:
+            req.last_node = self.tree.root
+            self.tree.inc_lock_ref(req.last_node)
+        return True
+
     def slots_needed(self, starts: list[int], lens: list[int]) -> int:
         """Free slots that `alloc(reqs, lens, starts)` takes (whole fresh pages in page mode)."""
         if self.page_size == 1:

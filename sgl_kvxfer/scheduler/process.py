@@ -6,7 +6,7 @@ import traceback
 
 from sgl_kvxfer.config import ServerArgs
 from sgl_kvxfer.message import BatchTokenIDOut
-from sgl_kvxfer.message.queue import PullQueue, PushQueue
+from sgl_kvxfer.message.queue import PullQueue, PushQueue, wait_readable
 from sgl_kvxfer.utils.process import die_with_parent
 
 logger = logging.getLogger("sgl_kvxfer.scheduler")
@@ -33,10 +33,14 @@ def build_scheduler(server_args: ServerArgs):
     from sgl_kvxfer.models.loader import load_tokenizer, resolve_tokenizer_path
     from sgl_kvxfer.scheduler.scheduler import Scheduler
 
+    from sgl_kvxfer.disagg import create_disagg_role
+    from sgl_kvxfer.disagg.common import DisaggSettings
+
     cfg = server_args.scheduler
     runner = ModelRunner(cfg.engine, cfg.max_running_requests, cfg.max_prefill_tokens)
     tokenizer_path = resolve_tokenizer_path(runner.model_dir, cfg.engine.tokenizer_path)
     scheduler = Scheduler(cfg, runner, load_tokenizer(tokenizer_path))
+    scheduler.disagg = create_disagg_role(scheduler, DisaggSettings.from_config(cfg), server_args.host)
     info = {
         "max_total_num_tokens": runner.max_total_tokens, "max_req_input_len": runner.context_len - 1,
         "context_len": runner.context_len, "vocab_size": runner.arch.vocab_size,
@@ -50,16 +54,20 @@ def build_scheduler(server_args: ServerArgs):
 
 
 def event_loop(scheduler, inbox: PullQueue, outbox: PushQueue) -> None:
+    """Receive, schedule + forward, send results. When a step ran nothing, sleep on the sockets:
+    up to 1 s idle, a few ms while PD transfers are in flight (their progress also arrives from
+    the sender thread, which has no socket to wake us)."""
+    kv_inbox = getattr(scheduler.disagg, "inbox", None)
+    sockets = [inbox] + ([kv_inbox] if kv_inbox is not None else [])
     while True:
         msgs = inbox.get_all_nowait()
-        if not msgs and not scheduler.has_work():
-            msg = inbox.get(timeout=1.0)  # idle: sleep on the socket
-            msgs = [msg] if msg is not None else []
         for msg in msgs:
             reply = scheduler.handle(msg)
             if reply is not None:
                 outbox.put(reply)
-        scheduler.step()
+        ran = scheduler.step()
         outputs = scheduler.take_outputs()
         if outputs:
             outbox.put(BatchTokenIDOut(outputs))
+        if not ran and not msgs and not outputs:
+            wait_readable(sockets, 0.005 if scheduler.has_work() else 1.0)

@@ -28,6 +28,8 @@ class Req:
         self.top_logprobs_num = msg.top_logprobs_num
         self.token_ids_logprob = msg.token_ids_logprob
         self.stream = msg.stream
+        self.bootstrap = msg.bootstrap  # PD: where the prompt's KV goes (prefill) or comes from (decode)
+        self.extra_meta: dict | None = None  # reply meta_info extras (PD transfer facts)
         self.arrival = arrival
         # Fixed per request, read by every decode step (scheduler/overlap.py): the prompt's
         # length, whether sampling needs nothing but a GPU argmax, and how many output tokens

@@ -124,6 +124,7 @@ def make_output(req: Req) -> ReqOutput:
         output_token_logprobs=req.output_token_logprobs[start:] if lp else None,
         output_top_logprobs=req.output_top_logprobs[start:] if lp and req.top_logprobs_num else None,
         output_token_ids_logprobs=req.output_token_ids_logprobs[start:] if lp and req.token_ids_logprob else None,
+        extra_meta=req.extra_meta,
     )
     req.sent_output_len = len(req.output_ids)
     if send_input:

@@ -2,7 +2,9 @@
 
 The same class runs inside the server's scheduler process (via `event_loop`) and inside the
 offline Engine (which calls `handle` and `step` directly). Policy decisions live in
-`policy.py`; KV ownership in `kv_lifecycle.py`; logits handling in `results.py`.
+`policy.py`; KV ownership in `kv_lifecycle.py`; logits handling in `results.py`. A PD role
+(`disagg/prefill.py`, `disagg/decode.py`; server mode only) is attached as `self.disagg` and
+hooked at request arrival, chunk and prompt completion, abort, and the start of each step.
 """
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ class Scheduler:
         # Overlapped decode (scheduler/overlap.py): CUDA only (a CPU forward is synchronous).
         self.overlap = (not config.disable_overlap_schedule and self.tiering is None
                         and str(runner.device).startswith("cuda"))
+        self.disagg = None  # PD role (disagg/__init__.py: create_disagg_role), set by the server
+        self._joined = False  # requests joined `running` from outside a batch (PD decode)
 
     # ------------------------------------------------------------------ messages
     def handle(self, msg):
@@ -65,7 +69,7 @@ class Scheduler:
             if error:
                 req.finish({"type": "abort", "message": error, "status_code": 400, "err_type": "BadRequestError"})
                 self.outbox.append(make_output(req))
-            else:
+            elif self.disagg is None or not self.disagg.on_new_request(req):
                 self.enqueue_validated(req)
             return None
         if isinstance(msg, AbortReq):
@@ -108,6 +112,8 @@ class Scheduler:
 
     def abort(self, rid: str, abort_all: bool = False) -> None:
         self._apply_prefill()  # its requests join `running`, where the loop below finds them
+        if self.disagg is not None:  # requests waiting on a KV transfer
+            self.disagg.abort(rid, abort_all)
         reason = {"type": "abort", "message": "Abort requested", "status_code": None, "err_type": None}
         for req in [r for r in self.waiting if abort_all or r.rid == rid]:
             self.waiting.remove(req)
@@ -140,14 +146,18 @@ class Scheduler:
             num_queue_reqs=len(self.waiting),
             kv_used_tokens=used, kv_cached_tokens=cached, kv_bytes_per_token=self.runner.kv_pool.bytes_per_token(),
             last_gen_throughput=self.stats["gen_throughput"], cache_hit_rate=hit,
-            extra=self.tiering.server_info() if self.tiering is not None else {})
+            extra={**(self.tiering.server_info() if self.tiering is not None else {}),
+                   **({"kv_transfer": self.disagg.server_info()} if self.disagg is not None else {})})
 
     # ------------------------------------------------------------------ one iteration
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self.inflight or self.pending_prefill)
+        return bool(self.waiting or self.running or self.chunked or self.inflight or self.pending_prefill
+                    or (self.disagg is not None and self.disagg.has_work()))
 
     def step(self) -> bool:
         """Schedule, run and apply one batch. Returns False when there was nothing to run."""
+        if self.disagg is not None:
+            self.disagg.poll()
         if self.inflight is not None:
             return self._step_overlapped()
         batch = self._prefill_batch()
@@ -181,7 +191,7 @@ class Scheduler:
         apply the in-flight step while the GPU runs the next one (scheduler/overlap.py)."""
         prev, self.inflight = self.inflight, None
         nxt = None
-        if not self.waiting and self.chunked is None:  # new prompts: prefill first, no overlap
+        if not self.waiting and self.chunked is None and not self._joined:  # new requests: regroup first
             nxt = self._launch_followup(prev)
         self._apply_inflight(prev)
         if nxt is not None and not self.running:  # prev finished everyone: nxt is all void
@@ -316,6 +326,7 @@ class Scheduler:
         if loc is None:
             raise RuntimeError("KV pool exhausted with a single running request; the pool is too small")
         self._out_cache_loc = loc
+        self._joined = False
         return ScheduleBatch(ForwardMode.DECODE, [ReqSlice(r, r.kv_len, 1, True) for r in self.running])
 
     def _retract(self, req: Req) -> None:
@@ -334,6 +345,13 @@ class Scheduler:
             self._count_generated(len(batch.slices))
         for s in batch.slices:  # hot: every request of every decode step
             req = s.req
+            if extend and self.disagg is not None:  # PD prefill: the KV leaves, the request waits
+                if s.sample:
+                    self.kv.cache(req, finished=False)
+                    if self.disagg.on_prompt_done(req):
+                        continue
+                elif req.finished_reason is None:
+                    self.disagg.on_chunk(req, s.start, s.start + s.length)
             if req.finished_reason is not None:
                 if req in self.running:
                     self.running.remove(req)
@@ -350,8 +368,32 @@ class Scheduler:
     def _retire(self, req: Req) -> None:
         if req in self.running:
             self.running.remove(req)
-        self.kv.cache(req, finished=True)
+        if req.req_pool_idx is not None:  # (a PD request may end before it held KV here)
+            self.kv.cache(req, finished=True)
         self.outbox.append(make_output(req))
+
+    # ------------------------------------------------------------------ PD roles (disagg/)
+    def retire_parked(self, req: Req) -> None:
+        """End a request a PD role holds outside the batch lists (its KV goes to the cache)."""
+        self._retire(req)
+
+    def has_running_seat(self) -> bool:
+        return len(self.running) + len(self._pending_reqs()) < self.max_running
+
+    def admit_prefilled(self, req: Req) -> None:
+        """A request whose prompt KV and first token came from a prefill server joins the
+        running batch, its prefill skipped (PD decode)."""
+        self.checker.check(req)  # the first token may end it (EOS, max_new_tokens 1, ...)
+        self.kv.cache(req, finished=False)
+        if self.tiering is not None:
+            self.tiering.mark_tiered(req, req.kv_len)  # the prompt came tiered (or at fp16)
+        if req.finished_reason is not None:
+            self._retire(req)
+            return
+        self.running.append(req)
+        self._joined = True
+        if req.stream:  # the first token, now (time to first token)
+            self.outbox.append(make_output(req))
 
     def _count_generated(self, n: int) -> None:
         self.stats["generated"] += n

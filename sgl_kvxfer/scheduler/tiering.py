@@ -135,6 +135,11 @@ class EngineTiering:
             else:
                 self._demote_decode(req, final=req.finished)
 
+    def mark_tiered(self, req, n: int) -> None:
+        """Positions [0, n) of req are final (PD decode: the prompt came tiered from the
+        prefill); decode demotion starts after them."""
+        self._tiered_len[req] = n
+
     # ------------------------------------------------------------------ rules
     def _tier_prefill(self, req) -> None:
         start, n = req.prefix_len, req.kv_len

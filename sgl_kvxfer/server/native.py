@@ -80,7 +80,7 @@ def model_info(app) -> dict:
         "load_format": info.get("load_format", args.engine.load_format),
         "reasoning_parser": None,
         "tool_call_parser": None,
-        "disaggregation_mode": "null",
+        "disaggregation_mode": args.scheduler.disaggregation_mode,
         "has_image_understanding": False,
         "has_audio_understanding": False,
         "model_type": info.get("model_type"),
@@ -114,7 +114,7 @@ async def get_server_info(request: Request):
     mi = model_info(app)
     flat.update({
         "model_path": mi["model_path"], "tokenizer_path": mi["tokenizer_path"], "served_model_name": mi["served_model_name"],
-        "tp_size": 1, "dp_size": 1, "pp_size": 1, "disaggregation_mode": "null", "disaggregation_bootstrap_port": 8998,
+        "tp_size": 1, "dp_size": 1, "pp_size": 1,
         "load_balance_method": "round_robin", "kv_cache_dtype": "auto", "context_length": tm.context_len,
         "launch_command": app.state.launch_command, "status": "ready",
         "max_total_num_tokens": info.get("max_total_num_tokens"), "max_req_input_len": info.get("max_req_input_len"),

@@ -17,7 +17,7 @@ from sgl_kvxfer.server.native import model_info
 from sgl_kvxfer.server.openai_format import ChoiceStreamer, chat_choice, completion_choice, usage
 from sgl_kvxfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest, sampling_dict
 from sgl_kvxfer.server.streaming import DONE, collect, dumps, iter_snapshots, sse
-from sgl_kvxfer.tokenizer.generate_input import GenerateItem, RequestError, make_sampling_params
+from sgl_kvxfer.tokenizer.generate_input import GenerateItem, RequestError, make_sampling_params, parse_bootstrap
 
 router = APIRouter()
 
@@ -59,13 +59,14 @@ async def _parse(request: Request, schema):
 
 def _items(tm, prompts: list[list[int]], req, max_new: list[int | None], return_logprob: bool, top: int) -> list[GenerateItem]:
     items = []
+    boot = parse_bootstrap(req.model_extra or {}, len(prompts) * req.n)  # PD fields (top level)
     for i, ids in enumerate(prompts):
         sampling = make_sampling_params(sampling_dict(req, max_new[i]), tm.vocab_size or None)
-        for _ in range(req.n):
+        for j in range(req.n):
             items.append(GenerateItem(
                 rid=uuid.uuid4().hex, text=None, input_ids=ids, sampling=sampling,
                 max_new_tokens_given=max_new[i] is not None, return_logprob=return_logprob,
-                top_logprobs_num=top, return_text_in_logprobs=return_logprob))
+                top_logprobs_num=top, return_text_in_logprobs=return_logprob, bootstrap=boot[i * req.n + j]))
     return items
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from sgl_kvxfer.message.disagg import BootstrapInfo
 from sgl_kvxfer.sampling.params import ALLOWED_KEYS, SamplingParams, SamplingParamsError
 
 I64 = (-(1 << 63), (1 << 63) - 1)
@@ -41,6 +42,7 @@ class GenerateItem:
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
     return_text_in_logprobs: bool = False
+    bootstrap: BootstrapInfo | None = None  # PD: the router's bootstrap_host / port / room
 
 
 @dataclass
@@ -146,6 +148,26 @@ def _per_item(body: dict, key: str, count: int, check, default):
     return [check(value, key)] * count
 
 
+def parse_bootstrap(body: dict, count: int) -> list[BootstrapInfo | None]:
+    """The router's PD fields for `count` items: each scalar or a per-item list; a scalar room
+    for several items expands to room + i (SGLang). No host and no room: not a PD request."""
+    def per_item(key, check):
+        value = body.get(key)
+        if isinstance(value, list):
+            if len(value) != count:
+                raise RequestError(f"`{key}` has {len(value)} entries for a batch of {count}")
+            return [None if v is None else check(v, key) for v in value]
+        if value is None:
+            return [None] * count
+        value = check(value, key)
+        return [value + i for i in range(count)] if key == "bootstrap_room" else [value] * count
+
+    hosts, ports, rooms = (per_item("bootstrap_host", _str), per_item("bootstrap_port", _int),
+                           per_item("bootstrap_room", _int))
+    return [None if h is None and r is None else BootstrapInfo(h or "", p, r)
+            for h, p, r in zip(hosts, ports, rooms)]
+
+
 def make_sampling_params(raw: dict | None, vocab_size: int | None) -> SamplingParams:
     """SamplingParams.from_dict plus the range checks that must see the raw values (a negative
     temperature would otherwise be normalized to greedy)."""
@@ -228,6 +250,7 @@ def parse_generate_request(body, vocab_size: int | None = None) -> GenerateReque
     prompt_ids = body.get("return_prompt_token_ids")
     prompt_ids = False if prompt_ids is None else _bool(prompt_ids, "return_prompt_token_ids")
 
+    boot = parse_bootstrap(body, count * n)
     items = []
     for i, prompt in enumerate(prompts):
         if top_num[i] < 0:
@@ -238,6 +261,6 @@ def parse_generate_request(body, vocab_size: int | None = None) -> GenerateReque
                 rid=rid, text=None if as_ids else prompt, input_ids=prompt if as_ids else None,
                 sampling=params[i], max_new_tokens_given=(raws[i] or {}).get("max_new_tokens") is not None,
                 return_logprob=return_logprob[i], logprob_start_len=start_len[i], top_logprobs_num=top_num[i],
-                token_ids_logprob=tids[i], return_text_in_logprobs=with_text,
+                token_ids_logprob=tids[i], return_text_in_logprobs=with_text, bootstrap=boot[i * n + j],
             ))
     return GenerateRequest(items=items, is_batch=batch or n > 1, stream=stream, return_prompt_token_ids=prompt_ids)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from sgl_kvxfer.config import ServerArgs
 from sgl_kvxfer.message import (AbortReq, BatchStrOut, FlushCacheReq, FlushCacheResult, GetInternalStateReq,
                                 InternalState, TokenizedGenerateReq)
+from sgl_kvxfer.message.disagg import BootstrapInfo
 from sgl_kvxfer.message.queue import AsyncPullQueue, PushQueue
 from sgl_kvxfer.sampling.params import SamplingParams
 from sgl_kvxfer.tokenizer.generate_input import GenerateItem, RequestError
@@ -134,6 +135,10 @@ class TokenizerManager:
                 f"or the completion to fit within the limit.")
         if item.return_logprob and item.logprob_start_len >= n:
             raise RequestError(f"logprob_start_len ({item.logprob_start_len}) is not below the prompt length ({n}).")
+        sched = self.server_args.scheduler
+        if (sched.disaggregation_mode != "null" and sched.disaggregation_transfer_backend != "fake"
+                and (item.bootstrap is None or item.bootstrap.room is None)):
+            raise RequestError("Disaggregated request received without bootstrap room id")
 
     def prepare(self, items: list[GenerateItem]) -> list[list[int]]:
         """Tokenize and validate every item before any is sent (all-or-nothing per HTTP call)."""
@@ -158,7 +163,7 @@ class TokenizerManager:
         self._send.put(TokenizedGenerateReq(
             rid=item.rid, input_ids=input_ids, sampling=item.sampling, return_logprob=item.return_logprob,
             logprob_start_len=item.logprob_start_len, top_logprobs_num=item.top_logprobs_num,
-            token_ids_logprob=item.token_ids_logprob, stream=True))
+            token_ids_logprob=item.token_ids_logprob, stream=True, bootstrap=item.bootstrap))
         return state
 
     async def wait(self, state: ReqState, stream: bool, is_disconnected=None):
@@ -225,9 +230,11 @@ class TokenizerManager:
         if self.shutting_down:
             return False
         start = time.perf_counter()
+        pd = self.server_args.scheduler.disaggregation_mode != "null"
         item = GenerateItem(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", text=None, input_ids=[0],
                             sampling=SamplingParams(max_new_tokens=1, temperature=1.0, top_k=1),
-                            max_new_tokens_given=True)
+                            max_new_tokens_given=True,  # PD: no peer, compute here (SGLang's 2.2.2.2)
+                            bootstrap=BootstrapInfo("2.2.2.2", None, 0) if pd else None)
         state = self.submit(item, [0])
         try:
             while time.perf_counter() - start < timeout:

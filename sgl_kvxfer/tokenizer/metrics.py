@@ -64,6 +64,19 @@ class ServerMetrics:
             sample("token_usage", "gauge", "Fraction of the KV pool in use.", round(state["kv_used_tokens"] / total, 6))
             sample("cache_hit_rate", "gauge", "Prefix cache hit rate.", state["cache_hit_rate"])
             sample("gen_throughput", "gauge", "Generation throughput (token/s).", state["last_gen_throughput"])
+            kv = state.get("kv_transfer")
+            if kv:  # PD roles (disagg/common.py TransferStats)
+                sample("kv_transfer_bytes_total", "counter", "KV bytes written to (prefill) or received from "
+                       "(decode) the transfer engine.", kv["bytes"])
+                sample("kv_transfer_tokens_total", "counter", "Prompt tokens whose KV was transferred.", kv["tokens"])
+                sample("kv_transfer_bytes_per_token", "gauge", "KV bytes on the wire per transferred token.",
+                       round(kv["bytes_per_token"], 3))
+                sample("kv_transfer_rooms_ok_total", "counter", "Rooms whose KV transfer succeeded.",
+                       kv["rooms"].get("ok", 0))
+                sample("kv_transfer_rooms_failed_total", "counter", "Rooms whose KV transfer failed.",
+                       sum(n for k, n in kv["rooms"].items() if k != "ok"))
+                sample("kv_transfer_fallbacks_total", "counter", "Decode requests prefilled locally after a "
+                       "failed KV transfer.", kv["fallbacks"])
         for name, hist, help_text in (
             ("time_to_first_token_seconds", self.ttft, "Time to first token."),
             ("inter_token_latency_seconds", self.itl, "Inter-token latency."),

@@ -34,6 +34,7 @@ class RequestOutputState:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.num_retractions = 0
+        self.extra_meta: dict = {}
         self.logprobs: dict[str, list] = {
             "input_token_logprobs": [], "output_token_logprobs": [],
             "input_top_logprobs": [], "output_top_logprobs": [],
@@ -54,6 +55,8 @@ class RequestOutputState:
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
         self.num_retractions = out.num_retractions
+        if out.extra_meta:
+            self.extra_meta.update(out.extra_meta)
         if not self.return_logprob:
             return
         for key in ("input_token_logprobs", "output_token_logprobs"):
@@ -102,6 +105,7 @@ class RequestOutputState:
         meta["reasoning_tokens"] = 0
         meta["completion_tokens"] = self.completion_tokens
         meta["cached_tokens"] = self.cached_tokens
+        meta.update(self.extra_meta)
         if self.finished and e2e_latency is not None:
             meta["e2e_latency"] = e2e_latency
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}

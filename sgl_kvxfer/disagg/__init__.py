@@ -1,0 +1,49 @@
+"""PD disaggregation: prefill and decode servers that hand a request's KV over a transfer engine.
+
+    bootstrap_server.py  the prefill node's directory of KV senders (its own process)
+    base.py              the room state machine (KVPoll) and the TransferEngine base
+    mooncake.py          Mooncake's Transfer Engine (TCP on CPU hosts; SGLang's default)
+    shaped.py            a link of a chosen rate and latency, paced inside the engine
+    common.py            settings, bootstrap client, block checksums, counters
+    sender.py            the prefill's sender thread (checksums, writes, notices)
+    prefill.py, decode.py  the scheduler's prefill / decode roles (I/O and policy, no fork)
+
+The KV bytes are mem_cache/kv_payload.py segments; the control messages are message/disagg.py.
+A new engine is a new file plus a line in TRANSFER_ENGINES; `fake` moves nothing (SGLang's
+fake backend: no bootstrap server, the decode's KV is left unwritten).
+"""
+from __future__ import annotations
+
+import importlib
+
+TRANSFER_ENGINES = {
+    "mooncake": "sgl_kvxfer.disagg.mooncake:MooncakeTransferEngine",
+}
+TRANSFER_BACKEND_CHOICES = (*TRANSFER_ENGINES, "fake")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+
+
+def create_transfer_engine(name: str, host: str, rate_gbps: float = 0.0, latency_ms: float = 0.0):
+    """The engine for --disaggregation-transfer-backend, paced when a link rate is set."""
+    if name not in TRANSFER_ENGINES:
+        raise ValueError(f"unknown transfer engine {name!r}; choose from {sorted(TRANSFER_ENGINES)}")
+    module, cls = TRANSFER_ENGINES[name].split(":")
+    engine = getattr(importlib.import_module(module), cls)(host)
+    if rate_gbps > 0 or latency_ms > 0:
+        from sgl_kvxfer.disagg.shaped import ShapedTransferEngine
+
+        engine = ShapedTransferEngine(engine, rate_gbps, latency_ms)
+    return engine
+
+
+def create_disagg_role(scheduler, settings, host: str):
+    """The scheduler's PD role for --disaggregation-mode, or None for "null"."""
+    if settings.mode == "prefill":
+        from sgl_kvxfer.disagg.prefill import PrefillRole
+
+        return PrefillRole(scheduler, settings, host)
+    if settings.mode == "decode":
+        from sgl_kvxfer.disagg.decode import DecodeRole
+
+        return DecodeRole(scheduler, settings, host)
+    return None

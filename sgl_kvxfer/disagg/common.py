@@ -1,0 +1,128 @@
+"""What both PD roles share: settings, the bootstrap client, block checksums, counters, faults."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass
+
+import xxhash
+
+from sgl_kvxfer import env
+
+logger = logging.getLogger(__name__)
+
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang: "no prefill peer" (health checks, bench --fake-prefill)
+BLOCK_BYTES = 4 << 20  # checksum granularity of a segment
+
+
+@dataclass(frozen=True)
+class DisaggSettings:
+    """The PD slice of SchedulerConfig (config.py) a role needs."""
+    mode: str
+    bootstrap_port: int
+    backend: str
+    timeout_s: float
+    buffer_bytes: int
+    stream: str  # b < 1: "end" or "int8"
+    rate_gbps: float
+    latency_ms: float
+
+    @classmethod
+    def from_config(cls, cfg) -> "DisaggSettings":
+        return cls(cfg.disaggregation_mode, cfg.disaggregation_bootstrap_port, cfg.disaggregation_transfer_backend,
+                   cfg.kv_transfer_timeout, int(cfg.kv_transfer_buffer_mb) << 20, cfg.resolved_kv_transfer_stream,
+                   cfg.kv_transfer_rate_gbps, cfg.kv_transfer_latency_ms)
+
+
+def block_checksums(payload: memoryview, block_bytes: int = BLOCK_BYTES) -> list[int]:
+    """xxh3-64 of each `block_bytes` block (the last may be short)."""
+    return [xxhash.xxh3_64_intdigest(payload[i:i + block_bytes]) for i in range(0, len(payload), block_bytes)]
+
+
+def first_bad_block(payload: memoryview, checksums: list[int], block_bytes: int) -> int | None:
+    """Index of the first block whose checksum differs (a corrupt or short write), or None."""
+    got = block_checksums(payload, block_bytes)
+    if len(got) != len(checksums):
+        return min(len(got), len(checksums))
+    return next((i for i, (a, b) in enumerate(zip(got, checksums)) if a != b), None)
+
+
+# ---------------------------------------------------------------- bootstrap server client
+def _http_json(method: str, url: str, body: dict | None = None, timeout: float = 5.0):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read()
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode()
+
+
+def register_prefill_rank(host: str, port: int, registration: dict, attempts: int = 20) -> None:
+    """PUT /route on the local bootstrap server, retried while it starts."""
+    url = f"http://{host}:{port}/route"
+    for i in range(attempts):
+        try:
+            _http_json("PUT", url, registration)
+            return
+        except (urllib.error.URLError, OSError) as e:
+            if i == attempts - 1:
+                raise RuntimeError(f"cannot register with the bootstrap server at {url}: {e}") from e
+            time.sleep(min(0.1 * 2 ** i, 2.0))
+
+
+def fetch_prefill_route(host: str, port: int, timeout: float = 5.0) -> dict:
+    """The prefill's parallel info merged with rank 0's endpoint (decode side, in a worker
+    thread). Raises OSError / urllib errors while the prefill is unreachable or not ready."""
+    base = f"http://{host}:{port}/route?prefill_dp_rank={{}}&prefill_cp_rank={{}}&target_tp_rank={{}}&target_pp_rank={{}}"
+    info = _http_json("GET", base.format(-1, -1, -1, -1), timeout=timeout)
+    rank = _http_json("GET", base.format(0, 0, 0, 0), timeout=timeout)
+    return {**info, **rank}
+
+
+# ---------------------------------------------------------------- counters
+class TransferStats:
+    """Counters both roles keep; rendered under `kv_transfer` in /server_info and /metrics."""
+
+    def __init__(self):
+        self.rooms = Counter()  # outcome -> count ("ok", "failed:<reason>", "fallback:<reason>")
+        self.bytes = 0
+        self.tokens = 0
+        self.segments = 0
+
+    def outcome(self, name: str) -> None:
+        self.rooms[name] += 1
+
+    def moved(self, nbytes: int, tokens: int = 0) -> None:
+        self.bytes += nbytes
+        self.tokens += tokens
+        self.segments += 1
+
+    def to_dict(self, **extra) -> dict:
+        return {"rooms": dict(self.rooms), "bytes": self.bytes, "tokens": self.tokens, "segments": self.segments,
+                "bytes_per_token": self.bytes / self.tokens if self.tokens else 0.0,
+                "fallbacks": sum(n for k, n in self.rooms.items() if k.startswith("fallback")), **extra}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault the prefill's sender injects (env SGL_KVXFER_KV_TRANSFER_FAULT, tests only):
+    corrupt (flip a byte after checksumming), truncate (write half the bytes), delay:<s> (sleep
+    before each write)."""
+    kind: str = ""
+    arg: float = 0.0
+
+    @classmethod
+    def from_env(cls) -> "Fault":
+        raw = (env.KV_TRANSFER_FAULT.get() or "").strip()
+        if not raw:
+            return cls()
+        kind, _, arg = raw.partition(":")
+        if kind not in ("corrupt", "truncate", "delay"):
+            raise ValueError(f"{env.KV_TRANSFER_FAULT.name}={raw!r}: expected corrupt, truncate or delay:<s>")
+        return cls(kind, float(arg or 0.0))

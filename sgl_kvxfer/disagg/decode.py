@@ -1,0 +1,343 @@
+"""The scheduler's decode role: receive a request's prompt KV from its prefill, then decode it.
+
+A request with a bootstrap room (and a real peer) does not enter the waiting queue; it becomes
+a room here (disagg/base.py has the states):
+
+    BOOTSTRAPPING      find the prefill (its bootstrap server, in a worker thread; retried until
+                       the timeout: D may come before P registered), take a staging region and
+                       a request row, send KVClaim
+    WAITING_FOR_INPUT  \\ each KVSegment: verify its block checksums in the staging region,
+    TRANSFERRING       / allocate slots (a tiered pool: in each token's tier store), unpack, ack
+    SUCCESS            KVDone with every segment in: the request joins the running batch with
+                       its prompt KV and first token, its prefill skipped
+    FAILED             bad checksum, KVFailed, no progress within --kv-transfer-timeout, prefill
+                       unreachable: everything the room held is freed and the request is
+                       prefilled here instead (the client still gets the right answer)
+
+Input logprobs are the prefill's (the router prepends them): a PD request never reports its own.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import torch
+
+from sgl_kvxfer.disagg import create_transfer_engine
+from sgl_kvxfer.disagg.base import KVPoll
+from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, TransferStats, fetch_prefill_route, first_bad_block
+from sgl_kvxfer.disagg.prefill import TIER_KEEP
+from sgl_kvxfer.disagg.staging import StagingAllocator
+from sgl_kvxfer.mem_cache.kv_payload import unpack_segment
+from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVSegment
+from sgl_kvxfer.message.queue import PullQueue, PushQueue
+from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeRoom:
+    room: int
+    req: object
+    state: KVPoll = KVPoll.BOOTSTRAPPING
+    route: Future | None = None
+    endpoint: str = ""  # the prefill's KV manager (tcp://)
+    region: int | None = None  # offset in the staging buffer
+    region_bytes: int = 0
+    segments: dict = field(default_factory=dict)  # seq -> KVSegment not yet unpacked
+    unpacked: int = 0
+    done: KVDone | None = None
+    created: float = field(default_factory=time.monotonic)
+    progress: float = field(default_factory=time.monotonic)
+    claimed_at: float = 0.0
+    wire_bytes: int = 0
+
+
+class DecodeRole:
+    def __init__(self, scheduler, settings, host: str):
+        self.sched = scheduler
+        self.settings = settings
+        self.kv = scheduler.kv
+        self.pool = scheduler.runner.kv_pool
+        self.table = scheduler.runner.req_to_token
+        self.tiered = getattr(self.pool, "layout", "") == "tiered"
+        self.stats = TransferStats()
+        self.rooms: dict[int, DecodeRoom] = {}
+        self.ready: list = []  # transferred requests waiting for a running-batch seat
+        self.fake = settings.backend == "fake"
+        if self.fake:
+            return
+        self.engine = create_transfer_engine(settings.backend, host, settings.rate_gbps, settings.latency_ms)
+        self.staging = torch.empty(settings.buffer_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self.engine.register(self.staging.data_ptr(), self.staging.numel())
+        self.regions = StagingAllocator(self.staging.numel())
+        self.inbox = PullQueue(f"tcp://{host}:*", "kv_decode", bind=True)
+        self.decode_id = self.inbox.endpoint
+        self.peers: dict[str, PushQueue] = {}
+        self.lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-bootstrap")
+        p = self.pool
+        self.layout = KVLayoutInfo(str(p.dtype).replace("torch.", ""), sum(p.stores_layer(i) for i in range(p.num_layers)),
+                                   p.num_kv_heads, p.head_dim, getattr(p, "group_size", 32))
+        self.full_bytes = 2 * self.layout.num_layers * p.num_kv_heads * p.head_dim * (torch.finfo(p.dtype).bits // 8)
+        logger.info("PD decode: KV receiver %s on %s, endpoint %s, %d MiB staging", settings.backend,
+                    self.engine.session_id(), self.decode_id, settings.buffer_bytes >> 20)
+
+    # ------------------------------------------------------------------ scheduler hooks
+    def takes(self, req) -> bool:
+        """A request whose prompt KV comes from a prefill server (not a health check, not a
+        fallback coming back through the queue)."""
+        b = req.bootstrap
+        return b is not None and b.host != FAKE_BOOTSTRAP_HOST
+
+    def on_new_request(self, req) -> bool:
+        """Take a PD request (True): its KV is received here, it never waits for a prefill."""
+        if not self.takes(req):
+            return False
+        req.input_logprobs_done = True  # the prefill's input logprobs reach the client, not ours
+        if req.sampling.max_new_tokens == 0:  # prefill-only: nothing to receive or compute here
+            req.finish({"type": "length", "length": 0})
+            self.sched.retire_parked(req)
+        elif self.fake:
+            self._admit_fake(req)
+        else:
+            room = self.rooms[req.bootstrap.room] = DecodeRoom(req.bootstrap.room, req)
+            room.route = self._lookup(req.bootstrap)
+        return True
+
+    def on_chunk(self, req, start: int, end: int) -> None:
+        pass  # a local prefill (fallback, no peer) streams nowhere
+
+    def on_prompt_done(self, req) -> bool:
+        return False  # a local prefill decodes here as usual
+
+    def abort(self, rid: str, abort_all: bool) -> None:
+        for room in list(self.rooms.values()):
+            if abort_all or room.req.rid == rid:
+                room.req.finish({"type": "abort", "message": "Abort requested", "status_code": None, "err_type": None})
+                self._end(room, "aborted", fallback=False)
+                self.sched.retire_parked(room.req)
+        for req in [r for r in self.ready if abort_all or r.rid == rid]:
+            self.ready.remove(req)
+            req.finish({"type": "abort", "message": "Abort requested", "status_code": None, "err_type": None})
+            self.sched.retire_parked(req)
+
+    def has_work(self) -> bool:
+        return bool(self.rooms or self.ready)
+
+    def poll(self) -> None:
+        if not self.fake:
+            for msg in self.inbox.get_all_nowait():
+                room = self.rooms.get(msg.room)
+                if room is not None:
+                    self._on_message(room, msg)
+            now = time.monotonic()
+            for room in list(self.rooms.values()):
+                self._advance(room, now)
+        while self.ready and self.sched.has_running_seat():
+            self.sched.admit_prefilled(self.ready.pop(0))
+
+    def server_info(self) -> dict:
+        extra = {} if self.fake else {"staging_used_bytes": self.regions.used_bytes(), "endpoint": self.decode_id}
+        return self.stats.to_dict(rooms_open=len(self.rooms), **extra)
+
+    # ------------------------------------------------------------------ the room's steps
+    def _lookup(self, b) -> Future:
+        port = b.port if b.port is not None else self.settings.bootstrap_port
+        return self.lookups.submit(fetch_prefill_route, b.host, port)
+
+    def _advance(self, room: DecodeRoom, now: float) -> None:
+        if room.state == KVPoll.BOOTSTRAPPING:
+            self._bootstrap(room)
+        if room.state in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING):
+            self._unpack_ready(room)
+        if room.state == KVPoll.TRANSFERRING and room.done is not None and room.unpacked == room.done.segments:
+            self._succeed(room)
+        elif room.room in self.rooms and now - room.progress > self.settings.timeout_s:
+            self._end(room, "timeout" if room.state != KVPoll.BOOTSTRAPPING else "prefill unreachable")
+
+    def _bootstrap(self, room: DecodeRoom) -> None:
+        if room.route is not None:
+            if not room.route.done():
+                return
+            try:
+                info = room.route.result()
+            except Exception as e:  # not up yet, or gone: ask again until the deadline
+                logger.debug("bootstrap lookup for room %d: %s", room.room, e)
+                room.route = self._lookup(room.req.bootstrap) if time.monotonic() - room.created < self.settings.timeout_s else None
+                return
+            room.route = None
+            layout = info.get("kv_layout_info")
+            if layout is not None and msgspec.convert(layout, KVLayoutInfo) != self.layout:
+                self._end(room, f"incompatible KV layout: prefill {layout}, decode {self.layout}")
+                return
+            room.endpoint = f"tcp://{info['rank_ip']}:{info['rank_port']}"
+        if not room.endpoint:
+            return
+        n = len(room.req.origin_input_ids)
+        want = min(self.full_bytes * n + (1 << 16), self.regions.total // 2)
+        region = self.regions.alloc(want)
+        if region is None or not self.kv.admit_external(room.req):
+            if region is not None:
+                self.regions.free(region)
+            return  # staging or request rows are busy: try again next poll
+        room.region, room.region_bytes = region, want
+        room.state, room.progress, room.claimed_at = KVPoll.WAITING_FOR_INPUT, time.monotonic(), time.monotonic()
+        self._push(room.endpoint, KVClaim(room.room, self.decode_id, self.decode_id, self.engine.session_id(),
+                                          self.staging.data_ptr() + region, want, n, self.layout))
+
+    def _on_message(self, room: DecodeRoom, msg) -> None:
+        room.progress = time.monotonic()
+        if isinstance(msg, KVSegment):
+            room.segments[msg.seq] = msg
+            room.state = KVPoll.TRANSFERRING
+        elif isinstance(msg, KVDone):
+            room.done, room.state = msg, KVPoll.TRANSFERRING
+        elif isinstance(msg, KVFailed):
+            self._end(room, "prefill failed: " + msg.reason, notify=False)
+
+    def _unpack_ready(self, room: DecodeRoom) -> None:
+        while room.unpacked in room.segments:
+            seg = room.segments[room.unpacked]
+            payload = self.staging[room.region + seg.offset:room.region + seg.offset + seg.nbytes]
+            bad = first_bad_block(memoryview(payload.numpy()), seg.checksums, seg.block_bytes)
+            if bad is not None:
+                self._end(room, f"checksum mismatch in segment {seg.seq} block {bad}")
+                return
+            if not self._write_segment(room.req, seg, payload):
+                return  # no KV room yet (retried next poll; the prefill waits for the ack), or failed
+            del room.segments[room.unpacked]
+            room.unpacked += 1
+            room.wire_bytes += seg.nbytes
+            self.stats.moved(seg.nbytes)
+            self._push(room.endpoint, KVAck(room.room, self.decode_id, seg.seq))
+
+    def _write_segment(self, req, seg: KVSegment, payload: torch.Tensor) -> bool:
+        """Allocate slots for the segment's positions, unpack, update the row. False: no room."""
+        n = seg.end - seg.start
+        tiers = torch.zeros(n, dtype=torch.int16) if seg.tiers is None else \
+            torch.from_numpy(np.frombuffer(seg.tiers, dtype=np.uint8).astype(np.int16))
+        if bool((tiers == TIER_DROP).any()) and not self.pool.drops_tokens:
+            self._end(self.rooms[req.bootstrap.room], "the payload drops tokens; a decode pool that masks "
+                      "dropped tokens is tiered (--kv-tier-budget < 1)")
+            return False
+        change = tiers != TIER_KEEP
+        row = req.req_pool_idx
+        old = self.table.read(row, seg.end, start=seg.start).clone()
+        new = self._alloc_positions(req, seg, tiers, change)
+        if new is None:
+            return False
+        live = change & (tiers != TIER_DROP)
+        by_tier = tuple(new[(live & (tiers == t)).to(new.device)] for t in (TIER_FP16, TIER_INT8, TIER_INT4))
+        unpack_segment(self.pool, payload, seg.lens, by_tier)
+        row_slots = torch.where(change.to(old.device), new.to(old.device), old)
+        self.table.write(row, seg.start, row_slots)
+        req.kv_len = max(req.kv_len, seg.end)  # positions [0, kv_len) hold slots (release frees them)
+        if seg.replaces and self.tiered:  # the streamed int8 copies of replaced tokens
+            self.kv.allocator.free(old[change.to(old.device) & (old != 0)])
+        return True
+
+    def _alloc_positions(self, req, seg, tiers, change) -> torch.Tensor | None:
+        """New slot per changed position (0 for a drop); None when the pool has no room."""
+        n = seg.end - seg.start
+        out = torch.zeros(n, dtype=torch.int64, device=self.table.table.device)
+        if not self.tiered:
+            if seg.replaces:  # overwrite in place: same slots, new values
+                return self.table.read(req.req_pool_idx, seg.end, start=seg.start).clone()
+            slots = self.kv.alloc([req], [n], [seg.start])
+            return slots
+        alloc = self.kv.allocator
+        for t in (TIER_FP16, TIER_INT8, TIER_INT4):
+            idx = (change & (tiers == t)).nonzero().squeeze(1)
+            if not idx.numel():
+                continue
+            if t == TIER_FP16:
+                if not self.kv.make_room(idx.numel()):
+                    alloc.free(out[out != 0])
+                    return None
+                got = alloc.alloc(idx.numel())
+            else:
+                got = alloc.alloc_tier(t, idx.numel())
+                short = idx.numel() - got.numel()
+                if short and self.kv.make_room(short):  # the rest lands in fp16 (dequantized)
+                    got = torch.cat([got, alloc.alloc(short)])
+                if got.numel() < idx.numel():
+                    alloc.free(torch.cat([out[out != 0], got]))
+                    return None
+            out[idx.to(out.device)] = got.to(out.device)
+        return out
+
+    # ------------------------------------------------------------------ endings
+    def _succeed(self, room: DecodeRoom) -> None:
+        req, done = room.req, room.done
+        n = len(req.origin_input_ids)
+        req.kv_len = n
+        req.output_ids.append(done.first_token)
+        req.cached_tokens = done.cached_tokens
+        if req.return_logprob and done.output_token_logprob is not None:
+            req.output_token_logprobs.append(done.output_token_logprob)
+            req.output_top_logprobs.extend(done.output_top_logprobs or [])
+            req.output_token_ids_logprobs.extend(done.output_token_ids_logprobs or [])
+        seconds = time.monotonic() - room.claimed_at
+        req.extra_meta = {"kv_transfer": {"status": "ok", "bytes": room.wire_bytes, "bytes_per_token": room.wire_bytes / n,
+                                          "transfer_ms": 1e3 * seconds, "segments": room.unpacked}}
+        self.stats.outcome("ok")
+        self.stats.tokens += n
+        self._release_room(room)
+        self.ready.append(req)
+
+    def _end(self, room: DecodeRoom, reason: str, fallback: bool = True, notify: bool = True) -> None:
+        """Fail the room: free what it holds; the request is prefilled here (or was aborted)."""
+        logger.warning("PD room %d: %s%s", room.room, reason, "; prefilling locally" if fallback else "")
+        if notify and room.endpoint and room.region is not None:
+            self._push(room.endpoint, KVCancel(room.room, self.decode_id, reason))
+        req = room.req
+        self.kv.release(req)
+        req.output_ids.clear()
+        self._release_room(room)
+        if fallback:
+            self.stats.outcome("fallback:" + reason.split(":")[0].split(" in ")[0])
+            req.extra_meta = {"kv_transfer": {"status": "fallback: " + reason}}
+            self.sched.enqueue_validated(req)
+
+    def _release_room(self, room: DecodeRoom) -> None:
+        self.rooms.pop(room.room, None)
+        if room.region is not None:
+            self.regions.free(room.region)
+            room.region = None
+        if room.route is not None:
+            room.route.cancel()
+
+    def _push(self, endpoint: str, msg) -> None:
+        sock = self.peers.get(endpoint)
+        if sock is None:
+            sock = self.peers[endpoint] = PushQueue(endpoint)
+        sock.put(msg)
+
+    def _admit_fake(self, req) -> None:
+        """SGLang's fake backend: the prompt's KV slots are allocated and left unwritten, and the
+        first token is a placeholder (the last prompt token); outputs are meaningless."""
+        n = len(req.origin_input_ids)
+        if not self.kv.admit_external(req):
+            self.sched.enqueue_validated(req)
+            return
+        slots = self.kv.alloc([req], [n], [0])
+        if slots is None:
+            self.kv.release(req)
+            self.sched.enqueue_validated(req)
+            return
+        self.table.write(req.req_pool_idx, 0, slots)
+        req.kv_len = n
+        req.output_ids.append(req.origin_input_ids[-1])
+        self.ready.append(req)
+
+    def close(self) -> None:
+        if not self.fake:
+            self.lookups.shutdown(wait=False, cancel_futures=True)
+            self.inbox.close()
+            for sock in self.peers.values():
+                sock.close()

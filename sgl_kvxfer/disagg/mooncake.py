@@ -1,0 +1,56 @@
+"""Mooncake's Transfer Engine (PyPI `mooncake-transfer-engine-non-cuda`), SGLang's default PD
+backend, over its TCP transport with peer-to-peer handshakes (no metadata server).
+
+Each process runs one engine, reached by peers at the session id "host:rpc_port". A write copies
+bytes from this process's registered memory into a peer's registered memory
+(`transfer_sync_write`); on a CPU host the TCP transport moves them, on GPU hosts the same path
+runs over host memory (our buffers are host buffers; RDMA would need the CUDA build and an IB
+device). A write to a peer that is gone returns an error code, which becomes TransferError.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from sgl_kvxfer.disagg.base import TransferEngine, TransferError
+
+logger = logging.getLogger(__name__)
+
+
+def load_engine_class():
+    """mooncake.engine.TransferEngine, or ImportError with what is missing and how to get it."""
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # glog; read when the library loads
+    try:
+        from mooncake.engine import TransferEngine as MooncakeEngine
+    except ImportError as e:
+        hint = (" (the engine links libibverbs.so.1 even for TCP: install rdma-core's libibverbs1, e.g. "
+                "`apt-get install libibverbs1`)") if "libibverbs" in str(e) else ""
+        raise ImportError(f"Mooncake's transfer engine is unavailable: {e}{hint}") from e
+    return MooncakeEngine
+
+
+class MooncakeTransferEngine(TransferEngine):
+    name = "mooncake"
+
+    def __init__(self, host: str):
+        self._engine = load_engine_class()()
+        self._lock = threading.Lock()
+        ret = self._engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
+        if ret != 0:
+            raise RuntimeError(f"Mooncake transfer engine failed to initialize on {host} (code {ret})")
+        self._session = f"{host}:{self._engine.get_rpc_port()}"
+
+    def session_id(self) -> str:
+        return self._session
+
+    def register(self, addr: int, nbytes: int) -> None:
+        ret = self._engine.register_memory(addr, nbytes)
+        if ret != 0:
+            raise RuntimeError(f"Mooncake could not register {nbytes} bytes at {addr:#x} (code {ret})")
+
+    def write(self, peer: str, src_addr: int, dst_addr: int, nbytes: int) -> None:
+        with self._lock:
+            ret = self._engine.transfer_sync_write(peer, src_addr, dst_addr, nbytes)
+        if ret != 0:
+            raise TransferError(f"Mooncake write of {nbytes} bytes to {peer} failed (code {ret})")

@@ -1,0 +1,352 @@
+"""The scheduler's prefill role: prefill, then hand the prompt's KV to the decode that claims it.
+
+The Scheduler runs as usual; this role hooks four points (scheduler.py):
+
+    on_new_request(req)      a room opens for req's bootstrap_room (or meets an early claim)
+    on_chunk(req, a, b)      a prefill chunk finished: positions [a, b) may stream now
+    on_prompt_done(req)      the prompt is prefilled and its first token sampled: the request
+                             leaves the batch and waits here until its KV is out
+    poll()                   each scheduler iteration: claims / acks / cancels from decodes,
+                             the sender thread's results, packing, deadlines, finished rooms
+
+What travels, by `--kv-tier-budget` b and `--kv-transfer-stream`:
+
+    b = 1.0            every chunk streams at the model dtype as it finishes (the rest with the
+                       last chunk): the transfer overlaps the next chunk's compute
+    b < 1, "end"       nothing until the prompt is done; then the tiers SpectrumKV assigned
+                       (the pool holds them already) go out as stored codes
+    b < 1, "int8"      chunks stream at int8; at the end a replacing segment sends the tokens
+                       whose final tier is not int8 (fp16 upgrades, int4 codes, drops), so the
+                       decode ends with exactly the codes of the "end" variant
+
+A request finishes (its HTTP reply ends) once KVDone is out, or when its room fails (no claim in
+`--kv-transfer-timeout`, a write error, a stalled ring, a cancel): the decode then prefills
+locally. Either way the request's KV goes to the radix cache as usual; nothing leaks.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from sgl_kvxfer.disagg import create_transfer_engine
+from sgl_kvxfer.disagg.base import KVPoll
+from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, Fault, TransferStats, register_prefill_rank
+from sgl_kvxfer.disagg.sender import NoticeJob, SenderThread, WriteJob
+from sgl_kvxfer.disagg.staging import RingWriter, StagingAllocator
+from sgl_kvxfer.mem_cache.kv_payload import pack_segment, segment_layout, tier_counts, wire_tier_of
+from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVSegment
+from sgl_kvxfer.message.queue import PullQueue
+from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_INT8
+
+logger = logging.getLogger(__name__)
+TIER_KEEP = 255  # in a replacing segment: the decode keeps what it holds for this position
+
+
+@dataclass
+class _Range:
+    start: int
+    end: int
+    kind: str  # "stored": the tiers the pool holds; "int8": quantized on the way; "replace"
+
+
+@dataclass
+class PrefillRoom:
+    room: int
+    req: object = None
+    claim: KVClaim | None = None
+    ring: RingWriter | None = None
+    state: KVPoll = KVPoll.BOOTSTRAPPING
+    pending: deque = field(default_factory=deque)
+    streamed: int = 0  # positions [0, streamed) are queued as segments
+    next_seq: int = 0
+    inflight: dict = field(default_factory=dict)  # seq -> send-buffer offset, until its write reports
+    prompt_done: bool = False
+    done_queued: bool = False
+    error: str | None = None
+    created: float = field(default_factory=time.monotonic)
+    progress: float = field(default_factory=time.monotonic)
+    wire_bytes: int = 0
+    first_write: float | None = None
+    finished: bool = False
+
+
+class PrefillRole:
+    def __init__(self, scheduler, settings, host: str):
+        self.sched = scheduler
+        self.settings = settings
+        self.pool = scheduler.runner.kv_pool
+        self.table = scheduler.runner.req_to_token
+        self.tiered = scheduler.tiering is not None
+        self.stats = TransferStats()
+        self.rooms: dict[int, PrefillRoom] = {}
+        self.fake = settings.backend == "fake"
+        if self.fake:
+            return
+        self.engine = create_transfer_engine(settings.backend, host, settings.rate_gbps, settings.latency_ms)
+        cuda = torch.cuda.is_available()
+        self.buffer = torch.empty(settings.buffer_bytes, dtype=torch.uint8, pin_memory=cuda)
+        self.engine.register(self.buffer.data_ptr(), self.buffer.numel())
+        self.send_alloc = StagingAllocator(self.buffer.numel())
+        self.sender = SenderThread(self.engine, Fault.from_env())
+        self.inbox = PullQueue(f"tcp://{host}:*", "kv_prefill", bind=True)
+        p = self.pool
+        self.layout = KVLayoutInfo(str(p.dtype).replace("torch.", ""), sum(p.stores_layer(i) for i in range(p.num_layers)),
+                                   p.num_kv_heads, p.head_dim, getattr(p, "group_size", 32))
+        register_prefill_rank(host, settings.bootstrap_port, {
+            "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
+            "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
+            "rank_ip": host, "rank_port": self.inbox.port, "page_size": scheduler.kv.page_size,
+            "kv_cache_dtype": "auto", "kv_layout": "sgl_kvxfer-segments", "load_balance_method": "round_robin",
+            "decode_allocation_policy": "early", "transfer_backend": settings.backend,
+            "transfer_session": self.engine.session_id(), "kv_layout_info": msgspec.structs.asdict(self.layout)})
+        logger.info("PD prefill: KV sender %s on %s, endpoint %s, %d MiB send buffer", settings.backend,
+                    self.engine.session_id(), self.inbox.endpoint, settings.buffer_bytes >> 20)
+
+    # ------------------------------------------------------------------ scheduler hooks
+    def transfers(self, req) -> bool:
+        """A request whose KV leaves this server (not a health check or a prefill-only one)."""
+        b = req.bootstrap
+        return (not self.fake and b is not None and b.host != FAKE_BOOTSTRAP_HOST
+                and req.sampling.max_new_tokens > 0)
+
+    def on_new_request(self, req) -> bool:
+        """Open the request's room; the request itself is queued as usual (returns False)."""
+        if self.transfers(req):
+            room = self.rooms.get(req.bootstrap.room)
+            if room is None or room.req is not None:  # a fresh room (a reused id replaces a stale one)
+                room = self.rooms[req.bootstrap.room] = PrefillRoom(req.bootstrap.room)
+            room.req = req
+            room.created = room.progress = time.monotonic()
+        return False
+
+    def on_chunk(self, req, start: int, end: int) -> None:
+        room = self._room_of(req)
+        if room is None or room.error or (self.tiered and self.settings.stream == "end"):
+            return
+        room.pending.append(_Range(start, end, "int8" if self.tiered else "stored"))
+        room.streamed = end
+
+    def on_prompt_done(self, req) -> bool:
+        """The prompt is prefilled; True when the request now waits here for its KV to go out.
+        A request with no peer (2.2.2.2, the fake backend) ends now: a prefill server never
+        decodes."""
+        room = self._room_of(req)
+        if room is None:
+            if req.finished_reason is None:
+                req.finish({"type": "length", "length": len(req.output_ids)})
+            return False
+        n = len(req.origin_input_ids)
+        if self.tiered and self.settings.stream == "int8" and room.streamed:
+            room.pending.append(_Range(0, room.streamed, "replace"))
+        if room.streamed < n:
+            room.pending.append(_Range(room.streamed, n, "stored"))
+            room.streamed = n
+        room.prompt_done = True
+        if room.state == KVPoll.BOOTSTRAPPING and room.claim is not None:
+            room.state = KVPoll.TRANSFERRING
+        if room.error:
+            self._finish(room)
+        return True
+
+    def abort(self, rid: str, abort_all: bool) -> None:
+        """A request waiting here ends as aborted; one still prefilling is the scheduler's to
+        end (its room just closes)."""
+        for room in list(self.rooms.values()):
+            req = room.req
+            if req is None or not (abort_all or req.rid == rid):
+                continue
+            if room.prompt_done:
+                req.finish({"type": "abort", "message": "Abort requested", "status_code": None, "err_type": None})
+                self._fail(room, "aborted")
+            else:
+                room.req = None
+                self._fail(room, "aborted")
+
+    def has_work(self) -> bool:
+        """Requests wait here (prompt done, KV going out): keep the scheduler loop turning."""
+        return any(r.prompt_done for r in self.rooms.values())
+
+    def poll(self) -> None:
+        if self.fake:
+            return
+        for msg in self.inbox.get_all_nowait():
+            self._on_message(msg)
+        for res in self.sender.drain():
+            self._on_result(res)
+        now = time.monotonic()
+        for room in list(self.rooms.values()):
+            self._pump(room)
+            self._check_deadline(room, now)
+
+    def server_info(self) -> dict:
+        extra = {} if self.fake else {"send_buffer_used_bytes": self.send_alloc.used_bytes(),
+                                      "endpoint": self.inbox.endpoint}
+        return self.stats.to_dict(rooms_open=len(self.rooms), **extra)
+
+    # ------------------------------------------------------------------ messages and results
+    def _room_of(self, req):
+        if not self.transfers(req):
+            return None
+        room = self.rooms.get(req.bootstrap.room)
+        return room if room is not None and room.req is req else None
+
+    def _on_message(self, msg) -> None:
+        room = self.rooms.get(msg.room)
+        if isinstance(msg, KVClaim):
+            if msg.layout != self.layout:
+                self.sender.submit(NoticeJob(msg.room, msg.reply_to, KVFailed(
+                    msg.room, f"incompatible KV layout: prefill {self.layout}, decode {msg.layout}")))
+                return
+            if room is None:  # the claim came first: the request follows (or the room orphans)
+                room = self.rooms[msg.room] = PrefillRoom(msg.room)
+            room.claim, room.ring, room.progress = msg, RingWriter(msg.region_bytes), time.monotonic()
+            if room.prompt_done and room.state == KVPoll.BOOTSTRAPPING:
+                room.state = KVPoll.TRANSFERRING
+            elif room.state == KVPoll.BOOTSTRAPPING:
+                room.state = KVPoll.WAITING_FOR_INPUT
+        elif room is None or room.claim is None or msg.decode_id != room.claim.decode_id:
+            return  # a late message for a room that ended, or from a decode it no longer serves
+        elif isinstance(msg, KVAck):
+            room.ring.ack(msg.seq)
+            room.progress = time.monotonic()
+        elif isinstance(msg, KVCancel):
+            room.claim = None  # nothing more goes to that decode
+            self._fail(room, f"cancelled by decode: {msg.reason}")
+
+    def _on_result(self, res) -> None:
+        room = self.rooms.get(res.room)
+        if room is None:
+            return
+        off = room.inflight.pop(res.seq, None)
+        if off is not None:
+            self.send_alloc.free(off)
+        room.progress = time.monotonic()
+        if res.error:
+            self._fail(room, f"write failed: {res.error}")
+        elif res.seq >= 0:
+            room.wire_bytes += res.nbytes
+            self.stats.moved(res.nbytes)
+        elif room.done_queued and room.error is None:  # KVDone is out
+            room.state = KVPoll.SUCCESS
+            self.stats.outcome("ok")
+            self._finish(room)
+        if room.error is not None and room.req is not None and (room.prompt_done or room.req.finished):
+            self._finish(room)  # a failed room's last write reported
+
+    # ------------------------------------------------------------------ sending
+    def _pump(self, room: PrefillRoom) -> None:
+        if room.claim is None or room.error or room.state == KVPoll.SUCCESS:
+            return
+        while room.pending:
+            if not self._send_next(room):
+                return
+        if room.prompt_done and not room.inflight and not room.done_queued:
+            self._queue_done(room)
+
+    def _segment_tiers(self, rng: _Range, slots: torch.Tensor) -> torch.Tensor:
+        """Wire tier per position of the range (TIER_KEEP: unchanged on the decode)."""
+        stored = wire_tier_of(self.pool, slots)
+        if rng.kind == "int8":
+            return torch.where(stored == TIER_DROP, stored, torch.full_like(stored, TIER_INT8))
+        if rng.kind == "replace":  # what the int8 stream got right stays where it is
+            return torch.where(stored == TIER_INT8, torch.full_like(stored, TIER_KEEP), stored)
+        return stored
+
+    def _send_next(self, room: PrefillRoom) -> bool:
+        """Pack the next pending range (split to fit the decode's ring) and queue its write."""
+        rng = room.pending[0]
+        req = room.req
+        slots = self.table.read(req.req_pool_idx, rng.end, start=rng.start).clone()
+        tiers = self._segment_tiers(rng, slots)
+        live = (tiers != TIER_DROP) & (tiers != TIER_KEEP)
+        lay = segment_layout(self.pool, tier_counts(tiers[live]))
+        if not room.ring.fits_ever(lay.total_bytes) or lay.total_bytes > self.send_alloc.total // 2:
+            if rng.end - rng.start == 1:
+                self._fail(room, f"one token's KV ({lay.total_bytes} B) exceeds the transfer buffers")
+                return False
+            mid = (rng.start + rng.end) // 2
+            room.pending[0] = _Range(rng.start, mid, rng.kind)
+            room.pending.insert(1, _Range(mid, rng.end, rng.kind))
+            return True
+        seq = room.next_seq
+        dst = room.ring.place(seq, lay.total_bytes)
+        if dst is None:
+            return False  # the decode has not acked enough yet
+        src = self.send_alloc.alloc(lay.total_bytes)
+        if src is None:
+            room.ring.ack(seq)  # undo the placement; retry next poll
+            return False
+        payload = self.buffer[src:src + lay.total_bytes]
+        pack_segment(self.pool, slots[live.to(slots.device)], tiers[live], payload)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+        segment = KVSegment(room.room, seq, rng.start, rng.end, None if bool((tiers == 0).all()) else tiers.numpy().tobytes(),
+                            lay.lens, dst, lay.total_bytes, 0, [], replaces=rng.kind == "replace")
+        room.inflight[seq] = src
+        room.next_seq += 1
+        room.pending.popleft()
+        room.first_write = room.first_write or time.monotonic()
+        c = room.claim
+        self.sender.submit(WriteJob(room.room, seq, payload, c.session, c.region_addr + dst, c.reply_to, segment))
+        return True
+
+    def _queue_done(self, room: PrefillRoom) -> None:
+        req = room.req
+        msg = KVDone(room.room, room.next_seq, req.output_ids[0], req.cached_tokens, room.wire_bytes)
+        if req.return_logprob and req.output_token_logprobs:
+            msg.output_token_logprob = req.output_token_logprobs[0]
+            msg.output_top_logprobs = req.output_top_logprobs[:1] or None
+            msg.output_token_ids_logprobs = req.output_token_ids_logprobs[:1] or None
+        room.done_queued = True
+        self.stats.tokens += len(req.origin_input_ids)
+        self.sender.submit(NoticeJob(room.room, room.claim.reply_to, msg))
+
+    # ------------------------------------------------------------------ endings
+    def _check_deadline(self, room: PrefillRoom, now: float) -> None:
+        if room.error or room.state == KVPoll.SUCCESS or room.done_queued:
+            return
+        if now - room.progress > self.settings.timeout_s:
+            if room.req is None:  # an orphan claim: its request never came
+                self._fail(room, "no request for the room")
+            elif room.claim is None:
+                self._fail(room, "no decode claimed the room")
+            elif room.prompt_done:
+                self._fail(room, "transfer stalled")
+
+    def _fail(self, room: PrefillRoom, reason: str) -> None:
+        if room.error is None:
+            room.error = reason
+            room.state = KVPoll.FAILED
+            self.stats.outcome("failed:" + reason.split(":")[0])
+            logger.warning("PD room %d failed: %s", room.room, reason)
+            if room.claim is not None:
+                self.sender.submit(NoticeJob(room.room, room.claim.reply_to, KVFailed(room.room, reason)))
+        if room.req is None:
+            self.rooms.pop(room.room, None)
+        elif room.prompt_done or room.req.finished:
+            self._finish(room)
+
+    def _finish(self, room: PrefillRoom) -> None:
+        """End the request: its HTTP reply completes and its KV goes to the radix cache."""
+        if room.inflight or room.finished:  # writes still read the send buffer: finish when they report
+            return
+        room.finished = True
+        self.rooms.pop(room.room, None)
+        req = room.req
+        if req.finished_reason is None:
+            req.finish({"type": "length", "length": len(req.output_ids)})
+        req.extra_meta = {"kv_transfer": {"status": "ok" if room.error is None else "failed: " + room.error,
+                                          "bytes": room.wire_bytes,
+                                          "bytes_per_token": room.wire_bytes / max(1, len(req.origin_input_ids)),
+                                          "transfer_ms": 1e3 * (time.monotonic() - (room.first_write or time.monotonic()))}}
+        self.sched.retire_parked(req)
+
+    def close(self) -> None:
+        if not self.fake:
+            self.sender.close()
+            self.inbox.close()

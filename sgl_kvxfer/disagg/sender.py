@@ -1,0 +1,123 @@
+"""The prefill's sender thread: checksum a packed segment, write it, tell the decode.
+
+The scheduler thread packs segments into the registered send buffer and queues jobs; this
+thread runs them in order (so a room's KVDone follows its last segment) and reports each write's
+outcome back. It owns its own ZMQ push sockets (a socket belongs to one thread).
+
+    scheduler thread --WriteJob / NoticeJob--> [queue] --> sender thread --write--> decode memory
+                    <----------- SendResult ----------                  --KVSegment / KVDone / KVFailed--> decode
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from sgl_kvxfer.disagg.base import TransferEngine, TransferError
+from sgl_kvxfer.disagg.common import BLOCK_BYTES, Fault, block_checksums
+from sgl_kvxfer.message.disagg import KVSegment
+from sgl_kvxfer.message.queue import PushQueue
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WriteJob:
+    room: int
+    seq: int
+    payload: torch.Tensor  # uint8 view of the send buffer (registered memory)
+    peer: str  # the decode's transfer session
+    dst_addr: int
+    reply_to: str
+    segment: KVSegment  # checksums filled in here
+
+
+@dataclass
+class NoticeJob:
+    room: int
+    reply_to: str
+    msg: msgspec.Struct  # KVDone / KVFailed
+
+
+@dataclass
+class SendResult:
+    room: int
+    seq: int  # -1: a notice
+    error: str | None
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+class SenderThread:
+    def __init__(self, engine: TransferEngine, fault: Fault | None = None):
+        self.engine = engine
+        self.fault = fault or Fault()
+        self.jobs: queue.Queue = queue.Queue()
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self._peers: dict[str, PushQueue] = {}
+        self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
+        self._thread.start()
+
+    def submit(self, job) -> None:
+        self.jobs.put(job)
+
+    def drain(self) -> list[SendResult]:
+        out = []
+        while True:
+            try:
+                out.append(self.results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _push(self, endpoint: str, msg) -> None:
+        sock = self._peers.get(endpoint)
+        if sock is None:
+            sock = self._peers[endpoint] = PushQueue(endpoint)
+        sock.put(msg)
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                if isinstance(job, WriteJob):
+                    self.results.put(self._write(job))
+                else:
+                    self._push(job.reply_to, job.msg)
+                    self.results.put(SendResult(job.room, -1, None))
+            except Exception as e:  # never let one room's failure stop the thread
+                logger.warning("KV transfer of room %s failed: %s: %s", job.room, type(e).__name__, e)
+                self.results.put(SendResult(job.room, getattr(job, "seq", -1), f"{type(e).__name__}: {e}"))
+
+    def _write(self, job: WriteJob) -> SendResult:
+        start = time.perf_counter()
+        payload = job.payload
+        nbytes = payload.numel()
+        job.segment.checksums = block_checksums(memoryview(payload.numpy()), BLOCK_BYTES)
+        job.segment.block_bytes = BLOCK_BYTES
+        sent = nbytes
+        if self.fault.kind == "delay":
+            time.sleep(self.fault.arg)
+        elif self.fault.kind == "corrupt" and nbytes:
+            payload[nbytes // 2] ^= 0xFF  # after checksumming: the wire carries a flipped byte
+        elif self.fault.kind == "truncate":
+            sent = nbytes // 2
+        try:
+            if sent:
+                self.engine.write(job.peer, payload.data_ptr(), job.dst_addr, sent)
+        except TransferError as e:
+            return SendResult(job.room, job.seq, str(e))
+        self._push(job.reply_to, job.segment)
+        return SendResult(job.room, job.seq, None, sent, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self._thread.join(timeout=5)
+        for sock in self._peers.values():
+            sock.close()

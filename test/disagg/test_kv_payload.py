@@ -1,0 +1,116 @@
+"""The transfer layer (mem_cache/kv_payload.py): a segment packed from one pool and unpacked
+into another holds the same KV, in every direction the PD path uses.
+
+- tiered -> tiered at the stored tiers: the codes travel as they are (bitwise equal stores);
+- tiered -> fp16 pool: dequantized on arrival (equal to the tiered pool's own get_kv);
+- fp16 -> fp16 at the model dtype: bitwise equal; fp16 -> tiered at int8 (the streamed
+  variant): equal to quantizing the fp16 values with the codec;
+- the byte count is the pack format's, and dropped tokens send nothing.
+"""
+import pytest
+import torch
+
+from sgl_kvxfer.kernels.tier_codec import dequantize, quantize
+from sgl_kvxfer.mem_cache.allocator import TokenSlotAllocator
+from sgl_kvxfer.mem_cache.fp16_pool import Fp16KVPool
+from sgl_kvxfer.mem_cache.kv_payload import pack_segment, segment_layout, tier_counts, unpack_segment, wire_tier_of
+from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
+from sgl_kvxfer.mem_cache.tiered_allocator import TieredSlotAllocator
+from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
+from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
+
+L, H, D, G = 3, 2, 64, 32
+
+
+def tiered(dtype=torch.float16):
+    pool = TieredKVPool(64, L, H, D, dtype, "cpu", TierStorePlan(32, 16, 16), group_size=G)
+    return pool, TieredSlotAllocator(pool, "cpu")
+
+
+def fp16(dtype=torch.float16):
+    pool = Fp16KVPool(64, L, H, D, dtype, "cpu")
+    return pool, TokenSlotAllocator(64, "cpu")
+
+
+def fill(pool, alloc, n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    slots = alloc.alloc(n)
+    kv = [(torch.randn(n, H, D, generator=gen).to(pool.dtype), torch.randn(n, H, D, generator=gen).to(pool.dtype))
+          for _ in range(L)]
+    for layer, (k, v) in enumerate(kv):
+        pool.set_kv(layer, slots, k, v)
+    return slots, kv
+
+
+def alloc_like(pool, alloc, lens):
+    """Slots per wire tier in the receiving pool (a tiered pool: in that tier's store)."""
+    if isinstance(alloc, TieredSlotAllocator):
+        return (alloc.alloc(lens[0]), alloc.alloc_tier(TIER_INT8, lens[1]), alloc.alloc_tier(TIER_INT4, lens[2]))
+    return tuple(alloc.alloc(n) if n else torch.empty(0, dtype=torch.int64) for n in lens)
+
+
+def transfer(src, slots, wire, dst, dst_alloc):
+    lens = tier_counts(wire[wire != TIER_DROP]) if wire is not None else (slots.numel(), 0, 0)
+    buf = torch.empty(segment_layout(src, lens).total_bytes + 7, dtype=torch.uint8)
+    lay = pack_segment(src, slots, wire, buf)
+    assert lay.lens == lens and lay.total_bytes == segment_layout(dst, lens).total_bytes
+    got = alloc_like(dst, dst_alloc, lens)
+    unpack_segment(dst, buf[: lay.total_bytes], lens, got)
+    return got
+
+
+def test_tiered_to_tiered_moves_the_stored_codes():
+    src, sa = tiered()
+    slots, _ = fill(src, sa, 10)
+    slots, _ = sa.retier(slots, torch.tensor([0, 1, 2, 1, 2, 2, 1, 0, 3, 2], dtype=torch.int8))
+    wire = wire_tier_of(src, slots)
+    assert wire.tolist() == [0, 1, 2, 1, 2, 2, 1, 0, 3, 2]  # slot 0 = dropped
+    dst, da = tiered()
+    got = transfer(src, slots[wire != TIER_DROP], wire[wire != TIER_DROP], dst, da)
+    for layer in range(L):
+        for tier in (TIER_INT8, TIER_INT4):
+            s_rows = slots[wire == tier] - src.base(tier)
+            d_rows = got[tier] - dst.base(tier)
+            ss, ds = src.stores[tier][layer], dst.stores[tier][layer]
+            for a, b in ((ss.k, ds.k), (ss.v, ds.v), (ss.k_scale, ds.k_scale), (ss.v_zero, ds.v_zero)):
+                assert torch.equal(a[s_rows], b[d_rows])
+        k16, _ = src.get_kv(layer, slots[wire == TIER_FP16])
+        assert torch.equal(k16, dst.get_kv(layer, got[TIER_FP16])[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_tiered_to_fp16_pool_dequantizes(dtype):
+    src, sa = tiered(dtype)
+    slots, _ = fill(src, sa, 8, seed=1)
+    slots, _ = sa.retier(slots, torch.tensor([0, 1, 1, 2, 2, 1, 0, 2], dtype=torch.int8))
+    wire = wire_tier_of(src, slots)
+    dst, da = fp16(dtype)
+    got = transfer(src, slots, wire, dst, da)
+    for layer in range(L):
+        for tier in (TIER_FP16, TIER_INT8, TIER_INT4):
+            want_k, want_v = src.get_kv(layer, slots[wire == tier])
+            k, v = dst.get_kv(layer, got[tier])
+            assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+def test_fp16_to_fp16_is_bitwise_and_fp16_to_tiered_int8_is_the_codec():
+    src, sa = fp16()
+    slots, kv = fill(src, sa, 12, seed=2)
+    dst, da = fp16()
+    got = transfer(src, slots, None, dst, da)
+    for layer, (k, v) in enumerate(kv):
+        assert torch.equal(dst.get_kv(layer, got[0])[0], k) and torch.equal(dst.get_kv(layer, got[0])[1], v)
+    tdst, tda = tiered()
+    got = transfer(src, slots, torch.full((12,), TIER_INT8, dtype=torch.int8), tdst, tda)
+    for layer, (k, v) in enumerate(kv):
+        rk, rv = tdst.get_kv(layer, got[TIER_INT8])
+        assert torch.equal(rk, dequantize(*quantize(k, 8, G), 8, G, torch.float16))
+        assert torch.equal(rv, dequantize(*quantize(v, 8, G), 8, G, torch.float16))
+
+
+def test_payload_bytes_follow_the_tiers():
+    pool, _ = fp16()
+    full = segment_layout(pool, (10, 0, 0)).total_bytes
+    assert full == 10 * 2 * L * H * D * 2
+    assert segment_layout(pool, (0, 10, 0)).total_bytes == 10 * 2 * L * H * (D + 2 * 2 * D // G)
+    assert segment_layout(pool, (0, 0, 10)).total_bytes == 10 * 2 * L * H * (D // 2 + 2 * 2 * D // G)
