@@ -35,6 +35,10 @@ setup(
         "uvicorn",
         "tqdm",
         "triton",
+        "xxhash",  # KV transfer block checksums
+        # PD KV transfer (disagg/mooncake.py): Mooncake's engine, CPU build (its TCP transport
+        # also serves GPU hosts over host memory). Links rdma-core's libibverbs.so.1 (README).
+        "mooncake-transfer-engine-non-cuda",
         "ninja",  # builds the native CPU kernels (kernels/cpu_ops.py) on first use, with the system g++
     ],
     # "test": what the test suite and the benchmarks run besides the runtime, including the real
@@ -48,6 +52,8 @@ setup(
             "orjson", "pybase64", "pillow", "IPython", "packaging", "pydantic", "starlette",
             # sglang.bench_serving (torchvision: benchmarks/common/torchvision_stub)
             "datasets", "sentencepiece", "compressed-tensors", "apache-tvm-ffi",
+            # the real PD router (sglang-compat section 4)
+            "sglang-router==0.3.2",
         ],
     },
     entry_points={"console_scripts": ["sgl-kvxfer-server=sgl_kvxfer.launch_server:main"]},

@@ -56,8 +56,8 @@ DECODE_LONGEST_FIRST = EnvVar(
 
 KV_TRANSFER_FAULT = EnvVar(
     "SGL_KVXFER_KV_TRANSFER_FAULT", None,
-    "tests only: a fault the PD prefill's sender injects into every KV write: corrupt, truncate or "
-    "delay:<seconds> (sgl_kvxfer/disagg/common.py)")
+    "tests only: faults the PD prefill's sender injects into KV writes, comma-separated "
+    "kind[:seconds][@room] with kind corrupt, truncate or delay (sgl_kvxfer/disagg/common.py)")
 
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, CPU_ISA,
        DECODE_LONGEST_FIRST, KV_TRANSFER_FAULT)

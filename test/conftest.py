@@ -3,7 +3,7 @@ private temp root, and the CPU ISA cap.
 
 - Every temp file of the run (pytest's tmp_path, server logs, ipc sockets, what child processes
   write to $TMPDIR) goes under one fresh folder, removed when the run ends: a run leaves nothing
-  in /tmp.
+  in /tmp. (KEEP_TEST_TMP=1 keeps it, for reading server logs after a failure.)
 - SGL_KVXFER_CPU_ISA=avx2 (sgl_kvxfer/utils/cpu_isa.py) runs the suite on an AVX-512 machine as
   an AVX2-only CPU runs it: our native paths take the cap themselves, and torch's own oneDNN /
   ATen dispatch is capped here, before torch starts, for this process and every server it spawns.
@@ -39,6 +39,9 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
+    if os.environ.get("KEEP_TEST_TMP") == "1":
+        print(f"\nkept the run's temp folder: {TMP_ROOT}")
+        return
     shutil.rmtree(TMP_ROOT, ignore_errors=True)
 
 

@@ -111,18 +111,26 @@ class TransferStats:
 
 @dataclass(frozen=True)
 class Fault:
-    """A fault the prefill's sender injects (env SGL_KVXFER_KV_TRANSFER_FAULT, tests only):
+    """A fault the prefill's sender injects into KV writes (tests only), from
+    SGL_KVXFER_KV_TRANSFER_FAULT: comma-separated `kind[:seconds][@room]` entries, kind one of
     corrupt (flip a byte after checksumming), truncate (write half the bytes), delay:<s> (sleep
-    before each write)."""
+    before the write); `@room` limits an entry to one bootstrap room, else it hits every room."""
     kind: str = ""
     arg: float = 0.0
+    room: int | None = None
 
-    @classmethod
-    def from_env(cls) -> "Fault":
-        raw = (env.KV_TRANSFER_FAULT.get() or "").strip()
-        if not raw:
-            return cls()
-        kind, _, arg = raw.partition(":")
-        if kind not in ("corrupt", "truncate", "delay"):
-            raise ValueError(f"{env.KV_TRANSFER_FAULT.name}={raw!r}: expected corrupt, truncate or delay:<s>")
-        return cls(kind, float(arg or 0.0))
+    @staticmethod
+    def parse(raw: str | None) -> list["Fault"]:
+        faults = []
+        for entry in filter(None, (e.strip() for e in (raw or "").split(","))):
+            spec, _, room = entry.partition("@")
+            kind, _, arg = spec.partition(":")
+            if kind not in ("corrupt", "truncate", "delay"):
+                raise ValueError(f"{env.KV_TRANSFER_FAULT.name}: bad entry {entry!r} "
+                                 "(expected corrupt, truncate or delay:<s>, optionally @<room>)")
+            faults.append(Fault(kind, float(arg or 0.0), int(room) if room else None))
+        return faults
+
+    @staticmethod
+    def for_room(faults: list["Fault"], room: int) -> "Fault":
+        return next((f for f in faults if f.room in (None, room)), Fault())

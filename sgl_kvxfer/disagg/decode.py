@@ -76,6 +76,9 @@ class DecodeRole:
         self.staging = torch.empty(settings.buffer_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         self.engine.register(self.staging.data_ptr(), self.staging.numel())
         self.regions = StagingAllocator(self.staging.numel())
+        # regions of failed rooms, freed only after a timeout: a prefill that has not seen the
+        # cancel yet may still write into them (checksums would catch it, but only until unpack)
+        self.quarantine: list[tuple[float, int]] = []
         self.inbox = PullQueue(f"tcp://{host}:*", "kv_decode", bind=True)
         self.decode_id = self.inbox.endpoint
         self.peers: dict[str, PushQueue] = {}
@@ -138,6 +141,8 @@ class DecodeRole:
             now = time.monotonic()
             for room in list(self.rooms.values()):
                 self._advance(room, now)
+            while self.quarantine and self.quarantine[0][0] <= now:
+                self.regions.free(self.quarantine.pop(0)[1])
         while self.ready and self.sched.has_running_seat():
             self.sched.admit_prefilled(self.ready.pop(0))
 
@@ -298,6 +303,9 @@ class DecodeRole:
         req = room.req
         self.kv.release(req)
         req.output_ids.clear()
+        if room.region is not None and room.claimed_at:  # the prefill knows this region
+            self.quarantine.append((time.monotonic() + self.settings.timeout_s, room.region))
+            room.region = None
         self._release_room(room)
         if fallback:
             self.stats.outcome("fallback:" + reason.split(":")[0].split(" in ")[0])

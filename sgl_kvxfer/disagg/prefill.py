@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
+from sgl_kvxfer import env
 from sgl_kvxfer.disagg import create_transfer_engine
 from sgl_kvxfer.disagg.base import KVPoll
 from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, Fault, TransferStats, register_prefill_rank
@@ -92,7 +93,7 @@ class PrefillRole:
         self.buffer = torch.empty(settings.buffer_bytes, dtype=torch.uint8, pin_memory=cuda)
         self.engine.register(self.buffer.data_ptr(), self.buffer.numel())
         self.send_alloc = StagingAllocator(self.buffer.numel())
-        self.sender = SenderThread(self.engine, Fault.from_env())
+        self.sender = SenderThread(self.engine, Fault.parse(env.KV_TRANSFER_FAULT.get()))
         self.inbox = PullQueue(f"tcp://{host}:*", "kv_prefill", bind=True)
         p = self.pool
         self.layout = KVLayoutInfo(str(p.dtype).replace("torch.", ""), sum(p.stores_layer(i) for i in range(p.num_layers)),
@@ -322,12 +323,14 @@ class PrefillRole:
         if room.error is None:
             room.error = reason
             room.state = KVPoll.FAILED
+            self.sender.cancelled.add(room.room)  # its queued writes must not start
             self.stats.outcome("failed:" + reason.split(":")[0])
             logger.warning("PD room %d failed: %s", room.room, reason)
             if room.claim is not None:
                 self.sender.submit(NoticeJob(room.room, room.claim.reply_to, KVFailed(room.room, reason)))
-        if room.req is None:
+        if room.req is None:  # nothing was packed for it
             self.rooms.pop(room.room, None)
+            self.sender.cancelled.discard(room.room)
         elif room.prompt_done or room.req.finished:
             self._finish(room)
 
@@ -337,6 +340,7 @@ class PrefillRole:
             return
         room.finished = True
         self.rooms.pop(room.room, None)
+        self.sender.cancelled.discard(room.room)
         req = room.req
         if req.finished_reason is None:
             req.finish({"type": "length", "length": len(req.output_ids)})

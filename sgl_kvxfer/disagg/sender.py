@@ -20,7 +20,7 @@ import torch
 
 from sgl_kvxfer.disagg.base import TransferEngine, TransferError
 from sgl_kvxfer.disagg.common import BLOCK_BYTES, Fault, block_checksums
-from sgl_kvxfer.message.disagg import KVSegment
+from sgl_kvxfer.message.disagg import KVDone, KVSegment
 from sgl_kvxfer.message.queue import PushQueue
 
 logger = logging.getLogger(__name__)
@@ -54,11 +54,13 @@ class SendResult:
 
 
 class SenderThread:
-    def __init__(self, engine: TransferEngine, fault: Fault | None = None):
+    def __init__(self, engine: TransferEngine, faults: list[Fault] | None = None):
         self.engine = engine
-        self.fault = fault or Fault()
+        self.faults = faults or []
         self.jobs: queue.Queue = queue.Queue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled: set[int] = set()  # rooms whose writes must not start any more (the
+        # scheduler thread adds, this thread reads: a set add / membership test is atomic)
         self._peers: dict[str, PushQueue] = {}
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
@@ -85,6 +87,9 @@ class SenderThread:
             job = self.jobs.get()
             if job is None:
                 return
+            if isinstance(job, NoticeJob) and isinstance(job.msg, (KVDone,)) and job.room in self.cancelled:
+                self.results.put(SendResult(job.room, -1, "room cancelled"))
+                continue
             try:
                 if isinstance(job, WriteJob):
                     self.results.put(self._write(job))
@@ -102,11 +107,14 @@ class SenderThread:
         job.segment.checksums = block_checksums(memoryview(payload.numpy()), BLOCK_BYTES)
         job.segment.block_bytes = BLOCK_BYTES
         sent = nbytes
-        if self.fault.kind == "delay":
-            time.sleep(self.fault.arg)
-        elif self.fault.kind == "corrupt" and nbytes:
+        fault = Fault.for_room(self.faults, job.room)
+        if fault.kind == "delay":
+            time.sleep(fault.arg)
+        if job.room in self.cancelled:  # the decode gave the region up: never write into it
+            return SendResult(job.room, job.seq, "room cancelled before its write")
+        elif fault.kind == "corrupt" and nbytes:
             payload[nbytes // 2] ^= 0xFF  # after checksumming: the wire carries a flipped byte
-        elif self.fault.kind == "truncate":
+        elif fault.kind == "truncate":
             sent = nbytes // 2
         try:
             if sent:

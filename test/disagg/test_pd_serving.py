@@ -1,0 +1,310 @@
+"""PD disaggregation end to end on CPU with SmolLM2: real prefill / decode server processes,
+Mooncake's transfer engine over loopback TCP, and the real `sglang_router` 0.3.2 in front.
+
+One prefill P (with faults armed for a few rooms), one decode D and one single server S share
+the module; greedy outputs through the router are token-identical to S's. Fault rooms are sent
+to P and D directly with the router's body, as the router would. Every fault ends in a correct
+answer from D (its local prefill), a fallback counted in /metrics, and no KV left behind.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+from servers import ROOT, free_port, start_router, start_server, stop_all
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    __import__("importlib").util.find_spec("sglang_router") is None, reason="sglang-router is not installed")]
+
+COMMON = ["--max-total-tokens", "8192", "--chunked-prefill-size", "128", "--max-running-requests", "16",
+          "--context-length", "2048", "--log-level", "warning", "--enable-metrics", "--kv-transfer-buffer-mb", "64"]
+TIMEOUT = "6"  # --kv-transfer-timeout of the module's servers, seconds
+ROOM_CORRUPT, ROOM_TRUNCATE, ROOM_DELAY, ROOM_ORPHAN = 9001, 9002, 9003, 9004
+FAULTS = f"corrupt@{ROOM_CORRUPT},truncate@{ROOM_TRUNCATE},delay:10@{ROOM_DELAY}"
+PROMPTS = [
+    "The history of the Python programming language begins in the late 1980s, when Guido van Rossum " * 4,
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Write a short poem about the sea.",
+]
+
+
+def greedy(prompt, max_new=12, **extra):
+    return {"text": prompt, "sampling_params": {"max_new_tokens": max_new, "temperature": 0}, **extra}
+
+
+def pd_args(mode: str, bootstrap_port: int | None = None, *extra) -> list[str]:
+    args = [*COMMON, "--disaggregation-mode", mode, "--kv-transfer-timeout", TIMEOUT, *extra]
+    if bootstrap_port is not None:
+        args += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    return args
+
+
+def start_all(specs: list[tuple]) -> list:
+    """Start servers concurrently: [(args, env, name)] -> handles in order."""
+    with cf.ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(start_server, args, env=env, name=name) for args, env, name in specs]
+        cf.wait(futures)
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        stop_all(*(f.result() for f in futures if f.exception() is None))
+        raise failed[0]
+    return [f.result() for f in futures]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    bp = free_port()
+    p, d, s = start_all([(pd_args("prefill", bp), {"SGL_KVXFER_KV_TRANSFER_FAULT": FAULTS}, "pd_prefill"),
+                         (pd_args("decode"), None, "pd_decode"), (COMMON, None, "pd_single")])
+    try:
+        router = start_router([(p.url, bp)], [d.url])
+    except Exception:
+        stop_all(p, d, s)
+        raise
+    yield {"P": p, "D": d, "S": s, "router": router, "bp": bp}
+    stop_all(router, p, d, s)
+
+
+def post(url, body, timeout=120):
+    r = requests.post(url + "/generate", json=body, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def pd_direct(cluster, body, room, prefill=None):
+    """What the router does: the same body to P and D at once, D's reply to the client."""
+    body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster["bp"], "bootstrap_room": room}
+    with cf.ThreadPoolExecutor(2) as pool:
+        fp = pool.submit(requests.post, (prefill or cluster["P"]).url + "/generate", json=body, timeout=120)
+        fd = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=120)
+        return fp.result(), fd.result()
+
+
+def server_info(handle):
+    return requests.get(handle.url + "/server_info", timeout=30).json()
+
+
+def kv_state(handle):
+    st = server_info(handle)["internal_states"][0]
+    return st["kv_used_tokens"] - st["kv_cached_tokens"], st.get("kv_transfer", {})
+
+
+def assert_nothing_leaked(*handles):
+    """Once idle, a server's KV slots are all free or cached (flushing frees the cache), and its
+    transfer buffer and rooms are empty."""
+    for h in handles:
+        deadline = time.time() + 30
+        while True:
+            flushed = requests.post(h.url + "/flush_cache", timeout=30).status_code == 200
+            st = server_info(h)["internal_states"][0]
+            kv = st.get("kv_transfer", {})
+            if flushed and st["kv_used_tokens"] == 0 and not kv.get("rooms_open") and not kv.get(
+                    "send_buffer_used_bytes") and not kv.get("staging_used_bytes"):
+                break
+            assert time.time() < deadline, (h.url, st)
+            time.sleep(0.5)
+
+
+def metric(handle, name) -> float:
+    text = requests.get(handle.url + "/metrics", timeout=30).text
+    m = re.search(rf"^sglang:{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+# ---------------------------------------------------------------- through the real router
+def test_router_generate_is_token_identical_to_a_single_server(cluster):
+    for prompt in PROMPTS:
+        ours = post(cluster["router"].url, greedy(prompt))
+        ref = post(cluster["S"].url, greedy(prompt))
+        assert ours["output_ids"] == ref["output_ids"], prompt
+        assert ours["text"] == ref["text"]
+        meta = ours["meta_info"]
+        assert meta["kv_transfer"]["status"] == "ok" and meta["prompt_tokens"] == ref["meta_info"]["prompt_tokens"]
+        # bytes on the wire per token: the model dtype's full KV (fp32 on CPU: 2 x 30 x 3 x 64 x 4)
+        assert meta["kv_transfer"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+
+
+def test_router_streams_cumulative_text(cluster):
+    r = requests.post(cluster["router"].url + "/generate", json=greedy(PROMPTS[0], stream=True), stream=True, timeout=120)
+    chunks = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    import json
+
+    texts = [json.loads(c)["text"] for c in chunks[:-1]]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert texts[-1] == post(cluster["S"].url, greedy(PROMPTS[0]))["text"]
+
+
+def test_router_chat_completions(cluster):
+    body = {"model": "x", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
+    ours = requests.post(cluster["router"].url + "/v1/chat/completions", json=body, timeout=120).json()
+    ref = requests.post(cluster["S"].url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert ours["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+
+
+def test_router_merges_prefill_input_logprobs_with_decode_output_logprobs(cluster):
+    body = greedy(PROMPTS[1], max_new=6, return_logprob=True, logprob_start_len=0)
+    ours, ref = post(cluster["router"].url, body), post(cluster["S"].url, body)
+    mo, mr = ours["meta_info"], ref["meta_info"]
+    assert [e[1] for e in mo["input_token_logprobs"]] == [e[1] for e in mr["input_token_logprobs"]]
+    assert mo["input_token_logprobs"][0][0] is None  # SGLang's shifted first entry, from P
+    assert [e[1] for e in mo["output_token_logprobs"]] == ours["output_ids"] == ref["output_ids"]
+    for a, b in zip(mo["output_token_logprobs"] + mo["input_token_logprobs"][1:],
+                    mr["output_token_logprobs"] + mr["input_token_logprobs"][1:]):
+        assert abs(a[0] - b[0]) < 1e-4
+
+
+def test_bench_serving_through_the_router(cluster, tmp_path):
+    sys.path.insert(0, f"{ROOT}/benchmarks")
+    from common.sglang_clients import bench_serving_command, bench_serving_env
+
+    model = server_info(cluster["P"])["model_path"]
+    cmd = bench_serving_command(
+        "--backend", "sglang", "--base-url", cluster["router"].url, "--tokenizer", model, "--model", model,
+        "--dataset-name", "random-ids", "--random-input-len", "48", "--random-output-len", "6",
+        "--random-range-ratio", "1.0", "--num-prompts", "12", "--request-rate", "inf", "--max-concurrency", "4",
+        "--disable-tqdm")
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=bench_serving_env(), capture_output=True, text=True, timeout=900)
+    report = proc.stdout + proc.stderr
+    assert proc.returncode == 0, report[-3000:]
+    assert re.search(r"Successful requests:\s+12\b", report), report[-3000:]
+
+
+# ---------------------------------------------------------------- SGLang's PD rules (section 4.6)
+def test_info_routes_report_the_role(cluster):
+    for name, mode in (("P", "prefill"), ("D", "decode"), ("S", "null")):
+        assert requests.get(cluster[name].url + "/get_model_info").json()["disaggregation_mode"] == mode
+        assert server_info(cluster[name])["disaggregation_mode"] == mode
+
+
+def test_missing_room_is_a_400_and_no_peer_computes_locally(cluster):
+    r = requests.post(cluster["D"].url + "/generate", json=greedy(PROMPTS[2]), timeout=60)
+    assert r.status_code == 400 and "bootstrap room" in r.text
+    local = post(cluster["D"].url, greedy(PROMPTS[2], bootstrap_host="2.2.2.2", bootstrap_room=1))
+    assert local["output_ids"] == post(cluster["S"].url, greedy(PROMPTS[2]))["output_ids"]
+    prefill_only = post(cluster["P"].url, greedy(PROMPTS[2], bootstrap_host="2.2.2.2", bootstrap_room=2))
+    assert prefill_only["meta_info"]["completion_tokens"] == 1  # a prefill server never decodes
+
+
+def test_decode_may_arrive_before_the_prefill(cluster):
+    body = {**greedy(PROMPTS[2]), "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster["bp"], "bootstrap_room": 8101}
+    with cf.ThreadPoolExecutor(1) as pool:
+        decode = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=120)
+        time.sleep(1.5)  # D claims a room P has not seen yet
+        assert post(cluster["P"].url, body)["meta_info"]["kv_transfer"]["status"] == "ok"
+        out = decode.result().json()
+    assert out["meta_info"]["kv_transfer"]["status"] == "ok"
+    assert out["output_ids"] == post(cluster["S"].url, greedy(PROMPTS[2]))["output_ids"]
+
+
+# ---------------------------------------------------------------- faults: the answer is still right
+@pytest.mark.parametrize("room,reason", [(ROOM_CORRUPT, "checksum"), (ROOM_TRUNCATE, "checksum"),
+                                         (ROOM_DELAY, "timeout")])
+def test_faulty_transfer_falls_back_to_a_local_prefill(cluster, room, reason):
+    before = metric(cluster["D"], "kv_transfer_fallbacks_total")
+    p, d = pd_direct(cluster, greedy(PROMPTS[0]), room)
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+    out = d.json()
+    assert out["meta_info"]["kv_transfer"]["status"].startswith("fallback: " + reason)
+    assert out["output_ids"] == post(cluster["S"].url, greedy(PROMPTS[0]))["output_ids"]
+    assert metric(cluster["D"], "kv_transfer_fallbacks_total") == before + 1
+    assert_nothing_leaked(cluster["P"], cluster["D"])
+
+
+def test_a_room_no_decode_claims_is_dropped(cluster):
+    body = {**greedy(PROMPTS[2]), "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster["bp"],
+            "bootstrap_room": ROOM_ORPHAN}
+    start = time.time()
+    out = post(cluster["P"].url, body)  # nobody claims: the reply ends after the timeout, 2xx
+    assert time.time() - start >= float(TIMEOUT) - 1
+    assert out["meta_info"]["kv_transfer"]["status"].startswith("failed: no decode claimed")
+    assert_nothing_leaked(cluster["P"])
+
+
+def test_prefill_killed_mid_transfer(cluster):
+    bp = free_port()
+    p2 = start_server(pd_args("prefill", bp), env={"SGL_KVXFER_KV_TRANSFER_FAULT": "delay:4"}, name="pd_prefill_doomed")
+    try:
+        body = {**greedy(PROMPTS[0]), "bootstrap_host": "127.0.0.1", "bootstrap_port": bp, "bootstrap_room": 8201}
+        with cf.ThreadPoolExecutor(2) as pool:
+            pool.submit(requests.post, p2.url + "/generate", json=body, timeout=60)
+            decode = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=120)
+            deadline = time.time() + 60
+            while server_info(p2)["internal_states"][0]["kv_transfer"]["rooms_open"] == 0:
+                assert time.time() < deadline
+                time.sleep(0.2)  # the room is open: P2's sender sleeps before its first write
+            p2.proc.kill()
+            out = decode.result().json()
+    finally:
+        p2.stop()
+    assert out["meta_info"]["kv_transfer"]["status"].startswith("fallback")
+    assert out["output_ids"] == post(cluster["S"].url, greedy(PROMPTS[0]))["output_ids"]
+    assert_nothing_leaked(cluster["D"])
+
+
+def test_pools_are_empty_after_the_module(cluster):
+    assert_nothing_leaked(cluster["P"], cluster["D"])
+
+
+# ---------------------------------------------------------------- SpectrumKV-tiered payload
+def test_tiered_pd_matches_the_tiered_single_server():
+    """b=0.5 on both sides: the payload is the prefill's stored tier codes, the decode holds
+    them bit for bit, so greedy outputs equal a tiered single server's."""
+    tier = ["--kv-tier-budget", "0.5", "--kv-int4", "on"]
+    bp = free_port()
+    p, d, s = start_all([(pd_args("prefill", bp, *tier), None, "pd_prefill_b05"),
+                         (pd_args("decode", None, *tier), None, "pd_decode_b05"), (COMMON + tier, None, "single_b05")])
+    router = None
+    try:
+        router = start_router([(p.url, bp)], [d.url])
+        full = 2 * 30 * 3 * 64 * 4
+        for prompt in PROMPTS[:2]:
+            ours, ref = post(router.url, greedy(prompt, max_new=16)), post(s.url, greedy(prompt, max_new=16))
+            assert ours["output_ids"] == ref["output_ids"], prompt
+            ratio = ours["meta_info"]["kv_transfer"]["bytes_per_token"] / full
+            assert 0.2 < ratio <= 0.5, ratio  # the budget's tiers on the wire (scales included), not fp32
+        info = server_info(d)["internal_states"][0]
+        assert info["kv_bytes_per_token"] < 0.6 * full  # the decode pool holds them tiered
+    finally:
+        stop_all(router, p, d, s)
+
+
+# ---------------------------------------------------------------- several workers, one killed
+def test_two_prefills_two_decodes_survive_a_killed_decode(cluster):
+    bp = free_port()
+    p3, d3 = start_all([(pd_args("prefill", bp), None, "pd_prefill_2"), (pd_args("decode"), None, "pd_decode_2")])
+    router = None
+    try:
+        router = start_router([(cluster["P"].url, cluster["bp"]), (p3.url, bp)], [cluster["D"].url, d3.url],
+                              policy="round_robin")
+        ref = {p: post(cluster["S"].url, greedy(p))["output_ids"] for p in PROMPTS}
+        results, errors = [], []
+
+        def client(i):
+            try:
+                prompt = PROMPTS[i % len(PROMPTS)]
+                results.append((prompt, post(router.url, greedy(prompt), timeout=300)["output_ids"]))
+            except Exception as e:  # noqa: BLE001 (collected and asserted below)
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+        for t in threads[:6]:
+            t.start()
+        time.sleep(2.0)
+        d3.proc.kill()  # mid-run: some requests are on it
+        for t in threads[6:]:
+            t.start()
+            time.sleep(0.3)
+        for t in threads:
+            t.join(timeout=600)
+        assert not errors, errors
+        assert len(results) == 12 and all(out == ref[p] for p, out in results)
+    finally:
+        stop_all(router, p3, d3)

@@ -1,0 +1,153 @@
+"""PD plumbing without a model: transfer-buffer bookkeeping, control messages, the router's
+bootstrap fields, block checksums, fault specs, the paced link and the bootstrap server's API
+(sglang-compat section 4.4)."""
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from sgl_kvxfer.disagg.base import TransferEngine
+from sgl_kvxfer.disagg.common import Fault, block_checksums, first_bad_block
+from sgl_kvxfer.disagg.shaped import ShapedTransferEngine
+from sgl_kvxfer.disagg.staging import ALIGN, RingWriter, StagingAllocator
+from sgl_kvxfer.message import decode, encode
+from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVSegment
+from sgl_kvxfer.tokenizer.generate_input import RequestError, parse_bootstrap, parse_generate_request
+
+
+def test_staging_allocator_reuses_and_merges_regions():
+    a = StagingAllocator(10 * ALIGN)
+    x, y, z = a.alloc(ALIGN), a.alloc(3 * ALIGN - 5), a.alloc(ALIGN)
+    assert (x, y, z) == (0, ALIGN, 4 * ALIGN) and a.used_bytes() == 5 * ALIGN
+    assert a.alloc(6 * ALIGN) is None  # 5 left
+    a.free(y)
+    a.free(x)
+    assert a.alloc(4 * ALIGN) == 0  # x and y merged back into one run
+    with pytest.raises(KeyError):
+        a.free(y)  # a double free is a bug
+
+
+def test_ring_blocks_until_acked_and_wraps():
+    ring = RingWriter(8 * ALIGN)
+    assert ring.place(0, 3 * ALIGN) == 0 and ring.place(1, 3 * ALIGN) == 3 * ALIGN
+    assert ring.place(2, 3 * ALIGN) is None  # would overlap seg 0 after wrapping
+    ring.ack(0)
+    assert ring.place(2, 3 * ALIGN) == 0  # wrapped into the acked bytes
+    assert not ring.fits_ever(9 * ALIGN)
+    with pytest.raises(ValueError):
+        ring.place(3, 9 * ALIGN)
+
+
+def test_control_messages_round_trip_by_destination():
+    layout = KVLayoutInfo("float16", 30, 3, 64, 32)
+    to_prefill = [KVClaim(7, "tcp://d:1", "tcp://d:1", "d:2", 1 << 40, 4096, 100, layout), KVAck(7, "tcp://d:1", 3),
+                  KVCancel(7, "tcp://d:1", "aborted")]
+    to_decode = [KVSegment(7, 0, 0, 64, bytes([0, 1, 2]), (1, 1, 1), 0, 123, 4 << 20, [1, 2], replaces=True),
+                 KVDone(7, 1, 42, 16, 123, [-0.5, 42], None, None), KVFailed(7, "no decode claimed the room")]
+    for msgs, dest in ((to_prefill, "kv_prefill"), (to_decode, "kv_decode")):
+        for msg in msgs:
+            assert decode(encode(msg), dest) == msg
+
+
+def test_router_bootstrap_fields_scalar_room_expands_per_item():
+    boot = parse_bootstrap({"bootstrap_host": "10.0.0.5", "bootstrap_port": None, "bootstrap_room": 100}, 3)
+    assert [(b.host, b.port, b.room) for b in boot] == [("10.0.0.5", None, 100 + i) for i in range(3)]
+    boot = parse_bootstrap({"bootstrap_host": ["a", "b"], "bootstrap_port": [1, 2], "bootstrap_room": [5, 9]}, 2)
+    assert [(b.host, b.port, b.room) for b in boot] == [("a", 1, 5), ("b", 2, 9)]
+    assert parse_bootstrap({}, 2) == [None, None]
+    with pytest.raises(RequestError):
+        parse_bootstrap({"bootstrap_room": [1, 2, 3]}, 2)
+    req = parse_generate_request({"text": ["x", "y"], "bootstrap_host": "h", "bootstrap_room": 7,
+                                  "sampling_params": {"n": 2}})
+    assert [i.bootstrap.room for i in req.items] == [7, 8, 9, 10]
+
+
+def test_block_checksums_find_corrupt_and_short_payloads():
+    data = torch.arange(10_000, dtype=torch.int32).view(torch.uint8)
+    sums = block_checksums(memoryview(data.numpy()), 4096)
+    assert len(sums) == 10 and first_bad_block(memoryview(data.numpy()), sums, 4096) is None
+    bad = data.clone()
+    bad[9000] ^= 1
+    assert first_bad_block(memoryview(bad.numpy()), sums, 4096) == 2
+    assert first_bad_block(memoryview(data[:20000].numpy()), sums, 4096) is not None  # truncated
+
+
+def test_fault_specs_target_rooms():
+    faults = Fault.parse("corrupt@7, delay:2.5@9, truncate")
+    assert Fault.for_room(faults, 7).kind == "corrupt"
+    assert Fault.for_room(faults, 9) == Fault("delay", 2.5, 9)
+    assert Fault.for_room(faults, 1).kind == "truncate"
+    assert Fault.for_room(Fault.parse(""), 1).kind == ""
+    with pytest.raises(ValueError):
+        Fault.parse("explode@1")
+
+
+class _Recorder(TransferEngine):
+    name = "recorder"
+
+    def __init__(self):
+        self.writes = []
+
+    def session_id(self):
+        return "local:0"
+
+    def register(self, addr, nbytes):
+        pass
+
+    def write(self, peer, src_addr, dst_addr, nbytes):
+        self.writes.append(nbytes)
+
+
+def test_shaped_link_holds_writes_to_its_rate():
+    inner = _Recorder()
+    link = ShapedTransferEngine(inner, rate_gbps=0.08, latency_ms=20)  # 10 MB/s
+    start = time.monotonic()
+    for _ in range(3):
+        link.write("p", 0, 0, 100_000)  # 10 ms each at the rate
+    elapsed = time.monotonic() - start
+    assert inner.writes == [100_000] * 3
+    assert elapsed >= 0.03 + 0.02 - 1e-3  # three serialized writes plus the last one's latency
+
+
+@pytest.fixture(scope="module")
+def bootstrap_url():
+    import uvicorn
+
+    from sgl_kvxfer.disagg.bootstrap_server import create_bootstrap_app
+    from servers import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_bootstrap_app(), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            if requests.get(url + "/health", timeout=1).text == "OK":
+                break
+        except requests.RequestException:
+            time.sleep(0.05)
+    yield url
+    server.should_exit = True
+    thread.join(timeout=5)
+
+
+def test_bootstrap_server_sglang_api(bootstrap_url):
+    q = "/route?prefill_dp_rank={}&prefill_cp_rank={}&target_tp_rank={}&target_pp_rank={}"
+    assert requests.get(bootstrap_url + q.format(-1, -1, -1, -1)).status_code == 503  # nobody registered yet
+    reg = {"attn_tp_rank": 0, "attn_dp_rank": 0, "attn_cp_rank": 0, "pp_rank": 0, "rank_ip": "10.1.1.1",
+           "rank_port": 5555, "page_size": 1, "kv_cache_dtype": "auto", "transfer_session": "10.1.1.1:1234",
+           "kv_layout_info": {"dtype": "float32", "num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "group_size": 32}}
+    r = requests.put(bootstrap_url + "/route", json=reg)
+    assert r.status_code == 200 and r.text == "OK"
+    info = requests.get(bootstrap_url + q.format(-1, -1, -1, -1)).json()
+    assert info["page_size"] == 1 and info["kv_cache_dtype"] == "auto" and info["dp_size"] == 1
+    assert info["kv_layout_info"]["num_layers"] == 2
+    rank = requests.get(bootstrap_url + q.format(0, 0, 0, 0)).json()
+    assert (rank["rank_ip"], rank["rank_port"], rank["transfer_session"]) == ("10.1.1.1", 5555, "10.1.1.1:1234")
+    assert requests.get(bootstrap_url + q.format(1, 0, 0, 0)).status_code == 404
+    assert requests.get(bootstrap_url + "/route?prefill_dp_rank=0").status_code == 400
+    assert requests.post(bootstrap_url + "/register_dp_rank", json={"bootstrap_room": 77, "dp_rank": 0}).text == "OK"
+    assert requests.post(bootstrap_url + "/query_dp_ranks", json={"bootstrap_rooms": [77]}).json() == {"77": 0}
