@@ -54,7 +54,7 @@ class DetokenizerManager:
     def handle(self, msg):
         if isinstance(msg, BatchTokenIDOut):
             return BatchStrOut(outputs=msg.outputs, texts=self._texts(msg.outputs))
-        return msg  # InternalState and FlushCacheResult go through unchanged
+        return msg  # InternalState, FlushCacheResult and SetKVLinkResult go through unchanged
 
 
 def run_detokenizer_process(server_args: ServerArgs, conn) -> None:

@@ -288,8 +288,12 @@ class DecodeRole:
             req.output_top_logprobs.extend(done.output_top_logprobs or [])
             req.output_token_ids_logprobs.extend(done.output_token_ids_logprobs or [])
         seconds = time.monotonic() - room.claimed_at
-        req.extra_meta = {"kv_transfer": {"status": "ok", "bytes": room.wire_bytes, "bytes_per_token": room.wire_bytes / n,
-                                          "transfer_ms": 1e3 * seconds, "segments": room.unpacked}}
+        req.extra_meta = {"kv_transfer": {
+            "status": "ok", "bytes": room.wire_bytes, "bytes_per_token": room.wire_bytes / n, "segments": room.unpacked,
+            "transfer_ms": 1e3 * seconds,  # claim -> every segment unpacked (includes the prefill's compute)
+            "wire_ms": 1e3 * done.wire_seconds,  # the link's busy time for this room
+            "tail_ms": 1e3 * done.tail_seconds,  # prompt done -> last write: what the prefill did not hide
+            "link_gbps": room.wire_bytes * 8 / done.wire_seconds / 1e9 if done.wire_seconds else 0.0}}
         self.stats.outcome("ok")
         self.stats.tokens += n
         self._release_room(room)

@@ -38,6 +38,7 @@ from sgl_kvxfer.disagg import create_transfer_engine
 from sgl_kvxfer.disagg.base import KVPoll
 from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, Fault, TransferStats, register_prefill_rank
 from sgl_kvxfer.disagg.sender import NoticeJob, SenderThread, WriteJob
+from sgl_kvxfer.disagg.shaped import ShapedTransferEngine
 from sgl_kvxfer.disagg.staging import RingWriter, StagingAllocator
 from sgl_kvxfer.mem_cache.kv_payload import pack_segment, segment_layout, tier_counts, wire_tier_of
 from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVSegment
@@ -72,6 +73,8 @@ class PrefillRoom:
     created: float = field(default_factory=time.monotonic)
     progress: float = field(default_factory=time.monotonic)
     wire_bytes: int = 0
+    wire_seconds: float = 0.0  # summed write times: bytes / wire_seconds is the achieved link rate
+    prompt_done_at: float = 0.0
     first_write: float | None = None
     finished: bool = False
 
@@ -147,7 +150,7 @@ class PrefillRole:
         if room.streamed < n:
             room.pending.append(_Range(room.streamed, n, "stored"))
             room.streamed = n
-        room.prompt_done = True
+        room.prompt_done, room.prompt_done_at = True, time.monotonic()
         if room.state == KVPoll.BOOTSTRAPPING and room.claim is not None:
             room.state = KVPoll.TRANSFERRING
         if room.error:
@@ -231,6 +234,7 @@ class PrefillRole:
             self._fail(room, f"write failed: {res.error}")
         elif res.seq >= 0:
             room.wire_bytes += res.nbytes
+            room.wire_seconds += res.write_seconds
             self.stats.moved(res.nbytes)
         elif room.done_queued and room.error is None:  # KVDone is out
             room.state = KVPoll.SUCCESS
@@ -298,7 +302,8 @@ class PrefillRole:
 
     def _queue_done(self, room: PrefillRoom) -> None:
         req = room.req
-        msg = KVDone(room.room, room.next_seq, req.output_ids[0], req.cached_tokens, room.wire_bytes)
+        msg = KVDone(room.room, room.next_seq, req.output_ids[0], req.cached_tokens, room.wire_bytes,
+                     wire_seconds=room.wire_seconds, tail_seconds=time.monotonic() - room.prompt_done_at)
         if req.return_logprob and req.output_token_logprobs:
             msg.output_token_logprob = req.output_token_logprobs[0]
             msg.output_top_logprobs = req.output_top_logprobs[:1] or None
@@ -349,6 +354,16 @@ class PrefillRole:
                                           "bytes_per_token": room.wire_bytes / max(1, len(req.origin_input_ids)),
                                           "transfer_ms": 1e3 * (time.monotonic() - (room.first_write or time.monotonic()))}}
         self.sched.retire_parked(req)
+
+    def set_link(self, rate_gbps: float, latency_ms: float) -> tuple[bool, str]:
+        """Re-pace the shaped link (the server was started with --kv-transfer-rate-gbps)."""
+        if self.fake or not isinstance(self.engine, ShapedTransferEngine):
+            return False, "the KV link is not shaped: start the prefill server with --kv-transfer-rate-gbps"
+        if rate_gbps <= 0 or latency_ms < 0:
+            return False, "rate_gbps must be > 0 and latency_ms >= 0"
+        self.engine.set_link(rate_gbps, latency_ms)
+        logger.info("KV link re-paced: %g Gbit/s, %g ms", rate_gbps, latency_ms)
+        return True, f"KV link: {rate_gbps:g} Gbit/s, {latency_ms:g} ms"
 
     def close(self) -> None:
         if not self.fake:

@@ -50,7 +50,7 @@ class SendResult:
     seq: int  # -1: a notice
     error: str | None
     nbytes: int = 0
-    seconds: float = 0.0
+    write_seconds: float = 0.0  # the engine write alone (the link's busy time), not checksumming
 
 
 class SenderThread:
@@ -101,7 +101,6 @@ class SenderThread:
                 self.results.put(SendResult(job.room, getattr(job, "seq", -1), f"{type(e).__name__}: {e}"))
 
     def _write(self, job: WriteJob) -> SendResult:
-        start = time.perf_counter()
         payload = job.payload
         nbytes = payload.numel()
         job.segment.checksums = block_checksums(memoryview(payload.numpy()), BLOCK_BYTES)
@@ -116,13 +115,15 @@ class SenderThread:
             payload[nbytes // 2] ^= 0xFF  # after checksumming: the wire carries a flipped byte
         elif fault.kind == "truncate":
             sent = nbytes // 2
+        write_start = time.perf_counter()
         try:
             if sent:
                 self.engine.write(job.peer, payload.data_ptr(), job.dst_addr, sent)
         except TransferError as e:
             return SendResult(job.room, job.seq, str(e))
+        write_seconds = time.perf_counter() - write_start
         self._push(job.reply_to, job.segment)
-        return SendResult(job.room, job.seq, None, sent, time.perf_counter() - start)
+        return SendResult(job.room, job.seq, None, sent, write_seconds)
 
     def close(self) -> None:
         self.jobs.put(None)

@@ -17,10 +17,15 @@ class ShapedTransferEngine(TransferEngine):
     def __init__(self, inner: TransferEngine, rate_gbps: float, latency_ms: float = 0.0):
         self.inner = inner
         self.name = f"{inner.name}+shaped"
-        self.rate_bps = rate_gbps * 1e9 if rate_gbps > 0 else float("inf")
-        self.latency_s = latency_ms / 1e3
         self._free_at = 0.0  # monotonic time the link is free again
         self._lock = threading.Lock()
+        self.set_link(rate_gbps, latency_ms)
+
+    def set_link(self, rate_gbps: float, latency_ms: float = 0.0) -> None:
+        """Change the pacing; writes that start afterwards see it (any thread)."""
+        with self._lock:
+            self.rate_bps = rate_gbps * 1e9 if rate_gbps > 0 else float("inf")
+            self.latency_s = latency_ms / 1e3
 
     def session_id(self) -> str:
         return self.inner.session_id()

@@ -42,6 +42,13 @@ class GetInternalStateReq(msgspec.Struct, tag=True):
     pass
 
 
+class SetKVLinkReq(msgspec.Struct, tag=True):
+    """Re-pace a prefill server's shaped KV link (POST /kv_transfer_link), so one server pair
+    serves a sweep of link rates."""
+    rate_gbps: float
+    latency_ms: float = 0.0
+
+
 # ---------------------------------------------------------------- from the scheduler
 class ReqOutput(msgspec.Struct):
     """One request's progress since the previous ReqOutput for the same rid.
@@ -94,6 +101,11 @@ class FlushCacheResult(msgspec.Struct, tag=True):
     message: str = ""
 
 
+class SetKVLinkResult(msgspec.Struct, tag=True):
+    success: bool
+    message: str = ""
+
+
 # ---------------------------------------------------------------- to the tokenizer manager
 class BatchStrOut(msgspec.Struct, tag=True):
     """Detokenized outputs: `texts[i]` is the cumulative text of `outputs[i].rid` (stop-trimmed
@@ -102,9 +114,9 @@ class BatchStrOut(msgspec.Struct, tag=True):
     texts: list[str]
 
 
-ToScheduler = TokenizedGenerateReq | AbortReq | FlushCacheReq | GetInternalStateReq
-ToDetokenizer = BatchTokenIDOut | InternalState | FlushCacheResult
-ToTokenizer = BatchStrOut | InternalState | FlushCacheResult
+ToScheduler = TokenizedGenerateReq | AbortReq | FlushCacheReq | GetInternalStateReq | SetKVLinkReq
+ToDetokenizer = BatchTokenIDOut | InternalState | FlushCacheResult | SetKVLinkResult
+ToTokenizer = BatchStrOut | InternalState | FlushCacheResult | SetKVLinkResult
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {

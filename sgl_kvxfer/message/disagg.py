@@ -89,6 +89,8 @@ class KVDone(msgspec.Struct, tag=True):
     output_token_logprob: list | None = None  # [logprob, token_id]
     output_top_logprobs: list | None = None
     output_token_ids_logprobs: list | None = None
+    wire_seconds: float = 0.0  # summed engine write times of the room's segments
+    tail_seconds: float = 0.0  # prompt done -> last segment written (transfer not hidden by compute)
 
 
 class KVFailed(msgspec.Struct, tag=True):

@@ -15,7 +15,7 @@ import time
 from sgl_kvxfer.config import SchedulerConfig
 from sgl_kvxfer.engine.forward_batch import ForwardMode
 from sgl_kvxfer.message import (AbortReq, FlushCacheReq, FlushCacheResult, GetInternalStateReq, InternalState,
-                                ReqOutput, TokenizedGenerateReq)
+                                ReqOutput, SetKVLinkReq, SetKVLinkResult, TokenizedGenerateReq)
 from sgl_kvxfer.scheduler.batch import ReqSlice, ScheduleBatch, prepare_batch, prepare_decode
 from sgl_kvxfer.scheduler.kv_lifecycle import KVLifecycle
 from sgl_kvxfer.scheduler.overlap import (InflightBatch, continues_overlapped, overlap_ok, prefill_overlap_ok,
@@ -79,6 +79,10 @@ class Scheduler:
             return self.flush_cache()
         if isinstance(msg, GetInternalStateReq):
             return self.internal_state()
+        if isinstance(msg, SetKVLinkReq):
+            if self.disagg is None or not hasattr(self.disagg, "set_link"):
+                return SetKVLinkResult(False, "not a prefill server (--disaggregation-mode prefill)")
+            return SetKVLinkResult(*self.disagg.set_link(msg.rate_gbps, msg.latency_ms))
         raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
 
     def new_req(self, msg: TokenizedGenerateReq) -> Req:

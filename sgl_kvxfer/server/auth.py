@@ -11,7 +11,7 @@ import hmac
 import json
 
 EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")
-ADMIN_PATHS = ("/flush_cache", "/abort_request")
+ADMIN_PATHS = ("/flush_cache", "/abort_request", "/kv_transfer_link")
 
 
 def _bearer(headers: list[tuple[bytes, bytes]]) -> str | None:

@@ -136,6 +136,21 @@ async def flush_cache(request: Request, timeout: float = 0.0):
         await asyncio.sleep(0.2)
 
 
+@router.post("/kv_transfer_link")
+async def kv_transfer_link(request: Request):
+    """Re-pace a prefill server's shaped KV link: {"rate_gbps": float, "latency_ms": float}.
+    Ours, not SGLang's: benchmarks sweep link rates on one server pair (benchmarks/pd/)."""
+    body, err = await read_json_body(request)
+    if err is not None:
+        return err
+    try:
+        rate, latency = float(body["rate_gbps"]), float(body.get("latency_ms", 0.0))
+    except (TypeError, KeyError, ValueError):
+        return openai_error("body must be {\"rate_gbps\": float, \"latency_ms\": float}", 400)
+    result = await _tm(request).set_kv_link(rate, latency)
+    return PlainTextResponse(result.message, status_code=200 if result.success else 400)
+
+
 @router.post("/abort_request")
 async def abort_request(request: Request):
     body, err = await read_json_body(request)

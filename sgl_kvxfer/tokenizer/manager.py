@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from sgl_kvxfer.config import ServerArgs
 from sgl_kvxfer.message import (AbortReq, BatchStrOut, FlushCacheReq, FlushCacheResult, GetInternalStateReq,
-                                InternalState, TokenizedGenerateReq)
+                                InternalState, SetKVLinkReq, SetKVLinkResult, TokenizedGenerateReq)
 from sgl_kvxfer.message.disagg import BootstrapInfo
 from sgl_kvxfer.message.queue import AsyncPullQueue, PushQueue
 from sgl_kvxfer.sampling.params import SamplingParams
@@ -57,6 +57,7 @@ class TokenizerManager:
         self._states: dict[str, ReqState] = {}
         self._state_waiters: list[asyncio.Future] = []
         self._flush_waiters: list[asyncio.Future] = []
+        self._link_waiters: list[asyncio.Future] = []
         self._send = None
         self._recv = None
         self._loop_task = None
@@ -85,6 +86,8 @@ class TokenizerManager:
                 self._resolve(self._state_waiters, msg)
             elif isinstance(msg, FlushCacheResult):
                 self._resolve(self._flush_waiters, msg)
+            elif isinstance(msg, SetKVLinkResult):
+                self._resolve(self._link_waiters, msg)
 
     def _on_output(self, state: ReqState, out, text: str) -> None:
         now = time.perf_counter()
@@ -224,6 +227,9 @@ class TokenizerManager:
 
     async def flush_cache(self, timeout: float = 10.0) -> FlushCacheResult:
         return await self._round_trip(self._flush_waiters, FlushCacheReq(), timeout)
+
+    async def set_kv_link(self, rate_gbps: float, latency_ms: float, timeout: float = 10.0) -> SetKVLinkResult:
+        return await self._round_trip(self._link_waiters, SetKVLinkReq(rate_gbps, latency_ms), timeout)
 
     async def health_generate(self, timeout: float = HEALTH_CHECK_TIMEOUT) -> bool:
         """A 1-token generation; healthy if the scheduler sends anything back in time."""

@@ -1,0 +1,145 @@
+"""Real server processes for tests and benchmarks (SGLang has the same in sglang/test): start
+`python -m sgl_kvxfer.launch_server` (or another entry script) on a free port, wait until it
+answers, stop it with SIGTERM and check by pid that the launcher and all its children are gone;
+the same for the real `sglang_router`. Logs go to the temp folder ($TMPDIR). Needs the `test`
+extra (psutil, requests, sglang-router).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import psutil
+import requests
+
+STARTUP_TIMEOUT = 600
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerHandle:
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()[-5000:]
+
+    def stop(self, timeout: float = 30) -> list[int]:
+        """SIGTERM the launcher; return the pids of any process left alive (should be []).
+        Never raises: a stop must not keep the next handle from stopping."""
+        pids = [p.pid for p in self.children()]
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        deadline = time.time() + 10
+        left = pids
+        while time.time() < deadline:
+            left = [p for p in pids if _alive(p)]
+            if not left:
+                break
+            time.sleep(0.2)
+        for pid in left:  # never leak processes into other tests
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def stop_all(*handles) -> None:
+    for h in handles:
+        if h is not None:
+            h.stop()
+
+
+def start_server(args: list[str], entry: list[str] | None = None, env: dict | None = None, name: str = "server",
+                 cwd: str | None = None) -> ServerHandle:
+    """`entry` replaces `-m sgl_kvxfer.launch_server` (e.g. [script path]); returns once
+    /v1/models answers."""
+    port = free_port()
+    cmd = [sys.executable, *(entry or ["-m", "sgl_kvxfer.launch_server"]), "--port", str(port), *args]
+    log_path = os.path.join(tempfile.gettempdir(), f"sgl_kvxfer_{name}_{port}.log")
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.time() + STARTUP_TIMEOUT
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{handle.log()}")
+        try:
+            if requests.get(handle.url + "/v1/models", timeout=2, headers=_auth(args)).status_code == 200:
+                return handle
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    handle.stop()
+    raise RuntimeError(f"server did not come up in {STARTUP_TIMEOUT}s:\n{handle.log()}")
+
+
+def _auth(args: list[str]) -> dict:
+    if "--api-key" in args:
+        return {"Authorization": "Bearer " + args[args.index("--api-key") + 1]}
+    return {}
+
+
+def start_router(prefills: list[tuple[str, int | None]], decodes: list[str], policy: str = "random",
+                 name: str = "router") -> ServerHandle:
+    """The real `sglang_router.launch_router --pd-disaggregation` in front of PD workers, with
+    health checks every 1 s; returns once /readiness answers 200 (a healthy prefill and decode)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
+           "--port", str(port), "--policy", policy, "--health-check-interval-secs", "1",
+           # a long timeout: a busy CPU worker may take seconds to answer /health (a killed one
+           # refuses at once); "unhealthy" would open the router's circuit and fail requests
+           "--health-check-timeout-secs", "20",
+           "--worker-startup-check-interval", "1", "--log-level", "warn", "--prometheus-host", "127.0.0.1",
+           "--prometheus-port", str(free_port())]
+    for url, bootstrap_port in prefills:
+        cmd += ["--prefill", url, str(bootstrap_port) if bootstrap_port is not None else "none"]
+    for url in decodes:
+        cmd += ["--decode", url]
+    log_path = os.path.join(tempfile.gettempdir(), f"sgl_kvxfer_{name}_{port}.log")
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited with {proc.returncode}:\n{handle.log()}")
+        try:
+            if requests.get(handle.url + "/readiness", timeout=2).status_code == 200:
+                return handle
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    handle.stop()
+    raise RuntimeError(f"router not ready in 120 s:\n{handle.log()}")
