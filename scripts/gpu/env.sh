@@ -1,4 +1,6 @@
-# Sourced on the GPU machine: carried wheels, our package (editable), the converted model.
+# Sourced by the other scripts on the GPU machine: the carried wheels (.whl) into /tmp/site, the
+# repo on PYTHONPATH, and, once both GGUF halves are there (stage_weights.sh, then a call carrying
+# .carry_b), the embedded model converted to $SGL_KVXFER_MODEL_CACHE (/tmp/models).
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/m
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
