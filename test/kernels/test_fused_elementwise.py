@@ -108,9 +108,8 @@ def test_rmsnorm_strided_rows(dtype, device):
     _check_rmsnorm(3, 64, dtype, device, True, strided=True)
 
 
-# On the H200 the compiled RoPE is not bitwise torch's (the compiler contracts its products;
-# 2026-11-22 runs), but within rope_rounding_bound. An earlier bound that mixed up the two
-# halves' products made that look like a bug (benchmarks/results/gpu_final_20261122/).
+# On the H200 the compiled RoPE is not bitwise torch's (the compiler contracts its products),
+# but it stays within rope_rounding_bound, which bounds each half's products separately.
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
