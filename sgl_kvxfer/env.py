@@ -54,10 +54,15 @@ DECODE_LONGEST_FIRST = EnvVar(
     "the triton backend's decode attention serves a batch's requests longest first (one argsort "
     "per batch; kernels/README.md); 0: in batch order")
 
+PROBE_PROSE = EnvVar(
+    "SGL_KVXFER_PROBE_PROSE", "/work/shared/data/prose_eval.jsonl",
+    "JSONL of {\"text\": ...} rows: filler prose for the int4 probe's needle-in-a-haystack "
+    "prompts; when the file is absent, the docstrings of Python's standard library are used")
+
 KV_TRANSFER_FAULT = EnvVar(
     "SGL_KVXFER_KV_TRANSFER_FAULT", None,
     "tests only: faults the PD prefill's sender injects into KV writes, comma-separated "
     "kind[:seconds][@room] with kind corrupt, truncate or delay (sgl_kvxfer/disagg/common.py)")
 
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, CPU_ISA,
-       DECODE_LONGEST_FIRST, KV_TRANSFER_FAULT)
+       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT)

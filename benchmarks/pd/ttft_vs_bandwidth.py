@@ -18,9 +18,13 @@ variant (chunks sent at int8 as they finish, the kept-fp16/int8 tokens re-sent a
 Ratios (same run): link efficiency = achieved / set rate at the longest prompt; transfer time at
 b vs b=1.0 (wire_ms); TTFT at b vs b=1.0 through PD; PD TTFT vs the single server.
 
-`--server-args` is passed to every server (default: the embedded SmolLM2 in bf16 on CPU). On one
-GPU: `--server-args "--model-path llama-3-8b --load-format dummy --device cuda --mem-fraction-static 0.3"`
-runs both PD servers (and the baseline) on it; KV moves over Mooncake TCP through host memory.
+`--server-args` is passed to every server (default: the embedded SmolLM2 in bf16 on CPU, int4
+tier on without the start-up probe). Each server first serves one prompt of every length, so
+kernel compiles stay out of the numbers. On one GPU, with a Llama-3-8B-shaped dummy model dir
+(`models/presets.py`: write_preset_config + write_dummy_tokenizer):
+`--server-args "--model-path DIR --load-format dummy --dtype bfloat16 --device cuda
+--mem-fraction-static 0.6 --max-total-tokens 40000 --disable-cuda-graph --kv-int4 on"` runs
+both PD servers (and the baseline) on it; KV moves over Mooncake TCP through host memory.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from common.report import device_name, git_commit, write_json  # noqa: E402
 
 from sgl_kvxfer.testing.servers import free_port, start_router, start_server, stop_all  # noqa: E402
 
-DEFAULT_SERVER_ARGS = "--dtype bfloat16 --max-total-tokens 40000"
+DEFAULT_SERVER_ARGS = "--dtype bfloat16 --max-total-tokens 40000 --kv-int4 on"  # int4 on: no start-up probe
 MAX_NEW_TOKENS = 4
 
 
@@ -72,8 +76,14 @@ def ttft(url: str, ids: list[int]) -> tuple[float, dict]:
     return first, meta
 
 
+def warm_up(url: str, prompts: list[int], vocab: int) -> None:
+    """One request per prompt length (other token ids): kernel compiles for new shapes and
+    first-request costs stay out of the numbers."""
+    for n in prompts:
+        ttft(url, prompt_ids(n, -n, vocab))
+
+
 def measure(url: str, prompts: list[int], repeats: int, vocab: int, label: str) -> dict:
-    ttft(url, prompt_ids(64, -1, vocab))  # warm-up: first-request costs stay out of the numbers
     out = {}
     for n in prompts:
         runs = [ttft(url, prompt_ids(n, 1000 * n + i, vocab)) for i in range(repeats)]
@@ -93,6 +103,7 @@ def measure(url: str, prompts: list[int], repeats: int, vocab: int, label: str) 
 def run_single(server_args: list[str], budget: float, args) -> dict:
     s = start_server(server_args + ["--kv-tier-budget", str(budget)], name="bench_single")
     try:
+        warm_up(s.url, args.prompts, args.vocab)
         return measure(s.url, args.prompts, args.repeats, args.vocab, f"single b={budget}")
     finally:
         stop_all(s)
@@ -114,6 +125,8 @@ def run_pd(server_args: list[str], budget: float, stream: str, rates: list[float
                 handles.append(f.result())
         p, d = handles
         handles.append(start_router([(p.url, bp)], [d.url], name="bench_router"))
+        requests.post(p.url + "/kv_transfer_link", json={"rate_gbps": max(rates)}, timeout=30).raise_for_status()
+        warm_up(handles[2].url, args.prompts, args.vocab)
         out = {}
         for rate in rates:
             r = requests.post(p.url + "/kv_transfer_link", json={"rate_gbps": rate, "latency_ms": args.latency_ms}, timeout=30)

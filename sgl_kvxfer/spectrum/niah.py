@@ -6,13 +6,30 @@ is the *user message*; the caller applies the model's chat template.
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
+import logging
+import os
 import random
 import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-DEFAULT_PROSE_PATH = "/work/shared/data/prose_eval.jsonl"
+from sgl_kvxfer import env
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROSE_PATH = env.PROBE_PROSE.default
+# Fallback filler where no prose file exists (a clean clone): module docstrings of the standard
+# library, which every Python install carries. Same Python version -> same text -> same prompts.
+STDLIB_PROSE_MODULES = ("argparse", "asyncio", "collections", "concurrent.futures", "contextlib", "csv",
+                        "dataclasses", "datetime", "decimal", "difflib", "email", "enum", "fractions",
+                        "functools", "heapq", "http.server", "inspect", "itertools", "json", "logging",
+                        "multiprocessing", "pathlib", "pickle", "random", "re", "sched", "shlex",
+                        "shutil", "socket", "sqlite3", "statistics", "string", "subprocess", "tarfile",
+                        "textwrap", "threading", "timeit", "typing", "unittest", "urllib.parse",
+                        "uuid", "warnings", "weakref", "zipfile")
 CHARS_PER_TOKEN = 4.0  # used only when no tokenizer-backed count_tokens is given
 
 _INTRO = ("Below is a long document. Somewhere inside it is a secret passcode. "
@@ -28,10 +45,45 @@ class NIAHTrial:
     depth: float
 
 
-def load_filler_texts(path: str = DEFAULT_PROSE_PATH) -> list[str]:
-    """`text` fields of a JSONL file whose rows are {"source": ..., "text": ...}."""
+def load_filler_texts(path: str | None = None) -> list[str]:
+    """`text` fields of a JSONL file whose rows are {"source": ..., "text": ...}: `path`, else
+    $SGL_KVXFER_PROBE_PROSE (default the project's prose eval split). A path given explicitly
+    must exist; when the default file is absent, the standard library's docstrings are used."""
+    if path is not None:
+        return _read_jsonl_texts(path)
+    path = env.PROBE_PROSE.get()
+    if os.path.exists(path):
+        return _read_jsonl_texts(path)
+    if path != DEFAULT_PROSE_PATH:
+        raise FileNotFoundError(f"{env.PROBE_PROSE.name}={path}: no such file")
+    logger.info("NIAH filler: %s not found; using the Python standard library's docstrings", path)
+    return stdlib_docstrings()
+
+
+def _read_jsonl_texts(path: str) -> list[str]:
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line)["text"] for line in f if line.strip()]
+        texts = [json.loads(line)["text"] for line in f if line.strip()]
+    if not texts:
+        raise ValueError(f"{path}: no rows")
+    return texts
+
+
+def stdlib_docstrings() -> list[str]:
+    """Module, class and function docstrings of STDLIB_PROSE_MODULES that are paragraphs of prose."""
+    texts = []
+    for name in STDLIB_PROSE_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # e.g. sqlite3 missing from a minimal build
+            continue
+        objs = [module] + [obj for _, obj in sorted(vars(module).items())
+                           if (inspect.isclass(obj) or inspect.isfunction(obj)) and
+                           getattr(obj, "__module__", None) == module.__name__]
+        for obj in objs:
+            doc = inspect.getdoc(obj)
+            if doc and len(doc) >= 200:
+                texts.append(doc)
+    return texts
 
 
 def make_passcode(rng: random.Random) -> str:

@@ -1,10 +1,9 @@
 """SpectrumKV through the real engine (SmolLM2-135M, bf16 on CPU so bytes are literal)."""
-import json
 
 import pytest
 import torch
 
-from sgl_kvxfer.spectrum.niah import DEFAULT_PROSE_PATH
+from sgl_kvxfer.spectrum.niah import load_filler_texts
 from sgl_kvxfer.spectrum.tiers import TIER_DROP
 
 pytestmark = pytest.mark.slow
@@ -33,8 +32,7 @@ def tiered(smollm2_path):
 
 @pytest.fixture(scope="module")
 def prose(base):
-    with open(DEFAULT_PROSE_PATH) as f:
-        text = json.loads(f.readlines()[3])["text"]
+    text = load_filler_texts()[3]
     return base.tokenizer.encode(text)[:701]
 
 

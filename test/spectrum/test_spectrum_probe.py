@@ -1,10 +1,12 @@
 import json
+import os
 
 import pytest
 import torch
 
 from sgl_kvxfer.spectrum import probe
-from sgl_kvxfer.spectrum.niah import (build_niah_prompt, build_probe_trials, load_filler_texts,
+from sgl_kvxfer.spectrum import niah
+from sgl_kvxfer.spectrum.niah import (DEFAULT_PROSE_PATH, build_niah_prompt, build_probe_trials, load_filler_texts,
                                       needle_sentence, niah_success)
 from sgl_kvxfer.spectrum.probe import (ProbeResult, int4_decision, load_cached_probe, model_fingerprint,
                                        probe_cache_dir, resolve_int4, run_int4_probe, store_probe)
@@ -118,8 +120,25 @@ def test_success_check():
     assert not niah_success("17654321", "7654321")
 
 
-def test_real_prose_file():
+@pytest.mark.parametrize("source", ["default", "stdlib"])
+def test_filler_prose_builds_probe_prompts(source, monkeypatch, tmp_path):
+    """The default prose file where it exists, else (a clean clone) the stdlib's docstrings."""
+    if source == "default" and not os.path.exists(DEFAULT_PROSE_PATH):
+        pytest.skip(f"{DEFAULT_PROSE_PATH} absent on this machine")
+    if source == "stdlib":
+        monkeypatch.setattr(niah, "DEFAULT_PROSE_PATH", str(tmp_path / "absent.jsonl"))
+        monkeypatch.setenv("SGL_KVXFER_PROBE_PROSE", str(tmp_path / "absent.jsonl"))
     texts = load_filler_texts()
     assert len(texts) > 10
     trials = build_probe_trials(texts)
     assert all(3500 <= len(t.prompt) / 4 <= 4096 for t in trials)
+
+
+def test_filler_prose_named_file_must_exist(monkeypatch, tmp_path):
+    monkeypatch.setenv("SGL_KVXFER_PROBE_PROSE", str(tmp_path / "missing.jsonl"))
+    with pytest.raises(FileNotFoundError, match="SGL_KVXFER_PROBE_PROSE"):
+        load_filler_texts()
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"source": "x", "text": "hello world"}) + "\n")
+    monkeypatch.setenv("SGL_KVXFER_PROBE_PROSE", str(rows))
+    assert load_filler_texts() == ["hello world"]
