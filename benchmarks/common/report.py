@@ -1,13 +1,21 @@
-"""Shared benchmark plumbing: device description, commit, JSON + PNG output."""
+"""Shared benchmark plumbing: device description, commit, command line, JSON + PNG output.
+
+Every result JSON records the device it ran on, the commit and the command that produced it
+(`write_json` fills the commit and the command when the payload lacks them, and refuses a
+payload without a device).
+"""
 from __future__ import annotations
 
 import json
 import os
 import platform
+import shlex
 import subprocess
+import sys
 import time
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+REPO_ROOT = os.path.dirname(os.path.dirname(RESULTS_DIR))
 
 
 def device_name(device: str) -> str:
@@ -34,10 +42,34 @@ def git_commit() -> str:
         return "unknown"
 
 
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that ran this process, as one would type it at the repo root:
+    `python benchmarks/.../script.py ARGS` (the script's path relative to the repo root when it
+    lies inside it; arguments shell-quoted)."""
+    argv = list(sys.argv if argv is None else argv)
+    if not argv or not argv[0] or argv[0] == "-c":
+        return shlex.join(["python", *argv[1:]]) if argv else "python"
+    script = os.path.abspath(argv[0])
+    if os.path.commonpath([script, REPO_ROOT]) == REPO_ROOT:
+        script = os.path.relpath(script, REPO_ROOT)
+    else:
+        script = argv[0]
+    return shlex.join(["python", script, *argv[1:]])
+
+
 def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
+    """Write `payload` as OUT_DIR/NAME.json (default benchmarks/results) and return the path.
+    The payload must name its "device"; "commit" (git_commit()) and "command" (command_line())
+    are filled in when absent, and a "timestamp" (UTC) is added."""
+    if not payload.get("device"):
+        raise ValueError(f"{name}: a result payload must record its 'device'")
     out_dir = out_dir or RESULTS_DIR
     os.makedirs(out_dir, exist_ok=True)
     payload = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **payload}
+    if not payload.get("commit"):
+        payload["commit"] = git_commit()
+    if not payload.get("command"):
+        payload["command"] = command_line()
     path = os.path.join(out_dir, name + ".json")
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
