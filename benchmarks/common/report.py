@@ -18,6 +18,19 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 REPO_ROOT = os.path.dirname(os.path.dirname(RESULTS_DIR))
 
 
+def triton_interpreter_for(device: str) -> None:
+    """Run Triton kernels in Triton's CPU interpreter when `device` is the CPU or no CUDA device
+    exists. Call before anything imports a kernel module (sgl_kvxfer.kernels.*, which
+    sgl_kvxfer.spectrum imports too): the interpreter is chosen when a kernel is defined."""
+    if not str(device).startswith("cuda"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def device_name(device: str) -> str:
     if device.startswith("cuda"):
         import torch

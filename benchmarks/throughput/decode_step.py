@@ -1,11 +1,19 @@
-"""Decode step time with CUDA graphs on vs off (--disable-cuda-graph), dummy weights, GPU.
+"""Decode step time with CUDA graphs on vs off (--disable-cuda-graph), dummy weights.
 
 For each preset and mode an Engine is built (triton backend, paged pool); for each batch size,
-`batch` requests of `--context` random tokens are prefilled, then every request decodes together.
-Each timed step is one full scheduler iteration (schedule, allocate, forward, sample),
-synchronized; the forward alone is timed inside it (synchronized before and after). Medians.
+`batch` requests of `--context` random tokens go through `Engine.generate` together, each
+generating `--warmup + --steps + 1` tokens. Every scheduler step and every forward is
+synchronized and timed (phase_profile.StepRecorder); the timed steps are the decode steps that
+carry the whole batch, after the first `--warmup` of them. Each is one full scheduler iteration
+(schedule, allocate, forward, sample, and with the overlap scheduler the previous step's
+results); the forward alone is timed inside it. Medians.
 
     python benchmarks/throughput/decode_step.py --presets smollm2-135m llama-3-8b --batches 1 8 64
+    python benchmarks/throughput/decode_step.py --device cpu --presets tiny --batches 2 \
+        --context 32 --steps 2 --warmup 1                            # CPU smoke run
+
+On CPU there are no graphs: only the graphs-off mode runs (the triton backend in Triton's
+interpreter, which is slow: keep the shapes tiny).
 """
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ import argparse
 import gc
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -21,50 +30,31 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.report import device_name, git_commit, write_json  # noqa: E402
-
-
-def _timed(fn, times: list[float]):
-    def wrapper(*a, **kw):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = fn(*a, **kw)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-        return out
-    return wrapper
+from common.report import device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
 
 
 def time_batch(engine, batch: int, args, rng: random.Random) -> dict:
-    """Prefill `batch` requests, then time args.steps decode steps after args.warmup."""
-    from sgl_kvxfer.message import TokenizedGenerateReq
-    from sgl_kvxfer.sampling.params import SamplingParams
+    """`batch` requests through Engine.generate; the median step and forward of the decode steps
+    that run the whole batch, after args.warmup of them."""
+    from throughput.phase_profile import StepRecorder
 
-    sched, runner = engine.scheduler, engine.runner
+    runner = engine.runner
     vocab = runner.arch.vocab_size
-    params = SamplingParams.from_dict({"max_new_tokens": args.warmup + args.steps + 1, "temperature": 0,
-                                       "ignore_eos": True})
-    for i in range(batch):
-        ids = [rng.randrange(10, vocab) for _ in range(args.context)]
-        sched.handle(TokenizedGenerateReq(rid=f"b{batch}_{i}", input_ids=ids, sampling=params))
-    while sched.waiting or sched.chunked:
-        sched.step()
-    assert len(sched.running) == batch, "every request must decode together"
-    fwd_times, step_times = [], []
-    plain_forward = runner.forward
-    runner.forward = _timed(plain_forward, fwd_times)  # the scheduler calls runner.forward
-    step = _timed(sched.step, step_times)
+    prompts = [[rng.randrange(10, vocab) for _ in range(args.context)] for _ in range(batch)]
+    params = {"max_new_tokens": args.warmup + args.steps + 1, "temperature": 0, "ignore_eos": True}
     replays0 = runner.graph_runner.replays if runner.graph_runner is not None else 0
-    for _ in range(args.warmup + args.steps):
-        step()
-    runner.forward = plain_forward
+    with StepRecorder(engine, args.device) as rec:
+        engine.generate(input_ids=prompts, sampling_params=params)
     replays = (runner.graph_runner.replays if runner.graph_runner is not None else 0) - replays0
-    while sched.has_work():
-        sched.step()
-    sched.take_outputs()
     engine.flush_cache()
-    return {"batch": batch, "step_ms": 1e3 * statistics.median(step_times[args.warmup:]),
-            "forward_ms": 1e3 * statistics.median(fwd_times[args.warmup:]), "graph_replays": replays}
+    full = [(step_s, fwd_s) for mode, bs, _, step_s, fwd_s in rec.rows if mode == "decode" and bs == batch]
+    timed = full[args.warmup:]
+    if len(timed) < args.steps:
+        raise RuntimeError(f"batch {batch}: {len(full)} decode steps ran the whole batch, want "
+                           f"{args.warmup} + {args.steps} (does the pool hold every request?)")
+    return {"batch": batch, "step_ms": 1e3 * statistics.median(s for s, _ in timed),
+            "forward_ms": 1e3 * statistics.median(f for _, f in timed), "timed_steps": len(timed),
+            "graph_replays": replays}
 
 
 def run_preset(preset: str, args) -> list[dict]:
@@ -74,8 +64,9 @@ def run_preset(preset: str, args) -> list[dict]:
     model_dir = write_preset_config(preset, tempfile.mkdtemp(prefix="decode_step_"))
     write_dummy_tokenizer(model_dir, PRESETS[preset]["vocab_size"])
     rows = []
-    for graphs in (True, False):
-        kw = dict(load_format="dummy", dtype=args.dtype, attention_backend="triton",
+    cuda = args.device.startswith("cuda")
+    for graphs in ((True, False) if cuda else (False,)):
+        kw = dict(load_format="dummy", device=args.device, dtype=args.dtype, attention_backend="triton",
                   max_running_requests=max(args.batches), disable_cuda_graph=not graphs)
         for key in ("max_total_tokens", "context_length", "mem_fraction_static"):
             if getattr(args, key) is not None:
@@ -94,7 +85,9 @@ def run_preset(preset: str, args) -> list[dict]:
         engine.shutdown()
         del engine
         gc.collect()
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
+    shutil.rmtree(model_dir, ignore_errors=True)
     return rows
 
 
@@ -105,26 +98,31 @@ def main():
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu: graphs-off only, the triton backend in Triton's interpreter (tiny shapes)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-total-tokens", type=int, default=None, help="default: --mem-fraction-static sizing")
     p.add_argument("--context-length", type=int, default=None, help="default: the preset's")
     p.add_argument("--mem-fraction-static", type=float, default=None)
-    p.add_argument("--out-dir", default=None)
+    p.add_argument("--out-dir", default=None, help="where the JSON goes (default benchmarks/results)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("no CUDA device: pass --device cpu (tiny shapes)")
+    triton_interpreter_for(args.device)
 
     rows = []
     for preset in args.presets:
         rows += run_preset(preset, args)
     print("\npreset          batch   off ms    on ms  speed-up  (scheduler step; forward alone in the JSON)")
-    for on in (r for r in rows if r["cuda_graph"]):
-        off = next(r for r in rows if not r["cuda_graph"] and r["preset"] == on["preset"]
-                   and r["batch"] == on["batch"])
-        print(f"{on['preset']:14s} {on['batch']:6d} {off['step_ms']:8.2f} {on['step_ms']:8.2f} "
-              f"{off['step_ms'] / on['step_ms']:8.2f}x")
-    name = f"decode_step_{device_name('cuda').replace(' ', '_')}"
-    payload = {"device": device_name("cuda"), "commit": git_commit(), "torch": torch.__version__,
+    for off in (r for r in rows if not r["cuda_graph"]):
+        on = next((r for r in rows if r["cuda_graph"] and r["preset"] == off["preset"]
+                   and r["batch"] == off["batch"]), None)
+        on_ms = f"{on['step_ms']:8.2f} {off['step_ms'] / on['step_ms']:8.2f}x" if on else "       -         -"
+        print(f"{off['preset']:14s} {off['batch']:6d} {off['step_ms']:8.2f} {on_ms}")
+    device = device_name(args.device)
+    name = f"decode_step_{device.split(' (')[0].replace(' ', '_')}"
+    payload = {"benchmark": "decode_step", "device": device, "commit": git_commit(), "torch": torch.__version__,
                "params": vars(args), "rows": rows}
     print("wrote", write_json(name, payload, args.out_dir))
 

@@ -35,7 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.report import device_name, git_commit, write_json  # noqa: E402
+from common.report import device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
 from common.roofline import copy_bandwidth  # noqa: E402
 
 HEADROOM_BYTES = 6 * 2**30  # activations of a prefill chunk, CUDA graphs, the allocator's slack
@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> str:
     args = p.parse_args(argv)
     if not all(0.0 < b <= 1.0 for b in args.kv_tier_budgets) or args.n2 <= args.n1:
         p.error("budgets must be in (0, 1] and --n2 > --n1")
+    triton_interpreter_for(args.device)  # a CPU run's triton backend runs in Triton's interpreter
 
     from sgl_kvxfer.models.presets import PRESETS, write_dummy_tokenizer, write_preset_config
 
