@@ -9,12 +9,20 @@ under it. Kernel launchers return as soon as the launch is queued, so their time
 dispatch cost, not GPU time; a function that waits for the GPU (`InflightBatch.token_list`)
 shows that wait.
 
-Used by phase_profile.py --host-breakdown.
+Used by phase_profile.py --host-breakdown; as a script, runs phase_profile's workload (same
+flags) once more after its warm-up under the breakdown and writes the report:
+
+    python benchmarks/throughput/host_breakdown.py --device cpu --dtype bfloat16 --num-prompts 32 --output-len 64
+    python benchmarks/throughput/host_breakdown.py --model-preset tiny --device cpu --num-prompts 4 \
+        --input-len-min 16 --input-len-max 32 --output-len 4          # CPU smoke run
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import importlib
+import os
+import sys
 import time
 
 # (module, attribute path inside it); "Class.method" patches the class, "func" the module
@@ -145,3 +153,29 @@ def format_report(report: dict) -> str:
         for r in report[phase]:
             lines.append(f"{r['total_ms']:9.2f} ms {r['calls']:7d} calls {r['per_call_us']:9.1f} us/call  {r['name']}")
     return "\n".join(lines)
+
+
+def main() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from common.report import device_name, triton_interpreter_for, write_json
+    from throughput.phase_profile import Workload, add_workload_args
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p)
+    args = p.parse_args()
+    triton_interpreter_for(args.device)
+    work = Workload(args)
+    with HostBreakdown(work.engine.scheduler) as hb:
+        wall_s, out_tokens = work.timed_run()
+    report = hb.report()
+    print(f"host breakdown run: {wall_s:.3f} s, {out_tokens} output tokens\n{format_report(report)}", flush=True)
+    payload = {"benchmark": "host_breakdown", "device": device_name(args.device),
+               "params": {**vars(args), "model_dir": work.model_dir}, "wall_s": wall_s, "output_tokens": out_tokens,
+               "targets": [f"{mod}.{path}" for mod, path in TARGETS], "phases": report}
+    work.close()
+    name = f"host_breakdown_{work.model_name}_{args.device.split(':')[0]}" + (f"_{args.tag}" if args.tag else "")
+    print("wrote", write_json(name, payload, args.out_dir))
+
+
+if __name__ == "__main__":
+    main()

@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.report import RESULTS_DIR, device_name, git_commit, write_json  # noqa: E402
+from common.report import RESULTS_DIR, device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
 from throughput.host_breakdown import step_phase  # noqa: E402
 from throughput.offline import make_prompts, sync  # noqa: E402
 
@@ -217,10 +217,10 @@ def gpu_timeline(engine, timed_run) -> dict:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The offline workload and engine flags (shared with host_breakdown.py)."""
     p.add_argument("--model-path", default=None)
-    p.add_argument("--model-preset", default=None)
+    p.add_argument("--model-preset", default=None, help="a models/presets.py config (e.g. llama-3-8b, tiny), dummy weights")
     p.add_argument("--tokenizer-path", default=None,
                    help="tokenizer dir (default: the model dir's, else the embedded SmolLM2 one)")
     p.add_argument("--load-format", default="auto")
@@ -232,9 +232,70 @@ def main() -> None:
     p.add_argument("--input-len-max", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: memory-based)")
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--max-prefill-tokens", type=int, default=None)
     p.add_argument("--enable-prefill-cuda-graph", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default=None, help="suffix for the result file name")
+    p.add_argument("--out-dir", default=RESULTS_DIR, help="where the JSON goes")
+
+
+class Workload:
+    """The offline benchmark's prompts and an Engine for them, warmed up (JIT, autotune) and
+    flushed; `timed_run()` generates every prompt once, unsynchronized, and returns
+    (seconds, output tokens). Close it to shut the engine down."""
+
+    def __init__(self, args):
+        import json
+        import shutil
+
+        from sgl_kvxfer import Engine
+        from sgl_kvxfer.models.loader import load_tokenizer, resolve_model_path, resolve_tokenizer_path
+
+        self.args, self._tmp = args, None
+        if args.model_preset:
+            from sgl_kvxfer.models.presets import write_preset_config
+
+            self.model_dir = self._tmp = write_preset_config(args.model_preset, tempfile.mkdtemp(prefix="preset_"))
+            args.load_format = "dummy"
+        else:
+            self.model_dir = resolve_model_path(args.model_path)
+        try:
+            tokenizer = load_tokenizer(resolve_tokenizer_path(self.model_dir, args.tokenizer_path))
+            with open(os.path.join(self.model_dir, "config.json")) as f:
+                vocab = json.load(f)["vocab_size"]
+            self.prompts = make_prompts(tokenizer, args.num_prompts, args.input_len_min, args.input_len_max,
+                                        min(vocab, len(tokenizer)), args.seed)
+            kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
+                          tokenizer_path=args.tokenizer_path, attention_backend=args.attention_backend,
+                          mem_fraction_static=args.mem_fraction_static, max_total_tokens=args.max_total_tokens,
+                          chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens,
+                          enable_prefill_cuda_graph=args.enable_prefill_cuda_graph)
+            self.engine = Engine(self.model_dir, **{k: v for k, v in kwargs.items() if v is not None})
+        finally:
+            if self._tmp:  # the engine has read the preset's config
+                shutil.rmtree(self._tmp, ignore_errors=True)
+        self.model_name = args.model_preset or os.path.basename(self.model_dir.rstrip("/"))
+        self.params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+        self.engine.generate(input_ids=self.prompts, sampling_params={**self.params, "max_new_tokens": 4})
+        self.engine.flush_cache()
+
+    def timed_run(self) -> tuple[float, int]:
+        sync(self.args.device)
+        t0 = time.perf_counter()
+        outs = self.engine.generate(input_ids=self.prompts, sampling_params=self.params)
+        sync(self.args.device)
+        self.engine.flush_cache()
+        return time.perf_counter() - t0, sum(o["meta_info"]["completion_tokens"] for o in outs)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p)
     p.add_argument("--torch-profile", action="store_true", help="also list top kernels per phase")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also run the workload under cProfile and list its top N functions by own time")
@@ -242,46 +303,11 @@ def main() -> None:
                    help="also compare host wall time and GPU busy time per phase (CUDA)")
     p.add_argument("--host-breakdown", action="store_true",
                    help="also time the engine's host-side functions per phase in one more run (host_breakdown.py)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tag", default=None)
-    p.add_argument("--out-dir", default=RESULTS_DIR)
     args = p.parse_args()
+    triton_interpreter_for(args.device)
 
-    from sgl_kvxfer import Engine
-    from sgl_kvxfer.models.loader import load_tokenizer, resolve_model_path, resolve_tokenizer_path
-
-    if args.model_preset:
-        from sgl_kvxfer.models.presets import write_preset_config
-
-        model_dir = write_preset_config(args.model_preset, tempfile.mkdtemp(prefix="preset_"))
-        args.load_format = "dummy"
-    else:
-        model_dir = resolve_model_path(args.model_path)
-    tokenizer = load_tokenizer(resolve_tokenizer_path(model_dir, args.tokenizer_path))
-    import json
-
-    with open(os.path.join(model_dir, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    prompts = make_prompts(tokenizer, args.num_prompts, args.input_len_min, args.input_len_max,
-                           min(vocab, len(tokenizer)), args.seed)
-    kwargs = dict(load_format=args.load_format, device=args.device, dtype=args.dtype,
-                  tokenizer_path=args.tokenizer_path,
-                  attention_backend=args.attention_backend, mem_fraction_static=args.mem_fraction_static,
-                  chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens,
-                  enable_prefill_cuda_graph=args.enable_prefill_cuda_graph)
-    engine = Engine(model_dir, **{k: v for k, v in kwargs.items() if v is not None})
-    params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
-    engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 4})  # JIT, autotune
-    engine.flush_cache()
-
-    def timed_run():
-        sync(args.device)
-        t0 = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
-        sync(args.device)
-        engine.flush_cache()
-        return time.perf_counter() - t0, sum(o["meta_info"]["completion_tokens"] for o in outs)
-
+    work = Workload(args)
+    engine, prompts, params, timed_run = work.engine, work.prompts, work.params, work.timed_run
     plain_s, out_tokens = timed_run()
     with StepRecorder(engine, args.device) as rec:
         synced_s, _ = timed_run()
@@ -309,13 +335,13 @@ def main() -> None:
     for bs, b in list(s["decode_by_batch"].items())[-4:]:
         print(f"decode bs {bs}: {b['steps']} steps, step {b['mean_step_ms']:.2f} ms, "
               f"forward {b['mean_forward_ms']:.2f} ms")
-    model_name = args.model_preset or os.path.basename(model_dir.rstrip("/"))
-    name = f"phase_profile_{model_name}_{args.device.split(':')[0]}" + (f"_{args.tag}" if args.tag else "")
+    name = f"phase_profile_{work.model_name}_{args.device.split(':')[0]}" + (f"_{args.tag}" if args.tag else "")
     payload = {"benchmark": "phase_profile", "device": device_name(args.device), "commit": git_commit(),
-               "params": {**vars(args), "model_dir": model_dir,
+               "params": {**vars(args), "model_dir": work.model_dir,
                           "max_running_requests": engine.runner.max_running_requests,
                           "chunked_prefill_size": engine.server_args.scheduler.resolved_chunked_prefill_size},
                **result}
+    work.close()
     print("wrote", write_json(name, payload, args.out_dir))
 
 
