@@ -11,27 +11,30 @@ divergence, whether each divergence was a near tie in the torch run (top-2 logpr
 teacher-forced prompt logprob differences (independent of flips).
 
     python benchmarks/throughput/backend_agreement.py --preset smollm2-135m --dtypes bfloat16 float16
+    python benchmarks/throughput/backend_agreement.py --device cpu --preset tiny --num-prompts 2 \
+        --output-len 4 --min-len 16 --max-len 40 --dtypes bfloat16      # CPU smoke run (Triton interpreter)
 """
 from __future__ import annotations
 
 import argparse
 import os
 import random
+import shutil
 import sys
 import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.report import device_name, git_commit, write_json  # noqa: E402
+from common.report import device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
 
 
-def generate(model_dir, backend, dtype, prompts, output_len, load_format="dummy", fused=None):
+def generate(model_dir, backend, dtype, prompts, output_len, load_format="dummy", fused=None, device="cuda"):
     from sgl_kvxfer import Engine, env
 
     if fused is not None:  # read at call time, so it must be set before the graphs are captured
         os.environ[env.FUSED_ELEMENTWISE.name] = "1" if fused else "0"
-    with Engine(model_dir, load_format=load_format, dtype=dtype, attention_backend=backend,
+    with Engine(model_dir, device=device, load_format=load_format, dtype=dtype, attention_backend=backend,
                 max_total_tokens=65536, chunked_prefill_size=512) as eng:
         params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
         return eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True,
@@ -74,13 +77,16 @@ def main():
     p.add_argument("--max-len", type=int, default=2000)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
     p.add_argument("--compare", choices=["backends", "fused"], default="backends")
-    p.add_argument("--out-dir", default=None)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu: the triton backend runs in Triton's interpreter (tiny shapes)")
+    p.add_argument("--out-dir", default=None, help="where the JSON goes (default benchmarks/results)")
     args = p.parse_args()
+    triton_interpreter_for(args.device)
 
     from sgl_kvxfer.models.presets import PRESETS, write_dummy_tokenizer, write_preset_config
 
     rng = random.Random(0)
-    load_format = "dummy"
+    load_format, tmp = "dummy", None
     if args.model_path:
         from sgl_kvxfer.models.loader import load_tokenizer, resolve_model_path, resolve_tokenizer_path
 
@@ -96,20 +102,21 @@ def main():
             start = rng.randrange(0, len(ids) - n)
             prompts.append(ids[start : start + n])
     else:
-        model_dir = write_preset_config(args.preset, tempfile.mkdtemp(prefix="agreement_"))
+        model_dir = tmp = write_preset_config(args.preset, tempfile.mkdtemp(prefix="agreement_"))
         vocab = PRESETS[args.preset]["vocab_size"]
         write_dummy_tokenizer(model_dir, vocab)
         prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
                    for _ in range(args.num_prompts)]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    payload = {"device": device_name(device), "commit": git_commit(), "params": vars(args), "results": {}}
+    device = args.device
+    payload = {"benchmark": kind_of(args), "device": device_name(device), "commit": git_commit(), "params": vars(args),
+               "results": {}}
     for dtype in args.dtypes:
+        run = lambda backend, fused=None: generate(model_dir, backend, dtype, prompts, args.output_len,  # noqa: E731
+                                                   load_format, fused, device)
         if args.compare == "fused":
-            ref = generate(model_dir, "triton", dtype, prompts, args.output_len, load_format, fused=False)
-            got = generate(model_dir, "triton", dtype, prompts, args.output_len, load_format, fused=True)
+            ref, got = run("triton", fused=False), run("triton", fused=True)
         else:
-            ref = generate(model_dir, "torch", dtype, prompts, args.output_len, load_format)
-            got = generate(model_dir, "triton", dtype, prompts, args.output_len, load_format)
+            ref, got = run("torch"), run("triton")
         res = compare(ref, got)
         payload["results"][dtype] = res
         print(f"{dtype}: exact sequences {res['exact_sequence_match_rate']:.0%}, tokens before first "
@@ -117,9 +124,14 @@ def main():
               f"{[(d['step'], round(d['ref_top2_gap'], 4)) for d in res['divergences']]}, prompt logprob |diff| "
               f"max {res['prompt_logprob_abs_diff_max']:.4f} mean {res['prompt_logprob_abs_diff_mean']:.5f}, "
               f"matched output logprob |diff| max {res['output_logprob_abs_diff_max_matched']}", flush=True)
-    kind = "backend_agreement" if args.compare == "backends" else "fused_agreement"
-    name = f"{kind}_{args.preset}_{device_name(device).replace(' ', '_')}"
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+    name = f"{kind_of(args)}_{args.preset}_{device_name(device).split(' (')[0].replace(' ', '_')}"
     print("wrote", write_json(name, payload, args.out_dir))
+
+
+def kind_of(args) -> str:
+    return "backend_agreement" if args.compare == "backends" else "fused_agreement"
 
 
 if __name__ == "__main__":

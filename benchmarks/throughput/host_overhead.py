@@ -79,13 +79,16 @@ def main() -> None:
     from sgl_kvxfer.models.loader import load_tokenizer, resolve_model_path
 
     model_dir = one_layer_copy(resolve_model_path(args.model_path))
-    tokenizer = load_tokenizer(model_dir)
-    with open(os.path.join(model_dir, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    prompts = make_prompts(tokenizer, args.num_prompts, args.input_len_min, args.input_len_max,
-                           min(vocab, len(tokenizer)), args.seed)
-    engine = Engine(model_dir, load_format="dummy", device="cpu", dtype="float32",
-                    max_running_requests=args.num_prompts)
+    try:
+        tokenizer = load_tokenizer(model_dir)
+        with open(os.path.join(model_dir, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
+        prompts = make_prompts(tokenizer, args.num_prompts, args.input_len_min, args.input_len_max,
+                               min(vocab, len(tokenizer)), args.seed)
+        engine = Engine(model_dir, load_format="dummy", device="cpu", dtype="float32",
+                        max_running_requests=args.num_prompts)
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
     engine.scheduler.overlap = args.overlap
     engine.runner.forward = lambda batch: torch.zeros(batch.logits_positions.numel(), 4)  # token 0
     params = {"max_new_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
@@ -101,6 +104,7 @@ def main() -> None:
             runs.append({"total_s": total, "extend_s": times["extend"], "decode_s": times["decode"],
                          "outside_s": total - times["extend"] - times["decode"],
                          "extend_steps": steps["extend"], "decode_steps": steps["decode"]})
+    engine.shutdown()
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     med["decode_step_ms"] = 1e3 * med["decode_s"] / max(med["decode_steps"], 1)
     print(f"host only ({'overlap' if args.overlap else 'plain'} decode), median of {args.repeats}: total "

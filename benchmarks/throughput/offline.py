@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.report import RESULTS_DIR, device_name, git_commit, write_json  # noqa: E402
+from common.report import RESULTS_DIR, device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
 from common.roofline import copy_bandwidth, measure_offline_bound  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "data", "prose_eval.jsonl")
@@ -264,15 +264,23 @@ def main() -> None:
             plot(args.replot[:-5] + ".png", json.load(f))
         return
 
-    from sgl_kvxfer.models.loader import load_tokenizer, resolve_model_path, resolve_tokenizer_path
+    triton_interpreter_for(args.device)
+    from sgl_kvxfer.models.loader import resolve_model_path
 
     if args.model_preset:
         from sgl_kvxfer.models.presets import write_preset_config
 
-        model_dir = write_preset_config(args.model_preset, tempfile.mkdtemp(prefix="preset_"))
+        with tempfile.TemporaryDirectory(prefix="preset_") as tmp:
+            run(args, write_preset_config(args.model_preset, tmp))
+        return
+    run(args, resolve_model_path(args.model_path))
+
+
+def run(args, model_dir: str) -> None:
+    from sgl_kvxfer.models.loader import load_tokenizer, resolve_tokenizer_path
+
+    if args.model_preset:
         args.load_format = "dummy"
-    else:
-        model_dir = resolve_model_path(args.model_path)
     tokenizer = load_tokenizer(resolve_tokenizer_path(model_dir, args.tokenizer_path))
     with open(os.path.join(model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
