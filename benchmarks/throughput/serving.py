@@ -6,9 +6,14 @@ rates, and record TTFT / ITL / throughput per rate.
     python benchmarks/throughput/serving.py --num-prompts 200 --input-len 512 --output-len 128 \
         --server-args "--model-path /models/llama-8b"
 
-Writes benchmarks/results/serving_<device-tag>_<utc>.json (+ .png when matplotlib is present)
-with the device, commit and every parameter. bench_serving runs in this environment
-(benchmarks/common/sglang_clients.py).
+    python benchmarks/throughput/serving.py --rates inf --num-prompts 4 --input-len 16 --output-len 4 \
+        --server-args "--device cpu --dtype float32 --max-total-tokens 2048" --out-dir /tmp/x   # smoke run
+
+Writes OUT_DIR/serving_<device-tag>_<utc>.json (default benchmarks/results; `--out PATH` names
+the file instead) and a .png beside it when matplotlib is present, with the device, commit,
+command and every parameter. The server runs as sgl_kvxfer.testing.servers starts it (log in
+the temp folder, removed after a clean run; on exit every process of the server is stopped).
+bench_serving runs in this environment (benchmarks/common/sglang_clients.py).
 """
 from __future__ import annotations
 
@@ -17,50 +22,24 @@ import datetime
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
-import time
+import tempfile
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.report import device_name, git_commit  # noqa: E402
+from common.report import RESULTS_DIR, device_name, git_commit, write_json  # noqa: E402
 from common.sglang_clients import bench_serving_command, bench_serving_env  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RESULTS = os.path.join(ROOT, "benchmarks", "results")
 METRICS = ("completed", "duration", "request_throughput", "output_throughput", "total_throughput",
            "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms",
            "mean_tpot_ms", "mean_e2e_latency_ms", "max_output_tokens_per_s", "concurrency")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def get_json(url: str):
     with urllib.request.urlopen(url, timeout=30) as r:
         return json.loads(r.read())
-
-
-def start_server(port: int, server_args: list[str], log_path: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sgl_kvxfer.launch_server", "--port", str(port), "--log-level", "warning", *server_args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}); see {log_path}")
-        try:
-            get_json(f"http://127.0.0.1:{port}/v1/models")
-            return proc
-        except OSError:
-            time.sleep(1)
-    proc.send_signal(signal.SIGTERM)
-    raise RuntimeError(f"server did not start; see {log_path}")
 
 
 def on_gpu(server_info: dict) -> bool:
@@ -124,27 +103,35 @@ def main() -> None:
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--server-args", default="--max-total-tokens 16384 --chunked-prefill-size 512")
     p.add_argument("--base-url", default=None, help="use a running server instead of starting one")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out-dir", default=RESULTS_DIR, help="where the JSON and PNG go")
+    p.add_argument("--out", default=None, help="the JSON's path (overrides --out-dir)")
     args = p.parse_args()
 
-    os.makedirs(RESULTS, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    workdir = os.path.join(RESULTS, f".serving_{stamp}.tmp")
-    os.makedirs(workdir, exist_ok=True)
-    proc = None
-    if args.base_url is None:
-        port = free_port()
-        proc = start_server(port, shlex.split(args.server_args), os.path.join(RESULTS, f"serving_{stamp}.log"))
-        base_url = f"http://127.0.0.1:{port}"
-    else:
-        base_url = args.base_url.rstrip("/")
-    try:
-        info = get_json(base_url + "/server_info")
-        rows = [run_rate(args, base_url, info["model_path"], rate, workdir) for rate in args.rates.split(",")]
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+    server = None
+    with tempfile.TemporaryDirectory(prefix="serving_") as workdir:
+        try:
+            if args.base_url is None:
+                from sgl_kvxfer.testing.servers import start_server
+
+                server = start_server(["--log-level", "warning", *shlex.split(args.server_args)], name="serving",
+                                      cwd=ROOT)
+                base_url = server.url
+            else:
+                base_url = args.base_url.rstrip("/")
+            info = get_json(base_url + "/server_info")
+            rows = [run_rate(args, base_url, info["model_path"], rate, workdir) for rate in args.rates.split(",")]
+        except BaseException:
+            if server is not None:
+                print(f"server log ({server.log_path}):\n{server.log()}", file=sys.stderr)
+            raise
+        finally:
+            if server is not None:
+                left = server.stop()
+                if left:
+                    print(f"killed server processes that outlived SIGTERM: {left}", file=sys.stderr)
+    if server is not None:
+        os.remove(server.log_path)
     gpu = on_gpu(info)
     device = device_name("cuda" if gpu else "cpu")
     tag = device.split()[-1].lower() if gpu else "cpu"
@@ -152,21 +139,21 @@ def main() -> None:
         "benchmark": "serving", "tool": "sglang.bench_serving 0.5.23 --backend sglang --dataset-name random-ids",
         "device": device, "commit": git_commit(), "utc": stamp, "model_path": info.get("model_path"),
         "parameters": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "max_concurrency",
-                                                      "server_args", "rates")},
+                                                      "server_args", "rates", "base_url")},
         "server": {k: info.get(k) for k in ("max_total_num_tokens", "chunked_prefill_size", "max_running_requests",
                                             "context_length", "attention_backend", "dtype", "page_size")},
         "results": rows,
     }
-    out = args.out or os.path.join(RESULTS, f"serving_{tag}_{stamp}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
-    png = out[:-5] + ".png"
+    if args.out:
+        out_dir, name = os.path.dirname(os.path.abspath(args.out)), os.path.basename(args.out)
+        name = name[: -len(".json")] if name.endswith(".json") else name
+    else:
+        out_dir, name = args.out_dir, f"serving_{tag}_{stamp}"
+    out = write_json(name, result, out_dir)
+    png = out[: -len(".json")] + ".png"
     if plot(rows, png, f"sgl_kvxfer serving | {device} | {os.path.basename(str(info.get('model_path')))}"):
         print("wrote", png)
     print("wrote", out)
-    for name in os.listdir(workdir):
-        os.remove(os.path.join(workdir, name))
-    os.rmdir(workdir)
 
 
 if __name__ == "__main__":

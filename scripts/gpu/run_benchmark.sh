@@ -2,9 +2,9 @@
 # On the GPU machine: one benchmark script from benchmarks/, in env.sh's environment, with its
 # JSON, PNG and a log written to $OUT (they come back with the call).
 #   bash scripts/gpu/run_benchmark.sh NAME [ARGS...]
-# NAME is a script's base name under benchmarks/ (offline, phase_profile, decode_step, e2e_decode,
-# backend_agreement, serving, host_overhead, attention, decode_plan, launch_overhead, ppl_sweep,
-# niah, decode_rule). ARGS go to it unchanged, so the command a result records,
+# NAME is a script's base name under benchmarks/ (offline, phase_profile, host_breakdown,
+# decode_step, e2e_decode, backend_agreement, serving, host_overhead, attention, decode_plan,
+# launch_overhead, ppl_sweep, niah, decode_rule, shaped_link, ttft_vs_bandwidth). ARGS go to it unchanged, so the command a result records,
 #   python benchmarks/throughput/offline.py ARGS
 # runs on the GPU machine as
 #   bash scripts/gpu/run_benchmark.sh offline ARGS
@@ -33,6 +33,6 @@ fi
 out=()
 case " $* " in
   *" --out-dir "* | *" --out "* | *" --plot-only "* | *" --replot "*) ;;
-  *) if [ "$name" = serving ]; then out=(--out "$OUT/serving.json"); else out=(--out-dir "$OUT"); fi ;;
+  *) out=(--out-dir "$OUT") ;;
 esac
 python3 "$script" "${out[@]}" "$@" 2>&1 | tee "$OUT/$name.log"
