@@ -2,6 +2,12 @@
 
     python benchmarks/kernels/attention.py [--quick] [--out-dir benchmarks/results]
     python benchmarks/kernels/attention.py --plot-only benchmarks/results/attention_<dev>.json
+    python benchmarks/kernels/attention.py --device cpu --models smollm2 --contexts 128 \
+        --batches 1 --iters 1                                         # CPU smoke run
+
+On CPU (`--device cpu`, the default without CUDA) the kernels run in Triton's interpreter and
+are timed with perf_counter, eagerly: that checks that the benchmark runs end to end, and its
+times say nothing about the kernels.
 
 One layer, one decode step, every request of the batch at the same context length.
 Variants: sdpa_fp16 (baseline, dense [B, Hkv, ctx, D], enable_gqa), paged_fp16 (our kernel,
@@ -20,11 +26,13 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.report import device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
 
 MODELS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
 PAGE = 64
@@ -47,9 +55,12 @@ def _split_counts(ctx: int, fr) -> tuple:
     return (n16, n8, ctx - n16 - n8)
 
 
-def _graphed(fn):
+def _graphed(fn, cuda: bool = True):
     """Capture fn in a CUDA graph (decode runs graphed in serving; this also keeps Python
-    launch overhead out of the small-context timings). Falls back to eager."""
+    launch overhead out of the small-context timings). Falls back to eager (and is eager
+    without CUDA)."""
+    if not cuda:
+        return fn, False
     try:
         fn()
         torch.cuda.synchronize()
@@ -64,28 +75,42 @@ def _graphed(fn):
 
 
 def _median_ms(fn, flush, iters: int, warmup: int = 3) -> float:
+    """Median ms of fn with `flush` (a buffer as large as the cache) zeroed before each call:
+    CUDA events on a CUDA flush buffer, else perf_counter."""
+    cuda = flush.is_cuda
     for _ in range(warmup):
         fn()
     ts = []
     for _ in range(iters):
         flush.zero_()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e))
+        else:
+            t = time.perf_counter()
+            fn()
+            ts.append(1e3 * (time.perf_counter() - t))
     ts.sort()
     return ts[len(ts) // 2]
 
 
-def copy_bandwidth(flush) -> float:
-    n = 1 << 30  # 1 GiB each way
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(flush, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy rate, read + write bytes per second (1 GiB each way by default)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=flush.device)
     b = torch.empty_like(a)
     ms = _median_ms(lambda: b.copy_(a), flush, 10)
     del a, b
-    return 2 * n / (ms * 1e-3)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def free_memory(dev: torch.device) -> int:
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def build_layer(B, ctx, Hkv, D, fr, device):
@@ -118,23 +143,26 @@ def run(args, on_row=None) -> dict:
 
     from sgl_kvxfer.kernels.decode_attention import decode_attention_tiered
 
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
-    free_bytes = torch.cuda.mem_get_info()[0]
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    copy_bw = copy_bandwidth(flush)
-    print(f"device {props.name}  SMs {props.multi_processor_count}  copy {copy_bw/1e12:.2f} TB/s",
-          flush=True)
-    contexts = [1024, 8192, 32768] if args.quick else [1024, 4096, 16384, 32768, 65536, 131072]
-    batches = [1, 8] if args.quick else [1, 8, 32]
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    props = torch.cuda.get_device_properties(dev) if cuda else None
+    dev_name, sms = (props.name, props.multi_processor_count) if cuda else (device_name("cpu"), None)
+    free_bytes = free_memory(dev)
+    flush = torch.empty((256 if cuda else 8) << 20, dtype=torch.uint8, device=dev)
+    copy_bw = copy_bandwidth(flush, (1 << 30) if cuda else (64 << 20))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    print(f"device {dev_name}  SMs {sms}  copy {copy_bw/1e12:.2f} TB/s", flush=True)
+    contexts = args.contexts or ([1024, 8192, 32768] if args.quick else [1024, 4096, 16384, 32768, 65536, 131072])
+    batches = args.batches or ([1, 8] if args.quick else [1, 8, 32])
+    models = {m: MODELS[m] for m in (args.models or MODELS)}
     rows = []
     sdpa_note = "flash backend, enable_gqa=True"
-    for model, (Hq, Hkv, D) in MODELS.items():
+    for model, (Hq, Hkv, D) in models.items():
         # autotune keys on the head shape only: tune once on a representative long decode
-        layer, tables, _ = build_layer(1, 32768, Hkv, D, VARIANTS["mix_b0.5"], dev)
+        layer, tables, _ = build_layer(1, min(32768, max(contexts)), Hkv, D, VARIANTS["mix_b0.5"], dev)
         t0 = time.time()
         decode_attention_tiered(torch.randn(1, Hq, D, dtype=torch.float16, device=dev), layer, tables)
-        torch.cuda.synchronize()
+        sync()
         print(f"{model}: autotune {time.time() - t0:.1f}s", flush=True)
         del layer, tables
         for B in batches:
@@ -143,7 +171,7 @@ def run(args, on_row=None) -> dict:
                 if 2.5 * dense_bytes > 0.8 * free_bytes or B * ctx > args.max_tokens:
                     print(f"skip {model} B={B} ctx={ctx}: memory", flush=True)
                     continue
-                iters = 10 if B * ctx >= (1 << 20) else 20
+                iters = args.iters or (10 if B * ctx >= (1 << 20) else 20)
                 q = torch.randn(B, Hq, D, dtype=torch.float16, device=dev)
                 res = {"model": model, "batch": B, "context": ctx, "Hq": Hq, "Hkv": Hkv, "D": D}
                 # ---- baseline: SDPA flash on dense fp16 KV
@@ -153,13 +181,13 @@ def run(args, on_row=None) -> dict:
                 from torch.nn.attention import SDPBackend, sdpa_kernel
 
                 for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                                SDPBackend.EFFICIENT_ATTENTION):
+                                SDPBackend.EFFICIENT_ATTENTION) + (() if cuda else (SDPBackend.MATH,)):
                     def sdpa(backend=backend):
                         with sdpa_kernel(backend):
                             return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
                     try:
                         sdpa()
-                        fn, graphed = _graphed(sdpa)
+                        fn, graphed = _graphed(sdpa, cuda)
                         t = _median_ms(fn, flush, iters)
                         res["sdpa_fp16"] = {"ms": t, "bytes": dense_bytes + 4 * B * Hq * D,
                                             "backend": str(backend), "graphed": graphed}
@@ -169,16 +197,18 @@ def run(args, on_row=None) -> dict:
                         sdpa_note = f"{backend} failed: {exc!r}"[:300]
                         print(sdpa_note, flush=True)
                 del k, v
-                torch.cuda.empty_cache()
-                # ---- our kernel, each tier mix
-                for name, fr in VARIANTS.items():
-                    layer, tables, counts = build_layer(B, ctx, Hkv, D, fr, dev)
-                    fn, graphed = _graphed(lambda: decode_attention_tiered(q, layer, tables))
-                    t = _median_ms(fn, flush, iters)
-                    res[name] = {"ms": t, "bytes": kernel_bytes(B, Hq, Hkv, D, counts),
-                                 "counts": counts, "graphed": graphed}
-                    del layer, tables
+                if cuda:
                     torch.cuda.empty_cache()
+                # ---- our kernel, each tier mix
+                for variant, fr in VARIANTS.items():
+                    layer, tables, counts = build_layer(B, ctx, Hkv, D, fr, dev)
+                    fn, graphed = _graphed(lambda: decode_attention_tiered(q, layer, tables), cuda)
+                    t = _median_ms(fn, flush, iters, warmup=3 if cuda else 1)
+                    res[variant] = {"ms": t, "bytes": kernel_bytes(B, Hq, Hkv, D, counts),
+                                    "counts": counts, "graphed": graphed}
+                    del layer, tables
+                    if cuda:
+                        torch.cuda.empty_cache()
                 for name in ["sdpa_fp16", *VARIANTS]:
                     if name in res:
                         r = res[name]
@@ -192,9 +222,9 @@ def run(args, on_row=None) -> dict:
                 print(f"{model} B={B} ctx={ctx}: {line}", flush=True)
                 rows.append(res)
                 if on_row is not None:
-                    on_row(meta(props, copy_bw, sdpa_note, rows, args.quick, partial=True))
+                    on_row(meta(dev_name, sms, copy_bw, sdpa_note, rows, args.quick, partial=True))
                 del q
-    out = meta(props, copy_bw, sdpa_note, rows, args.quick)
+    out = meta(dev_name, sms, copy_bw, sdpa_note, rows, args.quick)
     if args.ablation:
         out["ablation"] = ablation(flush, copy_bw)
     return out
@@ -230,18 +260,12 @@ def ablation(flush, copy_bw) -> list:
     return out
 
 
-def meta(props, copy_bw, sdpa_note, rows, quick, partial=False) -> dict:
-    commit = os.environ.get("GIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-        except Exception:  # noqa: BLE001
-            commit = "unknown"
+def meta(device: str, sm_count, copy_bw, sdpa_note, rows, quick, partial=False) -> dict:
     return {
         "benchmark": "decode attention, tiered paged KV vs SDPA",
-        "device": props.name, "sm_count": props.multi_processor_count,
+        "device": device, "sm_count": sm_count,
         "torch": torch.__version__, "triton": __import__("triton").__version__,
-        "commit": commit, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "commit": git_commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "quick": quick, "partial": partial,
         "params": {"page_size": PAGE, "group_size": GROUP, "dtype": "float16",
                    "variants": VARIANTS, "timing": "CUDA graph replay, CUDA events, L2 flushed, median",
@@ -290,7 +314,13 @@ def plot(data: dict, path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="3 contexts x batch 1, 8")
-    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu: Triton's interpreter, perf_counter timing (a smoke run, not a measurement)")
+    ap.add_argument("--models", nargs="+", default=None, choices=list(MODELS), help="default: all")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None, help="default: by --quick")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: by --quick")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per point (default 10-20)")
+    ap.add_argument("--out-dir", default=None, help="where the JSON and PNG go (default benchmarks/results)")
     ap.add_argument("--max-tokens", type=int, default=1 << 22, help="skip B*ctx above this")
     ap.add_argument("--plot-only", default=None, help="re-plot an existing JSON")
     ap.add_argument("--ablation", action="store_true", help="also sweep prefetch / split waves")
@@ -300,18 +330,19 @@ def main() -> None:
             data = json.load(f)
         plot(data, args.plot_only.replace(".json", ".png"))
         return
-    if not torch.cuda.is_available():
-        sys.exit("needs CUDA (run it through the device machine)")
-    os.makedirs(args.out_dir, exist_ok=True)
-    tag = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_")
-    path = os.path.join(args.out_dir, f"attention_{tag}{'_quick' if args.quick else ''}.json")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("no CUDA device: pass --device cpu (tiny shapes)")
+    if args.ablation and not args.device.startswith("cuda"):
+        ap.error("--ablation needs CUDA")
+    triton_interpreter_for(args.device)
+    cuda_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else device_name("cpu").split(" (")[0]
+    name = f"attention_{cuda_name.replace(' ', '_').replace('/', '_')}{'_quick' if args.quick else ''}"
 
     def dump(d):
-        with open(path, "w") as f:
-            json.dump(d, f, indent=1)
+        return write_json(name, d, args.out_dir)
 
     data = run(args, on_row=dump)
-    dump(data)
+    path = dump(data)
     print("wrote", path)
     try:
         plot(data, path.replace(".json", ".png"))

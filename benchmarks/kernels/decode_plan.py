@@ -1,6 +1,8 @@
 """Decode attention at serving shapes, as CUDA-graph decode runs it: which launch plan is fastest.
 
     python benchmarks/kernels/decode_plan.py [--batch 256 --ctx-min 160 --ctx-max 640]
+    python benchmarks/kernels/decode_plan.py --device cpu --batch 2 --ctx-min 16 --ctx-max 64 \
+        --max-seq 128 --splits 1 2 --configs 4:1 --iters 1             # CPU smoke run
 
 One layer of SmolLM2-135M heads (9 q / 3 kv, head_dim 64) by default, bf16, page 64, every
 request at its own length (uniform in [ctx-min, ctx-max]; the offline benchmark's prompts plus
@@ -9,7 +11,9 @@ even splits. Swept: fp16 splits per request (S16), whether the two empty quantiz
 their no-op split programs (the pure-fp16 backend has no int8 / int4 tokens), and each of the
 kernel's autotune configs (forced one at a time). Time: CUDA events around a graphed call,
 L2 flushed before each, median of --iters; bandwidth = K/V bytes read / time, against a
-device-to-device copy measured in the same run.
+device-to-device copy measured in the same run. On CPU (`--device cpu`, the default without
+CUDA) the kernel runs in Triton's interpreter, eagerly, timed with perf_counter: a check that
+the benchmark runs, not a measurement.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.report import RESULTS_DIR, device_name, git_commit, write_json  # noqa: E402
+from common.report import RESULTS_DIR, device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
 
 def _attention_helpers():
     """Timing helpers of the sibling attention.py, loaded by path (a `kernels` import would
@@ -82,7 +86,9 @@ def main() -> None:
                    help="launch configs to sweep instead of the kernel's autotune list, e.g. 4:1 2:1")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--tag", default=None, help="suffix for the result file name")
-    p.add_argument("--out-dir", default=RESULTS_DIR)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu: Triton's interpreter, perf_counter timing (a smoke run, not a measurement)")
+    p.add_argument("--out-dir", default=RESULTS_DIR, help="where the JSON and PNG go")
     p.add_argument("--plot-only", default=None, metavar="JSON", help="re-plot an existing result")
     args = p.parse_args()
     if args.plot_only:
@@ -90,14 +96,18 @@ def main() -> None:
             data = json.load(f)
         plot(args.plot_only[: -len(".json")] + ".png", data["rows"], data["params"])
         return
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("no CUDA device: pass --device cpu (tiny shapes)")
+    triton_interpreter_for(args.device)
 
     from sgl_kvxfer.kernels import decode_attention as da
 
     _graphed, _median_ms, copy_bandwidth = _attention_helpers()
 
-    dev = torch.device("cuda")
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    copy_bw = copy_bandwidth(flush)
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    flush = torch.empty((256 if cuda else 8) << 20, dtype=torch.uint8, device=dev)
+    copy_bw = copy_bandwidth(flush, (1 << 30) if cuda else (64 << 20))
     layer, tables, tokens = build(args, dev)
     nbytes = tokens * args.kv_heads * args.head_dim * 2 * 2
     q = torch.randn(args.batch, args.q_heads, args.head_dim, dtype=torch.bfloat16, device=dev)
@@ -128,7 +138,7 @@ def main() -> None:
                 out = call()
                 ref = out if ref is None else ref
                 diff = (out.float() - ref.float()).abs().max().item()
-                fn, graphed = _graphed(call)
+                fn, graphed = _graphed(call, cuda)
                 ms = _median_ms(fn, flush, args.iters)
                 row = {"config": str(cfg), "S16": s16, "empty_tier_splits": empty_tiers, "pages_per_iter": ppi,
                        "order": order, "ms": ms, "pct_copy_bw": 100 * nbytes / (ms * 1e-3) / copy_bw, "graphed": graphed,
@@ -141,11 +151,12 @@ def main() -> None:
         kern.cache.clear()
     best = min(rows, key=lambda r: r["ms"])
     print("best:", best, "| the planner's default:", default_plan)
-    payload = {"benchmark": "decode_plan", "device": device_name("cuda"), "commit": git_commit(),
+    device = device_name(args.device)
+    payload = {"benchmark": "decode_plan", "device": device, "commit": git_commit(),
                "params": vars(args), "tokens": tokens, "kv_bytes": nbytes, "copy_bandwidth_Bps": copy_bw,
                "default_plan": default_plan, "rows": rows, "best": best}
     tag = f"_{args.tag}" if args.tag else ""
-    path = write_json(f"decode_plan_{device_name('cuda').replace(' ', '_')}{tag}", payload, args.out_dir)
+    path = write_json(f"decode_plan_{device.split(' (')[0].replace(' ', '_')}{tag}", payload, args.out_dir)
     plot(path[: -len(".json")] + ".png", rows, vars(args))
     print("wrote", path)
 

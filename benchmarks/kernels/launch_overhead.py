@@ -9,6 +9,11 @@ of the RMSNorm kernel. With --cprofile, one more loop of RMSNorm launches under 
 where inside Triton's launcher the time goes.
 
     python benchmarks/kernels/launch_overhead.py --tokens 16384
+    python benchmarks/kernels/launch_overhead.py --device cpu --tokens 64 --calls 2 --repeats 1   # CPU smoke run
+
+On CPU (`--device cpu`, the default without CUDA) every Triton "launch" runs the kernel in
+Triton's interpreter, so the numbers are the interpreter's run time: a check that the benchmark
+runs, not a measurement.
 """
 from __future__ import annotations
 
@@ -21,23 +26,24 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.report import RESULTS_DIR, device_name, git_commit, write_json  # noqa: E402
+from common.report import RESULTS_DIR, device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
 
 
-def per_call_us(fn, calls: int, repeats: int) -> float:
+def per_call_us(fn, calls: int, repeats: int, device: str = "cuda") -> float:
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     fn()
-    torch.cuda.synchronize()
+    sync()
     samples = []
     for _ in range(repeats):
         t = time.perf_counter()
         for _ in range(calls):
             fn()
         samples.append((time.perf_counter() - t) / calls * 1e6)
-        torch.cuda.synchronize()  # drain outside the timed loop
+        sync()  # drain outside the timed loop
     return statistics.median(samples)
 
 
-def build_ops(T: int):
+def build_ops(T: int, dev: str = "cuda"):
     from sgl_kvxfer.kernels import fused_rmsnorm as rn
     from sgl_kvxfer.kernels.extend_attention import extend_attention_tiered
     from sgl_kvxfer.kernels.fused_silu_mul import fused_silu_mul
@@ -45,7 +51,7 @@ def build_ops(T: int):
     from sgl_kvxfer.kernels.rope_store import rope_store_kv
     from sgl_kvxfer.kernels.tier_codec import TIER_FP16
 
-    dev, dt = "cuda", torch.bfloat16
+    dt = torch.bfloat16
     H, I, HQ, HKV, D, PAGE, B = 576, 1536, 9, 3, 64, 64, max(T // 320, 1)
     x = torch.randn(T, H, dtype=dt, device=dev)
     res = torch.randn_like(x)
@@ -92,14 +98,20 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--cprofile", action="store_true")
-    p.add_argument("--out-dir", default=RESULTS_DIR)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu: Triton's interpreter (a smoke run, not a measurement)")
+    p.add_argument("--out-dir", default=RESULTS_DIR, help="where the JSON goes")
     args = p.parse_args()
-    ops, kern, (x, res, w, out, H) = build_ops(args.tokens)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("no CUDA device: pass --device cpu (tiny shapes)")
+    triton_interpreter_for(args.device)
+    ops, kern, (x, res, w, out, H) = build_ops(args.tokens, args.device)
     rows = {}
     for name, fn in ops.items():
-        rows[name] = per_call_us(fn, args.calls, args.repeats)
+        rows[name] = per_call_us(fn, args.calls, args.repeats, args.device)
         print(f"{rows[name]:8.1f} us/call  {name}", flush=True)
-    payload = {"benchmark": "launch_overhead", "device": device_name("cuda"), "host_cpu": device_name("cpu"),
+    device = device_name(args.device)
+    payload = {"benchmark": "launch_overhead", "device": device, "host_cpu": device_name("cpu"),
                "commit": git_commit(), "params": vars(args), "us_per_call": rows}
     if args.cprofile:
         import cProfile
@@ -116,7 +128,7 @@ def main() -> None:
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
         payload["cprofile_bare_launch"] = text.getvalue()
         print(text.getvalue())
-    print("wrote", write_json("launch_overhead_" + device_name("cuda").replace(" ", "_"), payload, args.out_dir))
+    print("wrote", write_json("launch_overhead_" + device.split(" (")[0].replace(" ", "_"), payload, args.out_dir))
 
 
 if __name__ == "__main__":
