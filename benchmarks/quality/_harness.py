@@ -15,7 +15,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from benchmarks.common.report import device_name, git_commit  # noqa: E402
+from benchmarks.common.report import device_name, git_commit, write_json  # noqa: E402
 
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 PROSE = os.environ.get("SGL_KVXFER_PROSE", "/work/shared/data/prose_eval.jsonl")
@@ -76,11 +76,8 @@ def metadata(args, engine, extra: dict) -> dict:
 
 
 def write(out_dir: str, name: str, payload: dict) -> str:
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, name + ".json")
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
-    return path
+    """OUT_DIR/NAME.json through common.report.write_json (device, commit and command recorded)."""
+    return write_json(name, payload, out_dir)
 
 
 def device_tag(engine) -> str:

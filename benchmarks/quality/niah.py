@@ -1,6 +1,6 @@
 """NIAH depth x budget retrieval through the engine, plus the int4 probe and per-layer KV cosine.
 
-    python benchmarks/quality/niah.py --quick                       # CPU smoke run
+    python benchmarks/quality/niah.py --quick                       # CPU run
     python benchmarks/quality/niah.py --device cuda                 # 4096 tokens, 19 depths, 4 budgets
     python benchmarks/quality/niah.py --plot-only benchmarks/results/niah_<tag>.json
 
@@ -100,14 +100,17 @@ def run(args) -> str:
     t0 = time.time()
     base, tiered = make_engines(args, {"kv_tier_budget": 0.5, "kv_int4": "on", "kv_tier_staging": 0.4})
     tiering, texts = tiered.scheduler.tiering, load_texts(args.prose)
-    # The probe, through the tiered engine: 3 NIAH trials, greedy at cost budget 0.3, int4 on.
-    cache = args.probe_cache or tempfile.mkdtemp(prefix="int4_probe_")
-    res = resolve_engine_int4(tiering, tiered.scheduler, tiered.tokenizer, cache_dir=cache, mode="auto")
+    # The probe, through the tiered engine: 3 NIAH trials, greedy at cost budget 0.3, int4 on
+    # (--kv-int4 auto; on / off skip it).
+    with tempfile.TemporaryDirectory(prefix="int4_probe_") as fresh:
+        res = resolve_engine_int4(tiering, tiered.scheduler, tiered.tokenizer, cache_dir=args.probe_cache or fresh,
+                                  mode=args.kv_int4)
     probe = {"int4_enabled": res.enabled, "source": res.source,
              "outcomes": res.result.outcomes if res.result else None,
              "responses": res.result.responses if res.result else None}
     probe["tokens"] = tiered.runner.config.kv_int4_probe_tokens
-    probe["fp16_outcomes"] = probe_baseline(base, probe["tokens"])  # is a failure the int4 tier's or the model's?
+    # is a failure the int4 tier's or the model's?
+    probe["fp16_outcomes"] = probe_baseline(base, probe["tokens"]) if res.result else None
     print("probe:", probe, f"({time.time() - t0:.0f}s)", flush=True)
     per_depth = 1 if args.quick else args.trials_per_depth
     trials = build_trials(base.tokenizer, texts, depths, args.tokens, per_depth)
@@ -181,6 +184,9 @@ def main():
     ap.add_argument("--methods", nargs="*", default=None, choices=list(METHODS))
     ap.add_argument("--unit", default="bytes", choices=["bytes", "cost"])
     ap.add_argument("--probe-cache", default=None, help="probe cache dir (default: a fresh one, so it runs)")
+    ap.add_argument("--kv-int4", default="auto", choices=["auto", "on", "off"],
+                    help="int4 for spectrumkv / sink-protect: auto runs the int4 probe (and its 3 trials on the "
+                         "untiered engine) as an engine would; on / off skip it")
     args = ap.parse_args()
     run_then_plot(args, run, plot)
 
