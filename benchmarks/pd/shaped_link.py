@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import shlex
 import sys
 import time
 
@@ -133,7 +132,7 @@ def main() -> None:
         ap.error("--mib, --segment-mib and --rates must be positive")
     rows = measure(args.rates, args.latency_ms, args.mib << 20, int(args.segment_mib * (1 << 20)), args.repeats)
     payload = {"benchmark": "shaped_link", "device": device_name("cpu"), "commit": git_commit(),
-               "command": "python " + shlex.join(sys.argv), "params": vars(args), "method": "in-engine pacing (disagg/shaped.py)",
+               "params": vars(args), "method": "in-engine pacing (disagg/shaped.py)",
                "results": rows}
     path = write_json("shaped_link", payload, args.out_dir)
     plot(payload, path[:-5] + ".png")

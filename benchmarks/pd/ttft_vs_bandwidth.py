@@ -222,7 +222,7 @@ def main() -> None:
     model = next((server_args[i + 1] for i, a in enumerate(server_args) if a == "--model-path"), "smollm2-135m-instruct")
     device = "cuda" if "cuda" in args.server_args else "cpu"
     payload = {"benchmark": "ttft_vs_bandwidth", "device": device_name(device), "commit": git_commit(),
-               "command": "python " + shlex.join(sys.argv), "model": model, "params": vars(args),
+               "model": model, "params": vars(args),
                "link": "in-engine pacing over Mooncake TCP (loopback)", "seconds": time.time() - start, **res}
     payload["ratios"] = summarize(res, args)
     path = write_json(args.name, payload, args.out_dir)
