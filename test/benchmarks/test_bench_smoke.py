@@ -1,0 +1,223 @@
+"""Every benchmark script under benchmarks/{kernels,throughput,quality,pd} runs end to end on CPU.
+
+Each test runs one script as a subprocess, the way its command line runs it
+(`python benchmarks/.../script.py ARGS --out-dir DIR`), at tiny shapes: Triton kernels in
+Triton's interpreter, dummy-weight presets (`tiny`) or the embedded SmolLM2. It checks the exit
+status, that the result JSON records device, commit and command plus the script's own keys, and
+the PNG where the script draws one. The numbers are not checked: these runs only show that the
+scripts still work. Every temp file of a script goes under the test's tmp_path.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from common.report import command_line, write_json  # noqa: E402
+
+TINY_WORKLOAD = ["--model-preset", "tiny", "--device", "cpu", "--num-prompts", "4", "--input-len-min", "16",
+                 "--input-len-max", "32", "--output-len", "4"]
+PROSE_DOCS = ("README.md", "docs/structures.md", "docs/http_api.md", "sgl_kvxfer/mem_cache/README.md",
+              "benchmarks/README.md", "benchmarks/quality/README.md")
+
+
+def run_bench(script: str, args: list[str], tmp_path, timeout: float = 600) -> str:
+    """Run benchmarks/SCRIPT with ARGS and --out-dir tmp_path/out; returns that folder."""
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, os.path.join("benchmarks", script), *args, "--out-dir", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    return str(out)
+
+
+def result(out_dir: str, prefix: str, keys: tuple[str, ...], png: bool) -> dict:
+    """The one JSON OUT_DIR/PREFIX*.json: device, commit, command and `keys` recorded; its PNG
+    beside it when `png`."""
+    names = sorted(n for n in os.listdir(out_dir) if n.startswith(prefix) and n.endswith(".json"))
+    assert len(names) == 1, os.listdir(out_dir)
+    path = os.path.join(out_dir, names[0])
+    with open(path) as f:
+        data = json.load(f)
+    assert data["device"] and data["commit"]
+    script = data["command"].split()[1]
+    assert data["command"].startswith("python benchmarks/") and os.path.exists(os.path.join(ROOT, script))
+    assert f"--out-dir {out_dir}" in data["command"]
+    missing = [k for k in keys if k not in data]
+    assert not missing, f"{names[0]} lacks {missing}"
+    assert os.path.exists(path[: -len(".json")] + ".png") == png, os.listdir(out_dir)
+    return data
+
+
+@pytest.fixture(scope="module")
+def prose(tmp_path_factory) -> str:
+    """A small eval-prose file ({"text": ...} rows) from this repo's docs, for the quality scripts."""
+    path = tmp_path_factory.mktemp("prose") / "prose.jsonl"
+    with open(path, "w") as f:
+        for name in PROSE_DOCS:
+            with open(os.path.join(ROOT, name)) as doc:
+                f.write(json.dumps({"source": name, "text": doc.read()}) + "\n")
+    return str(path)
+
+
+# ---------------------------------------------------------------------------- common/report.py
+def test_write_json_records_device_commit_and_command(tmp_path):
+    with pytest.raises(ValueError, match="device"):
+        write_json("x", {"value": 1}, str(tmp_path))
+    path = write_json("x", {"device": "cpu", "value": 1}, str(tmp_path))
+    with open(path) as f:
+        data = json.load(f)
+    assert data["commit"] and data["value"] == 1 and data["command"] == command_line()
+    kept = write_json("y", {"device": "cpu", "commit": "abc", "command": "python x.py"}, str(tmp_path))
+    with open(kept) as f:
+        assert {k: v for k, v in json.load(f).items() if k != "timestamp"} == {
+            "device": "cpu", "commit": "abc", "command": "python x.py"}
+    script = os.path.join(ROOT, "benchmarks", "pd", "shaped_link.py")
+    assert command_line([script, "--rates", "1", "--server-args", "--a b"]) == \
+        "python benchmarks/pd/shaped_link.py --rates 1 --server-args '--a b'"
+
+
+# ---------------------------------------------------------------------------- kernels
+def test_attention(tmp_path):
+    out = run_bench("kernels/attention.py", ["--device", "cpu", "--models", "smollm2", "--contexts", "128",
+                                             "--batches", "1", "--iters", "1"], tmp_path)
+    data = result(out, "attention_", ("results", "copy_bandwidth_Bps", "params"), png=True)
+    row, = data["results"]
+    assert {"sdpa_fp16", "paged_fp16", "int8", "int4", "mix_b0.5", "mix_b0.3"} <= set(row)
+
+
+def test_decode_plan(tmp_path):
+    out = run_bench("kernels/decode_plan.py", ["--device", "cpu", "--batch", "2", "--ctx-min", "16", "--ctx-max",
+                                               "64", "--max-seq", "128", "--splits", "1", "2", "--empty-tiers", "0",
+                                               "--configs", "4:1", "--iters", "1"], tmp_path)
+    data = result(out, "decode_plan_", ("rows", "best", "default_plan", "params"), png=True)
+    assert len(data["rows"]) == 2 and all(r["max_abs_diff"] == 0 for r in data["rows"])
+
+
+def test_launch_overhead(tmp_path):
+    out = run_bench("kernels/launch_overhead.py", ["--device", "cpu", "--tokens", "64", "--calls", "1",
+                                                   "--repeats", "1"], tmp_path)
+    data = result(out, "launch_overhead_", ("us_per_call", "params"), png=False)
+    assert "extend_attention_tiered (wrapper)" in data["us_per_call"]
+
+
+# ---------------------------------------------------------------------------- throughput
+def test_offline(tmp_path):
+    out = run_bench("throughput/offline.py", [*TINY_WORKLOAD, "--dtype", "float32", "--hf-batch-size", "4"], tmp_path)
+    data = result(out, "offline_tiny_cpu", ("sgl_kvxfer", "hf_generate", "ratio_output_tok_s", "params"), png=True)
+    assert data["sgl_kvxfer"]["output_tokens"] == data["hf_generate"]["output_tokens"] == 16
+
+
+def test_phase_profile(tmp_path):
+    out = run_bench("throughput/phase_profile.py", [*TINY_WORKLOAD, "--host-breakdown"], tmp_path)
+    data = result(out, "phase_profile_tiny_cpu", ("unsynced", "synced", "host_breakdown", "params"), png=False)
+    assert data["synced"]["phases"]["decode"]["steps"] > 0
+
+
+def test_host_breakdown(tmp_path):
+    out = run_bench("throughput/host_breakdown.py", TINY_WORKLOAD, tmp_path)
+    data = result(out, "host_breakdown_tiny_cpu", ("phases", "wall_s", "output_tokens", "params"), png=False)
+    assert {"extend", "decode"} <= set(data["phases"]) and data["output_tokens"] == 16
+    assert any(r["name"] == "Scheduler.step" for r in data["phases"]["decode"])
+
+
+def test_host_overhead(tmp_path, smollm2_path):
+    out = run_bench("throughput/host_overhead.py", ["--model-path", smollm2_path, "--num-prompts", "4",
+                                                    "--input-len-min", "16", "--input-len-max", "32",
+                                                    "--output-len", "4", "--repeats", "1"], tmp_path)
+    data = result(out, "host_overhead_cpu", ("median", "runs", "params"), png=True)
+    assert data["median"]["decode_steps"] > 0
+
+
+def test_decode_step(tmp_path):
+    out = run_bench("throughput/decode_step.py", ["--device", "cpu", "--presets", "tiny", "--batches", "2",
+                                                  "--context", "32", "--steps", "2", "--warmup", "1"], tmp_path)
+    data = result(out, "decode_step_", ("rows", "params"), png=False)
+    row, = data["rows"]
+    assert row["batch"] == 2 and row["timed_steps"] >= 2 and not row["cuda_graph"]
+
+
+def test_e2e_decode(tmp_path):
+    out = run_bench("throughput/e2e_decode.py", ["--device", "cpu", "--preset", "tiny", "--context", "64", "--batch",
+                                                 "2", "--n1", "1", "--n2", "2", "--repeats", "1",
+                                                 "--kv-tier-budgets", "1.0", "0.5"], tmp_path)
+    data = result(out, "e2e_decode_tiny", ("rows", "params"), png=True)
+    assert [r["kv_tier_budget"] for r in data["rows"]] == [1.0, 0.5]
+    assert data["rows"][1]["kv_fraction_of_fp16"] < 0.75
+
+
+def test_backend_agreement(tmp_path):
+    # float16: the triton backend's bfloat16 path in Triton's CPU interpreter does not match torch
+    out = run_bench("throughput/backend_agreement.py", ["--device", "cpu", "--preset", "tiny", "--num-prompts", "2",
+                                                        "--output-len", "4", "--min-len", "16", "--max-len", "40",
+                                                        "--dtypes", "float16"], tmp_path)
+    data = result(out, "backend_agreement_tiny", ("results", "params"), png=False)
+    assert data["results"]["float16"]["sequences"] == 2
+
+
+@pytest.mark.slow
+def test_serving(tmp_path, smollm2_path):
+    if importlib.util.find_spec("sglang") is None:  # bench_serving imports only with common/torchvision_stub
+        pytest.skip("sglang (its bench_serving client) is not installed")
+    out = run_bench("throughput/serving.py", [
+        "--rates", "inf", "--num-prompts", "4", "--input-len", "16", "--output-len", "4", "--max-concurrency", "4",
+        "--server-args", f"--model-path {smollm2_path} --device cpu --dtype float32 --max-total-tokens 2048"],
+        tmp_path)
+    data = result(out, "serving_cpu_", ("results", "parameters", "server"), png=True)
+    row, = data["results"]
+    assert row["completed"] == 4 and row["failed"] == 0
+
+
+# ---------------------------------------------------------------------------- quality
+def test_ppl_sweep(tmp_path, smollm2_path, prose):
+    out = run_bench("quality/ppl_sweep.py", ["--device", "cpu", "--model", smollm2_path, "--prose", prose,
+                                             "--context", "64", "--chunk", "16", "--windows", "1", "--budgets", "0.5",
+                                             "--methods", "greedy", "--max-total-tokens", "2048"], tmp_path)
+    data = result(out, "ppl_sweep_", ("fp16_ppl", "results", "params"), png=True)
+    assert data["complete"] and [r["method"] for r in data["results"]] == ["greedy"]
+
+
+def test_niah(tmp_path, smollm2_path, prose):
+    out = run_bench("quality/niah.py", ["--device", "cpu", "--model", smollm2_path, "--prose", prose, "--quick",
+                                        "--tokens", "256", "--budgets", "0.5", "--methods", "pdtrim",
+                                        "--kv-int4", "on", "--max-total-tokens", "4096"], tmp_path)
+    data = result(out, "niah_", ("probe", "fp16_accuracy", "results", "grid", "kv_cosine"), png=True)
+    assert data["probe"]["int4_enabled"] and data["probe"]["outcomes"] is None  # --kv-int4 on: no probe
+    assert len(data["grid"]["pdtrim"]["0.5"]) == 3  # --quick: 3 depths x 1 trial
+
+
+def test_decode_rule(tmp_path, smollm2_path, prose):
+    out = run_bench("quality/decode_rule.py", ["--device", "cpu", "--model", smollm2_path, "--prose", prose,
+                                               "--prompts", "1", "--prompt-tokens", "64", "--new-tokens", "8",
+                                               "--max-total-tokens", "2048"], tmp_path)
+    data = result(out, "decode_rule_", ("reference_nll", "results", "params"), png=False)
+    assert [r["variant"] for r in data["results"]] == ["no demotion", "demote R=64", "demote R=16"]
+
+
+# ---------------------------------------------------------------------------- pd
+def test_shaped_link(tmp_path):
+    pytest.importorskip("mooncake")
+    out = run_bench("pd/shaped_link.py", ["--mib", "1", "--segment-mib", "0.25", "--rates", "10", "--repeats", "1"],
+                    tmp_path)
+    data = result(out, "shaped_link", ("results", "params"), png=True)
+    assert [r["set_gbps"] for r in data["results"]] == [None, 10.0]
+
+
+@pytest.mark.slow
+def test_ttft_vs_bandwidth(tmp_path, smollm2_path):
+    pytest.importorskip("sglang_router")
+    pytest.importorskip("mooncake")
+    out = run_bench("pd/ttft_vs_bandwidth.py", [
+        "--prompts", "64", "--budgets", "1.0", "--rates", "10", "--variant-rates",
+        "--server-args", f"--model-path {smollm2_path} --device cpu --dtype float32 --max-total-tokens 4096 "
+                         "--kv-int4 on"], tmp_path)
+    data = result(out, "ttft_vs_bandwidth", ("single", "pd", "ratios", "params"), png=True)
+    pd_row = data["pd"]["b=1.0 end 10"]["64"]
+    assert pd_row["ttft_ms"] > 0 and pd_row["bytes"] > 0
