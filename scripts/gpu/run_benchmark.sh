@@ -4,14 +4,15 @@
 #   bash scripts/gpu/run_benchmark.sh NAME [ARGS...]
 # NAME is a script's base name under benchmarks/ (offline, phase_profile, host_breakdown,
 # decode_step, e2e_decode, backend_agreement, serving, host_overhead, attention, decode_plan,
-# launch_overhead, ppl_sweep, niah, decode_rule, shaped_link, ttft_vs_bandwidth). ARGS go to it unchanged, so the command a result records,
+# launch_overhead, ppl_sweep, niah, decode_rule, shaped_link, ttft_vs_bandwidth). ARGS go to it
+# unchanged, so the command a result records,
 #   python benchmarks/throughput/offline.py ARGS
 # runs on the GPU machine as
 #   bash scripts/gpu/run_benchmark.sh offline ARGS
 # What each call must carry: scripts/gpu/README.md. Set SGL_KVXFER_COMMIT to the commit under test
 # (a literal hash: git on the GPU machine reports the commit the session started from).
 set -uo pipefail
-if [ $# -lt 1 ]; then sed -n '2,14p' "$0"; exit 2; fi
+if [ $# -lt 1 ]; then sed -n '2,13p' "$0"; exit 2; fi
 name=${1%.py}; shift
 script=$(ls benchmarks/{throughput,kernels,quality,pd}/"$name".py 2>/dev/null | head -1)
 if [ -z "$script" ]; then echo "no benchmark script named '$name' under benchmarks/" >&2; exit 2; fi

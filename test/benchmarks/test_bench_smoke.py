@@ -5,7 +5,8 @@ Each test runs one script as a subprocess, the way its command line runs it
 Triton's interpreter, dummy-weight presets (`tiny`) or the embedded SmolLM2. It checks the exit
 status, that the result JSON records device, commit and command plus the script's own keys, and
 the PNG where the script draws one. The numbers are not checked: these runs only show that the
-scripts still work. Every temp file of a script goes under the test's tmp_path.
+scripts still work. Every temp file of a script goes under the test's tmp_path, and a script
+must remove the temp folders it makes.
 """
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ def run_bench(script: str, args: list[str], tmp_path, timeout: float = 600) -> s
     cmd = [sys.executable, os.path.join("benchmarks", script), *args, "--out-dir", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    # temp model dirs, probe caches, bench_serving's files: removed by the script (server logs
+    # of sgl_kvxfer.testing.servers and torch's inductor folder stay, as they do for the tests)
+    left = [n for n in os.listdir(tmp) if not n.endswith(".log") and not n.startswith("torchinductor_")]
+    assert not left, f"{script} left {left} in its temp folder"
     return str(out)
 
 
