@@ -130,8 +130,6 @@ def main() -> None:
                 left = server.stop()
                 if left:
                     print(f"killed server processes that outlived SIGTERM: {left}", file=sys.stderr)
-    if server is not None:
-        os.remove(server.log_path)
     gpu = on_gpu(info)
     device = device_name("cuda" if gpu else "cpu")
     tag = device.split()[-1].lower() if gpu else "cpu"

@@ -18,6 +18,9 @@ from sgl_kvxfer.sampling.params import SamplingParams
 
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
+        from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
+
+        use_interpreter_on_cpu(ServerArgs.from_flat(model_path=model_path, **server_args).scheduler.engine.resolved_device)
         from sgl_kvxfer.engine.model_runner import ModelRunner
         from sgl_kvxfer.models.loader import load_tokenizer, resolve_tokenizer_path
         from sgl_kvxfer.scheduler.scheduler import Scheduler

@@ -29,6 +29,9 @@ def run_scheduler_process(server_args: ServerArgs, ready_conn) -> None:
 
 
 def build_scheduler(server_args: ServerArgs):
+    from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
+
+    use_interpreter_on_cpu(server_args.scheduler.engine.resolved_device)  # before any kernel import
     from sgl_kvxfer.engine.model_runner import ModelRunner
     from sgl_kvxfer.models.loader import load_tokenizer, resolve_tokenizer_path
     from sgl_kvxfer.scheduler.scheduler import Scheduler

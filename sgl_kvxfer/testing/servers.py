@@ -45,7 +45,10 @@ class ServerHandle:
 
     def stop(self, timeout: float = 30) -> list[int]:
         """SIGTERM the launcher; return the pids of any process left alive (should be []).
-        Never raises: a stop must not keep the next handle from stopping."""
+        The log is deleted when the launcher shut down cleanly, and kept (its path printed) when
+        it had died or had to be killed. Never raises: a stop must not keep the next handle
+        from stopping."""
+        died_before = self.proc.poll() is not None
         pids = [p.pid for p in self.children()]
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -65,6 +68,14 @@ class ServerHandle:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        clean = not died_before and self.proc.returncode in (0, -signal.SIGTERM) and not left
+        try:
+            if clean:
+                os.unlink(self.log_path)
+            else:
+                print(f"kept {self.log_path} (exit {self.proc.returncode})", file=sys.stderr)
+        except OSError:
+            pass
         return left
 
 

@@ -168,3 +168,21 @@ def test_fused_rope_store_matches_unfused(tiny_dir, monkeypatch):
     for g, r in zip(out[True], out[False]):
         gl, rl = _logprobs(g["meta_info"]["input_token_logprobs"]), _logprobs(r["meta_info"]["input_token_logprobs"])
         assert torch.allclose(gl, rl, atol=ATOL), (gl - rl).abs().max()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU interpreter switch")
+def test_cpu_engine_turns_on_the_interpreter_itself(tiny_dir):
+    """A fresh process without TRITON_INTERPRET: the Engine sets it before any kernel import."""
+    import os
+    import subprocess
+    import sys
+
+    code = (f"from sgl_kvxfer import Engine\n"
+            f"with Engine({tiny_dir!r}, load_format='dummy', dtype='float16', device='cpu', attention_backend='triton', "
+            f"page_size=16, max_total_tokens=512) as e:\n"
+            f"    out = e.generate(input_ids=[[5, 6, 7]], sampling_params={{'max_new_tokens': 2}})\n"
+            f"    print('tokens', len(out[0]['output_ids']))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tokens 2" in proc.stdout
