@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256, help="bytes written per measurement, MiB")
     ap.add_argument("--segment-mib", type=float, default=4.0, help="bytes per engine write, MiB")
     ap.add_argument("--repeats", type=int, default=2, help="measurements per rate (the fastest is kept)")
+    ap.add_argument("--name", default="shaped_link", help="result file name (without extension)")
     ap.add_argument("--out-dir", default=None, help="where the JSON and PNG go (default benchmarks/results)")
     args = ap.parse_args()
     if args.mib <= 0 or args.segment_mib <= 0 or any(r <= 0 for r in args.rates):
@@ -134,7 +135,7 @@ def main() -> None:
     payload = {"benchmark": "shaped_link", "device": device_name("cpu"), "commit": git_commit(),
                "params": vars(args), "method": "in-engine pacing (disagg/shaped.py)",
                "results": rows}
-    path = write_json("shaped_link", payload, args.out_dir)
+    path = write_json(args.name, payload, args.out_dir)
     plot(payload, path[:-5] + ".png")
     print("wrote", path)
 
