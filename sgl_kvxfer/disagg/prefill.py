@@ -254,8 +254,9 @@ class PrefillRole:
             self._queue_done(room)
 
     def _segment_tiers(self, rng: _Range, slots: torch.Tensor) -> torch.Tensor:
-        """Wire tier per position of the range (TIER_KEEP: unchanged on the decode)."""
-        stored = wire_tier_of(self.pool, slots)
+        """Wire tier per position of the range (int16: TIER_KEEP does not fit int8; on the wire
+        one unsigned byte each)."""
+        stored = wire_tier_of(self.pool, slots).to(torch.int16)
         if rng.kind == "int8":
             return torch.where(stored == TIER_DROP, stored, torch.full_like(stored, TIER_INT8))
         if rng.kind == "replace":  # what the int8 stream got right stays where it is
@@ -290,7 +291,7 @@ class PrefillRole:
         pack_segment(self.pool, slots[live.to(slots.device)], tiers[live], payload)
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()
-        segment = KVSegment(room.room, seq, rng.start, rng.end, None if bool((tiers == 0).all()) else tiers.numpy().tobytes(),
+        segment = KVSegment(room.room, seq, rng.start, rng.end, None if bool((tiers == 0).all()) else tiers.to(torch.uint8).numpy().tobytes(),
                             lay.lens, dst, lay.total_bytes, 0, [], replaces=rng.kind == "replace")
         room.inflight[seq] = src
         room.next_seq += 1
