@@ -29,6 +29,7 @@ both PD servers (and the baseline) on it; KV moves over Mooncake TCP through hos
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -83,10 +84,13 @@ def warm_up(url: str, prompts: list[int], vocab: int) -> None:
         ttft(url, prompt_ids(n, -n, vocab))
 
 
+_PROMPT_SEEDS = itertools.count(1)  # every measured request has its own prompt: no radix-cache hit
+
+
 def measure(url: str, prompts: list[int], repeats: int, vocab: int, label: str) -> dict:
     out = {}
     for n in prompts:
-        runs = [ttft(url, prompt_ids(n, 1000 * n + i, vocab)) for i in range(repeats)]
+        runs = [ttft(url, prompt_ids(n, next(_PROMPT_SEEDS), vocab)) for _ in range(repeats)]
         transfer = [m.get("kv_transfer", {}) for _, m in runs]
         row = {"ttft_ms": 1e3 * statistics.median(t for t, _ in runs)}
         if any(transfer):
