@@ -22,6 +22,7 @@ KV_INT4_CHOICES = ("auto", "on", "off")
 KV_IMPORTANCE_CHOICES = ("attn", "norm")
 KV_BUDGET_UNIT_CHOICES = ("bytes", "cost")
 KV_TRANSFER_STREAM_CHOICES = ("auto", "end", "int8")
+AUTO_INT8_STREAM_MIN_BUDGET = 0.5  # --kv-transfer-stream auto: int8 stream on a GPU at budgets >= this
 
 
 CPU_DEFAULT_PAGE_SIZE = 16
@@ -175,8 +176,9 @@ class SchedulerConfig:
     # fails (the decode then prefills locally); the registered transfer buffer per server
     # (prefill: packed segments; decode: staging regions); at kv_tier_budget < 1, what streams
     # during chunked prefill ("end": nothing, tiers go out at prefill end; "int8": chunks at
-    # int8, final tiers after; "auto": the measured default); a link rate / latency paced in
-    # the engine (0: unpaced; benchmarks/pd/shaped_link.py shapes the kernel's link instead).
+    # int8, final tiers after; "auto": on a GPU int8 from AUTO_INT8_STREAM_MIN_BUDGET up, else end);
+    # a link rate / latency paced in the engine (0: unpaced; benchmarks/pd/shaped_link.py
+    # checks the achieved rate against the setting).
     kv_transfer_timeout: float = 30.0
     kv_transfer_buffer_mb: int = 1024
     kv_transfer_stream: str = "auto"
@@ -211,8 +213,14 @@ class SchedulerConfig:
     @property
     def resolved_kv_transfer_stream(self) -> str:
         """What streams during a tiered prefill; "auto" is the variant measured faster
-        (benchmarks/pd/README.md)."""
-        return "end" if self.kv_transfer_stream == "auto" else self.kv_transfer_stream
+        (docs/pd_disaggregation.md, "Measured"): on a GPU the int8 stream from
+        AUTO_INT8_STREAM_MIN_BUDGET up, where its int8 copies cost little more than the
+        budget's own bytes and hide behind the prefill; tiers at the end below it, and on CPU,
+        where quantizing each chunk competes with the prefill for the same cores."""
+        if self.kv_transfer_stream != "auto":
+            return self.kv_transfer_stream
+        on_gpu = self.engine.resolved_device.startswith("cuda")
+        return "int8" if on_gpu and AUTO_INT8_STREAM_MIN_BUDGET <= self.engine.kv_tier_budget < 1.0 else "end"
 
     @property
     def resolved_chunked_prefill_size(self) -> int | None:

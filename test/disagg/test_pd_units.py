@@ -151,3 +151,17 @@ def test_bootstrap_server_sglang_api(bootstrap_url):
     assert requests.get(bootstrap_url + "/route?prefill_dp_rank=0").status_code == 400
     assert requests.post(bootstrap_url + "/register_dp_rank", json={"bootstrap_room": 77, "dp_rank": 0}).text == "OK"
     assert requests.post(bootstrap_url + "/query_dp_ranks", json={"bootstrap_rooms": [77]}).json() == {"77": 0}
+
+
+def test_auto_stream_is_int8_on_gpu_from_half_budget_and_end_otherwise():
+    from sgl_kvxfer.config import ServerArgs
+
+    def stream(b, s="auto", device="cuda"):
+        args = ServerArgs.from_flat(kv_tier_budget=b, kv_transfer_stream=s, device=device)
+        return args.scheduler.resolved_kv_transfer_stream
+
+    assert [stream(b) for b in (1.0, 0.75, 0.5, 0.3)] == ["end", "int8", "int8", "end"]
+    assert [stream(b, device="cpu") for b in (0.75, 0.5, 0.3)] == ["end", "end", "end"]
+    assert stream(0.3, "int8") == "int8" and stream(0.75, "end") == "end"
+    with pytest.raises(ValueError, match="kv_transfer_stream"):
+        stream(0.5, "fast")
