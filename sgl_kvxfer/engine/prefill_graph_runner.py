@@ -1,7 +1,7 @@
 """PrefillGraphRunner: extend (prefill) forwards replayed from CUDA graphs, one per token bucket.
 
 A small model's prefill step is bound by the host: ~9 launches per layer at 20-85 us of host
-time each (benchmarks/README.md, session 7) against a few us of GPU work. Captured once per
+time each (benchmarks/kernels/launch_overhead.py) against a few us of GPU work. Captured once per
 token-count bucket over static buffers, the forward from the embedding to the final norm is one
 graph launch; the logits rows are gathered and projected eagerly after it (their count varies).
 
