@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -71,18 +72,20 @@ def _read_jsonl_texts(path: str) -> list[str]:
 def stdlib_docstrings() -> list[str]:
     """Module, class and function docstrings of STDLIB_PROSE_MODULES that are paragraphs of prose."""
     texts = []
-    for name in STDLIB_PROSE_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:  # e.g. sqlite3 missing from a minimal build
-            continue
-        objs = [module] + [obj for _, obj in sorted(vars(module).items())
-                           if (inspect.isclass(obj) or inspect.isfunction(obj)) and
-                           getattr(obj, "__module__", None) == module.__name__]
-        for obj in objs:
-            doc = inspect.getdoc(obj)
-            if doc and len(doc) >= 200:
-                texts.append(doc)
+    with warnings.catch_warnings():  # deprecated aliases (typing.io, typing.re) warn when touched
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for name in STDLIB_PROSE_MODULES:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:  # e.g. sqlite3 missing from a minimal build
+                continue
+            objs = [module] + [obj for _, obj in sorted(vars(module).items())
+                               if (inspect.isclass(obj) or inspect.isfunction(obj)) and
+                               getattr(obj, "__module__", None) == module.__name__]
+            for obj in objs:
+                doc = inspect.getdoc(obj)
+                if doc and len(doc) >= 200:
+                    texts.append(doc)
     return texts
 
 
