@@ -20,15 +20,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(RESULTS_DIR))
 
 def triton_interpreter_for(device: str) -> None:
     """Run Triton kernels in Triton's CPU interpreter when `device` is the CPU or no CUDA device
-    exists. Call before anything imports a kernel module (sgl_kvxfer.kernels.*, which
-    sgl_kvxfer.spectrum imports too): the interpreter is chosen when a kernel is defined."""
-    if not str(device).startswith("cuda"):
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        return
-    import torch
+    exists. Call before anything imports a kernel module (sgl_kvxfer.utils.triton_cpu)."""
+    from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if str(device).startswith("cuda"):
+        import torch
+
+        device = device if torch.cuda.is_available() else "cpu"
+    use_interpreter_on_cpu(str(device))
 
 
 def device_name(device: str) -> str:

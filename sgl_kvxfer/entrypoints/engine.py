@@ -20,13 +20,13 @@ class Engine:
     def __init__(self, model_path: str | None = None, **server_args: Any):
         from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
 
-        use_interpreter_on_cpu(ServerArgs.from_flat(model_path=model_path, **server_args).scheduler.engine.resolved_device)
+        self.server_args = ServerArgs.from_flat(model_path=model_path, **server_args)
+        cfg = self.server_args.scheduler
+        use_interpreter_on_cpu(cfg.engine.resolved_device)  # before the imports below load kernels
         from sgl_kvxfer.engine.model_runner import ModelRunner
         from sgl_kvxfer.models.loader import load_tokenizer, resolve_tokenizer_path
         from sgl_kvxfer.scheduler.scheduler import Scheduler
 
-        self.server_args = ServerArgs.from_flat(model_path=model_path, **server_args)
-        cfg = self.server_args.scheduler
         if cfg.disaggregation_mode != "null":
             raise ValueError("PD roles (disaggregation_mode prefill / decode) run in the server: "
                              "python -m sgl_kvxfer.launch_server --disaggregation-mode ...")

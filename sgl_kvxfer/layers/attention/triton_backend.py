@@ -23,7 +23,6 @@ fused elementwise kernels on, `forward_qkv` does RoPE and the KV store in one la
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +31,7 @@ from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.layers.attention.base import AttentionBackend
 from sgl_kvxfer.mem_cache.paged_fp16_pool import PagedFp16KVPool
 from sgl_kvxfer.models import fused_ops
+from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
 
 
 @dataclass
@@ -60,9 +60,7 @@ class TritonAttentionBackend(AttentionBackend):
         if not isinstance(kv_pool, PagedFp16KVPool) or self.page_size < 16 or self.page_size & (self.page_size - 1):
             raise ValueError(f"--attention-backend triton needs the paged fp16 KV pool with a power-of-two "
                              f"page size >= 16, got {type(kv_pool).__name__} with page size {self.page_size}")
-        if str(kv_pool.device).startswith("cpu"):
-            # Triton's CPU interpreter; must be set before the kernel modules are first imported.
-            os.environ.setdefault("TRITON_INTERPRET", "1")
+        use_interpreter_on_cpu(str(kv_pool.device))  # normally on already (Engine / scheduler process)
         from sgl_kvxfer.kernels.decode_attention import decode_attention_tiered, plan_splits
         from sgl_kvxfer.kernels.extend_attention import extend_attention_tiered
         from sgl_kvxfer.kernels.paged_layout import TierPages, TieredKVLayer, allocate_tiered_layer

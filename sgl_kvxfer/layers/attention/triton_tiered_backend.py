@@ -17,7 +17,6 @@ SpectrumKV's importance scoring reads at prefill end. The fused extend kernel
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ from sgl_kvxfer.layers.attention.base import AttentionBackend
 from sgl_kvxfer.layers.attention.torch_backend import TorchAttentionBackend
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
 from sgl_kvxfer.mem_cache.tiered_rows import tier_row_tables, tier_store_views
+from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
 
 
 @dataclass
@@ -47,9 +47,7 @@ class TritonTieredAttentionBackend(AttentionBackend):
         if head_dim < 16 or head_dim & (head_dim - 1) or group & (group - 1):
             raise ValueError(f"--attention-backend triton over tiered KV needs a power-of-two head_dim >= 16 "
                              f"and --kv-quant-group-size, got {head_dim} and {group}")
-        if str(kv_pool.device).startswith("cpu"):
-            # Triton's CPU interpreter; must be set before the kernel modules are first imported.
-            os.environ.setdefault("TRITON_INTERPRET", "1")
+        use_interpreter_on_cpu(str(kv_pool.device))  # normally on already (Engine / scheduler process)
         from sgl_kvxfer.kernels.gather_decode_attention import decode_attention_gather
 
         self._decode = decode_attention_gather
