@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 
 from sgl_kvxfer import env
@@ -81,9 +82,17 @@ def at_least(name: str) -> bool:
     return LEVELS.index(level()) >= LEVELS.index(name)
 
 
+# ONEDNN_MAX_CPU_ISA values under which oneDNN itself has neither bf16 route (AVX2_VNNI_2 brings
+# AVX-NE-CONVERT); oneDNN reads the variable once, when torch first uses it.
+_ONEDNN_CAPS_WITHOUT_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI"})
+
+
 def onednn_bf16_linear() -> bool:
     """oneDNN's bf16 weight prepack (`mkldnn._reorder_linear_weight`) runs here: it needs AVX-512
-    BW/VL/DQ or AVX-NE-CONVERT, and raises on anything less."""
+    BW/VL/DQ or AVX-NE-CONVERT, and raises on anything less, including a CPU that has them
+    under a ONEDNN_MAX_CPU_ISA cap below them."""
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in _ONEDNN_CAPS_WITHOUT_BF16:
+        return False
     return at_least("avx512") or (at_least("avx2") and "avx_ne_convert" in cpu_flags())
 
 

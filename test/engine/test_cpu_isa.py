@@ -19,6 +19,7 @@ def test_detected_level(flags, level):
 def _pretend(monkeypatch, flags, cap=None):
     monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: flags)
     monkeypatch.setattr(cpu_isa, "_is_x86", lambda: True)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)  # set by test/conftest.py under a cap
     if cap is None:
         monkeypatch.delenv("SGL_KVXFER_CPU_ISA", raising=False)
     else:
@@ -44,6 +45,16 @@ def test_cap_forces_the_avx2_paths_on_an_avx512_cpu(monkeypatch):
     assert "capped" in cpu_isa.describe()
     _pretend(monkeypatch, SPR, cap="avx512")  # below what the CPU has: its extensions stay out
     assert "-mno-avx512bf16" in cpu_isa.native_build_flags()
+
+
+def test_onednn_cap_turns_off_the_bf16_prepack(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 set outside us (by a user, or test/conftest.py under a cap):
+    oneDNN's bf16 reorder raises even on an AVX-512 CPU, so the fp32 fallback is taken."""
+    _pretend(monkeypatch, SPR)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not cpu_isa.onednn_bf16_linear()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert cpu_isa.onednn_bf16_linear()
 
 
 def test_cap_never_raises_the_level(monkeypatch):
