@@ -9,8 +9,15 @@ See kernels/README.md for the why. Per layer and per tier t in (fp16, int8, int4
     page p, kv-head h  ->  one contiguous block of PAGE * W_t elements (head-major inside a page)
 
 Per request and tier: a block table row (page ids into that tier's pool, in fill order) and a
-token count n_t; the tier's tokens occupy pages[0 .. cdiv(n_t, PAGE)) and inside them slots
-0 .. n_t-1 in order ("dense runs"); only the last page of a tier may be partial.
+token count n_t. Two forms:
+  dense  (fills None)  the tier's tokens occupy pages[0 .. cdiv(n_t, PAGE)) and inside them slots
+                       0 .. n_t-1 in order; only the last page of a tier may be partial.
+  filled (fills set)   num_pages[t][b] pages are listed; page j holds fills[t][b, j] tokens in its
+                       slots 0 .. fill-1 (a prefix of the page); any listed page may be partial.
+                       n_t == sum of the fills. This is what the engine's paged tiered pool gives:
+                       each re-tiered run fills fresh pages in position order, so a request sees
+                       a prefix of every page it shares (mem_cache/README.md section 8).
+Tiers may have different page sizes (the engine's fp16 store is slot-granular: PAGE 1).
 Because K is stored post-RoPE, attention is a set function of the cached (k, v) pairs: the
 order of tokens inside and across tiers does not matter.
 """
@@ -86,7 +93,15 @@ class TieredKVLayer:
 
     @property
     def page_size(self) -> int:
+        """The fp16 tier's page size (== every tier's when `uniform_pages`)."""
         return self.pages[0].page_size
+
+    def page_size_of(self, tier: int) -> int:
+        return self.pages[tier].page_size
+
+    @property
+    def uniform_pages(self) -> bool:
+        return len({p.page_size for p in self.pages}) == 1
 
     @property
     def num_kv_heads(self) -> int:
@@ -96,12 +111,13 @@ class TieredKVLayer:
     def dtype(self) -> torch.dtype:
         return self.pages[0].k.dtype
 
-    def check(self) -> None:
+    def check(self, uniform: bool = True) -> None:
+        """uniform: every tier has the same page size (the kernels that take one PAGE)."""
         assert self.head_dim % self.group_size == 0 and self.group_size % 2 == 0
         for t in TIERS:
             assert self.pages[t].tier == t
             self.pages[t].check(self.head_dim, self.group_size)
-            assert self.pages[t].page_size == self.page_size
+            assert not uniform or self.pages[t].page_size == self.page_size
             assert self.pages[t].num_kv_heads == self.num_kv_heads
 
 
@@ -148,10 +164,19 @@ def allocate_tiered_layer(
 class TieredBlockTables:
     """Per-batch paging metadata. tables[t]: int32 [B, max_pages_t] (unused entries: any
     valid page id, e.g. 0); lens[t]: int32 [B] tokens of request b held in tier t.
-    The width max_pages_t bounds the kernels' grids, so no host sync is needed."""
+    The width max_pages_t bounds the kernels' grids, so no host sync is needed.
+
+    Filled form (module docstring): fills[t] int32 [B, max_pages_t], tokens held in each listed
+    page (a prefix of it; entries past num_pages are ignored), num_pages[t] int32 [B]."""
 
     tables: tuple
     lens: tuple
+    fills: Optional[tuple] = None
+    num_pages: Optional[tuple] = None
+
+    @property
+    def filled(self) -> bool:
+        return self.fills is not None
 
     @property
     def batch_size(self) -> int:
@@ -163,6 +188,10 @@ class TieredBlockTables:
             assert bt.dtype == torch.int32 and ln.dtype == torch.int32, (bt.dtype, ln.dtype)
             assert bt.dim() == 2 and bt.shape[0] == self.batch_size and bt.shape[1] >= 1
             assert bt.stride(1) == 1 and ln.is_contiguous()
+            if self.filled:
+                f, n = self.fills[t], self.num_pages[t]
+                assert f.dtype == torch.int32 and f.shape == bt.shape and f.stride(1) == 1, (f.dtype, f.shape)
+                assert n.dtype == torch.int32 and n.shape == ln.shape and n.is_contiguous()
 
     def total_lens(self) -> torch.Tensor:
         return self.lens[0] + self.lens[1] + self.lens[2]
@@ -176,17 +205,24 @@ def gather_request_kv(layer: TieredKVLayer, tables: TieredBlockTables, b: int,
     from .tier_codec import TIER_BITS, dequantize
 
     ks, vs = [], []
-    PAGE = layer.page_size
     for t in TIERS:
+        PAGE = layer.page_size_of(t)
         n = int(tables.lens[t][b])
         if n == 0:
             continue
-        npg = -(-n // PAGE)
+        if tables.filled:
+            npg = int(tables.num_pages[t][b])
+            fill = tables.fills[t][b, :npg].long()
+        else:
+            npg = -(-n // PAGE)
+            fill = torch.full((npg,), PAGE, dtype=torch.long)
+            fill[-1] = n - (npg - 1) * PAGE
         ids = tables.tables[t][b, :npg].long()
+        keep = (torch.arange(PAGE)[None, :] < fill.cpu()[:, None]).reshape(-1).to(ids.device)
         tp = layer[t]
 
-        def rows(x):  # [npg, H, PAGE, W] -> [n, H, W]
-            return x[ids].permute(0, 2, 1, 3).reshape(npg * PAGE, x.shape[1], x.shape[3])[:n]
+        def rows(x):  # [npg, H, PAGE, W] -> [n, H, W]: each page's first `fill` slots, in order
+            return x[ids].permute(0, 2, 1, 3).reshape(npg * PAGE, x.shape[1], x.shape[3])[keep]
 
         if t == TIER_FP16:
             k, v = rows(tp.k), rows(tp.v)
