@@ -31,6 +31,8 @@ def add_common_args(ap) -> None:
     ap.add_argument("--prose", default=PROSE)
     ap.add_argument("--out-dir", default=RESULTS_DIR)
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: memory-based)")
+    ap.add_argument("--kv-quant-group-size", type=int, default=None,
+                    help="channels per int-tier scale/zero of the tiered engine (default: the engine's)")
     ap.add_argument("--plot-only", default=None, help="re-plot an existing JSON and exit")
 
 
@@ -47,6 +49,8 @@ def make_engines(args, tiered_kwargs: dict):
     from sgl_kvxfer import Engine
 
     base = Engine(args.model, **engine_kwargs(args))
+    if getattr(args, "kv_quant_group_size", None):
+        tiered_kwargs = {**tiered_kwargs, "kv_quant_group_size": args.kv_quant_group_size}
     tiered = Engine(args.model, **engine_kwargs(args), **tiered_kwargs)
     return base, tiered
 
