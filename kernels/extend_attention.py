@@ -1,13 +1,15 @@
 """Extend (chunked prefill / radix-hit) attention over a tiered cached prefix + new tokens.
 
     extend_attention_tiered(q, k_new, v_new, qo_indptr, layer, prefix_tables,
-                            sm_scale=None, max_extend_len=None) -> o
+                            sm_scale=None, max_extend_len=None, out=None, tiles=None) -> o
 
 q            [N, Hq, D]  new query tokens of all requests, concatenated (model dtype)
 k_new, v_new [N, Hkv, D] the same tokens' K (post-RoPE) / V, attended at full precision
 qo_indptr    int32 [B+1] request b owns rows [qo_indptr[b], qo_indptr[b+1])
 prefix_tables: TieredBlockTables of the cached PREFIX only (exclude the new tokens even if
-             they were already stored into the pool).
+             they were already stored into the pool), dense or filled form (paged_layout.py).
+layer        TieredKVLayer; each tier has its own page size (any power of two: the engine's
+             fp16 store is rows, PAGE 1; its int8 / int4 stores are pages of 16..256)
 o            [N, Hq, D]
 
 New token i of a request sees every prefix token (any tier, order-free) and new tokens
@@ -15,6 +17,19 @@ New token i of a request sees every prefix token (any tier, order-free) and new 
 tokens x the KV_GROUP query heads of one kv-head as the rows of one tile
 (row r -> token r // BLOCK_G, head r % BLOCK_G), so each prefix page is read once per
 kv-head and query block.
+
+Prefix walk, per tier (`_attend_prefix_tier`): BLOCK_P virtual slots a step over the listed
+pages, virtual slot l = j * PAGE + s (slot s of listed page j):
+
+    PAGE >= BLOCK_P   page j read in BLOCK_P-slot chunks (scalar page id and fill, rows contiguous)
+    PAGE <  BLOCK_P   BLOCK_P / PAGE pages gathered per step (PAGE 1: a row gather)
+    valid slot        dense: l < n_t          filled: j < num_pages and s < fills[j]
+
+so a partial page anywhere in the list costs masked slots, never a wrong token. Quantized tiers
+prefetch the next step's raw bytes into registers. With one scale group per token-head (G = D)
+the int tiers skip per-element dequantization: codes go to tl.dot as exact integers and the
+scale / zero are applied per score and per probability (`_prefix_step`, FOLD); otherwise the
+tile is dequantized in registers (_tiles._dequant_tile, fast path) as the decode kernels do.
 
 Tiled launch (`tiles=(tile_req, tile_blk)`, CUDA-graph prefill): grid = (len(tile_req), Hkv)
 and program t takes block tile_blk[t] of request tile_req[t], at the fixed config
@@ -154,21 +169,26 @@ def _prefix_step(acc, m_i, l_i, q, q_sum, kq, ks, kz, vq, vs, vz, tmask, qk_scal
     Otherwise: dequantize to q's dtype (_dequant_tile, fast path) and a plain step.
     DOT_F32: tl.dot on fp32 operands (the interpreter's bf16 dot is wrong)."""
     if FOLD and TIER != 0:
-        dt = tl.float32 if DOT_F32 else q.dtype
-        kc = _codes_tile(kq, dt, TIER, TILE, HEAD_DIM)
-        vc = _codes_tile(vq, dt, TIER, TILE, HEAD_DIM)
+        if DOT_F32:
+            qd = q.to(tl.float32)
+            kc = _codes_tile(kq, tl.float32, TIER, TILE, HEAD_DIM)
+            vc = _codes_tile(vq, tl.float32, TIER, TILE, HEAD_DIM)
+        else:
+            qd = q
+            kc = _codes_tile(kq, q.dtype, TIER, TILE, HEAD_DIM)
+            vc = _codes_tile(vq, q.dtype, TIER, TILE, HEAD_DIM)
         ks1 = tl.reshape(ks, (TILE,)).to(tl.float32)
         kz1 = tl.reshape(kz, (TILE,)).to(tl.float32)
         vs1 = tl.reshape(vs, (TILE,)).to(tl.float32)
         vz1 = tl.reshape(vz, (TILE,)).to(tl.float32)
-        qk = tl.dot(q.to(dt), tl.trans(kc))
+        qk = tl.dot(qd, tl.trans(kc))
         s = (qk * ks1[None, :] + q_sum[:, None] * kz1[None, :]) * qk_scale
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         pr = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
-        pv = tl.dot((pr * vs1[None, :]).to(dt), vc) + tl.sum(pr * vz1[None, :], 1)[:, None]
+        pv = tl.dot((pr * vs1[None, :]).to(vc.dtype), vc) + tl.sum(pr * vz1[None, :], 1)[:, None]
         acc = acc * alpha[:, None] + pv
         return acc, m_new, l_i
     else:
@@ -231,7 +251,7 @@ def _attend_prefix_tier(
 
 
 @triton.autotune(configs=_EXTEND_CONFIGS,
-                 key=["HEAD_DIM", "PAGE16", "PAGE8", "PAGE4", "BLOCK_G", "GROUP_SIZE", "FILLED", "DOT_F32"])
+                 key=["HEAD_DIM", "PAGE16", "PAGE8", "PAGE4", "BLOCK_G", "GROUP_SIZE", "FILLED", "FOLD", "DOT_F32"])
 @triton.jit
 def _extend_tiered_kernel(
     q_ptr, kn_ptr, vn_ptr, o_ptr, qo_indptr_ptr, tile_req_ptr, tile_blk_ptr,
@@ -273,20 +293,19 @@ def _extend_tiered_kernel(
     head = kv_head * KV_GROUP + g
     row_q = (q_start + tok).to(tl.int64) * stride_qn + head * stride_qh
     q = tl.load(q_ptr + row_q[:, None] + offs_d[None, :], mask=rmask[:, None], other=0.0)
-    q_sum = tl.sum(q.to(tl.float32), 1)  # FOLD: the zero-point term of every score
+    if FOLD:
+        q_sum = tl.sum(q.to(tl.float32), 1)  # the zero-point term of every int-tier score
+    else:
+        q_sum = tl.zeros([BLOCK_ROWS], dtype=tl.float32)  # unused
 
     acc = tl.zeros([BLOCK_ROWS, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_ROWS], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
 
     # ---- cached prefix: every tier, every listed page (non-causal: all precede the new tokens)
-    npg16 = 0
-    npg8 = 0
-    npg4 = 0
-    if FILLED:
-        npg16 = tl.load(npg16_ptr + b)
-        npg8 = tl.load(npg8_ptr + b)
-        npg4 = tl.load(npg4_ptr + b)
+    npg16 = tl.load(npg16_ptr + b)  # listed pages (filled form; the dense form passes lens, unused)
+    npg8 = tl.load(npg8_ptr + b)
+    npg4 = tl.load(npg4_ptr + b)
     acc, m_i, l_i = _attend_prefix_tier(
         acc, m_i, l_i, q, q_sum, bt16_ptr + b * stride_bt16, fill16_ptr + b * stride_f16,
         tl.load(len16_ptr + b), npg16,
