@@ -119,7 +119,7 @@ def build_random_paged_cache(lens, num_kv_heads: int, head_dim: int, group_size:
 
     tiers = []
     for t in TIERS:
-        one = allocate_tiered_layer((pools[t],) * 3, page_sizes[t], num_kv_heads, head_dim, group_size,
+        one = allocate_tiered_layer(tuple(pools[t] if i == t else 1 for i in TIERS), page_sizes[t], num_kv_heads, head_dim, group_size,
                                     dtype, device, fill=0.0)
         tp = one[t]
         shape = (pools[t], num_kv_heads, page_sizes[t], head_dim)
