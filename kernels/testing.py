@@ -119,8 +119,9 @@ def build_random_paged_cache(lens, num_kv_heads: int, head_dim: int, group_size:
 
     tiers = []
     for t in TIERS:
-        one = allocate_tiered_layer(tuple(pools[t] if i == t else 1 for i in TIERS), page_sizes[t], num_kv_heads, head_dim, group_size,
-                                    dtype, device, fill=0.0)
+        sizes = tuple(pools[t] if i == t else 1 for i in TIERS)
+        one = allocate_tiered_layer(sizes, page_sizes[t], num_kv_heads, head_dim, group_size, dtype, device,
+                                    fill=0.0)
         tp = one[t]
         shape = (pools[t], num_kv_heads, page_sizes[t], head_dim)
         for x in (("k", "k_scale", "k_zero"), ("v", "v_scale", "v_zero")):
