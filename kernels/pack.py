@@ -15,6 +15,21 @@ Buffer layout (token-exact: no page padding travels), streams in this order:
 so total = sum_t n_t * Hkv * 2 * payload_bytes(t, D, G, eb) exactly. The receiver may use other
 page ids (and pool sizes) but the same PAGE, D, G. Each stream of a (page, kv-head) is one
 contiguous run on both sides, so the kernel is a byte mover: grid (max pages, Hkv, 3 tiers).
+
+Slot-addressed variant, for stores whose tokens of a request are arbitrary (page, offset) slots
+(the engine's paged tiered pool: filled pages, fp16 rows at PAGE 1):
+
+    pack_tiered_kv_slots(layer, slots, out=None) -> uint8 [pack_layout(...).total_bytes]
+    unpack_tiered_kv_slots(buf, layer, slots) -> None
+
+slots: (fp16, int8, int4) int32 1-D tensors of token rows of each tier's store, row =
+page * PAGE_t + offset (PAGE_t = layer.page_size_of(t), tiers may differ; at PAGE 1 the row is
+the store row); n_t = slots[t].numel() (no host sync), tokens travel in the given order. Same
+buffer format as above, so either side may use either variant. grid (cdiv(max n_t, BLOCK_T),
+Hkv, 3 tiers); a program moves BLOCK_T tokens x one kv-head, every stream of its tier:
+
+    store row of (token row r, kv-head h) in [P * Hkv * PAGE] rows: ((r // PAGE) * Hkv + h) * PAGE + r % PAGE
+    buffer row of (token i, kv-head h) in a stream [Hkv, n_t]:      h * n_t + i
 """
 from __future__ import annotations
 
@@ -29,6 +44,7 @@ from .paged_layout import TieredKVLayer
 
 _STREAMS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
 COPY_BLOCK = 2048  # bytes per inner step
+SLOT_BLOCK = 32  # tokens per program of the slot-addressed kernel
 
 
 @dataclass(frozen=True)
@@ -198,3 +214,150 @@ def unpack_tiered_kv_reference(buf: torch.Tensor, layer: TieredKVLayer, page_ids
             pos += nb
             i = torch.arange(n, device=x.device)
             x[ids[i // PAGE], :, i % PAGE] = rows.permute(1, 0, 2)
+
+
+# ---- slot-addressed variant (module docstring)
+
+@triton.jit
+def _move_stream_rows(pool_ptr, buf_ptr, pool_row, buf_row, tmask, ROW: tl.constexpr,
+                      ROWP: tl.constexpr, UNPACK: tl.constexpr):
+    """Move [BLOCK_T, ROW] bytes: pool rows pool_row (int64 [BLOCK_T], in units of ROW bytes)
+    <-> buffer rows buf_row. ROWP: next power of two >= ROW."""
+    cols = tl.arange(0, ROWP)
+    m = tmask[:, None] & (cols < ROW)[None, :]
+    p_off = pool_row[:, None] * ROW + cols[None, :]
+    b_off = buf_row[:, None] * ROW + cols[None, :]
+    if UNPACK:
+        tl.store(pool_ptr + p_off, tl.load(buf_ptr + b_off, mask=m), mask=m)
+    else:
+        tl.store(buf_ptr + b_off, tl.load(pool_ptr + p_off, mask=m), mask=m)
+
+
+@triton.jit
+def _move_tier_slots(
+    buf_ptr, kd_ptr, vd_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, slots_ptr, n_tok, i0, h,
+    o_k, o_v, o_ks, o_kz, o_vs, o_vz,
+    QUANT: tl.constexpr, ROW: tl.constexpr, SROW: tl.constexpr, ROWP: tl.constexpr, SROWP: tl.constexpr,
+    PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, UNPACK: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Tokens [i0, i0 + BLOCK_T) of one tier's slot list, kv-head h, every stream.
+    Buffer stream s starts at byte o_s; its rows are ROW (data) or SROW (scale) bytes."""
+    i = i0 + tl.arange(0, BLOCK_T)
+    tmask = i < n_tok
+    r = tl.load(slots_ptr + i, mask=tmask, other=0).to(tl.int64)
+    prow = ((r // PAGE) * NUM_KV_HEADS + h) * PAGE + r % PAGE
+    brow = h * n_tok + i.to(tl.int64)
+    _move_stream_rows(kd_ptr, buf_ptr + o_k, prow, brow, tmask, ROW, ROWP, UNPACK)
+    _move_stream_rows(vd_ptr, buf_ptr + o_v, prow, brow, tmask, ROW, ROWP, UNPACK)
+    if QUANT:
+        _move_stream_rows(ks_ptr, buf_ptr + o_ks, prow, brow, tmask, SROW, SROWP, UNPACK)
+        _move_stream_rows(kz_ptr, buf_ptr + o_kz, prow, brow, tmask, SROW, SROWP, UNPACK)
+        _move_stream_rows(vs_ptr, buf_ptr + o_vs, prow, brow, tmask, SROW, SROWP, UNPACK)
+        _move_stream_rows(vz_ptr, buf_ptr + o_vz, prow, brow, tmask, SROW, SROWP, UNPACK)
+
+
+@triton.jit
+def _pack_slots_kernel(
+    buf_ptr,
+    k16_ptr, v16_ptr,
+    k8_ptr, v8_ptr, k8s_ptr, k8z_ptr, v8s_ptr, v8z_ptr,
+    k4_ptr, v4_ptr, k4s_ptr, k4z_ptr, v4s_ptr, v4z_ptr,
+    slots16_ptr, slots8_ptr, slots4_ptr, n16, n8, n4,
+    o16k, o16v, o8k, o8v, o8ks, o8kz, o8vs, o8vz, o4k, o4v, o4ks, o4kz, o4vs, o4vz,
+    ROW16: tl.constexpr, ROW8: tl.constexpr, ROW4: tl.constexpr, SROW: tl.constexpr,
+    ROWP16: tl.constexpr, ROWP8: tl.constexpr, ROWP4: tl.constexpr, SROWP: tl.constexpr,
+    PAGE16: tl.constexpr, PAGE8: tl.constexpr, PAGE4: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, UNPACK: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    i0 = tl.program_id(0) * BLOCK_T
+    h = tl.program_id(1)
+    tier = tl.program_id(2)
+    if tier == 0:
+        if i0 < n16:
+            _move_tier_slots(buf_ptr, k16_ptr, v16_ptr, k16_ptr, k16_ptr, k16_ptr, k16_ptr, slots16_ptr,
+                             n16, i0, h, o16k, o16v, 0, 0, 0, 0,
+                             False, ROW16, SROW, ROWP16, SROWP, PAGE16, NUM_KV_HEADS, UNPACK, BLOCK_T)
+    elif tier == 1:
+        if i0 < n8:
+            _move_tier_slots(buf_ptr, k8_ptr, v8_ptr, k8s_ptr, k8z_ptr, v8s_ptr, v8z_ptr, slots8_ptr,
+                             n8, i0, h, o8k, o8v, o8ks, o8kz, o8vs, o8vz,
+                             True, ROW8, SROW, ROWP8, SROWP, PAGE8, NUM_KV_HEADS, UNPACK, BLOCK_T)
+    else:
+        if i0 < n4:
+            _move_tier_slots(buf_ptr, k4_ptr, v4_ptr, k4s_ptr, k4z_ptr, v4s_ptr, v4z_ptr, slots4_ptr,
+                             n4, i0, h, o4k, o4v, o4ks, o4kz, o4vs, o4vz,
+                             True, ROW4, SROW, ROWP4, SROWP, PAGE4, NUM_KV_HEADS, UNPACK, BLOCK_T)
+
+
+def _slot_lens(slots) -> tuple:
+    for x in slots:
+        assert x.dtype == torch.int32 and x.dim() == 1 and x.is_contiguous(), (x.dtype, x.shape)
+    return tuple(int(x.numel()) for x in slots)
+
+
+def _launch_slots(buf, layer: TieredKVLayer, slots, unpack: bool) -> PackLayout:
+    layer.check(uniform=False)
+    H = layer.num_kv_heads
+    lens = _slot_lens(slots)
+    lay = pack_layout(lens, H, layer.head_dim, layer.group_size, layer[0].k.element_size())
+    assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
+    assert buf.numel() >= lay.total_bytes, (buf.numel(), lay.total_bytes)
+    if max(lens) == 0:
+        return lay
+    ptrs = [_bytes_view(x) for tp in layer.pages for x in tp.tensors()]
+    offs = [o for t in tc.TIERS for o in lay.offsets[t]]
+    _pack_slots_kernel[(triton.cdiv(max(lens), SLOT_BLOCK), H, 3)](
+        buf, *ptrs, slots[0], slots[1], slots[2], *lens, *offs,
+        ROW16=lay.row_bytes[0][0], ROW8=lay.row_bytes[1][0], ROW4=lay.row_bytes[2][0],
+        SROW=lay.row_bytes[1][1], ROWP16=triton.next_power_of_2(lay.row_bytes[0][0]),
+        ROWP8=triton.next_power_of_2(lay.row_bytes[1][0]), ROWP4=triton.next_power_of_2(lay.row_bytes[2][0]),
+        SROWP=triton.next_power_of_2(lay.row_bytes[1][1]), PAGE16=layer.page_size_of(0), PAGE8=layer.page_size_of(1),
+        PAGE4=layer.page_size_of(2), NUM_KV_HEADS=H, UNPACK=unpack, BLOCK_T=SLOT_BLOCK, num_warps=4,
+    )
+    return lay
+
+
+def pack_tiered_kv_slots(layer: TieredKVLayer, slots, out=None) -> torch.Tensor:
+    """Gather the tokens at `slots` (per tier: int32 token rows page * PAGE_t + offset) of one
+    layer into `out` (uint8, allocated if None), in pack_tiered_kv's format."""
+    lay = pack_layout(_slot_lens(slots), layer.num_kv_heads, layer.head_dim, layer.group_size,
+                      layer[0].k.element_size())
+    if out is None:
+        out = torch.empty(lay.total_bytes, dtype=torch.uint8, device=layer[0].k.device)
+    _launch_slots(out, layer, slots, unpack=False)
+    return out[:lay.total_bytes]
+
+
+def unpack_tiered_kv_slots(buf: torch.Tensor, layer: TieredKVLayer, slots) -> None:
+    """Scatter a packed buffer (either pack variant) into this layer's `slots` (per tier)."""
+    _launch_slots(buf, layer, slots, unpack=True)
+
+
+def _slot_index(x: torch.Tensor, rows: torch.Tensor):
+    """Token rows -> (page, offset) index tensors into a [P, H, PAGE, W] store."""
+    rows = rows.long().to(x.device)
+    return rows // x.shape[2], rows % x.shape[2]
+
+
+def pack_tiered_kv_slots_reference(layer: TieredKVLayer, slots) -> torch.Tensor:
+    parts = []
+    for t in tc.TIERS:
+        if slots[t].numel() == 0:
+            continue
+        for x in layer[t].tensors():
+            page, off = _slot_index(x, slots[t])
+            parts.append(x[page, :, off].permute(1, 0, 2).contiguous().view(torch.uint8).flatten())
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+
+
+def unpack_tiered_kv_slots_reference(buf: torch.Tensor, layer: TieredKVLayer, slots) -> None:
+    H, pos = layer.num_kv_heads, 0
+    for t in tc.TIERS:
+        n = int(slots[t].numel())
+        for x in layer[t].tensors():
+            w = x.shape[3]
+            nb = H * n * w * x.element_size()
+            rows = buf[pos:pos + nb].to(x.device).view(x.dtype).view(H, n, w)
+            pos += nb
+            page, off = _slot_index(x, slots[t])
+            x[page, :, off] = rows.permute(1, 0, 2)

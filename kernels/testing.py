@@ -69,6 +69,75 @@ def build_random_cache(lens, num_kv_heads: int, head_dim: int, group_size: int, 
     return layer, tables, (k, v)
 
 
+def build_random_paged_cache(lens, num_kv_heads: int, head_dim: int, group_size: int, page_sizes,
+                             dtype=torch.float16, device="cpu", seed: int = 0, filled: bool = True,
+                             spare_pages: int = 2, extra_cols: int = 1):
+    """A layer whose tiers have their own page sizes (e.g. (1, 16, 64): the engine's fp16 rows and
+    paged int stores), every slot of every page holding codec-valid data (random normals,
+    quantized), and tables over it. lens: (n16, n8, n4) per request.
+
+    filled=True: the filled form. Each request lists distinct random pages per tier (requests may
+    share pages, as radix hits do) with random fills in [0, PAGE] (some pages partial or empty in
+    the middle, the last one whatever is left), sum(fills) == n_t. filled=False: the dense form
+    (full pages, the last one partial). `extra_cols` unused table columns hold valid page ids.
+    -> (layer, tables)."""
+    from .tier_codec import TIER_BITS, quantize
+
+    g = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    pages, fills = [], []  # per tier: per request list of (page ids, fills)
+    for t in TIERS:
+        P = page_sizes[t]
+        per_req = []
+        for lb in lens:
+            n, f = int(lb[t]), []
+            while n > 0:
+                if not filled:
+                    take = min(P, n)
+                else:
+                    r = float(torch.rand((), generator=g))
+                    take = 0 if r < 0.1 else min(n, int(torch.randint(1, P + 1, (), generator=g)))
+                f.append(take)
+                n -= take
+            per_req.append(f)
+        fills.append(per_req)
+    pools = tuple(max([len(f) for f in fills[t]] + [0]) + spare_pages for t in TIERS)
+    tables, fill_t, npg_t = [], [], []
+    for t in TIERS:
+        width = max(1, max(len(f) for f in fills[t]) + extra_cols)
+        bt = torch.randint(0, pools[t], (B, width), generator=g, dtype=torch.int32)
+        ft = torch.randint(0, page_sizes[t] + 1, (B, width), generator=g, dtype=torch.int32)
+        for b, f in enumerate(fills[t]):
+            bt[b, :len(f)] = torch.randperm(pools[t], generator=g)[:len(f)].to(torch.int32)
+            ft[b, :len(f)] = torch.tensor(f, dtype=torch.int32)
+        tables.append(bt.to(device))
+        fill_t.append(ft.to(device))
+        npg_t.append(torch.tensor([len(f) for f in fills[t]], dtype=torch.int32, device=device))
+    lens_t = tuple(torch.tensor([int(l[t]) for l in lens], dtype=torch.int32, device=device) for t in TIERS)
+    tables = (TieredBlockTables(tuple(tables), lens_t, tuple(fill_t), tuple(npg_t)) if filled
+              else TieredBlockTables(tuple(tables), lens_t))
+
+    tiers = []
+    for t in TIERS:
+        sizes = tuple(pools[t] if i == t else 1 for i in TIERS)
+        one = allocate_tiered_layer(sizes, page_sizes[t], num_kv_heads, head_dim, group_size, dtype, device,
+                                    fill=0.0)
+        tp = one[t]
+        shape = (pools[t], num_kv_heads, page_sizes[t], head_dim)
+        for x in (("k", "k_scale", "k_zero"), ("v", "v_scale", "v_zero")):
+            orig = torch.randn(shape, generator=g).to(dtype)
+            if t == TIER_FP16:
+                getattr(tp, x[0]).copy_(orig.to(device))
+                continue
+            q, sc, zr = quantize(orig, TIER_BITS[t], group_size)
+            for name, val in zip(x, (q, sc, zr)):
+                getattr(tp, name).copy_(val.to(device))
+        tiers.append(tp)
+    layer = TieredKVLayer(tuple(tiers), head_dim, group_size)
+    layer.check(uniform=False)
+    return layer, tables
+
+
 def fill_random_pools(layer: TieredKVLayer, seed: int = 0) -> None:
     """Fill every pool with valid random contents in place (benchmarks: values don't matter
     for timing, but must be finite)."""

@@ -9,10 +9,11 @@ from sgl_kvxfer.kernels.extend_attention import (
     graph_block_tokens,
     max_tiles,
 )
-from sgl_kvxfer.kernels.testing import build_random_cache
+from sgl_kvxfer.kernels.testing import build_random_cache, build_random_paged_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL = 4e-3  # kernel vs reference reading the same dequantized prefix
+ATOL_BF16 = 1.6e-2  # one bf16 output ulp (the interpreter truncates fp32 -> bf16 casts)
 
 
 def _check(prefix_lens, new_lens, Hq, Hkv, D, G, PAGE, dtype=torch.float16, device=DEVICE, tiled=False):
@@ -32,6 +33,82 @@ def _check(prefix_lens, new_lens, Hq, Hkv, D, G, PAGE, dtype=torch.float16, devi
     o = extend_attention_tiered(q, k, v, ind, layer, tables, tiles=tiles)
     r = extend_attention_tiered_reference(q, k, v, ind, layer, tables)
     torch.testing.assert_close(o.float(), r.float(), atol=ATOL, rtol=0)
+
+
+def _inputs(new_lens, Hq, Hkv, D, dtype, device, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    N = sum(new_lens)
+    q, k, v = (torch.randn(N, h, D, generator=g).to(dtype).to(device) for h in (Hq, Hkv, Hkv))
+    ind = torch.tensor([0] + list(new_lens), dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    return q, k, v, ind
+
+
+def _check_paged(prefix_lens, new_lens, Hq, Hkv, D, G, pages, filled=True, dtype=torch.float16,
+                 device=DEVICE, tiled=False, seed=5, **kw):
+    """Per-tier page sizes (fp16 rows at PAGE 1 and paged int tiers) and the filled form."""
+    layer, tables = build_random_paged_cache(prefix_lens, Hkv, D, G, pages, dtype, device, seed=seed,
+                                             filled=filled)
+    q, k, v, ind = _inputs(new_lens, Hq, Hkv, D, dtype, device)
+    tiles = None
+    if tiled:
+        assert new_lens[-1] == 0, "the last request is the spare one"
+        bt = graph_block_tokens(Hq // Hkv)
+        req, blk = build_tiles(new_lens, bt, max_tiles(sum(new_lens) + 3 * bt, len(new_lens), bt),
+                               len(new_lens) - 1)
+        tiles = (torch.from_numpy(req).to(device), torch.from_numpy(blk).to(device))
+    o = extend_attention_tiered(q, k, v, ind, layer, tables, tiles=tiles, **kw)
+    r = extend_attention_tiered_reference(q, k, v, ind, layer, tables)
+    atol = ATOL_BF16 if dtype == torch.bfloat16 else ATOL
+    torch.testing.assert_close(o.float(), r.float(), atol=atol, rtol=0)
+    return o
+
+
+# fp16 rows (PAGE 1) + paged int tiers, filled tables with partial / empty pages in the middle,
+# G = D (folded scales) and G < D (dequantized tiles), GQA, several requests.
+@pytest.mark.parametrize("G", [32, 16])
+@pytest.mark.parametrize("pages", [(1, 16, 16), (1, 32, 16), (1, 16, 64)])
+def test_extend_filled_fp16_rows_paged_int(G, pages):
+    _check_paged([(21, 37, 50), (0, 0, 0), (5, 0, 70), (40, 20, 0)], [7, 12, 3, 17],
+                 Hq=4, Hkv=2, D=32, G=G, pages=pages)
+
+
+@pytest.mark.parametrize("pages", [(16, 16, 16), (4, 8, 16), (1, 1, 1), (32, 64, 16)])
+def test_extend_filled_page_sizes(pages):
+    _check_paged([(30, 35, 40), (9, 60, 3)], [5, 20], Hq=3, Hkv=1, D=32, G=32, pages=pages)
+
+
+@pytest.mark.parametrize("G", [32, 16])
+def test_extend_dense_tables_mixed_page_sizes(G):
+    _check_paged([(21, 37, 50), (3, 0, 70)], [9, 4], Hq=4, Hkv=2, D=32, G=G, pages=(1, 16, 64), filled=False)
+
+
+def test_extend_filled_empty_tiers_and_prefixes():
+    _check_paged([(0, 0, 0), (0, 0, 0)], [6, 11], Hq=2, Hkv=2, D=16, G=16, pages=(1, 16, 16))
+    _check_paged([(0, 33, 0), (0, 0, 0), (0, 5, 0)], [6, 0, 4], Hq=8, Hkv=2, D=16, G=16, pages=(1, 16, 16))
+
+
+@pytest.mark.parametrize("G", [64, 16])
+def test_extend_filled_head_dim_64_gqa(G):
+    _check_paged([(17, 26, 45), (50, 2, 7)], [13, 2], Hq=6, Hkv=2, D=64, G=G, pages=(1, 16, 32))
+
+
+def test_extend_fold_scales_matches_dequantized_tiles():
+    args = ([(21, 37, 50), (5, 19, 70)], [7, 12])
+    kw = dict(Hq=4, Hkv=2, D=32, G=32, pages=(1, 16, 16))
+    a = _check_paged(*args, **kw, fold_scales=True)
+    b = _check_paged(*args, **kw, fold_scales=False)
+    torch.testing.assert_close(a.float(), b.float(), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("G", [32, 16])
+def test_extend_filled_bf16(G):
+    _check_paged([(21, 37, 50), (3, 0, 9)], [7, 12], Hq=4, Hkv=2, D=32, G=G, pages=(1, 16, 16),
+                 dtype=torch.bfloat16)
+
+
+def test_extend_filled_tiled_launch():
+    _check_paged([(21, 37, 50), (0, 0, 0), (5, 20, 3), (0, 0, 0)], [5, 19, 3, 0], Hq=6, Hkv=2, D=32, G=32,
+                 pages=(1, 16, 32), tiled=True)
 
 
 def test_extend_mixed_prefix_small():
@@ -70,3 +147,14 @@ def test_extend_real_shapes_gpu(Hq, Hkv, D, tiled):
     if tiled:
         prefix, new = prefix + [(0, 0, 0)], new + [0]
     _check(prefix, new, Hq, Hkv, D, 32, 64, device="cuda", tiled=tiled)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq,Hkv,D", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("G,pages", [("D", (1, 64, 64)), (32, (1, 16, 256)), ("D", (1, 128, 32))])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_extend_filled_real_shapes_gpu(Hq, Hkv, D, G, pages, dtype):
+    G = D if G == "D" else G
+    prefix, new = [(500, 1000, 2000), (0, 0, 0), (64, 640, 0), (0, 3000, 1500)], [700, 1024, 33, 129]
+    _check_paged(prefix, new, Hq, Hkv, D, G, pages, dtype=dtype, device="cuda")
+    _check_paged(prefix + [(0, 0, 0)], new + [0], Hq, Hkv, D, G, pages, dtype=dtype, device="cuda", tiled=True)
