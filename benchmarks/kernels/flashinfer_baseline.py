@@ -1,11 +1,13 @@
 """FlashInfer's paged decode as a baseline for our decode kernel (benchmarks/kernels/attention.py).
 
-    python benchmarks/kernels/flashinfer_baseline.py [--quick] [--out-dir benchmarks/results]
+    python benchmarks/kernels/flashinfer_baseline.py [--quick] [--dtype float16 --no-fp8] [--out-dir DIR]
+    python benchmarks/kernels/flashinfer_baseline.py --warm-jit [cc tc fp8]      # JIT builds only
     python benchmarks/kernels/flashinfer_baseline.py --plot-only benchmarks/results/flashinfer_decode_<dev>.json
 
 Same points as attention.py: one layer, one decode step, every request of the batch at the same
 context, page size 64, shapes Llama-3-8B (32 q / 8 kv heads, D 128) and SmolLM2 (9 / 3, D 64),
-batch 1 / 8 / 32, contexts 1k .. 128k (B * ctx <= 4M tokens). KV in FlashInfer's HND paged
+batch 1 / 8 / 32, contexts 1k .. 128k (B * ctx <= 4M tokens). Writes
+flashinfer_decode_<device>[_float16].json + .png (bf16 by default; attention.py times fp16). KV in FlashInfer's HND paged
 layout ([pages, Hkv, PAGE, D], our PagedFp16KVPool's), each request on random pages.
 
 Variants (FlashInfer's FA2 kernels, JIT-built with the machine's nvcc on first use):
@@ -282,7 +284,7 @@ def main() -> None:
         warm_jit(getattr(torch, args.dtype), tuple(args.models or MODELS), tuple(args.warm_jit or WARM_VARIANTS))
         return
     name = "flashinfer_decode_" + torch.cuda.get_device_name().replace(" ", "_").replace("/", "_") + (
-        "_quick" if args.quick else "")
+        "" if args.dtype == "bfloat16" else f"_{args.dtype}") + ("_quick" if args.quick else "")
     data = run(args, on_row=lambda d: write_json(name, d, args.out_dir))
     path = write_json(name, data, args.out_dir)
     print("wrote", path)
