@@ -85,6 +85,9 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.prefill_cuda_graph_max_tokens is not None and self.prefill_cuda_graph_max_tokens < 16:
             raise ValueError(f"prefill_cuda_graph_max_tokens must be >= 16, got {self.prefill_cuda_graph_max_tokens}")
+        if self.attention_backend == "flashinfer" and self.resolved_device != "cuda":
+            raise ValueError(f"--attention-backend flashinfer runs on CUDA only, got device "
+                             f"{self.resolved_device!r}; use --attention-backend triton or torch")
         if self.attention_backend == "triton" and self.page_size > 1 and (
                 self.page_size < 16 or self.page_size & (self.page_size - 1)):
             raise ValueError(f"--attention-backend triton needs --page-size 1 (default 64) or a power "
@@ -137,10 +140,11 @@ class EngineConfig:
 
     @property
     def resolved_page_size(self) -> int:
-        """KV page size: --page-size, except that the Triton backend (paged kernels) turns the
-        token-granular default 1 into the kernels' DEFAULT_PAGE_SIZE (64). Tiered pools stay
+        """KV page size: --page-size, except that the Triton and FlashInfer backends (paged kernels)
+        turn the token-granular default 1 into the kernels' DEFAULT_PAGE_SIZE (64). Tiered pools stay
         slot-granular (page 1): triton reads them with the token-gather kernel."""
-        if self.page_size == 1 and self.resolved_attention_backend == "triton" and not self.tiering_enabled:
+        if (self.page_size == 1 and self.resolved_attention_backend in ("triton", "flashinfer")
+                and not self.tiering_enabled):
             from sgl_kvxfer.kernels.paged_layout import DEFAULT_PAGE_SIZE
 
             return DEFAULT_PAGE_SIZE

@@ -18,6 +18,8 @@ Invariants:
   buffers, the req-to-token table and the RoPE cos/sin cache (grown to the whole context before
   capture; every later forward needs fewer positions, so it never regrows).
 - Shapes inside a graph depend on the bucket alone (`AttentionBackend.prepare_graph_metadata`).
+- A backend with `before_graph_replay` (FlashInfer: its plan is host work, outside the graph)
+  re-plans its fixed-address buffers from the live batch right before each replay.
 
 `decode_step_static(bs)` is the capture target. With use_graphs=False (CPU tests) `replay` runs
 it eagerly, which exercises the same buffers, padding and fixed attention plan without CUDA.
@@ -118,6 +120,9 @@ class CudaGraphRunner:
         # Every seq_len is <= this (the scheduler rejects longer requests): the fixed table width.
         self.max_seq_len = min(runner.context_len, runner.max_total_tokens)
         self.use_graphs = use_graphs
+        # A backend whose plan is host work (FlashInfer) re-plans its fixed buffers before each
+        # replay: before_graph_replay(bs, live_batch, static req_pool_indices[:bs], seq_lens[:bs]).
+        self._before_replay = getattr(self.backend, "before_graph_replay", None)
         dev, n = runner.device, self.max_bs
         pad = [0, 0, runner.kv_pool.scratch_slot, runner.padding_req_row, 0]
         self._padding = torch.tensor(pad, dtype=torch.int64, device=dev)[:, None].expand(5, n).contiguous()
@@ -151,6 +156,8 @@ class CudaGraphRunner:
         self._inputs[:, :B].copy_(live)
         if bs > B:  # rows a larger earlier batch left live must read as padding again
             self._inputs[:, B:bs].copy_(self._padding[:, B:bs])
+        if self._before_replay is not None:  # host-side attention plans (flashinfer_backend.py)
+            self._before_replay(bs, batch, self.req_pool_indices[:bs], self.seq_lens[:bs])
         if self.use_graphs:
             self.graphs[bs].replay()
         else:

@@ -7,6 +7,8 @@ ATTENTION_BACKENDS = {
     "torch": "sgl_kvxfer.layers.attention.torch_backend:TorchAttentionBackend",
     "triton": "sgl_kvxfer.layers.attention.triton_backend:TritonAttentionBackend",
     "cpu": "sgl_kvxfer.layers.attention.cpu_backend:CpuAttentionBackend",
+    # CUDA + the paged fp16 pool + the flashinfer package (not a dependency: scripts/gpu/README.md)
+    "flashinfer": "sgl_kvxfer.layers.attention.flashinfer_backend:FlashInferAttentionBackend",
 }
 # (name, KVPool.layout) -> the variant of a backend that reads that pool layout natively.
 LAYOUT_VARIANTS = {
