@@ -1,11 +1,12 @@
-"""--attention-backend triton over SpectrumKV's TieredKVPool (token-gather decode kernel).
+"""--attention-backend triton over SpectrumKV's TieredKVPool (paged int stores, filled tables).
 
-1. tier_row_tables: req_to_token rows -> per-tier store rows + counts (drops and stale columns out).
+1. tier_block_tables: req_to_token rows -> per-tier pages + fills (drops and stale columns out).
 2. Backend decode on a hand-built tiered pool (mixed tiers, dropped tokens, two requests of
    different lengths, GQA) against the torch backend reading the same pool.
 3. Engine: tiny dummy Llama in bf16, budget 0.5, triton vs torch at the same budget. Prefill is
-   the same code in both (the tiered triton backend delegates extend to the torch backend), so
-   both engines tier the same tokens; decode differs only in the attention kernel.
+   the same code in both (until the extend kernel reads filled tables the tiered triton backend
+   runs extend on the torch backend), so both engines tier the same tokens; decode differs only
+   in the attention path (the filled-table decode, the kernel or its torch reference).
 On CPU the kernel runs under TRITON_INTERPRET=1 (test/conftest.py); bf16 dots run in fp32 there.
 """
 import json
@@ -19,37 +20,44 @@ from sgl_kvxfer.layers.attention import create_attention_backend
 from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
 from sgl_kvxfer.mem_cache.tiered_allocator import TieredSlotAllocator
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
-from sgl_kvxfer.mem_cache.tiered_rows import tier_row_tables
+from sgl_kvxfer.mem_cache.tiered_rows import tier_block_tables
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-LAYERS, HQ, HKV, D, G = 2, 4, 2, 32, 16
+LAYERS, HQ, HKV, D, G, PAGE = 2, 4, 2, 32, 16, 16
 
 
-def _pool(dtype, n16=40, n8=24, n4=24):
-    pool = TieredKVPool(64, LAYERS, HKV, D, dtype, DEVICE, TierStorePlan(n16, n8, n4), group_size=G)
+def _pool(dtype, n16=40, n8=32, n4=32):
+    pool = TieredKVPool(64, LAYERS, HKV, D, dtype, DEVICE, TierStorePlan(n16, n8, n4), group_size=G, page_size=PAGE)
     return pool, TieredSlotAllocator(pool, DEVICE)
 
 
-def test_row_tables_group_by_tier_and_skip_drops_and_stale_columns():
+def test_block_tables_group_by_tier_and_skip_drops_and_stale_columns():
     pool, alloc = _pool(torch.float16)
     slots = alloc.alloc(9)
     new, _ = alloc.retier(slots, torch.tensor([0, 1, 2, 3, 1, 0, 2, 2, 1], dtype=torch.int8))
     table = torch.zeros((2, 12), dtype=torch.int64, device=DEVICE)
     table[0, :9] = new
     table[0, 9:] = slots[0]  # stale column past seq_len: ignored
-    table[1, :3] = new[6:]
-    seq_lens = torch.tensor([9, 2], device=DEVICE)
-    tables = tier_row_tables(pool, table, seq_lens)
+    table[1, :3] = new[:3]  # a second holder sees a prefix of the run (radix sharing)
+    seq_lens = torch.tensor([9, 3], device=DEVICE)
+    tables = tier_block_tables(pool, table, seq_lens)
     tiers = pool.tier_of(new).cpu()
-    for b, (lo, n) in enumerate(((0, 9), (6, 2))):
+    for b, (lo, n) in enumerate(((0, 9), (0, 3))):
         ids = new[lo:lo + n].cpu()
         for t in (TIER_FP16, TIER_INT8, TIER_INT4):
-            want = sorted((ids[tiers[lo:lo + n] == t] - pool.base(t)).tolist())
-            cnt = int(tables.lens[t][b])
-            assert cnt == len(want) and sorted(tables.tables[t][b, :cnt].tolist()) == want, (b, t)
+            held = ids[tiers[lo:lo + n] == t]
+            assert int(tables.lens[t][b]) == held.numel(), (b, t)
+            if t == TIER_FP16:
+                assert sorted(tables.tables[t][b, :held.numel()].tolist()) == sorted(held.tolist())
+                continue
+            pages, offs = pool.page_offset(t, held)
+            npg = int(tables.num_pages[t][b])
+            assert tables.tables[t][b, :npg].tolist() == sorted(set(pages.tolist()))
+            assert tables.fills[t][b, :npg].tolist() == [int((pages == p).sum()) for p in sorted(set(pages.tolist()))]
+            assert sorted(offs.tolist()) == sorted(o for p in set(pages.tolist()) for o in range(int((pages == p).sum())))
     assert int(tables.total_lens()[0]) == 8  # the dropped token is not a key
-    assert all(x.dtype == torch.int32 for x in tables.tables + tables.lens)
+    assert tables.filled and all(x.dtype == torch.int32 for x in tables.tables + tables.lens + tables.fills)
 
 
 def _decode_batch(table, rows, lens, new_slots):
