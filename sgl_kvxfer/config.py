@@ -26,6 +26,12 @@ AUTO_INT8_STREAM_MIN_BUDGET = 0.5  # --kv-transfer-stream auto: int8 stream on a
 
 
 CPU_DEFAULT_PAGE_SIZE = 16
+CLI_HELP = {
+    "kv_quant_group_size": "SpectrumKV int8/int4 quantization group (channels per scale/zero pair); "
+                           "0 (default) = head_dim, one pair per token and kv head",
+    "kv_tier_page_size": "SpectrumKV: tokens per page of the int8/int4 stores (power of two >= 16, "
+                         "default 64); the fp16 store stays slot-granular",
+}
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,11 @@ class EngineConfig:
     # "bytes": resident KV bytes (scales included) <= b x fp16 bytes; "cost": the paper's Eq. 3
     # normalized cost (scales not counted). See sgl_kvxfer/spectrum/byte_budget.py.
     kv_budget_unit: str = "bytes"
-    kv_quant_group_size: int = 32  # channels per (scale, zero) pair of the int tiers
+    # channels per (scale, zero) pair of the int tiers; 0: head_dim (one pair per token and
+    # kv head, the cheapest to decode); see resolved_group_size
+    kv_quant_group_size: int = 0
+    # tokens per page of the int8 / int4 stores (the fp16 store stays slot-granular)
+    kv_tier_page_size: int = 64
     kv_importance_window: int = 32  # last W prompt queries whose attention ranks tokens
     kv_decode_recent: int = 64  # newest generated tokens kept fp16; older ones demoted in runs of this size
     kv_tier_staging: float = 0.25  # share of KV memory kept as fp16 slots for tokens not yet tiered
@@ -104,15 +114,20 @@ class EngineConfig:
             raise ValueError("kv_sink_tokens and kv_recency_lambda must be >= 0")
         if self.kv_budget_unit not in KV_BUDGET_UNIT_CHOICES:
             raise ValueError(f"kv_budget_unit must be one of {KV_BUDGET_UNIT_CHOICES}, got {self.kv_budget_unit!r}")
-        if self.kv_quant_group_size < 2 or self.kv_quant_group_size % 2:
-            raise ValueError(f"kv_quant_group_size must be an even number >= 2, got {self.kv_quant_group_size}")
+        if self.kv_quant_group_size != 0 and (self.kv_quant_group_size < 2 or self.kv_quant_group_size % 2):
+            raise ValueError(f"kv_quant_group_size must be 0 (= head_dim) or an even number >= 2, "
+                             f"got {self.kv_quant_group_size}")
+        if self.kv_tier_page_size < 16 or self.kv_tier_page_size & (self.kv_tier_page_size - 1):
+            raise ValueError(f"kv_tier_page_size must be a power of two >= 16 (the paged kernels' page), "
+                             f"got {self.kv_tier_page_size}")
         if self.kv_importance_window < 1 or self.kv_decode_recent < 1:
             raise ValueError("kv_importance_window and kv_decode_recent must be >= 1")
         if not 0.0 < self.kv_tier_staging < 1.0:
             raise ValueError(f"kv_tier_staging must be in (0, 1), got {self.kv_tier_staging}")
         if self.tiering_enabled and (self.attention_backend not in (None, "torch", "triton") or self.page_size > 1):
             raise ValueError("SpectrumKV tiering (--kv-tier-budget < 1) runs on the torch or triton attention "
-                             "backend with --page-size 1 for now (the tier stores are page-size-1 pools)")
+                             "backend with --page-size 1 (the fp16 store is slot-granular; the int stores are "
+                             "paged by --kv-tier-page-size)")
         if self.tiering_enabled:
             from sgl_kvxfer.spectrum.policies import TIER_POLICIES
 
@@ -142,7 +157,7 @@ class EngineConfig:
     def resolved_page_size(self) -> int:
         """KV page size: --page-size, except that the Triton and FlashInfer backends (paged kernels)
         turn the token-granular default 1 into the kernels' DEFAULT_PAGE_SIZE (64). Tiered pools stay
-        slot-granular (page 1): triton reads them with the token-gather kernel."""
+        slot-granular at page 1 (their int stores are paged by kv_tier_page_size instead)."""
         if (self.page_size == 1 and self.resolved_attention_backend in ("triton", "flashinfer")
                 and not self.tiering_enabled):
             from sgl_kvxfer.kernels.paged_layout import DEFAULT_PAGE_SIZE
@@ -157,6 +172,15 @@ class EngineConfig:
     @property
     def tiering_enabled(self) -> bool:
         return self.kv_tier_budget < 1.0
+
+    def resolved_group_size(self, head_dim: int) -> int:
+        """kv_quant_group_size, with 0 (the default) meaning head_dim: one scale/zero pair per
+        token and kv head. Validated against the model's head_dim here (the config alone does
+        not know it)."""
+        g = self.kv_quant_group_size or head_dim
+        if head_dim % g:
+            raise ValueError(f"kv_quant_group_size {g} must divide the model's head_dim {head_dim}")
+        return g
 
 
 @dataclass(frozen=True)
@@ -334,6 +358,8 @@ class ServerArgs:
                     from sgl_kvxfer.spectrum.policies import TIER_POLICIES
 
                     extra = {"choices": tuple(TIER_POLICIES)}
+                if f.name in CLI_HELP:
+                    extra["help"] = CLI_HELP[f.name]
                 parser.add_argument(*names, dest=f.name, type=kind, default=default, **extra)
 
     @classmethod

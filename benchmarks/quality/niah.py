@@ -131,7 +131,7 @@ def run(args) -> str:
                          "accuracy": 100.0 * sum(ok) / len(ok), **tier_stats(tiering.records, rids)})
             print(f"{method:15s} b={b:.2f} acc {rows[-1]['accuracy']:5.1f}% mix "
                   f"{[round(f, 3) for f in rows[-1]['tier_fractions']]} ({time.time() - t:.0f}s)", flush=True)
-    cos = kv_cosine(base, trials[len(trials) // 2]["ids"], tiered.runner.config.kv_quant_group_size)
+    cos = kv_cosine(base, trials[len(trials) // 2]["ids"], tiered.runner.kv_pool.group_size)
     print("int4 cosine K %.4f V %.4f (mean over layers)" % (sum(cos["int4_k"]) / len(cos["int4_k"]),
                                                             sum(cos["int4_v"]) / len(cos["int4_v"])))
     payload = {**metadata(args, base, {"depths": depths, "budgets": budgets, "methods": methods,

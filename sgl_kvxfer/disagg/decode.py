@@ -244,10 +244,15 @@ class DecodeRole:
         req.kv_len = max(req.kv_len, seg.end)  # positions [0, kv_len) hold slots (release frees them)
         if seg.replaces and self.tiered:  # the streamed int8 copies of replaced tokens
             self.kv.allocator.free(old[change.to(old.device) & (old != 0)])
+            # what stays of a streamed int8 page may now start past its slot 0: relocate it
+            # (prefix-fill invariant, mem_cache/tiered_allocator.py)
+            self.table.write(row, seg.start, self.kv.allocator.repack(row_slots, self.kv.make_room_tier))
         return True
 
     def _alloc_positions(self, req, seg, tiers, change) -> torch.Tensor | None:
-        """New slot per changed position (0 for a drop); None when the pool has no room."""
+        """New slot per changed position (0 for a drop); None when the pool has no room.
+        Tiered pool: each tier's positions in position order, one alloc_tier call per tier (the
+        int stores fill fresh pages in that order: the prefix-fill invariant)."""
         n = seg.end - seg.start
         out = torch.zeros(n, dtype=torch.int64, device=self.table.table.device)
         if not self.tiered:

@@ -71,6 +71,15 @@ class ModelRunner:
         self.graph_runner = create_cuda_graph_runner(self)  # None where decode graphs do not apply
         self.prefill_graph_runner = create_prefill_graph_runner(self, max_prefill_tokens)  # None: off
 
+    def kv_pool_resized(self) -> None:
+        """The pool reallocated storage (TieredKVPool.resize_int_stores, start-up only): the
+        backend's layer views and the captured decode graphs point at the old tensors."""
+        hook = getattr(self.attn_backend, "kv_pool_resized", None)
+        if hook is not None:
+            hook()
+        if self.graph_runner is not None:
+            self.graph_runner.recapture()
+
     def _prepare_cpu(self) -> None:
         """Everything the CPU paths build or convert once happens here, before the engine serves:
         the native C++ kernels (every CPU dtype samples greedily with them) and, for bf16, the

@@ -25,15 +25,19 @@ def create_kv_pool(config, arch, size: int, dtype, device: str, int4_allowed: bo
     if not config.tiering_enabled:
         page = config.resolved_page_size
         if page > 1 and config.resolved_attention_backend == "cpu":  # slot rows, paged allocation
-            return _load("fp16")(size, *dims, dtype, device, page_size=page)  # size: whole pages
-        if page > 1:  # head-major pages the Triton kernels read
-            return _load("paged_fp16")(size, *dims, dtype, device, page_size=page)
-        return _load("fp16")(size, *dims, dtype, device)
+            pool = _load("fp16")(size, *dims, dtype, device, page_size=page)  # size: whole pages
+        elif page > 1:  # head-major pages the Triton kernels read
+            pool = _load("paged_fp16")(size, *dims, dtype, device, page_size=page)
+        else:
+            pool = _load("fp16")(size, *dims, dtype, device)
+        # the group of int payloads it sends / receives (PD, kv_payload.py): both sides must agree
+        pool.group_size = config.resolved_group_size(arch.head_dim)
+        return pool
     if int4_allowed is None:
         int4_allowed = config.kv_int4 != "off"  # "auto" is sized for the probe's own 3-tier run
     pool_cls = _load("tiered")
     return pool_cls(size, *dims, dtype, device, plan=tier_store_plan(config, arch, size, dtype, int4_allowed),
-                    group_size=config.kv_quant_group_size)
+                    group_size=config.resolved_group_size(arch.head_dim), page_size=config.kv_tier_page_size)
 
 
 def tier_store_plan(config, arch, size: int, dtype, int4_allowed: bool):
@@ -46,13 +50,15 @@ def tier_store_plan(config, arch, size: int, dtype, int4_allowed: bool):
     from sgl_kvxfer.spectrum.byte_budget import planned_fractions
     from sgl_kvxfer.spectrum.policies import create_tier_policy
 
-    layers, heads, dim, group = arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, config.kv_quant_group_size
+    layers, heads, dim = arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim
+    group = config.resolved_group_size(dim)
     layout = KVLayout(layers, heads, dim, group)
     fractions = planned_fractions(create_tier_policy(config.kv_tier_policy), config.kv_tier_budget, layout,
                                   config.kv_budget_unit, config.kv_sink_tokens, int4_allowed)
     elem = torch.finfo(dtype).bits // 8
     per_token = [2 * layers * heads * payload_bytes(t, dim, group, elem) for t in (0, 1, 2)]
-    return plan_tier_stores(size, per_token[0], tuple(per_token), fractions, config.kv_tier_staging)
+    return plan_tier_stores(size, per_token[0], tuple(per_token), fractions, config.kv_tier_staging,
+                            config.kv_tier_page_size)
 
 
 def create_slot_allocator(config, pool, device: str):

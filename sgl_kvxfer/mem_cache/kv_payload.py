@@ -17,7 +17,7 @@ so both sides need the same model dtype, layer count, kv heads, head dim and gro
     unpack_segment(pool, payload, lens, slots)   decode: bytes -> the slots it allocated
 
 Tokens a tiered pool already holds at their wire tier travel as stored codes, not requantized
-(the gather-pack kernel on CUDA, its torch reference on CPU), so a decode server that unpacks
+(gathered from the paged int stores at (page, offset)), so a decode server that unpacks
 into a tiered pool holds bit-for-bit what a single tiered server holds. Anything else is read at
 the model dtype (`get_kv`) and quantized with the tier codec on the way out. A fp16-family
 decode pool dequantizes what it receives.
@@ -93,9 +93,7 @@ def _tier_streams(pool: KVPool, layer: int, slots: torch.Tensor, tier: int) -> l
 
 
 def _stored_codes(pool, layer: int, slots: torch.Tensor, tier: int) -> tuple:
-    s = pool.stores[tier][layer]
-    rows = slots - pool.base(tier)
-    return tuple(x.index_select(0, rows) for x in (s.k, s.v, s.k_scale, s.k_zero, s.v_scale, s.v_zero))
+    return pool.stored_codes(layer, tier, slots)
 
 
 def _read_as(pool, layer: int, slots: torch.Tensor, tier: int) -> tuple:
@@ -139,24 +137,26 @@ def pack_segment(pool: KVPool, slots: torch.Tensor, wire_tiers: torch.Tensor | N
 
 
 def _pack_stored_tiers(pool, groups, lay: SegmentLayout, out: torch.Tensor) -> None:
-    """Every token travels at the tier the (tiered) pool holds it at: the gather-pack kernel on
-    CUDA, its torch reference on CPU, over the stores viewed as pages of one token."""
-    from sgl_kvxfer.kernels.pack import pack_tiered_kv, pack_tiered_kv_reference
-    from sgl_kvxfer.mem_cache.tiered_rows import tier_store_views
-
-    rows = tuple((g - pool.base(t)).to(torch.int32).contiguous() for t, g in groups)
-    on_gpu = rows[0].device.type == "cuda"
-    stage = torch.empty(lay.total_bytes, dtype=torch.uint8, device="cuda") if on_gpu else out
+    """Every token travels at the tier the (tiered) pool holds it at, as stored: one gather per
+    stream (fp16 rows; int tokens at (page, offset) of head-major pages) into a device stage,
+    then one copy out. NOTE: a torch path; kernels/pack.py's gather-pack kernel reads dense page
+    lists of one uniform page size, not the pool's fp16 rows + partly filled int pages."""
+    on_gpu = groups[0][1].device.type == "cuda"
+    stage = torch.empty(lay.total_bytes, dtype=torch.uint8, device=groups[0][1].device) if on_gpu else out
     pos = 0
     for layer in range(pool.num_layers):
         if not pool.stores_layer(layer):
             continue
-        view = tier_store_views(pool, layer)
-        if on_gpu:
-            pack_tiered_kv(view, rows, lay.lens, out=stage[pos:pos + lay.layer_bytes])
-        else:
-            stage[pos:pos + lay.layer_bytes].copy_(pack_tiered_kv_reference(view, rows, lay.lens))
-        pos += lay.layer_bytes
+        for tier, slots in groups:
+            if slots.numel() == 0:
+                continue
+            parts = ((pool.k16[layer][slots], pool.v16[layer][slots]) if tier == TIER_FP16
+                     else pool.stored_codes(layer, tier, slots))
+            for x in parts:
+                stream = _head_major(x)
+                stage[pos:pos + stream.numel()].copy_(stream)
+                pos += stream.numel()
+    assert pos == lay.total_bytes, (pos, lay.total_bytes)
     if on_gpu:
         out[:lay.total_bytes].copy_(stage, non_blocking=True)
 
@@ -199,10 +199,7 @@ def unpack_segment(pool: KVPool, payload: torch.Tensor, lens, slots_by_tier: tup
             parts, pos = _read_streams(payload, pos, n, H, [(width, torch.uint8)] * 2 + [(gs, torch.float16)] * 4)
             kq, vq, ks, kz, vs, vz = (x.to(pool.device) for x in parts)
             if tiered and bool((pool.tier_of(slots) == tier).all()):
-                store, rows = pool.stores[tier][layer], slots - pool.base(tier)
-                for dst, src in zip((store.k, store.v, store.k_scale, store.k_zero, store.v_scale, store.v_zero),
-                                    (kq, vq, ks, kz, vs, vz)):
-                    dst[rows] = src
+                pool.put_codes(layer, tier, slots, (kq, vq, ks, kz, vs, vz))
             else:
                 k = tc.dequantize(kq, ks, kz, _BITS[tier], g, dtype)
                 v = tc.dequantize(vq, vs, vz, _BITS[tier], g, dtype)

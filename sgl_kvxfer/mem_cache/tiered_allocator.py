@@ -1,23 +1,88 @@
-"""TieredSlotAllocator: the slot ids of a TieredKVPool, one free list per tier store.
+"""TieredSlotAllocator: the slot ids of a TieredKVPool: fp16 slots, int8 / int4 pages.
 
     alloc(n), available_size()        fp16 store only: every new token is computed into fp16
-    alloc_tier(t, n), available_tier  int8 / int4 store ids (alloc_tier may return fewer than n)
-    free(slots)                       routed to the owning store by id range; slot 0 is skipped
-    retier(slots, tiers, make_room)   move tokens into their tier's store, free their old ids
+    alloc_tier(t, n), available_tier  int8 / int4 ids on FRESH pages (alloc_tier may return fewer
+                                      than n; available_tier counts whole free pages, in tokens)
+    free(slots)                       routed to the owning store by id range; slot 0 is skipped;
+                                      an int page returns to its free list when its last id goes
+    retier(slots, tiers, make_room)   move fp16 tokens into their tier's store, free their old ids
+    repack(slots, make_room)          relocate int tokens whose page a holder sees with a hole
 
-Invariants: per store, as TokenSlotAllocator (an id is free or owned by exactly one holder).
-Slot 0 stands for a dropped token in request rows and radix nodes; it is never freed into a list.
-Only the scheduler thread calls these methods.
+Int pages (PAGE = pool.page_size). `alloc_tier(t, n)` fills cdiv(n, PAGE) fresh pages densely, in
+the order of the ids it returns (the last page's tail stays unused until the page is freed):
+
+    ids:   base + p0*PAGE + 0 .. PAGE-1 | base + p1*PAGE + 0 .. | ... | pk*PAGE + 0 .. r-1 (tail unused)
+    live[p] = ids handed out on page p and not freed yet; page p is free iff live[p] == 0
+
+Prefix-fill invariant (what kernels/paged_layout.py's filled tables rely on): every holder of
+int ids (a request row, a radix path) holds, of each int page it touches, the slots [0, fill).
+It holds because (1) callers request each tier's tokens of a run in POSITION ORDER in one
+alloc_tier call (retier, PD's _alloc_positions), (2) radix sharing hands out a prefix of a run's
+positions and eviction / retraction free suffixes, (3) only fp16 tokens are re-tiered (moving an
+int token would punch a hole), and (4) where a holder keeps a suffix of someone's run (duplicates
+freed in KVLifecycle.cache, PD replace segments) the caller runs `repack` on what it keeps.
+
+Invariants: an fp16 id is free or owned by exactly one holder; an int id likewise (its page is
+free only when all its handed-out ids are). Slot 0 stands for a dropped token in rows and radix
+nodes; it is never freed into a list. Only the scheduler thread calls these methods.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 
 from sgl_kvxfer.mem_cache.allocator import TokenSlotAllocator
+from sgl_kvxfer.mem_cache.free_list import LazyFreeList
 from sgl_kvxfer.mem_cache.tiered_pool import INT_TIERS, TieredKVPool
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
+
+logger = logging.getLogger(__name__)
+
+
+class _IntPageList:
+    """Free pages and live counts of one int store; ids are store-relative (page * PAGE + offset),
+    all bookkeeping on the host."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.live = torch.zeros(num_pages, dtype=torch.int64)
+        self._pages = LazyFreeList(0, num_pages - 1, "cpu")
+
+    def available(self) -> int:
+        return self._pages.available() * self.page_size
+
+    def used(self) -> int:
+        return int(self.live.sum())
+
+    def take(self, n: int) -> torch.Tensor:
+        """Up to n ids (CPU int64) on fresh pages, filled in order."""
+        P = self.page_size
+        n = min(n, self.available())
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        npg = -(-n // P)
+        pages = self._pages.take(npg)
+        self.live[pages] = P
+        self.live[pages[-1]] = n - (npg - 1) * P
+        return (pages[:, None] * P + torch.arange(P)).reshape(-1)[:n]
+
+    def give(self, ids: torch.Tensor) -> None:
+        pages = ids // self.page_size
+        self.live.index_add_(0, pages, torch.full_like(pages, -1))
+        touched = pages.unique()
+        self._pages.give(touched[self.live[touched] == 0])
+
+    def check(self, what: str) -> None:
+        self._pages.check(what)
+        assert not bool((self.live < 0).any()), f"{what}: negative live count (double free)"
+        free = torch.zeros(self.num_pages, dtype=torch.bool)
+        self._pages._merge()
+        free[self._pages._free] = True
+        assert not bool((free & (self.live != 0)).any()), f"{what}: a free page holds live ids"
+        assert not bool((~free & (self.live == 0)).any()), f"{what}: an empty page is not free (leak)"
 
 
 class TieredSlotAllocator(TokenSlotAllocator):
@@ -28,20 +93,21 @@ class TieredSlotAllocator(TokenSlotAllocator):
 
     def clear(self) -> None:
         super().clear()
-        self._stores = {t: TokenSlotAllocator(self.pool.num_slots(t), self.device) for t in INT_TIERS}
+        self._new_page_lists()
+
+    def _new_page_lists(self) -> None:
+        self._stores = {t: _IntPageList(self.pool.num_pages(t), self.pool.page_size) for t in INT_TIERS}
 
     # ------------------------------------------------------------------ per store
     def available_tier(self, tier: int) -> int:
-        return self.available_size() if tier == TIER_FP16 else self._stores[tier].available_size()
+        """Tokens a later alloc_tier can get: fp16 free slots, or whole free int pages."""
+        return self.available_size() if tier == TIER_FP16 else self._stores[tier].available()
 
     def alloc_tier(self, tier: int, n: int) -> torch.Tensor:
-        """Up to n global ids of an int store (fewer when it is short)."""
-        store = self._stores[tier]
-        k = min(n, store.available_size())
-        if k == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        # store ids 1..n_t  ->  global ids base(t) .. base(t) + n_t - 1
-        return store.alloc(k) - 1 + self.pool.base(tier)
+        """Up to n global ids of an int store (fewer when it is short) on fresh pages, densely
+        in order: the caller must pass a run's tokens of this tier in position order."""
+        rel = self._stores[tier].take(n)
+        return (rel + self.pool.base(tier)).to(self.device)
 
     def free(self, slots: torch.Tensor) -> None:
         slots = slots.reshape(-1).to(self.device, torch.int64)
@@ -54,11 +120,24 @@ class TieredSlotAllocator(TokenSlotAllocator):
         tiers = self.pool.tier_of(slots)
         super().free(slots[tiers == TIER_FP16])
         for t in INT_TIERS:
-            self._stores[t].free(slots[tiers == t] - self.pool.base(t) + 1)
+            ids = slots[tiers == t]
+            if ids.numel():
+                self._stores[t].give((ids - self.pool.base(t)).cpu())
 
     def reclaimable(self, slots: torch.Tensor) -> int:
         """Only fp16 ids count toward `alloc`."""
         return int(((slots > 0) & (slots < self.pool.base(TIER_INT8))).sum())
+
+    def page_reclaimer(self, tier: int) -> Callable[[torch.Tensor], int]:
+        """An eviction `reclaim` callback for an int store: tokens of whole pages freed since
+        the previous call (freeing ids frees a page only with its last live id)."""
+        last = [self.available_tier(tier)]
+
+        def reclaim(_slots) -> int:
+            now = self.available_tier(tier)
+            gained, last[0] = now - last[0], now
+            return gained
+        return reclaim
 
     def count_tier(self, slots: torch.Tensor, tier: int) -> int:
         return int((self.pool.tier_of(slots) == tier).sum())
@@ -67,45 +146,49 @@ class TieredSlotAllocator(TokenSlotAllocator):
         return self.pool.tier_of(slots).cpu()
 
     def used_counts(self) -> dict[int, int]:
-        return {t: self.pool.num_slots(t) - self.available_tier(t) for t in (TIER_FP16, TIER_INT8, TIER_INT4)}
+        """Live tokens per store (int stores: handed-out ids, not whole pages)."""
+        return {TIER_FP16: self.pool.num_slots(TIER_FP16) - self.available_size(),
+                **{t: self._stores[t].used() for t in INT_TIERS}}
 
     def repartition(self, n8: int, n4: int) -> None:
         """Resize the int stores; legal only while no int id is handed out (after a flush)."""
         for t, store in self._stores.items():
-            assert store.available_size() == store.size, f"tier {t} store still holds tokens"
+            assert store.used() == 0, f"tier {t} store still holds tokens"
         self.pool.resize_int_stores(n8, n4)
-        self._stores = {t: TokenSlotAllocator(self.pool.num_slots(t), self.device) for t in INT_TIERS}
+        self._new_page_lists()
 
     def debug_check(self) -> None:
         super().debug_check()
-        for store in self._stores.values():
-            store.debug_check()
+        for t, store in self._stores.items():
+            store.check(f"tier {t} page")
 
     # ------------------------------------------------------------------ re-tiering
     def retier(self, slots: torch.Tensor, tiers: torch.Tensor,
                make_room: Callable[[int, int], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Move tokens `slots` [m] to the tiers `tiers` [m] asks for; returns (new ids, tiers got).
+        """Move tokens `slots` [m] (a run, in position order) to the tiers `tiers` [m] asks for;
+        returns (new ids, tiers got).
 
-        - A token never gains precision: one held at int8 and asked for fp16 stays int8.
-        - TIER_DROP frees the token's id and leaves slot 0 in its place.
+        - Only fp16 tokens move: a token already at int8 / int4 stays where it is (moving it
+          would punch a hole in its page), whatever it asks for; so a token never gains precision.
+        - TIER_DROP frees an fp16 token's id and leaves slot 0 in its place.
+        - Each int tier's tokens are allocated in position order, in one alloc_tier call.
         - A short store first calls make_room(tier, missing) (the caller may evict cache leaves);
-          what still does not fit falls back one tier up: int4 -> int8 -> stays where it is.
+          what still does not fit falls back one tier up: int4 -> int8 -> stays fp16.
         The old ids of moved and dropped tokens are freed; the caller rewrites its row.
         """
         cur = self.pool.tier_of(slots)
-        target = torch.maximum(tiers.to(cur.device, torch.int8), cur)
+        target = torch.where(cur == TIER_FP16, tiers.to(cur.device, torch.int8), cur)
         new = slots.clone()
         for tier in (TIER_INT4, TIER_INT8):  # int4 first: its overflow joins int8's demand
-            idx = ((target == tier) & (cur != tier)).nonzero().squeeze(1)
+            idx = ((target == tier) & (cur != tier)).nonzero().squeeze(1)  # ascending: position order
             if not idx.numel():
                 continue
             short = idx.numel() - self.available_tier(tier)
             if short > 0 and make_room is not None:
                 make_room(tier, short)
             got = self.alloc_tier(tier, idx.numel())
-            new[idx[: got.numel()]] = got
-            target[idx[got.numel():]] = torch.maximum(cur[idx[got.numel():]],
-                                                      torch.full_like(cur[idx[got.numel():]], tier - 1))
+            new[idx[: got.numel()]] = got.to(new.device)
+            target[idx[got.numel():]] = tier - 1
         drop = (target == TIER_DROP) & (cur != TIER_DROP)
         new[drop] = 0
         moved = (new != slots) & (new != 0)
@@ -113,3 +196,59 @@ class TieredSlotAllocator(TokenSlotAllocator):
             self.pool.move(slots[moved], new[moved])
         self.free(slots[moved | drop])
         return new, target
+
+    def holed_pages(self, slots: torch.Tensor) -> torch.Tensor:
+        """bool [m]: int ids of `slots` whose page this holder would see with a hole, i.e. not
+        as slots [0, fill) (offsets of the page in `slots` != 0 .. count-1)."""
+        bad = torch.zeros(slots.shape, dtype=torch.bool)
+        flat = slots.reshape(-1).cpu()
+        tiers = self.pool.tier_of(flat)
+        for t in INT_TIERS:
+            idx = (tiers == t).nonzero().squeeze(1)
+            if not idx.numel():
+                continue
+            pages, offs = self.pool.page_offset(t, flat[idx])
+            uniq, inv = pages.unique(return_inverse=True)
+            count = torch.bincount(inv, minlength=uniq.numel())
+            top = torch.full((uniq.numel(),), -1, dtype=torch.int64).scatter_reduce_(0, inv, offs, "amax")
+            holed = (top + 1 != count)[inv]
+            bad.view(-1)[idx[holed]] = True
+        return bad
+
+    def repack(self, slots: torch.Tensor, make_room: Callable[[int, int], None] | None = None) -> torch.Tensor:
+        """Restore the prefix-fill invariant for a holder that keeps `slots` [m] (position
+        order): int tokens of pages it would see with a hole are copied, codes bit for bit, to
+        fresh pages of their tier (one alloc_tier per tier, position order) and their old ids
+        are freed. Where the tier is short (after make_room(tier, n)), they go to fp16 (exact
+        dequantized values; make_room(TIER_FP16, n) first). Returns the new ids (the caller
+        rewrites its row / node)."""
+        bad = self.holed_pages(slots).to(slots.device)
+        if not bool(bad.any()):
+            return slots
+        new = slots.clone()
+        tiers = self.pool.tier_of(slots)
+        for t in INT_TIERS:
+            idx = (bad & (tiers == t)).nonzero().squeeze(1)
+            if not idx.numel():
+                continue
+            short = idx.numel() - self.available_tier(t)
+            if short > 0 and make_room is not None:
+                make_room(t, short)
+            got = self.alloc_tier(t, idx.numel())
+            rest = idx[got.numel():]
+            if rest.numel():
+                short = rest.numel() - self.available_size()
+                if short > 0 and make_room is not None:
+                    make_room(TIER_FP16, short)
+                fp = self.alloc(rest.numel())
+                if fp is None:
+                    self.free(got)
+                    raise RuntimeError(f"KV pool exhausted while relocating {rest.numel()} int tokens "
+                                       f"of partly freed pages (tier {t})")
+                got = torch.cat([got, fp.to(got.device)])
+                logger.warning("tier %d store short: %d relocated tokens kept at fp16", t, rest.numel())
+            new[idx] = got.to(new.device)
+        moved = new != slots
+        self.pool.move(slots[moved], new[moved])
+        self.free(slots[moved])
+        return new

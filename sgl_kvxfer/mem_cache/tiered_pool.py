@@ -2,22 +2,25 @@
 
 Global slot ids (what req_to_token rows and radix nodes hold) cover three stores back to back:
 
-    0 | 1 ......... n16 | n16+1 ........ n16+n8 | n16+n8+1 ........ n16+n8+n4
-    pad   fp16 store       int8 store               int4 store
+    0 | 1 ......... n16 | n16+1   | b8 ............ b8+n8-1 | b4 ............ b4+n4-1
+    pad   fp16 store      scratch   int8 store (pages)        int4 store (pages)
           (every new token is written here; the scheduler's allocator hands out these ids)
 
-    store row = id - base(t):   base(fp16) = 0 (row 0 = padding), base(int8) = n16 + 1,
-                                base(int4) = n16 + n8 + 1
+    b8 = base(int8) = n16 + 2,  b4 = base(int4) = b8 + n8      (n8, n4: whole pages of PAGE)
+    fp16 id s      -> row s of the fp16 store (row 0 = padding, row n16+1 = CUDA-graph scratch)
+    int id s       -> page (s - base(t)) // PAGE, offset (s - base(t)) % PAGE of store t
 
-Per layer, store t holds the codec's format (kernels/tier_codec.py, group size G):
-    fp16   k, v  [n16 + 1, Hkv, D]   model dtype
-    int8   k, v  [n8, Hkv, D]        uint8    k/v scale, k/v zero [n8, Hkv, D // G] fp16
-    int4   k, v  [n4, Hkv, D // 2]   uint8    k/v scale, k/v zero [n4, Hkv, D // G] fp16
-This is kernels/paged_layout.py's [P, Hkv, PAGE, W] with PAGE = 1 (`x[:, :, None, :]`).
+Per layer, store t holds the codec's format (kernels/tier_codec.py, group size G), the int
+stores in kernels/paged_layout.py's head-major pages (its TierPages, PAGE = kv_tier_page_size):
+    fp16   k, v  [n16 + 2, Hkv, D]            model dtype (slot-granular: PAGE 1)
+    int8   k, v  [n8 / PAGE, Hkv, PAGE, D]    uint8    k/v scale, zero [n8 / PAGE, Hkv, PAGE, D / G] fp16
+    int4   k, v  [n4 / PAGE, Hkv, PAGE, D/2]  uint8    k/v scale, zero likewise
 
 Invariants: a token's tier is a function of its slot id (`tier_of`); slot 0 in a request row
 is a dropped token (TIER_DROP), masked by attention (`drops_tokens`), never read as data.
-`move` copies data only: who owns an id is TieredSlotAllocator's business.
+`move` copies data only: who owns an id (and which page slots are live) is
+TieredSlotAllocator's business. The stores are allocated once (CUDA graphs keep their
+addresses); only `resize_int_stores` (start-up, empty stores) reallocates the int ones.
 """
 from __future__ import annotations
 
@@ -32,29 +35,43 @@ from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 INT_TIERS = (TIER_INT8, TIER_INT4)
 _BITS = {TIER_INT8: 8, TIER_INT4: 4}
+DEFAULT_TIER_PAGE_SIZE = 64
+_STREAMS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
 
 
-class _IntStore:
-    """One layer's int8 or int4 store: packed codes plus fp16 scale/zero per group."""
+class _IntPages:
+    """One layer's int8 or int4 store: packed codes plus fp16 scale/zero per group, in pages."""
 
-    def __init__(self, tier: int, n: int, num_kv_heads: int, head_dim: int, group_size: int, device: str):
+    def __init__(self, tier: int, pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 group_size: int, device: str):
         width = head_dim if tier == TIER_INT8 else head_dim // 2
-        groups = head_dim // group_size
-        self.k = torch.empty((n, num_kv_heads, width), dtype=torch.uint8, device=device)
-        self.v = torch.empty_like(self.k)
+        shape = (pages, num_kv_heads, page_size, width)
+        sshape = (pages, num_kv_heads, page_size, head_dim // group_size)
+        self.k = torch.zeros(shape, dtype=torch.uint8, device=device)
+        self.v = torch.zeros_like(self.k)
         self.k_scale, self.k_zero, self.v_scale, self.v_zero = (
-            torch.empty((n, num_kv_heads, groups), dtype=torch.float16, device=device) for _ in range(4))
+            torch.zeros(sshape, dtype=torch.float16, device=device) for _ in range(4))
 
-    def write(self, rows, k, v, bits, group_size):
-        self.k[rows], self.k_scale[rows], self.k_zero[rows] = quantize(k, bits, group_size)
-        self.v[rows], self.v_scale[rows], self.v_zero[rows] = quantize(v, bits, group_size)
+    def tensors(self) -> tuple:
+        return tuple(getattr(self, s) for s in _STREAMS)
 
-    def read(self, rows, bits, group_size, dtype):
-        def take(x):
-            return x.index_select(0, rows)
-        k = dequantize(take(self.k), take(self.k_scale), take(self.k_zero), bits, group_size, dtype)
-        v = dequantize(take(self.v), take(self.v_scale), take(self.v_zero), bits, group_size, dtype)
-        return k, v
+    def write(self, page, off, k, v, bits, group_size):
+        # x[page, :, off] with index tensors page, off [n] addresses [n, Hkv, W]
+        self.k[page, :, off], self.k_scale[page, :, off], self.k_zero[page, :, off] = quantize(k, bits, group_size)
+        self.v[page, :, off], self.v_scale[page, :, off], self.v_zero[page, :, off] = quantize(v, bits, group_size)
+
+    def codes(self, page, off) -> tuple:
+        """The six streams of tokens (page, off) as [n, Hkv, W] (k, v, k_scale, k_zero, v_scale, v_zero)."""
+        return tuple(x[page, :, off] for x in self.tensors())
+
+    def put_codes(self, page, off, parts) -> None:
+        for x, src in zip(self.tensors(), parts):
+            x[page, :, off] = src
+
+    def read(self, page, off, bits, group_size, dtype):
+        kq, vq, ks, kz, vs, vz = self.codes(page, off)
+        return (dequantize(kq, ks, kz, bits, group_size, dtype),
+                dequantize(vq, vs, vz, bits, group_size, dtype))
 
 
 class TieredKVPool(KVPool):
@@ -62,35 +79,42 @@ class TieredKVPool(KVPool):
     layout = "tiered"
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: str, plan: TierStorePlan, group_size: int = 32):
+                 device: str, plan: TierStorePlan, group_size: int = 32,
+                 page_size: int = DEFAULT_TIER_PAGE_SIZE):
         super().__init__(plan.total, num_layers, num_kv_heads, head_dim, dtype, device)
-        if head_dim % group_size:
+        if group_size < 2 or head_dim % group_size:
             raise ValueError(f"head_dim {head_dim} must be a multiple of kv_quant_group_size {group_size}")
+        if page_size < 1:
+            raise ValueError(f"kv_tier_page_size must be >= 1, got {page_size}")
         self.memory_tokens = size  # fp16 tokens whose memory the stores share
         self.group_size = group_size
-        self.plan = plan
-        shape = (plan.n16 + 1, num_kv_heads, head_dim)
-        self.k16 = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v16 = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        for buf in self.k16 + self.v16:
-            buf[0].zero_()
+        self.page_size = page_size  # of the int stores (the fp16 store is slot-granular)
+        shape = (plan.n16 + 2, num_kv_heads, head_dim)  # + padding row 0 and the scratch row
+        self.k16 = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v16 = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.scratch_slot = plan.n16 + 1  # CUDA-graph padding rows write here; never handed out
         self._alloc_int_stores(plan)
         self._occupancy: Callable[[], dict[int, int]] | None = None
 
     def _alloc_int_stores(self, plan: TierStorePlan) -> None:
+        P = self.page_size
+        plan = TierStorePlan(plan.n16, plan.n8 - plan.n8 % P, plan.n4 - plan.n4 % P)  # whole pages
         self.plan = plan
         self.size = plan.total
         counts = {TIER_INT8: plan.n8, TIER_INT4: plan.n4}
-        self.stores = {t: [_IntStore(t, counts[t], self.num_kv_heads, self.head_dim, self.group_size, self.device)
-                           for _ in range(self.num_layers)] for t in INT_TIERS}
+        self.stores = {t: [_IntPages(t, counts[t] // P, P, self.num_kv_heads, self.head_dim, self.group_size,
+                                     self.device) for _ in range(self.num_layers)] for t in INT_TIERS}
 
     def int_store_sizes(self, f8: float, f4: float) -> tuple[int, int]:
-        """(n8, n4) for an int mix f8 : f4 in the memory the fp16 store leaves over."""
-        left = self.memory_tokens * self.full_bytes_per_token() - (self.plan.n16 + 1) * self.token_bytes(TIER_FP16)
-        return split_int_stores(left, f8, f4, self.token_bytes(TIER_INT8), self.token_bytes(TIER_INT4))
+        """(n8, n4), whole pages, for an int mix f8 : f4 in the memory the fp16 store leaves over."""
+        left = self.memory_tokens * self.full_bytes_per_token() - (self.plan.n16 + 2) * self.token_bytes(TIER_FP16)
+        return split_int_stores(left, f8, f4, self.token_bytes(TIER_INT8), self.token_bytes(TIER_INT4),
+                                self.page_size)
 
     def resize_int_stores(self, n8: int, n4: int) -> None:
-        """Re-divide the int stores (int4 probe changed the mix). Only while they hold nothing."""
+        """Re-divide the int stores (int4 probe changed the mix). Only while they hold nothing.
+        NOTE: new tensors: anything holding views of the old ones (captured CUDA graphs, layer
+        views) must be rebuilt (ModelRunner.kv_pool_resized)."""
         self.stores = {}
         self._alloc_int_stores(TierStorePlan(self.plan.n16, n8, n4))
 
@@ -98,9 +122,18 @@ class TieredKVPool(KVPool):
     def num_slots(self, tier: int) -> int:
         return {TIER_FP16: self.plan.n16, TIER_INT8: self.plan.n8, TIER_INT4: self.plan.n4}[tier]
 
+    def num_pages(self, tier: int) -> int:
+        """Pages of an int store."""
+        return self.num_slots(tier) // self.page_size
+
     def base(self, tier: int) -> int:
         """First global id of a store (fp16: 0, the padding row)."""
-        return {TIER_FP16: 0, TIER_INT8: self.plan.n16 + 1, TIER_INT4: self.plan.n16 + self.plan.n8 + 1}[tier]
+        return {TIER_FP16: 0, TIER_INT8: self.plan.n16 + 2, TIER_INT4: self.plan.n16 + 2 + self.plan.n8}[tier]
+
+    @property
+    def id_end(self) -> int:
+        """One past the largest global id."""
+        return self.base(TIER_INT4) + self.plan.n4
 
     def tier_of(self, slots: torch.Tensor) -> torch.Tensor:
         """int8 tier id of every slot id (0 -> TIER_DROP)."""
@@ -110,8 +143,14 @@ class TieredKVPool(KVPool):
         tiers[slots == 0] = TIER_DROP
         return tiers
 
+    def page_offset(self, tier: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset in page) of int ids of store `tier`."""
+        r = slots - self.base(tier)
+        return r // self.page_size, r % self.page_size
+
     def _split(self, flat: torch.Tensor):
-        """Yield (tier, positions in flat, store rows) for each store that `flat` touches."""
+        """Yield (tier, positions in flat, store index) for each store that `flat` touches: the
+        fp16 row, or (page, offset) for an int store."""
         b8, b4 = self.base(TIER_INT8), self.base(TIER_INT4)
         is16 = flat < b8
         if bool(is16.all()):
@@ -120,39 +159,62 @@ class TieredKVPool(KVPool):
         for tier, mask in ((TIER_FP16, is16), (TIER_INT8, (flat >= b8) & (flat < b4)), (TIER_INT4, flat >= b4)):
             pos = mask.nonzero().squeeze(1)
             if pos.numel():
-                yield tier, pos, flat[pos] - self.base(tier)
+                ids = flat[pos]
+                yield tier, pos, ids if tier == TIER_FP16 else self.page_offset(tier, ids)
 
     # ------------------------------------------------------------------ KVPool
     def set_kv(self, layer_id, slots, k, v):
-        for tier, pos, rows in self._split(slots.reshape(-1)):
+        for tier, pos, where in self._split(slots.reshape(-1)):
             kk, vv = (k, v) if pos is None else (k[pos], v[pos])
             if tier == TIER_FP16:
-                self.k16[layer_id][rows] = kk.to(self.dtype)
-                self.v16[layer_id][rows] = vv.to(self.dtype)
+                self.k16[layer_id][where] = kk.to(self.dtype)
+                self.v16[layer_id][where] = vv.to(self.dtype)
             else:
-                self.stores[tier][layer_id].write(rows, kk, vv, _BITS[tier], self.group_size)
+                self.stores[tier][layer_id].write(*where, kk, vv, _BITS[tier], self.group_size)
+
+    def set_kv_fp16(self, layer_id, slots, k, v):
+        """set_kv for ids known to be fp16 (new tokens): no host sync, CUDA-graph safe."""
+        self.k16[layer_id][slots] = k.to(self.dtype)
+        self.v16[layer_id][slots] = v.to(self.dtype)
 
     def get_kv(self, layer_id, slots):
         flat = slots.reshape(-1)
         out_shape = (*slots.shape, self.num_kv_heads, self.head_dim)
         k = torch.empty((flat.numel(), self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
         v = torch.empty_like(k)
-        for tier, pos, rows in self._split(flat):
+        for tier, pos, where in self._split(flat):
             if tier == TIER_FP16:
-                kk, vv = self.k16[layer_id].index_select(0, rows), self.v16[layer_id].index_select(0, rows)
+                kk, vv = self.k16[layer_id].index_select(0, where), self.v16[layer_id].index_select(0, where)
             else:
-                kk, vv = self.stores[tier][layer_id].read(rows, _BITS[tier], self.group_size, self.dtype)
+                kk, vv = self.stores[tier][layer_id].read(*where, _BITS[tier], self.group_size, self.dtype)
             if pos is None:
                 return kk.view(out_shape), vv.view(out_shape)
             k.index_copy_(0, pos, kk)
             v.index_copy_(0, pos, vv)
         return k.view(out_shape), v.view(out_shape)
 
+    def stored_codes(self, layer_id: int, tier: int, slots: torch.Tensor) -> tuple:
+        """The stored streams (k, v, k_scale, k_zero, v_scale, v_zero) [n, Hkv, W] of int ids of `tier`."""
+        return self.stores[tier][layer_id].codes(*self.page_offset(tier, slots))
+
+    def put_codes(self, layer_id: int, tier: int, slots: torch.Tensor, parts) -> None:
+        """Write stored streams (as stored_codes returns them) at int ids of `tier`, as they are."""
+        self.stores[tier][layer_id].put_codes(*self.page_offset(tier, slots), parts)
+
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy tokens src -> dst in every layer, quantizing into dst's store."""
+        """Copy tokens src -> dst in every layer, quantizing into dst's store. Ids of the same
+        int tier on both sides copy their codes bit for bit (relocation, not requantization)."""
+        ts, td = self.tier_of(src), self.tier_of(dst)
+        same = (ts == td) & (ts != TIER_FP16)
         for layer_id in range(self.num_layers):
-            k, v = self.get_kv(layer_id, src)
-            self.set_kv(layer_id, dst, k, v)
+            for tier in INT_TIERS:
+                m = same & (ts == tier)
+                if bool(m.any()):
+                    self.put_codes(layer_id, tier, dst[m], self.stored_codes(layer_id, tier, src[m]))
+            if bool(same.all()):
+                continue
+            k, v = self.get_kv(layer_id, src[~same])
+            self.set_kv(layer_id, dst[~same], k, v)
 
     # ------------------------------------------------------------------ bytes
     def token_bytes(self, tier: int, with_scales: bool = True) -> int:
@@ -170,7 +232,8 @@ class TieredKVPool(KVPool):
 
     def bytes_per_token(self, with_scales: bool = True) -> float:
         """Resident average: bytes of the tokens held now / their count (dropped tokens hold no
-        slot and are not counted). Before any token is resident: the planned store mix."""
+        slot and are not counted; unused tail slots of int pages are not counted either).
+        Before any token is resident: the planned store mix."""
         used = self._occupancy() if self._occupancy is not None else {}
         if sum(used.values()) == 0:
             used = {TIER_FP16: self.plan.n16, TIER_INT8: self.plan.n8, TIER_INT4: self.plan.n4}

@@ -1,21 +1,25 @@
-"""What the token-gather kernel reads from a TieredKVPool: store views and per-batch row tables.
+"""What the paged kernels read from a TieredKVPool: layer views and per-batch block tables.
 
-    tier_store_views(pool, layer_id)        -> TieredKVLayer: the layer's three stores viewed
-                                               as kernels/paged_layout.py pages of ONE token
-    tier_row_tables(pool, slots, seq_lens)  -> TieredBlockTables: per tier, each request's
-                                               store rows (a "page" id at PAGE = 1) and count
+    tier_layer_view(pool, layer_id)             -> TieredKVLayer: fp16 store as pages of ONE
+                                                   token, int stores as their PAGE-token pages
+    tier_block_tables(pool, slots, seq_lens)    -> TieredBlockTables in the FILLED form
+                                                   (kernels/paged_layout.py), per tier
 
-Row tables from request rows of global slot ids (tiered_pool.py), on the slots' device with no
-host sync (the width L comes from the batch's CPU seq_lens):
+Tables from request rows of global slot ids (tiered_pool.py), on the slots' device, no host
+sync, every shape a function of slots.shape alone (CUDA-graph capturable):
 
-    slots [B, L]   s == 0 (dropped) or column >= seq_len  -> key 3 (ignored)
-                   0 < s < base(int8)                     -> key 0, fp16 row s   (row 0 = padding)
-                   base(int8) <= s < base(int4)           -> key 1, int8 row s - base(int8)
-                   base(int4) <= s                        -> key 2, int4 row s - base(int4)
-    stable sort of each row by key:  [ fp16 rows | int8 rows | int4 rows | ignored ]
-                                     0          n16        n16+n8     n16+n8+n4        L
-    tables[t][b, j] = sorted[b, start_t + j]  for j < n_t  (start_t = n_<t; later columns hold
-                      clamped, unrelated values the kernel never reads)
+    slots [B, L]   s == 0 (dropped) or column >= seq_len  -> key END (ignored)
+                   live s                                  -> key s
+    sort each row by key (ids are tier-major, page-major):
+        [ fp16 ids | int8 ids, page by page | int4 ids, page by page | ignored ]
+        0          n16                      n16+n8                   n16+n8+n4         L
+    fp16 (PAGE 1): tables[0][b, j] = sorted[b, j], fills 1, num_pages = n16
+    int tier t:    a page starts where the page id (s - base(t)) // PAGE changes; run-length
+                   encoding gives tables[t][b, r] = r-th distinct page, fills[t][b, r] = its token
+                   count, num_pages[t][b] = number of pages. The prefix-fill invariant
+                   (tiered_allocator.py) makes that count the page's slots [0, fill).
+    width L for every tier (a request may hold up to L partial pages); unused entries: page 0,
+    fill 0.
 """
 from __future__ import annotations
 
@@ -25,42 +29,49 @@ from sgl_kvxfer.kernels.paged_layout import TieredBlockTables, TieredKVLayer, Ti
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
 from sgl_kvxfer.spectrum.tiers import TIER_FP16, TIER_INT4, TIER_INT8
 
-_IGNORED = 3
 
-
-def tier_row_tables(pool: TieredKVPool, slots: torch.Tensor, seq_lens: torch.Tensor) -> TieredBlockTables:
-    """slots int64 [B, L] (req_to_token rows), seq_lens [B] -> per-tier int32 [B, L] row tables
-    and int32 [B] counts. Dropped tokens (slot 0) and columns >= seq_len are left out."""
+def tier_block_tables(pool: TieredKVPool, slots: torch.Tensor, seq_lens: torch.Tensor) -> TieredBlockTables:
+    """slots int64 [B, L] (req_to_token rows), seq_lens [B] -> filled TieredBlockTables, every
+    tensor int32 of width L. Dropped tokens (slot 0) and columns >= seq_len are left out."""
     B, L = slots.shape
-    cols = torch.arange(L, device=slots.device)
-    b8, b4 = pool.base(TIER_INT8), pool.base(TIER_INT4)
+    dev, end = slots.device, pool.id_end
+    cols = torch.arange(L, device=dev)
     live = (cols[None, :] < seq_lens[:, None]) & (slots != 0)
-    tier = (slots >= b8).to(torch.int8) + (slots >= b4).to(torch.int8)
-    key = torch.where(live, tier, torch.full_like(tier, _IGNORED))
-    key_sorted, order = torch.sort(key, dim=1, stable=True)
-    # python-int bases (no host-to-device copy): store row = slot id - base(tier)
-    base = torch.where(key_sorted == TIER_INT8, b8, torch.where(key_sorted == TIER_INT4, b4, 0))
-    rows = slots.gather(1, order) - base
-    counts = [(key == t).sum(1, dtype=torch.int32) for t in (TIER_FP16, TIER_INT8, TIER_INT4)]
-    starts = (torch.zeros_like(counts[0]), counts[0], counts[0] + counts[1])
-    tables = tuple(rows.gather(1, (s[:, None] + cols[None, :]).clamp_(max=max(L - 1, 0))).to(torch.int32)
-                   for s in starts)
-    return TieredBlockTables(tables, tuple(counts))
+    s = torch.where(live, slots, end).sort(dim=1).values
+    b8, b4 = pool.base(TIER_INT8), pool.base(TIER_INT4)
+    tier = (s >= b8).to(torch.int8) + (s >= b4).to(torch.int8) + (s >= end).to(torch.int8)
+    is16 = tier == TIER_FP16
+    n16 = is16.sum(1, dtype=torch.int32)
+    tables, lens, fills, num_pages = [torch.where(is16, s, 0).to(torch.int32)], [n16], [is16.to(torch.int32)], [n16]
+    # one spare column takes the scatters of columns outside the tier
+    for t, base in ((TIER_INT8, b8), (TIER_INT4, b4)):
+        in_t = tier == t
+        page = torch.where(in_t, s - base, 0) // pool.page_size
+        prev = torch.cat([torch.full((B, 1), -1, dtype=page.dtype, device=dev), page[:, :-1]], dim=1)
+        prev_in = torch.cat([torch.zeros((B, 1), dtype=torch.bool, device=dev), in_t[:, :-1]], dim=1)
+        starts = in_t & ((page != prev) | ~prev_in)
+        rank = torch.cumsum(starts.to(torch.int32), dim=1) - 1
+        table = torch.zeros((B, L + 1), dtype=torch.int32, device=dev)
+        table.scatter_(1, torch.where(starts, rank, L).long(), page.to(torch.int32))
+        fill = torch.zeros((B, L + 1), dtype=torch.int32, device=dev)
+        fill.scatter_add_(1, torch.where(in_t, rank, L).long(), in_t.to(torch.int32))
+        tables.append(table[:, :L])
+        fills.append(fill[:, :L])
+        lens.append(in_t.sum(1, dtype=torch.int32))
+        num_pages.append(starts.sum(1, dtype=torch.int32))
+    return TieredBlockTables(tuple(tables), tuple(lens), tuple(fills), tuple(num_pages))
 
 
-def tier_store_views(pool: TieredKVPool, layer_id: int) -> TieredKVLayer:
-    """The layer's stores as [R, Hkv, 1, W] views (no copy). An empty store (e.g. no int8 at
-    b = 0.25) is replaced by a one-row zero placeholder: counts are 0, it is never read.
+def tier_layer_view(pool: TieredKVPool, layer_id: int) -> TieredKVLayer:
+    """The layer's stores as TierPages (no copy): fp16 [n16 + 2, Hkv, 1, D], int stores
+    [pages, Hkv, PAGE, W]. An empty int store (e.g. no int8 at b = 0.25) is replaced by a
+    one-page zero placeholder: its counts are 0, it is never read.
     NOTE: `resize_int_stores` (int4 probe) replaces the int stores; rebuild views after it."""
-    def one_token_pages(x):
-        if x.shape[0] == 0:
-            x = torch.zeros((1, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        return x[:, :, None, :]
+    def placeholder(x):
+        return torch.zeros((1, *x.shape[1:]), dtype=x.dtype, device=x.device) if x.shape[0] == 0 else x
 
-    fp16 = TierPages(TIER_FP16, one_token_pages(pool.k16[layer_id]), one_token_pages(pool.v16[layer_id]))
-    quant = []
-    for tier in (TIER_INT8, TIER_INT4):
-        s = pool.stores[tier][layer_id]
-        quant.append(TierPages(tier, *(one_token_pages(x) for x in (s.k, s.v, s.k_scale, s.k_zero,
-                                                                     s.v_scale, s.v_zero))))
-    return TieredKVLayer((fp16, *quant), pool.head_dim, pool.group_size)
+    fp16 = TierPages(TIER_FP16, pool.k16[layer_id][:, :, None, :], pool.v16[layer_id][:, :, None, :])
+    quant = [TierPages(t, *(placeholder(x) for x in pool.stores[t][layer_id].tensors())) for t in (TIER_INT8, TIER_INT4)]
+    layer = TieredKVLayer((fp16, *quant), pool.head_dim, pool.group_size)
+    layer.check(uniform=False)
+    return layer

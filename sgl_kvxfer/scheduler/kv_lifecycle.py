@@ -126,6 +126,8 @@ class KVLifecycle:
             return
         cached_len = kv_len - kv_len % self.page_size  # the tree takes whole pages only
         tokens = req.fill_ids[:cached_len]
+        if hasattr(self.allocator, "repack"):
+            self._repack_kept(req, tokens, slots)
         present = self.tree.insert(tokens, slots[:cached_len])
         if present > req.prefix_len:  # our duplicates of tokens someone else cached first
             self.allocator.free(slots[req.prefix_len : present].clone())
@@ -145,6 +147,30 @@ class KVLifecycle:
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(req.last_node)
         req.last_node, req.prefix_len = node, cached_len
+
+    def _repack_kept(self, req: Req, tokens: list[int], slots: torch.Tensor) -> None:
+        """Tiered pool: when the tree already holds [prefix_len, present) (someone cached them
+        first), we keep only [present, kv_len) of our runs, a suffix of their int pages; move
+        what would be seen with a hole to fresh pages (tiered_allocator.py, prefix-fill
+        invariant) and rewrite the row (`slots` is its view) before the tree takes it."""
+        present, node = self.tree.match_node(tokens)
+        if present <= req.prefix_len or present >= req.kv_len:
+            return
+        self.tree.inc_lock_ref(node)  # make_room must not evict the path we dedupe against
+        try:
+            new = self.allocator.repack(slots[present:req.kv_len].clone(), self.make_room_tier)
+        finally:
+            self.tree.dec_lock_ref(node)
+        self.req_to_token.write(req.req_pool_idx, present, new)
+
+    def make_room_tier(self, tier: int, n: int) -> None:
+        """Evict unlocked leaves until n more tokens of a tiered pool's store are free."""
+        if self.tree is None:
+            return
+        if tier == 0:
+            self.tree.evict(n)
+        else:
+            self.tree.evict(n, reclaim=self.allocator.page_reclaimer(tier))
 
     def release(self, req: Req) -> None:
         """Drop a request's KV without caching it (retraction)."""

@@ -79,7 +79,8 @@ class EngineTiering:
         self.kv = kv
         self.table = runner.req_to_token
         a = runner.arch
-        self.layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, config.kv_quant_group_size)
+        self.runner = runner
+        self.layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.pool.group_size)
         self.settings = TierSettings(config.kv_tier_policy, config.kv_tier_budget, config.kv_budget_unit,
                                      config.kv_int4 != "off", config.kv_decode_recent)
         self.policy = create_tier_policy(self.settings.policy)
@@ -122,6 +123,7 @@ class EngineTiering:
                 if i in observed:
                     acc, pos = observed[i]
                     acc.add_layer(q, keys, q_positions=pos)
+            observe.requests = frozenset(observed)  # backends that compute keys only for these
             fb.extras["attn_observer"] = observe
 
     def after_forward(self, batch, chunked) -> None:
@@ -179,9 +181,10 @@ class EngineTiering:
         self.records.append(TierRecord(req.rid, start, start + slots.numel(), _counts(tiers), _counts(got), ratio))
 
     def _make_room(self, tier: int, count: int) -> None:
-        """A tier store is short: evict LRU cache leaves until `count` of its ids are free."""
+        """A tier store is short: evict LRU cache leaves until `count` more of its tokens are
+        free in whole pages (a page frees with its last live id)."""
         if self.kv.tree is not None:
-            self.kv.tree.evict(count, reclaim=lambda s: self.allocator.count_tier(s, tier))
+            self.kv.tree.evict(count, reclaim=self.allocator.page_reclaimer(tier))
 
     def _norm_importance(self, slots: torch.Tensor) -> torch.Tensor:
         acc = KVNormAccumulator(slots.numel())
@@ -203,6 +206,7 @@ class EngineTiering:
             if self.kv.tree is not None:
                 self.kv.tree.reset()  # start-up: nothing is locked; the probe's tokens go
             self.allocator.repartition(n8, n4)
+            self.runner.kv_pool_resized()  # new int stores: views and captured graphs are rebuilt
         logger.info("SpectrumKV: int4 %s (%s); stores fp16 %d / int8 %d / int4 %d slots",
                     "on" if resolution.enabled else "off", resolution.source,
                     self.pool.plan.n16, self.pool.plan.n8, self.pool.plan.n4)

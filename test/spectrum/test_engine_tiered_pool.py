@@ -17,10 +17,11 @@ from sgl_kvxfer.spectrum.policies import TIER_POLICIES, create_tier_policy
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 L, H, D, G = 2, 2, 64, 32
+PAGE = 4  # int-store page: small, so a few tokens span pages (the engine's is >= 16)
 
 
 def make_pool(n16=16, n8=8, n4=8, dtype=torch.float32):
-    pool = TieredKVPool(32, L, H, D, dtype, "cpu", TierStorePlan(n16, n8, n4), group_size=G)
+    pool = TieredKVPool(32, L, H, D, dtype, "cpu", TierStorePlan(n16, n8, n4), group_size=G, page_size=PAGE)
     return pool, TieredSlotAllocator(pool, "cpu")
 
 
@@ -76,15 +77,18 @@ def test_free_routing_slot0_and_fp16_reuse():
 
 
 def test_retier_never_raises_precision_and_falls_back_when_full():
-    pool, alloc = make_pool(n16=8, n8=2, n4=1)
-    slots, _ = fill(pool, alloc, 6)
+    pool, alloc = make_pool(n16=16, n8=8, n4=4)
+    slots, _ = fill(pool, alloc, 14)
     asked = []
-    new, got = alloc.retier(slots, torch.full((6,), TIER_INT4, dtype=torch.int8),
+    new, got = alloc.retier(slots, torch.full((14,), TIER_INT4, dtype=torch.int8),
                             make_room=lambda tier, n: asked.append((tier, n)))
-    # 1 fits int4, 2 overflow into int8, the other 3 stay fp16
-    assert sorted(got.tolist()) == [0, 0, 0, 1, 1, 2] and asked == [(TIER_INT4, 5), (TIER_INT8, 3)]
-    back, got2 = alloc.retier(new, torch.full((6,), TIER_FP16, dtype=torch.int8))
+    # 4 fit int4 (one page), 8 overflow into int8 (two pages), the last 2 stay fp16: in position order
+    assert got.tolist() == [2] * 4 + [1] * 8 + [0] * 2 and asked == [(TIER_INT4, 10), (TIER_INT8, 2)]
+    back, got2 = alloc.retier(new, torch.full((14,), TIER_FP16, dtype=torch.int8))
     assert torch.equal(back, new) and torch.equal(got2, got)
+    # int tokens never move again (not even to a lower tier or to drop): that would punch a hole
+    again, got3 = alloc.retier(new, torch.full((14,), TIER_DROP, dtype=torch.int8))
+    assert torch.equal(again[:12], new[:12]) and (again[12:] == 0).all() and torch.equal(got3[:12], got[:12])
     alloc.debug_check()
 
 
@@ -140,7 +144,8 @@ def test_radix_records_tiers_and_evicts_by_store():
     matched, node = tree.match_prefix([1, 2, 3, 4, 5, 6, 7])
     assert torch.equal(matched, new) and torch.equal(tree.match_tiers(node), got.to(torch.int8))
     free16 = alloc.available_size()
-    assert tree.evict(1, reclaim=lambda s: alloc.count_tier(s, TIER_INT4)) == 2
+    # the leaf's two int4 ids were its page's only ones: the whole page (PAGE tokens) frees
+    assert tree.evict(1, reclaim=alloc.page_reclaimer(TIER_INT4)) == PAGE
     assert alloc.available_size() == free16 + 1 and alloc.used_counts()[TIER_INT8] == 0
     alloc.debug_check()
 

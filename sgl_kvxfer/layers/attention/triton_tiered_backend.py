@@ -1,22 +1,24 @@
 """Triton attention over SpectrumKV's TieredKVPool (`--attention-backend triton`, budget < 1).
 
-The tier stores are slot-granular (one token per row, PAGE = 1), so the paged kernels cannot
-read them. Decode runs the token-gather kernel (kernels/gather_decode_attention.py) on the
-stores in place:
+The pool's int8 / int4 stores are head-major pages of PAGE tokens and its fp16 store is
+slot-granular (pages of one token), so each layer is one kernels/paged_layout.TieredKVLayer
+with per-tier page sizes, and each batch one set of FILLED block tables (mem_cache/tiered_rows.py):
 
-    prepare_metadata (once per batch)   req_to_token rows [B, max(seq_lens)] -> per-tier store-row
-                                        tables + counts (mem_cache/tiered_rows.py), on device
-    forward (per layer)                 pool.set_kv(new token) -> gather kernel over that layer's
-                                        store views (the new token is an fp16 row of the tables)
+    prepare_metadata (once per batch)   req_to_token rows [B, L] -> tier_block_tables, on device
+                                        (decode: L = max(seq_lens); extend: the prefixes)
+    prepare_graph_metadata (CUDA graph) the same with L = the context bound: every shape fixed,
+                                        no host sync, so the engine replays it every step
+    forward (per layer)                 store the new tokens (fp16 ids) -> kernel over the layer view
 
-Extend (prefill, chunked prefill, radix hits) delegates to the torch reference backend:
-dequantize the prefix through `get_kv`, then SDPA. It also feeds `attn_observer`, the hook
-SpectrumKV's importance scoring reads at prefill end. The fused extend kernel
-(kernels/extend_attention.py) walks pages of >= 16 tokens, so it needs page-aligned tier stores
-(the next step, mem_cache/README.md section 8).
+Kernels: `tiered_decode` / `_extend_kernel_path` call kernels.decode_attention.decode_attention_tiered
+and kernels.extend_attention.extend_attention_tiered where they read this layout
+(FILLED_DECODE_KERNEL / FILLED_EXTEND_KERNEL, below). Until then decode runs the torch reference
+over the same tables and extend the torch backend (`get_kv`, SDPA), both exact up to summation
+order. SpectrumKV's importance capture (`attn_observer`) is fed on every extend path.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,17 +27,38 @@ from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.layers.attention.base import AttentionBackend
 from sgl_kvxfer.layers.attention.torch_backend import TorchAttentionBackend
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
-from sgl_kvxfer.mem_cache.tiered_rows import tier_row_tables, tier_store_views
+from sgl_kvxfer.mem_cache.tiered_rows import tier_block_tables, tier_layer_view
 from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
+
+logger = logging.getLogger(__name__)
+
+# The kernels on main read dense tables over uniform pages only; the filled form with per-tier
+# page sizes comes with the same signatures (branches kdecode / kextend). Set True when merged.
+FILLED_DECODE_KERNEL = False
+FILLED_EXTEND_KERNEL = False
+
+
+def tiered_decode(q, layer, tables, sm_scale: float, out=None) -> torch.Tensor:
+    """Decode attention q [B, Hq, D] over a TieredKVLayer with (filled) tables -> [B, Hq, D]."""
+    from sgl_kvxfer.kernels.decode_attention import decode_attention_tiered, decode_attention_tiered_reference
+
+    if FILLED_DECODE_KERNEL or (layer.uniform_pages and not tables.filled):
+        return decode_attention_tiered(q, layer, tables, sm_scale=sm_scale, out=out)
+    res = decode_attention_tiered_reference(q, layer, tables, sm_scale=sm_scale)
+    return res if out is None else out.copy_(res)
 
 
 @dataclass
-class _GatherPlan:
-    tables: object  # kernels.paged_layout.TieredBlockTables of store rows (PAGE = 1)
-    max_tokens: int  # host bound on any request's keys: max(seq_lens_cpu)
+class _TieredPlan:
+    tables: object  # kernels.paged_layout.TieredBlockTables (filled): decode keys / extend prefixes
+    qo_indptr: torch.Tensor | None = None  # extend: int32 [B + 1]
+    max_extend_len: int = 1
+    torch_plan: object = None  # extend on the torch backend: its own plan
 
 
 class TritonTieredAttentionBackend(AttentionBackend):
+    supports_cuda_graph = True
+
     def __init__(self, kv_pool, num_q_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(kv_pool, num_q_heads, num_kv_heads, head_dim)
         if not isinstance(kv_pool, TieredKVPool):
@@ -43,39 +66,92 @@ class TritonTieredAttentionBackend(AttentionBackend):
         if kv_pool.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"--attention-backend triton needs a float16 or bfloat16 model, got {kv_pool.dtype}; "
                              f"pass --dtype float16 or --dtype bfloat16 (or use --attention-backend torch)")
-        group = kv_pool.group_size
+        group, page = kv_pool.group_size, kv_pool.page_size
         if head_dim < 16 or head_dim & (head_dim - 1) or group & (group - 1):
             raise ValueError(f"--attention-backend triton over tiered KV needs a power-of-two head_dim >= 16 "
                              f"and --kv-quant-group-size, got {head_dim} and {group}")
+        if page < 16 or page & (page - 1):
+            raise ValueError(f"--attention-backend triton over tiered KV needs --kv-tier-page-size a power of "
+                             f"two >= 16, got {page}")
         use_interpreter_on_cpu(str(kv_pool.device))  # normally on already (Engine / scheduler process)
-        from sgl_kvxfer.kernels.gather_decode_attention import decode_attention_gather
-
-        self._decode = decode_attention_gather
-        self._extend = TorchAttentionBackend(kv_pool, num_q_heads, num_kv_heads, head_dim)
+        if str(kv_pool.device).startswith("cuda") and not FILLED_DECODE_KERNEL:
+            self.supports_cuda_graph = False  # the torch reference syncs with the host per request
+            logger.warning("tiered decode runs the torch reference (the decode kernel does not read "
+                           "filled tables yet): no CUDA graphs")
+        self._torch = TorchAttentionBackend(kv_pool, num_q_heads, num_kv_heads, head_dim)
         self._views, self._views_of = [], None
 
-    def _layer_views(self):
+    def kv_pool_resized(self) -> None:
+        self._views_of = None
+
+    def _layers(self):
         # The int4 probe may re-divide the int stores (pool.stores is then a new dict).
         if self._views_of is not self.kv_pool.stores:
             pool = self.kv_pool
-            self._views = [tier_store_views(pool, layer) for layer in range(pool.num_layers)]
+            self._views = [tier_layer_view(pool, layer) for layer in range(pool.num_layers)]
             self._views_of = pool.stores
         return self._views
 
-    def prepare_metadata(self, batch: ForwardBatch) -> None:
-        if batch.mode != ForwardMode.DECODE:
-            self._extend.prepare_metadata(batch)
-            return
-        lmax = max(batch.seq_lens_cpu)
-        slots = batch.req_to_token[batch.req_pool_indices, :lmax]
-        tables = tier_row_tables(self.kv_pool, slots, batch.seq_lens)
-        batch.attn_metadata = _GatherPlan(tables, lmax)
-        self._layer_views()
+    # ------------------------------------------------------------------ plans
+    def _tables(self, batch: ForwardBatch, lens: torch.Tensor, width: int):
+        assert width <= batch.req_to_token.shape[1], "table width past the req-to-token row"
+        slots = batch.req_to_token[batch.req_pool_indices, :max(width, 1)]
+        return tier_block_tables(self.kv_pool, slots, lens)
 
+    def prepare_metadata(self, batch: ForwardBatch) -> None:
+        self._layers()
+        if batch.mode == ForwardMode.DECODE:
+            batch.attn_metadata = _TieredPlan(self._tables(batch, batch.seq_lens, max(batch.seq_lens_cpu)))
+            return
+        if not FILLED_EXTEND_KERNEL:
+            self._torch.prepare_metadata(batch)
+            batch.attn_metadata = _TieredPlan(None, torch_plan=batch.attn_metadata)
+            return
+        dev = batch.req_to_token.device
+        indptr = [0]
+        for n in batch.extend_seq_lens:
+            indptr.append(indptr[-1] + n)
+        prefix = torch.tensor(batch.extend_prefix_lens, dtype=torch.int64, device=dev)
+        tables = self._tables(batch, prefix, max(batch.extend_prefix_lens))
+        batch.attn_metadata = _TieredPlan(tables, torch.tensor(indptr, dtype=torch.int32, device=dev),
+                                          max(batch.extend_seq_lens))
+
+    def prepare_graph_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
+        """Decode plan from device tensors only: tables of the fixed width max_seq_len built by
+        device ops (sort, cumsum, scatter) the graph captures; padding rows (seq_len 0) hold no key."""
+        assert batch.mode == ForwardMode.DECODE
+        self._layers()
+        batch.attn_metadata = _TieredPlan(self._tables(batch, batch.seq_lens, max_seq_len))
+
+    # ------------------------------------------------------------------ run
     def forward(self, q, k, v, layer_id, batch):
-        if batch.mode != ForwardMode.DECODE:
-            return self._extend.forward(q, k, v, layer_id, batch)
-        self.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         plan = batch.attn_metadata
-        return self._decode(q.contiguous(), self._views[layer_id], plan.tables, sm_scale=self.scale,
-                            max_tokens=plan.max_tokens)
+        if batch.mode == ForwardMode.DECODE:
+            self.kv_pool.set_kv_fp16(layer_id, batch.out_cache_loc, k, v)  # new tokens: fp16 ids
+            return tiered_decode(q.contiguous(), self._views[layer_id], plan.tables, self.scale)
+        if plan.torch_plan is not None:
+            batch.attn_metadata = plan.torch_plan
+            try:
+                return self._torch.forward(q, k, v, layer_id, batch)
+            finally:
+                batch.attn_metadata = plan
+        return self._extend_kernel_path(q, k, v, layer_id, batch, plan)
+
+    def _extend_kernel_path(self, q, k, v, layer_id, batch, plan):
+        from sgl_kvxfer.kernels.extend_attention import extend_attention_tiered
+
+        self.kv_pool.set_kv_fp16(layer_id, batch.out_cache_loc, k, v)
+        q, k, v = q.contiguous(), k.contiguous().to(q.dtype), v.contiguous().to(q.dtype)
+        out = extend_attention_tiered(q, k, v, plan.qo_indptr, self._views[layer_id], plan.tables,
+                                      sm_scale=self.scale, max_extend_len=plan.max_extend_len)
+        observer = batch.extras.get("attn_observer")
+        if observer is not None:  # importance capture: (window queries, every key) of its requests
+            start = 0
+            wanted = getattr(observer, "requests", None)
+            for i, (prefix, n) in enumerate(zip(batch.extend_prefix_lens, batch.extend_seq_lens)):
+                if wanted is None or i in wanted:
+                    row = batch.req_to_token[batch.req_pool_indices[i], :prefix + n]
+                    keys, _ = self.kv_pool.get_kv(layer_id, row)
+                    observer(layer_id, i, q[start:start + n], keys)
+                start += n
+        return out
