@@ -145,6 +145,11 @@ def test_engine_triton_matches_torch_at_budget_half(tiny_dir):
                                         top_logprobs_num=2)
             used = eng.runner.allocator.used_counts()  # the radix cache still holds the tiered tokens
             assert used[TIER_INT8] > 30 and used[TIER_INT4] > 30, used
+            # radix hits: each prompt again plus new tokens, extended over its cached int8/int4 prefix
+            hits = [p + [rng.randrange(3, 256) for _ in range(9)] for p in prompts]
+            out[backend] += eng.generate(input_ids=hits, sampling_params=params, return_logprob=True,
+                                         top_logprobs_num=2)
+            assert all(o["meta_info"]["cached_tokens"] >= 32 for o in out[backend][len(prompts):])
             eng.runner.allocator.debug_check()
     diffs = []
     for g, r in zip(out["triton"], out["torch"]):

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 # The kernels on main read dense tables over uniform pages only; the filled form with per-tier
 # page sizes comes with the same signatures (branches kdecode / kextend). Set True when merged.
 FILLED_DECODE_KERNEL = False
-FILLED_EXTEND_KERNEL = False
+FILLED_EXTEND_KERNEL = True
 
 
 def tiered_decode(q, layer, tables, sm_scale: float, out=None) -> torch.Tensor:
