@@ -47,7 +47,7 @@ from sgl_kvxfer.models.fusedkv_math import CONFIG_KEY, FusedKVConfig, FusionLsts
 
 PRESETS = {
     "full": dict(seq=512, batch=16, calib_windows=128, eval_windows=96, steps_a=120, steps_b=480, eval_every=40,
-                 lr_a=5e-3, lr_b=4e-4, lr_b_other=1e-3, rank=16, alpha=32, max_new=48, probe_steps=3),
+                 lr_a=5e-3, lr_b=8e-4, lr_b_other=1e-3, rank=16, alpha=32, max_new=48, probe_steps=3),
     "toy": dict(seq=32, batch=2, calib_windows=2, eval_windows=2, steps_a=2, steps_b=2, eval_every=1,
                 lr_a=5e-3, lr_b=4e-4, lr_b_other=1e-3, rank=4, alpha=8, max_new=4, probe_steps=1,
                 max_train_windows=16),

@@ -137,7 +137,7 @@ def plan_steps(p, n_windows, probes, n_eval_full, budget_s) -> tuple[int, int]:
     planned = p.get("steps") or max(1, int(p["epochs"] * n_windows // p["batch"]))
     per_step = sum(t for t, _ in probes.values())
     evals = sum(e for _, e in probes.values())
-    final = evals * n_eval_full / p["eval_windows"]
+    final = 2 * evals * n_eval_full / p["eval_windows"]  # the whole split, then per domain
     afford = int((budget_s - final) / (per_step + evals / p["eval_every"])) if budget_s else planned
     return planned, max(1, min(planned, afford))
 
