@@ -29,6 +29,7 @@ copy_, read + write) and % of SDPA's effective read bandwidth at the same point.
 kernel's default config are timed at --sweep-points for each filled variant; every time is
 recorded, and the measurement then runs each (model, variant) with the config of the lowest
 geometric-mean time over that model's sweep points (--measure-config default: the defaults).
+Configs run one after another over all points; none starts after --sweep-budget-s.
 """
 from __future__ import annotations
 
@@ -178,56 +179,62 @@ def measure_point(args, env, model, B, ctx, configs) -> dict:
     return res
 
 
-def sweep(args, env) -> tuple[list, dict]:
-    """Every config (plus the default) x sweep point x filled variant -> (rows, best config per
-    (model, variant)); see the module docstring."""
-    kernel, rows = env["kernel"], []
+def sweep(args, env, rows: list) -> dict:
+    """Every config (the kernel's default first) x sweep point x filled variant, appended to
+    `rows`, config-major so that --sweep-budget-s cuts whole configs -> the best config per
+    (model, variant): lowest geometric-mean ms over the points the default ran at."""
+    kernel, dev = env["kernel"], env["dev"]
     if not kernel.available:
-        return [{"skipped": kernel.name}], {}
-    dtype = getattr(torch, args.dtype)
+        rows.append({"skipped": kernel.name})
+        return {}
+    dtype, t0 = getattr(torch, args.dtype), time.time()
     configs = [None, *args.configs]
+    cases = []  # (model, B, ctx, variant, q, layout): built once, timed under every config
     for spec in args.sweep_points:
         model, B, ctx = spec.split(":")
         B, ctx = int(B), int(ctx)
         Hq, Hkv, D = MODELS[model]
-        q = torch.randn(B, Hq, D, dtype=dtype, device=env["dev"])
+        q = torch.randn(B, Hq, D, dtype=dtype, device=dev)
         for v in [x for x in args.variants if x in FILLED]:
-            mix = v[len("filled_"):]
-            layout = engine_layout_for(B, ctx, Hkv, D, q, mix, env["dev"], env["max_bytes"])
-            default_out = None
-            for cfg in configs:
-                row = {"model": model, "batch": B, "context": ctx, "variant": v,
-                       "config": cfg if cfg is not None else "default"}
-                try:
-                    r = filled_timing(kernel, B, ctx, Hq, Hkv, D, q, mix, env["dev"], args.iters or 10,
-                                      env["max_bytes"], cfg, layout)
-                    out = kernel(q, layout.layer, layout.tables[0], config=kernel.make_config(cfg))
-                    default_out = out if cfg is None else default_out
-                    if default_out is not None:
-                        r["max_abs_diff_vs_default"] = float((out.float() - default_out.float()).abs().max())
-                    row.update(ms=r["ms"], bytes=r["bytes"], copies=r["copies"], graphed=r["graphed"],
-                               pct_copy_bw=100 * r["bytes"] / (r["ms"] * 1e-3) / env["copy_bw"],
-                               **{k: r[k] for k in ("max_abs_diff_vs_default",) if k in r})
-                except Exception as exc:  # noqa: BLE001 - a config the kernel rejects
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                rows.append(row)
-                print("sweep", {k: row[k] for k in row if k not in ("bytes",)}, flush=True)
-            del layout
-            if env["dev"].type == "cuda":
-                torch.cuda.empty_cache()
+            cases.append((model, B, ctx, v, q, engine_layout_for(B, ctx, Hkv, D, q, v[len("filled_"):], dev,
+                                                                  env["max_bytes"])))
+    default_out = {}
+    for i, cfg in enumerate(configs):
+        if i and time.time() - t0 > args.sweep_budget_s:
+            rows.append({"config": cfg, "skipped": f"--sweep-budget-s {args.sweep_budget_s} spent"})
+            continue
+        for model, B, ctx, v, q, layout in cases:
+            Hq, Hkv, D = MODELS[model]
+            row = {"model": model, "batch": B, "context": ctx, "variant": v,
+                   "config": cfg if cfg is not None else "default"}
+            try:
+                r = filled_timing(kernel, B, ctx, Hq, Hkv, D, q, v[len("filled_"):], dev, args.iters or 10,
+                                  env["max_bytes"], cfg, layout)
+                out = kernel(q, layout.layer, layout.tables[0], config=kernel.make_config(cfg)).float()
+                ref = default_out.setdefault((model, B, ctx, v), out)
+                row.update(ms=r["ms"], bytes=r["bytes"], copies=r["copies"], graphed=r["graphed"],
+                           pct_copy_bw=100 * r["bytes"] / (r["ms"] * 1e-3) / env["copy_bw"],
+                           max_abs_diff_vs_default=float((out - ref).abs().max()))
+            except Exception as exc:  # noqa: BLE001 - a config the kernel rejects
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+            print("sweep", {k: row[k] for k in row if k != "bytes"}, flush=True)
+    del cases
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     best = {}
-    for model in {r["model"] for r in rows}:
+    for model in {r["model"] for r in rows if "model" in r}:
         for v in FILLED:
-            points = {(r["batch"], r["context"]) for r in rows if r["model"] == model and r["variant"] == v}
+            sel = [r for r in rows if r.get("model") == model and r.get("variant") == v]
+            points = {(r["batch"], r["context"]) for r in sel if r["config"] == "default" and "ms" in r}
             scores = {}
             for i, cfg in enumerate(configs):
-                ms = [r["ms"] for r in rows if r["model"] == model and r["variant"] == v and "ms" in r
-                      and r["config"] == (cfg if cfg is not None else "default")]
+                ms = [r["ms"] for r in sel if r["config"] == (cfg if cfg is not None else "default") and "ms" in r]
                 if points and len(ms) == len(points):
                     scores[i] = math.exp(sum(math.log(m) for m in ms) / len(ms))
             if scores:
                 best[(model, v)] = configs[min(scores, key=scores.get)]
-    return rows, best
+    return best
 
 
 def meta(args, env, rows, skipped, sweep_rows, best, partial) -> dict:
@@ -265,7 +272,7 @@ def run(args, on_update=None) -> dict:
 
     try:
         if args.sweep_configs:
-            sweep_rows, best = sweep(args, env)
+            best.update(sweep(args, env, sweep_rows))
             update()
         configs = best if args.measure_config == "best" else {}
         for model in args.models:
@@ -292,18 +299,18 @@ def run(args, on_update=None) -> dict:
     return meta(args, env, rows, skipped, sweep_rows, best, False)
 
 
-def plot(data: dict, path: str) -> None:
+def plot(data: dict, path: str) -> bool:
     """Per model: speed vs SDPA and % of SDPA's read bandwidth over context, one column per batch."""
+    rows = data["results"]
+    if not rows:
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = data["results"]
     models = sorted({r["model"] for r in rows})
     batches = sorted({r["batch"] for r in rows})
-    if not rows:
-        return
     variants = [v for v in ALL_VARIANTS if any("ms" in r.get(v, {}) for r in rows)]
     fig, axes = plt.subplots(2 * len(models), len(batches), figsize=(5 * len(batches), 3.6 * 2 * len(models)),
                              squeeze=False)
@@ -328,6 +335,7 @@ def plot(data: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -345,6 +353,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--configs", type=json.loads, default=[],
                     help="JSON list of dicts, each passed as FilledDecodeConfig(**d)")
     ap.add_argument("--sweep-points", nargs="+", default=list(DEFAULT_SWEEP_POINTS), help="MODEL:BATCH:CONTEXT")
+    ap.add_argument("--sweep-budget-s", type=float, default=120.0,
+                    help="start no further config once the sweep has run this long")
     ap.add_argument("--measure-config", choices=["best", "default"], default="best",
                     help="after a sweep: measure with each (model, variant)'s best config or the defaults")
     ap.add_argument("--out-dir", default=None, help="where the JSON and PNG go (default benchmarks/results)")
@@ -375,8 +385,8 @@ def main(argv: list[str] | None = None) -> None:
     path = dump(data)
     print("wrote", path)
     try:
-        plot(data, path.replace(".json", ".png"))
-        print("wrote", path.replace(".json", ".png"))
+        if plot(data, path.replace(".json", ".png")):
+            print("wrote", path.replace(".json", ".png"))
     except Exception as exc:  # noqa: BLE001
         print("plot failed:", repr(exc))
 

@@ -95,6 +95,12 @@ def run_engine(args, model_dir: str, preset: dict, context: int, batch: int, bud
     engine = Engine(model_dir, **kw)
     try:
         start_s = time.time() - t0
+        # the engine's request bound: the pool (b = 1) or its fp16 store (tiered); smaller than
+        # planned means the memory fraction did not give the pool it asked for
+        held, want = engine.get_server_info()["max_total_num_tokens"], plan["request_bound"]
+        if held < want:
+            raise RuntimeError(f"the engine's pool bounds a request at {held} tokens, the workload's plan at {want}: "
+                               f"engine_kwargs {kw}")
         prefill_s, _ = timed_generate(engine, prompts, 1)
         t1, t2, cached = [], [], []
         for _ in range(args.repeats):
@@ -144,6 +150,8 @@ def plot(path_png: str, title: str, rows: list[dict]) -> bool:
     except ImportError:
         return False
     ran = [r for r in rows if "decode_tok_s" in r]
+    if not ran:
+        return False
     shapes = sorted({(r["batch"], r["context"]) for r in rows})
     series = sorted({(r["kv_tier_budget"], r["backend"]) for r in rows}, reverse=True)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))

@@ -1,7 +1,8 @@
 """KV pool sizes that hold a decode benchmark's workload at a tier budget (plain arithmetic + the
 engine's own store planner; unit-tested on CPU).
 
-    plan_pool(arch, dtype, context, batch, budget, n2, policy) -> {"pool_tokens", "kv_pool_bytes", ...}
+    plan_pool(arch, dtype, context, batch, budget, n2, policy) -> {"pool_tokens", "kv_pool_bytes",
+                                                                   "request_bound", "stores", ...}
     fits(device, plan, headroom)                                -> (ok, bytes needed, bytes free)
 
 Every request lives to its last token: req = context + n2 + SLACK tokens.
@@ -87,7 +88,7 @@ def plan_pool(arch, dtype, context: int, batch: int, budget: float, n2: int, pol
     if budget >= 1.0:
         size = batch * math.ceil(req / FP16_PAGE) * FP16_PAGE + FP16_PAGE
         return {"pool_tokens": size, "kv_pool_bytes": size * full, "kv_full_bytes_per_token": full,
-                "tokens_needed": batch * req, "stores": None}
+                "tokens_needed": batch * req, "stores": None, "request_bound": size}
     from sgl_kvxfer.mem_cache import tier_store_plan
 
     need16, need8, need4, fractions, cfg = _tier_needs(arch, context, batch, n2, budget, policy)
@@ -106,7 +107,8 @@ def plan_pool(arch, dtype, context: int, batch: int, budget: float, n2: int, pol
     plan = ok(hi)[1]
     return {"pool_tokens": hi, "kv_pool_bytes": hi * full, "kv_full_bytes_per_token": full,
             "tokens_needed": batch * req, "stores": {"n16": plan.n16, "n8": plan.n8, "n4": plan.n4},
-            "store_needs": {"n16": need16, "n8": need8, "n4": need4}, "planned_fractions": fractions}
+            "store_needs": {"n16": need16, "n8": need8, "n4": need4}, "planned_fractions": fractions,
+            "request_bound": plan.n16}
 
 
 def free_device_bytes(device: str) -> int:
