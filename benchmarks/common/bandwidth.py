@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 L2_FACTOR = 3
-MAX_COPIES = 512
+MAX_COPIES = 256
 
 
 def rotation_copies(nbytes: int, device: torch.device, max_bytes: int | None = None,

@@ -140,6 +140,25 @@ def roofline(row: dict, bandwidths: dict) -> None:
             row[f"fraction_of_roofline_{name}"] = step_bytes / bw / row["decode_step_s"]
 
 
+def summary(rows: list[dict]) -> str:
+    """A markdown table of the rows (skipped and failed points included)."""
+    out = ["| batch | context | b | decode tok/s | step ms | KV B/token (of fp16) | roofline ms copy / SDPA | "
+           "% of roofline copy / SDPA |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {r['batch']} | {r['context']} | {r['kv_tier_budget']:g} |"
+        if "decode_tok_s" not in r:
+            why = r.get("skipped") or r.get("error", "")
+            out.append(f"{head} {'skipped' if 'skipped' in r else 'error'}: {why[:120]} | | | | |")
+            continue
+        roof = " / ".join(f"{r[f'roofline_step_s_{k}'] * 1e3:.2f}" if f"roofline_step_s_{k}" in r else "-"
+                          for k in ("copy", "sdpa"))
+        frac = " / ".join(f"{r[f'fraction_of_roofline_{k}']:.0%}" if f"fraction_of_roofline_{k}" in r else "-"
+                          for k in ("copy", "sdpa"))
+        out.append(f"{head} {r['decode_tok_s']:.1f} | {r['decode_step_s'] * 1e3:.2f} | {r['kv_bytes_per_token']:.0f} "
+                   f"({r['kv_fraction_of_fp16']:.3f}) | {roof} | {frac} |")
+    return "\n".join(out)
+
+
 def plot(path_png: str, title: str, rows: list[dict]) -> bool:
     """Decode tok/s per (batch, context) and budget | fraction of the SDPA-bandwidth roofline."""
     try:
@@ -246,6 +265,7 @@ def main(argv: list[str] | None = None) -> str:
     except KeyboardInterrupt:
         print("interrupted: writing the points measured so far", flush=True)
     path = write_json(name, payload(partial), args.out_dir)
+    print(summary(rows))
     print("wrote", path)
     title = f"e2e decode through Engine.generate, {args.preset} dummy weights, {device}"
     if plot(path[:-5] + ".png", title, rows):

@@ -50,7 +50,7 @@ stage() {  # stage NAME LIMIT_S CMD... : run with a time limit, log its time and
   timeout -s INT -k 30 "$limit" "$@" > "$OUT/$name.log" 2>&1
   rc=$?
   say "== $name: exit $rc ($([ $rc = 124 ] && echo "stopped at its ${limit} s limit" || echo done)) in $(( $(date +%s) - t )) s"
-  tail -n "${TAIL:-12}" "$OUT/$name.log" | cut -c1-300 | tee -a "$LOG"
+  tail -n "${TAIL:-45}" "$OUT/$name.log" | cut -c1-300 | tee -a "$LOG"
 }
 
 fi_jit=()
