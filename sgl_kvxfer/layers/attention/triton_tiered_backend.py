@@ -5,16 +5,16 @@ slot-granular (pages of one token), so each layer is one kernels/paged_layout.Ti
 with per-tier page sizes, and each batch one set of FILLED block tables (mem_cache/tiered_rows.py):
 
     prepare_metadata (once per batch)   req_to_token rows [B, L] -> tier_block_tables, on device
-                                        (decode: L = max(seq_lens); extend: the prefixes)
+                                        (decode: L = max(seq_lens); extend: the prefixes), and
+                                        the decode split plan (host numbers only)
     prepare_graph_metadata (CUDA graph) the same with L = the context bound: every shape fixed,
                                         no host sync, so the engine replays it every step
     forward (per layer)                 store the new tokens (fp16 ids) -> kernel over the layer view
 
-Kernels: `tiered_decode` / `_extend_kernel_path` call kernels.decode_attention.decode_attention_tiered
-and kernels.extend_attention.extend_attention_tiered where they read this layout
-(FILLED_DECODE_KERNEL / FILLED_EXTEND_KERNEL, below). Until then decode runs the torch reference
-over the same tables and extend the torch backend (`get_kv`, SDPA), both exact up to summation
-order. SpectrumKV's importance capture (`attn_observer`) is fed on every extend path.
+Kernels: decode is kernels.filled_decode_attention.decode_attention_filled (split-K, folded
+scales, int4 on split nibbles; CUDA-graph capturable), extend is
+kernels.extend_attention.extend_attention_tiered; both read the tables as they are. SpectrumKV's
+importance capture (`attn_observer`) is fed on every extend path.
 """
 from __future__ import annotations
 
@@ -25,27 +25,17 @@ import torch
 
 from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.layers.attention.base import AttentionBackend
-from sgl_kvxfer.layers.attention.torch_backend import TorchAttentionBackend
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
 from sgl_kvxfer.mem_cache.tiered_rows import tier_block_tables, tier_layer_view
 from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
 
 logger = logging.getLogger(__name__)
 
-# The kernels on main read dense tables over uniform pages only; the filled form with per-tier
-# page sizes comes with the same signatures (branches kdecode / kextend). Set True when merged.
-FILLED_DECODE_KERNEL = False
-FILLED_EXTEND_KERNEL = True
-
-
-def tiered_decode(q, layer, tables, sm_scale: float, out=None) -> torch.Tensor:
+def tiered_decode(q, layer, tables, sm_scale: float, out=None, plan=None) -> torch.Tensor:
     """Decode attention q [B, Hq, D] over a TieredKVLayer with (filled) tables -> [B, Hq, D]."""
-    from sgl_kvxfer.kernels.decode_attention import decode_attention_tiered, decode_attention_tiered_reference
+    from sgl_kvxfer.kernels.filled_decode_attention import decode_attention_filled
 
-    if FILLED_DECODE_KERNEL or (layer.uniform_pages and not tables.filled):
-        return decode_attention_tiered(q, layer, tables, sm_scale=sm_scale, out=out)
-    res = decode_attention_tiered_reference(q, layer, tables, sm_scale=sm_scale)
-    return res if out is None else out.copy_(res)
+    return decode_attention_filled(q, layer, tables, sm_scale=sm_scale, out=out, plan=plan, check=False)
 
 
 @dataclass
@@ -53,7 +43,7 @@ class _TieredPlan:
     tables: object  # kernels.paged_layout.TieredBlockTables (filled): decode keys / extend prefixes
     qo_indptr: torch.Tensor | None = None  # extend: int32 [B + 1]
     max_extend_len: int = 1
-    torch_plan: object = None  # extend on the torch backend: its own plan
+    decode_plan: object = None  # kernels.filled_decode_attention.FilledDecodePlan (decode)
 
 
 class TritonTieredAttentionBackend(AttentionBackend):
@@ -74,11 +64,6 @@ class TritonTieredAttentionBackend(AttentionBackend):
             raise ValueError(f"--attention-backend triton over tiered KV needs --kv-tier-page-size a power of "
                              f"two >= 16, got {page}")
         use_interpreter_on_cpu(str(kv_pool.device))  # normally on already (Engine / scheduler process)
-        if str(kv_pool.device).startswith("cuda") and not FILLED_DECODE_KERNEL:
-            self.supports_cuda_graph = False  # the torch reference syncs with the host per request
-            logger.warning("tiered decode runs the torch reference (the decode kernel does not read "
-                           "filled tables yet): no CUDA graphs")
-        self._torch = TorchAttentionBackend(kv_pool, num_q_heads, num_kv_heads, head_dim)
         self._views, self._views_of = [], None
 
     def kv_pool_resized(self) -> None:
@@ -101,11 +86,9 @@ class TritonTieredAttentionBackend(AttentionBackend):
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         self._layers()
         if batch.mode == ForwardMode.DECODE:
-            batch.attn_metadata = _TieredPlan(self._tables(batch, batch.seq_lens, max(batch.seq_lens_cpu)))
-            return
-        if not FILLED_EXTEND_KERNEL:
-            self._torch.prepare_metadata(batch)
-            batch.attn_metadata = _TieredPlan(None, torch_plan=batch.attn_metadata)
+            width = max(batch.seq_lens_cpu)
+            batch.attn_metadata = _TieredPlan(self._tables(batch, batch.seq_lens, width),
+                                              decode_plan=self._decode_plan(len(batch.seq_lens_cpu), width))
             return
         dev = batch.req_to_token.device
         indptr = [0]
@@ -121,20 +104,21 @@ class TritonTieredAttentionBackend(AttentionBackend):
         device ops (sort, cumsum, scatter) the graph captures; padding rows (seq_len 0) hold no key."""
         assert batch.mode == ForwardMode.DECODE
         self._layers()
-        batch.attn_metadata = _TieredPlan(self._tables(batch, batch.seq_lens, max_seq_len))
+        batch.attn_metadata = _TieredPlan(self._tables(batch, batch.seq_lens, max_seq_len),
+                                          decode_plan=self._decode_plan(batch.req_pool_indices.shape[0], max_seq_len))
+
+    def _decode_plan(self, batch_size: int, max_tokens: int):
+        from sgl_kvxfer.kernels.filled_decode_attention import plan_filled_decode
+
+        return plan_filled_decode(batch_size, self.num_kv_heads, max_tokens, self.kv_pool.device)
 
     # ------------------------------------------------------------------ run
     def forward(self, q, k, v, layer_id, batch):
         plan = batch.attn_metadata
         if batch.mode == ForwardMode.DECODE:
             self.kv_pool.set_kv_fp16(layer_id, batch.out_cache_loc, k, v)  # new tokens: fp16 ids
-            return tiered_decode(q.contiguous(), self._views[layer_id], plan.tables, self.scale)
-        if plan.torch_plan is not None:
-            batch.attn_metadata = plan.torch_plan
-            try:
-                return self._torch.forward(q, k, v, layer_id, batch)
-            finally:
-                batch.attn_metadata = plan
+            return tiered_decode(q.contiguous(), self._views[layer_id], plan.tables, self.scale,
+                                 plan=plan.decode_plan)
         return self._extend_kernel_path(q, k, v, layer_id, batch, plan)
 
     def _extend_kernel_path(self, q, k, v, layer_id, batch, plan):
