@@ -96,8 +96,12 @@ def fake_kernel_module(calls: list) -> types.ModuleType:
 def test_sweep_times_every_config_and_measures_with_the_best(tmp_path, monkeypatch):
     import attention
 
+    import sgl_kvxfer.kernels
+
     calls = []
-    monkeypatch.setitem(sys.modules, "sgl_kvxfer.kernels.filled_decode_attention", fake_kernel_module(calls))
+    fake = fake_kernel_module(calls)
+    monkeypatch.setitem(sys.modules, "sgl_kvxfer.kernels.filled_decode_attention", fake)
+    monkeypatch.setattr(sgl_kvxfer.kernels, "filled_decode_attention", fake, raising=False)  # if imported before
     attention.main(["--device", "cpu", "--models", "smollm2", "--contexts", "64", "--batches", "1", "--iters", "1",
                     "--variants", "sdpa_fp16", "filled_int8", "filled_mix_b0.5", "--sweep-configs",
                     "--configs", json.dumps([{"block_n": 16, "slow": True}, {"block_n": 32}]),
