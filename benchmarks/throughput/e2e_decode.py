@@ -9,7 +9,9 @@
        recomputed), so both calls pay the same small prefill and the decode step is
            step = (T(n2) - T(n1)) / (n2 - n1)      (medians of the repeats)
        which takes every per-step cost the engine has (scheduling, allocation, forward,
-       sampling, demotion of old tokens at b < 1) and nothing else.
+       sampling) and nothing else. Demotion of generated tokens at b < 1 runs once 2R of them
+       wait (R = --kv-decode-recent, 64), every R steps after that: the window n1..n2 includes
+       it only where n2 > 2R (the default 16..80 does not; e.g. --n1 16 --n2 272 does).
 
 Pool sizing (pool_plan.py): each budget's pool is sized from the workload, i.e. every request to
 its last token at that budget's tier mix (b < 1: the tiered pool's stores from the engine's own

@@ -18,7 +18,8 @@
 # 16k, 32k, then batch 32): at the default T_E2E an H100 gets through about batch 8; a call of its
 # own, `E2E_BATCHES=32 T_E2E=420 bash scripts/gpu/issue19.sh e2e` (about 7.5 min), runs batch 32.
 # Knobs: CONFIGS (JSON list of FilledDecodeConfig kwargs, default []), ATTN_CONTEXTS, ATTN_BATCHES,
-# ATTN_MODELS, E2E_CONTEXTS, E2E_BATCHES, E2E_BUDGETS.
+# ATTN_MODELS, E2E_CONTEXTS, E2E_BATCHES, E2E_BUDGETS, E2E_N1 / E2E_N2 (the timed decode window, 8..40:
+# no decode demotion inside it; e2e_decode.py's docstring).
 #
 # CPU check of the plumbing at toy sizes (tests deselected, tiny shapes, Triton's interpreter):
 #   OUT=/tmp/issue19 DEVICE=cpu bash scripts/gpu/issue19.sh
@@ -100,7 +101,7 @@ for s in $STAGES; do
     e2e)
       if [ "$DEVICE" = cuda ]; then
         args=(--preset llama-3-8b --context ${E2E_CONTEXTS:-16384 32768} --batch ${E2E_BATCHES:-8 32}
-              --n1 8 --n2 40 --repeats 2)
+              --n1 "${E2E_N1:-8}" --n2 "${E2E_N2:-40}" --repeats 2)
       else
         args=(--device cpu --preset tiny --context 64 --batch 2 --n1 1 --n2 2 --repeats 1)
       fi
