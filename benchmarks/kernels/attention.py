@@ -345,7 +345,7 @@ def plot(data: dict, path: str) -> bool:
                 ax.grid(True, which="both", alpha=0.3)
                 ax.legend(fontsize=6)
     fig.suptitle(f"{data['device']} @ {str(data['commit'])[:10]}, copy {data['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
-                 f"{data['filled_kernel'][:60]}", fontsize=9)
+                 f"{data.get('filled_kernel', '')[:60]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
