@@ -38,44 +38,46 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common.report import git_commit, write_json  # noqa: E402
 
-try:  # attention.py's timing helpers (graph capture with eager fallback; events, flush, median)
-    from attention import _graphed, _median_ms, copy_bandwidth  # noqa: E402
-except ImportError:  # attention.py rewritten without them: the same method, here
-    def _graphed(fn, cuda: bool = True):
-        if not cuda:
-            return fn, False
-        try:
+# Timing helpers (graph capture with eager fallback; events, flush, median): this script's own
+# method; attention.py times FlashInfer through common/bandwidth.py's rotated copies instead.
+def _graphed(fn, cuda: bool = True):
+    if not cuda:
+        return fn, False
+    try:
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
             fn()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            return g.replay, True
-        except Exception as exc:  # noqa: BLE001
-            print("graph capture failed, timing eager:", repr(exc)[:200], flush=True)
-            torch.cuda.synchronize()
-            return fn, False
+        return g.replay, True
+    except Exception as exc:  # noqa: BLE001
+        print("graph capture failed, timing eager:", repr(exc)[:200], flush=True)
+        torch.cuda.synchronize()
+        return fn, False
 
-    def _median_ms(fn, flush, iters: int, warmup: int = 3) -> float:
-        for _ in range(warmup):
-            fn()
-        ts = []
-        for _ in range(iters):
-            flush.zero_()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e))
-        ts.sort()
-        return ts[len(ts) // 2]
 
-    def copy_bandwidth(flush, nbytes: int = 1 << 30) -> float:
-        a = torch.empty(nbytes, dtype=torch.uint8, device=flush.device)
-        b = torch.empty_like(a)
-        ms = _median_ms(lambda: b.copy_(a), flush, 10)
-        return 2 * nbytes / (ms * 1e-3)
+def _median_ms(fn, flush, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        flush.zero_()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def copy_bandwidth(flush, nbytes: int = 1 << 30) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device=flush.device)
+    b = torch.empty_like(a)
+    ms = _median_ms(lambda: b.copy_(a), flush, 10)
+    return 2 * nbytes / (ms * 1e-3)
+
 
 MODELS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
 PAGE = 64

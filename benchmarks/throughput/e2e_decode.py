@@ -1,7 +1,7 @@
 """End-to-end decode throughput through the offline Engine, per SpectrumKV tier budget.
 
 `batch` requests of `context` random tokens each (dummy weights, realistic shapes) run through
-`Engine.generate` only, the public entry point. Per budget and attention backend, one engine:
+`Engine.generate` only, the public entry point. Per (batch, context) point and budget, one engine:
 
     1. prefill: generate(max_new_tokens=1) on every prompt (timed: includes the Triton JIT)
     2. decode:  generate(max_new_tokens=n1) and generate(max_new_tokens=n2) on the same prompts,
@@ -9,17 +9,26 @@
        recomputed), so both calls pay the same small prefill and the decode step is
            step = (T(n2) - T(n1)) / (n2 - n1)      (medians of the repeats)
        which takes every per-step cost the engine has (scheduling, allocation, forward,
-       sampling, demotion of old tokens at b < 1) and nothing else.
+       sampling) and nothing else. Demotion of generated tokens at b < 1 runs once 2R of them
+       wait (R = --kv-decode-recent, 64), every R steps after that: the window n1..n2 includes
+       it only where n2 > 2R (the default 16..80 does not; e.g. --n1 16 --n2 272 does).
 
-The pool is sized to hold every request to its last token, from what the device has: the batch
-shrinks (and the result says so) when `batch x (context + n2)` tokens do not fit next to the
-weights. Reports tokens/s (= batch / step), resident KV bytes (per context token, and vs fp16)
-and the weights + KV bytes roofline of the step at the measured copy bandwidth.
+Pool sizing (pool_plan.py): each budget's pool is sized from the workload, i.e. every request to
+its last token at that budget's tier mix (b < 1: the tiered pool's stores from the engine's own
+planner, the fp16 store holding one whole request plus every request's fp16 share and decode
+window). A point whose weights + pool + headroom exceed the device's free memory is skipped and
+recorded with the bytes it needs; a budget that fits runs even where b = 1.0 does not.
+
+Roofline per step: (weight bytes one forward reads + resident KV bytes the step attends) over a
+bandwidth measured in the same run, twice: torch's copy (read + write bytes / s) and SDPA's
+effective read bandwidth on one decode step at the point's (batch, context) and head shape
+(docs/lowbit-decode.md: the practical ceiling of a decode kernel). Resident KV bytes per token
+come from the engine (/get_server_info's kv_bytes_per_token: scales included, dropped tokens not).
 
     python benchmarks/throughput/e2e_decode.py --preset llama-3-8b --context 16384 32768 \
-        --batch 8 32 --kv-tier-budgets 1.0 0.5 0.25              # GPU
-    python benchmarks/throughput/e2e_decode.py --preset tiny --context 128 --batch 2 \
-        --n1 2 --n2 4 --repeats 1 --device cpu                       # CPU smoke run
+        --batch 8 32 --kv-tier-budgets 1.0 0.5 0.25                   # GPU
+    python benchmarks/throughput/e2e_decode.py --preset tiny --context 64 --batch 2 \
+        --n1 1 --n2 2 --repeats 1 --device cpu                         # CPU smoke run
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ import argparse
 import gc
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -35,10 +45,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.bandwidth import copy_bandwidth_Bps, sdpa_decode  # noqa: E402
 from common.report import device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
-from common.roofline import copy_bandwidth  # noqa: E402
-
-HEADROOM_BYTES = 6 * 2**30  # activations of a prefill chunk, CUDA graphs, the allocator's slack
+from pool_plan import FP16_PAGE, HEADROOM_BYTES, fits, plan_pool, weight_bytes_read, weight_bytes_resident  # noqa: E402
 
 
 def sync():
@@ -46,105 +56,113 @@ def sync():
         torch.cuda.synchronize()
 
 
-def kv_bytes_per_token(preset: dict, dtype: str) -> float:
-    dim = preset.get("head_dim") or preset["hidden_size"] // preset["num_attention_heads"]
-    elem = 4 if dtype in ("float", "float32") else 2
-    return 2.0 * preset["num_hidden_layers"] * preset["num_key_value_heads"] * dim * elem
-
-
-def weight_bytes(preset: dict, dtype: str) -> float:
-    h, i, v, n = preset["hidden_size"], preset["intermediate_size"], preset["vocab_size"], preset["num_hidden_layers"]
-    dim = preset.get("head_dim") or h // preset["num_attention_heads"]
-    qkv = h * dim * (preset["num_attention_heads"] + 2 * preset["num_key_value_heads"])
-    per_layer = qkv + preset["num_attention_heads"] * dim * h + 3 * h * i + 2 * h
-    elem = 4 if dtype in ("float", "float32") else 2
-    return float(elem * (n * per_layer + v * h * (1 if preset.get("tie_word_embeddings") else 2) + h))
-
-
-def fit_batch(args, preset: dict, context: int, batch: int) -> tuple[int, int]:
-    """(batch that fits, pool tokens it needs): every request to its last token, in the KV
-    memory the device has after the weights and HEADROOM_BYTES. An fp16 pool of this size also
-    holds the tiered pools of b < 1 (they get the same memory, divided into smaller tiers)."""
-    need_per_req = context + args.n2 + 2 * 64 + 64  # + the decode window and a page of slack
-    if args.device == "cpu":
-        return batch, batch * need_per_req + 1024
-    free, _ = torch.cuda.mem_get_info()
-    kv_room = free - weight_bytes(preset, args.dtype) - HEADROOM_BYTES
-    fits = int(kv_room // (need_per_req * kv_bytes_per_token(preset, args.dtype)))
-    if fits < 1:
-        raise SystemExit(f"context {context} does not fit this device even at batch 1 "
-                         f"({free / 2**30:.1f} GiB free)")
-    batch = min(batch, fits)
-    return batch, batch * need_per_req + 1024
-
-
-def engine_kwargs(args, preset: dict, budget: float, backend: str, pool_tokens: int, batch: int) -> dict:
+def engine_kwargs(args, plan: dict, budget: float, backend: str, batch: int) -> dict:
     kw = dict(load_format="dummy", dtype=args.dtype, device=args.device, attention_backend=backend,
-              max_running_requests=batch, max_total_tokens=pool_tokens, chunked_prefill_size=args.chunk,
+              max_running_requests=batch, max_total_tokens=plan["pool_tokens"], chunked_prefill_size=args.chunk,
               max_prefill_tokens=args.chunk)
+    if args.context_length:
+        kw["context_length"] = args.context_length
     if args.device != "cpu":
-        # what is used now + the weights + the pool, as a fraction (the pool is capped at
-        # max_total_tokens anyway; engine/memory.py)
+        # what others use now + the weights + the pool (+1 GiB), as a fraction: the pool is then
+        # exactly max_total_tokens (engine/memory.py caps it there)
         free, total = torch.cuda.mem_get_info()
-        need = total - free + weight_bytes(preset, args.dtype) + pool_tokens * args.kv_bytes + 2**30
-        kw["mem_fraction_static"] = min(0.95, need / total)
+        need = total - free + plan["weight_bytes"] + plan["kv_pool_bytes"] + 2**30
+        kw["mem_fraction_static"] = min(0.97, need / total)
     if budget < 1.0:
-        # `greedy` at the budget; int4 forced on (the probe decides int4 for real models only)
+        # the policy at the budget; int4 forced on (the probe decides int4 for real models only)
         kw.update(kv_tier_budget=budget, kv_tier_policy=args.kv_tier_policy, kv_int4="on")
     return kw
 
 
-def timed_generate(engine, prompts, n: int) -> float:
+def timed_generate(engine, prompts, n: int) -> tuple[float, int]:
+    """(seconds, fewest prompt tokens any request found cached)."""
     params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
     sync()
     t = time.perf_counter()
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     sync()
+    elapsed = time.perf_counter() - t
     assert all(o["meta_info"]["completion_tokens"] == n for o in outs)
-    return time.perf_counter() - t
+    return elapsed, min(int(o["meta_info"].get("cached_tokens", 0)) for o in outs)
 
 
-def resident_kv(engine, kv_tokens: int, full: float) -> dict:
-    """KV held now (scales included): the pool's resident bytes per token (what /server_info
-    reports) x the tokens a decode step reads; `full` is the fp16 pool's bytes per token."""
-    per_token = float(engine.get_server_info()["kv_bytes_per_token"])
-    return {"kv_bytes_per_token": per_token, "kv_full_bytes_per_token": full,
-            "kv_fraction_of_fp16": per_token / full, "kv_resident_bytes": per_token * kv_tokens}
-
-
-def run_point(args, model_dir: str, preset: dict, context: int, batch: int, budget: float, backend: str) -> dict:
+def run_engine(args, model_dir: str, preset: dict, context: int, batch: int, budget: float, backend: str,
+               plan: dict) -> dict:
     from sgl_kvxfer import Engine
 
-    fitted, pool_tokens = fit_batch(args, preset, context, batch)
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(10, preset["vocab_size"]) for _ in range(context)] for _ in range(fitted)]
-    kw = engine_kwargs(args, preset, budget, backend, pool_tokens, fitted)
+    prompts = [[rng.randrange(10, preset["vocab_size"]) for _ in range(context)] for _ in range(batch)]
+    kw = engine_kwargs(args, plan, budget, backend, batch)
+    t0 = time.time()
     engine = Engine(model_dir, **kw)
-    prefill_s = timed_generate(engine, prompts, 1)
-    t1, t2 = [], []
-    for _ in range(args.repeats):
-        t1.append(timed_generate(engine, prompts, args.n1))
-        t2.append(timed_generate(engine, prompts, args.n2))
-    step = (statistics.median(t2) - statistics.median(t1)) / (args.n2 - args.n1)
-    kv = resident_kv(engine, fitted * (context + (args.n1 + args.n2) // 2), args.kv_bytes)
-    wbytes = weight_bytes(preset, args.dtype)
-    engine.shutdown()
-    del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    out = {"context": context, "batch": fitted, "batch_asked": batch, "kv_tier_budget": budget, "backend": backend,
-           "engine_kwargs": kw, "prefill_s": prefill_s, "prefill_tok_s": fitted * context / prefill_s,
-           "generate_s": {"n1": t1, "n2": t2}, "decode_step_s": step, "decode_tok_s": fitted / step,
-           "weight_bytes": wbytes, **kv}
-    if args.bandwidth:
-        out["roofline_step_s"] = (wbytes + kv["kv_resident_bytes"]) / args.bandwidth
-        out["fraction_of_roofline"] = out["roofline_step_s"] / step
-    return out
+    try:
+        start_s = time.time() - t0
+        # the engine's request bound: the pool (b = 1) or its fp16 store (tiered); smaller than
+        # planned means the memory fraction did not give the pool it asked for
+        held, want = engine.get_server_info()["max_total_num_tokens"], plan["request_bound"]
+        if held < want:
+            raise RuntimeError(f"the engine's pool bounds a request at {held} tokens, the workload's plan at {want}: "
+                               f"engine_kwargs {kw}")
+        prefill_s, _ = timed_generate(engine, prompts, 1)
+        t1, t2, cached = [], [], []
+        for _ in range(args.repeats):
+            for n, ts in ((args.n1, t1), (args.n2, t2)):
+                s, c = timed_generate(engine, prompts, n)
+                ts.append(s)
+                cached.append(c)
+        step = (statistics.median(t2) - statistics.median(t1)) / (args.n2 - args.n1)
+        info = engine.get_server_info()
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    per_token = float(info["kv_bytes_per_token"])
+    kv_tokens = batch * (context + (args.n1 + args.n2) // 2)  # what a timed step attends, on average
+    return {"engine_kwargs": kw, "engine_start_s": start_s, "prefill_s": prefill_s,
+            "prefill_tok_s": batch * context / prefill_s, "generate_s": {"n1": t1, "n2": t2},
+            "cached_tokens_min": min(cached),
+            # a paged pool matches whole pages and recomputes the last token: up to a page is recomputed
+            "all_prompts_cached": min(cached) >= context - FP16_PAGE,
+            "decode_step_s": step, "decode_tok_s": batch / step,
+            "kv_bytes_per_token": per_token, "kv_full_bytes_per_token": plan["kv_full_bytes_per_token"],
+            "kv_fraction_of_fp16": per_token / plan["kv_full_bytes_per_token"],
+            "kv_tokens_per_step": kv_tokens, "kv_resident_bytes": per_token * kv_tokens,
+            "max_total_num_tokens": info.get("max_total_num_tokens")}
+
+
+def roofline(row: dict, bandwidths: dict) -> None:
+    """Weights + KV bytes of one step over each bandwidth, and the measured step's share, in place."""
+    step_bytes = row["weight_bytes_read_per_step"] + row["kv_resident_bytes"]
+    row["step_bytes"] = step_bytes
+    for name, bw in bandwidths.items():
+        if bw:
+            row[f"roofline_step_s_{name}"] = step_bytes / bw
+            row[f"fraction_of_roofline_{name}"] = step_bytes / bw / row["decode_step_s"]
+
+
+def summary(rows: list[dict]) -> str:
+    """A markdown table of the rows (skipped and failed points included)."""
+    out = ["| batch | context | b | decode tok/s | step ms | KV B/token (of fp16) | roofline ms copy / SDPA | "
+           "% of roofline copy / SDPA |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {r['batch']} | {r['context']} | {r['kv_tier_budget']:g} |"
+        if "decode_tok_s" not in r:
+            why = r.get("skipped") or r.get("error", "")
+            out.append(f"{head} {'skipped' if 'skipped' in r else 'error'}: {why[:120]} | | | | |")
+            continue
+        roof = " / ".join(f"{r[f'roofline_step_s_{k}'] * 1e3:.2f}" if f"roofline_step_s_{k}" in r else "-"
+                          for k in ("copy", "sdpa"))
+        frac = " / ".join(f"{r[f'fraction_of_roofline_{k}']:.0%}" if f"fraction_of_roofline_{k}" in r else "-"
+                          for k in ("copy", "sdpa"))
+        out.append(f"{head} {r['decode_tok_s']:.1f} | {r['decode_step_s'] * 1e3:.2f} | {r['kv_bytes_per_token']:.0f} "
+                   f"({r['kv_fraction_of_fp16']:.3f}) | {roof} | {frac} |")
+    return "\n".join(out)
 
 
 def plot(path_png: str, title: str, rows: list[dict]) -> bool:
-    """Decode tok/s per (context, batch) and budget | fraction of the weights+KV roofline."""
+    """Decode tok/s per (batch, context) and budget | fraction of the SDPA-bandwidth roofline."""
     try:
         import matplotlib
 
@@ -152,25 +170,29 @@ def plot(path_png: str, title: str, rows: list[dict]) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    shapes = sorted({(r["context"], r["batch_asked"]) for r in rows})
+    ran = [r for r in rows if "decode_tok_s" in r]
+    if not ran:
+        return False
+    shapes = sorted({(r["batch"], r["context"]) for r in rows})
     series = sorted({(r["kv_tier_budget"], r["backend"]) for r in rows}, reverse=True)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
     width = 0.8 / max(1, len(series))
     for i, (budget, backend) in enumerate(series):
-        pick = {(r["context"], r["batch_asked"]): r for r in rows if (r["kv_tier_budget"], r["backend"]) == (budget, backend)}
+        pick = {(r["batch"], r["context"]): r for r in ran if (r["kv_tier_budget"], r["backend"]) == (budget, backend)}
         xs = [x + i * width for x in range(len(shapes))]
         label = f"b={budget:g} {backend}"
         axes[0].bar(xs, [pick[s]["decode_tok_s"] if s in pick else 0 for s in shapes], width, label=label)
-        axes[1].bar(xs, [pick[s].get("fraction_of_roofline", 0) if s in pick else 0 for s in shapes], width,
-                    label=label)
+        axes[1].bar(xs, [pick[s].get("fraction_of_roofline_sdpa", pick[s].get("fraction_of_roofline_copy", 0))
+                         if s in pick else 0 for s in shapes], width, label=label)
     ticks = [x + width * (len(series) - 1) / 2 for x in range(len(shapes))]
-    for ax, ylabel in zip(axes, ("decode tok/s (batch / step)", "weights+KV roofline / measured step")):
-        ax.set_xticks(ticks, [f"ctx {c}\nbatch {b}" for c, b in shapes])
+    for ax, ylabel in zip(axes, ("decode tok/s (batch / step)  [0 = skipped]",
+                                 "weights+KV roofline (SDPA read bw) / step")):
+        ax.set_xticks(ticks, [f"batch {b}\nctx {c}" for b, c in shapes])
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path_png, dpi=120)
+    fig.savefig(path_png, dpi=110)
     plt.close(fig)
     return True
 
@@ -179,7 +201,8 @@ def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="llama-3-8b")
     p.add_argument("--context", type=int, nargs="+", default=[16384, 32768])
-    p.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--batch", type=int, nargs="+", default=[8, 32], help="run batch-major: all contexts of "
+                   "the first batch first")
     p.add_argument("--kv-tier-budgets", type=float, nargs="+", default=[1.0, 0.5, 0.25],
                    help="one engine per budget; 1.0 = untiered pool, < 1 = SpectrumKV tiers")
     p.add_argument("--kv-tier-policy", default="greedy")
@@ -190,45 +213,101 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--chunk", type=int, default=8192, help="--chunked-prefill-size and --max-prefill-tokens")
+    p.add_argument("--context-length", type=int, default=None, help="the engine's --context-length (default: "
+                   "the model's); bounds the CUDA-graph decode tables")
+    p.add_argument("--headroom-gib", type=float, default=HEADROOM_BYTES / 2**30,
+                   help="memory kept free beside weights and pool (activations, graphs, allocator slack)")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if not all(0.0 < b <= 1.0 for b in args.kv_tier_budgets) or args.n2 <= args.n1:
         p.error("budgets must be in (0, 1] and --n2 > --n1")
     triton_interpreter_for(args.device)  # a CPU run's triton backend runs in Triton's interpreter
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # `timeout -s INT`: keep what ran
 
+    from sgl_kvxfer.models.arch_config import ModelArchConfig
     from sgl_kvxfer.models.presets import PRESETS, write_dummy_tokenizer, write_preset_config
 
     preset = PRESETS[args.preset]
-    args.kv_bytes = kv_bytes_per_token(preset, args.dtype)
-    args.bandwidth = copy_bandwidth() if args.device != "cpu" else None
+    arch = ModelArchConfig.from_hf_dict(preset)
+    dtype = getattr(torch, args.dtype)
+    dev = torch.device(args.device)
     device = device_name(args.device)
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="e2e_decode_") as model_dir:
-        write_preset_config(args.preset, model_dir)
-        write_dummy_tokenizer(model_dir, preset["vocab_size"])
-        for context in args.context:
-            for batch in args.batch:
-                for budget in args.kv_tier_budgets:
-                    for backend in args.backends:
-                        r = run_point(args, model_dir, preset, context, batch, budget, backend)
-                        rows.append(r)
-                        roof = f", {r['fraction_of_roofline']:.0%} of roofline" if "fraction_of_roofline" in r else ""
-                        print(f"ctx {context} batch {r['batch']} b={budget:g} {backend}: {r['decode_tok_s']:.1f} tok/s "
-                              f"(step {r['decode_step_s'] * 1e3:.2f} ms{roof}); KV {r['kv_fraction_of_fp16']:.3f} of "
-                              f"fp16; prefill {r['prefill_s']:.1f} s", flush=True)
-    params = {k: v for k, v in vars(args).items() if k not in ("bandwidth", "kv_bytes")}
-    payload = {"benchmark": "e2e_decode", "device": device, "commit": git_commit(), "torch": torch.__version__,
-               "command": " ".join(["python", "benchmarks/throughput/e2e_decode.py", *(argv if argv is not None
-                                                                                         else sys.argv[1:])]),
-               "params": params, "copy_bandwidth_Bps": args.bandwidth, "rows": rows}
+    copy_bw = copy_bandwidth_Bps(dev)
+    print(f"{device}: copy {copy_bw / 1e9:.1f} GB/s", flush=True)
+    rows, sdpa = [], {}
     name = f"e2e_decode_{args.preset}_{device.split(' (')[0].replace(' ', '_')}"
-    path = write_json(name, payload, args.out_dir)
+    params = vars(args)
+
+    def payload(partial: bool) -> dict:
+        return {"benchmark": "e2e_decode", "device": device, "commit": git_commit(), "torch": torch.__version__,
+                "params": params, "partial": partial, "copy_bandwidth_Bps": copy_bw, "sdpa_read_bandwidth": sdpa,
+                "headroom_bytes": int(args.headroom_gib * 2**30), "rows": rows}
+
+    partial = True
+    try:
+        with tempfile.TemporaryDirectory(prefix="e2e_decode_") as model_dir:
+            write_preset_config(args.preset, model_dir)
+            write_dummy_tokenizer(model_dir, preset["vocab_size"])
+            for batch in args.batch:
+                for context in args.context:
+                    # SDPA's effective read rate on this point's decode step, while the device is empty
+                    key = f"{batch}x{context}"
+                    s = sdpa_decode(batch, arch.num_attention_heads, arch.num_key_value_heads, context, arch.head_dim,
+                                    dtype, dev, iters=10, max_bytes=4 << 30)
+                    sdpa[key] = {k: s[k] for k in ("ms", "bytes", "Bps", "backend", "copies", "graphed")}
+                    print(f"batch {batch} ctx {context}: SDPA reads {s['Bps'] / 1e9:.1f} GB/s ({s['backend']})",
+                          flush=True)
+                    for budget in args.kv_tier_budgets:
+                        for backend in args.backends:
+                            rows.append(run_point(args, model_dir, preset, arch, dtype, context, batch, budget,
+                                                  backend, {"copy": copy_bw, "sdpa": s["Bps"]}))
+                            write_json(name, payload(True), args.out_dir)
+        partial = False
+    except KeyboardInterrupt:
+        print("interrupted: writing the points measured so far", flush=True)
+    path = write_json(name, payload(partial), args.out_dir)
+    print(summary(rows))
     print("wrote", path)
     title = f"e2e decode through Engine.generate, {args.preset} dummy weights, {device}"
     if plot(path[:-5] + ".png", title, rows):
         print("wrote", path[:-5] + ".png")
     return path
+
+
+def run_point(args, model_dir, preset, arch, dtype, context, batch, budget, backend, bandwidths) -> dict:
+    """One engine at (batch, context, budget, backend), or the record of why it did not run."""
+    plan = plan_pool(arch, dtype, context, batch, budget, args.n2, args.kv_tier_policy)
+    plan["weight_bytes"] = weight_bytes_resident(arch, dtype)
+    row = {"context": context, "batch": batch, "kv_tier_budget": budget, "backend": backend, "pool_plan": plan,
+           "weight_bytes": plan["weight_bytes"], "weight_bytes_read_per_step": weight_bytes_read(arch, dtype)}
+    ok, need, free = fits(args.device, plan, int(args.headroom_gib * 2**30))
+    row.update(bytes_needed=need, bytes_free=free)
+    tag = f"ctx {context} batch {batch} b={budget:g} {backend}"
+    if not ok:
+        row["skipped"] = (f"needs {need / 2**30:.1f} GiB (weights {plan['weight_bytes'] / 2**30:.1f} + KV pool "
+                          f"{plan['kv_pool_bytes'] / 2**30:.1f} + headroom), {free / 2**30:.1f} GiB free")
+        print(f"{tag}: skipped, {row['skipped']}", flush=True)
+        return row
+    try:
+        row.update(run_engine(args, model_dir, preset, context, batch, budget, backend, plan))
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - record it, go on with the next point
+        row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        print(f"{tag}: error {row['error'][:300]}", flush=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return row
+    roofline(row, bandwidths)
+    roof = "".join(f", {row[f'fraction_of_roofline_{k}']:.0%} of the {k} roofline" for k in bandwidths
+                   if f"fraction_of_roofline_{k}" in row)
+    warn = "" if row["all_prompts_cached"] else f"; WARNING: only {row['cached_tokens_min']} prompt tokens cached"
+    print(f"{tag}: {row['decode_tok_s']:.1f} tok/s (step {row['decode_step_s'] * 1e3:.2f} ms{roof}); KV "
+          f"{row['kv_bytes_per_token'] / 1024:.1f} KiB/token ({row['kv_fraction_of_fp16']:.3f} of fp16); "
+          f"prefill {row['prefill_s']:.1f} s{warn}", flush=True)
+    return row
 
 
 if __name__ == "__main__":

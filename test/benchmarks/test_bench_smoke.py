@@ -93,9 +93,11 @@ def test_write_json_records_device_commit_and_command(tmp_path):
 def test_attention(tmp_path):
     out = run_bench("kernels/attention.py", ["--device", "cpu", "--models", "smollm2", "--contexts", "128",
                                              "--batches", "1", "--iters", "1"], tmp_path)
-    data = result(out, "attention_", ("results", "copy_bandwidth_Bps", "params"), png=True)
+    data = result(out, "attention_", ("results", "copy_bandwidth_Bps", "params", "filled_kernel"), png=True)
     row, = data["results"]
-    assert {"sdpa_fp16", "paged_fp16", "int8", "int4", "mix_b0.5", "mix_b0.3"} <= set(row)
+    for v in ("sdpa_fp16", "paged_fp16", "filled_fp16", "filled_int8", "filled_int4", "filled_mix_b0.5"):
+        assert {"ms", "bytes", "speed_vs_sdpa", "pct_copy_bw", "pct_sdpa_bw"} <= set(row[v]), v
+    assert row["filled_int8"]["counts"] == [0, 128, 0] and "skipped" in row["flashinfer_fp16"]  # CUDA only
 
 
 def test_decode_plan(tmp_path):
@@ -153,9 +155,13 @@ def test_e2e_decode(tmp_path):
     out = run_bench("throughput/e2e_decode.py", ["--device", "cpu", "--preset", "tiny", "--context", "64", "--batch",
                                                  "2", "--n1", "1", "--n2", "2", "--repeats", "1",
                                                  "--kv-tier-budgets", "1.0", "0.5"], tmp_path)
-    data = result(out, "e2e_decode_tiny", ("rows", "params"), png=True)
-    assert [r["kv_tier_budget"] for r in data["rows"]] == [1.0, 0.5]
-    assert data["rows"][1]["kv_fraction_of_fp16"] < 0.75
+    data = result(out, "e2e_decode_tiny", ("rows", "params", "copy_bandwidth_Bps", "sdpa_read_bandwidth"), png=True)
+    assert [r["kv_tier_budget"] for r in data["rows"]] == [1.0, 0.5] and not data["partial"]
+    full, half = data["rows"]
+    assert half["kv_fraction_of_fp16"] < 0.75 and half["pool_plan"]["stores"]["n8"] > 0
+    assert half["engine_kwargs"]["max_total_tokens"] == half["pool_plan"]["pool_tokens"]
+    for r in data["rows"]:
+        assert {"decode_tok_s", "fraction_of_roofline_copy", "fraction_of_roofline_sdpa", "bytes_needed"} <= set(r)
 
 
 def test_backend_agreement(tmp_path):

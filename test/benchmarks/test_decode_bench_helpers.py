@@ -1,0 +1,162 @@
+"""The decode benchmarks' helpers: the engine-layout builder (benchmarks/kernels/engine_layout.py),
+the filled-kernel shim and config sweep (attention.py), and the workload pool sizing
+(benchmarks/throughput/pool_plan.py)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "kernels"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "throughput"))
+
+from engine_layout import build_engine_layout, engine_tier_counts, planned_mix  # noqa: E402
+from sgl_kvxfer.kernels.decode_attention import decode_attention_tiered_reference  # noqa: E402
+
+
+# ---------------------------------------------------------------------------- engine_layout.py
+def test_tier_counts_follow_the_plan():
+    assert engine_tier_counts(1000, "int8", 8, 128) == (0, 1000, 0)
+    assert engine_tier_counts(1000, "fp16", 8, 128) == (1000, 0, 0)
+    n16, n8, n4 = engine_tier_counts(32768, "mix_b0.5", 8, 128)
+    f16, f8, f4, drop = planned_mix(0.5, 8, 128)
+    assert drop == 0 and f8 > 0.9 and f4 > 0  # greedy at b = 0.5 in bytes: int8 and some int4
+    assert n16 + n8 + n4 == 32768 and n16 >= 64 and abs(n8 - f8 * (32768 - 64)) <= 1
+    with pytest.raises(ValueError, match="unknown tier mix"):
+        engine_tier_counts(10, "int2", 8, 128)
+
+
+def test_engine_layout_is_the_pools_own_view_and_tables():
+    """Filled tables over fp16 rows (PAGE 1) and int pages of 64 (G = D) address exactly the tokens
+    the allocator gave each request: attention over them equals attention over pool.get_kv."""
+    B, Hq, Hkv, D = 2, 4, 2, 32
+    counts = (5, 70, 3)
+    lay = build_engine_layout(B, counts, Hkv, D, torch.float16, "cpu", copies=2)
+    assert lay.max_tokens == sum(counts) and len(lay.tables) == 2
+    for t in lay.tables:
+        assert t.filled and t.batch_size == B
+        for tier, n in enumerate(counts):
+            assert t.lens[tier].tolist() == [n] * B
+            assert t.fills[tier].sum(1).tolist() == [n] * B
+        assert t.num_pages[1].tolist() == [2, 2] and t.fills[1][0, :2].tolist() == [64, 6]  # fresh pages in order
+    pages = [set(t.tables[1][:, :2].flatten().tolist()) for t in lay.tables]
+    assert not pages[0] & pages[1]  # copies share no page
+    layer, t = lay.layer, lay.tables[1]
+    assert layer.page_size_of(0) == 1 and layer.page_size_of(1) == layer.page_size_of(2) == 64
+    assert layer[1].k_scale.shape[-1] == 1 and layer.group_size == D  # one scale + zero per token-head
+    q = torch.randn(B, Hq, D, dtype=torch.float16)
+    got = decode_attention_tiered_reference(q, layer, t).float()
+    pool = lay.pool
+    for b in range(B):
+        k, v = pool.get_kv(0, lay.slots[B + b, :sum(counts)])
+        k = k.float().repeat_interleave(Hq // Hkv, 1)
+        v = v.float().repeat_interleave(Hq // Hkv, 1)
+        s = torch.einsum("hd,nhd->hn", q[b].float(), k) / math.sqrt(D)
+        want = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+        assert torch.allclose(got[b], want, atol=2e-3), (got[b] - want).abs().max()
+    assert lay.kv_bytes(D, 2) == 2 * B * Hkv * (5 * 2 * D + 70 * (D + 4) + 3 * (D // 2 + 4))
+
+
+# ---------------------------------------------------------------------------- attention.py sweep
+@dataclasses.dataclass(frozen=True)
+class FakeConfig:
+    block_n: int = 64
+    slow: bool = False
+
+
+def fake_kernel_module(calls: list) -> types.ModuleType:
+    """A stand-in for kernels/filled_decode_attention.py: the reference, slowed down by `slow`
+    configs, recording every (plan, config) it gets."""
+    m = types.ModuleType("sgl_kvxfer.kernels.filled_decode_attention")
+
+    def plan_filled_decode(batch_size, num_kv_heads, max_tokens, device, config=None):
+        return ("plan", batch_size, num_kv_heads, max_tokens, config)
+
+    def decode_attention_filled(q, layer, tables, sm_scale=None, out=None, plan=None, config=None):
+        calls.append((plan, config))
+        if config is not None and config.slow:
+            time.sleep(0.02)
+        res = decode_attention_tiered_reference(q, layer, tables, sm_scale)
+        return out.copy_(res) if out is not None else res
+
+    m.FilledDecodeConfig, m.plan_filled_decode, m.decode_attention_filled = (
+        FakeConfig, plan_filled_decode, decode_attention_filled)
+    return m
+
+
+def test_sweep_times_every_config_and_measures_with_the_best(tmp_path, monkeypatch):
+    import attention
+
+    import sgl_kvxfer.kernels
+
+    calls = []
+    fake = fake_kernel_module(calls)
+    monkeypatch.setitem(sys.modules, "sgl_kvxfer.kernels.filled_decode_attention", fake)
+    monkeypatch.setattr(sgl_kvxfer.kernels, "filled_decode_attention", fake, raising=False)  # if imported before
+    attention.main(["--device", "cpu", "--models", "smollm2", "--contexts", "64", "--batches", "1", "--iters", "1",
+                    "--variants", "sdpa_fp16", "filled_int8", "filled_mix_b0.5", "--sweep-configs",
+                    "--configs", json.dumps([{"block_n": 16, "slow": True}, {"block_n": 32}]),
+                    "--sweep-points", "smollm2:1:64", "--out-dir", str(tmp_path), "--name", "attn"])
+    with open(tmp_path / "attn.json") as f:
+        data = json.load(f)
+    assert data["filled_kernel"] == "decode_attention_filled" and not data["partial"]
+    rows = data["sweep"]["rows"]
+    assert len(rows) == 2 * 3 and all("ms" in r and r["max_abs_diff_vs_default"] == 0 for r in rows)
+    assert {json.dumps(r["config"]) for r in rows} == {'"default"', '{"block_n": 16, "slow": true}',
+                                                       '{"block_n": 32}'}
+    assert all(b["config"] != {"block_n": 16, "slow": True} for b in data["sweep"]["best"])
+    row, = data["results"]
+    for v in ("filled_int8", "filled_mix_b0.5"):
+        assert row[v]["config"] != {"block_n": 16, "slow": True} and row[v]["planned"]
+        assert row[v]["max_abs_diff_vs_reference"] == 0 and "speed_vs_sdpa" in row[v]
+    plans = [p for p, c in calls if p is not None]
+    assert plans and all(p[3] == 64 for p in plans)  # planned for the table width L = ctx
+    assert os.path.exists(tmp_path / "attn.png")
+
+
+# ---------------------------------------------------------------------------- pool_plan.py
+@pytest.fixture(scope="module")
+def llama_arch():
+    from sgl_kvxfer.models.arch_config import ModelArchConfig
+    from sgl_kvxfer.models.presets import PRESETS
+
+    return ModelArchConfig.from_hf_dict(PRESETS["llama-3-8b"])
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.25])
+def test_tiered_pool_plan_holds_the_workload_and_is_small(llama_arch, budget):
+    from pool_plan import plan_pool
+
+    from sgl_kvxfer.config import EngineConfig
+    from sgl_kvxfer.mem_cache import tier_store_plan
+
+    p = plan_pool(llama_arch, torch.bfloat16, 16384, 8, budget, 40)
+    cfg = EngineConfig(kv_tier_budget=budget, kv_int4="on")
+    stores = tier_store_plan(cfg, llama_arch, p["pool_tokens"], torch.bfloat16, True)  # what the engine builds
+    need = p["store_needs"]
+    assert stores.n16 >= need["n16"] >= 16384 + 40 and stores.n8 >= need["n8"] and stores.n4 >= need["n4"]
+    smaller = tier_store_plan(cfg, llama_arch, int(p["pool_tokens"] * 0.99), torch.bfloat16, True)
+    assert (smaller.n16 < need["n16"] or smaller.n8 < need["n8"] or smaller.n4 < need["n4"])  # (near) minimal
+    full = plan_pool(llama_arch, torch.bfloat16, 16384, 8, 1.0, 40)
+    assert full["pool_tokens"] >= 8 * (16384 + 40) and p["kv_pool_bytes"] < full["kv_pool_bytes"]
+
+
+def test_fits_records_bytes_needed(llama_arch):
+    from pool_plan import fits, plan_pool, weight_bytes_read, weight_bytes_resident
+
+    w = weight_bytes_resident(llama_arch, torch.bfloat16)
+    assert w - weight_bytes_read(llama_arch, torch.bfloat16) == 128256 * 4096 * 2  # the input embedding
+    p = {**plan_pool(llama_arch, torch.bfloat16, 32768, 32, 1.0, 40), "weight_bytes": w}
+    ok, need, free = fits("cuda", p, 6 << 30, free=80 << 30)
+    assert not ok and need == w + p["kv_pool_bytes"] + (6 << 30) and free == 80 << 30
+    q = {**plan_pool(llama_arch, torch.bfloat16, 32768, 32, 0.25, 40), "weight_bytes": w}
+    assert fits("cuda", q, 6 << 30, free=80 << 30)[0]  # a quarter budget fits where fp16 does not
