@@ -61,8 +61,8 @@ class FilledDecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     prefetch: bool = True
-    split_waves: int = 2
-    min_split_tokens: int = 512
+    split_waves: int = 4
+    min_split_tokens: int = 1024
 
     def __post_init__(self):
         for name in ("tile16", "tile8", "tile4"):

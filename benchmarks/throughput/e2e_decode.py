@@ -7,7 +7,7 @@
     2. decode:  generate(max_new_tokens=n1) and generate(max_new_tokens=n2) on the same prompts,
        each `--repeats` times. The prompts are radix-cache hits by then (one token each is
        recomputed), so both calls pay the same small prefill and the decode step is
-           step = (T(n2) - T(n1)) / (n2 - n1)      (medians of the repeats)
+           step = (T(n2) - T(n1)) / (n2 - n1)      (fastest of the repeats, after one warm-up call)
        which takes every per-step cost the engine has (scheduling, allocation, forward,
        sampling) and nothing else. Demotion of generated tokens at b < 1 runs once 2R of them
        wait (R = --kv-decode-recent, 64), every R steps after that: the window n1..n2 includes
@@ -86,6 +86,64 @@ def timed_generate(engine, prompts, n: int) -> tuple[float, int]:
     return elapsed, min(int(o["meta_info"].get("cached_tokens", 0)) for o in outs)
 
 
+class StepBreakdown:
+    """One extra generate(n2), every decode forward and every tiering hook synchronized and timed:
+    how a step splits into model forward (graph replay or eager), SpectrumKV bookkeeping (decode
+    demotion: importance, retier) and the rest of the host loop. Syncs cost a little, so this run
+    is not the throughput number."""
+
+    def __init__(self, engine):
+        self.runner, self.tiering = engine.runner, getattr(engine.scheduler, "tiering", None)
+        self.fwd_s = {"decode": 0.0, "extend": 0.0}
+        self.steps = {"decode": 0, "extend": 0}
+        self.tier_s = 0.0
+
+    def __enter__(self):
+        self._forward = self.runner.forward
+
+        def forward(batch):
+            sync()
+            t = time.perf_counter()
+            out = self._forward(batch)
+            sync()
+            mode = "decode" if batch.mode.name == "DECODE" else "extend"
+            self.fwd_s[mode] += time.perf_counter() - t
+            self.steps[mode] += 1
+            return out
+
+        self.runner.forward = forward
+        if self.tiering is not None:
+            self._after = self.tiering.after_forward
+
+            def after_forward(*a, **kw):
+                sync()
+                t = time.perf_counter()
+                out = self._after(*a, **kw)
+                sync()
+                self.tier_s += time.perf_counter() - t
+                return out
+
+            self.tiering.after_forward = after_forward
+        graphs = self.runner.graph_runner
+        self._replays = graphs.replays if graphs is not None else None
+        return self
+
+    def __exit__(self, *exc):
+        self.runner.forward = self._forward
+        if self.tiering is not None:
+            self.tiering.after_forward = self._after
+
+    def result(self, wall_s: float) -> dict:
+        graphs = self.runner.graph_runner
+        n = max(1, self.steps["decode"])
+        return {"wall_s": wall_s, "decode_steps": self.steps["decode"],
+                "decode_forward_ms_per_step": 1e3 * self.fwd_s["decode"] / n,
+                "extend_forward_s": self.fwd_s["extend"],
+                "tiering_hooks_s": self.tier_s,
+                "graph_replays": None if graphs is None else graphs.replays - self._replays,
+                "cuda_graphs": graphs is not None}
+
+
 def run_engine(args, model_dir: str, preset: dict, context: int, batch: int, budget: float, backend: str,
                plan: dict) -> dict:
     from sgl_kvxfer import Engine
@@ -104,14 +162,21 @@ def run_engine(args, model_dir: str, preset: dict, context: int, batch: int, bud
             raise RuntimeError(f"the engine's pool bounds a request at {held} tokens, the workload's plan at {want}: "
                                f"engine_kwargs {kw}")
         prefill_s, _ = timed_generate(engine, prompts, 1)
+        timed_generate(engine, prompts, args.n1)  # warm-up: the first decode calls JIT-compile and plan
         t1, t2, cached = [], [], []
         for _ in range(args.repeats):
             for n, ts in ((args.n1, t1), (args.n2, t2)):
                 s, c = timed_generate(engine, prompts, n)
                 ts.append(s)
                 cached.append(c)
-        step = (statistics.median(t2) - statistics.median(t1)) / (args.n2 - args.n1)
+        # min over repeats: host noise only ever adds time
+        step = (min(t2) - min(t1)) / (args.n2 - args.n1)
         info = engine.get_server_info()
+        breakdown = None
+        if args.breakdown:
+            with StepBreakdown(engine) as bd:
+                wall, _ = timed_generate(engine, prompts, args.n2)
+            breakdown = bd.result(wall)
     finally:
         engine.shutdown()
         del engine
@@ -129,7 +194,7 @@ def run_engine(args, model_dir: str, preset: dict, context: int, batch: int, bud
             "kv_bytes_per_token": per_token, "kv_full_bytes_per_token": plan["kv_full_bytes_per_token"],
             "kv_fraction_of_fp16": per_token / plan["kv_full_bytes_per_token"],
             "kv_tokens_per_step": kv_tokens, "kv_resident_bytes": per_token * kv_tokens,
-            "max_total_num_tokens": info.get("max_total_num_tokens")}
+            "max_total_num_tokens": info.get("max_total_num_tokens"), "breakdown": breakdown}
 
 
 def roofline(row: dict, bandwidths: dict) -> None:
@@ -217,6 +282,9 @@ def main(argv: list[str] | None = None) -> str:
                    "the model's); bounds the CUDA-graph decode tables")
     p.add_argument("--headroom-gib", type=float, default=HEADROOM_BYTES / 2**30,
                    help="memory kept free beside weights and pool (activations, graphs, allocator slack)")
+    p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
+                   help="one more generate(n2) with synchronized timers: forward ms per decode step, graph "
+                   "replays, time in SpectrumKV's hooks (row['breakdown'])")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -307,6 +375,11 @@ def run_point(args, model_dir, preset, arch, dtype, context, batch, budget, back
     print(f"{tag}: {row['decode_tok_s']:.1f} tok/s (step {row['decode_step_s'] * 1e3:.2f} ms{roof}); KV "
           f"{row['kv_bytes_per_token'] / 1024:.1f} KiB/token ({row['kv_fraction_of_fp16']:.3f} of fp16); "
           f"prefill {row['prefill_s']:.1f} s{warn}", flush=True)
+    bd = row.get("breakdown")
+    if bd:
+        print(f"{tag}: breakdown over {bd['decode_steps']} decode steps: forward {bd['decode_forward_ms_per_step']:.2f} "
+              f"ms/step, graph replays {bd['graph_replays']}, tiering hooks {bd['tiering_hooks_s']:.2f} s, "
+              f"extend forward {bd['extend_forward_s']:.2f} s, wall {bd['wall_s']:.2f} s", flush=True)
     return row
 
 
