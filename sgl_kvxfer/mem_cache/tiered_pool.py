@@ -24,6 +24,7 @@ addresses); only `resize_int_stores` (start-up, empty stores) reallocates the in
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -37,6 +38,16 @@ INT_TIERS = (TIER_INT8, TIER_INT4)
 _BITS = {TIER_INT8: 8, TIER_INT4: 4}
 DEFAULT_TIER_PAGE_SIZE = 64
 _STREAMS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
+
+
+@dataclass
+class SlotRoute:
+    """Where each of a set of slot ids lives, as _split yields it: (tier, positions in the flat
+    ids or None (all in one store), rows (fp16) or (page, offset) (int)). Built once by
+    TieredKVPool.route and reused for every layer, so per-layer get/set run no host sync."""
+
+    shape: tuple
+    parts: list
 
 
 class _IntPages:
@@ -163,8 +174,27 @@ class TieredKVPool(KVPool):
                 yield tier, pos, ids if tier == TIER_FP16 else self.page_offset(tier, ids)
 
     # ------------------------------------------------------------------ KVPool
+    def route(self, slots: torch.Tensor) -> SlotRoute:
+        """_split on the host (one device-to-host copy of `slots` at most), its index tensors
+        then moved to the pool's device: get_kv_routed / set_kv_routed over these slots in every
+        layer run without a host sync. (get_kv / set_kv split on the slots' own device, which
+        syncs per call on a GPU.)"""
+        flat = slots.reshape(-1).cpu()
+        dev = self._to_device
+        parts = [(tier, None if pos is None else dev(pos), dev(where) if tier == TIER_FP16 else tuple(map(dev, where)))
+                 for tier, pos, where in self._split(flat)]
+        return SlotRoute(tuple(slots.shape), parts)
+
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        if str(self.device).startswith("cuda"):
+            return x.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device)
+
     def set_kv(self, layer_id, slots, k, v):
-        for tier, pos, where in self._split(slots.reshape(-1)):
+        self.set_kv_routed(layer_id, SlotRoute(tuple(slots.shape), list(self._split(slots.reshape(-1)))), k, v)
+
+    def set_kv_routed(self, layer_id: int, route: SlotRoute, k, v) -> None:
+        for tier, pos, where in route.parts:
             kk, vv = (k, v) if pos is None else (k[pos], v[pos])
             if tier == TIER_FP16:
                 self.k16[layer_id][where] = kk.to(self.dtype)
@@ -178,11 +208,16 @@ class TieredKVPool(KVPool):
         self.v16[layer_id][slots] = v.to(self.dtype)
 
     def get_kv(self, layer_id, slots):
-        flat = slots.reshape(-1)
-        out_shape = (*slots.shape, self.num_kv_heads, self.head_dim)
-        k = torch.empty((flat.numel(), self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
+        return self.get_kv_routed(layer_id, SlotRoute(tuple(slots.shape), list(self._split(slots.reshape(-1)))))
+
+    def get_kv_routed(self, layer_id: int, route: SlotRoute):
+        n = 1
+        for d in route.shape:
+            n *= d
+        out_shape = (*route.shape, self.num_kv_heads, self.head_dim)
+        k = torch.empty((n, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
         v = torch.empty_like(k)
-        for tier, pos, where in self._split(flat):
+        for tier, pos, where in route.parts:
             if tier == TIER_FP16:
                 kk, vv = self.k16[layer_id].index_select(0, where), self.v16[layer_id].index_select(0, where)
             else:
@@ -203,18 +238,26 @@ class TieredKVPool(KVPool):
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy tokens src -> dst in every layer, quantizing into dst's store. Ids of the same
-        int tier on both sides copy their codes bit for bit (relocation, not requantization)."""
+        int tier on both sides copy their codes bit for bit (relocation, not requantization).
+        Which store each id is in is worked out once, on the host; the layer loop runs no sync."""
+        src, dst = src.reshape(-1).cpu(), dst.reshape(-1).cpu()
         ts, td = self.tier_of(src), self.tier_of(dst)
         same = (ts == td) & (ts != TIER_FP16)
+        relocate = []
+        for tier in INT_TIERS:
+            m = same & (ts == tier)
+            if bool(m.any()):
+                relocate.append((tier, tuple(map(self._to_device, self.page_offset(tier, src[m]))),
+                                 tuple(map(self._to_device, self.page_offset(tier, dst[m])))))
+        rest = ~same
+        requant = (self.route(src[rest]), self.route(dst[rest])) if bool(rest.any()) else None
         for layer_id in range(self.num_layers):
-            for tier in INT_TIERS:
-                m = same & (ts == tier)
-                if bool(m.any()):
-                    self.put_codes(layer_id, tier, dst[m], self.stored_codes(layer_id, tier, src[m]))
-            if bool(same.all()):
-                continue
-            k, v = self.get_kv(layer_id, src[~same])
-            self.set_kv(layer_id, dst[~same], k, v)
+            for tier, s_where, d_where in relocate:
+                store = self.stores[tier][layer_id]
+                store.put_codes(*d_where, store.codes(*s_where))
+            if requant is not None:
+                k, v = self.get_kv_routed(layer_id, requant[0])
+                self.set_kv_routed(layer_id, requant[1], k, v)
 
     # ------------------------------------------------------------------ bytes
     def token_bytes(self, tier: int, with_scales: bool = True) -> int:

@@ -148,7 +148,7 @@ class EngineTiering:
         acc = self._acc.pop(req, None)
         if n <= start:
             return
-        slots = self.table.read(req.req_pool_idx, n).clone()
+        slots = self.table.read(req.req_pool_idx, n).cpu()  # ids on the host: retier's routing runs no sync
         if self.config.kv_importance == "attn" and acc is not None and acc.has_data and acc.num_tokens == n:
             attn = acc.scores().cpu()
         else:  # norm mode, or a backend that feeds no observer
@@ -166,7 +166,7 @@ class EngineTiering:
         end = req.kv_len - recent
         if end - done < (1 if final else recent):
             return
-        slots = self.table.read(req.req_pool_idx, end, start=done).clone()
+        slots = self.table.read(req.req_pool_idx, end, start=done).cpu()
         self._retier(req, done, slots, self._norm_importance(slots), 0)
         self._tiered_len[req] = end
 
@@ -187,11 +187,12 @@ class EngineTiering:
             self.kv.tree.evict(count, reclaim=self.allocator.page_reclaimer(tier))
 
     def _norm_importance(self, slots: torch.Tensor) -> torch.Tensor:
-        acc = KVNormAccumulator(slots.numel())
+        """KV-norm importance of `slots`, accumulated on the pool's device (one copy back)."""
+        acc = KVNormAccumulator(slots.numel(), device=self.pool.device)
+        route = self.pool.route(slots)
         for layer_id in range(self.pool.num_layers):
-            k, v = self.pool.get_kv(layer_id, slots)
-            acc.add_layer(k.cpu(), v.cpu())
-        return acc.scores()
+            acc.add_layer(*self.pool.get_kv_routed(layer_id, route))
+        return acc.scores().cpu()
 
     # ------------------------------------------------------------------ int4 decision
     def set_int4(self, resolution) -> None:
