@@ -189,6 +189,8 @@ class EngineTiering:
     def _norm_importance(self, slots: torch.Tensor) -> torch.Tensor:
         acc = KVNormAccumulator(slots.numel())
         for layer_id in range(self.pool.num_layers):
+            if not self.pool.stores_layer(layer_id):  # FusedKV reconstruction layer: nothing stored
+                continue
             k, v = self.pool.get_kv(layer_id, slots)
             acc.add_layer(k.cpu(), v.cpu())
         return acc.scores()
