@@ -49,6 +49,7 @@ class KVReconstruction:
     sources: tuple[int, int]
     key_weight: torch.Tensor | None = None
     value_weight: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # float32 [4, Hkv, D] = (a0, a1, b0, b1): the kernels' layout
 
     @property
     def lite(self) -> bool:
@@ -171,3 +172,4 @@ class FusedKVLlamaForCausalLM(LlamaForCausalLM):
                 kn, vn = fusion_param_names(i)
                 recon.key_weight = expand_key_weight(tensors[kn]).to(device).contiguous()
                 recon.value_weight = tensors[vn].to(device).contiguous()
+                recon.packed = torch.cat([recon.key_weight, recon.value_weight]).contiguous()

@@ -47,10 +47,11 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
     # Per-token lists cost ~30 ns per int to pack; only input_ids needs them. Positions and
     # table rows follow from the per-request (start, length, row) in a few vector ops.
     input_ids, logits_rows = array("q"), []
-    prefix_lens, extend_lens, seq_lens, rows = [], [], [], []
+    prefix_lens, extend_lens, seq_lens, rows, logits_counts = [], [], [], [], []
     flat = 0
     for s in batch.slices:
         req = s.req
+        rows_before = len(logits_rows)
         input_ids.extend(req.fill_slice(s.start, s.start + s.length))
         if not req.input_logprobs_done:
             lo = max(req.logprob_start_len, s.start)
@@ -63,6 +64,7 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
             s.sample_row = len(logits_rows)
             logits_rows.append(flat + s.length - 1)
         flat += s.length
+        logits_counts.append(len(logits_rows) - rows_before)
         prefix_lens.append(s.start)
         extend_lens.append(s.length)
         seq_lens.append(s.start + s.length)
@@ -87,7 +89,7 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
         mode=batch.mode, input_ids=ids_t, positions=pos_t, out_cache_loc=out_cache_loc,
         req_pool_indices=rows_t, seq_lens=lens_t, extend_prefix_lens=prefix_lens,
         extend_seq_lens=extend_lens, seq_lens_cpu=seq_lens, logits_positions=logits_t,
-        req_to_token=req_to_token)
+        req_to_token=req_to_token, logits_counts=logits_counts)
 
 
 def prepare_decode(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_token: torch.Tensor,

@@ -1,32 +1,34 @@
 """FusedKV attention: any backend for the storage layers, plus K/V reconstruction for the top ones.
 
 `create_attention_backend` builds this over a LayerMappedKVPool (mem_cache/layer_mapped_pool.py):
-the named backend (torch, cpu, triton, ...) is built over the pool's inner family and serves the
-storage layers unchanged (`forward_qkv` / `forward`); a reconstruction layer calls
+the named backend (torch, cpu, triton, flashinfer) is built over the pool's inner family and
+serves the storage layers unchanged (`forward_qkv` / `forward`); a reconstruction layer calls
 `forward_reconstruct(q, layer_id, batch, recon)` with its queries only and attends over K/V
 rebuilt from the stored caches of its source layers (models/fusedkv_llama.py: KVReconstruction).
 
 Plans (once per batch):
-    prepare_metadata / prepare_graph_metadata   the inner backend's plan, plus for DECODE the
-                                                reconstruction plan of the torch path (padded
-                                                slots [B, W] + key mask; W = the graph bound
-                                                under CUDA graphs)
+    prepare_metadata / prepare_graph_metadata   the inner backend's plan, plus the DECODE
+                                                reconstruction plan (graph: width = the bound)
     prepare_reconstruct(batch, rows)            called by the model between the halves: the
                                                 EXTEND query rows (None = every token)
 
-An EXTEND query at position p of a request attends keys [0, p] of that request, which the
-storage layers have stored by then (prefix + this batch's tokens):
+The EXTEND query rows of a request are the LAST c tokens of its run (ForwardBatch.logits_counts:
+the sampled token, after its prompt-logprob rows), and the storage layers stored every key by
+then, so query j of c attends keys [0, seq - c + j]:
 
-    request i:  [ prefix .............. | new tokens ......... ]    keys 0 .. seq_i - 1
-    query row:                                  ^ p               keys 0 .. p   (a decode of length p + 1)
+    request i:  [ prefix ............... | new tokens ........ ]    keys 0 .. seq - 1
+    query rows:                                    | c rows    |    row j: keys 0 .. seq - c + j
 
-Paths: the Triton kernels of kernels/fusedkv_attention.py (fusion in registers) where they
-apply, else the torch path: gather both sources with pool.get_kv, fuse (fusedkv_math.fuse_kv),
-SDPA. `self.path` says which one runs; the choice is logged once.
+Paths (`self.path`, logged once):
+    triton  inner pool paged fp16 (triton / flashinfer backends): kernels/fusedkv_attention.py
+            reads both sources through the block tables and fuses in registers; DECODE and an
+            EXTEND with at most one row per request run its split-K decode kernel (prefill-skip
+            is a decode of each prompt's last token), other EXTENDs its extend kernel
+    torch   anything else (fp32 / CPU, tiered pools, the kernels missing): pool.get_kv of
+            both sources, fusedkv_math.fuse_kv, SDPA
 """
 from __future__ import annotations
 
-import bisect
 import logging
 from dataclasses import dataclass
 
@@ -40,16 +42,35 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _DecodeSlots:
+class _TorchDecode:
     slots: torch.Tensor  # int64 [B, W] (0 past seq_len and for dropped tokens)
     key_mask: torch.Tensor  # bool [B, 1, 1, W]
 
 
 @dataclass
-class _ExtendRows:
-    """Torch-path EXTEND plan: the N query rows grouped by request (rows of one request are
-    contiguous and ascending, as logits_positions are)."""
-    groups: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (row_lo, row_hi, slots [S], mask [n, S])
+class _TorchExtend:
+    groups: list  # per request with rows: (row_lo, row_hi, slots [S], mask [n, S])
+
+
+@dataclass
+class _KernelPlan:
+    """Kernel path: decode over `block_table` rows (the whole DECODE batch, or the requests of
+    an EXTEND with one row each) or extend with `qo_indptr` (EXTEND, several rows)."""
+    block_table: torch.Tensor  # int32 [B', W]
+    kv_lens: torch.Tensor  # int32 [B']
+    split_plan: tuple | None = None  # decode
+    even_splits: bool = False
+    qo_indptr: torch.Tensor | None = None  # extend: int32 [B + 1]
+    max_q_len: int = 0
+
+
+def _kernel_module():
+    try:
+        from sgl_kvxfer.kernels import fusedkv_attention
+    except ImportError as exc:  # kernels not built / not merged: the torch path runs
+        logger.info("FusedKV kernels unavailable (%s)", exc)
+        return None
+    return fusedkv_attention
 
 
 class FusedKVAttentionBackend(AttentionBackend):
@@ -58,14 +79,30 @@ class FusedKVAttentionBackend(AttentionBackend):
     def __init__(self, inner: AttentionBackend, kv_pool, num_q_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__(kv_pool, num_q_heads, num_kv_heads, head_dim)
         self.inner = inner
-        self.supports_cuda_graph = inner.supports_cuda_graph
         hook = getattr(inner, "before_graph_replay", None)  # FlashInfer re-plans before replays
         if hook is not None:
             self.before_graph_replay = hook
-        self.path = "torch"
-        self._batch = self._decode = self._extend = None
-        logger.info("FusedKV attention: storage layers on %s, reconstruction on the %s path",
-                    type(inner).__name__, self.path)
+        self._kernels, why = None, self._kernel_unsupported_reason(kv_pool)
+        if why is None:
+            self._kernels = _kernel_module()
+            why = None if self._kernels is not None else "kernels/fusedkv_attention.py not importable"
+        self.path = "torch" if self._kernels is None else "triton"
+        # the torch path's decode plan is graph-safe too (slow, but exact): graphs follow the inner backend
+        self.supports_cuda_graph = inner.supports_cuda_graph
+        self.page_size = getattr(kv_pool, "page_size", 1)
+        self._batch, self._plan = None, None
+        logger.info("FusedKV attention: storage layers on %s, reconstruction on the %s path%s",
+                    type(inner).__name__, self.path, f" ({why})" if why else "")
+
+    @staticmethod
+    def _kernel_unsupported_reason(pool) -> str | None:
+        if pool.layout != "paged":
+            return f"{type(pool.inner).__name__} is not the paged fp16 pool"
+        if pool.dtype not in (torch.float16, torch.bfloat16):
+            return f"dtype {pool.dtype}"
+        if pool.head_dim < 16 or pool.head_dim & (pool.head_dim - 1):
+            return f"head_dim {pool.head_dim} is not a power of two >= 16"
+        return None
 
     def kv_pool_resized(self) -> None:
         hook = getattr(self.inner, "kv_pool_resized", None)
@@ -75,47 +112,90 @@ class FusedKVAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------------ plans
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         self.inner.prepare_metadata(batch)
-        self._batch, self._extend = batch, None
-        self._decode = self._decode_slots(batch, max(batch.seq_lens_cpu)) if batch.mode == ForwardMode.DECODE else None
+        self._batch, self._plan = batch, None
+        if batch.mode == ForwardMode.DECODE:
+            self._plan = self._decode_plan(batch, max(batch.seq_lens_cpu), graph=False)
 
     def prepare_graph_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
         self.inner.prepare_graph_metadata(batch, max_seq_len)
-        self._batch, self._extend = batch, None
-        self._decode = self._decode_slots(batch, max_seq_len)
+        self._batch, self._plan = batch, self._decode_plan(batch, max_seq_len, graph=True)
 
-    def _decode_slots(self, batch: ForwardBatch, width: int) -> _DecodeSlots:
-        """Device ops only (graph-safe): row slots past seq_len (and dropped ones) read slot 0, masked."""
+    def _decode_plan(self, batch: ForwardBatch, width: int, graph: bool):
+        """Device ops only (graph-safe); `width` bounds every seq_len."""
+        if self._kernels is not None:
+            table = self._block_table(batch.req_to_token, batch.req_pool_indices, width)
+            plan = self._kernels.plan_fusedkv_splits(table.shape[1], table.shape[0], self.num_kv_heads, table.device)
+            return _KernelPlan(table, batch.seq_lens.to(torch.int32), plan, even_splits=graph)
         rows = batch.req_to_token[batch.req_pool_indices, :width]
         valid = torch.arange(width, device=rows.device)[None, :] < batch.seq_lens[:, None]
         if self.kv_pool.drops_tokens:
             valid &= rows != 0
-        return _DecodeSlots(torch.where(valid, rows, 0), valid[:, None, None, :])
+        return _TorchDecode(torch.where(valid, rows, 0), valid[:, None, None, :])
+
+    def _block_table(self, req_to_token, rows, width: int) -> torch.Tensor:
+        """int32 [len(rows), cdiv(width, P)]: page ids at each request's page starts."""
+        P = self.page_size
+        pages = -(-max(width, 1) // P)
+        assert (pages - 1) * P < req_to_token.shape[1], "block-table width past the req-to-token row"
+        return (req_to_token[rows, : pages * P : P] // P).to(torch.int32)
 
     def prepare_reconstruct(self, batch: ForwardBatch, rows: torch.Tensor | None) -> None:
-        """EXTEND: plan the query rows `rows` (flat token indices, ascending; None = all tokens)."""
+        """EXTEND: plan the query rows (flat token indices, ascending, the last tokens of each
+        request's run; None = every token). DECODE: planned already."""
         if batch.mode == ForwardMode.DECODE:
             return
         if batch is not self._batch:
             raise RuntimeError("prepare_reconstruct before prepare_metadata of the same batch")
-        table, dev = batch.req_to_token, batch.req_to_token.device
-        ends, starts = [], []
+        counts = list(batch.extend_seq_lens) if rows is None else batch.logits_counts
+        if counts is None:
+            counts = self._counts_from_rows(batch, rows)  # host sync
+        plan = self._kernel_extend_plan if self._kernels is not None else self._torch_extend_plan
+        self._plan = plan(batch, counts)
+
+    @staticmethod
+    def _counts_from_rows(batch: ForwardBatch, rows: torch.Tensor) -> list[int]:
+        """Rows per request, read back from the device; checks they are each run's last tokens."""
+        flat, counts, start, pos = rows.tolist(), [], 0, 0
         for n in batch.extend_seq_lens:
-            starts.append(ends[-1] if ends else 0)
-            ends.append(starts[-1] + n)
-        flat = list(range(ends[-1] if ends else 0)) if rows is None else rows.tolist()
+            lo = pos
+            while pos < len(flat) and flat[pos] < start + n:
+                pos += 1
+            if flat[lo:pos] != list(range(start + n - (pos - lo), start + n)):
+                raise ValueError("FusedKV: a request's logits rows must be the last tokens of its run")
+            counts.append(pos - lo)
+            start += n
+        return counts
+
+    def _torch_extend_plan(self, batch: ForwardBatch, counts: list[int]) -> _TorchExtend:
+        table, dev = batch.req_to_token, batch.req_to_token.device
         groups, lo = [], 0
-        while lo < len(flat):
-            i = bisect.bisect_right(ends, flat[lo])  # request of this row
-            hi = bisect.bisect_left(flat, ends[i], lo)
+        for i, c in enumerate(counts):
+            if c == 0:
+                continue
             seq = batch.seq_lens_cpu[i]
-            pos = torch.tensor(flat[lo:hi], device=dev) - starts[i] + batch.extend_prefix_lens[i]
+            pos = torch.arange(seq - c, seq, device=dev)
             slots = table[int(batch.req_pool_indices[i]), :seq]
             mask = torch.arange(seq, device=dev)[None, :] <= pos[:, None]
             if self.kv_pool.drops_tokens:
                 mask &= (slots != 0)[None, :]
-            groups.append((lo, hi, slots, mask))
-            lo = hi
-        self._extend = _ExtendRows(groups)
+            groups.append((lo, lo + c, slots, mask))
+            lo += c
+        return _TorchExtend(groups)
+
+    def _kernel_extend_plan(self, batch: ForwardBatch, counts: list[int]) -> _KernelPlan:
+        dev, width = batch.req_to_token.device, max(batch.seq_lens_cpu)
+        if max(counts) <= 1:  # prefill-skip's usual case: one query per sampling request
+            sel = [i for i, c in enumerate(counts) if c == 1]
+            idx = torch.tensor(sel, dtype=torch.int64, device=dev)
+            table = self._block_table(batch.req_to_token, batch.req_pool_indices[idx], width)
+            plan = self._kernels.plan_fusedkv_splits(table.shape[1], len(sel), self.num_kv_heads, dev)
+            return _KernelPlan(table, batch.seq_lens[idx].to(torch.int32), plan)
+        indptr = [0]
+        for c in counts:
+            indptr.append(indptr[-1] + c)
+        table = self._block_table(batch.req_to_token, batch.req_pool_indices, width)
+        return _KernelPlan(table, batch.seq_lens.to(torch.int32),
+                           qo_indptr=torch.tensor(indptr, dtype=torch.int32, device=dev), max_q_len=max(counts))
 
     # ------------------------------------------------------------------ storage layers
     def forward_qkv(self, qkv, cos, sin, layer_id, batch):
@@ -128,17 +208,19 @@ class FusedKVAttentionBackend(AttentionBackend):
     def forward_reconstruct(self, q: torch.Tensor, layer_id: int, batch: ForwardBatch, recon) -> torch.Tensor:
         """q [N, Hq, D] (rotated; the planned rows) -> attention output [N, Hq, D] over the K/V
         that `recon` rebuilds from its source layers' stored caches."""
-        if batch.mode == ForwardMode.DECODE:
-            plan = self._decode
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("forward_reconstruct on an EXTEND batch without prepare_reconstruct")
+        if isinstance(plan, _KernelPlan):
+            return self._forward_kernel(q.contiguous(), plan, recon)
+        if isinstance(plan, _TorchDecode):
             keys, values = self._rebuild(plan.slots, recon)  # [B, W, Hkv, D]
             out = F.scaled_dot_product_attention(
                 q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
                 attn_mask=plan.key_mask, scale=self.scale, enable_gqa=True)
             return out[:, :, 0, :]
-        if self._extend is None:
-            raise RuntimeError("forward_reconstruct on an EXTEND batch without prepare_reconstruct")
         out = torch.empty_like(q)
-        for lo, hi, slots, mask in self._extend.groups:
+        for lo, hi, slots, mask in plan.groups:
             keys, values = self._rebuild(slots, recon)  # [S, Hkv, D]
             oi = F.scaled_dot_product_attention(
                 q[lo:hi].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
@@ -146,16 +228,29 @@ class FusedKVAttentionBackend(AttentionBackend):
             out[lo:hi] = oi[0].transpose(0, 1)
         return out
 
+    def _forward_kernel(self, q: torch.Tensor, plan: _KernelPlan, recon) -> torch.Tensor:
+        pool, (s0, s1) = self.kv_pool, recon.sources
+        if recon.lite:
+            k_pages, v_pages, weights = (pool.k_buffer[s1],), (pool.v_buffer[s0],), None
+        else:
+            k_pages = (pool.k_buffer[s0], pool.k_buffer[s1])
+            v_pages = (pool.v_buffer[s0], pool.v_buffer[s1])
+            weights = recon.packed
+        if plan.qo_indptr is not None:
+            return self._kernels.fusedkv_extend_attention(q, plan.qo_indptr, k_pages, v_pages, plan.block_table,
+                                                          plan.kv_lens, weights, sm_scale=self.scale,
+                                                          max_q_len=plan.max_q_len)
+        return self._kernels.fusedkv_decode_attention(q, k_pages, v_pages, plan.block_table, plan.kv_lens, weights,
+                                                      sm_scale=self.scale, split_plan=plan.split_plan,
+                                                      even_splits=plan.even_splits)
+
     def _rebuild(self, slots: torch.Tensor, recon) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [*slots.shape, Hkv, D] of a reconstruction layer at `slots`."""
+        """K, V [*slots.shape, Hkv, D] of a reconstruction layer at `slots` (torch path)."""
         from sgl_kvxfer.models.fusedkv_math import fuse_kv
 
         s0, s1 = recon.sources
         k1, v1 = self.kv_pool.get_kv(s1, slots)
-        if s0 == s1:
-            k0, v0 = k1, v1
-        else:
-            k0, v0 = self.kv_pool.get_kv(s0, slots)
+        k0, v0 = (k1, v1) if s0 == s1 else self.kv_pool.get_kv(s0, slots)
         if recon.lite:
             return k1, v0
         return fuse_kv(k0, k1, v0, v1, recon.key_weight, recon.value_weight)
