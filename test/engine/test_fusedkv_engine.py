@@ -119,3 +119,28 @@ def test_radix_chunked_retraction_unchanged(model_dir, monkeypatch):
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
     assert sum(g["meta_info"]["cached_tokens"] for g in got) >= 40 * 5
     assert sum(g["meta_info"]["num_retractions"] for g in got) > 0
+
+
+def test_spectrum_tiers_at_half_budget(model_dir):
+    """SpectrumKV tiers over the stored layers only: at b = 0.5 the resident KV is about a
+    quarter of a vanilla model's at the model dtype; radix hits extend over tiered prefixes."""
+    from sgl_kvxfer import Engine
+    from sgl_kvxfer.spectrum.tiers import TIER_INT4, TIER_INT8
+
+    prompts = _prompts(4, (60, 45, 80))
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    kw = dict(dtype="bfloat16", attention_backend="torch", max_total_tokens=2048, chunked_prefill_size=32)
+    with Engine(model_dir, **kw) as eng:
+        base = eng.generate(input_ids=prompts, sampling_params=params)
+    with Engine(model_dir, kv_tier_budget=0.5, kv_int4="on", kv_decode_recent=4, kv_quant_group_size=16,
+                kv_tier_page_size=16, **kw) as eng:
+        got = eng.generate(input_ids=prompts, sampling_params=params)
+        used = eng.runner.allocator.used_counts()
+        assert used[TIER_INT8] > 30 and used[TIER_INT4] > 30, used
+        fkv = eng.get_server_info()["extra"]["fusedkv"]
+        hits = eng.generate(input_ids=[p + [7, 8, 9] for p in prompts], sampling_params=params)
+        eng.runner.allocator.debug_check()
+    assert fkv["kv_bytes_ratio_vs_vanilla"] < 0.3, fkv
+    assert all(h["meta_info"]["cached_tokens"] >= 32 and len(h["output_ids"]) == 10 for h in hits)
+    same_first = sum(g["output_ids"][0] == b["output_ids"][0] for g, b in zip(got, base))
+    assert same_first >= 2, (got, base)
