@@ -246,41 +246,62 @@ def init_fusion_weights(cfg: FusedKVConfig, num_kv_heads: int, head_dim: int,
     return out
 
 
-def fit_fusion_weights_lstsq(k0: torch.Tensor, k1: torch.Tensor, k_target: torch.Tensor,
-                             v0: torch.Tensor, v1: torch.Tensor, v_target: torch.Tensor,
-                             rope_layout: str = "half", ridge: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Least-squares weights that rebuild one layer's (K, V) from the two sources' caches.
+class FusionLstsq:
+    """Streaming least-squares fit of one reconstruction layer's weights: `update` with batches
+    of calibration KV, then `solve`. Keeps only the 2x2 normal equations (5 float64 sums per
+    key pair and per value channel), so calibration never holds all tokens.
 
-    k*, v* [T, Hkv, D] (post-RoPE keys, tokens of calibration text). Keys: per (head, rotary
-    pair), one (a0, a1) over the pair's two channels and all tokens (the constrained fit, not
-    a per-channel fit averaged afterwards); values: per (head, channel). Each is a 2x2 normal
-    system solved in float64 with a relative ridge (`ridge` x trace / 2) for dead channels.
-    Returns (key_pair_weight [2, Hkv, D/2], value_weight [2, Hkv, D]) float32."""
-    def pairs(x):  # [T, Hkv, D] -> [Hkv, D/2, 2T] : the two channels of each pair as samples
+    k*, v* [T, Hkv, D] (post-RoPE keys). Keys: per (head, rotary pair), one (a0, a1) over the
+    pair's two channels and all tokens (the constrained fit, not a per-channel fit averaged
+    afterwards); values: per (head, channel). Solved with a relative ridge (`ridge` x trace / 2)
+    so dead channels stay finite."""
+
+    def __init__(self, rope_layout: str = "half", ridge: float = 1e-6):
+        if rope_layout not in ROPE_LAYOUTS:
+            raise ValueError(f"rope layout must be one of {ROPE_LAYOUTS}, got {rope_layout!r}")
+        self.rope_layout, self.ridge = rope_layout, ridge
+        self.k_stats = self.v_stats = None  # [5, Hkv, D/2] / [5, Hkv, D]: g00 g01 g11 r0 r1
+
+    def _pairs(self, x):  # [T, Hkv, D] -> [2T, Hkv, D/2]: a pair's two channels as two samples
         x = x.double()
         D = x.shape[-1]
-        if rope_layout == "half":
-            a, b = x[..., : D // 2], x[..., D // 2:]
-        elif rope_layout == "interleaved":
-            a, b = x[..., 0::2], x[..., 1::2]
-        else:
-            raise ValueError(f"rope layout must be one of {ROPE_LAYOUTS}, got {rope_layout!r}")
-        return torch.cat([a, b], dim=0).permute(1, 2, 0)
+        if self.rope_layout == "half":
+            return torch.cat([x[..., : D // 2], x[..., D // 2:]], dim=0)
+        return torch.cat([x[..., 0::2], x[..., 1::2]], dim=0)
 
-    def solve(x0, x1, y):  # [..., S] samples -> [2, ...]
-        g00, g01, g11 = (x0 * x0).sum(-1), (x0 * x1).sum(-1), (x1 * x1).sum(-1)
-        r0, r1 = (x0 * y).sum(-1), (x1 * y).sum(-1)
-        lam = ridge * (g00 + g11).clamp_min(1e-30) / 2
+    @staticmethod
+    def _stats(x0, x1, y):  # samples on dim 0
+        return torch.stack([(x0 * x0).sum(0), (x0 * x1).sum(0), (x1 * x1).sum(0), (x0 * y).sum(0), (x1 * y).sum(0)])
+
+    def update(self, k0, k1, k_target, v0, v1, v_target) -> None:
+        if not (k0.shape == k1.shape == k_target.shape == v0.shape == v1.shape == v_target.shape) or k0.dim() != 3:
+            raise ValueError(f"all inputs must be [T, Hkv, D] of one shape, got {tuple(k0.shape)} ...")
+        ks = self._stats(self._pairs(k0), self._pairs(k1), self._pairs(k_target))
+        vs = self._stats(v0.double(), v1.double(), v_target.double())
+        self.k_stats = ks if self.k_stats is None else self.k_stats + ks
+        self.v_stats = vs if self.v_stats is None else self.v_stats + vs
+
+    def _solve(self, st):
+        g00, g01, g11, r0, r1 = st
+        lam = self.ridge * (g00 + g11).clamp_min(1e-30) / 2
         g00, g11 = g00 + lam, g11 + lam
         det = g00 * g11 - g01 * g01
         return torch.stack([(g11 * r0 - g01 * r1) / det, (g00 * r1 - g01 * r0) / det]).float()
 
-    if not (k0.shape == k1.shape == k_target.shape == v0.shape == v1.shape == v_target.shape) or k0.dim() != 3:
-        raise ValueError(f"all inputs must be [T, Hkv, D] of one shape, got {tuple(k0.shape)} ...")
-    kw = solve(pairs(k0), pairs(k1), pairs(k_target))
-    vt = lambda x: x.double().permute(1, 2, 0)  # noqa: E731 - [Hkv, D, T]
-    vw = solve(vt(v0), vt(v1), vt(v_target))
-    return kw, vw
+    def solve(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (key_pair_weight [2, Hkv, D/2], value_weight [2, Hkv, D]) float32."""
+        if self.k_stats is None:
+            raise ValueError("FusionLstsq.solve before any update")
+        return self._solve(self.k_stats), self._solve(self.v_stats)
+
+
+def fit_fusion_weights_lstsq(k0: torch.Tensor, k1: torch.Tensor, k_target: torch.Tensor,
+                             v0: torch.Tensor, v1: torch.Tensor, v_target: torch.Tensor,
+                             rope_layout: str = "half", ridge: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-shot `FusionLstsq`: (key_pair_weight [2, Hkv, D/2], value_weight [2, Hkv, D])."""
+    fit = FusionLstsq(rope_layout, ridge)
+    fit.update(k0, k1, k_target, v0, v1, v_target)
+    return fit.solve()
 
 
 def check_fusion_tensors(cfg: FusedKVConfig, tensors: dict[str, torch.Tensor],

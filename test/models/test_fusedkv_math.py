@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sgl_kvxfer.models.fusedkv_math import (
-    FusedKVConfig, KVFusion, check_fusion_tensors, expand_key_weight, fit_fusion_weights_lstsq,
+    FusedKVConfig, FusionLstsq, KVFusion, check_fusion_tensors, expand_key_weight, fit_fusion_weights_lstsq,
     fuse_kv, fusion_param_names, fusion_param_shapes, init_fusion_weights)
 from sgl_kvxfer.models.rope import RotaryEmbedding, apply_rope
 
@@ -205,3 +205,16 @@ def test_check_fusion_tensors():
         check_fusion_tensors(c, {**t, fusion_param_names(2)[0]: torch.zeros(vs)}, 2, 8)
     with pytest.raises(ValueError, match="unexpected"):
         check_fusion_tensors(FusedKVConfig(num_hidden_layers=4, variant="lite"), t, 2, 8)
+
+
+def test_lstsq_streaming_equals_one_shot():
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(40, 2, 8, generator=g) for _ in range(6)]
+    one = fit_fusion_weights_lstsq(*xs)
+    fit = FusionLstsq()
+    for lo, hi in ((0, 16), (16, 29), (29, 40)):
+        fit.update(*(x[lo:hi] for x in xs))
+    for a, b in zip(one, fit.solve()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="before any update"):
+        FusionLstsq().solve()
