@@ -1,0 +1,109 @@
+"""FusedKV's triton path in the engine (kernels/fusedkv_attention.py over the paged fp16 pool),
+float16 (the CPU interpreter's bf16 tl.dot is wrong for the storage layers' kernels: see
+test_triton_backend.py), against the torch backend on the same checkpoint. On CPU the kernels
+run under TRITON_INTERPRET=1 (tiny shapes); on a GPU the same tests run natively.
+
+- last-token prefill (the decode kernel over each prompt's last token), prompt logprobs (the
+  extend kernel over each request's logits rows) and decode;
+- the CUDA-graph capture target (CudaGraphRunner.decode_step_static; eager replay on CPU):
+  fixed-width block tables, even splits, padding rows.
+"""
+import random
+
+import pytest
+import torch
+from fusedkv_helpers import TINY, write_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ATOL = 2e-2  # logprobs: fp16 attention with different summation orders
+KW = dict(dtype="float16", device=DEVICE, max_total_tokens=1024, chunked_prefill_size=64, max_running_requests=4)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    base = {**TINY, "torch_dtype": "float16", "head_dim": 32, "hidden_size": 128}
+    return {v: write_model(str(tmp_path_factory.mktemp(f"fkv_triton_{v}")), v, seed=9, base=base)
+            for v in ("fusedkv", "lite")}
+
+
+def _count_kernel_calls(backend) -> dict:
+    """Wrap the backend's kernel module: calls per launcher."""
+    from types import SimpleNamespace
+
+    calls, mod = {"decode": 0, "extend": 0}, backend._kernels
+
+    def counted(name, fn):
+        def run(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return run
+
+    backend._kernels = SimpleNamespace(plan_fusedkv_splits=mod.plan_fusedkv_splits,
+                                       fusedkv_decode_attention=counted("decode", mod.fusedkv_decode_attention),
+                                       fusedkv_extend_attention=counted("extend", mod.fusedkv_extend_attention))
+    return calls
+
+
+def _prompts():
+    rng = random.Random(3)
+    return [[rng.randrange(3, TINY["vocab_size"]) for _ in range(n)] for n in (45, 33)]
+
+
+def _compare(got, want):
+    """Prompt logprobs within ATOL; outputs the same up to a near tie, logprobs within ATOL until then."""
+    for g, r in zip(got, want):
+        gl = [e[0] for e in g["meta_info"]["input_token_logprobs"] if e[0] is not None]
+        rl = [e[0] for e in r["meta_info"]["input_token_logprobs"] if e[0] is not None]
+        assert len(gl) == len(rl) and (not gl or max(abs(a - b) for a, b in zip(gl, rl)) < ATOL)
+        gl, rl = g["meta_info"]["output_token_logprobs"], r["meta_info"]["output_token_logprobs"]
+        for i, (gt, rt) in enumerate(zip(g["output_ids"], r["output_ids"])):
+            assert abs(gl[i][0] - rl[i][0]) < ATOL, (i, gl[i], rl[i])
+            if gt != rt:  # only a near tie may flip a greedy token
+                top = r["meta_info"]["output_top_logprobs"][i]
+                assert top[0][0] - top[1][0] < ATOL, f"step {i}: {gt} != {rt} without a near tie"
+                break
+
+
+@pytest.mark.parametrize("variant", ("fusedkv", "lite"))
+def test_triton_path_matches_torch(model_dirs, variant):
+    from sgl_kvxfer import Engine
+
+    model_dir, prompts = model_dirs[variant], _prompts()
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    out = {}
+    for backend in ("torch", "triton"):
+        with Engine(model_dir, attention_backend=backend, **KW) as eng:
+            assert eng.runner.attn_backend.path == backend
+            calls = _count_kernel_calls(eng.runner.attn_backend) if backend == "triton" else None
+            last = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+            eng.flush_cache()
+            if calls is not None:  # prefill (last rows) and 5 decode steps: the decode kernel, 2 layers each
+                assert calls == {"decode": 12, "extend": 0}, calls
+            lp = eng.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 2},
+                              return_logprob=True, logprob_start_len=20, top_logprobs_num=2)
+            if calls is not None:  # prompt logprob rows: the extend kernel
+                assert calls["extend"] >= 2, calls
+            out[backend] = last + lp
+            eng.runner.allocator.debug_check()
+    _compare(out["triton"], out["torch"])
+
+
+def test_graph_capture_target_matches_eager(model_dirs):
+    from sgl_kvxfer import Engine
+    from sgl_kvxfer.engine.cuda_graph_runner import CudaGraphRunner
+
+    model_dir = model_dirs["fusedkv"]
+    prompts = _prompts() + [[5, 6, 7]]
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in (5, 3, 7)]
+    with Engine(model_dir, attention_backend="triton", disable_cuda_graph=True, **KW) as eng:
+        runner = eng.runner
+        assert runner.attn_backend.supports_cuda_graph
+        eager = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        eng.flush_cache()
+        runner.graph_runner = static = CudaGraphRunner(runner, max_bs=4, use_graphs=False)
+        graphed = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        assert static.replays == 6
+    for e, g in zip(eager, graphed):
+        assert e["output_ids"] == g["output_ids"]
+        el, gl = e["meta_info"]["output_token_logprobs"], g["meta_info"]["output_token_logprobs"]
+        assert max(abs(a[0] - b[0]) for a, b in zip(el, gl)) < 1e-2
