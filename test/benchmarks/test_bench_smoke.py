@@ -226,3 +226,11 @@ def test_ttft_vs_bandwidth(tmp_path, smollm2_path):
     data = result(out, "ttft_vs_bandwidth", ("single", "pd", "ratios", "params"), png=True)
     pd_row = data["pd"]["b=1.0 end 10"]["64"]
     assert pd_row["ttft_ms"] > 0 and pd_row["bytes"] > 0
+
+
+def test_fusedkv_serve_bench(tmp_path):
+    out = run_bench("fusedkv/serve_bench.py", ["--smoke"], tmp_path)
+    data = result(out, "fusedkv_serve_tiny_cpu", ("rows", "params", "targets", "vs_vanilla"), png=True)
+    assert sorted(data["rows"]) == ["fusedkv", "lite", "vanilla"]
+    assert data["vs_vanilla"]["fusedkv"]["pool"] == data["vs_vanilla"]["lite"]["pool"] == 0.5
+    assert "ttft_no_skip" in data["rows"]["fusedkv"]
