@@ -234,3 +234,12 @@ def test_fusedkv_serve_bench(tmp_path):
     assert sorted(data["rows"]) == ["fusedkv", "lite", "vanilla"]
     assert data["vs_vanilla"]["fusedkv"]["pool"] == data["vs_vanilla"]["lite"]["pool"] == 0.5
     assert "ttft_no_skip" in data["rows"]["fusedkv"]
+
+
+def test_fusedkv_tiers(tmp_path):
+    out = run_bench("fusedkv/tiers.py", ["--smoke"], tmp_path)
+    data = result(out, "fusedkv_tiers_tiny_cpu", ("rows", "params", "vanilla_fp16_bytes_per_token"), png=True)
+    got = {(r["model"], r["kv_tier_budget"]): r for r in data["rows"]}
+    assert sorted(got) == [("fusedkv", 0.5), ("fusedkv", 1.0), ("vanilla", 0.5), ("vanilla", 1.0)]
+    assert got[("fusedkv", 1.0)]["resident_vs_vanilla_fp16"] == 0.5
+    assert got[("fusedkv", 0.5)]["resident_vs_vanilla_fp16"] < got[("fusedkv", 1.0)]["resident_vs_vanilla_fp16"]
