@@ -76,3 +76,37 @@ def test_storage_layers_must_fit():
         LayerMappedKVPool(inner, 3)
     # stored_layers == num_hidden_layers is a vanilla pool
     assert not isinstance(create_kv_pool(cfg, ARCH, 64, torch.float16, "cpu", stored_layers=6), LayerMappedKVPool)
+
+
+@pytest.mark.parametrize("dst_family", ["fp16", "tiered"])
+def test_pd_segment_carries_the_stored_layers(dst_family):
+    """pack_segment / unpack_segment between FusedKV pools: the payload holds the 3 stored layers
+    only; fp16 tokens arrive exactly, int8 wire tokens within the codec's error."""
+    from sgl_kvxfer.mem_cache.kv_payload import pack_segment, segment_layout, unpack_segment
+    from sgl_kvxfer.spectrum.tiers import TIER_FP16, TIER_INT8
+
+    src = create_kv_pool(EngineConfig(**FAMILIES["fp16"]), ARCH, 256, torch.float16, "cpu", stored_layers=3)
+    cfg = EngineConfig(**FAMILIES[dst_family])
+    dst = create_kv_pool(cfg, ARCH, 256, torch.float16, "cpu", stored_layers=3)
+    g = torch.Generator().manual_seed(0)
+    slots = torch.arange(1, 21)
+    for layer in range(3):
+        k, v = (torch.randn(20, ARCH.num_key_value_heads, ARCH.head_dim, generator=g).half() for _ in range(2))
+        src.set_kv(layer, slots, k, v)
+    wire = torch.tensor([TIER_FP16] * 12 + [TIER_INT8] * 8, dtype=torch.int8)
+    lens = (12, 8, 0)
+    lay = segment_layout(src, lens)
+    assert lay.num_layers == 3
+    out = torch.empty(lay.total_bytes, dtype=torch.uint8)
+    pack_segment(src, slots, wire, out)
+    alloc = create_slot_allocator(cfg, dst, "cpu")
+    d16 = alloc.alloc(12)
+    d8 = alloc.alloc_tier(TIER_INT8, 8) if dst_family == "tiered" else alloc.alloc(8)
+    unpack_segment(dst, out, lens, (d16, d8, torch.empty(0, dtype=torch.int64)))
+    for layer in range(3):
+        k, v = src.get_kv(layer, slots)
+        k16, v16 = dst.get_kv(layer, d16)
+        torch.testing.assert_close(k16, k[:12], atol=0, rtol=0)
+        torch.testing.assert_close(v16, v[:12], atol=0, rtol=0)
+        k8, _ = dst.get_kv(layer, d8)
+        assert (k8.float() - k[12:].float()).abs().max() < 0.05
