@@ -116,7 +116,7 @@ def run_variant(args, variant: str, model_dir: str, pool_tokens: int, vocab: int
     chunk = max(args.prompt_lens + [args.decode_context])
     kw = dict(load_format="dummy", dtype=args.dtype, device=args.device, attention_backend=args.backend,
               max_total_tokens=pool_tokens, max_running_requests=max_b, chunked_prefill_size=chunk,
-              max_prefill_tokens=chunk * max_b)
+              max_prefill_tokens=max(chunk, 32768))  # the decode batch's prompts: a few 32k-token prefills
     if args.device != "cpu":
         kw["cuda_graph_max_bs"] = max_b
     t0 = time.perf_counter()
