@@ -176,6 +176,7 @@ def _run(script, args, tmp_path, timeout=300):
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_train_toy_end_to_end(tmp_path):
     data = token_dir(tmp_path / "tok", vocab=256)
     out = tmp_path / "out"
