@@ -111,23 +111,25 @@ def reference_logits(cfg: dict, t: dict[str, torch.Tensor], ids: list[int]) -> t
     return _rmsnorm(x, t["model.norm.weight"], eps) @ t["lm_head.weight"].T
 
 
-def extend_batch(runner, runs) -> ForwardBatch:
-    """A hand-built EXTEND batch. runs: [(row, ids, start, end, n_logits)]: compute ids[start:end]
-    over the prefix [0, start) already in row `row`; logits for the last n_logits tokens."""
+def extend_batch(runner, runs, spans: bool = True) -> ForwardBatch:
+    """A hand-built EXTEND batch. runs: [(row, ids, start, end, logits)]: compute ids[start:end]
+    over the prefix [0, start) already in row `row`; logits: n (the last n tokens) or
+    (first position, count). spans=False leaves ForwardBatch.logits_spans unset."""
     dev = runner.device
-    ids, pos, locs, logits, counts = [], [], [], [], []
-    for row, seq, start, end, n_logits in runs:
+    ids, pos, locs, logits, span_list = [], [], [], [], []
+    for row, seq, start, end, want in runs:
+        first, count = (end - want, want) if isinstance(want, int) else want
         slots = runner.allocator.alloc(end - start)
         runner.req_to_token.write(row, start, slots)
-        logits += range(len(ids) + (end - start) - n_logits, len(ids) + (end - start))
+        logits += range(len(ids) + first - start, len(ids) + first - start + count)
         ids += seq[start:end]
         pos += range(start, end)
         locs.append(slots)
-        counts.append(n_logits)
+        span_list.append((first, count))
     t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
     return ForwardBatch(
         mode=ForwardMode.EXTEND, input_ids=t(ids), positions=t(pos), out_cache_loc=torch.cat(locs),
         req_pool_indices=t([r[0] for r in runs]), seq_lens=t([r[3] for r in runs]),
         extend_prefix_lens=[r[2] for r in runs], extend_seq_lens=[r[3] - r[2] for r in runs],
         seq_lens_cpu=[r[3] for r in runs], logits_positions=t(logits), req_to_token=runner.req_to_token.table,
-        logits_counts=counts)
+        logits_spans=span_list if spans else None)

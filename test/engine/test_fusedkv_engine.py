@@ -42,12 +42,17 @@ def test_logprobs_match_checkpoint_reference(model_dir):
     with Engine(model_dir, max_total_tokens=512, chunked_prefill_size=16) as eng:
         out = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1, "temperature": 0},
                            return_logprob=True, logprob_start_len=0)
+        eng.flush_cache()  # scoring only (no sampled token: the rows stop short of the last token)
+        scored = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 0},
+                              return_logprob=True, logprob_start_len=5)
         info = eng.get_server_info()
     for ids, o in zip(prompts, out):
         ref = torch.log_softmax(reference_logits(cfg, tensors, ids), -1)
         got = [lp for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]]
         want = [float(ref[j - 1, ids[j]]) for j in range(1, len(ids))]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-4, rtol=0)
+        got = [lp for lp, _, _ in scored[prompts.index(ids)]["meta_info"]["input_token_logprobs"][1:]]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want[5:]), atol=2e-4, rtol=0)
         first = o["output_ids"][0]
         assert first == int(ref[-1].argmax())
         assert abs(o["meta_info"]["output_token_logprobs"][0][0] - float(ref[-1, first])) < 2e-4
@@ -75,19 +80,22 @@ def test_prefill_skip_logits_equal_full_prefill(model_dir):
 
     cfg = ServerArgs.from_flat(model_path=model_dir, max_total_tokens=512).scheduler.engine
     runner = ModelRunner(cfg)
-    a, b = _prompts(1, (37, 21))
-    rows = [runner.req_to_token.alloc() for _ in range(3)]
+    a, b, c = _prompts(1, (37, 21, 30))
+    rows = [runner.req_to_token.alloc() for _ in range(4)]
     seen = _count_rows(runner)
-    # one batch: request a samples (1 row), request b wants 5 prompt-logprob rows + its sample row
-    runs = [(rows[0], a, 0, len(a), 1), (rows[1], b, 0, len(b), 6)]
+    # one batch: a samples (its last token), b wants 5 prompt-logprob rows + its sample row, c
+    # scores positions 3 .. 28 without sampling (its last token has no logits row)
+    runs = [(rows[0], a, 0, len(a), 1), (rows[1], b, 0, len(b), 6), (rows[3], c, 0, len(c), (3, 26))]
     logits = {}
-    for skip in (True, False):
+    for skip, spans in ((True, True), (True, False), (False, True)):
         runner.model.skip_prefill_rows = skip
         seen.clear()
-        logits[skip] = runner.forward(extend_batch(runner, runs))
-        assert seen == ([7] if skip else [len(a) + len(b)]) * 2, seen  # two reconstruction layers
-    assert logits[True].shape == (7, TINY["vocab_size"])
-    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
+        logits[skip, spans] = runner.forward(extend_batch(runner, runs, spans=spans))
+        assert seen == ([33] if skip else [len(a) + len(b) + len(c)]) * 2, seen  # two reconstruction layers
+    assert logits[True, True].shape == (33, TINY["vocab_size"])
+    torch.testing.assert_close(logits[True, True], logits[False, True], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[True, False], logits[False, True], atol=1e-5, rtol=1e-5)
+    logits[False] = logits[False, True]
 
     # chunked: a in two chunks; the first produces no logits and runs no reconstruction layer
     runner.model.skip_prefill_rows = True

@@ -83,7 +83,10 @@ def test_triton_path_matches_torch(model_dirs, variant):
                               return_logprob=True, logprob_start_len=20, top_logprobs_num=2)
             if calls is not None:  # prompt logprob rows: the extend kernel
                 assert calls["extend"] >= 2, calls
-            out[backend] = last + lp
+            eng.flush_cache()  # scoring only: rows stop one short of the last token
+            scored = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                  logprob_start_len=3)
+            out[backend] = last + lp + scored
             eng.runner.allocator.debug_check()
     _compare(out["triton"], out["torch"])
 

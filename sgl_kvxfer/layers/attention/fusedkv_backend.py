@@ -12,12 +12,14 @@ Plans (once per batch):
     prepare_reconstruct(batch, rows)            called by the model between the halves: the
                                                 EXTEND query rows (None = every token)
 
-The EXTEND query rows of a request are the LAST c tokens of its run (ForwardBatch.logits_counts:
-the sampled token, after its prompt-logprob rows), and the storage layers stored every key by
-then, so query j of c attends keys [0, seq - c + j]:
+The EXTEND query rows of a request are consecutive positions p .. p + c - 1 of its run
+(ForwardBatch.logits_spans: prompt-logprob rows, then the sampled last token if it samples; a
+request that does not sample stops one short of its last token), and the storage layers stored
+every key by then. Each such run is one pseudo-request whose keys end at its last query, so its
+queries are the last c of its p + c keys, query j attending keys [0, p + j]:
 
-    request i:  [ prefix ............... | new tokens ........ ]    keys 0 .. seq - 1
-    query rows:                                    | c rows    |    row j: keys 0 .. seq - c + j
+    request i:  [ prefix ............... | new tokens ............... ]   keys 0 .. seq - 1
+    query run:                           | p ...... p + c - 1 | (rest)   pseudo-request: keys 0 .. p + c - 1
 
 Paths (`self.path`, logged once):
     triton  inner pool paged fp16 (triton / flashinfer backends): kernels/fusedkv_attention.py
@@ -140,62 +142,69 @@ class FusedKVAttentionBackend(AttentionBackend):
         return (req_to_token[rows, : pages * P : P] // P).to(torch.int32)
 
     def prepare_reconstruct(self, batch: ForwardBatch, rows: torch.Tensor | None) -> None:
-        """EXTEND: plan the query rows (flat token indices, ascending, the last tokens of each
-        request's run; None = every token). DECODE: planned already."""
+        """EXTEND: plan the query rows (flat token indices, ascending; None = every token).
+        DECODE: planned already."""
         if batch.mode == ForwardMode.DECODE:
             return
         if batch is not self._batch:
             raise RuntimeError("prepare_reconstruct before prepare_metadata of the same batch")
-        counts = list(batch.extend_seq_lens) if rows is None else batch.logits_counts
-        if counts is None:
-            counts = self._counts_from_rows(batch, rows)  # host sync
+        if rows is None:
+            runs = [(i, p, n) for i, (p, n) in enumerate(zip(batch.extend_prefix_lens, batch.extend_seq_lens))]
+        elif batch.logits_spans is not None:
+            runs = [(i, p, c) for i, (p, c) in enumerate(batch.logits_spans) if c]
+        else:
+            runs = self._runs_from_rows(batch, rows)  # host sync
         plan = self._kernel_extend_plan if self._kernels is not None else self._torch_extend_plan
-        self._plan = plan(batch, counts)
+        self._plan = plan(batch, [r for r in runs if r[2]])
 
     @staticmethod
-    def _counts_from_rows(batch: ForwardBatch, rows: torch.Tensor) -> list[int]:
-        """Rows per request, read back from the device; checks they are each run's last tokens."""
-        flat, counts, start, pos = rows.tolist(), [], 0, 0
+    def _runs_from_rows(batch: ForwardBatch, rows: torch.Tensor) -> list[tuple[int, int, int]]:
+        """(request, first position, count) of each run of consecutive positions among `rows`."""
+        runs, start, i = [], 0, 0
+        ends = []
         for n in batch.extend_seq_lens:
-            lo = pos
-            while pos < len(flat) and flat[pos] < start + n:
-                pos += 1
-            if flat[lo:pos] != list(range(start + n - (pos - lo), start + n)):
-                raise ValueError("FusedKV: a request's logits rows must be the last tokens of its run")
-            counts.append(pos - lo)
             start += n
-        return counts
+            ends.append(start)
+        for r in rows.tolist():
+            while r >= ends[i]:
+                i += 1
+            pos = batch.extend_prefix_lens[i] + r - (ends[i] - batch.extend_seq_lens[i])
+            if runs and runs[-1][0] == i and sum(runs[-1][1:]) == pos:
+                runs[-1] = (i, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((i, pos, 1))
+        return runs
 
-    def _torch_extend_plan(self, batch: ForwardBatch, counts: list[int]) -> _TorchExtend:
+    def _torch_extend_plan(self, batch: ForwardBatch, runs) -> _TorchExtend:
         table, dev = batch.req_to_token, batch.req_to_token.device
         groups, lo = [], 0
-        for i, c in enumerate(counts):
-            if c == 0:
-                continue
-            seq = batch.seq_lens_cpu[i]
-            pos = torch.arange(seq - c, seq, device=dev)
-            slots = table[int(batch.req_pool_indices[i]), :seq]
-            mask = torch.arange(seq, device=dev)[None, :] <= pos[:, None]
+        for i, p, c in runs:
+            keys = p + c  # a run's queries see keys [0, p + c) at most
+            pos = torch.arange(p, keys, device=dev)
+            slots = table[int(batch.req_pool_indices[i]), :keys]
+            mask = torch.arange(keys, device=dev)[None, :] <= pos[:, None]
             if self.kv_pool.drops_tokens:
                 mask &= (slots != 0)[None, :]
             groups.append((lo, lo + c, slots, mask))
             lo += c
         return _TorchExtend(groups)
 
-    def _kernel_extend_plan(self, batch: ForwardBatch, counts: list[int]) -> _KernelPlan:
-        dev, width = batch.req_to_token.device, max(batch.seq_lens_cpu)
-        if max(counts) <= 1:  # prefill-skip's usual case: one query per sampling request
-            sel = [i for i, c in enumerate(counts) if c == 1]
-            idx = torch.tensor(sel, dtype=torch.int64, device=dev)
-            table = self._block_table(batch.req_to_token, batch.req_pool_indices[idx], width)
-            plan = self._kernels.plan_fusedkv_splits(table.shape[1], len(sel), self.num_kv_heads, dev)
-            return _KernelPlan(table, batch.seq_lens[idx].to(torch.int32), plan)
+    def _kernel_extend_plan(self, batch: ForwardBatch, runs) -> _KernelPlan:
+        """Each run is a pseudo-request whose keys end at its last query: its queries are the
+        last c of p + c keys, the kernels' layout (decode: c = 1)."""
+        dev = batch.req_to_token.device
+        req = torch.tensor([i for i, _, _ in runs], dtype=torch.int64, device=dev)
+        lens = [p + c for _, p, c in runs]
+        table = self._block_table(batch.req_to_token, batch.req_pool_indices[req], max(lens))
+        kv_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        if all(c == 1 for _, _, c in runs):  # prefill-skip's usual case: one query per sampling request
+            plan = self._kernels.plan_fusedkv_splits(table.shape[1], len(runs), self.num_kv_heads, dev)
+            return _KernelPlan(table, kv_lens, plan)
         indptr = [0]
-        for c in counts:
+        for _, _, c in runs:
             indptr.append(indptr[-1] + c)
-        table = self._block_table(batch.req_to_token, batch.req_pool_indices, width)
-        return _KernelPlan(table, batch.seq_lens.to(torch.int32),
-                           qo_indptr=torch.tensor(indptr, dtype=torch.int32, device=dev), max_q_len=max(counts))
+        return _KernelPlan(table, kv_lens, qo_indptr=torch.tensor(indptr, dtype=torch.int32, device=dev),
+                           max_q_len=max(c for _, _, c in runs))
 
     # ------------------------------------------------------------------ storage layers
     def forward_qkv(self, qkv, cos, sin, layer_id, batch):
