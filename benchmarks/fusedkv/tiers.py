@@ -82,7 +82,10 @@ def score(engine, wins: list[list[int]], context: int, tag: str) -> dict:
         nll, n = nll - sum(lps), n + len(lps)
         cached.append(o["meta_info"]["cached_tokens"])
     extra = info.get("extra") or {}
+    if min(cached) < context:
+        print(f"WARNING {tag}: a context was not a full radix hit (cached {min(cached)} of {context})", flush=True)
     return {"ppl": math.exp(nll / max(n, 1)), "scored_tokens": n, "cached_tokens_min": min(cached),
+            "full_prefix_hits": min(cached) >= context,
             "kv_bytes_per_token": float(info["kv_bytes_per_token"]),
             "kv_vanilla_bytes_per_token": (extra.get("fusedkv") or {}).get("kv_vanilla_bytes_per_token"),
             "kv_tier_slots": extra.get("kv_tier_slots")}
@@ -94,8 +97,10 @@ def run(args, base_dir: str, fkv_dir: str) -> dict:
     rows, wins, vanilla_fp16 = [], None, None
     for name, model_dir in (("vanilla", base_dir), ("fusedkv", fkv_dir)):
         for budget in args.budgets:
+            # a tiered pool stages new tokens in an fp16 store of ~1/4 of its memory: room for
+            # every window there, so no cached context is evicted before it is scored
             kw = dict(load_format=args.load_format, dtype=args.dtype, device=args.device,
-                      max_total_tokens=args.windows * (args.context + args.continuation + 64) + 2048,
+                      max_total_tokens=4 * args.windows * (args.context + args.continuation + 64) + 4096,
                       chunked_prefill_size=args.context)
             if args.attention_backend:
                 kw["attention_backend"] = args.attention_backend

@@ -241,5 +241,6 @@ def test_fusedkv_tiers(tmp_path):
     data = result(out, "fusedkv_tiers_tiny_cpu", ("rows", "params", "vanilla_fp16_bytes_per_token"), png=True)
     got = {(r["model"], r["kv_tier_budget"]): r for r in data["rows"]}
     assert sorted(got) == [("fusedkv", 0.5), ("fusedkv", 1.0), ("vanilla", 0.5), ("vanilla", 1.0)]
+    assert all(r["full_prefix_hits"] for r in data["rows"])
     assert got[("fusedkv", 1.0)]["resident_vs_vanilla_fp16"] == 0.5
     assert got[("fusedkv", 0.5)]["resident_vs_vanilla_fp16"] < got[("fusedkv", 1.0)]["resident_vs_vanilla_fp16"]
