@@ -92,6 +92,9 @@ class FusedKVAttentionBackend(AttentionBackend):
         # the torch path's decode plan is graph-safe too (slow, but exact): graphs follow the inner backend
         self.supports_cuda_graph = inner.supports_cuda_graph
         self.page_size = getattr(kv_pool, "page_size", 1)
+        # NOTE: the reconstruction plan of the batch being run lives here (the inner backend owns
+        # batch.attn_metadata): a batch's prepare_* and its forward run back to back on the
+        # scheduler thread, and a captured graph holds its plan's tensors itself.
         self._batch, self._plan = None, None
         logger.info("FusedKV attention: storage layers on %s, reconstruction on the %s path%s",
                     type(inner).__name__, self.path, f" ({why})" if why else "")
