@@ -38,6 +38,9 @@ class ForwardBatch:
     attn_backend: Any = None  # set by the model runner
     attn_metadata: Any = None  # filled by attn_backend.prepare_metadata
     extras: dict = field(default_factory=dict)  # per-feature hooks (importance capture, ...)
+    # EXTEND, host: per request (position of its first logits row, row count), its rows being
+    # consecutive positions; None = not recorded or not consecutive (FusedKV reads the rows back)
+    logits_spans: list[tuple[int, int]] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -37,6 +37,8 @@ class ModelRunner:
         with open(os.path.join(self.model_dir, "config.json")) as f:
             self.hf_config = json.load(f)
         arch = ModelArchConfig.from_hf_dict(self.hf_config)
+        # FusedKV (config.json's fusedkv section): only the bottom layers store KV
+        self.stored_layers = self._stored_layers(self.hf_config)
         self.dtype = resolve_dtype(config.dtype, arch, self.device)
         self.model, self.arch = load_model(self.model_dir, config.load_format, self.dtype, self.device,
                                            config.random_seed)
@@ -51,7 +53,8 @@ class ModelRunner:
         self.max_total_tokens = tokens - tokens % self.page_size  # whole pages
         if self.max_total_tokens == 0:
             raise RuntimeError(f"the KV pool ({tokens} tokens) is smaller than one page ({self.page_size})")
-        self.kv_pool = create_kv_pool(config, self.arch, self.max_total_tokens, self.dtype, self.device)
+        self.kv_pool = create_kv_pool(config, self.arch, self.max_total_tokens, self.dtype, self.device,
+                                      stored_layers=self.stored_layers)
         self.allocator = create_slot_allocator(config, self.kv_pool, self.device)
         if config.tiering_enabled:  # SpectrumKV: a request must fit the fp16 (staging) store
             self.max_total_tokens = self.allocator.size
@@ -104,7 +107,29 @@ class ModelRunner:
 
     def _bytes_per_token_estimate(self) -> float:
         a = self.arch
-        return 2.0 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * torch.finfo(self.dtype).bits / 8
+        layers = a.num_hidden_layers if self.stored_layers is None else self.stored_layers
+        return 2.0 * layers * a.num_key_value_heads * a.head_dim * torch.finfo(self.dtype).bits / 8
+
+    @staticmethod
+    def _stored_layers(hf_config: dict) -> int | None:
+        from sgl_kvxfer.models.fusedkv_math import FusedKVConfig
+
+        fkv = FusedKVConfig.from_hf_dict(hf_config)
+        return None if fkv is None else fkv.num_storage_layers
+
+    def server_info_extra(self) -> dict:
+        """Model-variant facts for /get_server_info (FusedKV: the layer storage map and bytes)."""
+        pool = self.kv_pool
+        if self.stored_layers is None:
+            return {}
+        fkv = self.model.fusedkv
+        return {"fusedkv": {
+            "variant": fkv.variant, "num_layers": pool.num_layers, "num_storage_layers": pool.num_stored,
+            "source_layers": list(fkv.source_layers), "storage_map": pool.storage_map(),
+            "kv_vanilla_bytes_per_token": pool.vanilla_bytes_per_token(),
+            "kv_bytes_ratio_vs_vanilla": pool.bytes_per_token() / pool.vanilla_bytes_per_token(),
+            "skip_prefill_rows": bool(self.model.skip_prefill_rows),
+            "reconstruction_path": getattr(self.attn_backend, "path", None)}}
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -121,4 +146,6 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, batch)
         if batch.logits_positions.numel() == 0:
             return hidden.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
+        if getattr(self.model, "returns_logits_rows", False):  # FusedKV: rows selected mid-model
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[batch.logits_positions])

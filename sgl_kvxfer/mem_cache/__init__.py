@@ -7,6 +7,8 @@ KV_POOLS = {
     "fp16": "sgl_kvxfer.mem_cache.fp16_pool:Fp16KVPool",
     "tiered": "sgl_kvxfer.mem_cache.tiered_pool:TieredKVPool",
     "paged_fp16": "sgl_kvxfer.mem_cache.paged_fp16_pool:PagedFp16KVPool",
+    # FusedKV: wraps any family above, built for the stored (bottom) layers only
+    "layer_mapped": "sgl_kvxfer.mem_cache.layer_mapped_pool:LayerMappedKVPool",
 }
 
 
@@ -15,12 +17,22 @@ def _load(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def create_kv_pool(config, arch, size: int, dtype, device: str, int4_allowed: bool | None = None):
+def create_kv_pool(config, arch, size: int, dtype, device: str, int4_allowed: bool | None = None,
+                   stored_layers: int | None = None):
     """Pick the pool family for an EngineConfig; every family shares the KVPool interface.
 
     `size` is the fp16 token count the memory budget affords; the tiered family (SpectrumKV,
     kv_tier_budget < 1) divides that same memory into fp16 / int8 / int4 stores.
+    `stored_layers` n < num_hidden_layers (FusedKV): the family is built for layers [0, n)
+    only and wrapped in a LayerMappedKVPool that presents all layers (layer_mapped_pool.py).
     """
+    if stored_layers is not None and stored_layers < arch.num_hidden_layers:
+        import dataclasses
+
+        inner = create_kv_pool(config, dataclasses.replace(arch, num_hidden_layers=stored_layers), size, dtype,
+                               device, int4_allowed)
+        pool = _load("layer_mapped")(inner, arch.num_hidden_layers)
+        return pool
     dims = (arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim)
     if not config.tiering_enabled:
         page = config.resolved_page_size

@@ -25,6 +25,8 @@ def create_model(arch_config: ModelArchConfig, dtype: torch.dtype, device: str |
     if arch_config.architecture not in MODEL_REGISTRY:
         raise ValueError(f"Unsupported architecture {arch_config.architecture!r}; supported: {sorted(MODEL_REGISTRY)}")
     cls = MODEL_REGISTRY[arch_config.architecture]
+    if arch_config.extra.get("fusedkv") is not None:  # config.json's fusedkv section: FusedKV / Lite
+        from sgl_kvxfer.models.fusedkv_llama import FusedKVLlamaForCausalLM as cls
     with torch.device("meta"):
         model = cls(arch_config)
     device = torch.empty(0, device=device).device

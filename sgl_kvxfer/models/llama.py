@@ -178,6 +178,11 @@ class LlamaForCausalLM(nn.Module):
         i = c.intermediate_size
         return slice(shard * i, (shard + 1) * i)
 
+    def _load_special(self, name: str, tensor: torch.Tensor, params: dict) -> str | None:
+        """Variant hook: load one checkpoint tensor the usual mapping does not cover. Returns the
+        parameter written, "" for a tensor taken without a parameter, None to map it as usual."""
+        return None
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into (possibly fused) params. Returns loaded param names;
@@ -187,6 +192,11 @@ class LlamaForCausalLM(nn.Module):
         written: dict[str, int] = {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
+                continue
+            special = self._load_special(name, tensor, params)
+            if special is not None:  # a variant's own tensor (models/fusedkv_llama.py)
+                if special:
+                    written[special] = expected[special]
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: head is the embedding

@@ -145,4 +145,7 @@ def load_model(
         model.load_weights(_iter_safetensors(model_dir))
     else:
         raise ValueError(f"Unknown load_format {load_format!r}")
+    finish = getattr(model, "finish_load", None)  # variants with non-parameter state (FusedKV)
+    if finish is not None:
+        finish(load_format)
     return model, arch_config

@@ -47,22 +47,28 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
     # Per-token lists cost ~30 ns per int to pack; only input_ids needs them. Positions and
     # table rows follow from the per-request (start, length, row) in a few vector ops.
     input_ids, logits_rows = array("q"), []
-    prefix_lens, extend_lens, seq_lens, rows = [], [], [], []
-    flat = 0
+    prefix_lens, extend_lens, seq_lens, rows, spans = [], [], [], [], []
+    flat, spans_ok = 0, True
     for s in batch.slices:
         req = s.req
         input_ids.extend(req.fill_slice(s.start, s.start + s.length))
+        span = (s.start, 0)  # (first position, count) of this slice's logits rows
         if not req.input_logprobs_done:
             lo = max(req.logprob_start_len, s.start)
             hi = min(len(req.origin_input_ids) - 1, s.start + s.length)
             row_lo = len(logits_rows)
             if hi > lo:
                 logits_rows.extend(range(flat + lo - s.start, flat + hi - s.start))
+                span = (lo, hi - lo)
             s.logprob_rows, s.logprob_first_pos = (row_lo, len(logits_rows)), lo
         if s.sample:
             s.sample_row = len(logits_rows)
             logits_rows.append(flat + s.length - 1)
+            last = s.start + s.length - 1
+            span = (last, 1) if span[1] == 0 else (span[0], span[1] + 1) if last == sum(span) else None
         flat += s.length
+        spans_ok = spans_ok and span is not None
+        spans.append(span)
         prefix_lens.append(s.start)
         extend_lens.append(s.length)
         seq_lens.append(s.start + s.length)
@@ -87,7 +93,7 @@ def prepare_batch(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_toke
         mode=batch.mode, input_ids=ids_t, positions=pos_t, out_cache_loc=out_cache_loc,
         req_pool_indices=rows_t, seq_lens=lens_t, extend_prefix_lens=prefix_lens,
         extend_seq_lens=extend_lens, seq_lens_cpu=seq_lens, logits_positions=logits_t,
-        req_to_token=req_to_token)
+        req_to_token=req_to_token, logits_spans=spans if spans_ok else None)
 
 
 def prepare_decode(batch: ScheduleBatch, out_cache_loc: torch.Tensor, req_to_token: torch.Tensor,

@@ -150,7 +150,7 @@ class Scheduler:
             num_queue_reqs=len(self.waiting),
             kv_used_tokens=used, kv_cached_tokens=cached, kv_bytes_per_token=self.runner.kv_pool.bytes_per_token(),
             last_gen_throughput=self.stats["gen_throughput"], cache_hit_rate=hit,
-            extra={**(self.tiering.server_info() if self.tiering is not None else {}),
+            extra={**(self.tiering.server_info() if self.tiering is not None else {}), **self.runner.server_info_extra(),
                    **({"kv_transfer": self.disagg.server_info()} if self.disagg is not None else {})})
 
     # ------------------------------------------------------------------ one iteration

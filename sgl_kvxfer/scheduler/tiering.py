@@ -191,6 +191,8 @@ class EngineTiering:
         acc = KVNormAccumulator(slots.numel(), device=self.pool.device)
         route = self.pool.route(slots)
         for layer_id in range(self.pool.num_layers):
+            if not self.pool.stores_layer(layer_id):  # FusedKV reconstruction layer: nothing stored
+                continue
             acc.add_layer(*self.pool.get_kv_routed(layer_id, route))
         return acc.scores().cpu()
 

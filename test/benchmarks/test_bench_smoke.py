@@ -232,3 +232,21 @@ def test_ttft_vs_bandwidth(tmp_path, smollm2_path):
     data = result(out, "ttft_vs_bandwidth", ("single", "pd", "ratios", "params"), png=True)
     pd_row = data["pd"]["b=1.0 end 10"]["64"]
     assert pd_row["ttft_ms"] > 0 and pd_row["bytes"] > 0
+
+
+def test_fusedkv_serve_bench(tmp_path):
+    out = run_bench("fusedkv/serve_bench.py", ["--smoke"], tmp_path)
+    data = result(out, "fusedkv_serve_tiny_cpu", ("rows", "params", "targets", "vs_vanilla"), png=True)
+    assert sorted(data["rows"]) == ["fusedkv", "lite", "vanilla"]
+    assert data["vs_vanilla"]["fusedkv"]["pool"] == data["vs_vanilla"]["lite"]["pool"] == 0.5
+    assert "ttft_no_skip" in data["rows"]["fusedkv"]
+
+
+def test_fusedkv_tiers(tmp_path):
+    out = run_bench("fusedkv/tiers.py", ["--smoke"], tmp_path)
+    data = result(out, "fusedkv_tiers_tiny_cpu", ("rows", "params", "vanilla_fp16_bytes_per_token"), png=True)
+    got = {(r["model"], r["kv_tier_budget"]): r for r in data["rows"]}
+    assert sorted(got) == [("fusedkv", 0.5), ("fusedkv", 1.0), ("vanilla", 0.5), ("vanilla", 1.0)]
+    assert all(r["full_prefix_hits"] for r in data["rows"])
+    assert got[("fusedkv", 1.0)]["resident_vs_vanilla_fp16"] == 0.5
+    assert got[("fusedkv", 0.5)]["resident_vs_vanilla_fp16"] < got[("fusedkv", 1.0)]["resident_vs_vanilla_fp16"]

@@ -19,6 +19,14 @@ LAYOUT_VARIANTS = {
 def create_attention_backend(name: str, **kwargs):
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(ATTENTION_BACKENDS)}")
-    layout = getattr(kwargs.get("kv_pool"), "layout", None)
+    pool = kwargs.get("kv_pool")
+    from sgl_kvxfer.mem_cache.layer_mapped_pool import LayerMappedKVPool
+
+    if isinstance(pool, LayerMappedKVPool):  # FusedKV: the named backend serves the stored layers
+        from sgl_kvxfer.layers.attention.fusedkv_backend import FusedKVAttentionBackend
+
+        inner = create_attention_backend(name, **{**kwargs, "kv_pool": pool.inner})
+        return FusedKVAttentionBackend(inner, **kwargs)
+    layout = getattr(pool, "layout", None)
     module, cls = LAYOUT_VARIANTS.get((name, layout), ATTENTION_BACKENDS[name]).split(":")
     return getattr(importlib.import_module(module), cls)(**kwargs)
