@@ -17,7 +17,9 @@ SPLITS = ("train", "calib", "eval")
 
 
 def data_dir() -> str:
-    env = os.environ.get("SGL_KVXFER_SCD_DATA")
+    from sgl_kvxfer import env as envs
+
+    env = envs.SCD_DATA.get()
     for d in ([env] if env else []) + [os.path.join(os.path.dirname(REPO), "shared", "data"),
                                         "/work/shared/data", os.path.join(REPO, ".cache", "scd_data")]:
         if d and os.path.isdir(d) and any(f.startswith("code_") for f in os.listdir(d)):
