@@ -175,5 +175,13 @@ def main(argv=None) -> None:
     calibrate(parse_args(argv))
 
 
+def parse_consumer_arg(spec: str, producer: str | None = None) -> tuple[str, tuple[str, str | None]]:
+    """NAME=PATH (a model dir, or a LoRA adapter dir merged onto `producer`) -> (name, (dir, adapter))."""
+    from sgl_kvxfer.models.loader import resolve_model_path
+
+    name, mdir, lora = stages.parse_consumer(spec, resolve_model_path(producer))
+    return name, (mdir, lora)
+
+
 if __name__ == "__main__":
     main()
