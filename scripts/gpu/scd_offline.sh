@@ -27,6 +27,7 @@ if [ "${1:-}" = prepare ]; then
 fi
 
 DEVICE=${DEVICE:-cuda}
+T0=$(date +%s)
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ "$DEVICE" = cuda ]; then
@@ -42,13 +43,13 @@ ART=$W/artifacts
 SPEC=scripts/scd/specialists  # the GPU machine's copy of the repo; a CPU toy run must not overwrite it
 [ "$DEVICE" = cuda ] || SPEC=$W/specialists
 if [ "$DEVICE" = cuda ]; then
-  TRAIN="--steps 400 --batch-size 16 --seq-len 512 --device cuda"
+  TRAIN="--steps 400 --batch-size 16 --seq-len 512 --device cuda --time-budget-s 110"
   CALIB="--r-k 16 --r-v 32 --r-h 128 --patch-budget auto --k-min 4 --k-max 8 --prefix-len 512 --num-prefixes 192
          --batch-size 16 --select-prompts 32 --select-prefix 384 --select-cont 64 --aligner-hidden 512
          --aligner-steps 500 --aligner-tokens 65536 --storage-dtype float16 --device cuda"
   DRIFT="--windows 24 --window 512 --device cuda"
-  EVAL="--device cuda --time-budget-s 200"
-  T_TRAIN=200; T_CAL=240; T_DRIFT=90; T_EVAL=270
+  EVAL="--device cuda"
+  T_TRAIN=150; T_CAL=150; T_DRIFT=60; WALL=570  # one call may run 600 s: eval gets what is left of WALL
 else
   TRAIN="--steps 2 --batch-size 1 --seq-len 32 --device cpu --dtype float32"
   CALIB="--r-k 8 --r-v 8 --r-h 16 --patch-budget 1 --pool 2 --prefix-len 48 --num-prefixes 4 --batch-size 4
@@ -56,7 +57,7 @@ else
          --aligner-tokens 128 --device cpu"
   DRIFT="--quick --device cpu"
   EVAL="--quick --device cpu --batch-size 4"
-  T_TRAIN=900; T_CAL=1200; T_DRIFT=900; T_EVAL=1800
+  T_TRAIN=900; T_CAL=1200; T_DRIFT=900; WALL=5400
 fi
 
 echo "{" > "$W/stages.json"
@@ -80,7 +81,10 @@ stage calibrate $T_CAL python3 -m sgl_kvxfer.scd.calibrate --consumer code=$SPEC
   --calib code prose --out "$ART" --save-stats $CALIB
 stage drift $T_DRIFT python3 benchmarks/quality/scd_drift.py --specialist code=$SPEC/code --specialist prose=$SPEC/prose \
   --out-dir "$W/results" $DRIFT
-stage eval $T_EVAL python3 benchmarks/quality/scd_eval.py --artifacts "$ART" --out-dir "$W/results" $EVAL
+T_EVAL=$(( WALL - ($(date +%s) - T0) )); [ $T_EVAL -lt 60 ] && T_EVAL=60
+# the rank grid stops starting points 45 s before the eval's timeout (QA + PPL come first)
+stage eval $T_EVAL python3 benchmarks/quality/scd_eval.py --artifacts "$ART" --out-dir "$W/results" \
+  --time-budget-s $(( T_EVAL - 45 )) $EVAL
 echo "  \"device\": \"$DEVICE\"}" >> "$W/stages.json"
 
 cp "$W/stages.json" "$OUT/stages.json"

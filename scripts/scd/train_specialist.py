@@ -44,6 +44,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES), help="base weights' dtype while training")
     ap.add_argument("--save-dtype", default="bfloat16", choices=tuple(DTYPES), help="adapter tensors on disk")
+    ap.add_argument("--time-budget-s", type=float, default=0.0,
+                    help="stop after this many seconds of training (0: none); the log records the steps run")
     return ap.parse_args(argv)
 
 
@@ -74,7 +76,7 @@ def main(argv=None) -> str:
     tok = load_tokenizer(resolve_tokenizer_path(model_dir))
     path = args.data if args.data.endswith((".jsonl", ".gz")) else corpus_path(args.data, "train")
     chunks = packed_chunks(tok, read_texts(path), args.seq_len, tok.eos_token_id, args.seed)
-    need = args.steps * args.batch_size
+    need = args.steps * args.batch_size  # windows drawn (recomputed from the steps actually run)
     if not chunks:
         raise SystemExit(f"{path}: no {args.seq_len}-token window")
     data = torch.tensor(chunks, dtype=torch.long)
@@ -101,20 +103,25 @@ def main(argv=None) -> str:
         opt.zero_grad(set_to_none=True)
         losses.append(out.loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if args.time_budget_s and time.perf_counter() - t0 > args.time_budget_s:
+            print(f"time budget {args.time_budget_s} s reached after {step + 1} of {args.steps} steps")
+            break
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    need = len(losses) * args.batch_size
     out_dir = args.out_dir or os.path.join(ROOT, "scripts", "scd", "specialists", args.name)
     save_adapter(model, out_dir, DTYPES[args.save_dtype])
     log = {"name": args.name, "data": os.path.basename(path), "base_model": os.path.basename(model_dir.rstrip("/")),
            "device": _device_name(device), "train_wall_s": round(wall, 2), "tokens_seen": need * args.seq_len,
            "epochs": round(need / len(data), 3), "train_windows": len(data),
-           "trainable_params": sum(p.numel() for p in params), "params": {k: v for k, v in vars(args).items()},
+           "trainable_params": sum(p.numel() for p in params), "steps_run": len(losses),
+           "params": {k: v for k, v in vars(args).items()},
            "loss": [round(x, 5) for x in losses], "command": " ".join(["python", *sys.argv])}
     with open(os.path.join(out_dir, "train_log.json"), "w") as f:
         json.dump(log, f, indent=1)
     plot_loss(losses, os.path.join(out_dir, "loss.png"), f"{args.name}: LoRA r={args.rank} on {log['data']}")
-    print(f"{args.name}: {args.steps} steps in {wall:.1f}s, loss {losses[0]:.3f} -> {losses[-1]:.3f}; {out_dir}")
+    print(f"{args.name}: {len(losses)} steps in {wall:.1f}s, loss {losses[0]:.3f} -> {losses[-1]:.3f}; {out_dir}")
     return out_dir
 
 
