@@ -37,7 +37,7 @@ def parse_consumer(spec: str, base: str) -> tuple[str, str, str | None]:
     from sgl_kvxfer.models.loader import resolve_model_path
 
     name, path = spec.split("=", 1)
-    path = os.path.expanduser(path)
+    path = os.path.abspath(os.path.expanduser(path))  # the manifest records it as the consumer's source
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         return name, base, path
     return name, resolve_model_path(path), None
