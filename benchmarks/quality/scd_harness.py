@@ -74,7 +74,7 @@ class Harness:
 
         from sgl_kvxfer.scd.build import ReuseMoments
 
-        return ReuseMoments.from_state(load_file(path))
+        return ReuseMoments.from_state(load_file(path), self.m.num_kv_heads, self.m.head_mode)
 
     def refit(self, r_k: int, r_v: int, all_layers: bool = False) -> ScdArtifacts:
         """Artifacts at ranks (r_k, r_v) refitted from the saved moments; all_layers: Reuse-only

@@ -44,7 +44,7 @@ SPEC=scripts/scd/specialists  # the GPU machine's copy of the repo; a CPU toy ru
 [ "$DEVICE" = cuda ] || SPEC=$W/specialists
 if [ "$DEVICE" = cuda ]; then
   TRAIN="--steps 400 --batch-size 16 --seq-len 512 --device cuda --time-budget-s 110"
-  CALIB="--r-k 16 --r-v 32 --r-h 128 --patch-budget auto --k-min 4 --k-max 8 --prefix-len 512 --num-prefixes 192
+  CALIB="--r-k 16 --r-v 48 --r-h 192 --patch-budget auto --k-min 4 --k-max 8 --prefix-len 512 --num-prefixes 192
          --batch-size 16 --select-prompts 32 --select-prefix 384 --select-cont 64 --aligner-hidden 512
          --aligner-steps 500 --aligner-tokens 65536 --storage-dtype float16 --device cuda"
   DRIFT="--windows 24 --window 512 --device cuda"

@@ -7,11 +7,14 @@ Directory layout (`ScdArtifacts.save` / `load`):
     consumer_<name>.safetensors   what consumer <name> needs: decoders, means, aligners
     calibration.json              (calibrate only) per-stage wall time, profiles, errors
 
-Tensor names (l = layer index, H = kv heads, D = head_dim, r = rank, m = aligner width):
+Tensor names (l = layer index, H = kv heads, D = head_dim, r = rank, m = aligner width), for
+head_mode "joint" (one latent of H*r numbers per layer, fitted across the layer's heads) and
+"per_head" (one latent of r numbers per kv head, the paper's per-head reading):
 
-    producer   k_enc.l [H, D, r_k]   k_mu.l [H, D]    v_enc.l [H, D, r_v]   v_mu.l [H, D]     (reuse l)
-               h_enc.l [hidden, r_h] h_mu.l [hidden]                                          (patch l)
-    consumer   k_dec.l [H, r_k, D]   k_mu.l [H, D]    v_dec.l [H, r_v, D]   v_mu.l [H, D]     (reuse l)
+                 joint                     per_head
+    producer   k_enc.l [H*D, H*r_k]      [H, D, r_k]     k_mu.l [H, D]  (v_* likewise)   (reuse l)
+               h_enc.l [hidden, r_h]     h_mu.l [hidden]                                  (patch l)
+    consumer   k_dec.l [H*r_k, H*D]      [H, r_k, D]     k_mu.l [H, D]  (v_* likewise)   (reuse l)
                a_scale.l [r_h]  a_lin_w.l [r_h, hidden]  a_lin_b.l [hidden]
                a_w1.l [r_h, m]  a_b1.l [m]  a_w2.l [m, hidden]  a_b2.l [hidden]              (patch l)
 
@@ -30,6 +33,7 @@ import torch
 from sgl_kvxfer.scd.identity import WILDCARD, ModelIdentity, as_identity, config_hash
 
 CODE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+HEAD_MODES = ("joint", "per_head")
 MANIFEST = "manifest.json"
 PRODUCER_FILE = "producer.safetensors"
 VERSION = 1
@@ -61,6 +65,9 @@ class ScdManifest:
     r_h: int
     dtype: str = "bfloat16"  # the codes' dtype on the wire
     aligner_hidden: int = 0  # m (0: linear aligners)
+    # "joint": a layer's code [T, H, r] is ONE latent of H*r numbers fitted across its heads (same
+    # bytes as per-head codes, never a worse fit); "per_head": one latent per head
+    head_mode: str = "joint"
     version: int = VERSION
 
     def __post_init__(self):
@@ -77,6 +84,8 @@ class ScdManifest:
             raise ValueError(f"r_k, r_v must be in [1, head_dim={self.head_dim}], got {self.r_k}, {self.r_v}")
         if self.patch_layers and not 1 <= self.r_h <= self.hidden_size:
             raise ValueError(f"r_h must be in [1, hidden_size={self.hidden_size}], got {self.r_h}")
+        if self.head_mode not in HEAD_MODES:
+            raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {self.head_mode!r}")
         if self.dtype not in CODE_DTYPES:
             raise ValueError(f"dtype must be one of {tuple(CODE_DTYPES)}, got {self.dtype!r}")
         if self.version != VERSION:
@@ -228,7 +237,8 @@ def _mismatch(side: str, got: ModelIdentity, expected: list[ModelIdentity]) -> s
 
 
 def make_random_artifacts(arch_config, consumers, r_k: int, r_v: int, r_h: int, patch_layers,
-                          seed: int = 0, aligner_hidden: int = 64, dtype: str = "bfloat16") -> ScdArtifacts:
+                          seed: int = 0, aligner_hidden: int = 64, dtype: str = "bfloat16",
+                          head_mode: str = "joint") -> ScdArtifacts:
     """Random artifacts of the right shapes for `arch_config` (a ModelArchConfig): for tests and
     timing-only benchmarks (e.g. the Llama-3-8B shape). Identities carry the real config hash and
     the wildcard weight hash, so any weights of that architecture pass `check_pair`.
@@ -244,7 +254,7 @@ def make_random_artifacts(arch_config, consumers, r_k: int, r_v: int, r_h: int, 
         num_layers=L, num_kv_heads=H, head_dim=D, hidden_size=hid, rope_theta=a.rope_theta,
         rope_scaling=a.rope_scaling, max_position_embeddings=a.max_position_embeddings,
         reuse_layers=tuple(x for x in range(L) if x not in patch), patch_layers=patch,
-        r_k=r_k, r_v=r_v, r_h=r_h, dtype=dtype, aligner_hidden=aligner_hidden)
+        r_k=r_k, r_v=r_v, r_h=r_h, dtype=dtype, aligner_hidden=aligner_hidden, head_mode=head_mode)
     g = torch.Generator().manual_seed(seed)
 
     def orth(rows, cols):  # orthonormal columns (rows >= cols) or rows
@@ -254,10 +264,11 @@ def make_random_artifacts(arch_config, consumers, r_k: int, r_v: int, r_h: int, 
     t: dict[str, torch.Tensor] = {}
     for layer in manifest.reuse_layers:
         for kind, r in (("k", r_k), ("v", r_v)):
-            t[f"producer/{kind}_enc.{layer}"] = torch.stack([orth(D, r) for _ in range(H)])
+            joint = head_mode == "joint"
+            t[f"producer/{kind}_enc.{layer}"] = orth(H * D, H * r) if joint else torch.stack([orth(D, r) for _ in range(H)])
             t[f"producer/{kind}_mu.{layer}"] = torch.zeros(H, D)
             for n in names:
-                t[f"{n}/{kind}_dec.{layer}"] = torch.stack([orth(r, D) for _ in range(H)])
+                t[f"{n}/{kind}_dec.{layer}"] = orth(H * r, H * D) if joint else torch.stack([orth(r, D) for _ in range(H)])
                 t[f"{n}/{kind}_mu.{layer}"] = torch.zeros(H, D)
     for layer in patch:
         t[f"producer/h_enc.{layer}"] = orth(hid, r_h)

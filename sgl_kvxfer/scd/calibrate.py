@@ -3,7 +3,7 @@
     python -m sgl_kvxfer.scd.calibrate --producer smollm2-135m \\
         --consumer code=scripts/scd/specialists/code --consumer prose=scripts/scd/specialists/prose \\
         --calib ../shared/data/code_calib.jsonl ../shared/data/prose_calib.jsonl \\
-        --r-k 16 --r-v 16 --r-h 64 --patch-budget auto --out scd_artifacts/smollm2
+        --r-k 16 --r-v 48 --r-h 192 --patch-budget auto --k-min 4 --out scd_artifacts/smollm2
 
 A consumer is NAME=PATH: a model dir, or a peft LoRA adapter dir merged onto --consumer-base
 (default: the producer). Stages (wall time of each in OUT/calibration.json):
@@ -43,8 +43,9 @@ class CalibConfig:
     calib: tuple[str, ...] = ("code", "prose")  # paths or corpus names
     out: str = "scd_artifacts"
     r_k: int = 16
-    r_v: int = 16
-    r_h: int = 64
+    r_v: int = 48
+    r_h: int = 192
+    head_mode: str = "joint"  # joint (a layer's heads share one latent of H*r) or per_head
     patch_budget: str = "auto"  # a fixed k, or auto (k* = argmax dF/(c k) over [k_min, k_max])
     k_min: int = 1
     k_max: int = 8
@@ -74,6 +75,8 @@ class CalibConfig:
         names = [c.split("=", 1)[0] for c in self.consumers]
         if any("=" not in c for c in self.consumers) or len(set(names)) != len(names):
             raise ValueError(f"--consumer takes unique NAME=PATH entries, got {self.consumers}")
+        if self.head_mode not in ("joint", "per_head"):
+            raise ValueError(f"--head-mode must be joint or per_head, got {self.head_mode!r}")
         if self.patch_budget != "auto" and not self.patch_budget.isdigit():
             raise ValueError(f"--patch-budget is a layer count or 'auto', got {self.patch_budget!r}")
         if min(self.r_k, self.r_v, self.r_h, self.prefix_len, self.num_prefixes, self.batch_size) < 1:

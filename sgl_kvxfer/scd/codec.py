@@ -1,7 +1,8 @@
 """SCD codecs: the producer's encoder and one consumer's decoder (pure torch, any device).
 
 Producer, per layer (one encoding serves every consumer of the artifacts):
-    reuse l:  zk = (deRoPE(k) - mu_k) @ k_enc      zv = (v - mu_v) @ v_enc      per kv head
+    reuse l:  zk = (deRoPE(k) - mu_k) @ k_enc      zv = (v - mu_v) @ v_enc      (head_mode "joint":
+              over the layer's heads flattened, [T, H*D] @ [H*D, H*r]; "per_head": per kv head)
     patch l:  zh = (h_norm - mu_h) @ h_enc         h_norm = input_layernorm output of layer l
 Consumer c:
     reuse l:  k = RoPE(zk @ k_dec_c + mu_k_c)      v = zv @ v_dec_c + mu_v_c
@@ -52,8 +53,8 @@ class ScdEncoder:
         if layer not in self.k_enc:
             raise ValueError(f"layer {layer} is a {self.manifest.layer_kind(layer)} layer, not reuse")
         kc = self.rotary.derope(k, positions) - self.k_mu[layer]
-        zk = torch.einsum("thd,hdr->thr", kc, self.k_enc[layer])
-        zv = torch.einsum("thd,hdr->thr", v.float() - self.v_mu[layer], self.v_enc[layer])
+        zk = _project(kc, self.k_enc[layer], self.manifest.r_k)
+        zv = _project(v.float() - self.v_mu[layer], self.v_enc[layer], self.manifest.r_v)
         dt = self.manifest.code_dtype
         return zk.to(dt), zv.to(dt)
 
@@ -88,8 +89,9 @@ class ScdDecoder:
         """zk [T, H, r_k], zv [T, H, r_v], positions [T] -> (k post-RoPE [T, H, D], v [T, H, D])."""
         if layer not in self.k_dec:
             raise ValueError(f"layer {layer} is a {self.manifest.layer_kind(layer)} layer, not reuse")
-        kc = torch.einsum("thr,hrd->thd", zk.float(), self.k_dec[layer]) + self.k_mu[layer]
-        v = torch.einsum("thr,hrd->thd", zv.float(), self.v_dec[layer]) + self.v_mu[layer]
+        d = self.manifest.head_dim
+        kc = _project(zk.float(), self.k_dec[layer], d) + self.k_mu[layer]
+        v = _project(zv.float(), self.v_dec[layer], d) + self.v_mu[layer]
         return self.rotary.rope(kc, positions, out_dtype), v.to(out_dtype)
 
     def align_patch(self, layer: int, zh: torch.Tensor) -> torch.Tensor:
@@ -102,6 +104,14 @@ class ScdDecoder:
                          out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """align_patch, then the consumer's own K/V projection of layer `layer` (+RoPE)."""
         return regenerate_kv(self.align_patch(layer, zh), proj, positions, self.rotary, out_dtype)
+
+
+def _project(x: torch.Tensor, w: torch.Tensor, out_per_head: int) -> torch.Tensor:
+    """x [T, H, a] through a layer's map: joint w [H*a, H*b] (one matmul across heads) or per-head
+    w [H, a, b] -> [T, H, b] (b = out_per_head)."""
+    if w.dim() == 2:
+        return (x.reshape(x.shape[0], -1) @ w).view(x.shape[0], x.shape[1], out_per_head)
+    return torch.einsum("tha,hab->thb", x, w)
 
 
 ALIGNER_PARAMS = ("scale", "lin_w", "lin_b", "w1", "b1", "w2", "b2")

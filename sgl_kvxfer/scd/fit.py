@@ -21,6 +21,9 @@ from dataclasses import dataclass
 import torch
 
 
+NULL_TOL = 1e-7  # eigenvalues below this fraction of the largest count as zero
+
+
 class JointMoments:
     """Streaming sums of x [G, n, M] (G groups of M = blocks * width features) in float64."""
 
@@ -82,6 +85,10 @@ def fit_joint(moments: JointMoments, rank: int, ridge: float = 1e-4) -> JointFit
         raise ValueError(f"rank must be in [1, {d}], got {rank}")
     evals, evecs = torch.linalg.eigh(cov)  # ascending
     v_r = evecs[..., -rank:].flip(-1)  # [G, M, r]
+    # NOTE: directions of (numerically) zero variance carry no signal but, with a small ridge, get
+    # decoder rows that amplify float32 code noise ~1/lam: zero them (an exact zero code + row).
+    live = evals[..., -rank:].flip(-1) > NULL_TOL * evals[..., -1:].clamp(min=1e-300)
+    v_r = v_r * live[:, None, :]
     c_aa = cov[:, :d, :d]
     enc = _ridge_solve(c_aa, cov[:, :d, :] @ v_r, ridge)  # [G, d, r]
     s = enc.transpose(1, 2) @ c_aa @ enc  # cov of the received code [G, r, r]

@@ -104,7 +104,7 @@ def _batches(chunks, bs, device):
 def collect_kv(cfg, env: Models, chunks) -> ReuseMoments:
     a = env.arch
     L, rot = a.num_hidden_layers, KeyRotary.from_arch(a)
-    moments = ReuseMoments(L, a.num_key_value_heads, a.head_dim, len(env.consumers), env.device)
+    moments = ReuseMoments(L, a.num_key_value_heads, a.head_dim, len(env.consumers), env.device, cfg.head_mode)
     runners = [env.producer, *env.consumers.values()]
     for ids, pos, valid in tqdm(list(_batches(chunks, cfg.batch_size, env.device)), desc="collect K/V", unit="batch"):
         taps = [r.forward(ids, pos, valid, kv_layers=range(L)) for r in runners]
@@ -124,7 +124,8 @@ def manifest_for(cfg, env: Models, patch) -> ScdManifest:
         hidden_size=a.hidden_size, rope_theta=a.rope_theta, rope_scaling=a.rope_scaling,
         max_position_embeddings=a.max_position_embeddings,
         reuse_layers=tuple(x for x in range(a.num_hidden_layers) if x not in patch), patch_layers=tuple(sorted(patch)),
-        r_k=cfg.r_k, r_v=cfg.r_v, r_h=cfg.r_h, dtype=cfg.code_dtype, aligner_hidden=cfg.aligner_hidden)
+        r_k=cfg.r_k, r_v=cfg.r_v, r_h=cfg.r_h, dtype=cfg.code_dtype, aligner_hidden=cfg.aligner_hidden,
+        head_mode=cfg.head_mode)
 
 
 def fit_reuse_all(cfg, env: Models, moments) -> tuple[ScdArtifacts, dict]:

@@ -22,32 +22,34 @@ def _capture(model_dir, seqs):
     return model, arch, taps, pos[valid], valid
 
 
-def _manifest(arch, consumers, r_k, r_v, patch=()):
+def _manifest(arch, consumers, r_k, r_v, patch=(), head_mode="joint"):
     ident = ModelIdentity("producer", "x", "*")
     return ScdManifest(producer=ident, consumers=tuple(ModelIdentity(c, "x", "*") for c in consumers),
                        num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads,
                        head_dim=arch.head_dim, hidden_size=arch.hidden_size, rope_theta=arch.rope_theta,
                        rope_scaling=arch.rope_scaling, max_position_embeddings=arch.max_position_embeddings,
                        reuse_layers=tuple(i for i in range(arch.num_hidden_layers) if i not in patch),
-                       patch_layers=tuple(patch), r_k=r_k, r_v=r_v, r_h=8, dtype="float32")
+                       patch_layers=tuple(patch), r_k=r_k, r_v=r_v, r_h=8, dtype="float32", head_mode=head_mode)
 
 
-def _fit(arch, rot, ks_models, vs_models, pos, consumers, r_k, r_v, ridge):
-    mom = ReuseMoments(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, len(consumers))
+def _fit(arch, rot, ks_models, vs_models, pos, consumers, r_k, r_v, ridge, head_mode="joint"):
+    mom = ReuseMoments(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, len(consumers),
+                       head_mode=head_mode)
     for layer in range(arch.num_hidden_layers):
         mom.update(layer, [rot.derope(k[layer], pos) for k in ks_models], [v[layer] for v in vs_models])
     tensors, report = fit_reuse(mom, range(arch.num_hidden_layers), r_k, r_v, consumers, ridge)
-    return ScdArtifacts(_manifest(arch, consumers, r_k, r_v), tensors), report
+    return ScdArtifacts(_manifest(arch, consumers, r_k, r_v, head_mode=head_mode), tensors), report
 
 
-def test_full_rank_round_trip_same_model(tiny_pair):
+@pytest.mark.parametrize("head_mode", ["joint", "per_head"])
+def test_full_rank_round_trip_same_model(tiny_pair, head_mode):
     seqs = [list(range(100 + 7 * i, 160 + 9 * i)) for i in range(4)]
     _, arch, taps, pos, valid = _capture(tiny_pair["producer"], seqs)
     rot = KeyRotary.from_arch(arch)
     ks = {layer: taps.k[layer][valid] for layer in taps.k}  # [n, H, D]
     vs = {layer: taps.v[layer][valid] for layer in taps.v}
     d = arch.head_dim
-    art, report = _fit(arch, rot, [ks, ks], [vs, vs], pos, ["self"], d, d, 1e-9)
+    art, report = _fit(arch, rot, [ks, ks], [vs, vs], pos, ["self"], d, d, 1e-9, head_mode)
     enc, dec = ScdEncoder(art), ScdDecoder(art, "self")
     for layer in range(arch.num_hidden_layers):
         zk, zv = enc.encode_reuse(layer, ks[layer], vs[layer], pos)
@@ -57,9 +59,25 @@ def test_full_rank_round_trip_same_model(tiny_pair):
         assert (v_hat - vs[layer]).norm() / vs[layer].norm() < 1e-4
     assert max(report["self"]["k_rel_err"]) < 1e-6
     # Lower rank: larger error, monotone in rank (a real test of the truncation).
-    errs = [max(_fit(arch, rot, [ks, ks], [vs, vs], pos, ["self"], r, r, 1e-6)[1]["self"]["v_rel_err"])
+    errs = [max(_fit(arch, rot, [ks, ks], [vs, vs], pos, ["self"], r, r, 1e-6, head_mode)[1]["self"]["v_rel_err"])
             for r in (2, 8, d)]
     assert errs[0] > errs[1] > errs[2] and errs[0] > 1e-2
+
+
+def test_joint_heads_fit_no_worse_than_per_head(tiny_pair):
+    """Same bytes (H*r numbers per token): the joint subspace over a layer's heads contains every
+    per-head (block-diagonal) choice, so its fit error is at most the per-head one."""
+    seqs = [list(range(100 + 7 * i, 180 + 9 * i)) for i in range(4)]
+    _, arch, taps, pos, valid = _capture(tiny_pair["producer"], seqs)
+    _, _, taps_b, _, _ = _capture(tiny_pair["b"], seqs)
+    rot = KeyRotary.from_arch(arch)
+    ka, va = ({l: t[l][valid] for l in t} for t in (taps.k, taps.v))
+    kb, vb = ({l: t[l][valid] for l in t} for t in (taps_b.k, taps_b.v))
+    rep = {mode: _fit(arch, rot, [ka, kb], [va, vb], pos, ["b"], 4, 4, 1e-6, mode)[1]["b"]
+           for mode in ("joint", "per_head")}
+    for kind in ("k_rel_err", "v_rel_err"):
+        assert all(j <= p + 1e-3 for j, p in zip(rep["joint"][kind], rep["per_head"][kind])), (kind, rep)
+        assert sum(rep["joint"][kind]) < sum(rep["per_head"][kind])
 
 
 def test_joint_fit_serves_several_consumers(tiny_pair):
@@ -74,7 +92,7 @@ def test_joint_fit_serves_several_consumers(tiny_pair):
     vs = {layer: taps.v[layer][valid] for layer in taps.v}
     k_lin = {layer: rot.rope(rot.derope(ks[layer], pos) @ mix, pos) for layer in ks}
     v_lin = {layer: vs[layer] @ mix + 0.5 for layer in vs}
-    art, _ = _fit(arch, rot, [ks, ks, k_lin], [vs, vs, v_lin], pos, ["self", "lin"], d, d, 1e-9)
+    art, _ = _fit(arch, rot, [ks, ks, k_lin], [vs, vs, v_lin], pos, ["self", "lin"], d, d, 1e-9, "per_head")
     enc = ScdEncoder(art)
     for name, kt, vt in (("self", ks, vs), ("lin", k_lin, v_lin)):
         dec = ScdDecoder(art, name)
@@ -129,6 +147,7 @@ def test_engine_kv_equals_runner_kv_and_patch_regeneration(tiny_pair):
 def test_random_artifacts_shapes_and_bytes(tmp_path):
     arch = ModelArchConfig.from_hf_dict(PRESETS["llama-3-8b"])
     art = make_random_artifacts(arch, ["code", "prose"], r_k=16, r_v=32, r_h=256, patch_layers=[3, 17], seed=1)
+    assert art.producer_tensor("k_enc.0").shape == (8 * 128, 8 * 16)  # joint over the 8 kv heads
     m = art.manifest
     assert m.bytes_per_token == (30 * 8 * 48 + 2 * 256) * 2
     assert m.raw_kv_bytes_per_token() == 32 * 8 * 256 * 2
