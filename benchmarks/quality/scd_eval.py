@@ -107,10 +107,6 @@ def main(argv=None) -> str:
     wall["ppl"] = time.perf_counter() - t
 
     sub = grid_subset(len(items), args.grid_questions)
-    grid, skipped = rank_grid(h, args, items, prompts, f1, t0, sub)
-    wall["grid"] = time.perf_counter() - t - wall["ppl"]
-    wall["total"] = time.perf_counter() - t0
-    bpt = h.bytes_per_token()
     mean_f1 = {meth: _mean([qa[c][meth]["f1"] for c in qa]) for meth in h.methods}
     # the same methods on the grid's question subset (the Pareto panel compares like with like)
     sub_f1 = {meth: _mean([_mean([f1(answers[(c, meth)][i], items[i].answer) for i in sub]) for c in qa])
@@ -123,16 +119,24 @@ def main(argv=None) -> str:
         "protocol": "producer prefills prompt[:-1]; the method builds the consumer's prefix cache; the consumer "
                     "runs prompt[-1] and decodes greedily (QA) / scores the continuation (PPL, KL/TV vs oracle)",
         "qa_items": len(items), "qa_kinds": _count([f"{it.corpus}/{it.kind}" for it in items]),
-        "droidspeak_layers": list(h.droid_layers), "bytes_per_token": bpt,
+        "droidspeak_layers": list(h.droid_layers), "bytes_per_token": h.bytes_per_token(),
         "f1_mean_over_consumers": mean_f1,
         "scd_f1_vs_oracle": mean_f1["scd"] / mean_f1["oracle"] if mean_f1["oracle"] else None,
-        "qa": qa, "ppl": ppl, "rank_grid": grid, "rank_grid_skipped": skipped,
+        "qa": qa, "ppl": ppl, "rank_grid": [], "rank_grid_skipped": ["not run yet"],
         "rank_grid_questions": len(sub), "f1_on_grid_subset": sub_f1,
-        "wall_s": {k: round(v, 2) for k, v in wall.items()},
     }
     name = args.name or f"scd_eval_{payload['device'].split(' (')[0].replace(' ', '_')}"
-    path = write_json(name, payload, args.out_dir)
-    plot(payload, path[:-5] + ".png")
+
+    def save():
+        payload["wall_s"] = {k: round(v, 2) for k, v in {**wall, "total": time.perf_counter() - t0}.items()}
+        out = write_json(name, payload, args.out_dir)
+        plot(payload, out[:-5] + ".png")
+        return out
+
+    save()  # QA + PPL are on disk before the grid starts (a caller's timeout may cut the grid)
+    payload["rank_grid"], payload["rank_grid_skipped"] = rank_grid(h, args, items, prompts, f1, t0, sub)
+    wall["grid"] = time.perf_counter() - t - wall["ppl"]
+    path = save()
     print(f"F1 (mean over consumers): " + ", ".join(f"{k} {v:.3f}" for k, v in mean_f1.items()))
     print(f"wrote {path}")
     return path
