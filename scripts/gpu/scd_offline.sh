@@ -8,10 +8,12 @@
 #   GPU call 2:  carry [.carry_b, .whl, .cache/scd_data]    SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/scd_offline.sh
 #   CPU toy run: OUT=/tmp/scd DEVICE=cpu bash scripts/gpu/scd_offline.sh    (tiny sizes, same stages)
 #
-# Back in $OUT (6 files): specialists.tar (scripts/scd/specialists/{code,prose}: adapter
-# safetensors + config, train_log.json, loss.png), artifacts.tar (the SCD artifacts dir without
-# its moments file), results.tar (scd_drift_*.json/png, scd_eval_*.json/png, calibration.json),
-# stages.json (wall time and exit code per stage), scd_offline.log.
+# Back in $OUT (7 files): specialists.tar (scripts/scd/specialists/{code,prose}: adapter
+# safetensors + config, train_log.json, loss.png), artifacts.tar (artifacts/: manifest.json,
+# producer.safetensors, calibration.json) plus consumer_code.safetensors and
+# consumer_prose.safetensors (they belong in that artifacts/ dir), results.tar
+# (scd_drift_*.json/png, scd_eval_*.json/png, calibration.json), stages.json (wall time and exit
+# code per stage), scd_offline.log.
 # SKIP_TRAIN=1 reuses the adapters already in scripts/scd/specialists/. Every stage runs under a
 # timeout and a failed stage does not stop the next ones.
 set -uo pipefail
@@ -91,6 +93,9 @@ cp "$W/stages.json" "$OUT/stages.json"
 [ -f "$ART/calibration.json" ] && cp "$ART/calibration.json" "$W/results/"
 if [ "$DEVICE" = cuda ]; then tar -cf "$OUT/specialists.tar" $SPEC/code $SPEC/prose
 else tar -cf "$OUT/specialists.tar" -C "$W" specialists; fi
-[ -d "$ART" ] && tar -cf "$OUT/artifacts.tar" -C "$W" --exclude=reuse_stats.safetensors artifacts
+if [ -d "$ART" ]; then  # each consumer's file alone (aligners make them ~10 MB; 16 MiB per file back)
+  tar -cf "$OUT/artifacts.tar" -C "$W" --exclude=reuse_stats.safetensors --exclude='consumer_*.safetensors' artifacts
+  cp "$ART"/consumer_*.safetensors "$OUT/"
+fi
 tar -cf "$OUT/results.tar" -C "$W" results
 ls -la "$OUT"
