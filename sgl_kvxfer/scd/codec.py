@@ -1,0 +1,150 @@
+"""SCD codecs: the producer's encoder and one consumer's decoder (pure torch, any device).
+
+Producer, per layer (one encoding serves every consumer of the artifacts):
+    reuse l:  zk = (deRoPE(k) - mu_k) @ k_enc      zv = (v - mu_v) @ v_enc      per kv head
+    patch l:  zh = (h_norm - mu_h) @ h_enc         h_norm = input_layernorm output of layer l
+Consumer c:
+    reuse l:  k = RoPE(zk @ k_dec_c + mu_k_c)      v = zv @ v_dec_c + mu_v_c
+    patch l:  h_hat = g_c(zh)  (MLP aligner), then k = RoPE(h_hat W_k_c^T), v = h_hat W_v_c^T
+              with the consumer's OWN projections (`regenerate_kv`, `kv_projections`).
+
+Shapes are token-major like the engine's KV pool: k, v [T, H, D]; positions LongTensor [T] (the
+absolute position of each token, as the engine rotated it). Codes are cast to the manifest's
+wire dtype; all arithmetic runs in float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sgl_kvxfer.scd.artifacts import ScdArtifacts
+from sgl_kvxfer.scd.rotary import KeyRotary
+
+
+def _rotary(manifest) -> KeyRotary:
+    m = manifest
+    return KeyRotary(m.head_dim, m.rope_theta, m.rope_scaling, m.max_position_embeddings)
+
+
+def _on(t: torch.Tensor, device) -> torch.Tensor:
+    return t if device is None else t.to(device)
+
+
+class ScdEncoder:
+    """Producer side. `device`: where the encoder matrices live (default: where loaded)."""
+
+    def __init__(self, artifacts: ScdArtifacts, device: str | torch.device | None = None):
+        self.manifest = m = artifacts.manifest
+        self.rotary = _rotary(m)
+        get = artifacts.producer_tensor
+        self.k_enc, self.k_mu, self.v_enc, self.v_mu, self.h_enc, self.h_mu = {}, {}, {}, {}, {}, {}
+        for layer in m.reuse_layers:
+            self.k_enc[layer], self.k_mu[layer] = _on(get(f"k_enc.{layer}"), device), _on(get(f"k_mu.{layer}"), device)
+            self.v_enc[layer], self.v_mu[layer] = _on(get(f"v_enc.{layer}"), device), _on(get(f"v_mu.{layer}"), device)
+        for layer in m.patch_layers:
+            self.h_enc[layer], self.h_mu[layer] = _on(get(f"h_enc.{layer}"), device), _on(get(f"h_mu.{layer}"), device)
+
+    def encode_reuse(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k post-RoPE [T, H, D], v [T, H, D], positions [T] -> zk [T, H, r_k], zv [T, H, r_v]."""
+        if layer not in self.k_enc:
+            raise ValueError(f"layer {layer} is a {self.manifest.layer_kind(layer)} layer, not reuse")
+        kc = self.rotary.derope(k, positions) - self.k_mu[layer]
+        zk = torch.einsum("thd,hdr->thr", kc, self.k_enc[layer])
+        zv = torch.einsum("thd,hdr->thr", v.float() - self.v_mu[layer], self.v_enc[layer])
+        dt = self.manifest.code_dtype
+        return zk.to(dt), zv.to(dt)
+
+    def encode_patch(self, layer: int, h_norm: torch.Tensor) -> torch.Tensor:
+        """h_norm [T, hidden] (the producer's input_layernorm output at `layer`) -> zh [T, r_h]."""
+        if layer not in self.h_enc:
+            raise ValueError(f"layer {layer} is a {self.manifest.layer_kind(layer)} layer, not patch")
+        return ((h_norm.float() - self.h_mu[layer]) @ self.h_enc[layer]).to(self.manifest.code_dtype)
+
+
+class ScdDecoder:
+    """One consumer's side. `consumer`: its name in the manifest (`ScdArtifacts.check_pair`
+    returns it for a model)."""
+
+    def __init__(self, artifacts: ScdArtifacts, consumer: str, device: str | torch.device | None = None):
+        self.manifest = m = artifacts.manifest
+        self.consumer = consumer
+        self.rotary = _rotary(m)
+
+        def get(name):
+            return _on(artifacts.consumer_tensor(consumer, name), device)
+
+        self.k_dec, self.k_mu, self.v_dec, self.v_mu, self.aligners = {}, {}, {}, {}, {}
+        for layer in m.reuse_layers:
+            self.k_dec[layer], self.k_mu[layer] = get(f"k_dec.{layer}"), get(f"k_mu.{layer}")
+            self.v_dec[layer], self.v_mu[layer] = get(f"v_dec.{layer}"), get(f"v_mu.{layer}")
+        for layer in m.patch_layers:
+            self.aligners[layer] = {n: get(f"a_{n}.{layer}") for n in ALIGNER_PARAMS}
+
+    def decode_reuse(self, layer: int, zk: torch.Tensor, zv: torch.Tensor, positions: torch.Tensor,
+                     out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """zk [T, H, r_k], zv [T, H, r_v], positions [T] -> (k post-RoPE [T, H, D], v [T, H, D])."""
+        if layer not in self.k_dec:
+            raise ValueError(f"layer {layer} is a {self.manifest.layer_kind(layer)} layer, not reuse")
+        kc = torch.einsum("thr,hrd->thd", zk.float(), self.k_dec[layer]) + self.k_mu[layer]
+        v = torch.einsum("thr,hrd->thd", zv.float(), self.v_dec[layer]) + self.v_mu[layer]
+        return self.rotary.rope(kc, positions, out_dtype), v.to(out_dtype)
+
+    def align_patch(self, layer: int, zh: torch.Tensor) -> torch.Tensor:
+        """zh [T, r_h] -> h_hat [T, hidden] float32: the consumer's estimated input_layernorm output."""
+        if layer not in self.aligners:
+            raise ValueError(f"layer {layer} is a {self.manifest.layer_kind(layer)} layer, not patch")
+        return apply_aligner(self.aligners[layer], zh.float())
+
+    def regenerate_patch(self, layer: int, zh: torch.Tensor, positions: torch.Tensor, proj: "KVProjection",
+                         out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """align_patch, then the consumer's own K/V projection of layer `layer` (+RoPE)."""
+        return regenerate_kv(self.align_patch(layer, zh), proj, positions, self.rotary, out_dtype)
+
+
+ALIGNER_PARAMS = ("scale", "lin_w", "lin_b", "w1", "b1", "w2", "b2")
+
+
+def apply_aligner(p: dict[str, torch.Tensor], zh: torch.Tensor) -> torch.Tensor:
+    """g(z) = u W_lin + b_lin + gelu(u W1 + b1) W2 + b2, u = z / scale. [T, r_h] -> [T, hidden]."""
+    u = zh / p["scale"]
+    out = torch.addmm(p["lin_b"], u, p["lin_w"])
+    if p["w1"].shape[1]:
+        out = out + torch.addmm(p["b2"], F.gelu(torch.addmm(p["b1"], u, p["w1"])), p["w2"])
+    return out
+
+
+@dataclass
+class KVProjection:
+    """A consumer layer's K/V projection: w_k, w_v [H*D, hidden] (nn.Linear layout), optional biases."""
+
+    w_k: torch.Tensor
+    w_v: torch.Tensor
+    b_k: torch.Tensor | None = None
+    b_v: torch.Tensor | None = None
+
+
+def kv_projections(model) -> list[KVProjection]:
+    """Per-layer K/V projections of our engine's LlamaForCausalLM (views into its fused qkv_proj)."""
+    c = model.config
+    q, kv = c.q_size, c.kv_size
+    out = []
+    for layer in model.model.layers:
+        lin = layer.self_attn.qkv_proj
+        b = lin.bias
+        out.append(KVProjection(lin.weight[q:q + kv], lin.weight[q + kv:q + 2 * kv],
+                                None if b is None else b[q:q + kv], None if b is None else b[q + kv:q + 2 * kv]))
+    return out
+
+
+def regenerate_kv(h_hat: torch.Tensor, proj: KVProjection, positions: torch.Tensor, rotary: KeyRotary,
+                  out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """h_hat [T, hidden] -> (k post-RoPE [T, H, D], v [T, H, D]) with the consumer's weights, in
+    float32 (the engine computes the same projection in its model dtype)."""
+    t, d = h_hat.shape[0], rotary.rotary.head_dim
+    h = h_hat.float()
+    k = F.linear(h, proj.w_k.float(), None if proj.b_k is None else proj.b_k.float()).view(t, -1, d)
+    v = F.linear(h, proj.w_v.float(), None if proj.b_v is None else proj.b_v.float()).view(t, -1, d)
+    return rotary.rope(k, positions, out_dtype), v.to(out_dtype)

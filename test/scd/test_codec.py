@@ -1,0 +1,150 @@
+"""SCD codec: full-rank round trips, the joint (N-consumer) fit, RoPE exactness vs the engine."""
+import pytest
+import torch
+
+from sgl_kvxfer.models.arch_config import ModelArchConfig
+from sgl_kvxfer.models.loader import load_model
+from sgl_kvxfer.models.presets import PRESETS
+from sgl_kvxfer.models.rope import RotaryEmbedding, apply_rope
+from sgl_kvxfer.scd import (ScdArtifacts, ScdDecoder, ScdEncoder, ScdManifest, kv_projections,
+                            make_random_artifacts, regenerate_kv)
+from sgl_kvxfer.scd.build import ReuseMoments, fit_reuse
+from sgl_kvxfer.scd.forward import LlamaRunner, left_pad
+from sgl_kvxfer.scd.identity import ModelIdentity
+from sgl_kvxfer.scd.rotary import KeyRotary
+
+
+def _capture(model_dir, seqs):
+    model, arch = load_model(model_dir, "auto", torch.float32, "cpu", 0)
+    ids, valid, pos = left_pad(seqs)
+    taps = LlamaRunner(model).forward(ids, pos, valid, kv_layers=range(arch.num_hidden_layers),
+                                      h_layers=range(arch.num_hidden_layers))
+    return model, arch, taps, pos[valid], valid
+
+
+def _manifest(arch, consumers, r_k, r_v, patch=()):
+    ident = ModelIdentity("producer", "x", "*")
+    return ScdManifest(producer=ident, consumers=tuple(ModelIdentity(c, "x", "*") for c in consumers),
+                       num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads,
+                       head_dim=arch.head_dim, hidden_size=arch.hidden_size, rope_theta=arch.rope_theta,
+                       rope_scaling=arch.rope_scaling, max_position_embeddings=arch.max_position_embeddings,
+                       reuse_layers=tuple(i for i in range(arch.num_hidden_layers) if i not in patch),
+                       patch_layers=tuple(patch), r_k=r_k, r_v=r_v, r_h=8, dtype="float32")
+
+
+def _fit(arch, rot, ks_models, vs_models, pos, consumers, r_k, r_v, ridge):
+    mom = ReuseMoments(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, len(consumers))
+    for layer in range(arch.num_hidden_layers):
+        mom.update(layer, [rot.derope(k[layer], pos) for k in ks_models], [v[layer] for v in vs_models])
+    tensors, report = fit_reuse(mom, range(arch.num_hidden_layers), r_k, r_v, consumers, ridge)
+    return ScdArtifacts(_manifest(arch, consumers, r_k, r_v), tensors), report
+
+
+def test_full_rank_round_trip_same_model(tiny_pair):
+    seqs = [list(range(100 + 7 * i, 160 + 9 * i)) for i in range(4)]
+    _, arch, taps, pos, valid = _capture(tiny_pair["producer"], seqs)
+    rot = KeyRotary.from_arch(arch)
+    ks = {layer: taps.k[layer][valid] for layer in taps.k}  # [n, H, D]
+    vs = {layer: taps.v[layer][valid] for layer in taps.v}
+    d = arch.head_dim
+    art, report = _fit(arch, rot, [ks, ks], [vs, vs], pos, ["self"], d, d, 1e-9)
+    enc, dec = ScdEncoder(art), ScdDecoder(art, "self")
+    for layer in range(arch.num_hidden_layers):
+        zk, zv = enc.encode_reuse(layer, ks[layer], vs[layer], pos)
+        assert zk.shape == (pos.numel(), arch.num_key_value_heads, d)
+        k_hat, v_hat = dec.decode_reuse(layer, zk, zv, pos)
+        assert (k_hat - ks[layer]).norm() / ks[layer].norm() < 1e-4
+        assert (v_hat - vs[layer]).norm() / vs[layer].norm() < 1e-4
+    assert max(report["self"]["k_rel_err"]) < 1e-6
+    # Lower rank: larger error, monotone in rank (a real test of the truncation).
+    errs = [max(_fit(arch, rot, [ks, ks], [vs, vs], pos, ["self"], r, r, 1e-6)[1]["self"]["v_rel_err"])
+            for r in (2, 8, d)]
+    assert errs[0] > errs[1] > errs[2] and errs[0] > 1e-2
+
+
+def test_joint_fit_serves_several_consumers(tiny_pair):
+    """One encoding, two decoders: consumer 'lin' is an exact linear map of the producer, so at
+    full rank both it and the producer itself are reconstructed from the SAME codes."""
+    seqs = [list(range(300 + 5 * i, 380 + 5 * i)) for i in range(3)]
+    _, arch, taps, pos, valid = _capture(tiny_pair["producer"], seqs)
+    rot = KeyRotary.from_arch(arch)
+    d, g = arch.head_dim, torch.Generator().manual_seed(3)
+    mix = torch.eye(d) + 0.3 * torch.randn(d, d, generator=g)
+    ks = {layer: taps.k[layer][valid] for layer in taps.k}
+    vs = {layer: taps.v[layer][valid] for layer in taps.v}
+    k_lin = {layer: rot.rope(rot.derope(ks[layer], pos) @ mix, pos) for layer in ks}
+    v_lin = {layer: vs[layer] @ mix + 0.5 for layer in vs}
+    art, _ = _fit(arch, rot, [ks, ks, k_lin], [vs, vs, v_lin], pos, ["self", "lin"], d, d, 1e-9)
+    enc = ScdEncoder(art)
+    for name, kt, vt in (("self", ks, vs), ("lin", k_lin, v_lin)):
+        dec = ScdDecoder(art, name)
+        for layer in range(arch.num_hidden_layers):
+            k_hat, v_hat = dec.decode_reuse(layer, *enc.encode_reuse(layer, ks[layer], vs[layer], pos), pos)
+            assert (k_hat - kt[layer]).norm() / kt[layer].norm() < 1e-3, (name, layer)
+            assert (v_hat - vt[layer]).norm() / vt[layer].norm() < 1e-3, (name, layer)
+
+
+@pytest.mark.parametrize("preset", ["llama-3-8b", "smollm2-135m"])
+def test_derope_rope_exact(preset):
+    arch = ModelArchConfig.from_hf_dict(PRESETS[preset])
+    rot = KeyRotary.from_arch(arch)
+    pos = torch.tensor([0, 1, 5, 511, 4000, 9000])
+    x = torch.randn(len(pos), 2, arch.head_dim)
+    ref = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings)
+    assert torch.equal(rot.rope(x, pos), apply_rope(x, *ref.cos_sin(pos, torch.float32)))
+    assert torch.allclose(rot.derope(rot.rope(x, pos), pos), x, atol=1e-5)
+    assert torch.allclose(rot.rope(rot.derope(x, pos), pos), x, atol=1e-5)
+    assert not torch.allclose(rot.derope(x, pos)[1:], x[1:], atol=1e-2)  # it does rotate
+    yarn = KeyRotary(64, 10000.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}, 8192)
+    assert yarn.rotary.attention_scaling != 1.0
+    x = torch.randn(len(pos), 2, 64)
+    assert torch.allclose(yarn.derope(yarn.rope(x, pos), pos), x, atol=1e-5)
+
+
+def test_engine_kv_equals_runner_kv_and_patch_regeneration(tiny_pair):
+    """Our offline forward captures exactly the post-RoPE K/V the engine's pool stores, and the
+    consumer's K/V regenerated from its own input_layernorm output equal its stored K/V."""
+    from sgl_kvxfer import Engine
+
+    ids = [list(range(1000, 1023))]
+    eng = Engine(tiny_pair["a"], device="cpu", dtype="float32", attention_backend="torch", max_total_tokens=256)
+    try:
+        eng.generate(input_ids=ids[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        slots, _ = eng.scheduler.kv.tree.match_prefix(ids[0])
+        assert slots.numel() == len(ids[0])
+        pool = eng.runner.kv_pool
+        model, arch, taps, pos, valid = _capture(tiny_pair["a"], ids)
+        rot, proj = KeyRotary.from_arch(arch), kv_projections(model)
+        for layer in range(arch.num_hidden_layers):
+            k_eng, v_eng = pool.get_kv(layer, slots)
+            assert torch.allclose(taps.k[layer][0], k_eng, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(taps.v[layer][0], v_eng, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(rot.rope(rot.derope(k_eng, pos), pos), k_eng, atol=1e-5)
+            k_re, v_re = regenerate_kv(taps.h[layer][0], proj[layer], pos, rot)
+            assert torch.allclose(k_re, k_eng, atol=1e-5) and torch.allclose(v_re, v_eng, atol=1e-5)
+    finally:
+        eng.shutdown()
+
+
+def test_random_artifacts_shapes_and_bytes(tmp_path):
+    arch = ModelArchConfig.from_hf_dict(PRESETS["llama-3-8b"])
+    art = make_random_artifacts(arch, ["code", "prose"], r_k=16, r_v=32, r_h=256, patch_layers=[3, 17], seed=1)
+    m = art.manifest
+    assert m.bytes_per_token == (30 * 8 * 48 + 2 * 256) * 2
+    assert m.raw_kv_bytes_per_token() == 32 * 8 * 256 * 2
+    art.save(str(tmp_path))
+    back = ScdArtifacts.load(str(tmp_path), producer=False, consumers=["prose"])
+    assert back.manifest == m and not any(k.startswith("producer/") for k in back.tensors)
+    with pytest.raises(KeyError, match="producer"):
+        ScdEncoder(back)
+    enc, dec = ScdEncoder(ScdArtifacts.load(str(tmp_path))), ScdDecoder(back, "prose")
+    t = 5
+    pos = torch.arange(t)
+    zk, zv = enc.encode_reuse(0, torch.randn(t, 8, 128), torch.randn(t, 8, 128), pos)
+    assert zk.dtype == torch.bfloat16 and zk.shape == (t, 8, 16) and zv.shape == (t, 8, 32)
+    k, v = dec.decode_reuse(0, zk, zv, pos, out_dtype=torch.bfloat16)
+    assert k.shape == v.shape == (t, 8, 128) and k.dtype == torch.bfloat16
+    zh = enc.encode_patch(3, torch.randn(t, 4096))
+    assert dec.align_patch(3, zh).shape == (t, 4096)
+    with pytest.raises(ValueError, match="patch layer, not reuse"):
+        enc.encode_reuse(3, torch.randn(t, 8, 128), torch.randn(t, 8, 128), pos)
