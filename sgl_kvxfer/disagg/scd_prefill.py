@@ -27,7 +27,7 @@ import functools
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -95,6 +95,8 @@ class ScdPrefillRole(PrefillRole):
         self.closed: dict[int, tuple[str, float]] = {}  # room -> (why, forget after)
         self._jobs: dict[int, tuple[int, str]] = {}  # write job id -> (room, decode_id)
         self._job_ids = itertools.count()
+        self.encoded = {"rooms": 0, "tokens": 0, "bytes": 0}  # prefills whose codes were encoded (once each)
+        self.rooms_closed: Counter = Counter()  # why rooms closed ("served", "fan-out timed out", ...)
         super().__init__(scheduler, settings, host)
         logger.info("SCD producer: artifacts %s (id %s), %d B/token of codes vs %d B/token of KV, fan-out %d",
                     settings.scd_artifacts, self.manifest_id[:12], self.code_layout.bytes_per_token,
@@ -155,6 +157,10 @@ class ScdPrefillRole(PrefillRole):
         room.first_token, room.zh, room.progress = req.output_ids[0], {}, time.monotonic()
         req.finish({"type": "length", "length": len(req.output_ids)})
         nbytes = sum(s.nbytes for s in room.segments)
+        if room.closing is None:
+            self.encoded["rooms"] += 1
+            self.encoded["tokens"] += room.limit
+            self.encoded["bytes"] += nbytes
         req.extra_meta = {"kv_transfer": {"status": "failed: " + room.closing if room.closing else "encoded",
                                           "scd_manifest": self.manifest_id[:12], "bytes": nbytes,
                                           "bytes_per_token": nbytes / max(1, room.limit), "fanout": self.fanout}}
@@ -187,7 +193,8 @@ class ScdPrefillRole(PrefillRole):
             rooms_open=len(self.rooms), rooms_prefilled=sum(r.prompt_done for r in self.rooms.values()),
             send_buffer_used_bytes=self.send_alloc.used_bytes(), endpoint=self.inbox.endpoint,
             scd={"manifest_id": self.manifest_id, "fanout": self.fanout,
-                 "bytes_per_token": self.code_layout.bytes_per_token})
+                 "bytes_per_token": self.code_layout.bytes_per_token, "encoded": dict(self.encoded),
+                 "rooms_closed": dict(self.rooms_closed)})
 
     # ------------------------------------------------------------------ encoding
     def _room_of(self, req):
@@ -360,6 +367,7 @@ class ScdPrefillRole(PrefillRole):
         if room.closing is not None:
             return
         room.closing = reason
+        self.rooms_closed[reason.split(":")[0] if failed else "served"] += 1
         if failed:
             logger.warning("SCD room %d closed: %s", room.room, reason)
             self.sender.cancelled.add(room.room)  # queued writes and KVDones must not go out
