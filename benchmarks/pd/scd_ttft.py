@@ -264,29 +264,37 @@ def main() -> None:
     server_args = shlex.split(args.server_args)
     start = time.time()
     res = {"oracle": {}, "modes": {}}
+    model = next((server_args[i + 1] for i, a in enumerate(server_args) if a == "--model-path"), "smollm2-135m-instruct")
+    device = "cuda" if "cuda" in args.server_args else "cpu"
+
+    def emit(manifest: dict | None, done: bool) -> str:
+        """The JSON + PNG of what ran so far (rewritten after every mode: a run cut short keeps
+        the modes it finished; "complete" says whether all did)."""
+        payload = {"benchmark": "scd_ttft", "device": device_name(device), "commit": git_commit(), "model": model,
+                   "params": vars(args), "link": "in-engine pacing over Mooncake TCP (loopback)", "complete": done,
+                   "artifacts": None if manifest is None else {
+                       "random": args.artifacts is None, "ranks": [manifest["r_k"], manifest["r_v"], manifest["r_h"]],
+                       "patch_layers": manifest["patch_layers"], "dtype": manifest["dtype"],
+                       "bytes_per_token": manifest["bytes_per_token"]},
+                   "seconds": time.time() - start, **res}
+        payload["summary"] = summarize(res, args)
+        path = write_json(args.name, payload, args.out_dir)
+        plot(payload, path[:-5] + ".png")
+        if done:
+            print(json.dumps(payload["summary"], indent=1))
+        return path
+
     with tempfile.TemporaryDirectory(prefix="scd_ttft_") as tmp:
         arts = args.artifacts
         if "scd" in args.modes and arts is None:
             arts = make_artifacts(args, server_args + shlex.split(args.producer_args), os.path.join(tmp, "arts"))
-        for i, mode in enumerate(args.modes):
-            res["modes"][mode] = run_mode(mode, args, server_args, arts, res["oracle"] if i == 0 else None)
         manifest = None
         if arts:
             with open(os.path.join(arts, "manifest.json")) as f:
                 manifest = json.load(f)
-    model = next((server_args[i + 1] for i, a in enumerate(server_args) if a == "--model-path"), "smollm2-135m-instruct")
-    device = "cuda" if "cuda" in args.server_args else "cpu"
-    payload = {"benchmark": "scd_ttft", "device": device_name(device), "commit": git_commit(), "model": model,
-               "params": vars(args), "link": "in-engine pacing over Mooncake TCP (loopback)",
-               "artifacts": None if manifest is None else {
-                   "random": args.artifacts is None, "ranks": [manifest["r_k"], manifest["r_v"], manifest["r_h"]],
-                   "patch_layers": manifest["patch_layers"], "dtype": manifest["dtype"],
-                   "bytes_per_token": manifest["bytes_per_token"]},
-               "seconds": time.time() - start, **res}
-    payload["summary"] = summarize(res, args)
-    path = write_json(args.name, payload, args.out_dir)
-    plot(payload, path[:-5] + ".png")
-    print(json.dumps(payload["summary"], indent=1))
+        for i, mode in enumerate(args.modes):
+            res["modes"][mode] = run_mode(mode, args, server_args, arts, res["oracle"] if i == 0 else None)
+            path = emit(manifest, done=i == len(args.modes) - 1)
     print("wrote", path)
 
 

@@ -109,17 +109,17 @@ class ScdDecodeRole(DecodeRole):
 
     def _rebuild(self, payload: torch.Tensor, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (k post-RoPE, v) [end - start, Hkv, D] in the pool's dtype, from codes."""
-        codes = unpack_codes(self.code_layout, payload, end - start)
         dev, dtype = self.pool.device, self.pool.dtype
+        # one copy to the device (the staging bytes are free to reuse once it returns: acked next)
+        codes = unpack_codes(self.code_layout, payload[:self.code_layout.nbytes(end - start)].to(dev), end - start)
         positions = torch.arange(start, end, device=dev)
         out = []
         for layer in range(self.manifest.num_layers):
             if layer in self.patch_layers:
-                zh = codes[(layer, "h")].to(dev)
-                out.append(self.decoder.regenerate_patch(layer, zh, positions, self.projections[layer], dtype))
+                out.append(self.decoder.regenerate_patch(layer, codes[(layer, "h")], positions,
+                                                         self.projections[layer], dtype))
             else:
-                zk, zv = codes[(layer, "k")].to(dev), codes[(layer, "v")].to(dev)
-                out.append(self.decoder.decode_reuse(layer, zk, zv, positions, dtype))
+                out.append(self.decoder.decode_reuse(layer, codes[(layer, "k")], codes[(layer, "v")], positions, dtype))
         return out
 
     def _succeed(self, room: DecodeRoom) -> None:
