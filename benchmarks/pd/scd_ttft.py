@@ -126,7 +126,8 @@ def make_artifacts(args, server_args: list[str], out_dir: str) -> str:
     arch = ModelArchConfig.from_dir(resolve_model_path(path))
     n, k = arch.num_hidden_layers, min(args.patch_count, arch.num_hidden_layers)
     patch = sorted({round(1 + i * (n - 2) / max(k - 1, 1)) for i in range(k)}) if k else []
-    r_k, r_v, r_h = args.ranks
+    r_k, r_v = (min(r, arch.head_dim) for r in args.ranks[:2])  # a small model caps the ranks
+    r_h = min(args.ranks[2], arch.hidden_size)
     make_random_artifacts(arch, ["c0"], r_k, r_v, r_h, patch, seed=0).save(out_dir)
     return out_dir
 
