@@ -31,6 +31,7 @@ CLI_HELP = {
                            "0 (default) = head_dim, one pair per token and kv head",
     "kv_tier_page_size": "SpectrumKV: tokens per page of the int8/int4 stores (power of two >= 16, "
                          "default 64); the fp16 store stays slot-granular",
+    "merge_lora": "a peft LoRA adapter dir merged into the model weights at load (base + adapter)",
 }
 
 
@@ -77,6 +78,9 @@ class EngineConfig:
     kv_importance_window: int = 32  # last W prompt queries whose attention ranks tokens
     kv_decode_recent: int = 64  # newest generated tokens kept fp16; older ones demoted in runs of this size
     kv_tier_staging: float = 0.25  # share of KV memory kept as fp16 slots for tokens not yet tiered
+    # A peft LoRA adapter dir merged into the weights at load (W += alpha/r * B @ A; models/lora.py):
+    # serves base + adapter at base speed (SCD's specialists, sgl_kvxfer/scd/README.md).
+    merge_lora: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPE_CHOICES:
@@ -124,6 +128,10 @@ class EngineConfig:
             raise ValueError("kv_importance_window and kv_decode_recent must be >= 1")
         if not 0.0 < self.kv_tier_staging < 1.0:
             raise ValueError(f"kv_tier_staging must be in (0, 1), got {self.kv_tier_staging}")
+        if self.merge_lora is not None and not os.path.isfile(
+                os.path.join(os.path.expanduser(self.merge_lora), "adapter_config.json")):
+            raise ValueError(f"merge_lora must be a peft LoRA adapter dir (with adapter_config.json), "
+                             f"got {self.merge_lora!r}")
         if self.tiering_enabled and (self.attention_backend not in (None, "torch", "triton") or self.page_size > 1):
             raise ValueError("SpectrumKV tiering (--kv-tier-budget < 1) runs on the torch or triton attention "
                              "backend with --page-size 1 (the fp16 store is slot-granular; the int stores are "

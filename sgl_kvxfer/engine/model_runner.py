@@ -39,7 +39,7 @@ class ModelRunner:
         arch = ModelArchConfig.from_hf_dict(self.hf_config)
         self.dtype = resolve_dtype(config.dtype, arch, self.device)
         self.model, self.arch = load_model(self.model_dir, config.load_format, self.dtype, self.device,
-                                           config.random_seed)
+                                           config.random_seed, merge_lora=config.merge_lora)
         self.model.eval()
         if self.device == "cpu":
             self._prepare_cpu()

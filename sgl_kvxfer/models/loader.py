@@ -2,7 +2,7 @@
 
     resolve_model_path   None / "smollm2-135m" / *.gguf / local dir  -> local HF-format dir
     resolve_tokenizer_path  model dir without tokenizer -> embedded SmolLM2 tokenizer
-    load_model           dir + load_format -> (model, ModelArchConfig)
+    load_model           dir + load_format (+ a LoRA adapter merged in) -> (model, ModelArchConfig)
     load_tokenizer       local dir -> HF AutoTokenizer
 """
 from __future__ import annotations
@@ -130,19 +130,28 @@ def init_dummy_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> 
 
 
 def load_model(
-    model_dir: str, load_format: str, dtype: torch.dtype, device: str, seed: int
+    model_dir: str, load_format: str, dtype: torch.dtype, device: str, seed: int,
+    merge_lora: str | None = None,
 ) -> tuple[torch.nn.Module, ModelArchConfig]:
     """Build the model from `model_dir/config.json` and fill its weights.
 
     load_format: "auto" | "safetensors" read every *.safetensors shard; "gguf" expects
     `model_dir` already converted by `resolve_model_path`; "dummy" needs only config.json.
+    merge_lora: a peft LoRA adapter dir merged into the weights as they load (models/lora.py).
     """
     arch_config = ModelArchConfig.from_dir(model_dir)
     model = create_model(arch_config, dtype, device)
     if load_format == "dummy":
+        if merge_lora:
+            raise ValueError("--merge-lora needs real weights, not --load-format dummy")
         init_dummy_weights(model, seed)
     elif load_format in ("auto", "safetensors", "gguf"):
-        model.load_weights(_iter_safetensors(model_dir))
+        weights = _iter_safetensors(model_dir)
+        if merge_lora:
+            from sgl_kvxfer.models.lora import merged_weights
+
+            weights = merged_weights(weights, os.path.expanduser(merge_lora))
+        model.load_weights(weights)
     else:
         raise ValueError(f"Unknown load_format {load_format!r}")
     return model, arch_config

@@ -143,10 +143,15 @@ class LlamaRunner:
         ids, pos = first_ids.view(b, 1), first_pos.view(b, 1)
         one = torch.ones(b, 1, dtype=torch.bool, device=ids.device)
         out = []
-        for _ in range(steps):
+        stop = torch.tensor(stop_ids or [-1], device=ids.device)
+        done = torch.zeros(b, dtype=torch.bool, device=ids.device)
+        for step in range(steps):
             taps, k, v = self.forward(ids, pos, one, past=cache, logits="last", return_kv=True)
             ids = taps.logits[:, -1].argmax(-1, keepdim=True)
             out.append(ids)
+            done |= torch.isin(ids[:, 0], stop)
+            if step + 1 == steps or bool(done.all()):  # every row has stopped: the rest is cut anyway
+                break
             cache = cache.extended(k, v, one)
             pos = pos + 1
         gen = torch.cat(out, 1).tolist()

@@ -2,11 +2,13 @@
 
     config_hash  sha256 of the architecture fields of `ModelArchConfig` (not of config.json's
                  bytes: a transformers upgrade that rewrites config.json keeps the hash)
-    weight_hash  sha256 over the model dir's *.safetensors files (sorted names, bytes), then,
-                 for a base + LoRA consumer, the adapter's safetensors and adapter_config.json.
+    weight_hash  sha256 over the tensors of the model dir's *.safetensors (name, dtype, shape and
+                 bytes, sorted by name: file layout and metadata do not count), then, for a base +
+                 LoRA consumer, the adapter's tensors and its merge parameters (r, lora_alpha,
+                 use_rslora) -- not adapter_config.json's bytes, which carry peft's version.
                  "*" matches any weights (random artifacts for timing-only runs).
 
-Hashing reads every weight byte once (~0.5 s per GB); results are cached per process by
+Hashing reads every weight byte once (~1 s per GB); results are cached per process by
 (path, size, mtime).
 """
 from __future__ import annotations
@@ -58,14 +60,20 @@ def config_hash(arch) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
-def _file_hash(path: str) -> str:
+def _tensors_hash(path: str) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every tensor of one safetensors file."""
     st = os.stat(path)
     key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
     if key not in _FILE_CACHE:
+        import torch
+        from safetensors import safe_open
+
         h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in sorted(f.keys()):
+                t = f.get_tensor(name).contiguous()
+                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
         _FILE_CACHE[key] = h.hexdigest()
     return _FILE_CACHE[key]
 
@@ -87,11 +95,15 @@ def weight_hash(model_dir: str, merge_lora: str | None = None) -> str:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}: cannot name its weights")
     h = hashlib.sha256()
     for path in files:
-        h.update(os.path.basename(path).encode() + b"\0" + _file_hash(path).encode())
+        h.update(_tensors_hash(path).encode())
     if merge_lora:
-        h.update(b"+lora\0")
-        for path in adapter_files(merge_lora):
-            h.update(os.path.basename(path).encode() + b"\0" + _file_hash(path).encode())
+        cfg_path, *weights = adapter_files(merge_lora)
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        merge = {k: cfg.get(k) for k in ("r", "lora_alpha", "use_rslora")}
+        h.update(b"+lora" + json.dumps(merge, sort_keys=True).encode())
+        for path in weights:
+            h.update(_tensors_hash(path).encode())
     return h.hexdigest()
 
 
