@@ -155,3 +155,37 @@ def test_scd_messages_round_trip():
     seg = KVSegment(7, 0, 0, 64, None, (0, 0, 0), 0, 123, 4 << 20, [1, 2], codes=True)
     assert decode(encode(claim), "kv_prefill") == claim
     assert decode(encode(seg), "kv_decode") == seg
+
+
+def test_decode_servers_refuse_a_prefill_of_the_other_kind_at_bootstrap(tiny):
+    """The /route check before a claim: a plain decode meeting an SCD producer, and an SCD
+    consumer meeting a plain producer or other artifacts, fail the request (400, no fallback)."""
+    from sgl_kvxfer.disagg.decode import DecodeRole
+    from sgl_kvxfer.disagg.scd_decode import ScdDecodeRole
+    from sgl_kvxfer.message.disagg import BootstrapInfo
+
+    room = types.SimpleNamespace(req=types.SimpleNamespace(bootstrap=BootstrapInfo("10.0.0.5", 8998, 3)))
+    layout = KVLayoutInfo("float32", 2, 2, 32, 32)
+    plain_info = {"kv_layout_info": {"dtype": "float32", "num_layers": 2, "num_kv_heads": 2, "head_dim": 32,
+                                     "group_size": 32}}
+    mid = manifest_id(tiny.arts["a"])
+    scd_info = {**plain_info, "scd": {"manifest_id": mid, "consumers": ["c0", "c1"]}}
+
+    def role(cls, **attrs):
+        r = object.__new__(cls)
+        r.rejected = []
+        r._reject = lambda room, reason: r.rejected.append(reason)
+        r._end = lambda room, reason, **kw: r.rejected.append("fallback: " + reason)
+        r.layout, r.settings = layout, types.SimpleNamespace(bootstrap_port=8998)
+        r.__dict__.update(attrs)
+        return r
+
+    plain = role(DecodeRole)
+    assert plain._check_route(room, plain_info) and not plain.rejected
+    assert not plain._check_route(room, scd_info) and "no --scd-artifacts" in plain.rejected[0]
+    consumer = role(ScdDecodeRole, manifest_id=mid, consumer="c1")
+    assert consumer._check_route(room, scd_info) and not consumer.rejected
+    assert not consumer._check_route(room, plain_info) and "ships KV, not SCD codes" in consumer.rejected[-1]
+    other = {**plain_info, "scd": {"manifest_id": manifest_id(tiny.arts["b"]), "consumers": ["c0", "c1"]}}
+    assert not consumer._check_route(room, other) and "SCD artifacts differ" in consumer.rejected[-1]
+    assert not role(ScdDecodeRole, manifest_id=mid, consumer="c9")._check_route(room, scd_info)
