@@ -135,6 +135,9 @@ def make_artifacts(args, server_args: list[str], out_dir: str) -> str:
 def start_pair(mode: str, args, server_args: list[str], arts: str | None) -> dict:
     bp = free_port()
     extra = {"scd": ["--scd-artifacts", arts] if arts else [], "raw": [], "int4": INT4_ARGS}[mode]
+    # a long room deadline: a slow prefill (CPU) must not time a claimed room out (a fallback
+    # would time a local prefill); --server-args may set another
+    server_args = ["--kv-transfer-timeout", "600", *server_args]
     p_args = [*server_args, *extra, *shlex.split(args.producer_args), "--disaggregation-mode", "prefill",
               "--disaggregation-bootstrap-port", str(bp), "--kv-transfer-rate-gbps", str(max(args.rates))]
     d_args = [*server_args, *extra, *shlex.split(args.consumer_args), "--disaggregation-mode", "decode"]
