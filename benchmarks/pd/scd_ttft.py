@@ -3,7 +3,8 @@ raw producer KV vs 4-bit producer KV, by link rate and prompt length, with the b
 
     python benchmarks/pd/scd_ttft.py [--prompts 1024 2048 4096] [--rates 10 25 100 200]
         [--modes scd raw int4] [--repeats 1] [--server-args "..."] [--producer-args "..."]
-        [--consumer-args "..."] [--artifacts DIR | --ranks R_K R_V R_H --patch-count K] [--out-dir DIR]
+        [--consumer-args "..."] [--artifacts DIR | --ranks R_K R_V R_H --patch-count K] [--interleave]
+        [--out-dir DIR]
 
 For each mode a producer P (prefill role, shaped link: `--kv-transfer-rate-gbps`, re-paced per
 rate with POST /kv_transfer_link) and a consumer D (decode role) start behind sglang-router:
@@ -15,6 +16,10 @@ rate with POST /kv_transfer_link) and a consumer D (decode role) start behind sg
             in int4 (+ one fp16 scale/zero pair per token and kv head)
     oracle  D computes the whole prompt itself (bootstrap_host 2.2.2.2): the consumer's prefill,
             measured on the first mode's D
+
+One pair runs at a time (a GPU holds one pair of large models); with --interleave every pair
+starts at once and the modes (and the oracle) alternate at each (rate, prompt) point, so a
+shared CPU whose load drifts weighs on all of them alike.
 
 Two TTFTs per request (streamed; time to the first chunk; every request a new random prompt):
 
@@ -88,8 +93,8 @@ def stream_ttft(url: str, body: dict) -> tuple[float, dict]:
 
 
 def prefilled(p_url: str) -> bool:
-    st = requests.get(p_url + "/server_info", timeout=30).json()["internal_states"][0]["kv_transfer"]
-    return st.get("rooms_prefilled", 0) > 0
+    states = requests.get(p_url + "/server_info", timeout=30).json().get("internal_states") or [{}]
+    return states[0].get("kv_transfer", {}).get("rooms_prefilled", 0) > 0  # (none while the scheduler is busy)
 
 
 def consumer_ttft(pair: dict, ids: list[int]) -> tuple[float, dict]:
@@ -157,42 +162,83 @@ def start_pair(mode: str, args, server_args: list[str], arts: str | None) -> dic
     return {"P": p, "D": d, "router": router, "bp": bp, "mode": mode}
 
 
+def warm_up(pair: dict, args, with_oracle: bool) -> None:
+    """Kernel compiles for new shapes and first-request costs stay out of the numbers."""
+    for n in args.prompts:
+        stream_ttft(pair["router"].url, gen_body(prompt_ids(n, -n, args.vocab)))
+        consumer_ttft(pair, prompt_ids(n, -n - 1, args.vocab))
+        if with_oracle:
+            oracle_ttft(pair["D"].url, prompt_ids(n, -n - 2, args.vocab))
+
+
+def measure_oracle(pair: dict, n: int, args) -> list[float]:
+    return [oracle_ttft(pair["D"].url, prompt_ids(n, next(_SEEDS), args.vocab)) for _ in range(args.repeats)]
+
+
+def measure_point(pair: dict, rate: float, n: int, args) -> dict:
+    mode = pair["mode"]
+    e2e = [stream_ttft(pair["router"].url, gen_body(prompt_ids(n, next(_SEEDS), args.vocab))) for _ in range(args.repeats)]
+    cons = [consumer_ttft(pair, prompt_ids(n, next(_SEEDS), args.vocab)) for _ in range(args.repeats)]
+    kv = [m.get("kv_transfer", {}) for _, m in e2e + cons]
+    bad = [t.get("status") for t in kv if t.get("status") != "ok"]
+    if bad:
+        raise RuntimeError(f"{mode}, {rate:g} Gbit/s, {n} tokens: transfers did not succeed: {bad}")
+    row = {"e2e_ms": 1e3 * statistics.median(t for t, _ in e2e), "consumer_ms": 1e3 * statistics.median(t for t, _ in cons)}
+    for key in ("bytes", "bytes_per_token", "wire_ms", "link_gbps"):
+        row[key] = statistics.median(t[key] for t in kv)
+    print(f"  {mode:<5} {rate:>5g} Gbit/s {n:>6} tokens: e2e {row['e2e_ms']:8.1f} ms, consumer {row['consumer_ms']:8.1f} ms, "
+          f"{row['bytes_per_token']:.0f} B/token, wire {row['wire_ms']:.1f} ms, {row['link_gbps']:.1f} Gbit/s", flush=True)
+    return row
+
+
+def set_rate(pair: dict, rate: float) -> None:
+    requests.post(pair["P"].url + "/kv_transfer_link", json={"rate_gbps": rate}, timeout=30).raise_for_status()
+
+
+def record_oracle(oracle: dict, n: int, times: list[float]) -> None:
+    runs = oracle.setdefault(str(n), {"runs_ms": []})["runs_ms"]
+    runs.extend(1e3 * t for t in times)
+    oracle[str(n)]["ttft_ms"] = statistics.median(runs)
+    print(f"  oracle {n:>6} tokens: TTFT {1e3 * statistics.median(times):8.1f} ms", flush=True)
+
+
 def run_mode(mode: str, args, server_args: list[str], arts: str | None, oracle: dict | None) -> dict:
+    """One pair at a time (a GPU holds one pair of large models)."""
     pair = start_pair(mode, args, server_args, arts)
     try:
-        for n in args.prompts:  # kernel compiles for new shapes stay out of the numbers
-            stream_ttft(pair["router"].url, gen_body(prompt_ids(n, -n, args.vocab)))
-            consumer_ttft(pair, prompt_ids(n, -n - 1, args.vocab))
-            if oracle is not None:
-                oracle_ttft(pair["D"].url, prompt_ids(n, -n - 2, args.vocab))
+        warm_up(pair, args, oracle is not None)
         if oracle is not None:
             for n in args.prompts:
-                oracle[str(n)] = {"ttft_ms": 1e3 * statistics.median(
-                    oracle_ttft(pair["D"].url, prompt_ids(n, next(_SEEDS), args.vocab)) for _ in range(args.repeats))}
-                print(f"  oracle {n:>6} tokens: TTFT {oracle[str(n)]['ttft_ms']:8.1f} ms", flush=True)
+                record_oracle(oracle, n, measure_oracle(pair, n, args))
         out = {}
         for rate in args.rates:
-            requests.post(pair["P"].url + "/kv_transfer_link", json={"rate_gbps": rate}, timeout=30).raise_for_status()
-            rows = out[f"{rate:g}"] = {}
-            for n in args.prompts:
-                e2e = [stream_ttft(pair["router"].url, gen_body(prompt_ids(n, next(_SEEDS), args.vocab)))
-                       for _ in range(args.repeats)]
-                cons = [consumer_ttft(pair, prompt_ids(n, next(_SEEDS), args.vocab)) for _ in range(args.repeats)]
-                kv = [m.get("kv_transfer", {}) for _, m in e2e + cons]
-                bad = [t.get("status") for t in kv if t.get("status") != "ok"]
-                if bad:
-                    raise RuntimeError(f"{mode}, {rate:g} Gbit/s, {n} tokens: transfers did not succeed: {bad}")
-                row = {"e2e_ms": 1e3 * statistics.median(t for t, _ in e2e),
-                       "consumer_ms": 1e3 * statistics.median(t for t, _ in cons)}
-                for key in ("bytes", "bytes_per_token", "wire_ms", "link_gbps"):
-                    row[key] = statistics.median(t[key] for t in kv)
-                rows[str(n)] = row
-                print(f"  {mode:<5} {rate:>5g} Gbit/s {n:>6} tokens: e2e {row['e2e_ms']:8.1f} ms, consumer "
-                      f"{row['consumer_ms']:8.1f} ms, {row['bytes_per_token']:.0f} B/token, wire {row['wire_ms']:.1f} ms, "
-                      f"{row['link_gbps']:.1f} Gbit/s", flush=True)
+            set_rate(pair, rate)
+            out[f"{rate:g}"] = {str(n): measure_point(pair, rate, n, args) for n in args.prompts}
         return out
     finally:
         stop_all(pair["router"], pair["P"], pair["D"])
+
+
+def run_interleaved(args, server_args: list[str], arts: str | None, res: dict) -> None:
+    """Every pair up at once; at each (rate, prompt) the modes and the oracle run one after
+    another, so a machine whose load drifts (a shared CPU) weighs on all of them alike."""
+    pairs = []
+    try:
+        for mode in args.modes:
+            pairs.append(start_pair(mode, args, server_args, arts))
+        for i, pair in enumerate(pairs):
+            warm_up(pair, args, i == 0)
+        for rate in args.rates:
+            for pair in pairs:
+                set_rate(pair, rate)
+            for n in args.prompts:
+                record_oracle(res["oracle"], n, measure_oracle(pairs[0], n, args))
+                for pair in pairs:
+                    res["modes"].setdefault(pair["mode"], {}).setdefault(f"{rate:g}", {})[str(n)] = \
+                        measure_point(pair, rate, n, args)
+    finally:
+        for pair in pairs:
+            stop_all(pair["router"], pair["P"], pair["D"])
 
 
 def summarize(res: dict, args) -> dict:
@@ -259,6 +305,9 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs=3, default=[12, 20, 128], metavar=("R_K", "R_V", "R_H"),
                     help="random artifacts' ranks (default: r_K + r_V = 32, the size of the paper's Reuse artifacts)")
     ap.add_argument("--patch-count", type=int, default=6, help="random artifacts' Patch layers (the paper's k = 6)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="start every mode's pair at once and alternate the modes at each point (a shared CPU "
+                         "whose load drifts); default: one pair at a time (a GPU holds one pair of large models)")
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     ap.add_argument("--name", default="scd_ttft", help="result file name (without extension)")
     ap.add_argument("--out-dir", default=None, help="where the JSON and PNG go (default benchmarks/results)")
@@ -296,7 +345,10 @@ def main() -> None:
         if arts:
             with open(os.path.join(arts, "manifest.json")) as f:
                 manifest = json.load(f)
-        for i, mode in enumerate(args.modes):
+        if args.interleave:
+            run_interleaved(args, server_args, arts, res)
+            path = emit(manifest, done=True)
+        for i, mode in enumerate([] if args.interleave else args.modes):
             res["modes"][mode] = run_mode(mode, args, server_args, arts, res["oracle"] if i == 0 else None)
             path = emit(manifest, done=i == len(args.modes) - 1)
     print("wrote", path)
