@@ -63,6 +63,9 @@ MODES = ("scd", "raw", "int4")
 INT4_ARGS = ["--kv-tier-budget", "0.3", "--kv-tier-policy", "uniform-int4", "--kv-int4", "on",
              "--kv-transfer-stream", "end"]
 MAX_NEW_TOKENS = 2
+# The router probes /health every second; SGLang's /health runs a 1-token generation unless this
+# is "false". Without it, the idle pairs of --interleave would load the CPU the others measure on.
+QUIET_HEALTH = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
 _SEEDS = itertools.count(1)
 _ROOMS = itertools.count(1 << 40)
 
@@ -147,7 +150,8 @@ def start_pair(mode: str, args, server_args: list[str], arts: str | None) -> dic
               "--disaggregation-bootstrap-port", str(bp), "--kv-transfer-rate-gbps", str(max(args.rates))]
     d_args = [*server_args, *extra, *shlex.split(args.consumer_args), "--disaggregation-mode", "decode"]
     with ThreadPoolExecutor(2) as pool:
-        fp, fd = pool.submit(start_server, p_args, name=f"scd_ttft_{mode}_p"), pool.submit(start_server, d_args, name=f"scd_ttft_{mode}_d")
+        fp, fd = (pool.submit(start_server, a, env=QUIET_HEALTH, name=f"scd_ttft_{mode}_{r}")
+                  for a, r in ((p_args, "p"), (d_args, "d")))
         handles = [f.result() if f.exception() is None else None for f in (fp, fd)]
         failed = next((f.exception() for f in (fp, fd) if f.exception() is not None), None)
     if failed is not None:
