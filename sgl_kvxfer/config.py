@@ -220,6 +220,14 @@ class SchedulerConfig:
     kv_transfer_stream: str = "auto"
     kv_transfer_rate_gbps: float = 0.0
     kv_transfer_latency_ms: float = 0.0
+    # SCD over PD (docs/pd_disaggregation.md, "SCD over PD"): the artifacts dir of
+    # `python -m sgl_kvxfer.scd.calibrate` (prefill: ship the prompt's KV as codes; decode:
+    # rebuild its KV from them), the consumer this decode server is in the manifest (default:
+    # the one this server's weights match), and how many decode servers claim each room's
+    # codes before the prefill frees them (or the room times out).
+    scd_artifacts: str | None = None
+    scd_consumer: str | None = None
+    scd_fanout: int = 1
 
     def __post_init__(self):
         if self.max_running_requests is not None and self.max_running_requests < 1:
@@ -245,6 +253,28 @@ class SchedulerConfig:
             raise ValueError(f"kv_transfer_stream must be one of {KV_TRANSFER_STREAM_CHOICES}, got {self.kv_transfer_stream!r}")
         if self.kv_transfer_rate_gbps < 0 or self.kv_transfer_latency_ms < 0:
             raise ValueError("kv_transfer_rate_gbps and kv_transfer_latency_ms must be >= 0")
+        self._validate_scd()
+
+    def _validate_scd(self) -> None:
+        if self.scd_fanout < 1:
+            raise ValueError(f"scd_fanout must be >= 1, got {self.scd_fanout}")
+        if self.scd_artifacts is None:
+            if self.scd_consumer is not None or self.scd_fanout != 1:
+                raise ValueError("--scd-consumer and --scd-fanout need --scd-artifacts")
+            return
+        if self.disaggregation_mode == "null" or self.disaggregation_transfer_backend == "fake":
+            raise ValueError("--scd-artifacts needs --disaggregation-mode prefill or decode and a transfer "
+                             "backend that moves bytes (not fake)")
+        if not os.path.isfile(os.path.join(self.scd_artifacts, "manifest.json")):
+            raise ValueError(f"--scd-artifacts {self.scd_artifacts}: no manifest.json there "
+                             "(python -m sgl_kvxfer.scd.calibrate writes it)")
+        if self.disaggregation_mode == "prefill" and self.scd_consumer is not None:
+            raise ValueError("--scd-consumer names the consumer a decode server is; a prefill encodes for all")
+        if self.disaggregation_mode == "decode" and self.scd_fanout != 1:
+            raise ValueError("--scd-fanout is the prefill's (how many decodes claim each room)")
+        if self.engine.tiering_enabled:
+            raise ValueError("--scd-artifacts runs with fp16-family KV pools (--kv-tier-budget 1.0): codes are "
+                             "encoded from and decoded into the model dtype")
 
     @property
     def resolved_kv_transfer_stream(self) -> str:

@@ -7,6 +7,10 @@
     common.py            settings, bootstrap client, block checksums, counters
     sender.py            the prefill's sender thread (checksums, writes, notices)
     prefill.py, decode.py  the scheduler's prefill / decode roles (I/O and policy, no fork)
+    scd_prefill.py, scd_decode.py, scd_common.py
+                         SCD over PD (--scd-artifacts): the prefill ships low-rank codes that
+                         several decode servers with other weights rebuild their KV from
+    scd_fanout.py        client side: one prefill's codes to N decode servers
 
 The KV bytes are mem_cache/kv_payload.py segments; the control messages are message/disagg.py.
 A new engine is a new file plus a line in TRANSFER_ENGINES; `fake` moves nothing (SGLang's
@@ -38,6 +42,14 @@ def create_transfer_engine(name: str, host: str, rate_gbps: float = 0.0, latency
 
 def create_disagg_role(scheduler, settings, host: str):
     """The scheduler's PD role for --disaggregation-mode, or None for "null"."""
+    if settings.mode == "prefill" and settings.scd_artifacts:
+        from sgl_kvxfer.disagg.scd_prefill import ScdPrefillRole
+
+        return ScdPrefillRole(scheduler, settings, host)
+    if settings.mode == "decode" and settings.scd_artifacts:
+        from sgl_kvxfer.disagg.scd_decode import ScdDecodeRole
+
+        return ScdDecodeRole(scheduler, settings, host)
     if settings.mode == "prefill":
         from sgl_kvxfer.disagg.prefill import PrefillRole
 

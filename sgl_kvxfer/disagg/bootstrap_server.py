@@ -5,8 +5,9 @@ spawned by the launcher before the scheduler (which registers into it). It is a 
 prefill <-> decode channel: the router never calls it (docs: sglang-compat section 4.4).
 
     PUT  /route               a prefill rank registers: rank_ip, rank_port (its ZMQ endpoint),
-                              page_size, kv_cache_dtype, ... plus `kv_layout_info` and
-                              `transfer_session` (what a decode needs to claim and receive)
+                              page_size, kv_cache_dtype, ... plus `kv_layout_info`,
+                              `transfer_session` (what a decode needs to claim and receive) and,
+                              on an SCD producer, `scd` (the artifacts it encodes with)
     GET  /route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1
                               the parallel info (503 until every expected rank registered)
     GET  /route?prefill_dp_rank=d&prefill_cp_rank=c&target_tp_rank=t&target_pp_rank=p
@@ -29,7 +30,7 @@ logger = logging.getLogger("sgl_kvxfer.bootstrap")
 
 _QUERY_KEYS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 _PARALLEL_KEYS = ("page_size", "kv_cache_dtype", "prefill_http_port", "decode_allocation_policy", "kv_layout",
-                  "kv_layout_info", "transfer_backend")
+                  "kv_layout_info", "transfer_backend", "scd")
 
 
 def create_bootstrap_app(expected_ranks: int = 1) -> FastAPI:

@@ -112,6 +112,9 @@ class DecodeRole:
             room.route = self._lookup(req.bootstrap)
         return True
 
+    def before_forward(self, batch, fb) -> None:
+        pass
+
     def on_chunk(self, req, start: int, end: int) -> None:
         pass  # a local prefill (fallback, no peer) streams nowhere
 
@@ -176,15 +179,13 @@ class DecodeRole:
                 room.route = self._lookup(room.req.bootstrap) if time.monotonic() - room.created < self.settings.timeout_s else None
                 return
             room.route = None
-            layout = info.get("kv_layout_info")
-            if layout is not None and msgspec.convert(layout, KVLayoutInfo) != self.layout:
-                self._end(room, f"incompatible KV layout: prefill {layout}, decode {self.layout}")
+            if not self._check_route(room, info):
                 return
             room.endpoint = f"tcp://{info['rank_ip']}:{info['rank_port']}"
         if not room.endpoint:
             return
         n = len(room.req.origin_input_ids)
-        want = min(self.full_bytes * n + (1 << 16), self.regions.total // 2)
+        want = min(self._region_bytes(n), self.regions.total // 2)
         region = self.regions.alloc(want)
         if region is None or not self.kv.admit_external(room.req):
             if region is not None:
@@ -193,7 +194,28 @@ class DecodeRole:
         room.region, room.region_bytes = region, want
         room.state, room.progress, room.claimed_at = KVPoll.WAITING_FOR_INPUT, time.monotonic(), time.monotonic()
         self._push(room.endpoint, KVClaim(room.room, self.decode_id, self.decode_id, self.engine.session_id(),
-                                          self.staging.data_ptr() + region, want, n, self.layout))
+                                          self.staging.data_ptr() + region, want, n, self.layout,
+                                          scd=self._scd_claim()))
+
+    def _check_route(self, room: DecodeRoom, info: dict) -> bool:
+        """Whether the prefill's KV fits this server; False when the room ended here."""
+        if info.get("scd"):
+            self._reject(room, f"the prefill at {room.req.bootstrap.host} ships SCD codes (artifacts "
+                               f"{info['scd'].get('manifest_id', '?')[:12]}); this decode server has no "
+                               "--scd-artifacts to rebuild KV from them")
+            return False
+        layout = info.get("kv_layout_info")
+        if layout is not None and msgspec.convert(layout, KVLayoutInfo) != self.layout:
+            self._end(room, f"incompatible KV layout: prefill {layout}, decode {self.layout}")
+            return False
+        return True
+
+    def _region_bytes(self, prompt_len: int) -> int:
+        """Staging bytes a room asks for: the whole prompt's KV (the ring then never waits)."""
+        return self.full_bytes * prompt_len + (1 << 16)
+
+    def _scd_claim(self):
+        return None  # an SCD consumer names its artifacts (scd_decode.py)
 
     def _on_message(self, room: DecodeRoom, msg) -> None:
         room.progress = time.monotonic()
@@ -320,6 +342,15 @@ class DecodeRole:
             self.stats.outcome("fallback:" + reason.split(":")[0].split(" in ")[0])
             req.extra_meta = {"kv_transfer": {"status": "fallback: " + reason}}
             self.sched.enqueue_validated(req)
+
+    def _reject(self, room: DecodeRoom, reason: str) -> None:
+        """A prefill this server cannot take KV from (not a transfer fault): the request fails
+        with 400 and the reason; no local prefill hides a misconfigured pair."""
+        req = room.req
+        self._end(room, reason, fallback=False)
+        self.stats.outcome("rejected")
+        req.finish({"type": "abort", "message": reason, "status_code": 400, "err_type": "BadRequestError"})
+        self.sched.retire_parked(req)
 
     def _release_room(self, room: DecodeRoom) -> None:
         self.rooms.pop(room.room, None)

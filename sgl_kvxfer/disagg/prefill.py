@@ -101,17 +101,24 @@ class PrefillRole:
         p = self.pool
         self.layout = KVLayoutInfo(str(p.dtype).replace("torch.", ""), sum(p.stores_layer(i) for i in range(p.num_layers)),
                                    p.num_kv_heads, p.head_dim, getattr(p, "group_size", 32))
-        register_prefill_rank(host, settings.bootstrap_port, {
-            "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
-            "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
-            "rank_ip": host, "rank_port": self.inbox.port, "page_size": scheduler.kv.page_size,
-            "kv_cache_dtype": "auto", "kv_layout": "sgl_kvxfer-segments", "load_balance_method": "round_robin",
-            "decode_allocation_policy": "early", "transfer_backend": settings.backend,
-            "transfer_session": self.engine.session_id(), "kv_layout_info": msgspec.structs.asdict(self.layout)})
+        register_prefill_rank(host, settings.bootstrap_port, self._registration(host))
         logger.info("PD prefill: KV sender %s on %s, endpoint %s, %d MiB send buffer", settings.backend,
                     self.engine.session_id(), self.inbox.endpoint, settings.buffer_bytes >> 20)
 
+    def _registration(self, host: str) -> dict:
+        """This rank's PUT /route body (bootstrap_server.py)."""
+        return {
+            "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
+            "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
+            "rank_ip": host, "rank_port": self.inbox.port, "page_size": self.sched.kv.page_size,
+            "kv_cache_dtype": "auto", "kv_layout": "sgl_kvxfer-segments", "load_balance_method": "round_robin",
+            "decode_allocation_policy": "early", "transfer_backend": self.settings.backend,
+            "transfer_session": self.engine.session_id(), "kv_layout_info": msgspec.structs.asdict(self.layout)}
+
     # ------------------------------------------------------------------ scheduler hooks
+    def before_forward(self, batch, fb) -> None:
+        pass  # an SCD producer captures hidden states here (scd_prefill.py)
+
     def transfers(self, req) -> bool:
         """A request whose KV leaves this server (not a health check or a prefill-only one)."""
         b = req.bootstrap
@@ -190,7 +197,8 @@ class PrefillRole:
     def server_info(self) -> dict:
         extra = {} if self.fake else {"send_buffer_used_bytes": self.send_alloc.used_bytes(),
                                       "endpoint": self.inbox.endpoint}
-        return self.stats.to_dict(rooms_open=len(self.rooms), **extra)
+        return self.stats.to_dict(rooms_open=len(self.rooms),
+                                  rooms_prefilled=sum(r.prompt_done for r in self.rooms.values()), **extra)
 
     # ------------------------------------------------------------------ messages and results
     def _room_of(self, req):

@@ -32,6 +32,12 @@ class KVLayoutInfo(msgspec.Struct, frozen=True):
     group_size: int
 
 
+class ScdClaimInfo(msgspec.Struct, frozen=True):
+    """An SCD consumer's claim: it rebuilds KV from codes of these artifacts (disagg/scd_*.py)."""
+    manifest_id: str  # sha256 of the artifacts' manifest.json and producer.safetensors
+    consumer: str  # its name in the manifest
+
+
 # ---------------------------------------------------------------- to the prefill KV manager
 class KVClaim(msgspec.Struct, tag=True):
     room: int
@@ -42,6 +48,7 @@ class KVClaim(msgspec.Struct, tag=True):
     region_bytes: int
     prompt_len: int
     layout: KVLayoutInfo
+    scd: ScdClaimInfo | None = None  # SCD: send codes (mem_cache/scd_payload.py), not KV
 
 
 class KVAck(msgspec.Struct, tag=True):
@@ -65,7 +72,9 @@ class KVSegment(msgspec.Struct, tag=True):
 
     `tiers`: one tier id (spectrum/tiers.py) per position, None when all are at the model dtype.
     `lens`: tokens per tier (fp16, int8, int4) in the packed payload; dropped positions hold no
-    bytes. `replaces`: the positions were sent before (streamed at int8) and take these tiers now."""
+    bytes. `replaces`: the positions were sent before (streamed at int8) and take these tiers now.
+    `codes`: the payload is SCD codes of the positions (mem_cache/scd_payload.py; tiers None,
+    lens unused), from which an SCD consumer rebuilds their KV."""
     room: int
     seq: int
     start: int
@@ -77,6 +86,7 @@ class KVSegment(msgspec.Struct, tag=True):
     block_bytes: int
     checksums: list[int]
     replaces: bool = False
+    codes: bool = False
 
 
 class KVDone(msgspec.Struct, tag=True):

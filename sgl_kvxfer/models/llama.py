@@ -22,6 +22,10 @@ from sgl_kvxfer.models.rope import RotaryEmbedding
 
 
 CPU_MLP_BLOCK = 2048  # rows per MLP block on CPU (LlamaMLP.forward)
+# forward_batch.extras key of a callable(layer_id, normed hidden [T, hidden]) run on each layer's
+# input_layernorm output (the SCD producer's Patch signal). Absent: nothing runs; present, the
+# graph runners step aside (they replay only batches without extras).
+HIDDEN_CAPTURE = "hidden_capture"
 
 
 class RMSNorm(nn.Module):
@@ -85,13 +89,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, residual, cos, sin, forward_batch):
-        """Pre-norm block. Returns (mlp_out, residual); the caller adds them at the next norm."""
+    def forward(self, hidden, residual, cos, sin, forward_batch, capture=None):
+        """Pre-norm block. Returns (mlp_out, residual); the caller adds them at the next norm.
+        `capture(layer_id, normed [T, hidden])` sees the attention input (HIDDEN_CAPTURE)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
+        if capture is not None:
+            capture(self.self_attn.layer_id, hidden)
         hidden = self.self_attn(hidden, cos, sin, forward_batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
@@ -138,8 +145,10 @@ class LlamaForCausalLM(nn.Module):
         bound = max(lens_cpu) if lens_cpu else None
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype, bound)  # shared by all layers
         residual = None
+        extras = getattr(forward_batch, "extras", None)
+        capture = extras.get(HIDDEN_CAPTURE) if extras else None
         for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, forward_batch)
+            hidden, residual = layer(hidden, residual, cos, sin, forward_batch, capture)
         if residual is None:  # zero layers
             return self.model.norm(hidden)
         hidden, _ = self.model.norm(hidden, residual)

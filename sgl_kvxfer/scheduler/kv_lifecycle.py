@@ -119,9 +119,11 @@ class KVLifecycle:
         # A view of the row: insert clones what the tree keeps; what is freed is cloned first
         # (the row is rewritten below and reused once the request is gone).
         slots = self.req_to_token.read(row, kv_len)
-        if self.tree is None:
+        if self.tree is None or not req.share_prefix:  # every slot private (the root stays locked)
             if finished:
                 self.allocator.free(slots.clone())
+                if self.tree is not None and req.last_node is not None:
+                    self.tree.dec_lock_ref(req.last_node)
                 self._release_row(req)
             return
         cached_len = kv_len - kv_len % self.page_size  # the tree takes whole pages only

@@ -47,6 +47,10 @@ class Req:
         self.last_node: Any = None
         self.cached_tokens = 0
         self.num_retractions = 0
+        # False: the request neither takes a cached prefix nor gives its KV to the prefix cache
+        # (SCD: a producer needs every position's hidden states; a consumer's rebuilt KV is an
+        # approximation no other request may reuse). Set by a PD role before admission.
+        self.share_prefix = True
         # Output state: deltas not yet sent.
         self.sent_output_len = 0
         self.input_logprobs_done = not (msg.return_logprob and msg.logprob_start_len >= 0)
@@ -90,6 +94,8 @@ class Req:
     def prefix_match_limit(self) -> int:
         """Longest prefix the cache may serve: at least one token must be computed (its logits
         sample the next token), and prompt logprobs need logits from logprob_start_len on."""
+        if not self.share_prefix:
+            return 0
         limit = self.seq_len - 1
         if not self.input_logprobs_done:
             limit = min(limit, self.logprob_start_len)

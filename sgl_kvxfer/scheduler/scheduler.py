@@ -174,6 +174,8 @@ class Scheduler:
         fb = prepare_batch(batch, loc, self.runner.req_to_token.table, self.runner.device)
         if self.tiering is not None:
             self.tiering.before_forward(batch, fb)
+        if self.disagg is not None and batch.mode == ForwardMode.EXTEND:
+            self.disagg.before_forward(batch, fb)  # SCD producer: capture hidden states
         logits = self.runner.forward(fb)
         if self.overlap and batch.mode == ForwardMode.DECODE and all(overlap_ok(s.req, 0) for s in batch.slices):
             self.inflight = InflightBatch.launch(batch, logits, loc)  # applied next step
@@ -386,8 +388,11 @@ class Scheduler:
 
     def admit_prefilled(self, req: Req) -> None:
         """A request whose prompt KV and first token came from a prefill server joins the
-        running batch, its prefill skipped (PD decode)."""
-        self.checker.check(req)  # the first token may end it (EOS, max_new_tokens 1, ...)
+        running batch, its prefill skipped (PD decode). With no first token (SCD: KV for all
+        but the last prompt position), its first decode step computes that position and
+        samples the first token (kv_len == len(fill_ids) - 1 holds either way)."""
+        if req.output_ids:
+            self.checker.check(req)  # the first token may end it (EOS, max_new_tokens 1, ...)
         self.kv.cache(req, finished=False)
         if self.tiering is not None:
             self.tiering.mark_tiered(req, req.kv_len)  # the prompt came tiered (or at fp16)
@@ -396,7 +401,7 @@ class Scheduler:
             return
         self.running.append(req)
         self._joined = True
-        if req.stream:  # the first token, now (time to first token)
+        if req.stream and req.output_ids:  # the first token, now (time to first token)
             self.outbox.append(make_output(req))
 
     def _count_generated(self, n: int) -> None:

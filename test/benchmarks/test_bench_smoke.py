@@ -250,3 +250,22 @@ def test_fusedkv_tiers(tmp_path):
     assert all(r["full_prefix_hits"] for r in data["rows"])
     assert got[("fusedkv", 1.0)]["resident_vs_vanilla_fp16"] == 0.5
     assert got[("fusedkv", 0.5)]["resident_vs_vanilla_fp16"] < got[("fusedkv", 1.0)]["resident_vs_vanilla_fp16"]
+
+
+@pytest.mark.slow
+def test_scd_ttft(tmp_path):
+    pytest.importorskip("sglang_router")
+    pytest.importorskip("mooncake")
+    from sgl_kvxfer.models.presets import write_dummy_tokenizer, write_preset_config
+
+    model = write_dummy_tokenizer(write_preset_config("tiny", str(tmp_path / "tiny")), 512)
+    out = run_bench("pd/scd_ttft.py", [
+        "--prompts", "24", "--rates", "10", "--modes", "scd", "--vocab", "256",
+        "--server-args", f"--model-path {model} --load-format dummy --device cpu --max-total-tokens 1024 "
+                         "--log-level warning",
+        "--producer-args", "--random-seed 1", "--consumer-args", "--random-seed 2"], tmp_path)
+    data = result(out, "scd_ttft", ("oracle", "modes", "summary", "artifacts", "params"), png=True)
+    row = data["modes"]["scd"]["10"]["24"]
+    assert data["complete"] and row["consumer_ms"] > 0 and row["e2e_ms"] > 0
+    # codes of 23 of the 24 positions: the manifest's bytes per token x 23 / 24
+    assert row["bytes_per_token"] == pytest.approx(data["artifacts"]["bytes_per_token"] * 23 / 24)

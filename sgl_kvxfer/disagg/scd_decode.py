@@ -1,0 +1,149 @@
+"""The SCD consumer: a decode role that rebuilds its own KV from a producer's codes
+(docs/pd_disaggregation.md, "SCD over PD").
+
+The room's steps are DecodeRole's (decode.py); what differs:
+
+    bootstrap   the prefill's /route must carry `scd` with this server's manifest id and name
+                this consumer; anything else fails the request with 400 and the reason (a
+                misconfigured pair is not a transfer fault: no local prefill hides it)
+    claim       names the artifacts (ScdClaimInfo); the staging region is sized for codes
+    segment     verified as usual, then rebuilt layer by layer into freshly allocated slots:
+                Reuse layers decode_reuse (low-rank decode + RoPE), Patch layers align_patch and
+                this model's own W_k / W_v + RoPE; `KVPool.write_external` stores them
+    done        codes cover positions [0, n - 1): the request joins the running batch with
+                kv_len = n - 1 and no token, and its first decode step computes the last prompt
+                position with this model and samples the first token
+
+Rebuilt KV is an approximation: it never enters the prefix cache (Req.share_prefix). A
+transfer fault (checksum, timeout, KVFailed) ends in a local prefill, as for KV.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from sgl_kvxfer.disagg.decode import DecodeRole, DecodeRoom
+from sgl_kvxfer.disagg.scd_common import load_consumer
+from sgl_kvxfer.mem_cache.scd_payload import CodeLayout, unpack_codes
+from sgl_kvxfer.message.disagg import KVSegment, ScdClaimInfo
+
+logger = logging.getLogger(__name__)
+
+
+class ScdDecodeRole(DecodeRole):
+    def __init__(self, scheduler, settings, host: str):
+        runner = scheduler.runner
+        self.artifacts, self.consumer, self.manifest_id = load_consumer(settings.scd_artifacts, runner,
+                                                                        settings.scd_consumer)
+        self.manifest = self.artifacts.manifest
+        from sgl_kvxfer.scd.codec import ScdDecoder, kv_projections
+
+        self.decoder = ScdDecoder(self.artifacts, self.consumer, runner.device)
+        self.projections = kv_projections(runner.model)
+        self.code_layout = CodeLayout.from_manifest(self.manifest)
+        self.patch_layers = frozenset(self.manifest.patch_layers)
+        self.claim_info = ScdClaimInfo(self.manifest_id, self.consumer)
+        super().__init__(scheduler, settings, host)
+        logger.info("SCD consumer %r of artifacts %s (id %s): %d B/token of codes", self.consumer,
+                    settings.scd_artifacts, self.manifest_id[:12], self.code_layout.bytes_per_token)
+
+    def on_new_request(self, req) -> bool:
+        if self.takes(req):
+            req.share_prefix = False  # rebuilt KV is approximate: never shared
+        return super().on_new_request(req)
+
+    def server_info(self) -> dict:
+        return {**super().server_info(), "scd": {"manifest_id": self.manifest_id, "consumer": self.consumer,
+                                                 "bytes_per_token": self.code_layout.bytes_per_token}}
+
+    # ------------------------------------------------------------------ DecodeRole's steps
+    def _check_route(self, room: DecodeRoom, info: dict) -> bool:
+        b = room.req.bootstrap
+        where = f"{b.host}:{b.port if b.port is not None else self.settings.bootstrap_port}"
+        scd = info.get("scd")
+        if not scd:
+            self._reject(room, f"the prefill at {where} ships KV, not SCD codes (it runs without --scd-artifacts); "
+                               f"this decode server rebuilds KV from codes of artifacts {self.manifest_id[:12]}")
+            return False
+        if scd.get("manifest_id") != self.manifest_id:
+            self._reject(room, f"SCD artifacts differ: the prefill at {where} encodes with "
+                               f"{str(scd.get('manifest_id'))[:12]}, this decode server ({self.consumer}) decodes "
+                               f"with {self.manifest_id[:12]}; both need the same calibration output")
+            return False
+        if self.consumer not in scd.get("consumers", ()):
+            self._reject(room, f"the prefill at {where} encodes for consumers {scd.get('consumers')}, "
+                               f"not {self.consumer!r}")
+            return False
+        return True
+
+    def _region_bytes(self, prompt_len: int) -> int:
+        return self.code_layout.nbytes(max(prompt_len - 1, 0)) + (1 << 16)
+
+    def _scd_claim(self):
+        return self.claim_info
+
+    def _write_segment(self, req, seg: KVSegment, payload: torch.Tensor) -> bool:
+        """Allocate slots for the segment's positions and store the KV rebuilt from its codes."""
+        room = self.rooms[req.bootstrap.room]
+        if not seg.codes:
+            self._end(room, "the prefill sent KV segments to an SCD consumer")
+            return False
+        if seg.start != req.kv_len or seg.end > len(req.origin_input_ids) - 1:
+            self._end(room, f"codes for positions [{seg.start}, {seg.end}) do not continue [0, {req.kv_len})")
+            return False
+        n = seg.end - seg.start
+        slots = self.kv.alloc([req], [n], [seg.start])
+        if slots is None:
+            return False  # no KV room yet: retried next poll (the prefill waits for the ack)
+        # the row owns the slots from here: a failure below frees them with the request's KV
+        self.table.write(req.req_pool_idx, seg.start, slots)
+        req.kv_len = seg.end
+        try:
+            self.pool.write_external(slots, self._rebuild(payload, seg.start, seg.end))
+        except (ValueError, RuntimeError) as e:
+            self._end(room, f"rebuilding KV from codes failed: {type(e).__name__}: {e}")
+            return False
+        return True
+
+    def _rebuild(self, payload: torch.Tensor, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (k post-RoPE, v) [end - start, Hkv, D] in the pool's dtype, from codes."""
+        dev, dtype = self.pool.device, self.pool.dtype
+        # one copy to the device (the staging bytes are free to reuse once it returns: acked next)
+        codes = unpack_codes(self.code_layout, payload[:self.code_layout.nbytes(end - start)].to(dev), end - start)
+        positions = torch.arange(start, end, device=dev)
+        out = []
+        for layer in range(self.manifest.num_layers):
+            if layer in self.patch_layers:
+                out.append(self.decoder.regenerate_patch(layer, codes[(layer, "h")], positions,
+                                                         self.projections[layer], dtype))
+            else:
+                out.append(self.decoder.decode_reuse(layer, codes[(layer, "k")], codes[(layer, "v")], positions, dtype))
+        return out
+
+    def _succeed(self, room: DecodeRoom) -> None:
+        req, done = room.req, room.done
+        n = len(req.origin_input_ids)
+        if req.kv_len != n - 1:
+            self._end(room, f"the codes covered {req.kv_len} of the prompt's first {n - 1} positions")
+            return
+        b = req.bootstrap
+        req.cached_tokens = 0
+        req.extra_meta = {"kv_transfer": {
+            "status": "ok", "scd": {"manifest": self.manifest_id[:12], "consumer": self.consumer},
+            "bytes": room.wire_bytes, "bytes_per_token": room.wire_bytes / n, "segments": room.unpacked,
+            "transfer_ms": 1e3 * (time.monotonic() - room.claimed_at),  # claim -> every segment rebuilt
+            "wire_ms": 1e3 * done.wire_seconds, "tail_ms": 1e3 * done.tail_seconds,
+            "link_gbps": room.wire_bytes * 8 / done.wire_seconds / 1e9 if done.wire_seconds else 0.0,
+            # where the codes are: other consumers of a fan-out claim the same room (scd_fanout.py)
+            "bootstrap_host": b.host, "bootstrap_port": b.port, "bootstrap_room": b.room}}
+        self.stats.outcome("ok")
+        self.stats.tokens += n
+        self._release_room(room)
+        self.ready.append(req)
+
+    def _end(self, room: DecodeRoom, reason: str, fallback: bool = True, notify: bool = True) -> None:
+        if fallback:
+            room.req.share_prefix = True  # the local prefill computes exact KV
+        super()._end(room, reason, fallback, notify)

@@ -1,0 +1,377 @@
+"""The SCD producer: a prefill role that ships a prompt's KV as low-rank codes, encoded once for
+every consumer that claims them (docs/pd_disaggregation.md, "SCD over PD").
+
+    on_new_request(req)    a room opens (or meets claims that came first); the request takes no
+                           cached prefix: every position's hidden states are needed
+    before_forward(b, fb)  installs the hidden-state capture (models/llama.py HIDDEN_CAPTURE):
+                           each Patch layer's input_layernorm output is encoded into zh as the
+                           forward runs
+    on_chunk(req, a, b)    positions [a, b) are computed: their codes (Reuse layers from the KV
+                           the pool holds, Patch layers from zh) become one segment in the send
+                           buffer, written to every consumer that claimed the room so far
+    on_prompt_done(req)    the last segment; the request's reply ends now and its KV is freed:
+                           the codes live on in the send buffer, under the room
+
+Codes cover positions [0, n - 1): a consumer computes the last prompt position itself (its
+first decode step), so the first token comes from its own model, not from the producer's.
+
+A room serves up to --scd-fanout consumers (claims naming the same manifest id), each with its
+own ring, sequence numbers and acks; the segments are shared (encoded once, written N times).
+The room closes when that many consumers have finished, or when nothing happened for
+--kv-transfer-timeout once its codes were complete (or a claim's request never came): its
+send-buffer bytes are freed, and a later claim gets KVFailed (that consumer prefills locally).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from sgl_kvxfer.disagg.prefill import PrefillRole
+from sgl_kvxfer.disagg.scd_common import load_producer, route_info
+from sgl_kvxfer.disagg.sender import NoticeJob, WriteJob
+from sgl_kvxfer.disagg.staging import RingWriter
+from sgl_kvxfer.mem_cache.scd_payload import CodeLayout, pack_codes
+from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVSegment
+from sgl_kvxfer.models.llama import HIDDEN_CAPTURE
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Segment:
+    start: int
+    end: int
+    offset: int  # in the send buffer
+    nbytes: int
+
+
+@dataclass
+class _Consumer:
+    claim: KVClaim
+    ring: RingWriter
+    sent: int = 0  # room.segments[:sent] are queued to this consumer
+    inflight: int = 0
+    done_queued: bool = False
+    outcome: str | None = None  # "ok" or a failure reason, once finished
+    wire_bytes: int = 0
+    wire_seconds: float = 0.0
+
+
+@dataclass
+class ScdRoom:
+    room: int
+    req: object = None
+    limit: int = 0  # positions [0, limit) get codes: prompt length - 1
+    zh: dict = field(default_factory=dict)  # patch layer -> [prompt_len, r_h] codes, filled by the capture
+    encoded: int = 0
+    segments: list = field(default_factory=list)
+    prompt_done: bool = False
+    prompt_done_at: float = 0.0
+    first_token: int = 0
+    consumers: dict = field(default_factory=dict)  # decode_id -> _Consumer
+    notices: deque = field(default_factory=deque)  # (decode_id, "done" | "failed") per queued notice
+    inflight: int = 0
+    closing: str | None = None  # why it closes; set once
+    progress: float = field(default_factory=time.monotonic)
+
+
+class ScdPrefillRole(PrefillRole):
+    def __init__(self, scheduler, settings, host: str):
+        runner = scheduler.runner
+        self.artifacts, self.manifest_id = load_producer(settings.scd_artifacts, runner)
+        self.manifest = self.artifacts.manifest
+        from sgl_kvxfer.scd.codec import ScdEncoder
+
+        self.encoder = ScdEncoder(self.artifacts, runner.device)
+        self.code_layout = CodeLayout.from_manifest(self.manifest)
+        self.patch_layers = frozenset(self.manifest.patch_layers)
+        self.fanout = settings.scd_fanout
+        self.closed: dict[int, tuple[str, float]] = {}  # room -> (why, forget after)
+        self._jobs: dict[int, tuple[int, str]] = {}  # write job id -> (room, decode_id)
+        self._job_ids = itertools.count()
+        self.encoded = {"rooms": 0, "tokens": 0, "bytes": 0}  # prefills whose codes were encoded (once each)
+        self.rooms_closed: Counter = Counter()  # why rooms closed ("served", "fan-out timed out", ...)
+        super().__init__(scheduler, settings, host)
+        logger.info("SCD producer: artifacts %s (id %s), %d B/token of codes vs %d B/token of KV, fan-out %d",
+                    settings.scd_artifacts, self.manifest_id[:12], self.code_layout.bytes_per_token,
+                    self.manifest.raw_kv_bytes_per_token(torch.finfo(self.pool.dtype).bits // 8), self.fanout)
+
+    def _registration(self, host: str) -> dict:
+        return {**super()._registration(host), "scd": route_info(self.manifest, self.manifest_id)}
+
+    # ------------------------------------------------------------------ scheduler hooks
+    def on_new_request(self, req) -> bool:
+        if not self.transfers(req):
+            return False
+        req.share_prefix = False
+        room = self.rooms.get(req.bootstrap.room)
+        if room is not None and room.req is not None:  # a stale room under a reused id
+            self._close(room, "replaced by a new request")
+            room = None
+        if room is None:
+            self.closed.pop(req.bootstrap.room, None)
+            room = self.rooms[req.bootstrap.room] = ScdRoom(req.bootstrap.room)
+        n = len(req.origin_input_ids)
+        room.req, room.limit, room.progress = req, n - 1, time.monotonic()
+        dev, dt = self.pool.device, self.manifest.code_dtype
+        room.zh = {layer: torch.empty(n, self.manifest.r_h, dtype=dt, device=dev) for layer in self.patch_layers}
+        return False
+
+    def before_forward(self, batch, fb) -> None:
+        if not self.patch_layers:
+            return
+        spans, off = [], 0  # (first row in the batch, first position, tokens, room)
+        for s in batch.slices:
+            room = self._room_of(s.req)
+            if room is not None and room.closing is None:
+                spans.append((off, s.start, s.length, room))
+            off += s.length
+        if spans:
+            fb.extras[HIDDEN_CAPTURE] = functools.partial(self._capture, spans)
+
+    def _capture(self, spans, layer: int, hidden: torch.Tensor) -> None:
+        if layer not in self.patch_layers:
+            return
+        for off, start, length, room in spans:
+            room.zh[layer][start:start + length] = self.encoder.encode_patch(layer, hidden[off:off + length])
+
+    def on_chunk(self, req, start: int, end: int) -> None:
+        room = self._room_of(req)
+        if room is not None and room.closing is None:
+            self._encode(room, end)
+
+    def on_prompt_done(self, req) -> bool:
+        """Encode the rest; the request ends now (returns False: the scheduler retires it)."""
+        room = self._room_of(req)
+        if room is None:
+            return super().on_prompt_done(req)
+        if room.closing is None:
+            self._encode(room, room.limit)
+        room.prompt_done, room.prompt_done_at = True, time.monotonic()
+        room.first_token, room.zh, room.progress = req.output_ids[0], {}, time.monotonic()
+        req.finish({"type": "length", "length": len(req.output_ids)})
+        nbytes = sum(s.nbytes for s in room.segments)
+        if room.closing is None:
+            self.encoded["rooms"] += 1
+            self.encoded["tokens"] += room.limit
+            self.encoded["bytes"] += nbytes
+        req.extra_meta = {"kv_transfer": {"status": "failed: " + room.closing if room.closing else "encoded",
+                                          "scd_manifest": self.manifest_id[:12], "bytes": nbytes,
+                                          "bytes_per_token": nbytes / max(1, room.limit), "fanout": self.fanout}}
+        return False
+
+    def abort(self, rid: str, abort_all: bool) -> None:
+        for room in list(self.rooms.values()):
+            if room.req is not None and not room.prompt_done and (abort_all or room.req.rid == rid):
+                self._close(room, "aborted")  # the scheduler ends the request itself
+
+    def has_work(self) -> bool:
+        return any(r.inflight or r.notices or any(c.outcome is None and (c.sent < len(r.segments) or
+                                                                         (r.prompt_done and not c.done_queued))
+                                                  for c in r.consumers.values()) for r in self.rooms.values())
+
+    def poll(self) -> None:
+        for msg in self.inbox.get_all_nowait():
+            self._on_message(msg)
+        for res in self.sender.drain():
+            self._on_result(res)
+        now = time.monotonic()
+        for room in list(self.rooms.values()):
+            self._pump(room, now)
+            self._check_room(room, now)
+        for rid in [r for r, (_, until) in self.closed.items() if until <= now]:
+            del self.closed[rid]
+
+    def server_info(self) -> dict:
+        return self.stats.to_dict(
+            rooms_open=len(self.rooms), rooms_prefilled=sum(r.prompt_done for r in self.rooms.values()),
+            send_buffer_used_bytes=self.send_alloc.used_bytes(), endpoint=self.inbox.endpoint,
+            scd={"manifest_id": self.manifest_id, "fanout": self.fanout,
+                 "bytes_per_token": self.code_layout.bytes_per_token, "encoded": dict(self.encoded),
+                 "rooms_closed": dict(self.rooms_closed)})
+
+    # ------------------------------------------------------------------ encoding
+    def _room_of(self, req):
+        if not self.transfers(req):
+            return None
+        room = self.rooms.get(req.bootstrap.room)
+        return room if room is not None and room.req is req else None
+
+    def _encode(self, room: ScdRoom, upto: int) -> None:
+        """Codes of positions [room.encoded, upto) as one segment in the send buffer."""
+        a, b = room.encoded, min(upto, room.limit)
+        if b <= a:
+            return
+        slots = self.table.read(room.req.req_pool_idx, b, start=a)
+        positions = torch.arange(a, b, device=slots.device)
+        codes = {}
+        for layer in self.manifest.reuse_layers:
+            k, v = self.pool.get_kv(layer, slots)
+            codes[(layer, "k")], codes[(layer, "v")] = self.encoder.encode_reuse(layer, k, v, positions)
+        for layer in self.patch_layers:
+            codes[(layer, "h")] = room.zh[layer][a:b]
+        nbytes = self.code_layout.nbytes(b - a)
+        off = self.send_alloc.alloc(nbytes)
+        if off is None:
+            self._close(room, f"send buffer full ({nbytes} B of codes do not fit --kv-transfer-buffer-mb)")
+            return
+        pack_codes(self.code_layout, codes, self.buffer[off:off + nbytes])
+        if self.buffer.device.type == "cpu" and positions.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the codes must be in host memory before a write
+        room.segments.append(_Segment(a, b, off, nbytes))
+        room.encoded, room.progress = b, time.monotonic()
+
+    # ------------------------------------------------------------------ claims and transfers
+    def _claim_error(self, msg: KVClaim) -> str | None:
+        if msg.scd is None:
+            return (f"this prefill ships SCD codes (artifacts {self.manifest_id[:12]}); start the decode server "
+                    "with --scd-artifacts")
+        if msg.scd.manifest_id != self.manifest_id:
+            return (f"SCD artifacts differ: prefill {self.manifest_id[:12]}, decode {msg.scd.manifest_id[:12]} "
+                    "(both sides need the same calibration output)")
+        if msg.scd.consumer not in self.manifest.consumer_names:
+            return f"unknown SCD consumer {msg.scd.consumer!r} (artifacts name {self.manifest.consumer_names})"
+        return None
+
+    def _refuse(self, msg: KVClaim, reason: str) -> None:
+        self.sender.submit(NoticeJob(msg.room, msg.reply_to, KVFailed(msg.room, reason)))
+
+    def _on_message(self, msg) -> None:
+        room = self.rooms.get(msg.room)
+        if isinstance(msg, KVClaim):
+            reason = self._claim_error(msg)
+            if reason is None and room is None and msg.room in self.closed:
+                reason = f"room closed: {self.closed[msg.room][0]}"
+            if reason is None and room is not None and (room.closing or len(room.consumers) >= self.fanout):
+                reason = room.closing or f"the room's codes went to its {self.fanout} consumer(s) (--scd-fanout)"
+            if reason is not None:
+                self._refuse(msg, reason)
+                return
+            if room is None:  # the claim came first: the request follows (or the room orphans)
+                room = self.rooms[msg.room] = ScdRoom(msg.room)
+            if msg.decode_id not in room.consumers:
+                room.consumers[msg.decode_id] = _Consumer(msg, RingWriter(msg.region_bytes))
+            room.progress = time.monotonic()
+            return
+        c = room.consumers.get(msg.decode_id) if room is not None else None
+        if c is None or c.outcome is not None:
+            return  # a late message for a room or consumer that ended
+        room.progress = time.monotonic()
+        if isinstance(msg, KVAck):
+            c.ring.ack(msg.seq)
+        elif isinstance(msg, KVCancel):
+            self._consumer_ended(room, c, f"cancelled by decode: {msg.reason}", notify=False)
+
+    def _pump(self, room: ScdRoom, now: float) -> None:
+        if room.closing:
+            return
+        for c in room.consumers.values():
+            if c.outcome is not None:
+                continue
+            while c.sent < len(room.segments):
+                seg = room.segments[c.sent]
+                if not c.ring.fits_ever(seg.nbytes):
+                    self._consumer_ended(room, c, f"a {seg.nbytes}-byte code segment exceeds the decode's region")
+                    break
+                seq = c.sent
+                dst = c.ring.place(seq, seg.nbytes)
+                if dst is None:
+                    break  # the decode has not acked enough yet
+                job = next(self._job_ids)
+                self._jobs[job] = (room.room, c.claim.decode_id)
+                segment = KVSegment(room.room, seq, seg.start, seg.end, None, (0, 0, 0), dst, seg.nbytes, 0, [],
+                                    codes=True)
+                # NOTE: every consumer's write reads the same send-buffer bytes (never rewritten
+                # while the room is open); only the KVSegment (ring offset, seq) is per consumer
+                self.sender.submit(WriteJob(room.room, job, self.buffer[seg.offset:seg.offset + seg.nbytes],
+                                            c.claim.session, c.claim.region_addr + dst, c.claim.reply_to, segment))
+                c.sent += 1
+                c.inflight += 1
+                room.inflight += 1
+            if c.outcome is None and room.prompt_done and c.sent == len(room.segments) and not c.inflight \
+                    and not c.done_queued:
+                c.done_queued = True
+                room.notices.append((c.claim.decode_id, "done"))
+                self.sender.submit(NoticeJob(room.room, c.claim.reply_to, KVDone(
+                    room.room, c.sent, room.first_token, 0, c.wire_bytes, wire_seconds=c.wire_seconds,
+                    tail_seconds=now - room.prompt_done_at)))
+
+    def _on_result(self, res) -> None:
+        room = self.rooms.get(res.room)
+        if res.seq >= 0:
+            _, decode_id = self._jobs.pop(res.seq, (None, None))
+            if room is None:
+                return
+            room.inflight -= 1
+            c = room.consumers.get(decode_id)
+            if c is not None:
+                c.inflight -= 1
+                if res.error:
+                    self._consumer_ended(room, c, f"write failed: {res.error}")
+                else:
+                    c.wire_bytes += res.nbytes
+                    c.wire_seconds += res.write_seconds
+                    self.stats.moved(res.nbytes)
+        elif room is not None and room.notices:
+            decode_id, kind = room.notices.popleft()
+            c = room.consumers.get(decode_id)
+            if kind == "done" and c is not None and c.outcome is None:
+                if res.error:
+                    self._consumer_ended(room, c, res.error)
+                else:
+                    c.outcome = "ok"
+                    self.stats.outcome("ok")
+                    self.stats.tokens += room.limit
+        if room is not None:
+            room.progress = time.monotonic()
+
+    # ------------------------------------------------------------------ endings
+    def _consumer_ended(self, room: ScdRoom, c: _Consumer, reason: str, notify: bool = True) -> None:
+        if c.outcome is not None:
+            return
+        c.outcome = reason
+        self.stats.outcome("failed:" + reason.split(":")[0])
+        logger.warning("SCD room %d, consumer %s: %s", room.room, c.claim.decode_id, reason)
+        if notify:
+            room.notices.append((c.claim.decode_id, "failed"))
+            self.sender.submit(NoticeJob(room.room, c.claim.reply_to, KVFailed(room.room, reason)))
+
+    def _check_room(self, room: ScdRoom, now: float) -> None:
+        if room.closing is None:
+            finished = [c for c in room.consumers.values() if c.outcome is not None]
+            if room.prompt_done and len(finished) == self.fanout:
+                self._close(room, f"served {self.fanout} consumer(s)", failed=False)
+            elif now - room.progress > self.settings.timeout_s:
+                if room.req is None:
+                    self._close(room, "no request for the room")
+                elif room.prompt_done:
+                    self._close(room, f"fan-out timed out: {len(room.consumers)} of {self.fanout} consumer(s) "
+                                      f"claimed, {len(finished)} finished")
+        if room.closing is not None and not room.inflight and not room.notices:
+            for seg in room.segments:
+                self.send_alloc.free(seg.offset)
+            room.segments = []
+            self.rooms.pop(room.room, None)
+            self.sender.cancelled.discard(room.room)
+            self.closed[room.room] = (room.closing, time.monotonic() + self.settings.timeout_s)
+
+    def _close(self, room: ScdRoom, reason: str, failed: bool = True) -> None:
+        """No more writes or claims for the room; consumers not finished get KVFailed. Its
+        send-buffer bytes are freed once the writes already queued have reported."""
+        if room.closing is not None:
+            return
+        room.closing = reason
+        self.rooms_closed[reason.split(":")[0] if failed else "served"] += 1
+        if failed:
+            logger.warning("SCD room %d closed: %s", room.room, reason)
+            self.sender.cancelled.add(room.room)  # queued writes and KVDones must not go out
+            for c in room.consumers.values():
+                self._consumer_ended(room, c, reason)
+        if room.req is not None and not room.prompt_done:
+            room.req, room.zh = None, {}

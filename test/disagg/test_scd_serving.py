@@ -1,0 +1,260 @@
+"""SCD over PD end to end on CPU: a producer prefill server and specialist decode servers with
+other weights (a tiny random Llama pair, test/scd/scd_tiny.py), Mooncake over loopback TCP and
+the real `sglang_router` 0.3.2 in front of (P, D_a).
+
+Every consumer reply is checked against an in-process reference of the same pipeline
+(sgl_kvxfer/scd/forward.py: the producer's prefill of the prompt's first n - 1 tokens, encode,
+the consumer's decode, then the consumer's own forward of the last prompt token and greedy
+steps): first-token logprobs and greedy tokens. The consumer's own full prefill (the oracle)
+gives other logprobs, so the comparison can tell SCD from a local prefill.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import os
+import random
+import sys
+import time
+
+import pytest
+import requests
+import torch
+
+from servers import ROOT, free_port, start_router, start_server, stop_all
+
+sys.path.insert(0, os.path.join(ROOT, "test", "scd"))
+from scd_tiny import TINY, perturbed, tiny_state, write_model  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    __import__("importlib").util.find_spec("sglang_router") is None, reason="sglang-router is not installed")]
+
+TIMEOUT = "5"  # --kv-transfer-timeout, seconds: unclaimed fan-out rooms close after it
+COMMON = ["--device", "cpu", "--max-total-tokens", "4096", "--chunked-prefill-size", "16", "--max-running-requests", "8",
+          "--context-length", "512", "--log-level", "warning", "--enable-metrics", "--kv-transfer-buffer-mb", "16",
+          "--kv-transfer-timeout", TIMEOUT]
+ROOM_CORRUPT = 9301
+PATCH = [2]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Producer P and consumers a, b (P's weights + noise); artifacts calibrated for exactly these
+    weights (random tensors, real identities), and another run's artifacts (other encoders)."""
+    from sgl_kvxfer.models.arch_config import ModelArchConfig
+    from sgl_kvxfer.scd.artifacts import make_random_artifacts
+    from sgl_kvxfer.scd.identity import identify
+
+    root = tmp_path_factory.mktemp("scd_serving")
+    sd = tiny_state(TINY, 0)
+    dirs = {"producer": write_model(root / "producer", TINY, sd), "a": write_model(root / "a", TINY, perturbed(sd, 0.15, 1)),
+            "b": write_model(root / "b", TINY, perturbed(sd, 0.3, 2))}
+    arch = ModelArchConfig.from_dir(dirs["producer"])
+    out = {}
+    for run, seed in (("arts", 0), ("other", 1)):
+        arts = make_random_artifacts(arch, ["a", "b"], 8, 8, 32, PATCH, seed=seed, dtype="float32")
+        manifest = dataclasses.replace(arts.manifest, producer=identify(dirs["producer"], name="producer"),
+                                       consumers=(identify(dirs["a"], name="a"), identify(dirs["b"], name="b")))
+        out[run] = str(root / run)
+        type(arts)(manifest, arts.tensors).save(out[run])
+    return {**dirs, **out}
+
+
+def start_all(specs):
+    with cf.ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(start_server, args, env=env, name=name) for args, env, name in specs]
+        cf.wait(futures)
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        stop_all(*(f.result() for f in futures if f.exception() is None))
+        raise failed[0]
+    return [f.result() for f in futures]
+
+
+@pytest.fixture(scope="module")
+def cluster(pair):
+    bp = free_port()
+
+    def role(mode, model, arts, *extra):
+        return [*COMMON, "--model-path", pair[model], "--disaggregation-mode", mode, "--scd-artifacts", pair[arts], *extra]
+
+    p, da, db, dx = start_all([
+        (role("prefill", "producer", "arts", "--disaggregation-bootstrap-port", str(bp), "--scd-fanout", "2"),
+         {"SGL_KVXFER_KV_TRANSFER_FAULT": f"corrupt@{ROOM_CORRUPT}"}, "scd_prefill"),
+        (role("decode", "a", "arts"), None, "scd_decode_a"), (role("decode", "b", "arts"), None, "scd_decode_b"),
+        (role("decode", "a", "other"), None, "scd_decode_other")])
+    try:
+        router = start_router([(p.url, bp)], [da.url])
+    except Exception:
+        stop_all(p, da, db, dx)
+        raise
+    yield {"P": p, "a": da, "b": db, "other": dx, "router": router, "bp": bp, "pair": pair}
+    stop_all(router, p, da, db, dx)
+
+
+# ---------------------------------------------------------------- the in-process reference
+@pytest.fixture(scope="module")
+def reference(pair):
+    """reference(consumer, prompt, steps) -> (first-token logprobs [V], greedy tokens);
+    oracle(consumer, prompt) -> the consumer's own full-prefill first-token logprobs."""
+    from sgl_kvxfer.models.loader import load_model
+    from sgl_kvxfer.scd import ScdArtifacts, ScdDecoder, ScdEncoder, kv_projections
+    from sgl_kvxfer.scd.forward import KVCache, LlamaRunner, left_pad
+
+    models = {k: load_model(pair[k], "auto", torch.float32, "cpu", 0)[0] for k in ("producer", "a", "b")}
+    arts = ScdArtifacts.load(pair["arts"])
+    enc = ScdEncoder(arts)
+    layers = range(TINY["num_hidden_layers"])
+
+    def scd(consumer, prompt, steps):
+        dec, mc = ScdDecoder(arts, consumer), models[consumer]
+        projs = kv_projections(mc)
+        ids, valid, pos = left_pad([prompt[:-1]])
+        taps = LlamaRunner(models["producer"]).forward(ids, pos, valid, kv_layers=layers, h_layers=PATCH)
+        p, ks, vs = pos[0], [], []
+        for layer in layers:
+            if layer in PATCH:
+                k, v = dec.regenerate_patch(layer, enc.encode_patch(layer, taps.h[layer][0]), p, projs[layer])
+            else:
+                k, v = dec.decode_reuse(layer, *enc.encode_reuse(layer, taps.k[layer][0], taps.v[layer][0], p), p)
+            ks.append(k[None])
+            vs.append(v[None])
+        cache, runner = KVCache(ks, vs, valid), LlamaRunner(mc)
+        last, at = torch.tensor([[prompt[-1]]]), torch.tensor([[len(prompt) - 1]])
+        logits = runner.forward(last, at, torch.ones(1, 1, dtype=torch.bool), past=cache, logits="last").logits
+        return torch.log_softmax(logits[0, -1], -1), runner.greedy(cache, last[0], at[0], steps)[0]
+
+    def oracle(consumer, prompt):
+        ids, valid, pos = left_pad([prompt])
+        return torch.log_softmax(LlamaRunner(models[consumer]).forward(ids, pos, valid, logits="last").logits[0, -1], -1)
+
+    return scd, oracle
+
+
+def prompt_ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def body(prompt, steps=6, **extra):
+    return {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 5,
+            "sampling_params": {"max_new_tokens": steps, "temperature": 0, "ignore_eos": True}, **extra}
+
+
+def assert_matches(reply, ref_logprobs, ref_tokens):
+    top = reply["meta_info"]["output_top_logprobs"][0]
+    got = torch.tensor([lp for lp, *_ in top])
+    assert [t for _, t, *_ in top] == ref_logprobs.topk(5).indices.tolist()
+    assert torch.allclose(got, ref_logprobs.topk(5).values, atol=2e-3), (got, ref_logprobs.topk(5).values)
+    assert reply["output_ids"] == ref_tokens
+
+
+def post(url, payload, timeout=120):
+    r = requests.post(url + "/generate", json=payload, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def direct(cluster, payload, room, decodes):
+    """What the router does, to P and each decode at once; returns (P's reply, decode replies)."""
+    payload = {**payload, "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster["bp"], "bootstrap_room": room}
+    with cf.ThreadPoolExecutor(1 + len(decodes)) as pool:
+        fp = pool.submit(requests.post, cluster["P"].url + "/generate", json=payload, timeout=120)
+        fds = [pool.submit(requests.post, cluster[d].url + "/generate", json=payload, timeout=120) for d in decodes]
+        return fp.result(), [f.result() for f in fds]
+
+
+def transfer_state(handle):
+    return requests.get(handle.url + "/server_info", timeout=30).json()["internal_states"][0]
+
+
+def producer_counts(cluster) -> tuple[int, int]:
+    """(prefills whose codes P encoded, consumers P served successfully)."""
+    kv = transfer_state(cluster["P"])["kv_transfer"]
+    return kv["scd"]["encoded"]["rooms"], kv["rooms"].get("ok", 0)
+
+
+# ---------------------------------------------------------------- tests
+def test_router_drives_scd_and_the_consumer_decodes_its_own_tokens(cluster, reference):
+    scd, oracle = reference
+    prompt = prompt_ids(41, 1)
+    reply = post(cluster["router"].url, body(prompt))
+    kv = reply["meta_info"]["kv_transfer"]
+    assert kv["status"] == "ok" and kv["scd"]["consumer"] == "a"
+    # codes of the first n - 1 positions, float32: (3 reuse layers x 2 kv heads x (8 + 8) + 1 patch layer x 32) x 4 B
+    assert kv["bytes"] == (3 * 2 * 16 + 32) * 4 * 40 and reply["meta_info"]["prompt_tokens"] == 41
+    ref_lp, ref_tokens = scd("a", prompt, 6)
+    assert_matches(reply, ref_lp, ref_tokens)
+    # the oracle (a's own prefill) differs by far more than the tolerance: the check sees SCD
+    assert (oracle("a", prompt) - ref_lp).abs().max() > 0.05
+
+
+def test_one_prefill_feeds_two_specialists(cluster, reference):
+    from sgl_kvxfer.disagg.scd_fanout import fanout_generate
+
+    scd, _ = reference
+    prompt = prompt_ids(37, 2)
+    before = producer_counts(cluster)
+    ra, rb = fanout_generate(body(prompt), [cluster["b"].url], router=cluster["router"].url)
+    ka, kb = ra["meta_info"]["kv_transfer"], rb["meta_info"]["kv_transfer"]
+    assert ka["status"] == kb["status"] == "ok" and ka["bootstrap_room"] == kb["bootstrap_room"]
+    assert (ka["scd"]["consumer"], kb["scd"]["consumer"]) == ("a", "b")
+    assert_matches(ra, *scd("a", prompt, 6))
+    assert_matches(rb, *scd("b", prompt, 6))
+    # one prefill on P (its codes encoded once), its room served twice, and no local prefill on
+    # either consumer (status ok above: no fallback)
+    after = producer_counts(cluster)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 2)
+
+
+def test_fanout_without_router_and_a_third_claim_is_refused(cluster, reference):
+    from sgl_kvxfer.disagg.scd_fanout import fanout_generate
+
+    scd, oracle = reference
+    prompt = prompt_ids(23, 3)
+    ra, rb = fanout_generate(body(prompt), [cluster["a"].url, cluster["b"].url], prefill=(cluster["P"].url, cluster["bp"]))
+    assert_matches(ra, *scd("a", prompt, 6))
+    assert_matches(rb, *scd("b", prompt, 6))
+    room = ra["meta_info"]["kv_transfer"]["bootstrap_room"]
+    # the room served its --scd-fanout 2: a third claim is refused and that consumer prefills itself
+    late = post(cluster["a"].url, {**body(prompt), "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster["bp"],
+                                   "bootstrap_room": room})
+    assert late["meta_info"]["kv_transfer"]["status"].startswith("fallback: prefill failed: room closed")
+    assert (torch.tensor([lp for lp, *_ in late["meta_info"]["output_top_logprobs"][0]])
+            - oracle("a", prompt).topk(5).values).abs().max() < 2e-3
+
+
+def test_mismatched_artifacts_fail_the_request_clearly(cluster):
+    rp, (rx,) = direct(cluster, body(prompt_ids(20, 4)), 9302, ["other"])
+    assert rp.status_code == 200
+    assert rx.status_code == 400 and "SCD artifacts differ" in rx.text, rx.text
+
+
+def test_corrupt_codes_fall_back_to_the_consumers_own_prefill(cluster, reference):
+    _, oracle = reference
+    prompt = prompt_ids(30, 5)
+    rp, (ra,) = direct(cluster, body(prompt), ROOM_CORRUPT, ["a"])
+    assert rp.status_code == 200 and ra.status_code == 200, ra.text
+    reply = ra.json()
+    assert reply["meta_info"]["kv_transfer"]["status"].startswith("fallback: checksum mismatch")
+    got = torch.tensor([lp for lp, *_ in reply["meta_info"]["output_top_logprobs"][0]])
+    assert (got - oracle("a", prompt).topk(5).values).abs().max() < 2e-3
+
+
+def test_unclaimed_rooms_close_and_nothing_leaks(cluster):
+    """Every room above that got fewer than 2 consumers closes after the timeout; then no
+    server holds KV, rooms, send-buffer or staging bytes."""
+    time.sleep(float(TIMEOUT) + 1)
+    for name in ("P", "a", "b", "other"):
+        deadline = time.time() + 30
+        while True:
+            requests.post(cluster[name].url + "/flush_cache", timeout=30)
+            st = transfer_state(cluster[name])
+            kv = st["kv_transfer"]
+            if st["kv_used_tokens"] == 0 and not kv["rooms_open"] and not kv.get("send_buffer_used_bytes") \
+                    and not kv.get("staging_used_bytes"):
+                break
+            assert time.time() < deadline, (name, st)
+            time.sleep(0.5)
+    closed = transfer_state(cluster["P"])["kv_transfer"]["scd"]["rooms_closed"]
+    assert closed.get("served", 0) >= 2 and closed.get("fan-out timed out", 0) >= 3, closed

@@ -1,0 +1,191 @@
+"""SCD over PD without servers: the code payload, the hidden-state capture hook, the SCD config
+and start-up checks (which consumer a server is, mismatched artifacts), the claim checks, the
+messages, and the private KV of SCD requests."""
+import types
+
+import pytest
+import torch
+
+from sgl_kvxfer.config import EngineConfig, SchedulerConfig
+from sgl_kvxfer.disagg.scd_common import ScdSetupError, load_consumer, load_producer, manifest_id
+from sgl_kvxfer.mem_cache.scd_payload import CodeLayout, pack_codes, unpack_codes
+from sgl_kvxfer.message import decode, encode
+from sgl_kvxfer.message.disagg import KVClaim, KVLayoutInfo, KVSegment, ScdClaimInfo
+from sgl_kvxfer.models.arch_config import ModelArchConfig
+from sgl_kvxfer.models.llama import HIDDEN_CAPTURE, LlamaForCausalLM
+from sgl_kvxfer.models.presets import PRESETS, write_preset_config
+from sgl_kvxfer.scd.artifacts import make_random_artifacts
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = write_preset_config("tiny", str(tmp_path_factory.mktemp("tiny")))
+    arch = ModelArchConfig.from_dir(d)
+    arts = {}
+    for name, seed, ranks in (("a", 0, (8, 16, 32)), ("b", 1, (8, 16, 32)), ("c", 0, (4, 16, 32))):
+        out = str(tmp_path_factory.mktemp(f"arts_{name}"))
+        make_random_artifacts(arch, ["c0", "c1"], *ranks, patch_layers=[1], seed=seed).save(out)
+        arts[name] = out
+    return types.SimpleNamespace(dir=d, arch=arch, arts=arts)
+
+
+def fake_runner(arch, load_format="dummy"):
+    return types.SimpleNamespace(config=EngineConfig(load_format=load_format), arch=arch, device="cpu",
+                                 model_dir="/nonexistent")
+
+
+# ---------------------------------------------------------------- the code payload
+def test_code_payload_round_trips_in_wire_order(tiny):
+    arts = make_random_artifacts(tiny.arch, 1, 8, 16, 32, patch_layers=[1])
+    layout = CodeLayout.from_manifest(arts.manifest)
+    assert layout.bytes_per_token == arts.manifest.bytes_per_token == (2 * (8 + 16) + 32) * 2
+    n = 5
+    codes = {(layer, kind): torch.randn(n, *shape).to(layout.dtype) for layer, kind, shape in layout.fields}
+    out = torch.zeros(layout.nbytes(n) + 7, dtype=torch.uint8)
+    assert pack_codes(layout, codes, out) == layout.nbytes(n)
+    back = unpack_codes(layout, out, n)
+    assert back.keys() == codes.keys() and all(torch.equal(back[k], codes[k]) for k in codes)
+    # field 0 is layer 0's k: its bytes lead the payload
+    assert torch.equal(out[:n * 2 * 8 * 2], codes[(0, "k")].view(torch.uint8).reshape(-1))
+    with pytest.raises(ValueError, match="shape"):
+        pack_codes(layout, {**codes, (0, "k"): torch.zeros(n, 2, 9)}, out)
+    with pytest.raises(ValueError, match="needs"):
+        unpack_codes(layout, out[:10], n)
+
+
+# ---------------------------------------------------------------- the capture hook
+class _StubBackend:
+    """Attention that returns q itself: enough to run the layers without a KV pool."""
+
+    def forward_qkv(self, qkv, cos, sin, layer_id, fb):
+        return qkv[:, :fb.q_size]
+
+
+def test_hidden_capture_sees_each_input_layernorm_output_and_changes_nothing(tiny):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny.arch).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ids, pos = torch.randint(0, 500, (7,)), torch.arange(7)
+    fb = types.SimpleNamespace(attn_backend=_StubBackend(), q_size=tiny.arch.q_size, seq_lens_cpu=[7], extras={})
+    seen = {}
+
+    def keep(i):  # the normed output (a tuple with the residual when the norm adds one)
+        def hook(module, args, out):
+            seen[i] = (out[0] if isinstance(out, tuple) else out).clone()
+        return hook
+
+    hooks = [layer.input_layernorm.register_forward_hook(keep(i)) for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        ref = model(ids, pos, fb)
+    for h in hooks:
+        h.remove()
+    captured = {}
+    fb.extras = {HIDDEN_CAPTURE: lambda layer, h: captured.__setitem__(layer, h.clone())}
+    with torch.no_grad():
+        out = model(ids, pos, fb)
+    assert torch.equal(out, ref)
+    assert sorted(captured) == list(range(tiny.arch.num_hidden_layers))
+    assert all(torch.equal(captured[i], seen[i]) for i in captured)
+
+
+# ---------------------------------------------------------------- config and start-up checks
+def test_scd_flags_are_validated(tiny):
+    SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_fanout=3)
+    with pytest.raises(ValueError, match="need --scd-artifacts"):
+        SchedulerConfig(disaggregation_mode="prefill", scd_fanout=2)
+    with pytest.raises(ValueError, match="disaggregation-mode"):
+        SchedulerConfig(scd_artifacts=tiny.arts["a"])
+    with pytest.raises(ValueError, match="not fake"):
+        SchedulerConfig(disaggregation_mode="decode", disaggregation_transfer_backend="fake", scd_artifacts=tiny.arts["a"])
+    with pytest.raises(ValueError, match="no manifest.json"):
+        SchedulerConfig(disaggregation_mode="decode", scd_artifacts=tiny.dir)
+    with pytest.raises(ValueError, match="prefill's"):
+        SchedulerConfig(disaggregation_mode="decode", scd_artifacts=tiny.arts["a"], scd_fanout=2)
+    with pytest.raises(ValueError, match="decode server is"):
+        SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_consumer="c0")
+    with pytest.raises(ValueError, match="fp16-family"):
+        SchedulerConfig(engine=EngineConfig(kv_tier_budget=0.5), disaggregation_mode="decode",
+                        scd_artifacts=tiny.arts["a"])
+
+
+def test_manifest_id_names_the_calibration_run(tiny):
+    ids = {k: manifest_id(v) for k, v in tiny.arts.items()}
+    assert len(set(ids.values())) == 3  # other encoders (seed) or other ranks: another run
+    with pytest.raises(ScdSetupError, match="manifest.json"):
+        manifest_id(tiny.dir)
+
+
+def test_a_server_finds_which_consumer_it_is(tiny):
+    runner = fake_runner(tiny.arch)
+    _, name, mid = load_consumer(tiny.arts["a"], runner, None)
+    assert name == "c0" and mid == manifest_id(tiny.arts["a"])  # random artifacts: any weights pass
+    assert load_consumer(tiny.arts["a"], runner, "c1")[1] == "c1"
+    with pytest.raises(ScdSetupError, match="names consumers"):
+        load_consumer(tiny.arts["a"], runner, "c7")
+    other = ModelArchConfig.from_hf_dict({**PRESETS["tiny"], "num_hidden_layers": 3})
+    with pytest.raises(ScdSetupError, match="architecture"):
+        load_consumer(tiny.arts["a"], fake_runner(other), None)
+    with pytest.raises(ScdSetupError, match="architecture"):
+        load_producer(tiny.arts["a"], fake_runner(other))
+    arts, mid = load_producer(tiny.arts["a"], runner)
+    assert "producer/k_enc.0" in arts.tensors and not any(k.startswith("c0/") for k in arts.tensors)
+
+
+def test_producer_refuses_claims_it_cannot_serve(tiny):
+    from sgl_kvxfer.disagg.scd_prefill import ScdPrefillRole
+
+    role = object.__new__(ScdPrefillRole)  # only the claim check: no engine, no model
+    role.manifest_id = manifest_id(tiny.arts["a"])
+    role.manifest = load_producer(tiny.arts["a"], fake_runner(tiny.arch))[0].manifest
+    layout = KVLayoutInfo("float32", 2, 2, 32, 32)
+
+    def claim(scd):
+        return KVClaim(5, "tcp://d:1", "tcp://d:1", "d:2", 0, 4096, 10, layout, scd=scd)
+
+    assert role._claim_error(claim(ScdClaimInfo(role.manifest_id, "c1"))) is None
+    assert "--scd-artifacts" in role._claim_error(claim(None))
+    assert "artifacts differ" in role._claim_error(claim(ScdClaimInfo(manifest_id(tiny.arts["b"]), "c1")))
+    assert "unknown SCD consumer" in role._claim_error(claim(ScdClaimInfo(role.manifest_id, "c9")))
+
+
+def test_scd_messages_round_trip():
+    layout = KVLayoutInfo("bfloat16", 30, 3, 64, 64)
+    claim = KVClaim(7, "tcp://d:1", "tcp://d:1", "d:2", 1 << 40, 4096, 100, layout, scd=ScdClaimInfo("ab" * 32, "code"))
+    seg = KVSegment(7, 0, 0, 64, None, (0, 0, 0), 0, 123, 4 << 20, [1, 2], codes=True)
+    assert decode(encode(claim), "kv_prefill") == claim
+    assert decode(encode(seg), "kv_decode") == seg
+
+
+def test_decode_servers_refuse_a_prefill_of_the_other_kind_at_bootstrap(tiny):
+    """The /route check before a claim: a plain decode meeting an SCD producer, and an SCD
+    consumer meeting a plain producer or other artifacts, fail the request (400, no fallback)."""
+    from sgl_kvxfer.disagg.decode import DecodeRole
+    from sgl_kvxfer.disagg.scd_decode import ScdDecodeRole
+    from sgl_kvxfer.message.disagg import BootstrapInfo
+
+    room = types.SimpleNamespace(req=types.SimpleNamespace(bootstrap=BootstrapInfo("10.0.0.5", 8998, 3)))
+    layout = KVLayoutInfo("float32", 2, 2, 32, 32)
+    plain_info = {"kv_layout_info": {"dtype": "float32", "num_layers": 2, "num_kv_heads": 2, "head_dim": 32,
+                                     "group_size": 32}}
+    mid = manifest_id(tiny.arts["a"])
+    scd_info = {**plain_info, "scd": {"manifest_id": mid, "consumers": ["c0", "c1"]}}
+
+    def role(cls, **attrs):
+        r = object.__new__(cls)
+        r.rejected = []
+        r._reject = lambda room, reason: r.rejected.append(reason)
+        r._end = lambda room, reason, **kw: r.rejected.append("fallback: " + reason)
+        r.layout, r.settings = layout, types.SimpleNamespace(bootstrap_port=8998)
+        r.__dict__.update(attrs)
+        return r
+
+    plain = role(DecodeRole)
+    assert plain._check_route(room, plain_info) and not plain.rejected
+    assert not plain._check_route(room, scd_info) and "no --scd-artifacts" in plain.rejected[0]
+    consumer = role(ScdDecodeRole, manifest_id=mid, consumer="c1")
+    assert consumer._check_route(room, scd_info) and not consumer.rejected
+    assert not consumer._check_route(room, plain_info) and "ships KV, not SCD codes" in consumer.rejected[-1]
+    other = {**plain_info, "scd": {"manifest_id": manifest_id(tiny.arts["b"]), "consumers": ["c0", "c1"]}}
+    assert not consumer._check_route(room, other) and "SCD artifacts differ" in consumer.rejected[-1]
+    assert not role(ScdDecodeRole, manifest_id=mid, consumer="c9")._check_route(room, scd_info)
