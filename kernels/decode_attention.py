@@ -301,6 +301,19 @@ def _merge_splits_kernel(
              out.to(o_ptr.dtype.element_ty))
 
 
+def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Stage 2 of every split-K decode here: out [B, Hq, D] = the LSE-weighted sum of the S
+    partials o_part [B, Hq, S, D] (fp32, normalized per split) with lse_part [B, Hq, S] (log2)."""
+    B, Hq, S, D = o_part.shape
+    _merge_splits_kernel[(B * Hq,)](
+        o_part, lse_part, out, S,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+        NUM_HEADS=Hq, HEAD_DIM=D, BLOCK_S=min(16, next_pow2(S)), num_warps=4,
+    )
+    return out
+
+
 def _tier_page_weight(tier: int, head_dim: int, group_size: int, elem_bytes: int) -> float:
     return tc.payload_bytes(tier, head_dim, group_size, elem_bytes) / (head_dim * elem_bytes)
 
@@ -407,12 +420,7 @@ def decode_attention_tiered(
     )
     if direct:
         return out
-    _merge_splits_kernel[(B * Hq,)](
-        o_part, lse_part, out, S,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        NUM_HEADS=Hq, HEAD_DIM=D, BLOCK_S=min(16, next_pow2(S)), num_warps=4,
-    )
+    merge_splits(o_part, lse_part, out)
     return out
 
 

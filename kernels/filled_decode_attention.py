@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ._tiles import _dequant_tile, _load_rows_raw, _u8_to_f16, is_interpret, next_pow2, num_sms
-from .decode_attention import LOG2E, NEG_BIG, _merge_splits_kernel, _softmax_step, decode_attention_tiered_reference
+from .decode_attention import LOG2E, NEG_BIG, merge_splits, _softmax_step, decode_attention_tiered_reference
 from .extend_attention import _prefix_slots
 from .paged_layout import TieredBlockTables, TieredKVLayer
 
@@ -467,12 +467,7 @@ def decode_attention_filled(
     )
     if direct:
         return out
-    _merge_splits_kernel[(B * Hq,)](
-        o_part, lse_part, out, S,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        NUM_HEADS=Hq, HEAD_DIM=D, BLOCK_S=min(16, next_pow2(S)), num_warps=4,
-    )
+    merge_splits(o_part, lse_part, out)
     return out
 
 

@@ -18,7 +18,7 @@ follow `fusedkv_math.fuse_kv`: fp32 products and sum, one rounding to the model 
 usual dot. block_table int32 [B, W]: page ids of request b's slots 0..PAGE-1, PAGE..2*PAGE-1, ...
 
 Decode, grid (B * Hkv, S): as kernels/decode_attention.py (split-K, all KV_GROUP query heads of
-a kv-head per program, LSE merge by its `_merge_splits_kernel`; S == 1 writes o directly).
+a kv-head per program, LSE merge by its `merge_splits`; S == 1 writes o directly).
 Also the prefill-skip path: when a reconstruction layer runs only the LAST token of each
 prompt, that is one query per request over seq_lens keys already in the pool, i.e. decode.
 
@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ._tiles import is_interpret, next_pow2, num_sms
-from .decode_attention import LOG2E, NEG_BIG, SPLIT_WAVES, _merge_splits_kernel, _softmax_step, _split_pages
+from .decode_attention import LOG2E, NEG_BIG, SPLIT_WAVES, merge_splits, _softmax_step, _split_pages
 
 # Elements of one K (or V) source tile per loop step: FusedKV holds four tiles (two sources of K
 # and V) where plain attention holds two, so half of decode_attention.FP16_STEP_ELEMS.
@@ -315,12 +315,7 @@ def fusedkv_decode_attention(
         DOT_F32=is_interpret() and q.dtype == torch.bfloat16, num_warps=4, num_stages=2,
     )
     if not direct:
-        _merge_splits_kernel[(B * Hq,)](
-            o_part, lse_part, out, S,
-            o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-            NUM_HEADS=Hq, HEAD_DIM=D, BLOCK_S=min(16, next_pow2(S)), num_warps=4,
-        )
+        merge_splits(o_part, lse_part, out)
     return out
 
 

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ._tiles import _dequant_tile, _load_rows_raw, is_interpret, next_pow2, num_sms
 from .decode_attention import (
-    LOG2E, NEG_BIG, SPLIT_WAVES, _merge_splits_kernel, _softmax_step, decode_attention_tiered_reference,
+    LOG2E, NEG_BIG, SPLIT_WAVES, merge_splits, _softmax_step, decode_attention_tiered_reference,
 )
 from .paged_layout import TieredBlockTables, TieredKVLayer
 
@@ -290,12 +290,7 @@ def decode_attention_gather(
         HEAD_DIM=D, GROUP_SIZE=G, BLOCK_N=block_n, PREFETCH=prefetch,
         FAST_DEQUANT=fast_dequant, DOT_F32=dot_f32,
     )
-    _merge_splits_kernel[(B * Hq,)](
-        o_part, lse_part, out, S,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        NUM_HEADS=Hq, HEAD_DIM=D, BLOCK_S=min(16, next_pow2(S)), num_warps=4,
-    )
+    merge_splits(o_part, lse_part, out)
     return out
 
 
