@@ -78,7 +78,9 @@ def load():
     name = f"sgl_kvxfer_cpu_ops_{_build_tag()}"
     start = time.perf_counter()
     try:
-        cached = os.path.exists(os.path.join(_get_build_directory(name, verbose=False), name + ".so"))
+        build_dir = _get_build_directory(name, verbose=False)
+        _clear_stale_build_lock(build_dir)
+        cached = os.path.exists(os.path.join(build_dir, name + ".so"))
         if not cached:
             logger.info("building the native CPU kernels for %s (once per machine, about a minute)...",
                         cpu_isa.level())
@@ -91,6 +93,28 @@ def load():
     if not cached:
         logger.info("native CPU kernels built: done in %.0f s", time.perf_counter() - start)
     return _module
+
+
+_STALE_LOCK_S = 600  # a build takes about a minute on 2 cores; a lock 10x older has no owner
+
+
+def _clear_stale_build_lock(build_dir: str) -> None:
+    """Hazard: torch's build lock (`<build_dir>/lock`) is a plain file that a killed build leaves
+    behind, and every later `load` then waits on it forever. A lock older than any real build is
+    removed with a warning."""
+    import time
+
+    lock = os.path.join(build_dir, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    if age > _STALE_LOCK_S:
+        logger.warning("removing a stale build lock %s (%.0f s old, left by a killed build)", lock, age)
+        try:
+            os.remove(lock)
+        except OSError:
+            pass
 
 
 def available() -> bool:

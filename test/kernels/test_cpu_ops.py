@@ -197,3 +197,18 @@ def test_greedy_sample_takes_the_first_of_tied_maxima():
     logits[2, :] = -1.0
     greedy = SamplingParams.from_dict({"temperature": 0})
     assert sample(logits, [greedy] * 3, [None] * 3) == [7, 999, 0]
+
+
+def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    """A killed build leaves torch's lock file behind; later loads must not wait on it forever."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    cpu_ops._clear_stale_build_lock(str(tmp_path))
+    assert lock.exists(), "a lock held by a build in progress must stay"
+    old = time.time() - 2 * cpu_ops._STALE_LOCK_S
+    os.utime(lock, (old, old))
+    cpu_ops._clear_stale_build_lock(str(tmp_path))
+    assert not lock.exists()
