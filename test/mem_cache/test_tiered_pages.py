@@ -107,7 +107,8 @@ def test_repack_moves_a_kept_suffix_to_fresh_pages_bit_exact():
 # ------------------------------------------------------------- prefix-fill under the radix cache
 def _req(tokens):
     return SimpleNamespace(fill_ids=list(tokens), req_pool_idx=None, prefix_len=0, kv_len=0, last_node=None,
-                           num_retractions=0, cached_tokens=0, prefix_match_limit=lambda: len(tokens) - 1)
+                           num_retractions=0, cached_tokens=0, share_prefix=True,
+                           prefix_match_limit=lambda: len(tokens) - 1)
 
 
 def _tag(tokens, p):
