@@ -254,33 +254,39 @@ def test_pools_are_empty_after_the_module(cluster):
 
 
 # ---------------------------------------------------------------- SpectrumKV-tiered payload
-@pytest.mark.parametrize("stream", ["end", "int8"])
-def test_tiered_pd_matches_the_tiered_single_server(stream):
-    """b=0.5 on both sides: the payload is the prefill's stored tier codes, the decode holds
-    them bit for bit, so greedy outputs equal a tiered single server's. With the int8 stream,
-    32-token chunks go out at int8 as they finish and a replacing segment at the end sends
-    every token whose final tier is not int8: the decode ends up with the same codes."""
-    tier = ["--kv-tier-budget", "0.5", "--kv-int4", "on"]
-    chunk = ["--chunked-prefill-size", "32"] if stream == "int8" else []  # same chunks: same importance
-    prefill_extra = ["--kv-transfer-stream", stream, *chunk]
-    bp = free_port()
-    p, d, s = start_all([(pd_args("prefill", bp, *tier, *prefill_extra), None, "pd_prefill_b05"),
-                         (pd_args("decode", None, *tier), None, "pd_decode_b05"), (COMMON + tier + chunk, None, "single_b05")])
+def test_tiered_pd_matches_the_tiered_single_server():
+    """b=0.5 on every server: the payload is the prefill's stored tier codes, the decode holds
+    them bit for bit, so greedy outputs equal a tiered single server's, for both transfer
+    streams. `end` sends each token's final tier once the prefill ends; `int8` sends 32-token
+    chunks at int8 as they finish, then a replacing segment with every token whose final tier is
+    not int8, so the decode ends up with the same codes. All servers prefill in the same 32-token
+    chunks (same chunks: same importance). One decode server serves both prefills: the `end`
+    one through the router, the `int8` one with the router's two posts sent directly."""
+    tier = ["--kv-tier-budget", "0.5", "--kv-int4", "on", "--chunked-prefill-size", "32"]
+    bp_end, bp_int8 = free_port(), free_port()
+    p_end, p_int8, d, s = start_all([
+        (pd_args("prefill", bp_end, *tier, "--kv-transfer-stream", "end"), None, "pd_prefill_b05_end"),
+        (pd_args("prefill", bp_int8, *tier, "--kv-transfer-stream", "int8"), None, "pd_prefill_b05_int8"),
+        (pd_args("decode", None, *tier), None, "pd_decode_b05"), (COMMON + tier, None, "single_b05")])
     router = None
     try:
-        router = start_router([(p.url, bp)], [d.url])
+        router = start_router([(p_end.url, bp_end)], [d.url])
+        int8_pair = {"P": p_int8, "D": d, "bp": bp_int8}
         full = 2 * 30 * 3 * 64 * 4
-        for prompt in PROMPTS[:2]:
-            ours, ref = post(router.url, greedy(prompt, max_new=16)), post(s.url, greedy(prompt, max_new=16))
-            assert ours["output_ids"] == ref["output_ids"], prompt
-            ratio = ours["meta_info"]["kv_transfer"]["bytes_per_token"] / full
-            # the budget's tiers on the wire (scales included), not fp32; the int8 stream also
-            # sends the int8 copies that the end segment replaces
-            assert 0.2 < ratio <= (0.5 if stream == "end" else 1.0), ratio
+        for room, prompt in enumerate(PROMPTS[:2], start=7000):
+            ref = post(s.url, greedy(prompt, max_new=16))
+            _, reply = pd_direct(int8_pair, greedy(prompt, max_new=16), room)  # the router's two posts
+            assert reply.status_code == 200, reply.text
+            for stream, ours in (("end", post(router.url, greedy(prompt, max_new=16))), ("int8", reply.json())):
+                assert ours["output_ids"] == ref["output_ids"], (stream, prompt)
+                ratio = ours["meta_info"]["kv_transfer"]["bytes_per_token"] / full
+                # the budget's tiers on the wire (scales included), not fp32; the int8 stream
+                # also sends the int8 copies that the end segment replaces
+                assert 0.2 < ratio <= (0.5 if stream == "end" else 1.0), (stream, ratio)
         info = server_info(d)["internal_states"][0]
         assert info["kv_bytes_per_token"] < 0.6 * full  # the decode pool holds them tiered
     finally:
-        stop_all(router, p, d, s)
+        stop_all(router, p_end, p_int8, d, s)
 
 
 # ---------------------------------------------------------------- several workers, one killed
