@@ -54,6 +54,8 @@ setup(
             "datasets", "sentencepiece", "compressed-tensors", "apache-tvm-ffi",
             # the real PD router (sglang-compat section 4)
             "sglang-router==0.3.2",
+            # SCD specialists: LoRA training and the merge check (scripts/scd, test/scd)
+            "peft",
         ],
     },
     entry_points={"console_scripts": ["sgl-kvxfer-server=sgl_kvxfer.launch_server:main"]},
