@@ -98,23 +98,27 @@ def load():
 _STALE_LOCK_S = 600  # a build takes about a minute on 2 cores; a lock 10x older has no owner
 
 
-def _clear_stale_build_lock(build_dir: str) -> None:
+def _clear_stale_build_lock(build_dir: str, poll_s: float = 1.0) -> None:
     """Hazard: torch's build lock (`<build_dir>/lock`) is a plain file that a killed build leaves
-    behind, and every later `load` then waits on it forever. A lock older than any real build is
-    removed with a warning."""
+    behind, and torch then waits on it forever. Wait here instead while the lock is younger than
+    any real build (another process is building: it removes the lock when done); once it is
+    older than that, it has no owner and is removed with a warning."""
     import time
 
     lock = os.path.join(build_dir, "lock")
-    try:
-        age = time.time() - os.path.getmtime(lock)
-    except OSError:
-        return
-    if age > _STALE_LOCK_S:
-        logger.warning("removing a stale build lock %s (%.0f s old, left by a killed build)", lock, age)
+    while True:
         try:
-            os.remove(lock)
+            age = time.time() - os.path.getmtime(lock)
         except OSError:
-            pass
+            return  # no lock
+        if age > _STALE_LOCK_S:
+            logger.warning("removing a stale build lock %s (%.0f s old, left by a killed build)", lock, age)
+            try:
+                os.remove(lock)
+            except OSError:
+                pass
+            return
+        time.sleep(poll_s)
 
 
 def available() -> bool:

@@ -199,15 +199,20 @@ def test_greedy_sample_takes_the_first_of_tied_maxima():
     assert sample(logits, [greedy] * 3, [None] * 3) == [7, 999, 0]
 
 
-def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
-    """A killed build leaves torch's lock file behind; later loads must not wait on it forever."""
+def test_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path):
+    """A killed build leaves torch's lock file behind; later loads must not wait on it forever,
+    and must still wait for a build in progress (its lock is young and goes away)."""
     import os
+    import threading
     import time
 
     lock = tmp_path / "lock"
     lock.write_text("")
-    cpu_ops._clear_stale_build_lock(str(tmp_path))
-    assert lock.exists(), "a lock held by a build in progress must stay"
+    threading.Timer(0.3, lock.unlink).start()  # the other build finishes
+    start = time.perf_counter()
+    cpu_ops._clear_stale_build_lock(str(tmp_path), poll_s=0.05)
+    assert time.perf_counter() - start >= 0.25, "a young lock belongs to a build in progress"
+    lock.write_text("")
     old = time.time() - 2 * cpu_ops._STALE_LOCK_S
     os.utime(lock, (old, old))
     cpu_ops._clear_stale_build_lock(str(tmp_path))
