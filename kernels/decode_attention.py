@@ -78,6 +78,26 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 @triton.jit
+def _store_split_result(acc, m_i, l_i, o_part_ptr, lse_part_ptr, b, split, q_heads, offs_d, gmask,
+                        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, DIRECT: tl.constexpr):
+    """Epilogue of every split-K decode kernel: normalize one split's (acc, m, l) for the rows
+    `q_heads` of request b. DIRECT (one split): the output itself, in its dtype. Otherwise the
+    float32 partial and its log2-sum-exp for merge_splits; an empty split (a request without
+    tokens there, or a padding row) stores 0 with lse = NEG_BIG, which the merge weighs as 0."""
+    nonempty = l_i > 0
+    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    if DIRECT:
+        obase = b * stride_ob + q_heads * stride_oh
+        tl.store(o_part_ptr + obase[:, None] + offs_d[None, :], o.to(o_part_ptr.dtype.element_ty),
+                 mask=gmask[:, None])
+    else:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), NEG_BIG)
+        obase = b * stride_ob + q_heads * stride_oh + split * stride_os
+        tl.store(o_part_ptr + obase[:, None] + offs_d[None, :], o, mask=gmask[:, None])
+        tl.store(lse_part_ptr + b * stride_lb + q_heads * stride_lh + split, lse, mask=gmask)
+
+
+@triton.jit
 def _softmax_step(acc, m_i, l_i, q, k, v, tmask, qk_scale):
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, PAGE]
     s = tl.where(tmask[None, :], s, float("-inf"))
@@ -250,17 +270,8 @@ def _decode_tiered_kernel(
             stride_p4, stride_h4, stride_sp4, stride_sh4, kv_head, qk_scale,
             2, PAGE, HEAD_DIM, GROUP_SIZE, PREFETCH, FAST_DEQUANT)
 
-    nonempty = l_i > 0
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]  # a request without tokens gets 0
-    if DIRECT:
-        obase = b * stride_ob + q_heads * stride_oh
-        tl.store(o_part_ptr + obase[:, None] + offs_d[None, :], o.to(o_part_ptr.dtype.element_ty),
-                 mask=gmask[:, None])
-    else:
-        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), NEG_BIG)
-        obase = b * stride_ob + q_heads * stride_oh + split * stride_os
-        tl.store(o_part_ptr + obase[:, None] + offs_d[None, :], o, mask=gmask[:, None])
-        tl.store(lse_part_ptr + b * stride_lb + q_heads * stride_lh + split, lse, mask=gmask)
+    _store_split_result(acc, m_i, l_i, o_part_ptr, lse_part_ptr, b, split, q_heads, offs_d, gmask,
+                        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, DIRECT)
 
 
 @triton.jit

@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 
 from ._tiles import _dequant_tile, _load_rows_raw, _u8_to_f16, is_interpret, next_pow2, num_sms
-from .decode_attention import LOG2E, NEG_BIG, merge_splits, _softmax_step, decode_attention_tiered_reference
+from .decode_attention import (LOG2E, NEG_BIG, merge_splits, _softmax_step, _store_split_result,
+                               decode_attention_tiered_reference)
 from .extend_attention import _prefix_slots
 from .paged_layout import TieredBlockTables, TieredKVLayer
 
@@ -382,18 +383,9 @@ def _decode_filled_kernel(
         npg16, lo16, hi16, k16_ptr, v16_ptr, stride_p16, stride_h16, kv_head, qk_scale,
         PAGE16, TILE16, HEAD_DIM, FILLED, DOT_F32, STAGES)
 
-    nonempty = l_i > 0
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]  # no token (padding row, empty split): 0
     q_heads = kv_head * KV_GROUP + offs_g
-    if DIRECT:
-        obase = b * stride_ob + q_heads * stride_oh
-        tl.store(o_part_ptr + obase[:, None] + offs_d[None, :], o.to(o_part_ptr.dtype.element_ty),
-                 mask=gmask[:, None])
-    else:
-        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), NEG_BIG)
-        obase = b * stride_ob + q_heads * stride_oh + split * stride_os
-        tl.store(o_part_ptr + obase[:, None] + offs_d[None, :], o, mask=gmask[:, None])
-        tl.store(lse_part_ptr + b * stride_lb + q_heads * stride_lh + split, lse, mask=gmask)
+    _store_split_result(acc, m_i, l_i, o_part_ptr, lse_part_ptr, b, split, q_heads, offs_d, gmask,
+                        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, DIRECT)
 
 
 def decode_attention_filled(

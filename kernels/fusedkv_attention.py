@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from ._tiles import is_interpret, next_pow2, num_sms
-from .decode_attention import LOG2E, NEG_BIG, SPLIT_WAVES, merge_splits, _softmax_step, _split_pages
+from .decode_attention import (LOG2E, NEG_BIG, SPLIT_WAVES, merge_splits, _softmax_step, _split_pages,
+                               _store_split_result)
 
 # Elements of one K (or V) source tile per loop step: FusedKV holds four tiles (two sources of K
 # and V) where plain attention holds two, so half of decode_attention.FP16_STEP_ELEMS.
@@ -153,17 +154,8 @@ def _fusedkv_decode_kernel(
                                 q.dtype, SOURCES)
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, tmask, qk_scale)
 
-    nonempty = l_i > 0
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]  # a request without tokens gets 0
-    if DIRECT:
-        obase = b * stride_ob + q_heads * stride_oh
-        tl.store(o_part_ptr + obase[:, None] + offs_d[None, :], o.to(o_part_ptr.dtype.element_ty),
-                 mask=gmask[:, None])
-    else:
-        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), NEG_BIG)
-        obase = b * stride_ob + q_heads * stride_oh + split * stride_os
-        tl.store(o_part_ptr + obase[:, None] + offs_d[None, :], o, mask=gmask[:, None])
-        tl.store(lse_part_ptr + b * stride_lb + q_heads * stride_lh + split, lse, mask=gmask)
+    _store_split_result(acc, m_i, l_i, o_part_ptr, lse_part_ptr, b, split, q_heads, offs_d, gmask,
+                        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, DIRECT)
 
 
 @triton.autotune(configs=_EXTEND_CONFIGS, key=["HEAD_DIM", "PAGE", "BLOCK_G", "SOURCES", "DOT_F32"],

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ._tiles import _dequant_tile, _load_rows_raw, is_interpret, next_pow2, num_sms
 from .decode_attention import (
-    LOG2E, NEG_BIG, SPLIT_WAVES, merge_splits, _softmax_step, decode_attention_tiered_reference,
+    LOG2E, NEG_BIG, SPLIT_WAVES, merge_splits, _softmax_step, _store_split_result, decode_attention_tiered_reference,
 )
 from .paged_layout import TieredBlockTables, TieredKVLayer
 
@@ -196,12 +196,8 @@ def _decode_gather_kernel(
         stride_r4, stride_h4, stride_sr4, stride_sh4, kv_head, qk_scale,
         2, BLOCK_N, HEAD_DIM, GROUP_SIZE, PREFETCH, FAST_DEQUANT, DOT_F32)
 
-    nonempty = l_i > 0
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), NEG_BIG)
-    obase = b * stride_ob + q_heads * stride_oh + split * stride_os
-    tl.store(o_part_ptr + obase[:, None] + offs_d[None, :], o, mask=gmask[:, None])
-    tl.store(lse_part_ptr + b * stride_lb + q_heads * stride_lh + split, lse, mask=gmask)
+    _store_split_result(acc, m_i, l_i, o_part_ptr, lse_part_ptr, b, split, q_heads, offs_d, gmask,
+                        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, False)
 
 
 def default_block_n() -> int:
