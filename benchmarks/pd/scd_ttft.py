@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common.report import device_name, git_commit, write_json  # noqa: E402
-from ttft_vs_bandwidth import prompt_ids  # noqa: E402
+from ttft_vs_bandwidth import prompt_ids, stream_ttft  # noqa: E402
 
 from sgl_kvxfer.testing.servers import free_port, start_router, start_server, stop_all  # noqa: E402
 
@@ -73,26 +73,6 @@ _ROOMS = itertools.count(1 << 40)
 def gen_body(ids: list[int], **extra) -> dict:
     return {"input_ids": ids, "stream": True, **extra,
             "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
-
-
-def stream_ttft(url: str, body: dict) -> tuple[float, dict]:
-    """Seconds to the first streamed chunk, and the last chunk's meta_info."""
-    start = time.perf_counter()
-    first, meta = None, {}
-    with requests.post(url + "/generate", json=body, stream=True, timeout=1800) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}: {r.status_code} {r.text[:500]}")
-        for line in r.iter_lines():
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            first = first or time.perf_counter() - start
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise RuntimeError(f"request failed: {chunk['error']}")
-            meta = chunk.get("meta_info", meta)
-    if first is None:
-        raise RuntimeError("no streamed chunk came back")
-    return first, meta
 
 
 def prefilled(p_url: str) -> bool:

@@ -56,14 +56,14 @@ def prompt_ids(length: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab - 100) for _ in range(length)]
 
 
-def ttft(url: str, ids: list[int]) -> tuple[float, dict]:
-    """Seconds to the first streamed chunk, and the last chunk's meta_info."""
-    body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0,
-                                                                 "ignore_eos": True}}
+def stream_ttft(url: str, body: dict) -> tuple[float, dict]:
+    """Seconds from posting a streamed /generate `body` to its first chunk, and the last chunk's
+    meta_info."""
     start = time.perf_counter()
     first, meta = None, {}
     with requests.post(url + "/generate", json=body, stream=True, timeout=1800) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: {r.status_code} {r.text[:500]}")
         for line in r.iter_lines():
             if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                 continue
@@ -75,6 +75,12 @@ def ttft(url: str, ids: list[int]) -> tuple[float, dict]:
     if first is None:
         raise RuntimeError("no streamed chunk came back")
     return first, meta
+
+
+def ttft(url: str, ids: list[int]) -> tuple[float, dict]:
+    """TTFT of one greedy request for the token ids `ids`."""
+    return stream_ttft(url, {"input_ids": ids, "stream": True, "sampling_params": {
+        "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
 
 
 def warm_up(url: str, prompts: list[int], vocab: int) -> None:

@@ -191,8 +191,12 @@ class PrefillRole:
             self._on_result(res)
         now = time.monotonic()
         for room in list(self.rooms.values()):
-            self._pump(room)
-            self._check_deadline(room, now)
+            self._service_room(room, now)
+
+    def _service_room(self, room, now: float) -> None:
+        """One poll's work on a room: send what is ready, fail it past its deadline."""
+        self._pump(room)
+        self._check_deadline(room, now)
 
     def server_info(self) -> dict:
         extra = {} if self.fake else {"send_buffer_used_bytes": self.send_alloc.used_bytes(),

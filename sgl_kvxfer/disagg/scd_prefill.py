@@ -177,16 +177,14 @@ class ScdPrefillRole(PrefillRole):
                                                   for c in r.consumers.values()) for r in self.rooms.values())
 
     def poll(self) -> None:
-        for msg in self.inbox.get_all_nowait():
-            self._on_message(msg)
-        for res in self.sender.drain():
-            self._on_result(res)
+        super().poll()
         now = time.monotonic()
-        for room in list(self.rooms.values()):
-            self._pump(room, now)
-            self._check_room(room, now)
         for rid in [r for r, (_, until) in self.closed.items() if until <= now]:
             del self.closed[rid]
+
+    def _service_room(self, room, now: float) -> None:
+        self._pump(room, now)
+        self._check_room(room, now)
 
     def server_info(self) -> dict:
         return self.stats.to_dict(

@@ -18,7 +18,7 @@ import time
 import pytest
 import requests
 
-from servers import ROOT, free_port, start_router, start_server, stop_all
+from servers import ROOT, free_port, start_all, start_router, start_server, stop_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     __import__("importlib").util.find_spec("sglang_router") is None, reason="sglang-router is not installed")]
@@ -44,18 +44,6 @@ def pd_args(mode: str, bootstrap_port: int | None = None, *extra) -> list[str]:
     if bootstrap_port is not None:
         args += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
     return args
-
-
-def start_all(specs: list[tuple]) -> list:
-    """Start servers concurrently: [(args, env, name)] -> handles in order."""
-    with cf.ThreadPoolExecutor(len(specs)) as pool:
-        futures = [pool.submit(start_server, args, env=env, name=name) for args, env, name in specs]
-        cf.wait(futures)
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:
-        stop_all(*(f.result() for f in futures if f.exception() is None))
-        raise failed[0]
-    return [f.result() for f in futures]
 
 
 @pytest.fixture(scope="module")

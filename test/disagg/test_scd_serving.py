@@ -21,7 +21,7 @@ import pytest
 import requests
 import torch
 
-from servers import ROOT, free_port, start_router, start_server, stop_all
+from servers import ROOT, free_port, start_all, start_router, stop_all
 
 sys.path.insert(0, os.path.join(ROOT, "test", "scd"))
 from scd_tiny import TINY, perturbed, tiny_state, write_model  # noqa: E402
@@ -58,17 +58,6 @@ def pair(tmp_path_factory):
         out[run] = str(root / run)
         type(arts)(manifest, arts.tensors).save(out[run])
     return {**dirs, **out}
-
-
-def start_all(specs):
-    with cf.ThreadPoolExecutor(len(specs)) as pool:
-        futures = [pool.submit(start_server, args, env=env, name=name) for args, env, name in specs]
-        cf.wait(futures)
-    failed = [f.exception() for f in futures if f.exception() is not None]
-    if failed:
-        stop_all(*(f.result() for f in futures if f.exception() is None))
-        raise failed[0]
-    return [f.result() for f in futures]
 
 
 @pytest.fixture(scope="module")
