@@ -1,6 +1,6 @@
 """Build a converted FusedKV model dir from a base Llama checkpoint + the retrofit's small file.
 
-    python benchmarks/fusedkv/build_model.py --weights benchmarks/results/fusedkv_retrofit_weights_full_cuda.safetensors \
+    python benchmarks/fusedkv/build_model.py --weights PATH/fusedkv_retrofit_weights_full_cuda.safetensors \
         --out ~/.cache/sgl_kvxfer/models/smollm2-135m-fusedkv [--base DIR] [--check-ppl]
 
 The retrofit (retrofit.py, on the GPU) returns one safetensors file (< 16 MiB) instead of the
