@@ -187,12 +187,10 @@ class ScdPrefillRole(PrefillRole):
         self._check_room(room, now)
 
     def server_info(self) -> dict:
-        return self.stats.to_dict(
-            rooms_open=len(self.rooms), rooms_prefilled=sum(r.prompt_done for r in self.rooms.values()),
-            send_buffer_used_bytes=self.send_alloc.used_bytes(), endpoint=self.inbox.endpoint,
-            scd={"manifest_id": self.manifest_id, "fanout": self.fanout,
-                 "bytes_per_token": self.code_layout.bytes_per_token, "encoded": dict(self.encoded),
-                 "rooms_closed": dict(self.rooms_closed)})
+        return {**super().server_info(),
+                "scd": {"manifest_id": self.manifest_id, "fanout": self.fanout,
+                        "bytes_per_token": self.code_layout.bytes_per_token, "encoded": dict(self.encoded),
+                        "rooms_closed": dict(self.rooms_closed)}}
 
     # ------------------------------------------------------------------ encoding
     def _room_of(self, req):
