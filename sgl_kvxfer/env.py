@@ -43,6 +43,11 @@ CPU_KERNELS = EnvVar(
     "0: on CPU bf16 keep the torch path instead of the native C++ kernels (kernels/cpu_ops.py: "
     "RMSNorm / RoPE / SwiGLU, in-place decode attention, prepacked oneDNN linears)")
 
+KERNEL_CACHE = EnvVar(
+    "SGL_KVXFER_KERNEL_CACHE", None,
+    "root folder of the native CPU kernel builds, one per install and CPU (kernels/cpu_ops.py; "
+    "default ~/.cache/sgl_kvxfer/cpu_kernels)")
+
 CPU_ISA = EnvVar(
     "SGL_KVXFER_CPU_ISA", "auto",
     "cap on the CPU instruction set the native CPU paths use: auto (what the CPU has), baseline, "
@@ -69,5 +74,5 @@ SCD_DATA = EnvVar(
     "folder of the SCD corpora ({code,prose}_{train,calib,eval}.jsonl[.gz]); default ../shared/data, "
     "else the repo's .cache/scd_data (sgl_kvxfer/scd/data.py)")
 
-ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, CPU_ISA,
+ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, KERNEL_CACHE, CPU_ISA,
        DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, SCD_DATA)

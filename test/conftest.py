@@ -60,3 +60,14 @@ def smollm2_path() -> str:
     from sgl_kvxfer.models.loader import resolve_model_path
 
     return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def native_cpu_ops():
+    """The native CPU kernels, built (or loaded) when the first test that needs them runs, never
+    at collection; a machine where they cannot build skips those tests with the reason."""
+    from sgl_kvxfer.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip(cpu_ops.load_error())
+    return cpu_ops
