@@ -31,6 +31,8 @@ CLI_HELP = {
                            "0 (default) = head_dim, one pair per token and kv head",
     "kv_tier_page_size": "SpectrumKV: tokens per page of the int8/int4 stores (power of two >= 16, "
                          "default 64); the fp16 store stays slot-granular",
+    "served_model_name": "the model name /v1/models and /get_model_info report (default: --model-path as "
+                         "given, or smollm2-135m for the embedded default)",
     "merge_lora": "a peft LoRA adapter dir merged into the model weights at load (base + adapter)",
 }
 
@@ -312,6 +314,19 @@ class ServerArgs:
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        name = self.served_model_name
+        if name is not None and not (0 < len(name) <= 256 and name.isprintable() and name.strip() == name):
+            raise ValueError("served_model_name must be 1-256 printable characters without surrounding "
+                             f"spaces, got {name[:64]!r}")
+
+    @property
+    def resolved_served_model_name(self) -> str:
+        """The name /v1/models and the model info routes give (SGLang's --served-model-name):
+        the flag, else --model-path as given, else the embedded default's name (never the cache
+        folder a model was converted into)."""
+        from sgl_kvxfer.models.convert import EMBEDDED_NAMES
+
+        return self.served_model_name or self.engine.model_path or EMBEDDED_NAMES[0]
 
     @property
     def engine(self) -> EngineConfig:

@@ -117,7 +117,7 @@ def test_openai_client_chat_and_stream(live_server):
     comp = client.completions.create(model="m", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
     assert comp.object == "text_completion" and len(comp.choices[0].logprobs.tokens) == comp.usage.completion_tokens
     models = client.models.list()
-    assert models.data[0].id and models.data[0].owned_by == "sglang"
+    assert models.data[0].id == "smollm2-135m" and models.data[0].owned_by == "sglang"  # not a cache path
 
 
 def malformed_requests(url):

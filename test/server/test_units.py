@@ -115,6 +115,18 @@ def test_flags():
             parse_server_args(bad)
 
 
+def test_served_model_name():
+    """SGLang's --served-model-name; without it the name is --model-path as given, or the
+    embedded default's name, never the cache folder the model was converted into."""
+    assert parse_server_args([]).resolved_served_model_name == "smollm2-135m"
+    assert parse_server_args(["--model-path", "/m/llama"]).resolved_served_model_name == "/m/llama"
+    named = parse_server_args(["--model-path", "/m/llama", "--served-model-name", "my-model"])
+    assert named.resolved_served_model_name == "my-model"
+    for bad in ("", " x", "x" * 257, "a\nb", "\x00"):
+        with pytest.raises(SystemExit):
+            parse_server_args(["--served-model-name", bad])
+
+
 def _finished(ids, finish, no_stop_trim=False, skip_special=True, spaces=True):
     return ReqOutput(rid="r", new_output_ids=ids, finish_reason=finish, prompt_tokens=1, completion_tokens=len(ids),
                      cached_tokens=0, skip_special_tokens=skip_special, spaces_between_special_tokens=spaces,
