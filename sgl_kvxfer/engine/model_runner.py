@@ -15,7 +15,7 @@ from sgl_kvxfer import env
 from sgl_kvxfer.config import EngineConfig
 from sgl_kvxfer.engine.cuda_graph_runner import create_cuda_graph_runner
 from sgl_kvxfer.engine.forward_batch import ForwardBatch
-from sgl_kvxfer.engine.memory import kv_pool_tokens
+from sgl_kvxfer.engine.memory import kv_pool_tokens, plan_memory
 from sgl_kvxfer.engine.prefill_graph_runner import create_prefill_graph_runner
 from sgl_kvxfer.layers.attention import create_attention_backend
 from sgl_kvxfer.mem_cache import create_kv_pool, create_slot_allocator
@@ -40,6 +40,7 @@ class ModelRunner:
         # FusedKV (config.json's fusedkv section): only the bottom layers store KV
         self.stored_layers = self._stored_layers(self.hf_config)
         self.dtype = resolve_dtype(config.dtype, arch, self.device)
+        self._check_memory(arch, max_running_requests, max_prefill_tokens)
         self.model, self.arch = load_model(self.model_dir, config.load_format, self.dtype, self.device,
                                            config.random_seed, merge_lora=config.merge_lora)
         self.model.eval()
@@ -105,8 +106,21 @@ class ModelRunner:
             self.model.packed_lm_head = pack_weight(head)
         logger.info("CPU bf16: %d linears prepared", n)
 
-    def _bytes_per_token_estimate(self) -> float:
-        a = self.arch
+    def _check_memory(self, arch, max_running_requests: int | None, max_prefill_tokens: int) -> None:
+        """Before any weight loads: the configuration must fit what the device has left
+        (engine/memory.py), else start-up stops with the numbers."""
+        from sgl_kvxfer.utils import cpu_isa
+
+        prepared = 0  # CPU bf16 linears get a prepared copy (_prepare_cpu): bf16 packed or fp32
+        if self.device == "cpu" and self.dtype == torch.bfloat16 and env.CPU_KERNELS.get_bool():
+            prepared = 2 if cpu_isa.onednn_bf16_linear() else 4
+        plan = plan_memory(self.device, arch, torch.finfo(self.dtype).bits // 8,
+                           self._bytes_per_token_estimate(arch), self.config.mem_fraction_static,
+                           self.config.max_total_tokens, max_prefill_tokens, max_running_requests, prepared)
+        logger.info("memory: needs %s", plan.describe())
+
+    def _bytes_per_token_estimate(self, arch=None) -> float:
+        a = arch or self.arch
         layers = a.num_hidden_layers if self.stored_layers is None else self.stored_layers
         return 2.0 * layers * a.num_key_value_heads * a.head_dim * torch.finfo(self.dtype).bits / 8
 
