@@ -59,8 +59,13 @@ DECODE_LONGEST_FIRST = EnvVar(
     "the triton backend's decode attention serves a batch's requests longest first (one argsort "
     "per batch; kernels/README.md); 0: in batch order")
 
+# The data checkouts share (eval prose, SCD corpora): ../shared/data beside the repository, where
+# dev machines and CI keep it. Never a fixed machine path; each use also takes a variable or flag.
+SHARED_DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                               "shared", "data")
+
 PROBE_PROSE = EnvVar(
-    "SGL_KVXFER_PROBE_PROSE", "/work/shared/data/prose_eval.jsonl",
+    "SGL_KVXFER_PROBE_PROSE", os.path.join(SHARED_DATA_DIR, "prose_eval.jsonl"),
     "JSONL of {\"text\": ...} rows: filler prose for the int4 probe's needle-in-a-haystack "
     "prompts; when the file is absent, the docstrings of Python's standard library are used")
 
@@ -71,7 +76,7 @@ KV_TRANSFER_FAULT = EnvVar(
 
 SCD_DATA = EnvVar(
     "SGL_KVXFER_SCD_DATA", None,
-    "folder of the SCD corpora ({code,prose}_{train,calib,eval}.jsonl[.gz]); default ../shared/data, "
+    "folder of the SCD corpora ({code,prose}_{train,calib,eval}.jsonl[.gz]); default SHARED_DATA_DIR, "
     "else the repo's .cache/scd_data (sgl_kvxfer/scd/data.py)")
 
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, KERNEL_CACHE, CPU_ISA,

@@ -6,7 +6,7 @@
 #                  -> .cache/scd_data/{code,prose}_{train,calib,eval}.jsonl.gz (5.2 MB, git-ignored)
 #   GPU call 1:  carry [.carry_a]                           bash scripts/gpu/stage_weights.sh
 #   GPU call 2:  carry [.carry_b, .whl, .cache/scd_data]    SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/scd_offline.sh
-#   CPU toy run: OUT=/tmp/scd DEVICE=cpu bash scripts/gpu/scd_offline.sh    (tiny sizes, same stages)
+#   CPU toy run: OUT=$(mktemp -d) DEVICE=cpu bash scripts/gpu/scd_offline.sh    (tiny sizes, same stages)
 #
 # Back in $OUT (7 files): specialists.tar (scripts/scd/specialists/{code,prose}: adapter
 # safetensors + config, train_log.json, loss.png), artifacts.tar (artifacts/: manifest.json,
@@ -40,7 +40,7 @@ fi
 [ -d .cache/scd_data ] && [ ! -d ../shared/data ] && export SGL_KVXFER_SCD_DATA=$PWD/.cache/scd_data
 exec > >(tee -a "$OUT/scd_offline.log") 2>&1
 
-W=/tmp/scd_work; rm -rf "$W"; mkdir -p "$W/results"
+W=$(mktemp -d); trap 'rm -rf "$W"' EXIT; mkdir -p "$W/results"  # what comes back is copied to $OUT
 ART=$W/artifacts
 SPEC=scripts/scd/specialists  # the GPU machine's copy of the repo; a CPU toy run must not overwrite it
 [ "$DEVICE" = cuda ] || SPEC=$W/specialists

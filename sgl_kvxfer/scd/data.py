@@ -20,8 +20,7 @@ def data_dir() -> str:
     from sgl_kvxfer import env as envs
 
     env = envs.SCD_DATA.get()
-    for d in ([env] if env else []) + [os.path.join(os.path.dirname(REPO), "shared", "data"),
-                                        "/work/shared/data", os.path.join(REPO, ".cache", "scd_data")]:
+    for d in ([env] if env else []) + [envs.SHARED_DATA_DIR, os.path.join(REPO, ".cache", "scd_data")]:
         if d and os.path.isdir(d) and any(f.startswith("code_") for f in os.listdir(d)):
             return d
     raise FileNotFoundError("SCD corpora not found: set SGL_KVXFER_SCD_DATA or run "
