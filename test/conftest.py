@@ -12,10 +12,12 @@ import os
 import shutil
 import tempfile
 
+from sgl_kvxfer.testing.servers import load_factor
 from sgl_kvxfer.utils.cpu_isa import torch_cap_env
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("PYTEST_TIMEOUT", "900")  # pytest-timeout: no test hangs the run
+# pytest-timeout: no test hangs the run; 900 s of an idle machine, stretched by the load at start
+os.environ.setdefault("PYTEST_TIMEOUT", str(round(900 * load_factor())))
 for _name, _value in torch_cap_env().items():
     os.environ.setdefault(_name, _value)
 TMP_ROOT = tempfile.mkdtemp(prefix="sgl_kvxfer_tests_")

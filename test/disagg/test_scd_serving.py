@@ -21,7 +21,7 @@ import pytest
 import requests
 import torch
 
-from servers import ROOT, free_port, start_all, start_router, stop_all
+from servers import ROOT, Deadline, free_port, scaled, start_all, start_router, stop_all
 
 sys.path.insert(0, os.path.join(ROOT, "test", "scd"))
 from scd_tiny import TINY, perturbed, tiny_state, write_model  # noqa: E402
@@ -138,8 +138,8 @@ def assert_matches(reply, ref_logprobs, ref_tokens):
     assert reply["output_ids"] == ref_tokens
 
 
-def post(url, payload, timeout=120):
-    r = requests.post(url + "/generate", json=payload, timeout=timeout)
+def post(url, payload, timeout=scaled(120)):
+    r = requests.post(url + "/generate", json=payload, timeout=scaled(timeout))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -148,13 +148,13 @@ def direct(cluster, payload, room, decodes):
     """What the router does, to P and each decode at once; returns (P's reply, decode replies)."""
     payload = {**payload, "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster["bp"], "bootstrap_room": room}
     with cf.ThreadPoolExecutor(1 + len(decodes)) as pool:
-        fp = pool.submit(requests.post, cluster["P"].url + "/generate", json=payload, timeout=120)
-        fds = [pool.submit(requests.post, cluster[d].url + "/generate", json=payload, timeout=120) for d in decodes]
+        fp = pool.submit(requests.post, cluster["P"].url + "/generate", json=payload, timeout=scaled(120))
+        fds = [pool.submit(requests.post, cluster[d].url + "/generate", json=payload, timeout=scaled(120)) for d in decodes]
         return fp.result(), [f.result() for f in fds]
 
 
 def transfer_state(handle):
-    return requests.get(handle.url + "/server_info", timeout=30).json()["internal_states"][0]
+    return requests.get(handle.url + "/server_info", timeout=scaled(30)).json()["internal_states"][0]
 
 
 def producer_counts(cluster) -> tuple[int, int]:
@@ -235,15 +235,15 @@ def test_unclaimed_rooms_close_and_nothing_leaks(cluster):
     server holds KV, rooms, send-buffer or staging bytes."""
     time.sleep(float(TIMEOUT) + 1)
     for name in ("P", "a", "b", "other"):
-        deadline = time.time() + 30
+        deadline = Deadline(30)
         while True:
-            requests.post(cluster[name].url + "/flush_cache", timeout=30)
+            requests.post(cluster[name].url + "/flush_cache", timeout=scaled(30))
             st = transfer_state(cluster[name])
             kv = st["kv_transfer"]
             if st["kv_used_tokens"] == 0 and not kv["rooms_open"] and not kv.get("send_buffer_used_bytes") \
                     and not kv.get("staging_used_bytes"):
                 break
-            assert time.time() < deadline, (name, st)
+            assert not deadline.expired(), (name, st, str(deadline))
             time.sleep(0.5)
     closed = transfer_state(cluster["P"])["kv_transfer"]["scd"]["rooms_closed"]
     assert closed.get("served", 0) >= 2 and closed.get("fan-out timed out", 0) >= 3, closed

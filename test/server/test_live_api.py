@@ -8,13 +8,14 @@ import time
 import aiohttp
 import pytest
 import requests
+from servers import Deadline, scaled
 
 pytestmark = pytest.mark.slow
 PROMPT = "The capital of France is"
 
 
 def gen(url, body, **kw):
-    return requests.post(url + "/generate", json=body, timeout=300, **kw)
+    return requests.post(url + "/generate", json=body, timeout=scaled(300), **kw)
 
 
 def sse_events(resp):
@@ -173,7 +174,7 @@ def test_malformed_requests_get_4xx_then_valid_succeeds(live_server):
     cases = malformed_requests(live_server.url)
     assert len(cases) >= 50
     for path, data in cases:
-        r = requests.post(live_server.url + path, data=data, headers={"Content-Type": "application/json"}, timeout=60)
+        r = requests.post(live_server.url + path, data=data, headers={"Content-Type": "application/json"}, timeout=scaled(60))
         assert 400 <= r.status_code < 500, (path, data[:120], r.status_code, r.text[:200])
         body = r.json()
         assert "error" in body or body.get("object") == "error", (path, data[:120], body)
@@ -184,7 +185,7 @@ def test_malformed_requests_get_4xx_then_valid_succeeds(live_server):
 
 
 def internal_state(url):
-    return requests.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]
+    return requests.get(url + "/get_server_info", timeout=scaled(30)).json()["internal_states"][0]
 
 
 def test_disconnect_aborts_and_frees_kv(live_server):
@@ -200,15 +201,15 @@ def test_disconnect_aborts_and_frees_kv(live_server):
                 break
     assert internal_state(live_server.url)["num_running_reqs"] == 1
     r.close()
-    deadline = time.time() + 30
-    while time.time() < deadline:
+    deadline = Deadline(30)
+    while not deadline.expired():
         st = internal_state(live_server.url)
         if st["num_running_reqs"] == 0 and st["num_queue_reqs"] == 0 and st["kv_used_tokens"] == st["kv_cached_tokens"]:
             break
         time.sleep(0.5)
     else:
         pytest.fail(f"request not aborted after disconnect: {st}")
-    assert requests.post(live_server.url + "/flush_cache", timeout=30).status_code == 200
+    assert requests.post(live_server.url + "/flush_cache", timeout=scaled(30)).status_code == 200
     assert internal_state(live_server.url)["kv_used_tokens"] == 0
 
 
