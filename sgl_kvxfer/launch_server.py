@@ -171,12 +171,13 @@ def _serve(server_args: ServerArgs, info: dict, tokenizer, launch_command: str |
     import uvicorn
 
     from sgl_kvxfer.server.app import create_app
+    from sgl_kvxfer.server.http1 import Http1Protocol
     from sgl_kvxfer.tokenizer.manager import TokenizerManager
 
     app = create_app(server_args, TokenizerManager(server_args, info, tokenizer), launch_command)
     logger.info("serving on http://%s:%d", server_args.host, server_args.port)
     uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
-                access_log=False, timeout_graceful_shutdown=3)
+                access_log=False, timeout_graceful_shutdown=3, http=Http1Protocol)
 
 
 def main(argv: list[str] | None = None, scheduler_target=None) -> None:
