@@ -59,7 +59,7 @@ class EngineConfig:
     # kernel launches (small models); max tokens None: the scheduler's max_prefill_tokens.
     enable_prefill_cuda_graph: bool = False
     prefill_cuda_graph_max_tokens: int | None = None
-    # SpectrumKV (issue 4); budget 1.0 keeps every token at the model dtype.
+    # SpectrumKV; budget 1.0 keeps every token at the model dtype.
     kv_tier_budget: float = 1.0
     kv_tier_policy: str = "greedy"
     kv_sink_tokens: int = 4

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19 in ONE device call (about 9 min on an H100): the GPU tests of the tiered decode / extend
+# The tiered decode / extend kernels on the GPU in ONE device call (about 9 min on an H100): the GPU tests of the tiered decode / extend
 # kernels and backends, the decode-attention config sweep + measurement (benchmarks/kernels/attention.py)
 # and the engine decode matrix (benchmarks/throughput/e2e_decode.py). Everything lands in $OUT, 8 files:
 #   issue19.log (stage times, FlashInfer JIT, summaries)  tests.log  attention.log  e2e.log
