@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The tiered decode / extend kernels on the GPU in ONE device call (about 9 min on an H100): the GPU tests of the tiered decode / extend
-# kernels and backends, the decode-attention config sweep + measurement (benchmarks/kernels/attention.py)
+# One device call (about 9 min on an H100): the GPU tests of the tiered decode / extend kernels
+# and backends, the decode-attention config sweep + measurement (benchmarks/kernels/attention.py)
 # and the engine decode matrix (benchmarks/throughput/e2e_decode.py). Everything lands in $OUT, 8 files:
 #   issue19.log (stage times, FlashInfer JIT, summaries)  tests.log  attention.log  e2e.log
 #   attention_<device>.json/.png  e2e_decode_llama-3-8b_<device>.json/.png
