@@ -50,7 +50,18 @@ def _child_main(target, args, parent_pid: int) -> None:
     die_with_parent()
     _watch_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when children stop
+    _no_semaphores()
     target(*args)
+
+
+def _no_semaphores() -> None:
+    """Hazard: a child stops by SIGTERM, so it never unlinks a multiprocessing semaphore it
+    made, and the launcher's resource tracker warns of a "leaked semaphore" at exit. tqdm makes
+    one for its default lock at its first bar (the first start's model conversion); a thread
+    lock serves a process that shares no bar with another."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def _spawn(ctx, name: str, target, args, duplex: bool = False) -> tuple[mp.Process, object]:
