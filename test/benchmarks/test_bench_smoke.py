@@ -22,6 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from common.report import command_line, write_json  # noqa: E402
 
+from sgl_kvxfer.testing.servers import scaled  # noqa: E402
+
 TINY_WORKLOAD = ["--model-preset", "tiny", "--device", "cpu", "--num-prompts", "4", "--input-len-min", "16",
                  "--input-len-max", "32", "--output-len", "4"]
 PROSE_DOCS = ("README.md", "docs/structures.md", "docs/http_api.md", "sgl_kvxfer/mem_cache/README.md",
@@ -34,7 +36,7 @@ def run_bench(script: str, args: list[str], tmp_path, timeout: float = 600) -> s
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, os.path.join("benchmarks", script), *args, "--out-dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(timeout))
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
     # temp model dirs, probe caches, bench_serving's files: removed by the script (server logs
     # of sgl_kvxfer.testing.servers and torch's inductor folder stay, as they do for the tests)

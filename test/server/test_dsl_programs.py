@@ -10,6 +10,7 @@ import sys
 import pytest
 import requests
 from conftest import ROOT
+from servers import scaled
 
 pytestmark = pytest.mark.slow
 sys.path.insert(0, os.path.join(ROOT, "python"))
@@ -65,7 +66,7 @@ def test_bench_serving_random_ids(live_server, tmp_path):
         "--random-range-ratio", "1.0", "--num-prompts", "50", "--request-rate", "inf", "--max-concurrency", "16",
         "--disable-tqdm", "--output-file", str(out_file))
     proc = subprocess.run(cmd, cwd=str(tmp_path), env=bench_serving_env(), capture_output=True, text=True,
-                          timeout=1200)
+                          timeout=scaled(1200))
     report = proc.stdout + proc.stderr
     print(report[-3000:])
     assert proc.returncode == 0, report[-3000:]
