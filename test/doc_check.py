@@ -3,6 +3,10 @@
 Which docs: README.md, docs/*.md, kernels/README.md, the READMEs under benchmarks/ and the
 package READMEs (DOCS). Which commands: the fenced ```bash / ```sh / ```python blocks; a
 ```text block (GPU call lists, diagrams) and an unfenced or indented snippet are not commands.
+Nor is an inline `code` span: in prose it names a command, and in the benchmark tables it is the
+command behind a recorded measurement (GPU or minutes long), whose script
+test/benchmarks/test_bench_smoke.py runs at tiny shapes. A command meant to be copied and run
+goes in a fenced block.
 
 A block runs unless the line just above its fence says otherwise, in an HTML comment that the
 rendered page hides:
