@@ -230,7 +230,7 @@ def test_64_concurrent_streams_match_non_stream(live_server):
         return last
 
     async def run_all():
-        timeout = aiohttp.ClientTimeout(total=600)
+        timeout = aiohttp.ClientTimeout(total=scaled(600))
         async with aiohttp.ClientSession(timeout=timeout) as session:
             return await asyncio.gather(*(one(session, p) for p in prompts))
 
