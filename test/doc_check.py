@@ -25,7 +25,8 @@ How a block runs:
   ...`) starts in the background; the block's other commands run once every server answers
   (`/health`, the router's `/readiness`), each as printed, in one bash (`set -e`), from the repo
   root. Blocks that need the same servers share one start (a group).
-- A `curl` command must print a JSON object without an `error` key (curl exits 0 on a 4xx).
+- A `curl` command must print a JSON object without an `error` key (curl exits 0 on a 4xx); a
+  `sglang.bench_serving` command must report every one of its `--num-prompts` requests successful.
 - A line that .ci/run runs verbatim (the README's install and test commands) is CI's own; a
   `python -m pytest test/...` line is part of CI's `python -m pytest test`: its paths must exist.
 - A ```python block runs as a script.
@@ -183,8 +184,8 @@ def groups(bs: list[Block] | None = None) -> list[Group]:
 
 
 def client_script(b: Block, ci: set[str], json_dir: str) -> tuple[str, list[str]]:
-    """The block's non-server commands as one bash script (curl output captured to check), and
-    problems found without running (pytest paths that do not exist)."""
+    """The block's non-server commands as one bash script (curl's and bench_serving's output
+    captured to check), and problems found without running (pytest paths that do not exist)."""
     lines, problems = ["set -e -o pipefail"], []
     for i, cmd in enumerate(b.commands()):
         if SERVER.match(cmd) or cmd in ci or cmd + " || exit 1" in ci:
@@ -194,8 +195,32 @@ def client_script(b: Block, ci: set[str], json_dir: str) -> tuple[str, list[str]
             problems += [f"{b.where}: {p} does not exist" for p in paths if not os.path.exists(os.path.join(ROOT, p))]
             continue
         # a newline ends a trailing comment before the redirect
-        lines.append(f"{{ {cmd}\n}} > {json_dir}/{i}.json" if cmd.startswith("curl ") else cmd)
+        if cmd.startswith("curl "):
+            lines.append(f"{{ {cmd}\n}} > {json_dir}/{i}.curl")
+        elif "sglang.bench_serving" in cmd:
+            lines.append(f"{{ {cmd}\n}} 2>&1 | tee {json_dir}/{i}.bench")
+        else:
+            lines.append(cmd)
     return "\n".join(lines) + "\n", problems
+
+
+def _curl_problem(body: str) -> str | None:
+    try:
+        reply = json.loads(body)
+    except ValueError:
+        reply = None
+    if isinstance(reply, dict) and "error" not in reply:
+        return None
+    return f"curl printed no JSON reply without an error: {body[:500]!r}"
+
+
+def _bench_problem(body: str, block: dict, name: str) -> str | None:
+    cmd = Block("", 0, "bash", block["text"]).commands()[int(name.split(".")[0])]
+    args = shlex.split(cmd, comments=True)
+    want = args[args.index("--num-prompts") + 1] if "--num-prompts" in args else None
+    if want and re.search(rf"Successful requests:\s+{want}\b", body):
+        return None
+    return f"bench_serving did not report {want} successful requests:\n{body[-1500:]}"
 
 
 def _port(cmd: str) -> int:
@@ -268,13 +293,10 @@ def run_group(spec: dict) -> dict:
             for name in sorted(os.listdir(json_dir)):
                 with open(os.path.join(json_dir, name)) as f:
                     body = f.read()
-                try:
-                    reply = json.loads(body)
-                except ValueError:
-                    reply = None
-                if not isinstance(reply, dict) or "error" in reply:
+                problem = _curl_problem(body) if name.endswith(".curl") else _bench_problem(body, b, name)
+                if problem:
                     result["rc"] = result["rc"] or 1
-                    result["output"] += f"\ncurl printed no JSON reply without an error: {body[:500]!r}"
+                    result["output"] += "\n" + problem
             report["results"].append(result)
     except Exception as e:  # noqa: BLE001 (reported to the test)
         report["error"] = f"{type(e).__name__}: {e}"
