@@ -204,6 +204,12 @@ def client_script(b: Block, ci: set[str], json_dir: str) -> tuple[str, list[str]
     return "\n".join(lines) + "\n", problems
 
 
+def _untracked() -> set[str]:
+    out = subprocess.run(["git", "ls-files", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                         text=True)
+    return set(out.stdout.splitlines())
+
+
 def _curl_problem(body: str) -> str | None:
     try:
         reply = json.loads(body)
@@ -261,6 +267,7 @@ def run_group(spec: dict) -> dict:
         _lo_up()
     work = tempfile.mkdtemp(prefix="doc_check_")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    untracked_before = _untracked()
     procs, logs, report = [], [], {"results": [], "error": None, "server_logs": []}
     try:
         for i, cmd in enumerate(spec["servers"]):
@@ -318,6 +325,10 @@ def run_group(spec: dict) -> dict:
             with open(log, errors="replace") as f:
                 report["server_logs"].append(f.read()[-3000:])
         subprocess.run(["rm", "-rf", work])
+        # what the commands wrote into the checkout (bench_serving's result file, ...) goes:
+        # the check leaves the tree as it found it
+        for path in _untracked() - untracked_before:
+            os.remove(os.path.join(ROOT, path))
     return report
 
 
