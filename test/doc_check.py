@@ -55,6 +55,7 @@ RUN_LANGS = ("bash", "sh", "shell", "python")
 KINDS = ("gpu", "long", "skip", "api", "with-server", "ran-by")
 SERVER = re.compile(r"^(python3? -m (sgl_kvxfer\.launch_server|sglang_router\.launch_router)|sgl-kvxfer-server)\b")
 FENCE = re.compile(r"^```(\S*)\n(.*?)^```", re.S | re.M)
+BENCH_RESULT = re.compile(r"sglang_\d{4}_\d+_\d+_\d+\.jsonl")  # bench_serving's default output file
 NOTE = re.compile(r"<!--\s*doc-check:\s*([\w-]+)\s*(?::\s*(.*?))?\s*-->\s*$")
 
 
@@ -325,10 +326,11 @@ def run_group(spec: dict) -> dict:
             with open(log, errors="replace") as f:
                 report["server_logs"].append(f.read()[-3000:])
         subprocess.run(["rm", "-rf", work])
-        # what the commands wrote into the checkout (bench_serving's result file, ...) goes:
-        # the check leaves the tree as it found it
+        # bench_serving writes its result file into the working directory (the repo root, where
+        # the docs' commands run); the check removes the ones it made, and nothing else
         for path in _untracked() - untracked_before:
-            os.remove(os.path.join(ROOT, path))
+            if BENCH_RESULT.fullmatch(path):
+                os.remove(os.path.join(ROOT, path))
     return report
 
 
