@@ -269,7 +269,7 @@ def run_group(spec: dict) -> dict:
     work = tempfile.mkdtemp(prefix="doc_check_")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     untracked_before = _untracked()
-    procs, logs, report = [], [], {"results": [], "error": None, "server_logs": []}
+    procs, logs, report = [], [], {"results": [], "error": None, "server_logs": [], "left": []}
     try:
         for i, cmd in enumerate(spec["servers"]):
             log = os.path.join(work, f"server{i}.log")
@@ -328,9 +328,11 @@ def run_group(spec: dict) -> dict:
         subprocess.run(["rm", "-rf", work])
         # bench_serving writes its result file into the working directory (the repo root, where
         # the docs' commands run); the check removes the ones it made, and nothing else
-        for path in _untracked() - untracked_before:
+        for path in sorted(_untracked() - untracked_before):
             if BENCH_RESULT.fullmatch(path):
                 os.remove(os.path.join(ROOT, path))
+            else:
+                report["left"].append(path)
     return report
 
 

@@ -46,3 +46,4 @@ def test_doc_commands_run_as_printed(group, tmp_path):
     assert report["error"] is None, f"{report['error']}\nserver logs:\n{logs}"
     for r in report["results"]:
         assert r["rc"] == 0, f"{r['where']} failed (exit {r['rc']}):\n{r['output']}\nserver logs:\n{logs}"
+    assert report["left"] == [], "the docs' commands wrote these files into the checkout"
