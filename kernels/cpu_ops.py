@@ -160,8 +160,8 @@ def load():
     try:
         if not key["compiler"].strip():
             raise RuntimeError("no C++ compiler found ($CXX or c++)")
-        build_once(final, build, name + ".so",
-                   f"the native CPU kernels for {cpu_isa.level()} into {final} (once per install, about a minute)")
+        build_once(final, build, name + ".so", f"the native CPU kernels for {cpu_isa.level()}",
+                   "(once per install, about a minute)")
         _module = built.get("module") or _import(name, os.path.join(final, name + ".so"))
     except Exception as e:  # no compiler, no ninja, ...: callers fall back to torch
         _load_error = f"native CPU kernels unavailable: {type(e).__name__}: {str(e)[-400:]}"

@@ -32,12 +32,13 @@ def _complete(final_dir: str, marker: str) -> bool:
     return os.path.exists(os.path.join(final_dir, marker))
 
 
-def build_once(final_dir: str, build: Callable[[str], None], marker: str, what: str) -> bool:
+def build_once(final_dir: str, build: Callable[[str], None], marker: str, what: str, note: str = "") -> bool:
     """Make `final_dir` hold a complete build (`marker`, a file name inside it, exists).
 
     `build(tmp_dir)` writes the build into an empty private folder; it may raise (nothing is
-    kept then). Returns True if this call ran `build`, False if the folder was complete already
-    or another process completed it while this one waited."""
+    kept then). `what` names the build in the lines printed, `note` adds to the "building" line.
+    Returns True if this call ran `build`, False if the folder was complete already or another
+    process completed it while this one waited."""
     if _complete(final_dir, marker):
         return False
     parent = os.path.dirname(os.path.abspath(final_dir)) or "."
@@ -63,7 +64,7 @@ def build_once(final_dir: str, build: Callable[[str], None], marker: str, what: 
             lock.write(f"process {os.getpid()}")
             lock.flush()
             tmp = tempfile.mkdtemp(prefix=os.path.basename(final_dir) + ".part-", dir=parent)
-            announce(f"building {what} ...")
+            announce(f"building {what}{' ' + note if note else ''} into {final_dir} ...")
             start = time.perf_counter()
             try:
                 build(tmp)
