@@ -8,7 +8,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.models.fusedkv_math import FusedKVConfig, expand_key_weight, fuse_kv, fusion_param_names
 
 TINY = {

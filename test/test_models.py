@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sgl_kvxfer.layers.attention.base import rotate_and_attend
+from sgl_kvxfer.layers.rope import RotaryEmbedding, compute_inv_freq
 from sgl_kvxfer.models import MODEL_REGISTRY, create_model
 from sgl_kvxfer.models.arch_config import ModelArchConfig
 from sgl_kvxfer.models.llama import LlamaForCausalLM
@@ -20,9 +22,7 @@ from sgl_kvxfer.models.loader import (
     resolve_model_path,
     resolve_tokenizer_path,
 )
-from sgl_kvxfer.layers.attention.base import rotate_and_attend
 from sgl_kvxfer.models.presets import write_preset_config
-from sgl_kvxfer.models.rope import RotaryEmbedding, compute_inv_freq
 
 
 class DenseCausalBackend:

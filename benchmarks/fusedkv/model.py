@@ -9,7 +9,7 @@ v_proj, and FusedKV ones a `self_attn.kv_fusion` (fusedkv_math.KVFusion). Within
     reconstruction layer i:  FusedKV  K_i, V_i = fuse_kv(K_s0, K_s1, V_s0, V_s1, weights_i)
                              Lite     K_i, V_i = K_s1, V_s0
 
-RoPE is the half-split rotation of models/rope.py (channel j pairs with j + D/2).
+RoPE is the half-split rotation of layers/rope.py (channel j pairs with j + D/2).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_kvxfer.layers.rope import compute_inv_freq
 from sgl_kvxfer.models.fusedkv_math import FusedKVConfig, KVFusion, init_fusion_weights
-from sgl_kvxfer.models.rope import compute_inv_freq
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import torch
 from sgl_kvxfer import env
 from sgl_kvxfer.config import EngineConfig
 from sgl_kvxfer.engine.cuda_graph_runner import create_cuda_graph_runner
-from sgl_kvxfer.engine.forward_batch import ForwardBatch
 from sgl_kvxfer.engine.memory import kv_pool_tokens
 from sgl_kvxfer.engine.prefill_graph_runner import create_prefill_graph_runner
+from sgl_kvxfer.forward_batch import ForwardBatch
 from sgl_kvxfer.layers.attention import create_attention_backend
 from sgl_kvxfer.mem_cache import create_kv_pool, create_slot_allocator
 from sgl_kvxfer.mem_cache.req_to_token import ReqToTokenPool
@@ -86,7 +86,7 @@ class ModelRunner:
     def _prepare_cpu(self) -> None:
         """Everything the CPU paths build or convert once happens here, before the engine serves:
         the native C++ kernels (every CPU dtype samples greedily with them) and, for bf16, the
-        linears' prepared weights, whose form follows the ISA (models/cpu_linear.py)."""
+        linears' prepared weights, whose form follows the ISA (layers/cpu_linear.py)."""
         from sgl_kvxfer.kernels import cpu_ops
         from sgl_kvxfer.utils import cpu_isa
 
@@ -97,7 +97,7 @@ class ModelRunner:
             logger.warning("%s; the torch paths run instead", cpu_ops.load_error())
         if self.dtype != torch.bfloat16:
             return
-        from sgl_kvxfer.models.cpu_linear import can_prepack, pack_weight, prepack_linears_cpu
+        from sgl_kvxfer.layers.cpu_linear import can_prepack, pack_weight, prepack_linears_cpu
 
         n = prepack_linears_cpu(self.model)
         head = getattr(self.model, "lm_head_weight", None)

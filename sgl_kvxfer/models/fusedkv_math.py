@@ -21,7 +21,7 @@ RoPE pair constraint (paper section 2.4 / appendix A.4). A key weight w applied 
 key gives scores with a (m - n) term scaled by (w_c + w_c')/2 and an absolute (m + n) term
 scaled by (w_c - w_c')/2, for the two channels c, c' of one rotary pair; the absolute term
 vanishes iff w_c == w_c'. The paper writes pairs as (2j, 2j+1) (interleaved RoPE); our models
-rotate halves (models/rope.py: channel j pairs with j + D/2), so the stored key parameter holds
+rotate halves (layers/rope.py: channel j pairs with j + D/2), so the stored key parameter holds
 ONE weight per pair, [.., D/2], and `expand_key_weight` writes it to both channels of its pair.
 The constraint is structural: no stored state can break it. Values carry no rotation, so value
 weights are free per channel.

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sgl_kvxfer.models import fused_ops
+from sgl_kvxfer.layers import fused_ops
+from sgl_kvxfer.layers.rope import RotaryEmbedding
 from sgl_kvxfer.models.arch_config import ModelArchConfig
-from sgl_kvxfer.models.rope import RotaryEmbedding
 
 
 CPU_MLP_BLOCK = 2048  # rows per MLP block on CPU (LlamaMLP.forward)
@@ -160,10 +160,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
-        packed = getattr(self, "packed_lm_head", None)  # models/cpu_linear.py (CPU bf16)
+        packed = getattr(self, "packed_lm_head", None)  # layers/cpu_linear.py (CPU bf16)
         if packed is not None:
             from sgl_kvxfer.kernels import cpu_ops
-            from sgl_kvxfer.models.cpu_linear import packed_linear
+            from sgl_kvxfer.layers.cpu_linear import packed_linear
 
             logits = packed_linear(hidden, packed)
             if not cpu_ops.enabled():

@@ -13,7 +13,7 @@ import logging
 import time
 
 from sgl_kvxfer.config import SchedulerConfig
-from sgl_kvxfer.engine.forward_batch import ForwardMode
+from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.message import (AbortReq, FlushCacheReq, FlushCacheResult, GetInternalStateReq, InternalState,
                                 ReqOutput, SetKVLinkReq, SetKVLinkResult, TokenizedGenerateReq)
 from sgl_kvxfer.scheduler.batch import ReqSlice, ScheduleBatch, prepare_batch, prepare_decode

@@ -37,7 +37,7 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardMode
+from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.spectrum.budget import KVLayout, assignment_bytes, fp16_bytes
 from sgl_kvxfer.spectrum.byte_budget import assign_tiers, planned_fractions
 from sgl_kvxfer.spectrum.importance import ImportanceAccumulator, KVNormAccumulator, token_importance

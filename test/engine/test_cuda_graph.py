@@ -14,7 +14,7 @@ import torch
 
 from sgl_kvxfer.engine.cuda_graph_runner import (CudaGraphRunner, bucket_for, cuda_graph_buckets,
                                                  resolve_max_bs)
-from sgl_kvxfer.engine.forward_batch import ForwardMode
+from sgl_kvxfer.forward_batch import ForwardMode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TINY = {

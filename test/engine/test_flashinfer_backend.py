@@ -67,7 +67,7 @@ def test_paged_csr_from_req_to_token_rows():
 
 def _layer_batch(mode, prefix, new, P, table, pool_pages, dev):
     """A ForwardBatch over rows 0..B-1 of `table`, each request on its own random pages."""
-    from sgl_kvxfer.engine.forward_batch import ForwardBatch
+    from sgl_kvxfer.forward_batch import ForwardBatch
 
     B = len(prefix)
     lens = [p + n for p, n in zip(prefix, new)]
@@ -96,7 +96,7 @@ def test_gpu_real_shape_layer_matches_triton(mode):
     """Llama-3-8B layer shape, bf16, page 64: both backends store the same new K/V into one pool
     and attend; outputs agree to bf16 rounding. Lengths cross page boundaries, one request has
     no prefix and one a single token."""
-    from sgl_kvxfer.engine.forward_batch import ForwardMode
+    from sgl_kvxfer.forward_batch import ForwardMode
     from sgl_kvxfer.layers.attention import create_attention_backend
     from sgl_kvxfer.mem_cache.paged_fp16_pool import PagedFp16KVPool
 

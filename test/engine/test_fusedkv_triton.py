@@ -151,9 +151,9 @@ def test_gpu_graphs_match_eager_smollm2_shape(tmp_path, variant):
 
 def test_rope_q_fused_kernel_matches_torch(monkeypatch):
     """Reconstruction layers rotate q alone: the fused RoPE kernel with zero k heads."""
-    from sgl_kvxfer.models import fused_ops
+    from sgl_kvxfer.layers import fused_ops
+    from sgl_kvxfer.layers.rope import apply_rope
     from sgl_kvxfer.models.fusedkv_llama import rope_q
-    from sgl_kvxfer.models.rope import apply_rope
 
     g = torch.Generator().manual_seed(0)
     q, cos, sin = (torch.randn(shape, generator=g).half().to(DEVICE) for shape in ((7, 4, 32), (7, 1, 16), (7, 1, 16)))

@@ -9,9 +9,9 @@ checked without CUDA (Triton kernels under TRITON_INTERPRET=1, set by test/conft
 import pytest
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardMode
 from sgl_kvxfer.engine.prefill_graph_runner import (PrefillGraphRunner, prefill_graph_buckets,
                                                     prefill_graph_unsupported_reason)
+from sgl_kvxfer.forward_batch import ForwardMode
 
 from test_cuda_graph import (  # noqa: F401
     ATOL, TINY, _assert_greedy_close, _assert_kv_differs_only_in_new_slots, _eager_then_static, _engine, _prompts,

@@ -143,7 +143,7 @@ def test_fused_rope_store_matches_unfused(tiny_dir, monkeypatch):
     interpreter by treating CPU as CUDA: chunked prefill, a radix hit and a batched decode across
     page boundaries give the unfused path's tokens and logprobs."""
     from sgl_kvxfer.kernels import rope_store
-    from sgl_kvxfer.models import fused_ops
+    from sgl_kvxfer.layers import fused_ops
 
     prompts = _prompts([40, 13, 30], seed=4)
     again = prompts[0][:35] + [7, 8, 9]  # shares two whole pages with the first prompt

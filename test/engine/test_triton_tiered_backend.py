@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.layers.attention import create_attention_backend
 from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
 from sgl_kvxfer.mem_cache.tiered_allocator import TieredSlotAllocator

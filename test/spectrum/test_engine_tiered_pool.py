@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.kernels.tier_codec import dequantize, quantize
 from sgl_kvxfer.layers.attention.torch_backend import TorchAttentionBackend
 from sgl_kvxfer.mem_cache.radix_cache import RadixCache

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.layers.attention.base import AttentionBackend
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
 from sgl_kvxfer.mem_cache.tiered_rows import tier_block_tables, tier_layer_view

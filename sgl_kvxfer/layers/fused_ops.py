@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from sgl_kvxfer import env
-from sgl_kvxfer.models.rope import apply_rope
+from sgl_kvxfer.layers.rope import apply_rope
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
