@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (one H100): FusedKV in the engine. Two stages, each under `timeout`, a failed
 # stage does not stop the other; JSON, PNG and logs into $OUT (at most 3 files).
-#   1. tests (~1 min): test/engine/test_fusedkv_triton.py natively on the GPU (triton path vs
+#   1. tests (~1 min): test/layers/test_fusedkv_triton.py natively on the GPU (triton path vs
 #      torch, the graph capture target, real CUDA graphs vs eager at the SmolLM2 shape)
 #   2. bench (~3-4 min): benchmarks/fusedkv/serve_bench.py, Llama-3-8B shape, dummy weights:
 #      pool bytes, TTFT at 4k / 8k / 16k (+ FusedKV without the prefill skip), TPOT at ctx 8k,
@@ -26,7 +26,7 @@ fi
 work=$(mktemp -d /tmp/fusedkv_bench.XXXX)
 if [ "$stage" != bench ] && [ "$DEVICE" = cuda ]; then
   echo "== tests ($(date +%T))"
-  timeout "$TESTS_TIMEOUT" python3 -m pytest test/engine/test_fusedkv_triton.py -q -x -p no:cacheprovider \
+  timeout "$TESTS_TIMEOUT" python3 -m pytest test/layers/test_fusedkv_triton.py -q -x -p no:cacheprovider \
       2>&1 | tee "$work/fusedkv_tests.log" || true
 fi
 if [ "$stage" != tests ]; then
