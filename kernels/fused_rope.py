@@ -80,6 +80,6 @@ def fused_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 def fused_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Torch reference: `apply_rope` on q and on k."""
-    from sgl_kvxfer.layers.rope import apply_rope
+    from .reference import apply_rope
 
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -18,10 +18,10 @@ the torch path, which the HF-exactness tests pin.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from sgl_kvxfer import env
-from sgl_kvxfer.layers.rope import apply_rope
+# the torch paths below are the kernels' own references: a kernel is tested against this math
+from sgl_kvxfer.kernels.reference import apply_rope, rmsnorm_torch, silu_mul_torch  # noqa: F401
 
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -54,16 +54,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     return rmsnorm_torch(x, weight, eps, residual)
 
 
-def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """The unfused HF-exact math (float32 statistics); the fused kernel's reference."""
-    if residual is not None:
-        x = x + residual
-        residual = x
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * xf.to(x.dtype)
-    return out if residual is None else (out, residual)
-
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """q [T, Hq, D], k [T, Hkv, D] (views allowed), cos/sin [T, 1, D/2] -> contiguous rotated q, k."""
@@ -90,8 +80,3 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         return cpu_ops.silu_mul(x)
     return silu_mul_torch(x)
 
-
-def silu_mul_torch(x: torch.Tensor) -> torch.Tensor:
-    """The unfused torch math; the fused kernel's reference."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up

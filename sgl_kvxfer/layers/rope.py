@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from sgl_kvxfer.kernels.reference import apply_rope  # noqa: F401  (the rotation; the kernels' reference)
+
 _InvFreqFn = Callable[[int, float, dict, int], "tuple[torch.Tensor, float]"]
 
 
@@ -152,13 +154,3 @@ class RotaryEmbedding:
         if have >= n and self._cos.device == device:
             return
         self._build(max(n, 2 * have, 4096), device)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos/sin [T, 1, D/2] -> new rotated tensor [T, H, D] (contiguous)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.sub(x1 * cos, x2 * sin, out=out[..., :half])
-    torch.add(x2 * cos, x1 * sin, out=out[..., half:])
-    return out

@@ -27,7 +27,7 @@ Paths (`self.path`, logged once):
             EXTEND with at most one row per request run its split-K decode kernel (prefill-skip
             is a decode of each prompt's last token), other EXTENDs its extend kernel
     torch   anything else (fp32 / CPU, tiered pools, the kernels missing): pool.get_kv of
-            both sources, fusedkv_math.fuse_kv, SDPA
+            both sources, kernels/reference.fuse_kv, SDPA
 """
 from __future__ import annotations
 
@@ -258,7 +258,7 @@ class FusedKVAttentionBackend(AttentionBackend):
 
     def _rebuild(self, slots: torch.Tensor, recon) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [*slots.shape, Hkv, D] of a reconstruction layer at `slots` (torch path)."""
-        from sgl_kvxfer.models.fusedkv_math import fuse_kv
+        from sgl_kvxfer.kernels.reference import fuse_kv
 
         s0, s1 = recon.sources
         k1, v1 = self.kv_pool.get_kv(s1, slots)
