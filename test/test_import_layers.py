@@ -207,7 +207,7 @@ def test_walker_sees_lazy_relative_and_registry_imports():
     assert "sgl_kvxfer.kernels.tier_codec" in module_deps("sgl_kvxfer.kernels")  # relative
     assert "sgl_kvxfer.mem_cache.fp16_pool" in module_deps("sgl_kvxfer.mem_cache")  # registry string
     assert "sgl_kvxfer.spectrum.policies.greedy" in module_deps("sgl_kvxfer.spectrum.policies")  # relative one
-    assert "sgl_kvxfer.engine.model_runner" in module_deps("sgl_kvxfer.scheduler.process")  # in a function
+    assert "sgl_kvxfer.engine.model_runner" in module_deps("sgl_kvxfer.scheduler.startup")  # in a function
     assert _is_offline("sgl_kvxfer.scd.calib.fit") and not _is_offline("sgl_kvxfer.scd.codec")
 
 

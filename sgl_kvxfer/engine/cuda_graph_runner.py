@@ -181,12 +181,6 @@ class CudaGraphRunner:
         hidden = self.model(batch.input_ids, batch.positions, batch)
         self.logits[:bs].copy_(self.model.compute_logits(hidden))
 
-    def recapture(self) -> None:
-        """Capture every bucket again (the KV pool's storage moved: ModelRunner.kv_pool_resized)."""
-        self.graphs = {}
-        if self.use_graphs:
-            self._capture_all()
-
     @torch.inference_mode()
     def _capture_all(self) -> None:
         """Largest bucket first, all graphs in one memory pool (smaller ones reuse its blocks).

@@ -23,15 +23,13 @@ class Engine:
         self.server_args = ServerArgs.from_flat(model_path=model_path, **server_args)
         cfg = self.server_args.scheduler
         use_interpreter_on_cpu(cfg.engine.resolved_device)  # before the imports below load kernels
-        from sgl_kvxfer.engine.model_runner import ModelRunner
-        from sgl_kvxfer.models.loader import load_tokenizer, resolve_tokenizer_path
         from sgl_kvxfer.scheduler.scheduler import Scheduler
+        from sgl_kvxfer.scheduler.startup import create_runner
 
         if cfg.disaggregation_mode != "null":
             raise ValueError("PD roles (disaggregation_mode prefill / decode) run in the server: "
                              "python -m sgl_kvxfer.launch_server --disaggregation-mode ...")
-        self.runner = ModelRunner(cfg.engine, cfg.max_running_requests, cfg.max_prefill_tokens)
-        self.tokenizer = load_tokenizer(resolve_tokenizer_path(self.runner.model_dir, cfg.engine.tokenizer_path))
+        self.runner, self.tokenizer, _ = create_runner(cfg)
         self.scheduler = Scheduler(cfg, self.runner, self.tokenizer)
         from sgl_kvxfer.detokenizer.byte_level import ByteLevelDecoder
 

@@ -32,17 +32,15 @@ def build_scheduler(server_args: ServerArgs):
     from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
 
     use_interpreter_on_cpu(server_args.scheduler.engine.resolved_device)  # before any kernel import
-    from sgl_kvxfer.engine.model_runner import ModelRunner
-    from sgl_kvxfer.models.loader import load_tokenizer, resolve_tokenizer_path
     from sgl_kvxfer.scheduler.scheduler import Scheduler
+    from sgl_kvxfer.scheduler.startup import create_runner
 
     from sgl_kvxfer.disagg import create_disagg_role
     from sgl_kvxfer.disagg.common import DisaggSettings
 
     cfg = server_args.scheduler
-    runner = ModelRunner(cfg.engine, cfg.max_running_requests, cfg.max_prefill_tokens)
-    tokenizer_path = resolve_tokenizer_path(runner.model_dir, cfg.engine.tokenizer_path)
-    scheduler = Scheduler(cfg, runner, load_tokenizer(tokenizer_path))
+    runner, tokenizer, tokenizer_path = create_runner(cfg)
+    scheduler = Scheduler(cfg, runner, tokenizer)
     scheduler.disagg = create_disagg_role(scheduler, DisaggSettings.from_config(cfg), server_args.host)
     info = {
         "max_total_num_tokens": runner.max_total_tokens, "max_req_input_len": runner.context_len - 1,

@@ -50,12 +50,12 @@ class Scheduler:
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated": 0, "gen_throughput": 0.0}
         self._tput_window = (time.monotonic(), 0)
         self.tiering = None
-        self.overlap = False  # NOTE: set before tiering: its int4 probe already runs steps
+        self.overlap = False  # decided below, once tiering is known
         self.disagg = None  # PD role (disagg/__init__.py: create_disagg_role), set by the server
         self._joined = False  # requests joined `running` from outside a batch (PD decode)
         self.inflight: InflightBatch | None = None  # decode step launched, not applied
         self.pending_prefill: InflightBatch | None = None  # prefill launched, not applied
-        self.tiering = create_engine_tiering(self, tokenizer)  # SpectrumKV; None at kv_tier_budget 1
+        self.tiering = create_engine_tiering(self)  # SpectrumKV; None at kv_tier_budget 1
         # Overlapped decode (scheduler/overlap.py): CUDA only (a CPU forward is synchronous).
         self.overlap = (not config.disable_overlap_schedule and self.tiering is None
                         and str(runner.device).startswith("cuda"))

@@ -1,5 +1,5 @@
 """int4 probe wiring at engine start: --kv-int4 semantics, the probe's own settings, the
-fingerprint cache, and the int stores re-divided when the probe turns int4 off."""
+fingerprint cache, and the serving pool sized for the answer (int4 off: no int4 store)."""
 import re
 from contextlib import contextmanager
 from types import SimpleNamespace

@@ -109,11 +109,6 @@ class FusedKVAttentionBackend(AttentionBackend):
             return f"head_dim {pool.head_dim} is not a power of two >= 16"
         return None
 
-    def kv_pool_resized(self) -> None:
-        hook = getattr(self.inner, "kv_pool_resized", None)
-        if hook is not None:
-            hook()
-
     # ------------------------------------------------------------------ plans
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         self.inner.prepare_metadata(batch)
