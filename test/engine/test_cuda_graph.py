@@ -6,7 +6,6 @@ buffers (padding included) and calls the capture target `decode_step_static` dir
 padding invariant and the fixed-width attention plan are checked without CUDA (Triton kernels
 under TRITON_INTERPRET=1, set by test/conftest.py).
 """
-import json
 import random
 
 import pytest
@@ -16,24 +15,11 @@ from sgl_kvxfer.engine.cuda_graph_runner import (CudaGraphRunner, bucket_for, cu
                                                  resolve_max_bs)
 from sgl_kvxfer.forward_batch import ForwardMode
 
+from tiny_models import tiny_llama
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "vocab_size": 512,
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "max_position_embeddings": 1024, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-    "torch_dtype": "float16",
-}
+TINY = tiny_llama(vocab_size=512, hidden_size=64, intermediate_size=128, head_dim=16)
 ATOL = 2e-2  # fp16 attention: the graph plan splits the context differently from the eager plan
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from sgl_kvxfer.models.presets import write_dummy_tokenizer
-
-    d = tmp_path_factory.mktemp("tiny_llama_graph")
-    (d / "config.json").write_text(json.dumps(TINY))
-    return write_dummy_tokenizer(str(d), TINY["vocab_size"])
 
 
 def _engine(model_dir, **kw):

@@ -13,9 +13,8 @@ from sgl_kvxfer.engine.prefill_graph_runner import (PrefillGraphRunner, prefill_
                                                     prefill_graph_unsupported_reason)
 from sgl_kvxfer.forward_batch import ForwardMode
 
-from test_cuda_graph import (  # noqa: F401
-    ATOL, TINY, _assert_greedy_close, _assert_kv_differs_only_in_new_slots, _eager_then_static, _engine, _prompts,
-    tiny_dir)
+from test_cuda_graph import (  # noqa: F401  (TINY: the shape the tiny_dir fixture writes)
+    ATOL, TINY, _assert_greedy_close, _assert_kv_differs_only_in_new_slots, _eager_then_static, _engine, _prompts)
 
 
 def test_prefill_buckets():

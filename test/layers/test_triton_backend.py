@@ -5,31 +5,17 @@ interpreter computes tl.dot wrongly for bf16 (kernels/README.md), so bf16 runs o
 On CPU the kernels run under TRITON_INTERPRET=1 (set by test/conftest.py), ~1 s per call.
 References: torch backend at page 1 (token pool) and page 16 (paged pool, same page size).
 """
-import json
 import random
 
 import pytest
 import torch
 
+from tiny_models import tiny_llama
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "vocab_size": 256,
-    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "max_position_embeddings": 1024, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-    "torch_dtype": "float16",
-}
+TINY = tiny_llama()
 BACKENDS = {"torch1": ("torch", 1), "torch16": ("torch", 16), "triton16": ("triton", 16)}
 ATOL = 2e-2  # logprobs, fp16 attention with different summation orders
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from sgl_kvxfer.models.presets import write_dummy_tokenizer
-
-    d = tmp_path_factory.mktemp("tiny_llama")
-    (d / "config.json").write_text(json.dumps(TINY))
-    return write_dummy_tokenizer(str(d), TINY["vocab_size"])  # no embedded-model conversion
 
 
 def _engine(model_dir, name, dtype="float16", **kw):

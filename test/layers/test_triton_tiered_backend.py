@@ -8,7 +8,6 @@
    included) and decode (decode_attention_filled) against the torch backend's get_kv + SDPA.
 On CPU the kernel runs under TRITON_INTERPRET=1 (test/conftest.py); bf16 dots run in fp32 there.
 """
-import json
 import random
 
 import pytest
@@ -21,6 +20,8 @@ from sgl_kvxfer.mem_cache.tiered_allocator import TieredSlotAllocator
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
 from sgl_kvxfer.mem_cache.tiered_rows import tier_block_tables
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
+
+from tiny_models import tiny_llama
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYERS, HQ, HKV, D, G, PAGE = 2, 4, 2, 32, 16, 16
@@ -105,23 +106,8 @@ def test_backend_decode_matches_torch_on_tiered_pool(dtype, atol):
 
 
 # ---------------------------------------------------------------------------------------- engine
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "vocab_size": 256,
-    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "max_position_embeddings": 1024, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-    "torch_dtype": "bfloat16",
-}
+TINY = tiny_llama(torch_dtype="bfloat16")
 ATOL = 5e-2  # logprobs: bf16 activations, different attention summation orders
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from sgl_kvxfer.models.presets import write_dummy_tokenizer
-
-    d = tmp_path_factory.mktemp("tiny_llama_tiered")
-    (d / "config.json").write_text(json.dumps(TINY))
-    return write_dummy_tokenizer(str(d), TINY["vocab_size"])
 
 
 def test_engine_triton_matches_torch_at_budget_half(tiny_dir):
