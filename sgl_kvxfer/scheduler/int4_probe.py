@@ -139,8 +139,7 @@ def probe_scheduler(cfg, loaded, tokenizer, need_tokens: int):
     engine = dataclasses.replace(engine, kv_tier_policy=PROBE_POLICY, kv_tier_budget=PROBE_BUDGET,
                                  kv_budget_unit="cost", kv_int4="on", max_total_tokens=size,
                                  disable_cuda_graph=True, enable_prefill_cuda_graph=False)
-    probe_cfg = dataclasses.replace(cfg, engine=engine, max_running_requests=1, disaggregation_mode="null",
-                                    scd_artifacts=None)
+    probe_cfg = dataclasses.replace(cfg, engine=engine, max_running_requests=1)  # no PD role is attached
     runner = ModelRunner(engine, 1, cfg.max_prefill_tokens, loaded=loaded, int4=resolve_int4("on"))
     return Scheduler(probe_cfg, runner, tokenizer)
 

@@ -88,3 +88,15 @@ def test_a_tiered_runner_needs_the_decision(tiny_dir):
     with pytest.raises(ValueError, match="int4 decision"):
         model_runner.ModelRunner(EngineConfig(model_path=tiny_dir, load_format="dummy", device="cpu",
                                               kv_tier_budget=0.5))
+
+
+def test_a_pd_server_probes_on_a_plain_engine(tiny_dir, pool_builds):
+    """The server process's path (create_runner) for a PD decode role: the probe's engine is a
+    plain scheduler (no role is attached to it); the serving pool is still built once after it."""
+    from sgl_kvxfer.config import ServerArgs
+    from sgl_kvxfer.scheduler.startup import create_runner
+
+    cfg = ServerArgs.from_flat(model_path=tiny_dir, disaggregation_mode="decode", kv_int4="auto", **KW).scheduler
+    runner, _, _ = create_runner(cfg)
+    assert runner.int4.source == "probe" and len(pool_builds) == 2 and pool_builds[1]["earlier_freed"]
+    assert pool_builds[1]["pool"]() is runner.kv_pool and pool_builds[1]["int4"] is runner.int4.enabled

@@ -5,7 +5,7 @@ import time
 
 import pytest
 import requests
-from conftest import start_server
+from servers import start_server
 
 KEY, ADMIN = "sk-test", "sk-admin"
 
