@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="all: every weight trains; top: the reconstruction layers and the final norm only")
     ap.add_argument("--seq", type=_int_at_least(8, 1 << 16), default=d.seq)
     ap.add_argument("--batch", type=_int_at_least(1, 4096), default=d.batch)
+    ap.add_argument("--calib-windows", type=_int_at_least(1, 1 << 16), default=d.calib_windows,
+                    help="windows of --seq tokens for the source search and the least-squares fit")
     ap.add_argument("--eval-windows", type=_int_at_least(1, 1 << 16), default=d.eval_windows,
                     help="held-out windows of --seq tokens per eval domain")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--device {a.device}: no CUDA device here")
     try:
         cfg = RetrofitConfig(variant=a.variant, num_storage_layers=a.num_storage_layers, budget_s=a.budget_min * 60,
-                             train_scope=a.train_scope, seq=a.seq, batch=a.batch, eval_windows=a.eval_windows)
+                             train_scope=a.train_scope, seq=a.seq, batch=a.batch, eval_windows=a.eval_windows,
+                             calib_windows=a.calib_windows)
     except ValueError as exc:
         ap.error(str(exc))
     data = Tokenized(resolve_data_dir(a.train_data), model_dir)

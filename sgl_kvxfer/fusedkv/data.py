@@ -6,7 +6,7 @@ A data folder holds `{domain}_{split}.jsonl` files (one {"text": ...} document a
 train / calib / eval, any domain names, e.g. prose_train.jsonl, code_eval.jsonl), or the token
 files `prepare` makes of them: one LZMA-compressed stream per file, `{domain}_{split}.u16.xz`
 (uint32 `.u32.xz` when the vocabulary exceeds 2^16), every document followed by the tokenizer's
-end-of-text id, plus meta.json naming the tokenizer by the sha256 of its tokenizer.json. A token
+end-of-text id, plus meta.json naming the tokenizer by the sha256 of its vocabulary. A token
 folder is what a GPU call carries (no raw corpora there). The folder comes from a flag or from
 SGL_KVXFER_FUSEDKV_DATA; there is no built-in default path.
 """
@@ -41,8 +41,12 @@ def resolve_data_dir(flag: str | None) -> str:
 
 
 def tokenizer_sha256(model_dir: str) -> str:
-    with open(os.path.join(model_dir, "tokenizer.json"), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    """sha256 of the tokenizer's vocabulary (token -> id, added tokens included), sorted: equal for
+    two tokenizer.json files that encode alike whatever their formatting."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json")).get_vocab(with_added_tokens=True)
+    return hashlib.sha256(json.dumps(vocab, sort_keys=True).encode()).hexdigest()
 
 
 def _files(data_dir: str) -> dict[tuple[str, str], str]:

@@ -219,6 +219,7 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
     else:
         with clock:
             report["lstsq_residuals"] = lstsq_fusion_init(teacher, student, calib, cfg.batch, autocast)
+    bar.update(clock.s)
     point("init", 0)
     batches = EpochBatches(train, cfg.batch, seed=cfg.seed)
 
@@ -289,8 +290,7 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
     report["distill_steps"], report["distill_planned_steps"], report["local_steps"] = step, planned, local_steps
     report["tokens_seen"] = int((local_steps + step) * cfg.batch * cfg.seq)
     report["epochs"] = batches.epochs
-    if step or local_steps or cfg.variant == "fusedkv":
-        point("final", step, kl=kl, hidden=hid, epochs=batches.epochs)
+    point("final", step, kl=kl, hidden=hid, epochs=batches.epochs)
     report["curve"] = points
     report["final_ppl"] = points[-1]["ppl"]
     report["final_rel"] = {d: p / report["teacher_ppl"][d] - 1 for d, p in report["final_ppl"].items()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_HF, tiny_model_dir
+from fkv_tiny import TINY_HF, tiny_model_dir
 
 from sgl_kvxfer.fusedkv.checkpoint import load_base, load_lm, save_model_dir
 from sgl_kvxfer.fusedkv.model import LAYOUTS, LM, LMConfig, matched_recon_intermediate
