@@ -35,12 +35,13 @@ from sgl_kvxfer.fusedkv import curve as curves
 from sgl_kvxfer.fusedkv.checkpoint import load_base, load_lm
 from sgl_kvxfer.fusedkv.data import EpochBatches, Tokenized, chunks, mixed_chunks
 from sgl_kvxfer.fusedkv.distill import AttentionMatcher, distill_loss, lstsq_fusion_init, source_search
-from sgl_kvxfer.fusedkv.model import LM, LMConfig
+from sgl_kvxfer.fusedkv.model import LM
 from sgl_kvxfer.models.fusedkv_math import CONFIG_KEY
 
 TARGETS = {"prose": 1.03, "code": 1.05}  # PPL ratio to the teacher per domain; other domains: 1.03
 SCOPES = ("all", "top")
 SOURCES = ("search", "paper")
+REPLAN_STEP = 25  # the distill step count is planned after the probe steps and again here
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,13 @@ class RetrofitConfig:
     budget_s: float = 1200.0  # training seconds (init + local + distill), evaluation excluded
     seq: int = 512
     batch: int = 16
-    lr: float = 1e-4  # peak, pretrained weights
+    lr: float = 2e-4  # peak, pretrained weights
     lr_fusion: float = 1e-2  # fusion weights (O(1) values, a handful of them)
     warmup_frac: float = 0.05
     min_lr_frac: float = 0.1
-    local_frac: float = 0.15
-    local_lr: float = 3e-4
-    hidden_weight: float = 1.0
+    local_frac: float = 0.2
+    local_lr: float = 5e-4  # peak; cosine to a tenth over the local phase
+    hidden_weight: float = 0.5
     train_scope: str = "all"
     eval_windows: int = 32  # per domain
     eval_points: int = 12
@@ -132,6 +133,29 @@ class Progress:
             self.bar.close()
 
 
+class StopOnInterrupt:
+    """SIGINT (e.g. `timeout -s INT`) ends training at the next step instead of killing the run:
+    the final evaluation and the model dir still get written."""
+
+    def __init__(self):
+        import signal
+        import threading
+
+        self.requested, self._old = False, None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, *_):
+        self.requested = True
+
+    def restore(self):
+        if self._old is not None:
+            import signal
+
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+
+
 def autocast_for(device: str):
     if device.startswith("cuda"):
         return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
@@ -149,6 +173,13 @@ def student_from(teacher: LM, cfg: RetrofitConfig, sources: tuple[int, int] | No
     if any(".kv_fusion." not in k for k in missing):
         raise ValueError(f"teacher lacks student weights: {missing[:4]}")
     return m.to(next(teacher.parameters()).device)
+
+
+def spaced(windows: torch.Tensor, n: int) -> torch.Tensor:
+    """n windows spread evenly over the split (every document region, not only its start)."""
+    if windows.shape[0] <= n:
+        return windows
+    return windows[torch.linspace(0, windows.shape[0] - 1, n).round().long()]
 
 
 def _lr_factor(step: int, steps: int, warmup: int, floor: float) -> float:
@@ -183,7 +214,7 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
         raise SystemExit(f"{model_dir} is already a FusedKV model (its config.json has a '{CONFIG_KEY}' section)")
     teacher = load_lm(model_dir, device)
     teacher.requires_grad_(False)
-    evals = {d: chunks(t, cfg.seq, cfg.eval_windows) for d, t in data.split("eval").items()}
+    evals = {d: spaced(chunks(t, cfg.seq), cfg.eval_windows) for d, t in data.split("eval").items()}
     calib_split = data.split("calib") if data.domains("calib") else data.split("train")
     calib = mixed_chunks(calib_split, cfg.seq, cfg.calib_windows)
     train = mixed_chunks(data.split("train"), cfg.seq, cfg.max_train_windows)
@@ -193,6 +224,7 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
               "train_tokens": int(train[:, 1:].numel()), "calib_tokens": int(calib[:, 1:].numel())}
     report["teacher_ppl"] = curves.domain_ppl(teacher, evals, cfg.batch, autocast)
     clock, points, eval_s = TrainClock(device), [], 0.0
+    stop = StopOnInterrupt()
     n = cfg.num_storage_layers or teacher.config.num_layers // 2
     sources = None
     if cfg.sources == "search":
@@ -234,11 +266,13 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
         groups = [{"params": mats, "lr": cfg.local_lr}] + ([{"params": fusion, "lr": cfg.lr_fusion}] if fusion else [])
         opt = torch.optim.Adam(groups)
         base = [g["lr"] for g in opt.param_groups]
-        end = min(cfg.budget_s, clock.s + cfg.local_frac * cfg.budget_s)
-        while clock.s < end:
+        start = clock.s
+        end = min(cfg.budget_s, start + cfg.local_frac * cfg.budget_s)
+        while clock.s < end and not stop.requested:
             with clock:
+                done = (clock.s - start) / max(end - start, 1e-9)
                 for g, lr in zip(opt.param_groups, base):
-                    g["lr"] = lr * min(1.0, (local_steps + 1) / 10)
+                    g["lr"] = lr * min(1.0, (local_steps + 1) / 10) * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
                 with autocast():
                     loss = matcher.loss(next(batches).to(device)[:, :-1])
                 loss.backward()
@@ -256,8 +290,14 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
     opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, fused=device.startswith("cuda"))
     base = [g["lr"] for g in opt.param_groups]
     student.train()
-    step, planned, every, t_probe = 0, None, None, clock.s
+    step, planned, every, t_start, t_warm = 0, None, None, clock.s, None
     kl = hid = float("nan")
+
+    def replan(step_s: float) -> None:
+        nonlocal planned, every
+        planned = step + max(0, int((cfg.budget_s - clock.s) / step_s))
+        every = max(1, planned // cfg.eval_points)
+        report["distill_step_s"] = step_s
 
     def lr_factor() -> float:
         if planned is None:  # the probe steps: the start of a warm-up
@@ -265,7 +305,7 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
         warm = max(cfg.probe_steps + 1, int(cfg.warmup_frac * planned))
         return _lr_factor(step, planned, warm, cfg.min_lr_frac)
 
-    while clock.s < cfg.budget_s and (planned is None or step < planned):
+    while clock.s < cfg.budget_s and (planned is None or step < planned) and not stop.requested:
         with clock:
             for g, lr in zip(opt.param_groups, base):
                 g["lr"] = lr * lr_factor()
@@ -278,15 +318,17 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
         step += 1
         kl, hid = parts["kl"].item(), parts["hidden"].item()
         bar.update(clock.s, kl=kl, hidden=hid)
-        if planned is None and step == cfg.probe_steps:
-            step_s = (clock.s - t_probe) / step
-            planned = step + max(0, int((cfg.budget_s - clock.s) / step_s))
-            every = max(1, planned // cfg.eval_points)
-            report["distill_step_s"] = step_s
+        if step == cfg.probe_steps:  # plan from the probe steps, then again from warm steps only
+            t_warm = clock.s
+            replan((clock.s - t_start) / step)
+        elif step == REPLAN_STEP and t_warm is not None:
+            replan((clock.s - t_warm) / (step - cfg.probe_steps))
         if every and (step % every == 0) and step < planned:
             point("distill", step, kl=kl, hidden=hid, epochs=batches.epochs)
     student.eval()
     bar.close()
+    stop.restore()
+    report["interrupted"] = stop.requested
     report["distill_steps"], report["distill_planned_steps"], report["local_steps"] = step, planned, local_steps
     report["tokens_seen"] = int((local_steps + step) * cfg.batch * cfg.seq)
     report["epochs"] = batches.epochs

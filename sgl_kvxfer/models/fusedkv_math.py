@@ -1,8 +1,8 @@
 """FusedKV math (../shared/papers/fusedkv-cross-layer-fusion.txt): config, fusion, init, fitting.
 
 Pure torch, no engine imports: the model variants, the layer-mapped pool, the attention
-kernels (kernels/fusedkv_attention.py) and the training scripts (benchmarks/fusedkv/) all
-build on this file.
+kernels (kernels/fusedkv_attention.py) and the offline package (sgl_kvxfer/fusedkv/: training,
+retrofit, converter) all build on this file.
 
 Layers (0-based here; the paper counts from 1, so its "layer 1" and "layer n" are our
 `source_layers = (0, n - 1)`):
