@@ -103,7 +103,7 @@ def run_variant(args, variant: str, model_dir: str, arch, vocab: int, copy_bw: f
 
     points, skipped, pool_tokens = plan_variant(args, arch, variant)
     max_b = max([b for b, _ in points], default=1)
-    chunk = args.chunk
+    chunk = args.chunk or max(args.prompt_lens + [c for _, c in args.points])  # TTFT prompts in one chunk
     _, resident = weight_bytes(arch, args.dtype, variant)
     kw = dict(load_format="dummy", dtype=args.dtype, device=args.device, attention_backend=args.backend,
               max_total_tokens=pool_tokens, max_running_requests=max_b, chunked_prefill_size=chunk,
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--n1", type=int, default=8)
     p.add_argument("--n2", type=int, default=40)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--chunk", type=int, default=8192, help="--chunked-prefill-size")
+    p.add_argument("--chunk", type=int, default=None, help="--chunked-prefill-size (default: the longest prompt)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default="triton")

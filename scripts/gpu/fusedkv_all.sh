@@ -2,8 +2,9 @@
 # On the GPU machine (one H100): every FusedKV measurement in one call, each stage under
 # `timeout -s INT` (a stage that runs out keeps what it measured; a failed stage does not stop the
 # next). Results into $OUT: the five JSONs, fusedkv_results.tar.gz (JSONs + PNGs) and the log.
-#   1. retrofit   python -m sgl_kvxfer.fusedkv.convert on SmolLM2-135M-Instruct (RETROFIT_MIN minutes
-#                 of training), the PPL-vs-GPU-minutes curve; the converted model stays in /tmp
+#   1. retrofit   python -m sgl_kvxfer.fusedkv.convert on SmolLM2-135M-Instruct (1.25 minutes of
+#                 training), the PPL-vs-GPU-minutes curve, task-suite scores of both models through
+#                 the engine; the converted model stays in /tmp for the tiers stage
 #   2. scratch    scripts/fusedkv/compare_scratch.py: vanilla / fusedkv / lite / cla2 / yoco and two
 #                 fusedkv ablations (fusion weights starting as Lite; their learning rate x30), 3 seeds
 #   3. tiers      benchmarks/fusedkv/tiers.py: the converted model and the original at b = 1.0 / 0.5
@@ -41,10 +42,10 @@ if [ "$DEVICE" = cuda ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD SGL_KVXFER_MODEL_CACHE=/tmp/models HF_HUB_OFFLINE=1
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  T_RETROFIT=${T_RETROFIT:-105} T_SCRATCH=${T_SCRATCH:-75} T_TIERS=${T_TIERS:-60} T_SERVE=${T_SERVE:-120}
+  T_RETROFIT=${T_RETROFIT:-135} T_SCRATCH=${T_SCRATCH:-65} T_TIERS=${T_TIERS:-55} T_SERVE=${T_SERVE:-115}
   T_CAPACITY=${T_CAPACITY:-160}
-  RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min 1.25}
-  SCRATCH_ARGS=${SCRATCH_ARGS:---preset small --seeds 0 1 2 --workers 3 --time-budget-s 55}
+  RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min 1.25 --tasks qa,kv,code --task-n 30}
+  SCRATCH_ARGS=${SCRATCH_ARGS:---preset small --seeds 0 1 2 --workers 3 --time-budget-s 48}
   TIERS_ARGS=${TIERS_ARGS:---budgets 1.0 0.5 --windows 32 --decode-batch 8 --decode-context 2048}
   SERVE_ARGS=${SERVE_ARGS:---preset llama-3-8b --points 1x8192 16x8192 1x32768 --prompt-lens 8192 32768 --ttft-repeats 3}
   CAPACITY_ARGS=${CAPACITY_ARGS:---preset llama-3-8b --context 32768}
@@ -52,7 +53,7 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   T_RETROFIT=${T_RETROFIT:-900} T_SCRATCH=${T_SCRATCH:-900} T_TIERS=${T_TIERS:-900} T_SERVE=${T_SERVE:-900}
   T_CAPACITY=${T_CAPACITY:-900}
-  RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min 0.3 --seq 32 --batch 2 --eval-windows 2 --calib-windows 4}
+  RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min 0.3 --seq 32 --batch 2 --eval-windows 2 --calib-windows 4 --tasks qa --task-n 2 --dtype float32}
   SCRATCH_ARGS=${SCRATCH_ARGS:---preset toy --seeds 0 1 --workers 2}
   TIERS_ARGS=${TIERS_ARGS:---budgets 1.0 0.5 --windows 2 --context 64 --continuation 16 --decode-batch 2 --decode-context 48 --n1 2 --n2 6 --dtype float32}
   SERVE_ARGS=${SERVE_ARGS:---smoke}

@@ -11,5 +11,6 @@ of models/fusedkv_math.py.
     retrofit    the retrofit under a time budget, with its PPL curve
     curve       perplexity per domain, the curve's power-law extrapolation, its plot
     convert     python -m sgl_kvxfer.fusedkv.convert (the CLI)
+    task_eval   task-suite scores of a model dir through the engine
     scratch     from-scratch training of one layout at one seed (scripts/fusedkv/compare_scratch.py)
 """

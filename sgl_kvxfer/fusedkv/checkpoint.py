@@ -39,9 +39,18 @@ def load_base(model_dir: str) -> tuple[dict, dict[str, torch.Tensor]]:
     return cfg, tensors
 
 
-def checkpoint_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
-    """The dtype of the checkpoint's weight matrices (what a converted model is saved in)."""
-    return next(t.dtype for n, t in tensors.items() if n.endswith("proj.weight"))
+def checkpoint_dtype(model_dir: str) -> torch.dtype:
+    """The dtype of the checkpoint's weight matrices (what a converted model is saved in), read
+    from the safetensors headers without loading the tensors."""
+    from safetensors import safe_open
+
+    for n in sorted(os.listdir(model_dir)):
+        if n.endswith(".safetensors"):
+            with safe_open(os.path.join(model_dir, n), "pt") as f:
+                for key in f.keys():
+                    if key.endswith("proj.weight"):
+                        return f.get_slice(key)[:1].dtype
+    raise FileNotFoundError(f"no projection weights in {model_dir}'s safetensors")
 
 
 def load_lm(model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> LM:
@@ -74,8 +83,7 @@ def save_model_dir(lm: LM, base_dir: str, out_dir: str, dtype: torch.dtype | Non
     with open(os.path.join(base_dir, "config.json")) as f:
         hf_config = {k: v for k, v in json.load(f).items() if k != CONFIG_KEY}
     if dtype is None:
-        _, base = load_base(base_dir)
-        dtype = checkpoint_dtype(base)
+        dtype = checkpoint_dtype(base_dir)
     tensors = model_tensors(lm, dtype)
     if c.fusedkv is not None:
         hf_config[CONFIG_KEY] = c.fusedkv.to_dict()

@@ -9,8 +9,9 @@ keeps KV for the bottom half of its layers; the top half rebuilds it from two of
 (retrofit.py) within --budget-min minutes of training (evaluation excluded; 0: least squares
 only); --train-data (or SGL_KVXFER_FUSEDKV_DATA) is a folder of {domain}_{train,calib,eval}.jsonl
 files or their token files (data.py). A progress bar follows the budget; the last line gives the
-held-out perplexity of the original and the converted model per eval domain. --report writes the
-run's JSON (the PPL curve against training GPU-minutes and its extrapolation) and a PNG beside it.
+held-out perplexity of the original and the converted model per eval domain. --tasks also scores
+both on the task suite through the engine (task_eval.py). --report writes the run's JSON (the PPL
+curve against training GPU-minutes and its extrapolation) and a PNG beside it.
 """
 from __future__ import annotations
 
@@ -69,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="windows of --seq tokens for the source search and the least-squares fit")
     ap.add_argument("--eval-windows", type=_int_at_least(1, 1 << 16), default=d.eval_windows,
                     help="held-out windows of --seq tokens per eval domain")
+    ap.add_argument("--tasks", default=None, help="after converting, score the original and the converted model "
+                    "on these task-suite tasks through the engine, e.g. qa,kv,needle,code (sgl_kvxfer/tasks)")
+    ap.add_argument("--task-n", type=_int_at_least(1, 10**5), default=50, help="eval items per task")
+    ap.add_argument("--dtype", default="auto", help="the engine's dtype for --tasks")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--report", default=None, help="write the run's JSON here (and a PNG of the curve beside it)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -84,6 +89,14 @@ def main(argv: list[str] | None = None) -> dict:
     from sgl_kvxfer.fusedkv.retrofit import run_retrofit
     from sgl_kvxfer.models.loader import resolve_model_path
 
+    names = None
+    if a.tasks:
+        from sgl_kvxfer import tasks
+
+        try:
+            names = list(tasks.parse_mix(a.tasks))
+        except (KeyError, ValueError) as exc:
+            ap.error(f"--tasks: {exc}")
     model_dir = resolve_model_path(a.model)
     if os.path.abspath(a.out) == os.path.abspath(model_dir):
         ap.error("--out must differ from --model")
@@ -102,6 +115,15 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as exc:  # e.g. a model shape the compact LM does not cover
         raise SystemExit(f"cannot convert {model_dir}: {exc}")
     save_model_dir(student, model_dir, a.out)
+    del student
+    if names:
+        from sgl_kvxfer.fusedkv.task_eval import compare
+
+        try:
+            report["task_scores"] = compare(model_dir, a.out, names, a.task_n, 0, a.device, a.dtype)
+        except Exception as exc:  # noqa: BLE001 - the model dir and the PPL report stand without them
+            report["task_scores"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            print(f"task scoring failed: {report['task_scores']['error']}", flush=True)
     report.update(model=model_dir, model_name=os.path.basename(os.path.normpath(model_dir)), out=a.out,
                   device=_device_name(a.device), command=shlex.join(["python", "-m", "sgl_kvxfer.fusedkv.convert",
                                                          *(sys.argv[1:] if argv is None else argv)]))
@@ -111,6 +133,14 @@ def main(argv: list[str] | None = None) -> dict:
             json.dump(report, f, indent=2)
         plot(report, os.path.splitext(a.report)[0] + ".png")
     print(f"wrote {a.out}" + (f" and {a.report}" if a.report else ""), flush=True)
+    if names and "error" not in report["task_scores"]:
+        from sgl_kvxfer import tasks
+
+        ts = report["task_scores"]
+        print("tasks (headline, points): " + "; ".join(
+            f"{t} {tasks.headline(t)}: original {100 * ts['original'][t][tasks.headline(t)]:.1f}, converted "
+            f"{100 * ts['converted'][t][tasks.headline(t)]:.1f} ({ts['headline_points'][t]:+.1f})" for t in names),
+            flush=True)
     print("PPL " + "; ".join(f"{d}: original {report['teacher_ppl'][d]:.3f}, converted {p:.3f} "
                              f"({100 * report['final_rel'][d]:+.2f}%)" for d, p in report["final_ppl"].items()),
           flush=True)

@@ -25,14 +25,16 @@ would say nothing about how faithful the conversion is.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from sgl_kvxfer.fusedkv import curve as curves
-from sgl_kvxfer.fusedkv.checkpoint import load_base, load_lm
+from sgl_kvxfer.fusedkv.checkpoint import load_lm
 from sgl_kvxfer.fusedkv.data import EpochBatches, Tokenized, chunks, mixed_chunks
 from sgl_kvxfer.fusedkv.distill import AttentionMatcher, distill_loss, lstsq_fusion_init, source_search
 from sgl_kvxfer.fusedkv.model import LM
@@ -209,7 +211,8 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
     torch.manual_seed(cfg.seed)
     t_wall = time.perf_counter()
     autocast = autocast_for(device)
-    hf_cfg, _ = load_base(model_dir)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf_cfg = json.load(f)
     if CONFIG_KEY in hf_cfg:
         raise SystemExit(f"{model_dir} is already a FusedKV model (its config.json has a '{CONFIG_KEY}' section)")
     teacher = load_lm(model_dir, device)
@@ -234,7 +237,6 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
         report["source_search"] = found
     student = student_from(teacher, cfg, sources)
     report["fusedkv"] = student.config.fusedkv.to_dict()
-    report["untuned_lite_ppl"] = None
     bar = Progress(cfg.budget_s, progress)
 
     def point(phase: str, step: int, **extra) -> None:
@@ -246,9 +248,7 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
         rel = ", ".join(f"{d} {p:.3f} ({100 * (p / report['teacher_ppl'][d] - 1):+.1f}%)" for d, p in ppl.items())
         bar.write(f"[{clock.s:7.1f} s] {phase} step {step}: PPL {rel}")
 
-    if cfg.variant == "lite":
-        report["untuned_lite_ppl"] = curves.domain_ppl(student, evals, cfg.batch, autocast)
-    else:
+    if cfg.variant == "fusedkv":
         with clock:
             report["lstsq_residuals"] = lstsq_fusion_init(teacher, student, calib, cfg.batch, autocast)
     bar.update(clock.s)

@@ -10,7 +10,7 @@ from sgl_kvxfer.fusedkv.model import LM, LMConfig
 
 TINY_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True, "max_position_embeddings": 256,
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True, "max_position_embeddings": 2048,
            "eos_token_id": 2, "torch_dtype": "float32"}
 WORDS = ("the cat dog sat on a mat and ran to see big small red blue house tree river stone light dark "
          "def return import class for while if else print value list dict").split()

@@ -18,13 +18,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SMALL = ["--seq", "16", "--batch", "2", "--eval-windows", "2", "--calib-windows", "4", "--no-progress"]
 
 
-@pytest.mark.parametrize("variant", ["fusedkv", "lite"])
-def test_convert_writes_a_served_model_and_a_report(tmp_path, tiny_model, text_data, capsys, variant):
+@pytest.mark.parametrize("variant,tasks", [("fusedkv", []), ("lite", ["--tasks", "qa,kv", "--task-n", "2"])])
+def test_convert_writes_a_served_model_and_a_report(tmp_path, tiny_model, text_data, capsys, variant, tasks):
     out, report_path = tmp_path / "out", tmp_path / "r" / "report.json"
     report = convert.main(["--model", tiny_model, "--variant", variant, "--out", str(out), "--train-data", text_data,
-                           "--budget-min", "0.15", "--device", "cpu", "--report", str(report_path), *SMALL])
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("PPL code: original") and "; prose: original" in line and "converted" in line
+                           "--budget-min", "0.15", "--device", "cpu", "--report", str(report_path), "--dtype",
+                           "float32", *SMALL, *tasks])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1].startswith("PPL code: original") and "; prose: original" in lines[-1] and "converted" in lines[-1]
+    if tasks:  # both models answered the same items through the engine
+        ts = report["task_scores"]
+        assert ts["tasks"] == ["qa", "kv"] and ts["original"]["kv"]["n"] == ts["converted"]["kv"]["n"] == 2
+        assert set(ts["headline_points"]) == {"qa", "kv"} and lines[-2].startswith("tasks (headline, points): qa f1")
     saved = json.load(open(report_path))
     assert os.path.isfile(str(report_path)[:-5] + ".png")
     assert saved["final_ppl"] == report["final_ppl"] and set(saved["final_ppl"]) == {"prose", "code"}
@@ -61,7 +66,7 @@ def test_retrofit_trains_within_its_budget(tiny_model, text_data):
 @pytest.mark.parametrize("flags,err", [
     (["--budget-min", "-1"], "--budget-min"), (["--budget-min", "nan"], "--budget-min"),
     (["--budget-min", "inf"], "--budget-min"), (["--batch", "0"], "--batch"), (["--seq", "x"], "--seq"),
-    (["--variant", "gqa"], "--variant"),
+    (["--variant", "gqa"], "--variant"), (["--tasks", "chess"], "--tasks"), (["--task-n", "0"], "--task-n"),
 ])
 def test_bad_flags_are_argparse_errors(tmp_path, flags, err, capsys):
     args = ["--model", "m", "--variant", "fusedkv", "--out", str(tmp_path / "o")]
