@@ -55,7 +55,7 @@ else
   T_CAPACITY=${T_CAPACITY:-900}
   RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min 0.3 --seq 32 --batch 2 --eval-windows 2 --calib-windows 4 --tasks qa --task-n 2 --dtype float32}
   SCRATCH_ARGS=${SCRATCH_ARGS:---preset toy --seeds 0 1 --workers 2}
-  TIERS_ARGS=${TIERS_ARGS:---budgets 1.0 0.5 --windows 2 --context 64 --continuation 16 --decode-batch 2 --decode-context 48 --n1 2 --n2 6 --dtype float32}
+  TIERS_ARGS=${TIERS_ARGS:---budgets 1.0 0.5 --windows 2 --context 32 --continuation 8 --decode-batch 1 --decode-context 16 --n1 1 --n2 2 --dtype float32}
   SERVE_ARGS=${SERVE_ARGS:---smoke}
   CAPACITY_ARGS=${CAPACITY_ARGS:---smoke}
 fi
