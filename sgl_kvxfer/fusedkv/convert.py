@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict:
     ap = build_parser()
     a = ap.parse_args(argv)
+    from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
+
+    use_interpreter_on_cpu(a.device)  # before any kernel import: --tasks runs the engine here
     from sgl_kvxfer.fusedkv.checkpoint import save_model_dir
     from sgl_kvxfer.fusedkv.curve import plot
     from sgl_kvxfer.fusedkv.data import Tokenized, resolve_data_dir
