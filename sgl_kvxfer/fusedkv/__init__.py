@@ -9,6 +9,7 @@ of models/fusedkv_math.py.
     checkpoint  model dirs in and out of the compact LM
     distill     the retrofit's losses: least-squares init, attention-output matching, KL + hidden
     retrofit    the retrofit under a time budget, with its PPL curve
+    runctl      a clock of training seconds, a progress bar over the budget, SIGINT as stop
     curve       perplexity per domain, the curve's power-law extrapolation, its plot
     convert     python -m sgl_kvxfer.fusedkv.convert (the CLI)
     task_eval   task-suite scores of a model dir through the engine

@@ -38,6 +38,7 @@ from sgl_kvxfer.fusedkv.checkpoint import load_lm
 from sgl_kvxfer.fusedkv.data import EpochBatches, Tokenized, chunks, mixed_chunks
 from sgl_kvxfer.fusedkv.distill import AttentionMatcher, distill_loss, lstsq_fusion_init, source_search
 from sgl_kvxfer.fusedkv.model import LM
+from sgl_kvxfer.fusedkv.runctl import Progress, StopOnInterrupt, TrainClock
 from sgl_kvxfer.models.fusedkv_math import CONFIG_KEY
 
 TARGETS = {"prose": 1.03, "code": 1.05}  # PPL ratio to the teacher per domain; other domains: 1.03
@@ -83,79 +84,6 @@ class RetrofitConfig:
         for name in ("seq", "batch", "eval_windows", "eval_points", "calib_windows", "probe_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-
-class TrainClock:
-    """Seconds spent inside `with clock:` blocks, the device synchronized at both ends."""
-
-    def __init__(self, device: str):
-        self.s, self.cuda = 0.0, device.startswith("cuda")
-
-    def _sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def __enter__(self):
-        self._sync()
-        self._t = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self._sync()
-        self.s += time.perf_counter() - self._t
-
-
-class Progress:
-    """A tqdm bar over the budget's seconds (a plain line per update without tqdm)."""
-
-    def __init__(self, total_s: float, enabled: bool):
-        self.bar, self.enabled, self.done = None, enabled, 0.0
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=round(total_s, 1), unit="s", desc="retrofit", dynamic_ncols=True)
-            except ImportError:
-                pass
-
-    def update(self, clock_s: float, **postfix):
-        if self.bar is not None:
-            self.bar.update(round(clock_s - self.done, 2))
-            self.bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
-        self.done = clock_s
-
-    def write(self, line: str):
-        if self.bar is not None:
-            self.bar.write(line)
-        elif self.enabled:
-            print(line, flush=True)
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
-
-
-class StopOnInterrupt:
-    """SIGINT (e.g. `timeout -s INT`) ends training at the next step instead of killing the run:
-    the final evaluation and the model dir still get written."""
-
-    def __init__(self):
-        import signal
-        import threading
-
-        self.requested, self._old = False, None
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, *_):
-        self.requested = True
-
-    def restore(self):
-        if self._old is not None:
-            import signal
-
-            signal.signal(signal.SIGINT, self._old)
-            self._old = None
 
 
 def autocast_for(device: str):
