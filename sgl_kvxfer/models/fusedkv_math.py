@@ -1,8 +1,9 @@
 """FusedKV math (../shared/papers/fusedkv-cross-layer-fusion.txt): config, fusion, init, fitting.
 
-Pure torch, no engine imports: the model variants, the layer-mapped pool and the training
-scripts (benchmarks/fusedkv/) build on this file. The fusion itself, `fuse_kv`, is the attention
-kernels' reference and lives beside them (kernels/reference.py).
+Pure torch, no engine imports: the model variants, the layer-mapped pool and the offline
+package (sgl_kvxfer/fusedkv/: training, retrofit, converter) build on this file. The fusion
+itself, `fuse_kv`, is the attention kernels' reference and lives beside them
+(kernels/reference.py).
 
 Layers (0-based here; the paper counts from 1, so its "layer 1" and "layer n" are our
 `source_layers = (0, n - 1)`):

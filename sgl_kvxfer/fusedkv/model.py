@@ -1,15 +1,21 @@
-"""Compact Llama-style LM (vanilla, FusedKV, FusedKV-Lite) for training and retrofit, no KV cache.
+"""Compact Llama-style LM for training and retrofit (no KV cache), in every cross-layer KV layout.
 
 Full-sequence forward with SDPA (causal). Parameter names are HF Llama's
-(`model.layers.{i}.self_attn.q_proj.weight`, ...), so SmolLM2's checkpoint loads as is and a
-converted model saves as a checkpoint the engine reads: reconstruction layers have no k_proj /
-v_proj, and FusedKV ones a `self_attn.kv_fusion` (fusedkv_math.KVFusion). Within one forward:
+(`model.layers.{i}.self_attn.q_proj.weight`, ...), so a Llama checkpoint loads as is and a
+converted model saves as a checkpoint the engine reads: layers that store no KV have no k_proj /
+v_proj, and FusedKV ones a `self_attn.kv_fusion` (models/fusedkv_math.KVFusion).
 
-    storage layer l:         K_l, V_l = RoPE(k_proj(x)), v_proj(x)      (kept for the sources)
-    reconstruction layer i:  FusedKV  K_i, V_i = fuse_kv(K_s0, K_s1, V_s0, V_s1, weights_i)
-                             Lite     K_i, V_i = K_s1, V_s0
+Layouts (L layers; all but vanilla store KV for L/2 of them, so they compare at equal KV bytes):
 
-RoPE is the half-split rotation of layers/rope.py (channel j pairs with j + D/2).
+    vanilla   every layer stores its own K, V
+    fusedkv   layers n..L-1: K_i, V_i = fuse_kv(K_s0, K_s1, V_s0, V_s1, weights_i)   (paper Eq. 4-5)
+    lite      layers n..L-1: K_i, V_i = K_s1, V_s0                                  (paper Eq. 6)
+    yoco      layers n..L-1: K_i, V_i = K_n-1, V_n-1   (YOCO-style: one shared cache from the middle)
+    cla2      odd layers:    K_i, V_i = K_i-1, V_i-1   (CLA: adjacent pairs share one cache)
+
+fusedkv and lite are the engine's (a `fusedkv` section in config.json); yoco and cla2 exist only
+here, as baselines of the from-scratch comparison (scratch.py). RoPE is the half-split rotation of
+layers/rope.py (channel j pairs with j + D/2).
 """
 from __future__ import annotations
 
@@ -24,6 +30,9 @@ from torch import nn
 from sgl_kvxfer.layers.rope import compute_inv_freq
 from sgl_kvxfer.models.fusedkv_math import FusedKVConfig, KVFusion, init_fusion_weights
 
+CROSS_LAYER = ("cla2", "yoco")  # training-only baselines (no engine support)
+LAYOUTS = ("vanilla", "fusedkv", "lite") + CROSS_LAYER
+
 
 @dataclass(frozen=True)
 class LMConfig:
@@ -34,25 +43,62 @@ class LMConfig:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
-    recon_intermediate_size: int | None = None  # MLP width of reconstruction layers (None: same)
+    recon_intermediate_size: int | None = None  # MLP width of layers that store no KV (None: same)
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 8192
     fusedkv: FusedKVConfig | None = None
+    cross_layer: str | None = None  # "cla2" | "yoco" (exclusive with fusedkv)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads or self.head_dim % 2:
             raise ValueError(f"heads {self.num_heads}/{self.num_kv_heads}, head_dim {self.head_dim}: need GQA groups and an even head_dim")
         if self.fusedkv is not None and self.fusedkv.num_hidden_layers != self.num_layers:
             raise ValueError("fusedkv.num_hidden_layers != num_layers")
+        if self.cross_layer is not None:
+            if self.cross_layer not in CROSS_LAYER or self.fusedkv is not None:
+                raise ValueError(f"cross_layer must be one of {CROSS_LAYER} and exclusive with fusedkv")
+            if self.num_layers % 2:
+                raise ValueError(f"{self.cross_layer} needs an even layer count, got {self.num_layers}")
+
+    @property
+    def layout(self) -> str:
+        return self.cross_layer or (self.fusedkv.variant if self.fusedkv else "vanilla")
+
+    def stores(self, layer: int) -> bool:
+        if self.cross_layer == "cla2":
+            return layer % 2 == 0
+        if self.cross_layer == "yoco":
+            return layer < self.num_layers // 2
+        return self.fusedkv is None or self.fusedkv.is_storage(layer)
+
+    def shared_source(self, layer: int) -> tuple[int, int]:
+        """(layer whose K, layer whose V) a non-storing layer of a sharing layout attends over."""
+        if self.cross_layer == "cla2":
+            return layer - 1, layer - 1
+        if self.cross_layer == "yoco":
+            mid = self.num_layers // 2 - 1
+            return mid, mid
+        return self.fusedkv.kv_sources(layer)
+
+    @property
+    def num_storage_layers(self) -> int:
+        return sum(self.stores(i) for i in range(self.num_layers))
 
     def intermediate_of(self, layer: int) -> int:
-        recon = self.fusedkv is not None and not self.fusedkv.is_storage(layer)
-        return self.recon_intermediate_size if recon and self.recon_intermediate_size else self.intermediate_size
+        if not self.stores(layer) and self.recon_intermediate_size:
+            return self.recon_intermediate_size
+        return self.intermediate_size
 
-    def with_fusedkv(self, fusedkv: FusedKVConfig | None, recon_intermediate_size: int | None = None) -> "LMConfig":
-        return dataclasses.replace(self, fusedkv=fusedkv, recon_intermediate_size=recon_intermediate_size)
+    def with_layout(self, layout: str, recon_intermediate_size: int | None = None, **fusedkv_kw) -> "LMConfig":
+        """This shape in another layout (fusedkv_kw: FusedKVConfig fields for fusedkv / lite)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        fk = FusedKVConfig(num_hidden_layers=self.num_layers, variant=layout, **fusedkv_kw) \
+            if layout in ("fusedkv", "lite") else None
+        return dataclasses.replace(self, fusedkv=fk, cross_layer=layout if layout in CROSS_LAYER else None,
+                                   recon_intermediate_size=recon_intermediate_size)
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "LMConfig":
@@ -60,7 +106,7 @@ class LMConfig:
 
         a = ModelArchConfig.from_hf_dict(d)
         if a.rope_scaling is not None or a.attention_bias or a.mlp_bias:
-            raise ValueError("the compact LM covers plain-RoPE, bias-free Llama models (SmolLM2)")
+            raise ValueError("the compact LM covers plain-RoPE, bias-free Llama models (e.g. SmolLM2)")
         return cls(vocab_size=a.vocab_size, hidden_size=a.hidden_size, num_layers=a.num_hidden_layers,
                    num_heads=a.num_attention_heads, num_kv_heads=a.num_key_value_heads, head_dim=a.head_dim,
                    intermediate_size=a.intermediate_size, rope_theta=a.rope_theta, rms_norm_eps=a.rms_norm_eps,
@@ -87,36 +133,50 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA: q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq * D]."""
+    B, T = q.shape[:2]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2).reshape(B, T, -1)
+
+
 class Attention(nn.Module):
     def __init__(self, c: LMConfig, layer: int):
         super().__init__()
         self.layer, self.c = layer, c
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.stores = c.fusedkv is None or c.fusedkv.is_storage(layer)
+        self.stores = c.stores(layer)
         if self.stores:
             self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
             self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        elif c.fusedkv.has_fusion_weights:
+        elif c.fusedkv is not None and c.fusedkv.has_fusion_weights:
             self.kv_fusion = KVFusion(c.num_kv_heads, c.head_dim)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def query(self, x, cos, sin):
+        B, T, _ = x.shape
+        return rope(self.q_proj(x).view(B, T, self.c.num_heads, self.c.head_dim), cos, sin)
+
+    def rebuilt_kv(self, kv: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """A non-storing layer's (K, V) [B, T, Hkv, D] from the storage layers' `kv`."""
+        if hasattr(self, "kv_fusion"):
+            s0, s1 = self.c.fusedkv.source_layers
+            return self.kv_fusion(kv[s0][0], kv[s1][0], kv[s0][1], kv[s1][1])
+        ks, vs = self.c.shared_source(self.layer)
+        return kv[ks][0], kv[vs][1]
 
     def forward(self, x, cos, sin, kv: dict):
         """x [B, T, hidden]; kv {layer: (K, V) [B, T, Hkv, D] post-RoPE}: storage layers add theirs."""
         c, (B, T, _) = self.c, x.shape
-        q = rope(self.q_proj(x).view(B, T, c.num_heads, c.head_dim), cos, sin)
+        q = self.query(x, cos, sin)
         if self.stores:
             k = rope(self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
             v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
             kv[self.layer] = (k, v)
         else:
-            s0, s1 = c.fusedkv.source_layers
-            if c.fusedkv.has_fusion_weights:
-                k, v = self.kv_fusion(kv[s0][0], kv[s1][0], kv[s0][1], kv[s1][1])
-            else:
-                k, v = kv[s1][0], kv[s0][1]
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, enable_gqa=c.num_heads != c.num_kv_heads)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+            k, v = self.rebuilt_kv(kv)
+        return self.o_proj(attend(q, k, v))
 
 
 class MLP(nn.Module):
@@ -155,19 +215,24 @@ class LM(nn.Module):
         inv_freq, self.attn_scaling = compute_inv_freq(c.head_dim, c.rope_theta, None, c.max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, ids: torch.Tensor, return_kv: bool = False):
-        """ids [B, T] -> logits [B, T, V] (and {layer: (K, V)} of the storage layers)."""
-        T = ids.shape[1]
-        freqs = torch.arange(T, device=ids.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+    def rotary(self, T: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D/2] in the autocast dtype when autocast is on."""
+        freqs = torch.arange(T, device=device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        if torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+        return ((freqs.cos() * self.attn_scaling).to(dtype)[:, None, :],
+                (freqs.sin() * self.attn_scaling).to(dtype)[:, None, :])
+
+    def forward(self, ids: torch.Tensor, return_kv: bool = False, hidden_out: list | None = None):
+        """ids [B, T] -> logits [B, T, V] (and {layer: (K, V)} of the storage layers).
+        hidden_out: a list that receives each layer's output (the residual stream) [B, T, hidden]."""
         x = self.model.embed_tokens(ids)
-        cos = (freqs.cos() * self.attn_scaling).to(x.dtype)[:, None, :]
-        sin = (freqs.sin() * self.attn_scaling).to(x.dtype)[:, None, :]
-        if torch.is_autocast_enabled(x.device.type):
-            dt = torch.get_autocast_dtype(x.device.type)
-            cos, sin = cos.to(dt), sin.to(dt)
+        cos, sin = self.rotary(ids.shape[1], ids.device, x.dtype)
         kv: dict = {}
         for block in self.model.layers:
             x = block(x, cos, sin, kv)
+            if hidden_out is not None:
+                hidden_out.append(x)
         x = self.model.norm(x)
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(x, w)
@@ -201,16 +266,17 @@ class LM(nn.Module):
 
     def kv_bytes_per_token(self, elem_bytes: int = 2) -> int:
         c = self.config
-        n = c.num_layers if c.fusedkv is None else c.fusedkv.num_storage_layers
-        return n * 2 * c.num_kv_heads * c.head_dim * elem_bytes
+        return c.num_storage_layers * 2 * c.num_kv_heads * c.head_dim * elem_bytes
 
 
-def matched_recon_intermediate(c: LMConfig, fusedkv: FusedKVConfig) -> int:
-    """MLP width of the reconstruction layers that gives a FusedKV / Lite model the vanilla
-    model's parameter count: each drops k_proj + v_proj (2 * hidden * Hkv * D) and FusedKV adds
-    3 * Hkv * D fusion weights; each MLP unit is 3 * hidden parameters. Rounded to the nearest."""
+def matched_recon_intermediate(c: LMConfig, layout: str) -> int | None:
+    """MLP width of the layers that store no KV that gives a sharing layout the vanilla model's
+    parameter count: each such layer drops k_proj + v_proj (2 * hidden * Hkv * D) and FusedKV's
+    adds 3 * Hkv * D fusion weights; each MLP unit is 3 * hidden parameters. Rounded to the nearest."""
+    if layout == "vanilla":
+        return None
     kvd = c.num_kv_heads * c.head_dim
-    removed = 2 * c.hidden_size * kvd - (3 * kvd if fusedkv.has_fusion_weights else 0)
+    removed = 2 * c.hidden_size * kvd - (3 * kvd if layout == "fusedkv" else 0)
     return c.intermediate_size + round(removed / (3 * c.hidden_size))
 
 
@@ -229,60 +295,3 @@ def greedy(model: LM, ids: list[int], max_new: int, eos: tuple[int, ...] = ()) -
         if nxt in eos:
             break
     return out[len(ids):]
-
-
-# ---- LoRA ---------------------------------------------------------------------------------------
-class LoRALinear(nn.Module):
-    """base(x) + scale * B(A(x)); base frozen, B zero-initialized (starts as the base)."""
-
-    def __init__(self, base: nn.Linear, rank: int, alpha: float):
-        super().__init__()
-        self.base, self.scale = base, alpha / rank
-        base.weight.requires_grad_(False)
-        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-
-    def forward(self, x):
-        return self.base(x) + F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scale
-
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def apply_lora(model: nn.Module, rank: int, alpha: float, targets=LORA_TARGETS) -> list[str]:
-    """Wrap every nn.Linear named in `targets` (by attribute name); returns their module paths."""
-    wrapped = []
-    for name, module in list(model.named_modules()):
-        for attr in targets:
-            child = getattr(module, attr, None)
-            if isinstance(child, nn.Linear):
-                setattr(module, attr, LoRALinear(child, rank, alpha))
-                wrapped.append(f"{name}.{attr}" if name else attr)
-    return wrapped
-
-
-def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{'<module path>.lora_A' / '.lora_B': tensor} of every LoRALinear."""
-    return {f"{n}.{p}": getattr(m, p).detach() for n, m in model.named_modules()
-            if isinstance(m, LoRALinear) for p in ("lora_A", "lora_B")}
-
-
-def merge_lora_into(tensors: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], scale: float) -> None:
-    """W += scale * B @ A for each adapted '<path>.weight' of an HF-named state dict (in place,
-    in fp32, back to W's dtype)."""
-    for key in [k for k in adapter if k.endswith(".lora_A")]:
-        path = key[: -len(".lora_A")]
-        w = tensors[path + ".weight"]
-        delta = adapter[path + ".lora_B"].float() @ adapter[key].float()
-        tensors[path + ".weight"] = (w.float() + scale * delta).to(w.dtype)
-
-
-def unwrap_lora(model: nn.Module) -> None:
-    """Merge every LoRALinear back into a plain nn.Linear (HF names again)."""
-    for name, module in list(model.named_modules()):
-        for attr, child in list(module.named_children()):
-            if isinstance(child, LoRALinear):
-                with torch.no_grad():
-                    child.base.weight += child.scale * (child.lora_B.float() @ child.lora_A.float()).to(child.base.weight.dtype)
-                setattr(module, attr, child.base)
