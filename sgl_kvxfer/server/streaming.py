@@ -1,6 +1,8 @@
 """Fan-in of per-request snapshot streams: SSE for `stream: true`, a list otherwise.
 
 A batch (or n>1) in stream mode interleaves chunks from all items, each tagged `"index": i`.
+Every stream ends with `data: [DONE]`; a request that fails after the stream started (an abort
+with a status, a shutdown, a bug) first gets one error event in the route's shape.
 NOTE: cancellation (client disconnect) must reach every per-item `TokenizerManager.wait`
 generator; their `finally` blocks abort the unfinished requests and free their KV.
 """
@@ -8,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 
-from sgl_kvxfer.server.errors import stream_error_event
-from sgl_kvxfer.tokenizer.generate_input import RequestError
+from sgl_kvxfer.server.errors import internal_error_message, stream_error_event
+from sgl_kvxfer.tokenizer.validation import RequestError
+
+logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 
@@ -67,7 +72,7 @@ async def iter_snapshots(tm, states):
         try:
             async for snapshot in tm.wait(state, True):
                 await queue.put((i, snapshot, None))
-        except RequestError as e:
+        except Exception as e:  # noqa: BLE001 (re-raised by the consumer below)
             await queue.put((i, None, e))
         finally:
             await queue.put((i, None, None))
@@ -98,4 +103,7 @@ async def sse_merge(tm, states, is_batch: bool, extra=None):
             yield sse(snapshot)
     except RequestError as e:
         yield stream_error_event(str(e), e.status_code)
+    except Exception as e:  # noqa: BLE001 (a bug must still end the stream in the route's error shape)
+        logger.exception("stream failed")
+        yield stream_error_event(internal_error_message(e), 500)
     yield DONE

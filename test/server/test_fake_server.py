@@ -27,10 +27,20 @@ def test_auth(auth_server):
     assert requests.post(url + "/generate", json=body, headers={"Authorization": KEY}).status_code == 401
     assert requests.post(url + "/generate", json=body, headers={"Authorization": f"bearer {KEY}"}).status_code == 200
     assert requests.get(url + "/v1/models", headers=bearer).status_code == 200
-    for path in ("/health", "/health_generate", "/metrics"):
+    for path in ("/health", "/health_generate", "/ready"):  # probes: no data, no key
         assert requests.get(url + path).status_code == 200, path
+    r = requests.get(url + "/metrics")  # the key guards everything else, the metrics too
+    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+    assert requests.get(url + "/metrics", headers=bearer).status_code == 200
     assert requests.post(url + "/flush_cache", headers=bearer).status_code == 401
     assert requests.post(url + "/flush_cache", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+
+
+def test_server_info_never_echoes_a_key(auth_server):
+    r = requests.get(auth_server.url + "/get_server_info", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200
+    assert KEY not in r.text and ADMIN not in r.text, r.json()["launch_command"]
+    assert "--api-key <redacted>" in r.json()["launch_command"]
 
 
 def test_error_envelopes(fake_server):
