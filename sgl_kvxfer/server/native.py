@@ -7,11 +7,11 @@ import time
 
 import msgspec
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from sgl_kvxfer.server.errors import contract_error, openai_error, read_json_body, request_error
 from sgl_kvxfer.server.redact import redact_command
-from sgl_kvxfer.server.streaming import collect, dumps, sse_merge
+from sgl_kvxfer.server.streaming import SSEResponse, collect, dumps, sse_merge
 from sgl_kvxfer.tokenizer.generate_input import parse_generate_request
 from sgl_kvxfer.tokenizer.validation import ContractError, RequestError, read_float
 
@@ -41,7 +41,7 @@ async def generate(request: Request):
     states = tm.submit_all(req.items, prompts)
     extra = (lambda i: {"prompt_token_ids": prompts[i]}) if req.return_prompt_token_ids else None
     if req.stream:
-        return StreamingResponse(sse_merge(tm, states, req.is_batch, extra), media_type="text/event-stream")
+        return SSEResponse(sse_merge(tm, states, req.is_batch, extra), tm, states)
     try:
         results = await collect(tm, states, request.is_disconnected)
     except RequestError as e:

@@ -12,13 +12,13 @@ import logging
 
 import msgspec
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from sgl_kvxfer.server.errors import internal_error_message, openai_error, read_json_body, stream_error_event
 from sgl_kvxfer.server.native import model_info
 from sgl_kvxfer.server.openai_format import ChoiceStreamer, chat_choice, completion_choice, usage
 from sgl_kvxfer.server.openai_protocol import parse_chat, parse_completion
-from sgl_kvxfer.server.streaming import DONE, collect, dumps, iter_snapshots, sse
+from sgl_kvxfer.server.streaming import DONE, SSEResponse, collect, dumps, iter_snapshots, sse
 from sgl_kvxfer.tokenizer.generate_input import GenerateItem, parse_bootstrap
 from sgl_kvxfer.tokenizer.validation import RequestError, check_item_count
 
@@ -86,7 +86,7 @@ async def _run(request: Request, req, prompts, max_new, return_logprob, top, ren
         return openai_error(str(e), e.status_code)
     states = tm.submit_all(items, input_ids)
     if req.stream:
-        return StreamingResponse(_stream(tm, states, req, render), media_type="text/event-stream")
+        return SSEResponse(_stream(tm, states, req, render), tm, states)
     try:
         results = await collect(tm, states, request.is_disconnected)
     except RequestError as e:

@@ -13,12 +13,33 @@ import json
 import logging
 import math
 
+from fastapi.responses import StreamingResponse
+
 from sgl_kvxfer.server.errors import internal_error_message, stream_error_event
 from sgl_kvxfer.tokenizer.validation import RequestError
 
 logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """An SSE stream that releases its requests however it ends.
+
+    NOTE: when the client goes away while the response is writing, Starlette cancels it with
+    the body's generators suspended at a `yield`; their `finally` blocks then run only when
+    they are garbage collected (maybe never, if a traceback cycle holds them). The requests
+    are released here instead, synchronously, so each is aborted and counted exactly once."""
+
+    def __init__(self, content, tm, states):
+        super().__init__(content, media_type="text/event-stream")
+        self._release = lambda: [tm.release(s) for s in states]
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 def _finite(obj):

@@ -48,6 +48,7 @@ class ReqState:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.perf_counter)
     last_token_time: float = 0.0
+    released: bool = False  # its handler stopped waiting (release: exactly once)
 
 
 class TokenizerManager:
@@ -127,7 +128,7 @@ class TokenizerManager:
     def _fail(self, state: ReqState, message: str, status_code: int) -> None:
         """End a waiting request with an error its handler raises (RequestError); the scheduler
         is told to abort it (its KV is freed there)."""
-        if state.out.finished:
+        if state.out.finished or state.released:
             return
         state.out.finish_reason = {"type": "abort", "message": message, "status_code": status_code,
                                    "err_type": HTTPStatus(status_code).phrase.replace(" ", "")}
@@ -226,10 +227,19 @@ class TokenizerManager:
                 if stream:
                     yield self.snapshot(state)
         finally:
-            self._states.pop(rid, None)
-            if not state.out.finished:  # the client went away (or its task was cancelled)
-                self._count_abort(state)
-                self._send.put(AbortReq(rid=rid))
+            self.release(state)
+
+    def release(self, state: ReqState) -> None:
+        """The handler stopped waiting for `state` (finished, failed, client gone, task
+        cancelled). Idempotent: a stream's response and its generators may both call it. An
+        unfinished request is aborted in the scheduler and counted as aborted, once."""
+        if state.released:
+            return
+        state.released = True
+        self._states.pop(state.item.rid, None)
+        if not state.out.finished:
+            self._count_abort(state)
+            self._send.put(AbortReq(rid=state.item.rid))
 
     def snapshot(self, state: ReqState) -> dict:
         e2e = time.perf_counter() - state.created if state.out.finished else None

@@ -1,6 +1,7 @@
 """HTTP-layer tests over the model-free fake scheduler: auth, exact error envelopes, SSE
 framing, batch interleaving, disconnect abort, and process hygiene. Fast (no weights)."""
 import json
+import re
 import time
 
 import pytest
@@ -109,6 +110,55 @@ def test_non_stream_disconnect_aborts(fake_server):
         time.sleep(0.25)
     else:
         pytest.fail("disconnect did not abort the non-streaming request")
+
+
+def _metric(url, name, headers=None) -> float:
+    text = requests.get(url + "/metrics", headers=headers, timeout=30).text
+    m = re.search(rf"^sglang:{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1))
+
+
+def _wait_metric(url, name, target, timeout=30.0):
+    deadline = time.time() + timeout
+    while (value := _metric(url, name)) < target and time.time() < deadline:
+        time.sleep(0.2)
+    return value
+
+
+def test_abort_counters_move_for_every_kind_of_abort(fake_server):
+    url = fake_server.url
+    before = _metric(url, "num_aborted_requests_total")
+    # four streams (both route families) whose clients go away after the first event
+    streams = []
+    for route, body in (("/generate", {"text": "x y", "sampling_params": {"max_new_tokens": 1500}, "stream": True}),
+                        ("/generate", {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 1500},
+                                       "stream": True}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 1500, "stream": True})):
+        r = requests.post(url + route, json=body, stream=True, timeout=60)
+        lines = r.iter_lines()
+        next(lines)
+        streams.append((r, lines))
+    for r, _ in streams:
+        r.close()
+    assert _wait_metric(url, "num_aborted_requests_total", before + 4) == before + 4  # the batch is 2
+    # a non-streaming client that times out
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1500}, timeout=1)
+    assert _wait_metric(url, "num_aborted_requests_total", before + 5) == before + 5
+    # /abort_request (the scheduler ends it; counted once)
+    import threading
+
+    t = threading.Thread(target=requests.post, args=(url + "/generate",),
+                         kwargs={"json": {"text": "x", "rid": "to-abort", "sampling_params": {"max_new_tokens": 1500}},
+                                 "timeout": 60})
+    t.start()
+    time.sleep(0.5)
+    assert requests.post(url + "/abort_request", json={"rid": "to-abort"}).status_code == 200
+    t.join(30)
+    assert _wait_metric(url, "num_aborted_requests_total", before + 6) == before + 6
+    time.sleep(1.0)
+    assert _metric(url, "num_aborted_requests_total") == before + 6  # none counted twice
 
 
 def test_sigterm_stops_all_children(auth_server):
