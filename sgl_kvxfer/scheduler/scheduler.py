@@ -18,8 +18,9 @@ import time
 
 from sgl_kvxfer.config import SchedulerConfig
 from sgl_kvxfer.engine.forward_batch import ForwardMode
-from sgl_kvxfer.message import (AbortReq, FlushCacheReq, FlushCacheResult, GetInternalStateReq, InternalState,
-                                ReqOutput, SetKVLinkReq, SetKVLinkResult, TokenizedGenerateReq)
+from sgl_kvxfer.message import (HEALTH_CHECK_RID_PREFIX, AbortReq, FlushCacheReq, FlushCacheResult,
+                                GetInternalStateReq, InternalState, ReqOutput, SetKVLinkReq, SetKVLinkResult,
+                                TokenizedGenerateReq)
 from sgl_kvxfer.scheduler.batch import ReqSlice, ScheduleBatch, prepare_batch, prepare_decode
 from sgl_kvxfer.scheduler.kv_lifecycle import KVLifecycle
 from sgl_kvxfer.scheduler.overlap import (InflightBatch, continues_overlapped, overlap_ok, prefill_overlap_ok,
@@ -90,6 +91,11 @@ class Scheduler:
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
         """Queue a new request, or end it alone with an error (it never reaches a batch)."""
+        if msg.rid.startswith(HEALTH_CHECK_RID_PREFIX):  # the loop turns: that is the answer
+            self.outbox.append(ReqOutput(rid=msg.rid, new_output_ids=[], prompt_tokens=len(msg.input_ids),
+                                         finish_reason={"type": "length", "length": 0}, completion_tokens=0,
+                                         cached_tokens=0))
+            return
         req = None
         try:
             error = check_tokenized(msg, self.runner.arch.vocab_size, self.runner.context_len,

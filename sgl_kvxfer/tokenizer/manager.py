@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 
 from sgl_kvxfer.config import ServerArgs
-from sgl_kvxfer.message import (AbortReq, BatchStrOut, FlushCacheReq, FlushCacheResult, GetInternalStateReq,
-                                InternalState, SetKVLinkReq, SetKVLinkResult, TokenizedGenerateReq)
+from sgl_kvxfer.message import (HEALTH_CHECK_RID_PREFIX, AbortReq, BatchStrOut, FlushCacheReq, FlushCacheResult,
+                                GetInternalStateReq, InternalState, SetKVLinkReq, SetKVLinkResult,
+                                TokenizedGenerateReq)
 from sgl_kvxfer.message.disagg import BootstrapInfo
 from sgl_kvxfer.message.queue import AsyncPullQueue, PushQueue
 from sgl_kvxfer.sampling.params import SamplingParams
@@ -280,12 +281,15 @@ class TokenizerManager:
         return await self._round_trip(self._link_waiters, SetKVLinkReq(rate_gbps, latency_ms), timeout)
 
     async def health_generate(self, timeout: float = HEALTH_CHECK_TIMEOUT) -> bool:
-        """A 1-token generation; healthy if the scheduler sends anything back in time."""
+        """Healthy if the scheduler sends anything back in time. The probe request is answered
+        by the scheduler loop when it reads it (between two steps, Scheduler._add_request): a
+        busy server is healthy, a dead or stuck one is not (a router must not take one long
+        prefill on a loaded CPU for a dead server)."""
         if self.shutting_down:
             return False
         start = time.perf_counter()
         pd = self.server_args.scheduler.disaggregation_mode != "null"
-        item = GenerateItem(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", text=None, input_ids=[0],
+        item = GenerateItem(rid=f"{HEALTH_CHECK_RID_PREFIX}{uuid.uuid4().hex}", text=None, input_ids=[0],
                             sampling=SamplingParams(max_new_tokens=1, temperature=1.0, top_k=1),
                             max_new_tokens_given=True,  # PD: no peer, compute here (SGLang's 2.2.2.2)
                             bootstrap=BootstrapInfo("2.2.2.2", None, 0) if pd else None)

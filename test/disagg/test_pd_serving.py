@@ -9,6 +9,7 @@ answer from D (its local prefill), a fallback counted in /metrics, and no KV lef
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import re
 import subprocess
 import sys
@@ -309,3 +310,116 @@ def test_two_prefills_two_decodes_survive_a_killed_decode(cluster):
         assert len(results) == 12 and all(out == ref[p] for p, out in results)
     finally:
         stop_all(router, p3, d3)
+
+
+# ---------------------------------------------------------------- peer deaths under load (disagg/peers.py)
+LONG_PROMPT = PROMPTS[0] * 14  # ~1.4k tokens
+DETECT_S = 15.0  # peers.py: 2 failed probes 1 s apart (~2 s) plus one scheduler step on a loaded CPU
+
+
+def _wait(cond, limit, what):
+    deadline = time.time() + limit
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.1)
+    return time.time()
+
+
+def _kill_tree(handle):
+    kids = handle.children()
+    handle.proc.kill()
+    for k in kids:
+        try:
+            k.kill()
+        except Exception:  # noqa: BLE001 (already gone with its parent)
+            pass
+
+
+def test_prefill_killed_under_load_every_request_ends(cluster):
+    """2 prefills + 1 decode behind the real router, 8 requests of ~1.4k tokens in flight, one
+    prefill SIGKILLed: its rooms fail on the decode within DETECT_S and are prefilled there;
+    every client gets the single server's answer (or a clear error naming the prefill); the
+    decode's KV held by no request returns to zero; each fallback is counted once."""
+    bp = free_port()
+    p2 = start_server(pd_args("prefill", bp), name="pd_prefill_killed")
+    router = None
+    try:
+        router = start_router([(cluster["P"].url, cluster["bp"]), (p2.url, bp)], [cluster["D"].url],
+                              policy="round_robin")
+        ref = post(cluster["S"].url, greedy(LONG_PROMPT, max_new=8))["output_ids"]
+        before = {k: metric(cluster["D"], k) for k in ("kv_transfer_fallbacks_total", "kv_transfer_peer_failures_total")}
+        results = []
+
+        def client(i):
+            t = time.time()
+            try:
+                r = requests.post(router.url + "/generate", json=greedy(LONG_PROMPT, max_new=8), timeout=900)
+                results.append((r.status_code, r.json(), time.time() - t))
+            except Exception as e:  # noqa: BLE001 (asserted below)
+                results.append((None, repr(e), time.time() - t))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        _wait(lambda: server_info(p2)["internal_states"][0]["kv_transfer"]["rooms_open"] > 0, 300, "no room on P2")
+        killed = time.time()
+        _kill_tree(p2)
+        seen = _wait(lambda: metric(cluster["D"], "kv_transfer_peer_failures_total") > before[
+            "kv_transfer_peer_failures_total"], 120, "the decode never saw the prefill die")
+        assert seen - killed < DETECT_S, f"prefill death seen after {seen - killed:.1f} s"
+        for t in threads:
+            t.join(900)
+        assert len(results) == 8, results
+        fallbacks = 0
+        for status, body, _ in results:
+            if status == 200:
+                assert body["output_ids"] == ref
+                fallbacks += body["meta_info"]["kv_transfer"]["status"].startswith("fallback")
+            else:
+                assert status is not None and "prefill" in json.dumps(body), (status, body)
+        assert fallbacks >= 1
+        assert metric(cluster["D"], "kv_transfer_fallbacks_total") - before["kv_transfer_fallbacks_total"] == fallbacks
+        assert_nothing_leaked(cluster["D"])
+    finally:
+        stop_all(router, p2)
+
+
+def test_decode_killed_its_rooms_end_fast_on_the_prefill(cluster):
+    """A decode SIGKILLed with claimed rooms: every client's request ends within seconds with an
+    error naming the decode (the router's 5xx), the prefill sees the decode die within DETECT_S
+    and frees those rooms at once (not after --kv-transfer-timeout), nothing leaks there."""
+    d2 = start_server(pd_args("decode"), name="pd_decode_killed")
+    router = None
+    try:
+        router = start_router([(cluster["P"].url, cluster["bp"])], [d2.url])
+        before = metric(cluster["P"], "kv_transfer_peer_failures_total")
+        results = []
+
+        def client():
+            t = time.time()
+            try:
+                r = requests.post(router.url + "/generate", json=greedy(LONG_PROMPT, max_new=64), timeout=900)
+                results.append((r.status_code, r.text, time.time() - t))
+            except Exception as e:  # noqa: BLE001
+                results.append((None, repr(e), time.time() - t))
+
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for t in threads:
+            t.start()
+        _wait(lambda: server_info(d2)["internal_states"][0]["kv_transfer"]["staging_used_bytes"] > 0, 300,
+              "D2 claimed no room")
+        killed = time.time()
+        _kill_tree(d2)
+        seen = _wait(lambda: metric(cluster["P"], "kv_transfer_peer_failures_total") > before, 120,
+                     "the prefill never saw the decode die")
+        assert seen - killed < DETECT_S, f"decode death seen after {seen - killed:.1f} s"
+        for t in threads:
+            t.join(900)
+        for status, text, took in results:
+            assert status != 200 and status is not None, (status, text)
+            assert "ecode" in text, text  # the router names the decode it lost
+        _wait(lambda: not server_info(cluster["P"])["internal_states"][0]["kv_transfer"]["rooms_open"], 60,
+              "the prefill kept the dead decode's rooms")
+        assert_nothing_leaked(cluster["P"])
+    finally:
+        stop_all(router, d2)
