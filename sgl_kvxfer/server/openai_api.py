@@ -67,7 +67,8 @@ def _items(req, prompts: list[list[int]], max_new: list[int], return_logprob: bo
     base = msgspec.structs.replace(req.sampling, n=1)
     items = []
     for i, ids in enumerate(prompts):
-        sampling = base if max_new[i] == base.max_new_tokens else msgspec.structs.replace(base, max_new_tokens=max_new[i])
+        sampling = base if max_new[i] == base.max_new_tokens else \
+            msgspec.structs.replace(base, max_new_tokens=max_new[i])
         for j in range(n):
             items.append(GenerateItem(
                 rid=uuid.uuid4().hex, text=None, input_ids=ids, sampling=sampling, max_new_tokens_given=True,

@@ -347,7 +347,8 @@ def test_prefill_killed_under_load_every_request_ends(cluster):
         router = start_router([(cluster["P"].url, cluster["bp"]), (p2.url, bp)], [cluster["D"].url],
                               policy="round_robin")
         ref = post(cluster["S"].url, greedy(LONG_PROMPT, max_new=8))["output_ids"]
-        before = {k: metric(cluster["D"], k) for k in ("kv_transfer_fallbacks_total", "kv_transfer_peer_failures_total")}
+        before = {k: metric(cluster["D"], k)
+                  for k in ("kv_transfer_fallbacks_total", "kv_transfer_peer_failures_total")}
         results = []
 
         def client(i):
