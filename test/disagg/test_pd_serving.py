@@ -357,7 +357,6 @@ def test_prefill_killed_under_load_every_request_ends(cluster):
     router = None
     try:
         router = start_router([(cluster["P"].url, cluster["bp"]), (p2.url, bp)], [d.url], policy="round_robin")
-        ref = post(cluster["S"].url, greedy(LONG_PROMPT, max_new=8))["output_ids"]
         before = {k: metric(d, k) for k in ("kv_transfer_fallbacks_total", "kv_transfer_peer_failures_total")}
         results = []
 
@@ -381,6 +380,7 @@ def test_prefill_killed_under_load_every_request_ends(cluster):
         for t in threads:
             t.join(900)
         assert len(results) == 8, results
+        ref = post(cluster["S"].url, greedy(LONG_PROMPT, max_new=8), timeout=900)["output_ids"]
         fallbacks = 0
         for status, body, _ in results:
             if status == 200:
