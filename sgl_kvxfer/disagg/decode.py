@@ -359,7 +359,10 @@ class DecodeRole:
         self.kv.release(req)
         req.output_ids.clear()
         if room.region is not None and room.claimed_at:  # the prefill knows this region
-            self.quarantine.append((time.monotonic() + self.settings.timeout_s, room.region))
+            if self.monitor.is_dead(self._peer(room)):  # a dead prefill writes nothing late
+                self.regions.free(room.region)
+            else:
+                self.quarantine.append((time.monotonic() + self.settings.timeout_s, room.region))
             room.region = None
         self._release_room(room)
         if fallback:
