@@ -198,10 +198,13 @@ class PrefillRole:
 
     def _check_decodes(self, now: float) -> None:
         """A decode that claimed rooms and died (peers.py): its rooms end now, naming it."""
-        claimed = {endpoint_peer(r.claim.reply_to): r.claim.reply_to for r in self.rooms.values() if r.claim}
+        # NOTE: an SCD room (scd_prefill.py) has consumers, not one claim: not watched here
+        claimed = {endpoint_peer(c.reply_to): c.reply_to for c in (getattr(r, "claim", None)
+                                                                   for r in self.rooms.values()) if c}
         for peer in self.monitor.poll(set(claimed), now):
             self.stats.peer_failures += 1
-            for room in [r for r in self.rooms.values() if r.claim and endpoint_peer(r.claim.reply_to) == peer]:
+            for room in [r for r in self.rooms.values()
+                         if getattr(r, "claim", None) and endpoint_peer(r.claim.reply_to) == peer]:
                 room.claim = None  # nothing more goes to it
                 self._fail(room, f"decode unreachable: {claimed[peer]} ({self.monitor.describe(peer)})")
 
