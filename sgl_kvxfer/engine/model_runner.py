@@ -115,6 +115,17 @@ class ModelRunner:
         self.graph_runner = create_cuda_graph_runner(self)  # None where decode graphs do not apply
         self.prefill_graph_runner = create_prefill_graph_runner(self, max_prefill_tokens)  # None: off
 
+    def close(self) -> None:
+        """Drop every tensor this runner owns: graphs first (each holds its private memory pool
+        and the static buffers it replays), then the backend, the pool, the table and the
+        weights. The caller collects cycles and empties the CUDA cache (Engine.shutdown)."""
+        for runner in (self.graph_runner, self.prefill_graph_runner):
+            for graph in (getattr(runner, "graphs", None) or {}).values():
+                graph.reset()
+        self.graph_runner = self.prefill_graph_runner = None
+        self.attn_backend = self.kv_pool = self.allocator = self.req_to_token = None
+        self.model = None
+
     def _bytes_per_token_estimate(self) -> float:
         a = self.arch
         layers = a.num_hidden_layers if self.stored_layers is None else self.stored_layers
