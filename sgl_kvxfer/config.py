@@ -34,6 +34,8 @@ CLI_HELP = {
     "served_model_name": "the model name /v1/models and /get_model_info report (default: --model-path as "
                          "given, or smollm2-135m for the embedded default)",
     "merge_lora": "a peft LoRA adapter dir merged into the model weights at load (base + adapter)",
+    "shutdown_grace_period_secs": "on SIGTERM / Ctrl-C: seconds in-flight requests may run on before they end "
+                                  "with a 503 (default 20); new requests get 503 at once; a second signal stops",
 }
 
 
@@ -309,6 +311,9 @@ class ServerArgs:
     log_level: str = "info"
     enable_metrics: bool = False
     skip_tokenizer_init: bool = False
+    # SIGTERM / Ctrl-C: seconds in-flight requests may run on before they end with a 503
+    # (server/shutdown.py); the name is sglang-router's. Below Kubernetes' default 30 s grace.
+    shutdown_grace_period_secs: float = 20.0
     ipc_dir: str | None = None  # directory for ipc:// sockets; default a fresh temp dir
 
     def __post_init__(self):
@@ -318,6 +323,8 @@ class ServerArgs:
         if name is not None and not (0 < len(name) <= 256 and name.isprintable() and name.strip() == name):
             raise ValueError("served_model_name must be 1-256 printable characters without surrounding "
                              f"spaces, got {name[:64]!r}")
+        if not 0.0 <= self.shutdown_grace_period_secs <= 86400.0:  # NaN fails too
+            raise ValueError(f"shutdown_grace_period_secs must be in [0, 86400], got {self.shutdown_grace_period_secs}")
 
     @property
     def resolved_served_model_name(self) -> str:

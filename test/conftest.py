@@ -73,3 +73,11 @@ def native_cpu_ops():
     if not cpu_ops.available():
         pytest.skip(cpu_ops.load_error())
     return cpu_ops
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(request, tmp_path_factory) -> str:
+    """A dummy-weights model dir of the requesting test module's `TINY` config (tiny_models.py)."""
+    from tiny_models import write_tiny_model
+
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")), request.module.TINY)

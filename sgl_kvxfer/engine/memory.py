@@ -102,7 +102,7 @@ class MemoryPlan:
     """What an engine will hold at start-up, in bytes, against what the device has left."""
     device: str
     weights: int
-    prepared_weights: int  # CPU bf16: the linears' prepared copies (models/cpu_linear.py)
+    prepared_weights: int  # CPU bf16: the linears' prepared copies (layers/cpu_linear.py)
     pool_tokens: int
     pool: int
     activations: int

@@ -7,7 +7,7 @@ import os
 import sys
 
 import pytest
-from conftest import ROOT
+from servers import ROOT
 
 pytestmark = pytest.mark.slow
 sys.path.insert(0, os.path.join(ROOT, "python"))
