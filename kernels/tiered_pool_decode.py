@@ -15,8 +15,9 @@ One launch per tier in `tiers` (the backend leaves out a store that holds no pag
 (B * Hkv, S). Program (b, kv head, s) holds the q heads of that kv head as the M rows of every
 tl.dot (GQA: each K/V byte is read once per kv head) and split s of the tier's listed pages:
 
-    virtual slots l = j * PAGE + slot (listed page j), walked TILE a step, TILE = min(tile, PAGE)
-    for the int tiers (one page id per step, one contiguous run per stream)
+    virtual slots l = j * PAGE + slot (listed page j), walked TILE a step: a page of PAGE >= TILE
+    in TILE-slot chunks (one page id per step, one contiguous run per stream), smaller pages
+    TILE / PAGE at a time (their ids loaded as a vector; PAGE 1: the fp16 store's row gather)
     steps = cdiv(num_pages * PAGE, TILE);  split s takes steps [s * steps // S, (s + 1) * steps // S)
 
 so S is a host number (plan_tiered_pool_decode: `split_waves` programs per SM, no split under
@@ -60,8 +61,8 @@ from .tier_codec import TIER_FP16, TIER_INT4, TIER_INT8, TIERS
 
 @dataclass(frozen=True)
 class TieredDecodeConfig:
-    """Launch knobs, per tier (16 / 8 / 4): tile = tokens per loop step (power of two >= 16; an int
-    tier takes min(tile, PAGE)), warps and software-pipeline stages. qk_int8: q . K on int8 tensor
+    """Launch knobs, per tier (16 / 8 / 4): tile = tokens per loop step (power of two >= 16; several
+    pages a step when PAGE < tile), warps and software-pipeline stages. qk_int8: q . K on int8 tensor
     cores (int tiers, G = D). fast_cvt: PRMT / LOP3 code conversion (GPU). split_waves: stage-1
     programs per SM the planner aims for; min_split_tokens: no split gets fewer context tokens.
     fused_merge: the last split program merges (no merge launch)."""
@@ -361,6 +362,48 @@ def _dequant_half(codes, sc_ptr, zr_ptr, srow, offs_c, tm, CH0: tl.constexpr, GR
 
 
 @triton.jit
+def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head, stride_p, stride_h,
+                    PAGE: tl.constexpr, TILE: tl.constexpr, W: tl.constexpr, NG: tl.constexpr,
+                    FILLED: tl.constexpr):
+    """One step's raw codes of an int tier: K [TILE, W], V [TILE, W] (read dim-major), the fp16
+    index of each slot's first scale [TILE] and the slot mask [TILE].
+
+        PAGE >= TILE   one page: a scalar page id, every stream one contiguous run
+        PAGE <  TILE   TILE / PAGE listed pages, their ids and fills loaded as a vector, each
+                       page's runs contiguous ([pages, PAGE, W] loads reshaped to [TILE, W])"""
+    SCALE0: tl.constexpr = PAGE * W // 2  # fp16 index of the scales inside a block
+    offs_c = tl.arange(0, W)
+    if PAGE >= TILE:
+        offs_t = tl.arange(0, TILE)
+        page, s0, tm = _page_of_step(bt_row, fill_row, n_tok, n_pages, l0, offs_t, PAGE, FILLED)
+        blk = tl.multiple_of(page * stride_p + kv_head * stride_h, 16)
+        slot = s0 + offs_t
+        kq = tl.load(k_ptr + blk + slot[:, None] * W + offs_c[None, :], mask=tm[:, None], other=0)
+        vq = tl.load(v_ptr + blk + offs_c[None, :] * PAGE + slot[:, None], mask=tm[:, None], other=0)
+        srow = blk // 2 + SCALE0 + slot * NG
+    else:
+        NP: tl.constexpr = TILE // PAGE
+        j = l0 // PAGE + tl.arange(0, NP)
+        offs_s = tl.arange(0, PAGE)
+        if FILLED:
+            fill = tl.load(fill_row + j, mask=j < n_pages, other=0)
+        else:
+            fill = n_tok - j * PAGE
+        page = tl.load(bt_row + j, mask=fill > 0, other=0).to(tl.int64)
+        blk = tl.multiple_of(page * stride_p + kv_head * stride_h, 16)
+        tm3 = offs_s[None, :] < fill[:, None]  # [NP, PAGE]
+        kq = tl.load(k_ptr + blk[:, None, None] + offs_s[None, :, None] * W + offs_c[None, None, :],
+                     mask=tm3[:, :, None], other=0)
+        vq = tl.load(v_ptr + blk[:, None, None] + offs_c[None, None, :] * PAGE + offs_s[None, :, None],
+                     mask=tm3[:, :, None], other=0)
+        kq = tl.reshape(kq, (TILE, W))
+        vq = tl.reshape(vq, (TILE, W))
+        tm = tl.reshape(tm3, (TILE,))
+        srow = tl.reshape(blk[:, None] // 2 + SCALE0 + offs_s[None, :] * NG, (TILE,))
+    return kq, vq, srow, tm
+
+
+@triton.jit
 def _int_tier_kernel(
     q_ptr, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     bt_ptr, fill_ptr, len_ptr, npg_ptr,
@@ -381,14 +424,12 @@ def _int_tier_kernel(
     W: tl.constexpr = HEAD_DIM // HALVES
     NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
     FOLD: tl.constexpr = NG == 1
-    SCALE0: tl.constexpr = PAGE * W // 2  # fp16 index of the scales inside a block
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // NUM_KV_HEADS
     kv_head = pid_bh % NUM_KV_HEADS
     offs_g = tl.arange(0, BLOCK_G)
     offs_c = tl.arange(0, W)
-    offs_t = tl.arange(0, TILE)
     gmask = offs_g < KV_GROUP
     q_rows = b * stride_qb + (kv_head * KV_GROUP + offs_g) * stride_qh
     qa = tl.load(q_ptr + q_rows[:, None] + offs_c[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
@@ -421,12 +462,8 @@ def _int_tier_kernel(
     acc_a = tl.zeros([BLOCK_G, W], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_G, W], dtype=tl.float32)
     for l0 in tl.range(lo, hi, TILE):
-        page, s0, tm = _page_of_step(bt_row, fill_row, n_tok, n_pages, l0, offs_t, PAGE, FILLED)
-        blk = tl.multiple_of(page * stride_p + kv_head * stride_h, 16)
-        slot = s0 + offs_t
-        kq = tl.load(k_ptr + blk + slot[:, None] * W + offs_c[None, :], mask=tm[:, None], other=0)
-        vq = tl.load(v_ptr + blk + offs_c[None, :] * PAGE + slot[:, None], mask=tm[:, None], other=0)  # dim-major
-        srow = blk // 2 + SCALE0 + slot * NG  # fp16 index of the slot's first scale
+        kq, vq, srow, tm = _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
+                                           stride_p, stride_h, PAGE, TILE, W, NG, FILLED)
         zrow = srow + PAGE * NG
         if FOLD:
             ks = tl.load(ks_ptr + srow, mask=tm, other=0.0).to(tl.float32)
@@ -495,6 +532,39 @@ def _int_tier_kernel(
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 MERGE_S = 8  # partials per merge step
+
+
+# (tier, constexprs, tile, warps, stages) asked for -> (tile, stages) that fit the GPU's shared memory
+LAUNCHED: dict = {}
+
+
+def _launch(kernel, grid, args, kw, tier, tile, warps, stages) -> None:
+    """Launch with (tile, warps, stages); if that config does not fit the GPU (Triton raises
+    OutOfResources at its first launch), fewer stages, then half the tile, and remember what ran
+    (LAUNCHED: benchmarks report it next to the config they asked for)."""
+    from triton.runtime.errors import OutOfResources
+
+    key = (tier, tuple(sorted(kw.items())), tile, warps, stages)
+    tile_now, stages_now = LAUNCHED.get(key, (tile, stages))
+    while True:
+        try:
+            kernel[grid](*args, TILE=tile_now, num_warps=warps, num_stages=stages_now, **kw)
+            LAUNCHED[key] = (tile_now, stages_now)
+            return
+        except OutOfResources:
+            if stages_now > 1:
+                stages_now -= 1
+            elif tile_now > 16:
+                tile_now, stages_now = tile_now // 2, stages
+            else:
+                raise
+
+
+def fallbacks() -> list[dict]:
+    """The launches that ran another (tile, stages) than asked for, as LAUNCHED recorded them."""
+    return [{"tier": k[0], "asked": {"tile": k[2], "warps": k[3], "stages": k[4]},
+             "ran": {"tile": v[0], "stages": v[1]}, "head_dim": dict(k[1]).get("HEAD_DIM")}
+            for k, v in LAUNCHED.items() if v != (k[2], k[4])]
 
 
 def _check(q, layer: TieredKVLayer, tables: TieredBlockTables, tiers) -> None:
@@ -575,16 +645,19 @@ def tiered_pool_decode(
                 q.stride(0), q.stride(1), bt[t].stride(0), fills[t].stride(0), tp.k.stride(0), tp.k.stride(1),
                 *so, *sl, out.stride(0), out.stride(1), i * S, n_total, sm_scale * LOG2E)
         if t == TIER_FP16:
-            _fp16_tier_kernel[(B * Hkv, S)](
-                *args, tp.k, tp.v, *tail, PAGE=PAGE, TILE=tile,
-                DOT_F32=interp and q.dtype == torch.bfloat16, num_warps=warps, num_stages=stages, **common)
+            kernel, args = _fp16_tier_kernel, (*args, tp.k, tp.v, *tail)
+            kw = dict(PAGE=PAGE, DOT_F32=interp and q.dtype == torch.bfloat16, **common)
         else:
             halves = 1 if t == TIER_INT8 else 2
-            _int_tier_kernel[(B * Hkv, S)](
-                *args, tp.k, tp.v, tp.k.view(torch.float16), tp.v.view(torch.float16), *tail,
-                TIER=t, GROUP_SIZE=layer.group_size, PAGE=PAGE, TILE=min(tile, PAGE),
-                QK_INT8=config.qk_int8 and layer.group_size == D and D // halves >= 32,
-                FAST_CVT=config.fast_cvt and not interp, num_warps=warps, num_stages=stages, **common)
+            kernel, args = _int_tier_kernel, (*args, tp.k, tp.v, tp.k.view(torch.float16), tp.v.view(torch.float16),
+                                              *tail)
+            # NOTE: the PRMT / LOP3 conversion packs 4 codes per register: tiles with fewer than 4
+            # elements per thread (tiny test shapes) take the portable conversion
+            packable = tile * (D // halves) >= 8 * 32 * warps
+            kw = dict(TIER=t, GROUP_SIZE=layer.group_size, PAGE=PAGE,
+                      QK_INT8=config.qk_int8 and layer.group_size == D and D // halves >= 32,
+                      FAST_CVT=config.fast_cvt and not interp and packable, **common)
+        _launch(kernel, (B * Hkv, S), args, kw, t, tile, warps, stages)
     if not direct and not fused:
         _merge_kernel[(B * Hkv,)](
             o_part, lse_part, out, n_total, *so, *sl, out.stride(0), out.stride(1),

@@ -30,7 +30,8 @@ CLI_HELP = {
     "kv_quant_group_size": "SpectrumKV int8/int4 quantization group (channels per scale/zero pair); "
                            "0 (default) = head_dim, one pair per token and kv head",
     "kv_tier_page_size": "SpectrumKV: tokens per page of the int8/int4 stores (power of two >= 16, "
-                         "default 256: a decode loop step reads one whole page); the fp16 store stays slot-granular",
+                         "default 64; the decode kernel reads 256 tokens a step, several pages or part of one)"
+                         "; the fp16 store stays slot-granular",
     "merge_lora": "a peft LoRA adapter dir merged into the model weights at load (base + adapter)",
 }
 
@@ -74,9 +75,9 @@ class EngineConfig:
     # kv head, the cheapest to decode); see resolved_group_size
     kv_quant_group_size: int = 0
     # tokens per page of the int8 / int4 stores (the fp16 store stays slot-granular); the decode
-    # kernel reads min(page, tile) tokens a loop step, and 256-token steps are what reach the
-    # int tiers' byte roofline (kernels/README.md); a page tail left by a short run costs memory
-    kv_tier_page_size: int = 256
+    # kernel's loop step (256 tokens) spans several pages or part of one (kernels/README.md
+    # section 10); a page tail left by a short run costs memory
+    kv_tier_page_size: int = 64
     kv_importance_window: int = 32  # last W prompt queries whose attention ranks tokens
     kv_decode_recent: int = 64  # newest generated tokens kept fp16; older ones demoted in runs of this size
     kv_tier_staging: float = 0.25  # share of KV memory kept as fp16 slots for tokens not yet tiered

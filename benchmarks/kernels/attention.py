@@ -154,8 +154,8 @@ def split_config(d: dict | None):
 
 
 def tiered_timing(B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, entry=None, layout=None) -> dict:
-    from sgl_kvxfer.kernels.tiered_pool_decode import (plan_tiered_pool_decode, served_config, tiered_pool_decode,
-                                                       tiered_pool_decode_reference)
+    from sgl_kvxfer.kernels.tiered_pool_decode import (fallbacks, plan_tiered_pool_decode, served_config,
+                                                       tiered_pool_decode, tiered_pool_decode_reference)
 
     cfg, page = split_config(entry)
     cfg = cfg or served_config(D, Hq // Hkv)
@@ -168,7 +168,14 @@ def tiered_timing(B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, entry=None,
                                                         check=False) for t in layout.tables], dev, iters)
     res.update(bytes=layout.kv_bytes(D, q.element_size()) + 2 * q.numel() * q.element_size(),
                counts=layout.counts, tiers=tiers, splits=plan.num_splits, int_page=layout.layer.page_size_of(1),
-               config=entry if entry is not None else "served")
+               config=entry if entry is not None else "served", config_fields=str(cfg))
+    def asked(t):
+        tile, warps, stages = cfg.launch(t)
+        return {"tile": tile, "warps": warps, "stages": stages}
+
+    ran_other = [f for f in fallbacks() if f["tier"] in tiers and f["head_dim"] == D and f["asked"] == asked(f["tier"])]
+    if ran_other:  # a config past the GPU's shared memory ran with fewer stages / a smaller tile
+        res["fallbacks"] = ran_other
     if B * ctx <= CHECK_TOKENS:
         ref = tiered_pool_decode_reference(q, layout.layer, layout.tables[0])
         got = tiered_pool_decode(q, layout.layer, layout.tables[0], plan=plan, config=cfg, tiers=tiers)
@@ -246,6 +253,8 @@ def sweep(args, env, rows: list) -> dict:
                     r = tiered_timing(B, ctx, Hq, Hkv, D, q, v[len("tiered_"):], dev, args.iters, env["max_bytes"],
                                       entry)
                     row.update({k: r[k] for k in ("ms", "ms_min", "ms_max", "bytes", "splits", "int_page")})
+                    if "fallbacks" in r:
+                        row["fallbacks"] = r["fallbacks"]
                     row["GBps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
                 except Exception as exc:  # noqa: BLE001 - a config the kernel rejects
                     row["error"] = f"{type(exc).__name__}: {exc}"[:300]

@@ -71,6 +71,8 @@ def engine_kwargs(args, plan: dict, budget: float, backend: str, batch: int) -> 
     if budget < 1.0:
         # the policy at the budget; int4 forced on (the probe decides int4 for real models only)
         kw.update(kv_tier_budget=budget, kv_tier_policy=args.kv_tier_policy, kv_int4="on")
+        if args.kv_tier_page_size:
+            kw["kv_tier_page_size"] = args.kv_tier_page_size
     return kw
 
 
@@ -271,6 +273,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--kv-tier-budgets", type=float, nargs="+", default=[1.0, 0.5, 0.25],
                    help="one engine per budget; 1.0 = untiered pool, < 1 = SpectrumKV tiers")
     p.add_argument("--kv-tier-policy", default="greedy")
+    p.add_argument("--kv-tier-page-size", type=int, default=None, help="the int stores' page (default: the engine's)")
     p.add_argument("--backends", nargs="+", default=["triton"], help="attention backends, one engine each")
     p.add_argument("--n1", type=int, default=16, help="decode tokens of the short generate call")
     p.add_argument("--n2", type=int, default=80, help="decode tokens of the long generate call")
@@ -294,6 +297,9 @@ def main(argv: list[str] | None = None) -> str:
     args = p.parse_args(argv)
     if not all(0.0 < b <= 1.0 for b in args.kv_tier_budgets) or args.n2 <= args.n1:
         p.error("budgets must be in (0, 1] and --n2 > --n1")
+    if args.kv_tier_page_size is not None and (args.kv_tier_page_size < 16 or args.kv_tier_page_size & (
+            args.kv_tier_page_size - 1)):
+        p.error("--kv-tier-page-size must be a power of two >= 16")
     triton_interpreter_for(args.device)  # a CPU run's triton backend runs in Triton's interpreter
     signal.signal(signal.SIGINT, signal.default_int_handler)  # `timeout -s INT`: keep what ran
 
@@ -392,7 +398,7 @@ def run_child(args, preset, arch, dtype) -> str:
 
 def run_point(args, model_dir, preset, arch, dtype, context, batch, budget, backend, bandwidths) -> dict:
     """One engine at (batch, context, budget, backend), or the record of why it did not run."""
-    plan = plan_pool(arch, dtype, context, batch, budget, args.n2, args.kv_tier_policy)
+    plan = plan_pool(arch, dtype, context, batch, budget, args.n2, args.kv_tier_policy, args.kv_tier_page_size)
     plan["weight_bytes"] = weight_bytes_resident(arch, dtype)
     row = {"context": context, "batch": batch, "kv_tier_budget": budget, "backend": backend, "pool_plan": plan,
            "weight_bytes": plan["weight_bytes"], "weight_bytes_read_per_step": weight_bytes_read(arch, dtype)}

@@ -63,14 +63,15 @@ def weight_bytes_resident(arch, dtype) -> int:
     return s.weight_bytes_per_forward(_elem(dtype)) + embed * _elem(dtype)
 
 
-def _tier_needs(arch, context: int, batch: int, n2: int, budget: float, policy: str):
+def _tier_needs(arch, context: int, batch: int, n2: int, budget: float, policy: str, page_size: int | None = None):
     """(need16, need8, need4, fractions, config) of the tiered pool for this workload."""
     from sgl_kvxfer.config import EngineConfig
     from sgl_kvxfer.spectrum.budget import KVLayout
     from sgl_kvxfer.spectrum.byte_budget import planned_fractions
     from sgl_kvxfer.spectrum.policies import create_tier_policy
 
-    cfg = EngineConfig(kv_tier_budget=budget, kv_tier_policy=policy, kv_int4="on")
+    cfg = EngineConfig(kv_tier_budget=budget, kv_tier_policy=policy, kv_int4="on",
+                       **({"kv_tier_page_size": page_size} if page_size else {}))
     group = cfg.resolved_group_size(arch.head_dim)
     f16, f8, f4, _ = planned_fractions(create_tier_policy(policy), budget,
                                        KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, group),
@@ -83,7 +84,8 @@ def _tier_needs(arch, context: int, batch: int, n2: int, budget: float, policy: 
     return need16, need8, need4, (f16, f8, f4), cfg
 
 
-def plan_pool(arch, dtype, context: int, batch: int, budget: float, n2: int, policy: str = "greedy") -> dict:
+def plan_pool(arch, dtype, context: int, batch: int, budget: float, n2: int, policy: str = "greedy",
+              page_size: int | None = None) -> dict:
     full = full_bytes_per_token(arch, dtype)
     req = context + n2 + SLACK
     if budget >= 1.0:
@@ -92,7 +94,7 @@ def plan_pool(arch, dtype, context: int, batch: int, budget: float, n2: int, pol
                 "tokens_needed": batch * req, "stores": None, "request_bound": size}
     from sgl_kvxfer.mem_cache import tier_store_plan
 
-    need16, need8, need4, fractions, cfg = _tier_needs(arch, context, batch, n2, budget, policy)
+    need16, need8, need4, fractions, cfg = _tier_needs(arch, context, batch, n2, budget, policy, page_size)
 
     def ok(size: int):
         plan = tier_store_plan(cfg, arch, size, dtype, True)

@@ -19,7 +19,10 @@
 #   T_E2E=520 E2E_CONTEXTS="16384 32768" E2E_REPEATS=2 bash scripts/gpu/lowbit.sh e2e
 # Knobs: CONFIGS (JSON list for the sweep), ATTN_POINTS, SWEEP_POINTS, E2E_CONTEXTS, E2E_BATCHES,
 # E2E_BUDGETS, E2E_N1 / E2E_N2 (decode window; demotion runs every 64 steps past 128, so n2 = 272 times
-# three of them), TIERED_DECODE_CONFIG (JSON: the config the engine serves, env SGL_KVXFER_...).
+# three of them), E2E_REPEATS, E2E_PAGE (--kv-tier-page-size), TIERED_DECODE_CONFIG (JSON: the config
+# the engine serves, env SGL_KVXFER_TIERED_DECODE_CONFIG). Without the last two the e2e stage takes the
+# attention sweep's best Llama-3-8B config and int page from $OUT; a call of its own should pass them
+# (the first call's attention JSON: sweep.best).
 #
 # CPU check of the plumbing at toy sizes (GPU tests deselected, Triton's interpreter):
 #   OUT=/tmp/lowbit DEVICE=cpu bash scripts/gpu/lowbit.sh
@@ -102,11 +105,15 @@ for s in $STAGES; do
       for m in llama3-8b smollm2; do
         [ -f "/tmp/lowbit_fi_jit_$m.log" ] && { tail -4 "/tmp/lowbit_fi_jit_$m.log" >> "$LOG"; rm -f "/tmp/lowbit_fi_jit_$m.log"; }
       done
-      # the sweep: tile 256 vs 512 (int page 512), stages 3 vs 4, int8 tensor cores for q.K, the fp16
-      # tier's tile / warps, splits per SM, the separate merge, the portable code conversion
-      default_configs='[{"qk_int8": true},
-        {"stages8": 3, "warps8": 4, "stages4": 4},
-        {"int_page": 512, "tile8": 512, "tile4": 512, "warps4": 8, "stages4": 2},
+      # the sweep: 256-token pages (one page a step) against four 64-token pages a step, int8 tensor
+      # cores for q.K, stages, int4 steps of 512 (int page 512; int8 keeps 256-token steps: 512 x 2
+      # stages would not fit shared memory), the fp16 tier's tile / warps, splits per SM, the
+      # separate merge, the portable code conversion
+      default_configs='[{"int_page": 256},
+        {"qk_int8": true},
+        {"int_page": 256, "qk_int8": true},
+        {"stages4": 4, "warps8": 4},
+        {"int_page": 512, "tile4": 512, "warps4": 8, "stages4": 2},
         {"tile16": 128, "warps16": 8, "stages16": 2},
         {"split_waves": 1},
         {"tile16": 32, "stages16": 4},
@@ -146,6 +153,21 @@ except Exception:
       rm -f /tmp/lowbit_ncu.log
       ;;
     e2e)
+      page=()
+      [ -n "${E2E_PAGE:-}" ] && page=(--kv-tier-page-size "$E2E_PAGE")
+      if [ -z "${TIERED_DECODE_CONFIG:-}" ] && ls "$OUT"/attention_*.json > /dev/null 2>&1; then
+        # serve the attention sweep's best Llama-3-8B config (its int page included) in the engine
+        read -r cfg pg < <($PY -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+b = [x['config'] for x in (d.get('sweep') or {}).get('best', []) if x['model'] == 'llama3-8b']
+c = b[0] if b and b[0] != 'served' else {}
+pg = c.pop('int_page', '')
+print(json.dumps(c, separators=(',', ':')) if c else '-', pg or '-')" "$(ls "$OUT"/attention_*.json | head -1)" 2>/dev/null)
+        [ -n "${cfg:-}" ] && [ "$cfg" != - ] && export SGL_KVXFER_TIERED_DECODE_CONFIG="$cfg"
+        [ -n "${pg:-}" ] && [ "$pg" != - ] && page=(--kv-tier-page-size "$pg")
+        say "== e2e: tiered decode config ${SGL_KVXFER_TIERED_DECODE_CONFIG:-served}, int page ${pg:-default}"
+      fi
       if [ "$DEVICE" = cuda ]; then
         args=(--preset llama-3-8b --context ${E2E_CONTEXTS:-16384} --batch ${E2E_BATCHES:-8}
               --n1 "${E2E_N1:-16}" --n2 "${E2E_N2:-272}" --repeats "${E2E_REPEATS:-1}")
@@ -153,7 +175,7 @@ except Exception:
         args=(--device cpu --preset tiny --context 64 --batch 2 --n1 1 --n2 2 --repeats 1)
       fi
       stage e2e "$(lim "${T_E2E:-600}")" /tmp/lowbit_e2e.log "$PY" benchmarks/throughput/e2e_decode.py --out-dir "$OUT" \
-        "${args[@]}" --kv-tier-budgets ${E2E_BUDGETS:-0.5 0.25 1.0}
+        "${args[@]}" ${page[@]+"${page[@]}"} --kv-tier-budgets ${E2E_BUDGETS:-0.5 0.25 1.0}
       grep -E "tok/s|breakdown|skipped|error" /tmp/lowbit_e2e.log | cut -c1-400 >> "$LOG"
       rm -f /tmp/lowbit_e2e.log
       ;;

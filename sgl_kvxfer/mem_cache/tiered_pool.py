@@ -36,7 +36,7 @@ from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan, split_int_stores
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 INT_TIERS = (TIER_INT8, TIER_INT4)
-DEFAULT_TIER_PAGE_SIZE = 256
+DEFAULT_TIER_PAGE_SIZE = 64
 
 
 @dataclass

@@ -84,6 +84,15 @@ def test_pages_larger_than_the_tile(tile):
     _close(*_run([(40, 100, 70), (3, 64, 1)], 4, 2, 32, 32, (64, 64, 64), splits=2, config=cfg))
 
 
+@pytest.mark.parametrize("tile", [32, 64])
+@pytest.mark.parametrize("filled", [True, False])
+def test_steps_over_several_pages(tile, filled):
+    """Int pages smaller than the tile: tile / PAGE listed pages a step, each with its own fill."""
+    cfg = with_config(BASE, tile8=tile, tile4=tile, tile16=tile)
+    _close(*_run([(9, 100, 70), (3, 33, 1), (0, 16, 48)], 4, 2, 32, 32, (1, 16, 16), filled=filled, splits=2,
+                 config=cfg))
+
+
 @pytest.mark.parametrize("tiers", [(1,), (2,), (0,), (1, 2), (0, 2)])
 def test_tier_subsets_and_direct_write(tiers):
     """Only the listed tiers are read; the others hold no token. One tier, one split: the kernel
