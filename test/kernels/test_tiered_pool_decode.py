@@ -132,7 +132,8 @@ def test_matches_exact_attention_on_the_originals():
 
 def test_plan_and_config():
     plan = plan_tiered_pool_decode(1, 8, 32768, "cpu", with_config(DEFAULT_CONFIG, split_waves=2))
-    assert plan.num_splits == 1  # 4 "SMs" on CPU: 2 waves / 8 programs -> 1
+    assert plan.num_splits == 1  # 4 "SMs" on CPU: 8 programs per wave of 2 per SM -> 1
+    assert plan_tiered_pool_decode(1, 3, 32768, "cpu", with_config(DEFAULT_CONFIG, split_waves=2)).num_splits == 2
     plan = plan_tiered_pool_decode(1, 1, 100000, "cpu", with_config(DEFAULT_CONFIG, split_waves=4))
     assert plan.num_splits == 16 and plan.counters.shape == (1,)
     assert plan_tiered_pool_decode(1, 1, 1000, "cpu", DEFAULT_CONFIG).num_splits == 1  # < 2 x min_split_tokens
