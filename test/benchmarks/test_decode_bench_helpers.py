@@ -128,3 +128,28 @@ def test_fits_records_bytes_needed(llama_arch):
     assert not ok and need == w + p["kv_pool_bytes"] + (6 << 30) and free == 80 << 30
     q = {**plan_pool(llama_arch, torch.bfloat16, 32768, 32, 0.25, 40), "weight_bytes": w}
     assert fits("cuda", q, 6 << 30, free=80 << 30)[0]  # a quarter budget fits where fp16 does not
+
+
+# ---------------------------------------------------------------------------- ncu_decode.py
+def test_ncu_raw_csv_summary():
+    """ncu's --csv --page raw output (header row, units row, one row per kernel) -> the figures the
+    report quotes, with the largest stall ratio as the top stall."""
+    from ncu_decode import parse_raw_csv, summarize
+
+    text = "\n".join([
+        "==PROF== Connected to process 1",
+        '"ID","Kernel Name","gpu__time_duration.sum","gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",'
+        '"sm__warps_active.avg.pct_of_peak_sustained_active","launch__registers_per_thread",'
+        '"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",'
+        '"smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio"',
+        '"","","nsecond","%","%","register/thread","ratio","ratio"',
+        '"0","_int_tier_kernel","200,000","71.5","18.2","168","3.1","5.4"',
+        '"1","_int_tier_kernel","150000","64.0","22.0","128","1.0","0.5"',
+    ])
+    rows = parse_raw_csv(text)
+    assert len(rows) == 2
+    a, b = summarize(rows[0]), summarize(rows[1])
+    assert a["duration_us"] == 200.0 and a["dram_throughput_pct"] == 71.5 and a["achieved_occupancy_pct"] == 18.2
+    assert a["registers_per_thread"] == 168 and a["top_stalls"][0] == {"reason": "mio_throttle", "warps_per_issue": 5.4}
+    assert b["top_stalls"][0]["reason"] == "long_scoreboard"
+    assert parse_raw_csv("==ERROR== ERR_NVGPUCTRPERM") == []
