@@ -288,13 +288,15 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
                    help="one more generate(n2) with synchronized timers: forward ms per decode step, graph "
                    "replays, time in SpectrumKV's hooks (row['breakdown'])")
-    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="run each engine in a child process (its GPU memory is all back when it exits, "
-                   "so every point finds the card as empty as the first)")
+                   "so every point finds the card as empty as the first); default: on CUDA only")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--child-point", default=None, help=argparse.SUPPRESS)  # JSON: one point, in a child
     args = p.parse_args(argv)
+    if args.isolate is None:
+        args.isolate = args.device.startswith("cuda")
     if not all(0.0 < b <= 1.0 for b in args.kv_tier_budgets) or args.n2 <= args.n1:
         p.error("budgets must be in (0, 1] and --n2 > --n1")
     if args.kv_tier_page_size is not None and (args.kv_tier_page_size < 16 or args.kv_tier_page_size & (
