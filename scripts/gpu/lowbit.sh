@@ -82,7 +82,7 @@ for s in $STAGES; do
       # imports); test_tier_store.py runs whole (its tests take the GPU when there is one)
       for f in test/kernels/test_tiered_pool_decode.py test/kernels/test_paged_fp16_pool_decode.py \
                test/kernels/test_tier_store.py test/kernels/test_extend_attention.py \
-               test/engine/test_triton_tiered_backend.py; do
+               test/layers/test_triton_tiered_backend.py; do
         [ -f "$f" ] || continue
         n=$(basename "$f" .py); names+=("$n")
         if [ "$n" = test_tier_store ]; then mark=(); else mark=(-m gpu); fi
