@@ -30,7 +30,8 @@ CLI_HELP = {
     "kv_quant_group_size": "SpectrumKV int8/int4 quantization group (channels per scale/zero pair); "
                            "0 (default) = head_dim, one pair per token and kv head",
     "kv_tier_page_size": "SpectrumKV: tokens per page of the int8/int4 stores (power of two >= 16, "
-                         "default 64); the fp16 store stays slot-granular",
+                         "default 64; the decode kernel reads 256 tokens a step, several pages or part of one)"
+                         "; the fp16 store stays slot-granular",
     "served_model_name": "the model name /v1/models and /get_model_info report (default: --model-path as "
                          "given, or smollm2-135m for the embedded default)",
     "merge_lora": "a peft LoRA adapter dir merged into the model weights at load (base + adapter)",
@@ -77,7 +78,9 @@ class EngineConfig:
     # channels per (scale, zero) pair of the int tiers; 0: head_dim (one pair per token and
     # kv head, the cheapest to decode); see resolved_group_size
     kv_quant_group_size: int = 0
-    # tokens per page of the int8 / int4 stores (the fp16 store stays slot-granular)
+    # tokens per page of the int8 / int4 stores (the fp16 store stays slot-granular); the decode
+    # kernel's loop step (256 tokens) spans several pages or part of one (kernels/README.md
+    # section 10); a page tail left by a short run costs memory
     kv_tier_page_size: int = 64
     kv_importance_window: int = 32  # last W prompt queries whose attention ranks tokens
     kv_decode_recent: int = 64  # newest generated tokens kept fp16; older ones demoted in runs of this size
@@ -190,8 +193,9 @@ class EngineConfig:
         token and kv head. Validated against the model's head_dim here (the config alone does
         not know it)."""
         g = self.kv_quant_group_size or head_dim
-        if head_dim % g:
-            raise ValueError(f"kv_quant_group_size {g} must divide the model's head_dim {head_dim}")
+        if head_dim % g or (g != head_dim and (head_dim // 2) % g):
+            raise ValueError(f"kv_quant_group_size {g} must be 0 (= head_dim) or divide half the model's "
+                             f"head_dim {head_dim} (int4 packs channels j and j + head_dim / 2 in one byte)")
         return g
 
 

@@ -79,10 +79,15 @@ SCD_DATA = EnvVar(
     "folder of the SCD corpora ({code,prose}_{train,calib,eval}.jsonl[.gz]); default SHARED_DATA_DIR, "
     "else the repo's .cache/scd_data (sgl_kvxfer/scd/data.py)")
 
+TIERED_DECODE_CONFIG = EnvVar(
+    "SGL_KVXFER_TIERED_DECODE_CONFIG", None,
+    "JSON object of kernels.tiered_pool_decode.TieredDecodeConfig fields (e.g. {\"tile8\": 128, "
+    "\"qk_int8\": true}) replacing the served config of the tiered pool's decode for every head shape")
+
 FUSEDKV_DATA = EnvVar(
     "SGL_KVXFER_FUSEDKV_DATA", None,
     "folder of {domain}_{train,calib,eval}.jsonl (or their token files) for FusedKV conversion and "
     "training when no --train-data / --data-dir is given (sgl_kvxfer/fusedkv/data.py)")
 
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, KERNEL_CACHE, CPU_ISA,
-       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, SCD_DATA, FUSEDKV_DATA)
+       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, SCD_DATA, TIERED_DECODE_CONFIG, FUSEDKV_DATA)

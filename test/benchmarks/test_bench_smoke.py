@@ -93,18 +93,19 @@ def test_write_json_records_device_commit_and_command(tmp_path):
 
 # ---------------------------------------------------------------------------- kernels
 def test_attention(tmp_path):
-    out = run_bench("kernels/attention.py", ["--device", "cpu", "--models", "smollm2", "--contexts", "128",
-                                             "--batches", "1", "--iters", "1"], tmp_path)
-    data = result(out, "attention_", ("results", "copy_bandwidth_Bps", "params", "filled_kernel"), png=True)
+    out = run_bench("kernels/attention.py", ["--device", "cpu", "--points", "smollm2:1:128", "--iters", "1"], tmp_path)
+    data = result(out, "attention_", ("results", "copy_bandwidth_Bps", "params", "served_configs"), png=True)
     row, = data["results"]
-    for v in ("sdpa_fp16", "paged_fp16", "filled_fp16", "filled_int8", "filled_int4", "filled_mix_b0.5"):
-        assert {"ms", "bytes", "speed_vs_sdpa", "pct_copy_bw", "pct_sdpa_bw"} <= set(row[v]), v
-    assert row["filled_int8"]["counts"] == [0, 128, 0] and "skipped" in row["flashinfer_fp16"]  # CUDA only
+    for v in ("sdpa", "fp16_pool", "tiered_fp16", "tiered_int8", "tiered_int4", "tiered_mix_b0.5"):
+        assert {"ms", "ms_min", "ms_max", "bytes", "GBps", "speed_vs_sdpa", "pct_sdpa_bw"} <= set(row[v]), v
+    assert row["tiered_int8"]["counts"] == [0, 128, 0] and row["tiered_int8"]["tiers"] == [1]
+    assert row["tiered_int8"]["max_abs_diff_vs_reference"] < 2e-2
+    assert "skipped" in row["flashinfer_fp16"] and "skipped" in row["flashinfer_fp8"]  # CUDA only
 
 
 def test_decode_plan(tmp_path):
     out = run_bench("kernels/decode_plan.py", ["--device", "cpu", "--batch", "2", "--ctx-min", "16", "--ctx-max",
-                                               "64", "--max-seq", "128", "--splits", "1", "2", "--empty-tiers", "0",
+                                               "64", "--max-seq", "128", "--splits", "1", "2",
                                                "--configs", "4:1", "--iters", "1"], tmp_path)
     data = result(out, "decode_plan_", ("rows", "best", "default_plan", "params"), png=True)
     assert len(data["rows"]) == 2 and all(r["max_abs_diff"] == 0 for r in data["rows"])
