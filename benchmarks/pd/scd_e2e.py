@@ -86,8 +86,8 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if min(args.fanouts) < 1 or args.repeats < 1 or min(args.prompt_tokens) < 2 or min(args.rates) < 0:
         ap.error("--fanouts >= 1, --repeats >= 1, --prompt-tokens >= 2, --rates >= 0")
-    if args.question_tokens < 1 or args.vocab < 300 or not args.timeout_s > 0:
-        ap.error("--question-tokens >= 1, --vocab >= 300, --timeout-s > 0")
+    if args.question_tokens < 1 or args.vocab < 202 or not args.timeout_s > 0:
+        ap.error("--question-tokens >= 1, --vocab >= 202, --timeout-s > 0")
     n_max = max(args.fanouts)
     if args.consumer_gpus is not None and len(args.consumer_gpus) != n_max:
         ap.error(f"--consumer-gpus needs {n_max} entries (one per consumer)")

@@ -10,8 +10,8 @@ every consumer that claims them (docs/pd_disaggregation.md, "SCD over PD").
                            (Reuse layers from the KV the pool holds, Patch layers from the zh
                            pool) become one segment in the send buffer, written to every
                            consumer that claimed the room so far
-    on_prompt_done(req)    the last segment; the request's reply ends now and its KV is freed:
-                           the codes live on in the send buffer, under the room
+    on_prompt_done(req)    the last segment; the request's reply ends now and its KV goes to the
+                           radix cache: the codes live on in the send buffer, under the room
 
 The zh pool: per Patch layer a [slots, r_h] tensor beside the KV pool, indexed by KV slot and
 written by every forward, so a slot's patch code lives exactly as long as its KV. A prompt whose
@@ -174,7 +174,7 @@ class ScdPrefillRole(PrefillRole):
     def _capture(self, slots: torch.Tensor, layer: int, hidden: torch.Tensor) -> None:
         """hidden [T, hidden]: the batch's tokens, in the order of their KV slots `slots` [T]."""
         if layer in self.patch_layers:
-            # NOTE: padding rows of a captured graph write slot 0 (the pool's padding slot)
+            # NOTE: graph runners skip forwards that carry a capture: `slots` are real tokens'
             self.zh_pool[layer][slots] = self.encoder.encode_patch(layer, hidden)
 
     def on_chunk(self, req, start: int, end: int) -> None:

@@ -107,6 +107,31 @@ def test_scd_flags_are_validated(tiny):
     with pytest.raises(ValueError, match="fp16-family"):
         SchedulerConfig(engine=EngineConfig(kv_tier_budget=0.5), disaggregation_mode="decode",
                         scd_artifacts=tiny.arts["a"])
+    for rank in ("auto", "top", "4:12"):
+        SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_rank=rank)
+    for rank in ("bottom", "4", "0:3", "4:-1", "4:12:1", "99999999:1", ""):
+        with pytest.raises(ValueError, match="--scd-rank"):
+            SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_rank=rank)
+    for frac in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--scd-wire-frac"):
+            SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_wire_frac=frac)
+    with pytest.raises(ValueError, match="prefill's"):
+        SchedulerConfig(disaggregation_mode="decode", scd_artifacts=tiny.arts["a"], scd_rank="auto")
+    with pytest.raises(ValueError, match="need --scd-artifacts"):
+        SchedulerConfig(disaggregation_mode="prefill", scd_rank="auto")
+
+
+def test_rank_policy():
+    from sgl_kvxfer.scd.rank_policy import choose_level
+
+    bpt = [1000, 2000, 4000]
+    assert choose_level(bpt, 1000, None, 0.1, 0.25) == 2  # no link rate: the top level
+    assert choose_level(bpt, 1000, 100.0, None, 0.25) == 2  # no prefill time yet: the top level
+    # 1000 tokens at 100 Gbit/s: 4000 B/token -> 0.32 ms; budget 0.25 x 10 ms = 2.5 ms
+    assert choose_level(bpt, 1000, 100.0, 0.01, 0.25) == 2
+    assert choose_level(bpt, 1000, 1.0, 0.01, 0.25) == 0  # 8 ms for the lowest: nothing fits, the lowest
+    assert choose_level(bpt, 1000, 8.0, 0.01, 0.25) == 1  # 2 ms / 4 ms
+    assert choose_level(bpt, 1000, float("nan"), 0.01, 0.25) == 2
 
 
 def test_manifest_id_names_the_calibration_run(tiny):
