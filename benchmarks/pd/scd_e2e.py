@@ -235,7 +235,11 @@ def main(argv=None) -> str:
                 if errors:
                     raise errors[0]
             for n_fan in sorted(args.fanouts):
-                run_fanout(args, server_args, arts, consumers, n_fan, res)
+                try:
+                    run_fanout(args, server_args, arts, consumers, n_fan, res)
+                except (RuntimeError, requests.RequestException) as e:  # the other N still run
+                    res.setdefault("errors", {})[str(n_fan)] = f"{type(e).__name__}: {str(e)[:2000]}"
+                    print(f"N={n_fan} failed: {e}", flush=True)
                 emit(False)
         finally:
             stop_all(*consumers)
@@ -347,7 +351,7 @@ def plot(p: dict, path: str) -> None:
         ax[1].bar(keys + ["oracle"], [r[k]["mean_ms"] for k in keys] + [r.get("oracle", {}).get("mean_ms", 0)])
     ax[1].set_ylabel("TTFT (ms)")
     ax[1].set_title("document in the producer's radix cache, new question", fontsize=9)
-    fig.suptitle(f"SCD end to end: {p['model']}, {p['device']}", fontsize=10)
+    fig.suptitle(f"SCD end to end: {os.path.basename(p['model'].rstrip('/'))}, {p['device']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
