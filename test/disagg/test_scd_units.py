@@ -214,3 +214,22 @@ def test_decode_servers_refuse_a_prefill_of_the_other_kind_at_bootstrap(tiny):
     other = {**plain_info, "scd": {"manifest_id": manifest_id(tiny.arts["b"]), "consumers": ["c0", "c1"]}}
     assert not consumer._check_route(room, other) and "SCD artifacts differ" in consumer.rejected[-1]
     assert not role(ScdDecodeRole, manifest_id=mid, consumer="c9")._check_route(room, scd_info)
+
+
+def test_level_chooser():
+    from sgl_kvxfer.scd.rank_policy import LevelChooser
+
+    levels, bpt = ((2, 2), (4, 4), (8, 8)), [1000, 2000, 4000]
+    assert LevelChooser(levels, bpt, "top", 0.25).choose(100) == 2
+    assert LevelChooser(levels, bpt, "4:4", 0.25).choose(100) == 1
+    with pytest.raises(ValueError, match="hold levels"):
+        LevelChooser(levels, bpt, "3:3", 0.25)
+    auto = LevelChooser(levels, bpt, "auto", 0.25)
+    assert auto.choose(1000) == 2  # nothing measured yet: the top level
+    auto.observe_prefill(1000, 0.01)  # 100k tokens/s: 1000 tokens prefill in 10 ms
+    assert auto.choose(1000) == 2  # no link rate known yet
+    assert auto.choose(1000, paced_gbps=1.0) == 0 and auto.choose(1000, paced_gbps=8.0) == 1
+    auto.observe_write(1 << 20, (1 << 20) * 8 / 100e9)  # measured 100 Gbit/s
+    auto.observe_write(10, 1.0)  # a small write times latency: ignored
+    assert auto.link_gbps == pytest.approx(100.0) and auto.choose(1000) == 2
+    assert auto.info()["level_counts"] == {"2:2": 1, "4:4": 1, "8:8": 3}
