@@ -69,5 +69,11 @@ SCD_DATA = EnvVar(
     "folder of text corpora NAME_SPLIT.jsonl[.gz] that SCD calibration reads for a `corpus:NAME` "
     "spec (sgl_kvxfer/scd/calib/data.py); unset: only task-suite specs and explicit paths work")
 
+FUSEDKV_DATA = EnvVar(
+    "SGL_KVXFER_FUSEDKV_DATA", None,
+    "folder of {domain}_{train,calib,eval}.jsonl (or their token files) for FusedKV conversion and "
+    "training when no --train-data / --data-dir is given (sgl_kvxfer/fusedkv/data.py)")
+
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, CPU_ISA,
-       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, SCD_DATA)
+       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, SCD_DATA,
+       FUSEDKV_DATA)
