@@ -76,8 +76,8 @@ KV_TRANSFER_FAULT = EnvVar(
 
 SCD_DATA = EnvVar(
     "SGL_KVXFER_SCD_DATA", None,
-    "folder of the SCD corpora ({code,prose}_{train,calib,eval}.jsonl[.gz]); default SHARED_DATA_DIR, "
-    "else the repo's .cache/scd_data (sgl_kvxfer/scd/data.py)")
+    "folder of text corpora NAME_SPLIT.jsonl[.gz] that SCD calibration reads for a `corpus:NAME` "
+    "spec (sgl_kvxfer/scd/calib/data.py); unset: only task-suite specs and explicit paths work")
 
 TIERED_DECODE_CONFIG = EnvVar(
     "SGL_KVXFER_TIERED_DECODE_CONFIG", None,

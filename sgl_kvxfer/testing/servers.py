@@ -142,8 +142,9 @@ def start_server(args: list[str], entry: list[str] | None = None, env: dict | No
         except requests.RequestException:
             pass
         time.sleep(0.5)
+    log = handle.log()  # read first: a clean stop deletes it
     handle.stop()
-    raise RuntimeError(f"server did not come up in {deadline}:\n{handle.log()}")
+    raise RuntimeError(f"server did not come up in {deadline}:\n{log}")
 
 
 def _auth(args: list[str]) -> dict:

@@ -308,3 +308,24 @@ def test_scd_ttft(tmp_path):
     assert data["complete"] and row["consumer_ms"] > 0 and row["e2e_ms"] > 0
     # codes of 23 of the 24 positions: the manifest's bytes per token x 23 / 24
     assert row["bytes_per_token"] == pytest.approx(data["artifacts"]["bytes_per_token"] * 23 / 24)
+
+
+@pytest.mark.slow
+def test_scd_e2e(tmp_path):
+    pytest.importorskip("mooncake")
+    from sgl_kvxfer.models.presets import write_dummy_tokenizer, write_preset_config
+
+    model = write_dummy_tokenizer(write_preset_config("tiny", str(tmp_path / "tiny")), 512)
+    out = run_bench("pd/scd_e2e.py", [
+        "--prompt-tokens", "40", "--question-tokens", "8", "--fanouts", "1", "2", "--rates", "0", "25",
+        "--repeats", "1", "--vocab", "256",
+        "--server-args", f"--model-path {model} --load-format dummy --device cpu --max-total-tokens 1024 "
+                         "--log-level warning"], tmp_path, timeout=1800)
+    data = result(out, "scd_e2e", ("fanout", "shared", "summary", "artifacts", "params"), png=True)
+    assert data["complete"]
+    for n_fan in ("1", "2"):
+        r = data["fanout"][n_fan]["40"]
+        assert r["oracle"]["max_ms"] > 0 and r["scd@0"]["max_ms"] > 0 and r["scd@25"]["max_ms"] > 0
+        # codes of 39 of the 40 positions
+        assert r["scd@25"]["bytes_per_token"] == pytest.approx(data["artifacts"]["bytes_per_token"] * 39 / 40)
+    assert data["shared"]["40"]["oracle"]["mean_ms"] > 0 and data["shared"]["40"]["scd@25"]["mean_ms"] > 0
