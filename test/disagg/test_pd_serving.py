@@ -133,6 +133,18 @@ def test_router_generate_is_token_identical_to_a_single_server(cluster):
         assert meta["kv_transfer"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 4
 
 
+def test_a_prompt_whose_head_the_prefill_cached_arrives_whole(cluster):
+    """The prefill serves a long prompt's head from its prefix cache and computes the rest in
+    chunks: the decode still gets every position's KV (the cached head too), so the reply
+    is the single server's and the bytes are the full prompt's."""
+    post(cluster["router"].url, greedy(PROMPTS[0]))  # the head, now cached on P
+    body = greedy(PROMPTS[0] * 3, max_new=16)  # ~300 tokens: chunks of 128 start past the head
+    ours, ref = post(cluster["router"].url, body), post(cluster["S"].url, body)
+    assert ours["meta_info"]["kv_transfer"]["status"] == "ok"
+    assert ours["meta_info"]["kv_transfer"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    assert ours["output_ids"] == ref["output_ids"]
+
+
 def test_router_streams_cumulative_text(cluster):
     r = requests.post(cluster["router"].url + "/generate", json=greedy(PROMPTS[0], stream=True), stream=True,
                       timeout=scaled(120))
