@@ -276,6 +276,12 @@ class DecodeRole:
             self._end(self.rooms[req.bootstrap.room], "the payload drops tokens; a decode pool that masks "
                       "dropped tokens is tiered (--kv-tier-budget < 1)")
             return False
+        if not seg.replaces and seg.start != req.kv_len:
+            # the row's positions must be written in order from 0: a hole would be decoded
+            # from whatever slot ids the row held before (and freed twice by release)
+            self._end(self.rooms[req.bootstrap.room],
+                      f"KV for positions [{seg.start}, {seg.end}) does not continue [0, {req.kv_len})")
+            return False
         change = tiers != TIER_KEEP
         row = req.req_pool_idx
         old = self.table.read(row, seg.end, start=seg.start).clone()
@@ -331,7 +337,9 @@ class DecodeRole:
     def _succeed(self, room: DecodeRoom) -> None:
         req, done = room.req, room.done
         n = len(req.origin_input_ids)
-        req.kv_len = n
+        if req.kv_len != n:
+            self._end(room, f"the prefill's KV covered {req.kv_len} of the prompt's {n} positions")
+            return
         req.output_ids.append(done.first_token)
         req.cached_tokens = done.cached_tokens
         if req.return_logprob and done.output_token_logprob is not None:

@@ -141,7 +141,9 @@ class PrefillRole:
         room = self._room_of(req)
         if room is None or room.error or (self.tiered and self.settings.stream == "end"):
             return
-        room.pending.append(_Range(start, end, "int8" if self.tiered else "stored"))
+        # from `streamed`, not `start`: a prompt whose head came from the prefix cache has its
+        # first chunk start past 0, and the decode needs those cached positions too
+        room.pending.append(_Range(room.streamed, end, "int8" if self.tiered else "stored"))
         room.streamed = end
 
     def on_prompt_done(self, req) -> bool:

@@ -1,5 +1,5 @@
 """Server fixtures (test/servers.py starts and stops them): the real-model server once for the
-whole directory, the fake-scheduler servers once per module."""
+whole directory, the fake-scheduler server once for the directory."""
 from __future__ import annotations
 
 import pytest
@@ -23,8 +23,9 @@ def live_server():
     assert left == [], f"processes left after SIGTERM: {left}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fake_server():
+    """One fake-scheduler server for every module here (tests read counters as deltas)."""
     handle = start_server(["--log-level", "warning", "--enable-metrics"], fake=True, name="fake")
     yield handle
     handle.stop()
