@@ -310,6 +310,12 @@ def _int_tier_kernel(
         qa8 = _round_i8(qa / q_sc[:, None])
         qb8 = _round_i8(qb / q_sc[:, None])
         q8_sum = tl.sum(qa8.to(tl.int32), 1).to(tl.float32)
+        # the zero-point term takes the same rounded q as the codes' term: every score is then
+        # exactly q~ . k^ with q~ = q8 * q_sc (the torch reference over q~ matches to fp32 rounding)
+        if HALVES == 2:
+            q_sum = (q8_sum + tl.sum(qb8.to(tl.int32), 1).to(tl.float32)) * q_sc
+        else:
+            q_sum = q8_sum * q_sc
 
     n_tok = tl.load(len_ptr + b)
     if FILLED:
