@@ -230,6 +230,14 @@ def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
     """One step's raw codes of an int tier: K [TILE, W], V [TILE, W] (read dim-major), the fp16
     index of each slot's first scale [TILE] and the slot mask [TILE].
 
+    NOTE: the codes are loaded without a mask. A slot mask varies along V's contiguous axis (the
+    slots of a dim-major page), and with it Triton loads V one byte per instruction (PAGE 256, 8
+    warps: 128 byte loads per thread per step, which also keep ~128 registers live and bypass the
+    cp.async pipeline). Every address stays inside the store: a step's slots lie in a listed page,
+    and a slot past the request's pages reads page 0 (the store holds >= 1 page: the launcher
+    checks). Codes of masked slots are finite integers whatever the bytes; their scores are set
+    to -inf and their scales and zeros load as 0, so they add nothing.
+
         PAGE >= TILE   one page: a scalar page id, every stream one contiguous run
         PAGE <  TILE   TILE / PAGE listed pages, their ids and fills loaded as a vector, each
                        page's runs contiguous ([pages, PAGE, W] loads reshaped to [TILE, W])"""
@@ -240,8 +248,8 @@ def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
         page, s0, tm = _page_of_step(bt_row, fill_row, n_tok, n_pages, l0, offs_t, PAGE, FILLED)
         blk = tl.multiple_of(page * stride_p + kv_head * stride_h, 16)
         slot = s0 + offs_t
-        kq = tl.load(k_ptr + blk + slot[:, None] * W + offs_c[None, :], mask=tm[:, None], other=0)
-        vq = tl.load(v_ptr + blk + offs_c[None, :] * PAGE + slot[:, None], mask=tm[:, None], other=0)
+        kq = tl.load(k_ptr + blk + slot[:, None] * W + offs_c[None, :])
+        vq = tl.load(v_ptr + blk + offs_c[None, :] * PAGE + slot[:, None])
         srow = blk // 2 + SCALE0 + slot * NG
     else:
         NP: tl.constexpr = TILE // PAGE
@@ -254,10 +262,8 @@ def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
         page = tl.load(bt_row + j, mask=fill > 0, other=0).to(tl.int64)
         blk = tl.multiple_of(page * stride_p + kv_head * stride_h, 16)
         tm3 = offs_s[None, :] < fill[:, None]  # [NP, PAGE]
-        kq = tl.load(k_ptr + blk[:, None, None] + offs_s[None, :, None] * W + offs_c[None, None, :],
-                     mask=tm3[:, :, None], other=0)
-        vq = tl.load(v_ptr + blk[:, None, None] + offs_c[None, None, :] * PAGE + offs_s[None, :, None],
-                     mask=tm3[:, :, None], other=0)
+        kq = tl.load(k_ptr + blk[:, None, None] + offs_s[None, :, None] * W + offs_c[None, None, :])
+        vq = tl.load(v_ptr + blk[:, None, None] + offs_c[None, None, :] * PAGE + offs_s[None, :, None])
         kq = tl.reshape(kq, (TILE, W))
         vq = tl.reshape(vq, (TILE, W))
         tm = tl.reshape(tm3, (TILE,))
@@ -310,6 +316,12 @@ def _int_tier_kernel(
         qa8 = _round_i8(qa / q_sc[:, None])
         qb8 = _round_i8(qb / q_sc[:, None])
         q8_sum = tl.sum(qa8.to(tl.int32), 1).to(tl.float32)
+        # the zero-point term takes the same rounded q as the codes' term: every score is then
+        # exactly q~ . k^ with q~ = q8 * q_sc (the torch reference over q~ matches to fp32 rounding)
+        if HALVES == 2:
+            q_sum = (q8_sum + tl.sum(qb8.to(tl.int32), 1).to(tl.float32)) * q_sc
+        else:
+            q_sum = q8_sum * q_sc
 
     n_tok = tl.load(len_ptr + b)
     if FILLED:

@@ -4,7 +4,8 @@
                        tiers=(0, 1, 2), check=True) -> o
     plan_tiered_pool_decode(batch_size, num_kv_heads, max_tokens, device, config=None) -> TieredDecodePlan
     served_config(head_dim, kv_group, override=None) -> TieredDecodeConfig   (SERVED_CONFIGS per head shape)
-    tiered_pool_decode_reference(q, layer, tables, sm_scale=None) -> o   (torch, fp32)
+    tiered_pool_decode_reference(q, layer, tables, sm_scale=None, q_int=None) -> o   (torch, fp32)
+    qk_int8_rounded_q(q) -> q~   (the q that qk_int8 attends with)
 
 q, o   [B, Hq, D] model dtype (fp16 / bf16), one new token per request
 layer  TieredKVLayer (paged_layout.py): fp16 tier at any power-of-two page size (the engine's store
@@ -39,6 +40,8 @@ Per step (log2-domain online softmax, fp32 accumulate):
 Int-tier dots run on fp16 operands whatever the model dtype (q is rounded to fp16 once; a bf16
 q in fp16's normal range converts exactly). qk_int8: q quantized per head to int8 (one scale per
 row) and q . codes on int8 tensor cores (codes - 128 for int8, the nibbles as they are for int4);
+the zero-point term uses the same rounded q, so the result is attention of q~ = round(q / s) * s
+(qk_int8_rounded_q; s = max|q| / 127 per head) over the tiers;
 fast_cvt: codes -> fp16 with byte-permute / LOP3 instructions (GPU only; bit-identical to the
 portable conversion).
 Attention over a set is order-free (K is post-RoPE), so tiers, pages and splits combine exactly.
@@ -202,6 +205,8 @@ def _check(q, layer: TieredKVLayer, tables: TieredBlockTables, tiers) -> None:
         assert p >= 1 and p & (p - 1) == 0, f"tier {t}: page size {p} must be a power of two"
         if t != TIER_FP16:
             assert p >= 16 and D >= 32, f"tier {t}: int pages need PAGE >= 16 and head_dim >= 32 ({p}, {D})"
+            # the kernel reads codes unmasked, page 0 for slots past a request's pages
+            assert layer[t].k.shape[0] >= 1, f"tier {t}: a launched int store needs >= 1 page"
     tables.check(layer.page_size)
     assert tables.batch_size == B, (tables.batch_size, B)
 
@@ -288,22 +293,38 @@ def tiered_pool_decode(
 
 
 def tiered_pool_decode_reference(q, layer: TieredKVLayer, tables: TieredBlockTables,
-                                 sm_scale: Optional[float] = None) -> torch.Tensor:
+                                 sm_scale: Optional[float] = None,
+                                 q_int: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Torch reference (any table form, any page sizes): each request's cache dequantized through
-    tier_codec (gather_request_kv), fp32 attention; a request with no token gets 0."""
+    tier_codec (gather_request_kv), fp32 attention; a request with no token gets 0. q_int: the q
+    the int tiers' scores use (qk_int8: qk_int8_rounded_q(q)); q itself by default."""
     B, Hq, D = q.shape
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     group = Hq // layer.num_kv_heads
     out = torch.zeros_like(q, dtype=torch.float32)
     for b in range(B):
-        k, v = gather_request_kv(layer, tables, b)  # [n, Hkv, D] fp32
+        k, v = gather_request_kv(layer, tables, b)  # [n, Hkv, D] fp32, the fp16 tier's rows first
         if k.shape[0] == 0:
             continue
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         s = torch.einsum("hd,nhd->hn", q[b].float(), k) * sm_scale
+        if q_int is not None:
+            n16 = int(tables.lens[TIER_FP16][b])
+            s[:, n16:] = torch.einsum("hd,nhd->hn", q_int[b].float(), k[n16:]) * sm_scale
         out[b] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
     return out.to(q.dtype)
+
+
+def qk_int8_rounded_q(q: torch.Tensor) -> torch.Tensor:
+    """fp32 q~ = round(q / s) * s, s = max|q| / 127 per (request, head) (1 where q is 0), half
+    away from zero: the q that qk_int8 attends with (int tiers with G = D; fp16 tier and G < D
+    attend with q itself)."""
+    qf = q.float()
+    qmax = qf.abs().amax(-1, keepdim=True)
+    sc = torch.where(qmax > 0, qmax / 127.0, torch.ones_like(qmax))
+    y = qf / sc
+    return torch.trunc(y + torch.where(y >= 0, 0.5, -0.5)) * sc
 
 
 def with_config(config: Optional[TieredDecodeConfig] = None, **knobs) -> TieredDecodeConfig:

@@ -18,7 +18,13 @@
 # under E2E_MIN (200 s): an engine point (16k x 8) takes one to two minutes, so the matrix is a call
 # of its own on the same warm machine (it finds the sweep's choice in $OUT):
 #   E2E_CONTEXTS="16384 32768" E2E_BUDGETS="0.5 0.25" bash scripts/gpu/lowbit.sh e2e
-# Knobs: CONFIGS (JSON list for the sweep), ATTN_POINTS, SWEEP_POINTS, E2E_CONTEXTS, E2E_BATCHES,
+# A short check of the decode kernels (two test files, three attention points, one sweep entry;
+# ends within T_TOTAL 145 s):
+#   T_TOTAL=145 T_TESTS=70 T_ATTN=70 T_SWEEP=15 TEST_FILES="test/kernels/test_tiered_pool_decode.py
+#   test/kernels/test_tier_store.py" TEST_K="knobs or pool_move or store_real or graph" ATTN_POINTS="llama3-8b:8:32768
+#   llama3-8b:1:32768 smollm2:8:32768" SWEEP_POINTS=llama3-8b:8:32768 CONFIGS='[{"int_page": 256, "qk_int8": true}]'
+#   bash scripts/gpu/lowbit.sh tests attention
+# Knobs: TEST_FILES (the test files), TEST_K (pytest -k), CONFIGS (JSON list for the sweep), ATTN_POINTS, SWEEP_POINTS, E2E_CONTEXTS, E2E_BATCHES,
 # E2E_BUDGETS, E2E_N1 / E2E_N2 (decode window; demotion runs every 64 steps past 128, so n2 = 272 times
 # three of them), E2E_REPEATS, E2E_PAGE (--kv-tier-page-size), TIERED_DECODE_CONFIG (JSON: the config
 # the engine serves, env SGL_KVXFER_TIERED_DECODE_CONFIG). Without the last two the e2e stage takes the
@@ -82,12 +88,13 @@ for s in $STAGES; do
       t=$(date +%s); pids=(); names=()
       # -m gpu: the real-shape tests (on the CPU they all skip: the rehearsal checks collection and
       # imports); test_tier_store.py runs whole (its tests take the GPU when there is one)
-      for f in test/kernels/test_tiered_pool_decode.py test/kernels/test_paged_fp16_pool_decode.py \
-               test/kernels/test_tier_store.py test/kernels/test_extend_attention.py \
-               test/layers/test_triton_tiered_backend.py; do
+      for f in ${TEST_FILES:-test/kernels/test_tiered_pool_decode.py test/kernels/test_paged_fp16_pool_decode.py
+               test/kernels/test_tier_store.py test/kernels/test_extend_attention.py
+               test/layers/test_triton_tiered_backend.py}; do
         [ -f "$f" ] || continue
         n=$(basename "$f" .py); names+=("$n")
         if [ "$n" = test_tier_store ]; then mark=(); else mark=(-m gpu); fi
+        [ -n "${TEST_K:-}" ] && mark+=(-k "$TEST_K")
         timeout -s INT -k 15 "$(lim "${T_TESTS:-120}")" "${PYTEST[@]}" ${mark[@]+"${mark[@]}"} -q -rs -p no:cacheprovider \
           --durations=5 "$f" > "$WORK/lowbit_$n.log" 2>&1 &
         pids+=($!)

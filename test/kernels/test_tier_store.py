@@ -56,15 +56,12 @@ def test_pool_move_fused_equals_torch_path():
     pools = [TieredKVPool(64, 2, 2, 32, torch.float16, DEVICE, TierStorePlan(40, 32, 32), group_size=32,
                           page_size=16) for _ in range(2)]
     g = torch.Generator().manual_seed(1)
-    for p in pools:
-        for x in p.k16 + p.v16:
-            x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(int(x.numel())), dtype=torch.float32)
-                    .to(x.dtype) * (1 + torch.rand(x.shape, generator=g)).to(x.dtype).to(x.device))
+    for x in pools[0].k16 + pools[0].v16:  # drawn on the host, copied to the pool's device
+        x.copy_((torch.randn(x.shape, generator=g) * (1 + torch.rand(x.shape, generator=g))).to(x.dtype))
+    for a, b in zip(pools[1].k16 + pools[1].v16, pools[0].k16 + pools[0].v16):
+        a.copy_(b)
     pools[1]._fused_quantize = False
     pools[0]._fused_quantize = True
-    for p in pools[1:]:
-        for a, b in zip(p.k16 + p.v16, pools[0].k16 + pools[0].v16):
-            a.copy_(b)
     src = torch.tensor([3, 4, 5, 9, 11, 12])
     dst = torch.tensor([p for p in (pools[0].base(1), pools[0].base(1) + 1, pools[0].base(2),
                                     pools[0].base(2) + 1, pools[0].base(2) + 16, pools[0].base(1) + 2)])
