@@ -52,6 +52,10 @@ def elem_bytes(pool: KVPool) -> int:
 
 
 def segment_layout(pool: KVPool, lens) -> SegmentLayout:
+    formats = getattr(pool, "formats", None)
+    if formats is not None and not formats.is_uniform:
+        raise ValueError("PD segments carry the codec's int8 / int4; this pool stores per-layer formats "
+                         "(--kv-layer-budget profile, --kv-tier-policy kivi)")
     lens = tuple(int(n) for n in lens)
     lay = pack_layout(lens, pool.num_kv_heads, pool.head_dim, group_size(pool), elem_bytes(pool))
     layers = sum(pool.stores_layer(i) for i in range(pool.num_layers))

@@ -123,6 +123,8 @@ class TieredSlotAllocator(TokenSlotAllocator):
             ids = slots[tiers == t]
             if ids.numel():
                 self._stores[t].give((ids - self.pool.base(t)).cpu())
+                if t == TIER_INT4 and self.pool.cold is not None:  # host copies lose a holder
+                    self.pool.cold.release(ids)
 
     def reclaimable(self, slots: torch.Tensor) -> int:
         """Only fp16 ids count toward `alloc`."""
@@ -150,11 +152,14 @@ class TieredSlotAllocator(TokenSlotAllocator):
         return {TIER_FP16: self.pool.num_slots(TIER_FP16) - self.available_size(),
                 **{t: self._stores[t].used() for t in INT_TIERS}}
 
-    def repartition(self, n8: int, n4: int) -> None:
-        """Resize the int stores; legal only while no int id is handed out (after a flush)."""
+    def repartition(self, n8: int, n4: int, formats=None) -> None:
+        """Resize the int stores (and give them new per-layer formats); legal only while no int id
+        is handed out (after a flush)."""
         for t, store in self._stores.items():
-            assert store.used() == 0, f"tier {t} store still holds tokens"
-        self.pool.resize_int_stores(n8, n4)
+            if store.used():
+                raise RuntimeError(f"tier {t} store still holds {store.used()} tokens: int stores change only "
+                                   f"while empty (flush the cache, with no request running)")
+        self.pool.resize_int_stores(n8, n4, formats)
         self._new_page_lists()
 
     def debug_check(self) -> None:

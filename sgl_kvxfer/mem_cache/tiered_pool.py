@@ -32,10 +32,10 @@ import torch
 from sgl_kvxfer.kernels.tier_codec import dequantize, payload_bytes, quantize
 from sgl_kvxfer.mem_cache.kv_pool import KVPool
 from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan, split_int_stores
+from sgl_kvxfer.spectrum.formats import IntFormat, StoreFormats
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 INT_TIERS = (TIER_INT8, TIER_INT4)
-_BITS = {TIER_INT8: 8, TIER_INT4: 4}
 DEFAULT_TIER_PAGE_SIZE = 64
 _STREAMS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
 
@@ -51,11 +51,15 @@ class SlotRoute:
 
 
 class _IntPages:
-    """One layer's int8 or int4 store: packed codes plus fp16 scale/zero per group, in pages."""
+    """One layer's int store in the codec's format: packed codes plus fp16 scale/zero per group,
+    in pages. `bits` is the store's format in this layer (8 or 4; spectrum/formats.py)."""
 
-    def __init__(self, tier: int, pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+    relocatable = True  # codes mean the same on any page: relocation copies them bit for bit
+
+    def __init__(self, bits: int, pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  group_size: int, device: str):
-        width = head_dim if tier == TIER_INT8 else head_dim // 2
+        self.bits, self.group_size = bits, group_size
+        width = head_dim if bits == 8 else head_dim // 2
         shape = (pages, num_kv_heads, page_size, width)
         sshape = (pages, num_kv_heads, page_size, head_dim // group_size)
         self.k = torch.zeros(shape, dtype=torch.uint8, device=device)
@@ -66,10 +70,10 @@ class _IntPages:
     def tensors(self) -> tuple:
         return tuple(getattr(self, s) for s in _STREAMS)
 
-    def write(self, page, off, k, v, bits, group_size):
+    def write(self, page, off, k, v):
         # x[page, :, off] with index tensors page, off [n] addresses [n, Hkv, W]
-        self.k[page, :, off], self.k_scale[page, :, off], self.k_zero[page, :, off] = quantize(k, bits, group_size)
-        self.v[page, :, off], self.v_scale[page, :, off], self.v_zero[page, :, off] = quantize(v, bits, group_size)
+        self.k[page, :, off], self.k_scale[page, :, off], self.k_zero[page, :, off] = quantize(k, self.bits, self.group_size)
+        self.v[page, :, off], self.v_scale[page, :, off], self.v_zero[page, :, off] = quantize(v, self.bits, self.group_size)
 
     def codes(self, page, off) -> tuple:
         """The six streams of tokens (page, off) as [n, Hkv, W] (k, v, k_scale, k_zero, v_scale, v_zero)."""
@@ -79,10 +83,24 @@ class _IntPages:
         for x, src in zip(self.tensors(), parts):
             x[page, :, off] = src
 
-    def read(self, page, off, bits, group_size, dtype):
+    def read(self, page, off, dtype):
         kq, vq, ks, kz, vs, vz = self.codes(page, off)
-        return (dequantize(kq, ks, kz, bits, group_size, dtype),
-                dequantize(vq, vs, vz, bits, group_size, dtype))
+        return (dequantize(kq, ks, kz, self.bits, self.group_size, dtype),
+                dequantize(vq, vs, vz, self.bits, self.group_size, dtype))
+
+    def read_keys(self, page, off, dtype):
+        return dequantize(self.k[page, :, off], self.k_scale[page, :, off], self.k_zero[page, :, off], self.bits,
+                          self.group_size, dtype)
+
+
+def _int_pages(fmt: IntFormat, pages: int, page_size: int, num_kv_heads: int, head_dim: int, group_size: int,
+               device: str):
+    """The store class of one layer's int store format (spectrum/formats.py)."""
+    if fmt.key_axis == "channel":
+        from sgl_kvxfer.mem_cache.kivi_pages import ChannelKeyIntPages
+
+        return ChannelKeyIntPages(fmt.bits, pages, page_size, num_kv_heads, head_dim, group_size, device)
+    return _IntPages(fmt.bits, pages, page_size, num_kv_heads, head_dim, group_size, device)
 
 
 class TieredKVPool(KVPool):
@@ -91,8 +109,11 @@ class TieredKVPool(KVPool):
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: str, plan: TierStorePlan, group_size: int = 32,
-                 page_size: int = DEFAULT_TIER_PAGE_SIZE):
+                 page_size: int = DEFAULT_TIER_PAGE_SIZE, formats: StoreFormats | None = None):
         super().__init__(plan.total, num_layers, num_kv_heads, head_dim, dtype, device)
+        self.formats = formats or StoreFormats.uniform(num_layers)
+        if self.formats.num_layers != num_layers:
+            raise ValueError(f"store formats cover {self.formats.num_layers} layers, the pool {num_layers}")
         if group_size < 2 or head_dim % group_size:
             raise ValueError(f"head_dim {head_dim} must be a multiple of kv_quant_group_size {group_size}")
         if page_size < 1:
@@ -106,6 +127,8 @@ class TieredKVPool(KVPool):
         self.scratch_slot = plan.n16 + 1  # CUDA-graph padding rows write here; never handed out
         self._alloc_int_stores(plan)
         self._occupancy: Callable[[], dict[int, int]] | None = None
+        # host fp16 copies of int4 tokens (scheduler/cold_tier.py); None: no cold tier
+        self.cold = None
 
     def _alloc_int_stores(self, plan: TierStorePlan) -> None:
         P = self.page_size
@@ -113,21 +136,33 @@ class TieredKVPool(KVPool):
         self.plan = plan
         self.size = plan.total
         counts = {TIER_INT8: plan.n8, TIER_INT4: plan.n4}
-        self.stores = {t: [_IntPages(t, counts[t] // P, P, self.num_kv_heads, self.head_dim, self.group_size,
-                                     self.device) for _ in range(self.num_layers)] for t in INT_TIERS}
+        self.stores = {t: [_int_pages(self.formats.of(t, layer), counts[t] // P, P, self.num_kv_heads, self.head_dim,
+                                      self.group_size, self.device) for layer in range(self.num_layers)]
+                       for t in INT_TIERS}
 
-    def int_store_sizes(self, f8: float, f4: float) -> tuple[int, int]:
-        """(n8, n4), whole pages, for an int mix f8 : f4 in the memory the fp16 store leaves over."""
+    def int_store_sizes(self, f8: float, f4: float, formats: StoreFormats | None = None) -> tuple[int, int]:
+        """(n8, n4), whole pages, for an int mix f8 : f4 in the memory the fp16 store leaves over
+        (int token bytes of `formats`, default the pool's own)."""
         left = self.memory_tokens * self.full_bytes_per_token() - (self.plan.n16 + 2) * self.token_bytes(TIER_FP16)
-        return split_int_stores(left, f8, f4, self.token_bytes(TIER_INT8), self.token_bytes(TIER_INT4),
-                                self.page_size)
+        old, self.formats = self.formats, formats or self.formats
+        try:
+            b8, b4 = self.token_bytes(TIER_INT8), self.token_bytes(TIER_INT4)
+        finally:
+            self.formats = old
+        return split_int_stores(left, f8, f4, b8, b4, self.page_size)
 
-    def resize_int_stores(self, n8: int, n4: int) -> None:
-        """Re-divide the int stores (int4 probe changed the mix). Only while they hold nothing.
-        NOTE: new tensors: anything holding views of the old ones (captured CUDA graphs, layer
-        views) must be rebuilt (ModelRunner.kv_pool_resized)."""
+    def resize_int_stores(self, n8: int, n4: int, formats: StoreFormats | None = None) -> None:
+        """Re-divide the int stores (int4 probe changed the mix; new per-layer formats). Only while
+        they hold nothing. NOTE: new tensors: anything holding views of the old ones (captured CUDA
+        graphs, layer views) must be rebuilt (ModelRunner.kv_pool_resized)."""
+        if formats is not None:
+            if formats.num_layers != self.num_layers:
+                raise ValueError(f"store formats cover {formats.num_layers} layers, the pool {self.num_layers}")
+            self.formats = formats
         self.stores = {}
         self._alloc_int_stores(TierStorePlan(self.plan.n16, n8, n4))
+        if self.cold is not None:  # ids of the old int4 store: their host copies are void
+            self.cold.rebind(self.base(TIER_INT4), self.plan.n4)
 
     # ------------------------------------------------------------------ slot id ranges
     def num_slots(self, tier: int) -> int:
@@ -200,7 +235,7 @@ class TieredKVPool(KVPool):
                 self.k16[layer_id][where] = kk.to(self.dtype)
                 self.v16[layer_id][where] = vv.to(self.dtype)
             else:
-                self.stores[tier][layer_id].write(*where, kk, vv, _BITS[tier], self.group_size)
+                self.stores[tier][layer_id].write(*where, kk, vv)
 
     def set_kv_fp16(self, layer_id, slots, k, v):
         """set_kv for ids known to be fp16 (new tokens): no host sync, CUDA-graph safe."""
@@ -221,12 +256,28 @@ class TieredKVPool(KVPool):
             if tier == TIER_FP16:
                 kk, vv = self.k16[layer_id].index_select(0, where), self.v16[layer_id].index_select(0, where)
             else:
-                kk, vv = self.stores[tier][layer_id].read(*where, _BITS[tier], self.group_size, self.dtype)
+                kk, vv = self.stores[tier][layer_id].read(*where, self.dtype)
             if pos is None:
                 return kk.view(out_shape), vv.view(out_shape)
             k.index_copy_(0, pos, kk)
             v.index_copy_(0, pos, vv)
         return k.view(out_shape), v.view(out_shape)
+
+    def get_k_routed(self, layer_id: int, route: SlotRoute) -> torch.Tensor:
+        """Keys only of get_kv_routed, [*shape, Hkv, D] (the cold tier's scoring reads no values)."""
+        n = 1
+        for d in route.shape:
+            n *= d
+        k = torch.empty((n, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
+        for tier, pos, where in route.parts:
+            if tier == TIER_FP16:
+                kk = self.k16[layer_id].index_select(0, where)
+            else:
+                kk = self.stores[tier][layer_id].read_keys(*where, self.dtype)
+            if pos is None:
+                return kk.view(*route.shape, self.num_kv_heads, self.head_dim)
+            k.index_copy_(0, pos, kk)
+        return k.view(*route.shape, self.num_kv_heads, self.head_dim)
 
     def stored_codes(self, layer_id: int, tier: int, slots: torch.Tensor) -> tuple:
         """The stored streams (k, v, k_scale, k_zero, v_scale, v_zero) [n, Hkv, W] of int ids of `tier`."""
@@ -243,6 +294,9 @@ class TieredKVPool(KVPool):
         src, dst = src.reshape(-1).cpu(), dst.reshape(-1).cpu()
         ts, td = self.tier_of(src), self.tier_of(dst)
         same = (ts == td) & (ts != TIER_FP16)
+        for tier in INT_TIERS:  # per-page key scales (KIVI): requantize instead of copying codes
+            if not all(store.relocatable for store in self.stores[tier]):
+                same &= ts != tier
         relocate = []
         for tier in INT_TIERS:
             m = same & (ts == tier)
@@ -251,6 +305,7 @@ class TieredKVPool(KVPool):
                                  tuple(map(self._to_device, self.page_offset(tier, dst[m])))))
         rest = ~same
         requant = (self.route(src[rest]), self.route(dst[rest])) if bool(rest.any()) else None
+        capture = self.cold.begin_move(src, dst, ts, td, rest) if self.cold is not None else None
         for layer_id in range(self.num_layers):
             for tier, s_where, d_where in relocate:
                 store = self.stores[tier][layer_id]
@@ -258,10 +313,18 @@ class TieredKVPool(KVPool):
             if requant is not None:
                 k, v = self.get_kv_routed(layer_id, requant[0])
                 self.set_kv_routed(layer_id, requant[1], k, v)
+                if capture is not None:  # NOTE: k, v are the exact fp16 values of demoted tokens
+                    self.cold.capture(capture, layer_id, k, v)
+        if capture is not None:
+            self.cold.end_move(capture)
 
     # ------------------------------------------------------------------ bytes
-    def token_bytes(self, tier: int, with_scales: bool = True) -> int:
-        """Bytes one token takes in a store, all layers, K and V (fp16 store: model dtype)."""
+    def token_bytes(self, tier: int, with_scales: bool = True) -> float:
+        """Bytes one token takes in a store, all layers, K and V (fp16 store: model dtype; int
+        stores: their per-layer formats, a fraction where channel-axis keys amortize page scales)."""
+        if tier in INT_TIERS and not self.formats.is_uniform:
+            return self.formats.token_bytes(tier, self.num_kv_heads, self.head_dim, self.group_size,
+                                            self.page_size, 2 if with_scales else 0)
         elem = torch.finfo(self.dtype).bits // 8
         head = payload_bytes(tier, self.head_dim, self.group_size, elem, with_scales)
         return 2 * self.num_layers * self.num_kv_heads * head

@@ -54,6 +54,9 @@ class TierSettings:
     unit: str
     int4_allowed: bool
     decode_recent: int
+    layer_budget: str = "uniform"      # "profile": per-layer int4 formats (spectrum/layer_budget.py)
+    layer_profile: str | None = None   # its JSON
+    recency_lambda: float = 0.0        # Eq. 13's lambda
 
 
 @dataclass(frozen=True)
@@ -80,22 +83,38 @@ class EngineTiering:
         self.table = runner.req_to_token
         a = runner.arch
         self.runner = runner
-        self.layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.pool.group_size)
+        # uniform byte layout; self.layout adds the per-layer formats the stores hold now
+        self.base_layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.pool.group_size,
+                                    page_size=self.pool.page_size)
+        self.layout = self.base_layout
         self.settings = TierSettings(config.kv_tier_policy, config.kv_tier_budget, config.kv_budget_unit,
-                                     config.kv_int4 != "off", config.kv_decode_recent)
-        self.policy = create_tier_policy(self.settings.policy)
+                                     config.kv_int4 != "off", config.kv_decode_recent, config.kv_layer_budget,
+                                     config.kv_layer_profile, config.kv_recency_lambda)
+        self.policy = self._make_policy(self.settings)
+        self.allocation = None  # layer_budget.LayerAllocation of the formats in use (profile mode)
         self.int4 = None  # probe.Int4Resolution once resolved
         self._acc: WeakKeyDictionary = WeakKeyDictionary()  # req -> ImportanceAccumulator
         self._tiered_len: WeakKeyDictionary = WeakKeyDictionary()  # req -> row prefix at final tiers
         self.records: deque[TierRecord] = deque(maxlen=4096)
+        self.cold = None
+        if config.kv_cold_tier:
+            from sgl_kvxfer.scheduler.cold_tier import ColdTier
+
+            profile = self._profile(self.settings)
+            ranking = sorted(range(a.num_hidden_layers), key=lambda l: -profile.gain_up[l]) if profile else None
+            self.cold = ColdTier(config, runner, self.allocator, self.table, self._make_room, ranking)
 
     # ------------------------------------------------------------------ settings
     def configure(self, **changes) -> TierSettings:
-        """Change policy / budget / unit / int4_allowed / decode_recent for later requests; returns
-        the old settings. Requests already tiered keep their tiers."""
+        """Change policy / budget / unit / int4_allowed / decode_recent / layer_budget /
+        layer_profile / recency_lambda for later requests; returns the old settings. Requests already tiered keep
+        their tiers. A change of the int stores' formats (KIVI, per-layer budgets) re-allocates them:
+        the cache is flushed and no request may be running."""
         old = self.settings
-        self.settings = replace(old, **changes)
-        self.policy = create_tier_policy(self.settings.policy)
+        new = replace(old, **changes)
+        policy = self._make_policy(new)
+        self._apply_formats(policy, new)
+        self.settings, self.policy = new, policy
         return old
 
     @contextmanager
@@ -105,6 +124,37 @@ class EngineTiering:
             yield self
         finally:
             self.configure(**vars(old))
+
+    def _make_policy(self, st: TierSettings):
+        return create_tier_policy(st.policy, layout=self.base_layout, budget=st.budget)
+
+    def _profile(self, st: TierSettings):
+        if st.layer_budget != "profile":
+            return None
+        from sgl_kvxfer.spectrum.layer_budget import LayerProfile
+
+        if not st.layer_profile:
+            raise ValueError("layer_budget 'profile' needs a layer_profile JSON")
+        return LayerProfile.load(st.layer_profile)
+
+    def _apply_formats(self, policy, st: TierSettings, replan: bool = False) -> None:
+        """Give the int stores the formats `policy` at `st` needs (re-allocating them if they
+        change, or if `replan`: the planned tier mix changed)."""
+        from sgl_kvxfer.spectrum.layer_budget import plan_store_formats
+
+        formats, alloc = plan_store_formats(policy, st.budget, st.unit, self.base_layout, self.config.kv_sink_tokens,
+                                            st.int4_allowed, self._profile(st))
+        layout = replace(self.base_layout, formats=None if formats.is_uniform else formats)
+        if formats != self.pool.formats or replan:
+            _, f8, f4, _ = planned_fractions(policy, st.budget, layout, st.unit, self.config.kv_sink_tokens,
+                                             st.int4_allowed)
+            n8, n4 = self.pool.int_store_sizes(f8, f4, formats)
+            if (n8, n4) != (self.pool.plan.n8, self.pool.plan.n4) or formats != self.pool.formats:
+                if self.kv.tree is not None:
+                    self.kv.tree.reset()  # cached int tokens go; running requests' tokens stay (and refuse)
+                self.allocator.repartition(n8, n4, formats)
+                self.runner.kv_pool_resized()  # new int stores: views and captured graphs are rebuilt
+        self.layout, self.allocation = layout, alloc
 
     # ------------------------------------------------------------------ hooks
     def before_forward(self, batch, fb) -> None:
@@ -136,6 +186,13 @@ class EngineTiering:
                     self._tier_prefill(req)
             else:
                 self._demote_decode(req, final=req.finished)
+        if self.cold is not None and batch.mode != ForwardMode.EXTEND:
+            self.cold.on_decode(batch)
+
+    def release_request(self, req) -> None:
+        """The request's KV is about to be cached or freed: the cold tier gives its row back."""
+        if self.cold is not None:
+            self.cold.release_request(req)
 
     def mark_tiered(self, req, n: int) -> None:
         """Positions [0, n) of req are final (PD decode: the prompt came tiered from the
@@ -153,7 +210,7 @@ class EngineTiering:
             attn = acc.scores().cpu()
         else:  # norm mode, or a backend that feeds no observer
             attn = self._norm_importance(slots)
-        importance = token_importance(attn, self.config.kv_recency_lambda)[start:]
+        importance = token_importance(attn, self.settings.recency_lambda)[start:]
         sinks = max(0, self.policy.sink_count(self.config.kv_sink_tokens) - start)
         self._retier(req, start, slots[start:], importance, sinks)
         self._tiered_len[req] = n
@@ -200,22 +257,25 @@ class EngineTiering:
     def set_int4(self, resolution) -> None:
         """Apply the int4 decision; re-divide the int stores when the planned mix changes."""
         self.int4 = resolution
-        self.configure(int4_allowed=resolution.enabled)
-        st = self.settings
-        _, f8, f4, _ = planned_fractions(self.policy, st.budget, self.layout, st.unit, self.config.kv_sink_tokens,
-                                         st.int4_allowed)
-        n8, n4 = self.pool.int_store_sizes(f8, f4)
-        if (n8, n4) != (self.pool.plan.n8, self.pool.plan.n4):
-            if self.kv.tree is not None:
-                self.kv.tree.reset()  # start-up: nothing is locked; the probe's tokens go
-            self.allocator.repartition(n8, n4)
-            self.runner.kv_pool_resized()  # new int stores: views and captured graphs are rebuilt
+        self.settings = replace(self.settings, int4_allowed=resolution.enabled)
+        self.policy = self._make_policy(self.settings)
+        # start-up: nothing is locked; the probe's cached tokens go if the stores change
+        self._apply_formats(self.policy, self.settings, replan=True)
         logger.info("SpectrumKV: int4 %s (%s); stores fp16 %d / int8 %d / int4 %d slots",
                     "on" if resolution.enabled else "off", resolution.source,
                     self.pool.plan.n16, self.pool.plan.n8, self.pool.plan.n4)
 
     def server_info(self) -> dict:
-        return {"kv_tier_policy": self.settings.policy, "kv_tier_budget": self.settings.budget,
+        formats = self.pool.formats
+        layer = {"kv_layer_budget": self.settings.layer_budget,
+                 "kv_int_formats": None if formats.is_uniform else formats.describe()}
+        if self.allocation is not None:
+            layer["kv_layer_allocation"] = {"upgraded": list(self.allocation.upgraded),
+                                            "lowered": list(self.allocation.lowered),
+                                            "predicted_kl_gain": self.allocation.predicted_gain}
+        if self.cold is not None:
+            layer["kv_cold_tier"] = self.cold.server_info()
+        return {**layer, "kv_tier_policy": self.settings.policy, "kv_tier_budget": self.settings.budget,
                 "kv_int4_enabled": self.settings.int4_allowed,
                 "kv_int4_source": self.int4.source if self.int4 is not None else "unresolved",
                 "kv_full_bytes_per_token": float(self.pool.full_bytes_per_token()),

@@ -73,6 +73,9 @@ class TritonTieredAttentionBackend(AttentionBackend):
         # The int4 probe may re-divide the int stores (pool.stores is then a new dict).
         if self._views_of is not self.kv_pool.stores:
             pool = self.kv_pool
+            if not pool.formats.is_uniform:
+                raise ValueError("the Triton tiered kernels read the codec's int8 / int4 in every layer; per-layer "
+                                 "budgets and KIVI store other formats: use --attention-backend torch")
             self._views = [tier_layer_view(pool, layer) for layer in range(pool.num_layers)]
             self._views_of = pool.stores
         return self._views
@@ -116,6 +119,7 @@ class TritonTieredAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, layer_id, batch):
         plan = batch.attn_metadata
         if batch.mode == ForwardMode.DECODE:
+            self.tap_query(layer_id, q)
             self.kv_pool.set_kv_fp16(layer_id, batch.out_cache_loc, k, v)  # new tokens: fp16 ids
             return tiered_decode(q.contiguous(), self._views[layer_id], plan.tables, self.scale,
                                  plan=plan.decode_plan)
