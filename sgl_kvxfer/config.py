@@ -88,7 +88,7 @@ class EngineConfig:
     # kv_promote_radius neighbours each side; kv_cold_tier_tokens host copies (0: the pool's size).
     kv_cold_tier: bool = False
     kv_promote_threshold: float = 0.02
-    kv_promote_interval: int = 4
+    kv_promote_interval: int = 16
     kv_promote_layers: int = 2
     kv_promote_radius: int = 4
     kv_cold_tier_tokens: int = 0

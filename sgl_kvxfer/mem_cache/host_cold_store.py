@@ -36,11 +36,16 @@ class _Capture:
 class HostColdStore:
     def __init__(self, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  int4_base: int, int4_slots: int, device: str):
-        self.capacity, self.device = capacity, device
+        self.device = device
         self.pinned = str(device).startswith("cuda")
+        row = num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        if self.pinned:  # torch's pinned allocator rounds each buffer up to a power of two: use it all
+            capacity = (1 << max(0, (capacity * row - 1).bit_length())) // row
+        self.capacity = capacity
         shape = (capacity, num_kv_heads, head_dim)
-        self.k_host = [torch.zeros(shape, dtype=dtype, pin_memory=self.pinned) for _ in range(num_layers)]
-        self.v_host = [torch.zeros(shape, dtype=dtype, pin_memory=self.pinned) for _ in range(num_layers)]
+        # never read before written (a row is handed out with its copy)
+        self.k_host = [torch.empty(shape, dtype=dtype, pin_memory=self.pinned) for _ in range(num_layers)]
+        self.v_host = [torch.empty(shape, dtype=dtype, pin_memory=self.pinned) for _ in range(num_layers)]
         self.ref = torch.zeros(capacity, dtype=torch.int32)
         self._rows = LazyFreeList(0, capacity - 1, "cpu")
         self._event = None

@@ -125,6 +125,12 @@ class EngineTiering:
         finally:
             self.configure(**vars(old))
 
+    def replan_stores(self) -> None:
+        """Re-divide the int stores for the current settings' planned tier mix (after a flush, no
+        request running): a benchmark that switches budgets on one engine then never falls back
+        to a higher tier because a store was sized for another mix."""
+        self._apply_formats(self.policy, self.settings, replan=True)
+
     def _make_policy(self, st: TierSettings):
         return create_tier_policy(st.policy, layout=self.base_layout, budget=st.budget)
 

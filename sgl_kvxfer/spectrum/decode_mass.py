@@ -24,7 +24,8 @@ def head_max_mass(q: torch.Tensor, keys: torch.Tensor, scale: float, valid: torc
     if hq % hkv:
         raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
     group = hq // hkv
-    logits = torch.einsum("kgd,tkd->kgt", q.float().view(hkv, group, d), keys.float()) * scale  # [Hkv, G, T]
+    # in the keys' dtype (no fp32 copy of every key); the softmax runs in fp32
+    logits = torch.einsum("kgd,tkd->kgt", q.to(keys.dtype).view(hkv, group, d), keys).float() * scale  # [Hkv, G, T]
     if valid is not None:
         logits = logits.masked_fill(~valid.to(logits.device)[None, None, :], float("-inf"))
     return torch.softmax(logits, dim=-1).amax(dim=(0, 1))
