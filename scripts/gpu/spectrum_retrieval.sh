@@ -33,12 +33,12 @@ if [ "$DEVICE" = cuda ]; then
   BASE=$(python3 -c "from sgl_kvxfer.models.loader import resolve_model_path; print(resolve_model_path(None))")
   T_TRAIN=${T_TRAIN:-190} T_EVAL=${T_EVAL:-190} T_DECODE=${T_DECODE:-130}
   TRAIN_CTX=${TRAIN_CTX:-8192} TRAIN_S=${TRAIN_S:-125} ITEMS=${ITEMS:-2400} WORKERS=${WORKERS:-14}
-  TRAIN_ARGS=${TRAIN_ARGS:-"--batch-size 4 --grad-accum 2 --lr 3e-4 --warmup 20 --steps 2000"}
+  TRAIN_ARGS=${TRAIN_ARGS:-"--batch-size 2 --grad-accum 4 --lr 3e-4 --warmup 20 --steps 2000"}
   EVAL_CTX=${EVAL_CTX:-4096} LONG_CTX=${LONG_CTX:-8192}
   EVAL_ARGS=${EVAL_ARGS:-"--depths 11 --trials-per-depth 4 --val-trials 32 --lambdas 0 3e-4 1e-3 3e-3
     --cold-thresholds 0.005 0.02 0.08 --ppl-windows 2 --max-total-tokens 400000 --time-budget-s 160"}
   DECODE_ARGS=${DECODE_ARGS:-"--preset llama-3-8b --context 16384 --batch 8 --kv-tier-budget 0.2 --n1 16
-    --n2 80 --repeats 5"}
+    --n2 80 --repeats 5 --intervals 16 4 --forced-threshold 1e-3"}
 else
   [ -e sgl_kvxfer/kernels ] || ln -s ../kernels sgl_kvxfer/kernels
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -55,6 +55,8 @@ else
     --forced-threshold 0.001"}
 fi
 MODEL=$work/model
+PROSE=()  # the eval prose for the PPL column (else the probe's fallback filler: stdlib docstrings)
+[ -f .cache/data/prose_eval.jsonl ] && PROSE=(--prose .cache/data/prose_eval.jsonl)
 
 if [ "$stage" = all ] || [ "$stage" = train ]; then
   say "train: kv retrieval at $TRAIN_CTX tokens, $TRAIN_S s"
@@ -73,7 +75,8 @@ if [ "$stage" = all ] || [ "$stage" = eval ]; then
   say "eval: retrieval table on $MODEL"
   # shellcheck disable=SC2086
   timeout -s INT "$T_EVAL" python3 benchmarks/quality/retrieval_tiers.py --model "$MODEL" --device "$DEVICE" \
-      --context "$EVAL_CTX" --long-context "$LONG_CTX" --out-dir "$work" $EVAL_ARGS 2>&1 | tee "$work/eval.log"
+      --context "$EVAL_CTX" --long-context "$LONG_CTX" --out-dir "$work" "${PROSE[@]}" $EVAL_ARGS 2>&1 \
+      | tee "$work/eval.log"
   for j in "$work"/retrieval_tiers_*.json; do  # a run cut short wrote its JSON but no plot
     [ -f "$j" ] && [ ! -f "${j%.json}.png" ] && python3 benchmarks/quality/retrieval_tiers.py --plot-only "$j"
   done

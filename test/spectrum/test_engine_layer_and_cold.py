@@ -110,3 +110,11 @@ def test_cli_flags_parse():
         ("profile", True, 0.1, 3)
     with pytest.raises(SystemExit):
         ap.parse_args(["--kv-layer-budget", "layerwise"])
+    from sgl_kvxfer.server.flags import parse_server_args
+
+    for bad in (["--kv-promote-threshold", "nan"], ["--kv-promote-threshold", "inf"], ["--kv-promote-interval", "0"],
+                ["--kv-layer-budget", "profile"], ["--kv-cold-tier"], ["--kv-cold-tier-tokens", "-5"],
+                ["--kv-promote-radius", "1e9"]):
+        with pytest.raises(SystemExit) as exc:
+            parse_server_args(["--kv-tier-budget", "0.3", *bad] if bad != ["--kv-cold-tier"] else bad)
+        assert exc.value.code == 2, bad
