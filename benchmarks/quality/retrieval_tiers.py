@@ -15,10 +15,11 @@ eval split at `--context` tokens, the asked line at `--depths` evenly spaced dep
 Stages, in order (the JSON is rewritten after every point, so a run cut short keeps what ran):
 
     1. fp16 accuracy at --context and --long-context (the test bed's own ceiling)
-    2. validation (the `calib` split, random depths): the recency lambda of Eq. 13 for greedy, and
+    2. the per-layer profile (spectrum/calib/layer_profile.py) on validation prompts: KL of the
+       answer tokens; saved beside the results, used by the `per-layer` rows, and its most
+       sensitive layers are the ones the cold tier scores (as --kv-layer-profile would pick them)
+    3. validation (the `calib` split, random depths): the recency lambda of Eq. 13 for greedy, and
        the cold tier's promotion threshold, each picked by validation accuracy, never on eval
-    3. the per-layer profile (spectrum/calib/layer_profile.py) on validation prompts: KL of the
-       answer tokens; saved beside the results and used by the `per-layer` rows
     4. the table: every method at every budget (bytes unit): accuracy by depth, compressed-prefix
        PPL on prose windows (ppl_sweep.py's protocol), byte ratio, tier mix, cold-tier counters
 
@@ -245,8 +246,14 @@ def run(args) -> str:
         r.payload["fp16"].update(r.ppl(r.base, windows, "fp16-ppl", None))
     r.save()
     # 2. validation, 3. profile
+    profile = layer_profile(r, val, args) if "per-layer" in args.methods or "cold-tier" in args.methods else None
+    if profile is not None and "cold-tier" in args.methods:  # probe the most int4-sensitive layers
+        from sgl_kvxfer.spectrum.layer_budget import LayerProfile
+
+        gains = LayerProfile.load(profile).gain_up
+        r.tiering.cold.set_probe_layers(sorted(range(len(gains)), key=lambda i: -gains[i])[:args.promote_layers])
+    r.payload["probe_layers"] = r.tiering.cold.layers
     lam, threshold = validate(r, val, args)
-    profile = layer_profile(r, val, args) if "per-layer" in args.methods else None
     # 4. the table: the headline budget first
     for b in args.budgets:
         for method in args.methods:

@@ -78,15 +78,8 @@ class ColdTier:
         self.store = HostColdStore(capacity, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype,
                                    pool.base(TIER_INT4), pool.num_slots(TIER_INT4), pool.device)
         pool.cold = self.store
-        self.layers = probe_layers(pool.num_layers, config.kv_promote_layers, ranking)
-        backend = runner.attn_backend
-        self.scale = backend.scale
-        hq, max_bs = backend.num_q_heads, runner.max_running_requests
-        backend.query_taps = {layer: torch.zeros((max_bs, hq, pool.head_dim), dtype=pool.dtype, device=pool.device)
-                              for layer in self.layers}
-        if runner.graph_runner is not None:  # the taps' copies must be inside the captured graphs
-            runner.graph_runner.recapture()
-        self.taps = backend.query_taps
+        self.runner, self.scale = runner, runner.attn_backend.scale
+        self.set_probe_layers(probe_layers(pool.num_layers, config.kv_promote_layers, ranking))
         self.cuda = str(pool.device).startswith("cuda")
         self.side = torch.cuda.Stream(device=pool.device) if self.cuda else None
         self.states: WeakKeyDictionary = WeakKeyDictionary()
@@ -96,6 +89,19 @@ class ColdTier:
         self.stats = {"scoring_passes": 0, "scored_tokens": 0, "promotions": 0, "promoted_tokens": 0,
                       "promoted_bytes_h2d": 0, "repacked_tokens": 0, "deferred": 0, "no_room": 0, "cancelled": 0,
                       "landed": 0, "stale": 0}
+
+    def set_probe_layers(self, layers: list[int]) -> None:
+        """Tap the decode queries of `layers` (replaces the taps; captured graphs are re-captured,
+        since the copies into the taps are part of them)."""
+        pool, runner = self.pool, self.runner
+        if not layers or any(not 0 <= layer < pool.num_layers for layer in layers):
+            raise ValueError(f"probe layers must be in [0, {pool.num_layers}), got {layers}")
+        backend = runner.attn_backend
+        backend.query_taps = {layer: torch.zeros((runner.max_running_requests, backend.num_q_heads, pool.head_dim),
+                                                 dtype=pool.dtype, device=pool.device) for layer in layers}
+        self.layers, self.taps = sorted(layers), backend.query_taps
+        if runner.graph_runner is not None:
+            runner.graph_runner.recapture()
 
     # ------------------------------------------------------------------ the decode hook
     def on_decode(self, batch) -> None:
@@ -278,6 +284,7 @@ class ColdTier:
             self.allocator.free(p.new)
             self.stats["cancelled"] += 1
         self.pending = keep
+        self.decode_steps.pop(req, None)  # a retracted request starts over when it is re-admitted
         state = self.states.pop(req, None)
         if state is None or not state.original or req.req_pool_idx is None:
             return
