@@ -149,8 +149,8 @@ def main(argv: list[str] | None = None) -> str:
                "decode_tok_s": args.batch / min(s), "counters": counters[mode], "repeats": len(s)}
         if mode != "off" and base:
             ratios = [a / b - 1 for a, b in zip(s, base)]
-            row.update(slowdown_min_over_min=min(s) / min(base) - 1, slowdown_median_of_ratios=statistics.median(ratios),
-                       slowdown_ratios=ratios)
+            row.update(slowdown_min_over_min=min(s) / min(base) - 1, slowdown_ratios=ratios,
+                       slowdown_median_of_ratios=statistics.median(ratios))
         result["modes"][mode] = row
         print(f"{mode:8s} step {1e3 * min(s):.2f} ms (median {1e3 * statistics.median(s):.2f}, max {1e3 * max(s):.2f}) "
               f"{row.get('slowdown_min_over_min', 0.0):+.2%} vs off; {counters[mode]}", flush=True)

@@ -91,7 +91,8 @@ def main(argv=None) -> None:
 
     def generate(task, split, n, seed=0, tokenizer=None, start=0, **params):
         key = (task, start)
-        if split == "train" and n == 1 and seed == args.seed and params == args.task_params.get(task, {}) and key in cache:
+        same = split == "train" and n == 1 and seed == args.seed and params == args.task_params.get(task, {})
+        if same and key in cache:
             return [cache.pop(key)]
         return made(task, split, n, seed, tokenizer, start, **params)
 

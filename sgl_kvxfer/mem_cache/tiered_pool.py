@@ -72,8 +72,9 @@ class _IntPages:
 
     def write(self, page, off, k, v):
         # x[page, :, off] with index tensors page, off [n] addresses [n, Hkv, W]
-        self.k[page, :, off], self.k_scale[page, :, off], self.k_zero[page, :, off] = quantize(k, self.bits, self.group_size)
-        self.v[page, :, off], self.v_scale[page, :, off], self.v_zero[page, :, off] = quantize(v, self.bits, self.group_size)
+        bits, g = self.bits, self.group_size
+        self.k[page, :, off], self.k_scale[page, :, off], self.k_zero[page, :, off] = quantize(k, bits, g)
+        self.v[page, :, off], self.v_scale[page, :, off], self.v_zero[page, :, off] = quantize(v, bits, g)
 
     def codes(self, page, off) -> tuple:
         """The six streams of tokens (page, off) as [n, Hkv, W] (k, v, k_scale, k_zero, v_scale, v_zero)."""

@@ -107,9 +107,9 @@ class EngineTiering:
     # ------------------------------------------------------------------ settings
     def configure(self, **changes) -> TierSettings:
         """Change policy / budget / unit / int4_allowed / decode_recent / layer_budget /
-        layer_profile / recency_lambda for later requests; returns the old settings. Requests already tiered keep
-        their tiers. A change of the int stores' formats (KIVI, per-layer budgets) re-allocates them:
-        the cache is flushed and no request may be running."""
+        layer_profile / recency_lambda for later requests; returns the old settings. Requests
+        already tiered keep their tiers. A change of the int stores' formats (KIVI, per-layer
+        budgets) re-allocates them: the cache is flushed and no request may be running."""
         old = self.settings
         new = replace(old, **changes)
         policy = self._make_policy(new)
@@ -150,6 +150,8 @@ class EngineTiering:
 
         formats, alloc = plan_store_formats(policy, st.budget, st.unit, self.base_layout, self.config.kv_sink_tokens,
                                             st.int4_allowed, self._profile(st))
+        if not formats.is_uniform and self.config.resolved_attention_backend != "torch":
+            raise ValueError("per-layer int formats (kivi, layer_budget 'profile') run on the torch attention backend")
         layout = replace(self.base_layout, formats=None if formats.is_uniform else formats)
         if formats != self.pool.formats or replan:
             _, f8, f4, _ = planned_fractions(policy, st.budget, layout, st.unit, self.config.kv_sink_tokens,

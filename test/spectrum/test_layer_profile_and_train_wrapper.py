@@ -39,8 +39,8 @@ def test_profile_restore_one_has_no_gain_when_nothing_is_quantized(tiny):
 
     model, _ = load_model(tiny, "auto", torch.float32, "cpu", 0)
     g = torch.Generator().manual_seed(1)
-    samples = [(torch.randint(10, 4000, (60,), generator=g).tolist(), torch.randint(10, 4000, (8,), generator=g).tolist())
-               for _ in range(3)]
+    samples = [(torch.randint(10, 4000, (60,), generator=g).tolist(),
+                torch.randint(10, 4000, (8,), generator=g).tolist()) for _ in range(3)]
     prof = profile_layers(LlamaRunner(model), samples, 16, 16, num_sink=60, batch=2)  # every context token a sink
     assert prof.base_kl == pytest.approx(0, abs=1e-9)
     assert all(abs(x) < 1e-9 for x in prof.gain_up + prof.loss_down)

@@ -105,7 +105,8 @@ def profile_layers(runner, samples: list[tuple[list[int], list[int]]], group_siz
                          "group_size": group_size, "page_size": page_size, "low": LOW.label(), "lower": DOWN.label()})
 
 
-def prose_samples(tokenizer, texts: list[str], context: int, chunk: int, windows: int) -> list[tuple[list[int], list[int]]]:
+def prose_samples(tokenizer, texts: list[str], context: int, chunk: int,
+                  windows: int) -> list[tuple[list[int], list[int]]]:
     """Non-overlapping (context, chunk) windows, one per document, up to `windows`."""
     out = []
     for text in texts:
