@@ -10,8 +10,8 @@ memory (mem_cache/host_cold_store.py). During decode, every `kv_promote_interval
              positions within kv_promote_radius of them
     issue    fresh fp16 slots; host rows gathered into pinned staging; on CUDA a side stream copies
              them to the device and writes the fp16 store, then records an event
-    land     a later step whose after_forward sees the event done rewrites the request's row to
-             the new slots (never waits: a copy not done stays pending)
+    land     before the next decode forward (or any later hook) that finds the event done, the
+             request's row is rewritten to the new slots (never waits: a copy not done stays pending)
 
 Rows and ownership. The request keeps BORROWING the slots it was given (radix-cache prompt tokens,
 its own demoted tokens); a promotion points its row at slots it OWNS instead:
@@ -197,6 +197,11 @@ class ColdTier:
         self.stats["promoted_tokens"] += m
         self.stats["promoted_bytes_h2d"] += 2 * pool.num_layers * m * pool.num_kv_heads * pool.head_dim * \
             stage_k[0].element_size()
+
+    def land(self) -> None:
+        """Apply every promotion whose copy has completed (never waits). The scheduler calls it
+        before each decode forward too, so a copy issued after step N can serve step N + 1."""
+        self._land()
 
     def _land(self) -> None:
         waiting = []

@@ -5,6 +5,7 @@ The scheduler calls two hooks per batch (both no-ops for requests they do not co
     before_forward(batch, fb)    EXTEND: install `fb.extras["attn_observer"]`, which feeds each
                                  request's ImportanceAccumulator with the queries of the last
                                  W prompt positions (every layer and head, chunked prefill too)
+                                 DECODE: the cold tier lands promotions whose copies are done
     after_forward(batch, chunked)  EXTEND, prefill complete: score, assign, re-tier private tokens
                                  DECODE: demote generated tokens older than the recent window
 
@@ -166,7 +167,11 @@ class EngineTiering:
 
     # ------------------------------------------------------------------ hooks
     def before_forward(self, batch, fb) -> None:
-        if batch.mode != ForwardMode.EXTEND or self.config.kv_importance != "attn":
+        if batch.mode != ForwardMode.EXTEND:
+            if self.cold is not None:  # copies done since the last step land before this one reads its rows
+                self.cold.land()
+            return
+        if self.config.kv_importance != "attn":
             return
         observed = {}
         for i, s in enumerate(batch.slices):
