@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,10 @@ CLI_HELP = {
     "kv_tier_page_size": "SpectrumKV: tokens per page of the int8/int4 stores (power of two >= 16, "
                          "default 64); the fp16 store stays slot-granular",
     "merge_lora": "a peft LoRA adapter dir merged into the model weights at load (base + adapter)",
+    "scd_rank": "SCD prefill: the codes' nested rank level: top (default), R_K:R_V, or auto (per request "
+                "from the link rate; sgl_kvxfer/scd/rank_policy.py)",
+    "scd_wire_frac": "SCD prefill, --scd-rank auto: the highest level whose codes cross the link within this "
+                     "fraction of the prefill's own time (default 0.25)",
 }
 
 
@@ -266,13 +271,18 @@ class SchedulerConfig:
     kv_transfer_rate_gbps: float = 0.0
     kv_transfer_latency_ms: float = 0.0
     # SCD over PD (docs/pd_disaggregation.md, "SCD over PD"): the artifacts dir of
-    # `python -m sgl_kvxfer.scd.calibrate` (prefill: ship the prompt's KV as codes; decode:
+    # `python -m sgl_kvxfer.scd.calib` (prefill: ship the prompt's KV as codes; decode:
     # rebuild its KV from them), the consumer this decode server is in the manifest (default:
     # the one this server's weights match), and how many decode servers claim each room's
     # codes before the prefill frees them (or the room times out).
     scd_artifacts: str | None = None
     scd_consumer: str | None = None
     scd_fanout: int = 1
+    # prefill: the nested rank level the codes go at (artifacts with rank levels): "top", a fixed
+    # "R_K:R_V", or "auto" (per request from the link rate, scd/rank_policy.py, with the wire
+    # budget scd_wire_frac x the prefill's own time)
+    scd_rank: str = "top"
+    scd_wire_frac: float = 0.25
 
     def __post_init__(self):
         if self.max_running_requests is not None and self.max_running_requests < 1:
@@ -308,20 +318,24 @@ class SchedulerConfig:
     def _validate_scd(self) -> None:
         if self.scd_fanout < 1:
             raise ValueError(f"scd_fanout must be >= 1, got {self.scd_fanout}")
+        if not (isinstance(self.scd_wire_frac, (int, float)) and 0 < self.scd_wire_frac < float("inf")):
+            raise ValueError(f"--scd-wire-frac must be a finite number > 0, got {self.scd_wire_frac}")
+        if self.scd_rank not in ("top", "auto") and not re.fullmatch(r"[1-9][0-9]{0,4}:[1-9][0-9]{0,4}", self.scd_rank):
+            raise ValueError(f"--scd-rank must be top, auto or R_K:R_V (a level of the artifacts), got {self.scd_rank!r}")
         if self.scd_artifacts is None:
-            if self.scd_consumer is not None or self.scd_fanout != 1:
-                raise ValueError("--scd-consumer and --scd-fanout need --scd-artifacts")
+            if self.scd_consumer is not None or self.scd_fanout != 1 or self.scd_rank != "top":
+                raise ValueError("--scd-consumer, --scd-fanout and --scd-rank need --scd-artifacts")
             return
         if self.disaggregation_mode == "null" or self.disaggregation_transfer_backend == "fake":
             raise ValueError("--scd-artifacts needs --disaggregation-mode prefill or decode and a transfer "
                              "backend that moves bytes (not fake)")
         if not os.path.isfile(os.path.join(self.scd_artifacts, "manifest.json")):
             raise ValueError(f"--scd-artifacts {self.scd_artifacts}: no manifest.json there "
-                             "(python -m sgl_kvxfer.scd.calibrate writes it)")
+                             "(python -m sgl_kvxfer.scd.calib writes it)")
         if self.disaggregation_mode == "prefill" and self.scd_consumer is not None:
             raise ValueError("--scd-consumer names the consumer a decode server is; a prefill encodes for all")
-        if self.disaggregation_mode == "decode" and self.scd_fanout != 1:
-            raise ValueError("--scd-fanout is the prefill's (how many decodes claim each room)")
+        if self.disaggregation_mode == "decode" and (self.scd_fanout != 1 or self.scd_rank != "top"):
+            raise ValueError("--scd-fanout and --scd-rank are the prefill's (a decode server reads any level)")
         if self.engine.tiering_enabled:
             raise ValueError("--scd-artifacts runs with fp16-family KV pools (--kv-tier-budget 1.0): codes are "
                              "encoded from and decoded into the model dtype")

@@ -66,8 +66,8 @@ KV_TRANSFER_FAULT = EnvVar(
 
 SCD_DATA = EnvVar(
     "SGL_KVXFER_SCD_DATA", None,
-    "folder of the SCD corpora ({code,prose}_{train,calib,eval}.jsonl[.gz]); default ../shared/data, "
-    "else the repo's .cache/scd_data (sgl_kvxfer/scd/data.py)")
+    "folder of text corpora NAME_SPLIT.jsonl[.gz] that SCD calibration reads for a `corpus:NAME` "
+    "spec (sgl_kvxfer/scd/calib/data.py); unset: only task-suite specs and explicit paths work")
 
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, CPU_ISA,
        DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, SCD_DATA)

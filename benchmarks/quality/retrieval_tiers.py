@@ -181,7 +181,7 @@ def layer_profile(run: Run, val, args) -> str:
 
     from sgl_kvxfer import tasks
     from sgl_kvxfer.models.loader import load_model
-    from sgl_kvxfer.scd.forward import LlamaRunner
+    from sgl_kvxfer.scd.calib.forward import LlamaRunner
     from sgl_kvxfer.spectrum.calib.layer_profile import profile_layers
 
     samples = []

@@ -1,19 +1,30 @@
 """The SCD producer: a prefill role that ships a prompt's KV as low-rank codes, encoded once for
 every consumer that claims them (docs/pd_disaggregation.md, "SCD over PD").
 
-    on_new_request(req)    a room opens (or meets claims that came first); the request takes no
-                           cached prefix: every position's hidden states are needed
-    before_forward(b, fb)  installs the hidden-state capture (models/llama.py HIDDEN_CAPTURE):
-                           each Patch layer's input_layernorm output is encoded into zh as the
-                           forward runs
-    on_chunk(req, a, b)    positions [a, b) are computed: their codes (Reuse layers from the KV
-                           the pool holds, Patch layers from zh) become one segment in the send
-                           buffer, written to every consumer that claimed the room so far
+    on_new_request(req)    a room opens (or meets claims that came first) and picks its rank level;
+                           the request takes a cached prefix like any other (see the zh pool)
+    before_forward(b, fb)  installs the hidden-state capture (models/llama.py HIDDEN_CAPTURE) on
+                           every forward: each Patch layer's input_layernorm output is encoded
+                           into the zh pool at the token's KV slot as the forward runs
+    on_chunk(req, a, b)    positions [a, b) are computed: the codes of every position not sent yet
+                           (Reuse layers from the KV the pool holds, Patch layers from the zh
+                           pool) become one segment in the send buffer, written to every
+                           consumer that claimed the room so far
     on_prompt_done(req)    the last segment; the request's reply ends now and its KV is freed:
                            the codes live on in the send buffer, under the room
 
+The zh pool: per Patch layer a [slots, r_h] tensor beside the KV pool, indexed by KV slot and
+written by every forward, so a slot's patch code lives exactly as long as its KV. A prompt whose
+prefix is in the radix cache (a shared document prefilled before) takes that prefix's KV and
+patch codes from the pools and computes only the rest: its codes are the same as a full prefill's.
+
 Codes cover positions [0, n - 1): a consumer computes the last prompt position itself (its
 first decode step), so the first token comes from its own model, not from the producer's.
+
+Rank level (artifacts with nested `rank_levels`): chosen per room when its request arrives,
+by --scd-rank (top, a fixed R_K:R_V, or auto: scd/rank_policy.py from the link rate and the
+expected prefill time); every segment of the room is at that level, and a consumer reads the
+level from the segment's bytes per token.
 
 A room serves up to --scd-fanout consumers (claims naming the same manifest id), each with its
 own ring, sequence numbers and acks; the segments are shared (encoded once, written N times).
@@ -68,7 +79,8 @@ class ScdRoom:
     room: int
     req: object = None
     limit: int = 0  # positions [0, limit) get codes: prompt length - 1
-    zh: dict = field(default_factory=dict)  # patch layer -> [prompt_len, r_h] codes, filled by the capture
+    level: int = -1  # index into manifest.levels the codes go at (-1: the top)
+    opened: float = field(default_factory=time.monotonic)
     encoded: int = 0
     segments: list = field(default_factory=list)
     prompt_done: bool = False
@@ -90,6 +102,13 @@ class ScdPrefillRole(PrefillRole):
 
         self.encoder = ScdEncoder(self.artifacts, runner.device)
         self.code_layout = CodeLayout.from_manifest(self.manifest)
+        self.levels = self.manifest.levels
+        self.layouts = [CodeLayout.from_manifest(self.manifest, lv) for lv in self.levels]
+        self.fixed_level = self._fixed_level(settings.scd_rank, settings.scd_artifacts)
+        self.wire_frac = settings.scd_wire_frac
+        self.link_gbps_measured: float | None = None  # achieved write rate, moving average
+        self.prefill_tps: float | None = None  # prompt tokens per second of this server's prefills
+        self.level_counts: Counter = Counter()
         self.patch_layers = frozenset(self.manifest.patch_layers)
         self.fanout = settings.scd_fanout
         self.closed: dict[int, tuple[str, float]] = {}  # room -> (why, forget after)
@@ -98,9 +117,35 @@ class ScdPrefillRole(PrefillRole):
         self.encoded = {"rooms": 0, "tokens": 0, "bytes": 0}  # prefills whose codes were encoded (once each)
         self.rooms_closed: Counter = Counter()  # why rooms closed ("served", "fan-out timed out", ...)
         super().__init__(scheduler, settings, host)
+        self.zh_pool = {layer: torch.zeros(self.pool.size + 1, self.manifest.r_h, dtype=self.manifest.code_dtype,
+                                           device=self.pool.device) for layer in self.patch_layers}
         logger.info("SCD producer: artifacts %s (id %s), %d B/token of codes vs %d B/token of KV, fan-out %d",
                     settings.scd_artifacts, self.manifest_id[:12], self.code_layout.bytes_per_token,
                     self.manifest.raw_kv_bytes_per_token(torch.finfo(self.pool.dtype).bits // 8), self.fanout)
+
+    def _fixed_level(self, rank: str, art_dir: str) -> int | None:
+        """Index of the level --scd-rank names; None for auto."""
+        from sgl_kvxfer.disagg.scd_common import ScdSetupError
+
+        if rank == "auto":
+            return None
+        if rank == "top":
+            return len(self.levels) - 1
+        want = tuple(int(x) for x in rank.split(":"))
+        if want not in self.levels:
+            raise ScdSetupError(f"--scd-rank {rank}: {art_dir} holds levels "
+                                f"{', '.join(f'{a}:{b}' for a, b in self.levels)}")
+        return self.levels.index(want)
+
+    def _choose_level(self, tokens: int) -> int:
+        from sgl_kvxfer.scd.rank_policy import choose_level
+
+        if self.fixed_level is not None:
+            return self.fixed_level
+        rate = self.engine.rate_bps / 1e9 if 0 < getattr(self.engine, "rate_bps", 0) < float("inf") else \
+            self.link_gbps_measured
+        prefill_s = tokens / self.prefill_tps if self.prefill_tps else None
+        return choose_level([lay.bytes_per_token for lay in self.layouts], tokens, rate, prefill_s, self.wire_frac)
 
     def _registration(self, host: str) -> dict:
         return {**super()._registration(host), "scd": route_info(self.manifest, self.manifest_id)}
@@ -109,7 +154,6 @@ class ScdPrefillRole(PrefillRole):
     def on_new_request(self, req) -> bool:
         if not self.transfers(req):
             return False
-        req.share_prefix = False
         room = self.rooms.get(req.bootstrap.room)
         if room is not None and room.req is not None:  # a stale room under a reused id
             self._close(room, "replaced by a new request")
@@ -118,28 +162,20 @@ class ScdPrefillRole(PrefillRole):
             self.closed.pop(req.bootstrap.room, None)
             room = self.rooms[req.bootstrap.room] = ScdRoom(req.bootstrap.room)
         n = len(req.origin_input_ids)
-        room.req, room.limit, room.progress = req, n - 1, time.monotonic()
-        dev, dt = self.pool.device, self.manifest.code_dtype
-        room.zh = {layer: torch.empty(n, self.manifest.r_h, dtype=dt, device=dev) for layer in self.patch_layers}
+        room.req, room.limit, room.progress, room.opened = req, n - 1, time.monotonic(), time.monotonic()
+        room.level = self._choose_level(n - 1)
+        self.level_counts[room.level] += 1
         return False
 
     def before_forward(self, batch, fb) -> None:
-        if not self.patch_layers:
-            return
-        spans, off = [], 0  # (first row in the batch, first position, tokens, room)
-        for s in batch.slices:
-            room = self._room_of(s.req)
-            if room is not None and room.closing is None:
-                spans.append((off, s.start, s.length, room))
-            off += s.length
-        if spans:
-            fb.extras[HIDDEN_CAPTURE] = functools.partial(self._capture, spans)
+        if self.patch_layers:
+            fb.extras[HIDDEN_CAPTURE] = functools.partial(self._capture, fb.out_cache_loc)
 
-    def _capture(self, spans, layer: int, hidden: torch.Tensor) -> None:
-        if layer not in self.patch_layers:
-            return
-        for off, start, length, room in spans:
-            room.zh[layer][start:start + length] = self.encoder.encode_patch(layer, hidden[off:off + length])
+    def _capture(self, slots: torch.Tensor, layer: int, hidden: torch.Tensor) -> None:
+        """hidden [T, hidden]: the batch's tokens, in the order of their KV slots `slots` [T]."""
+        if layer in self.patch_layers:
+            # NOTE: padding rows of a captured graph write slot 0 (the pool's padding slot)
+            self.zh_pool[layer][slots] = self.encoder.encode_patch(layer, hidden)
 
     def on_chunk(self, req, start: int, end: int) -> None:
         room = self._room_of(req)
@@ -154,7 +190,9 @@ class ScdPrefillRole(PrefillRole):
         if room.closing is None:
             self._encode(room, room.limit)
         room.prompt_done, room.prompt_done_at = True, time.monotonic()
-        room.first_token, room.zh, room.progress = req.output_ids[0], {}, time.monotonic()
+        tps = room.limit / max(1e-6, room.prompt_done_at - room.opened)
+        self.prefill_tps = tps if self.prefill_tps is None else 0.7 * self.prefill_tps + 0.3 * tps
+        room.first_token, room.progress = req.output_ids[0], time.monotonic()
         req.finish({"type": "length", "length": len(req.output_ids)})
         nbytes = sum(s.nbytes for s in room.segments)
         if room.closing is None:
@@ -163,6 +201,7 @@ class ScdPrefillRole(PrefillRole):
             self.encoded["bytes"] += nbytes
         req.extra_meta = {"kv_transfer": {"status": "failed: " + room.closing if room.closing else "encoded",
                                           "scd_manifest": self.manifest_id[:12], "bytes": nbytes,
+                                          "scd_level": list(self.levels[room.level]),
                                           "bytes_per_token": nbytes / max(1, room.limit), "fanout": self.fanout}}
         return False
 
@@ -190,6 +229,9 @@ class ScdPrefillRole(PrefillRole):
         return {**super().server_info(),
                 "scd": {"manifest_id": self.manifest_id, "fanout": self.fanout,
                         "bytes_per_token": self.code_layout.bytes_per_token, "encoded": dict(self.encoded),
+                        "rank": self.settings.scd_rank, "levels": [list(x) for x in self.levels],
+                        "level_counts": {f"{a}:{b}": self.level_counts[i] for i, (a, b) in enumerate(self.levels)},
+                        "link_gbps_measured": self.link_gbps_measured, "prefill_tokens_per_s": self.prefill_tps,
                         "rooms_closed": dict(self.rooms_closed)}}
 
     # ------------------------------------------------------------------ encoding
@@ -207,17 +249,18 @@ class ScdPrefillRole(PrefillRole):
         slots = self.table.read(room.req.req_pool_idx, b, start=a)
         positions = torch.arange(a, b, device=slots.device)
         codes = {}
+        level, layout = self.levels[room.level], self.layouts[room.level]
         for layer in self.manifest.reuse_layers:
             k, v = self.pool.get_kv(layer, slots)
-            codes[(layer, "k")], codes[(layer, "v")] = self.encoder.encode_reuse(layer, k, v, positions)
+            codes[(layer, "k")], codes[(layer, "v")] = self.encoder.encode_reuse(layer, k, v, positions, level)
         for layer in self.patch_layers:
-            codes[(layer, "h")] = room.zh[layer][a:b]
-        nbytes = self.code_layout.nbytes(b - a)
+            codes[(layer, "h")] = self.zh_pool[layer][slots]
+        nbytes = layout.nbytes(b - a)
         off = self.send_alloc.alloc(nbytes)
         if off is None:
             self._close(room, f"send buffer full ({nbytes} B of codes do not fit --kv-transfer-buffer-mb)")
             return
-        pack_codes(self.code_layout, codes, self.buffer[off:off + nbytes])
+        pack_codes(layout, codes, self.buffer[off:off + nbytes])
         if self.buffer.device.type == "cpu" and positions.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the codes must be in host memory before a write
         room.segments.append(_Segment(a, b, off, nbytes))
@@ -314,6 +357,10 @@ class ScdPrefillRole(PrefillRole):
                     c.wire_bytes += res.nbytes
                     c.wire_seconds += res.write_seconds
                     self.stats.moved(res.nbytes)
+                    if res.write_seconds > 0 and res.nbytes >= (1 << 16):  # small writes time latency, not rate
+                        g = res.nbytes * 8 / res.write_seconds / 1e9
+                        m = self.link_gbps_measured
+                        self.link_gbps_measured = g if m is None else 0.8 * m + 0.2 * g
         elif room is not None and room.notices:
             decode_id, kind = room.notices.popleft()
             c = room.consumers.get(decode_id)
@@ -370,4 +417,4 @@ class ScdPrefillRole(PrefillRole):
             for c in room.consumers.values():
                 self._consumer_ended(room, c, reason)
         if room.req is not None and not room.prompt_done:
-            room.req, room.zh = None, {}
+            room.req = None

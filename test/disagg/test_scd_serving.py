@@ -3,7 +3,7 @@ other weights (a tiny random Llama pair, test/scd/scd_tiny.py), Mooncake over lo
 the real `sglang_router` 0.3.2 in front of (P, D_a).
 
 Every consumer reply is checked against an in-process reference of the same pipeline
-(sgl_kvxfer/scd/forward.py: the producer's prefill of the prompt's first n - 1 tokens, encode,
+(sgl_kvxfer/scd/calib/forward.py: the producer's prefill of the prompt's first n - 1 tokens, encode,
 the consumer's decode, then the consumer's own forward of the last prompt token and greedy
 steps): first-token logprobs and greedy tokens. The consumer's own full prefill (the oracle)
 gives other logprobs, so the comparison can tell SCD from a local prefill.
@@ -88,7 +88,7 @@ def reference(pair):
     oracle(consumer, prompt) -> the consumer's own full-prefill first-token logprobs."""
     from sgl_kvxfer.models.loader import load_model
     from sgl_kvxfer.scd import ScdArtifacts, ScdDecoder, ScdEncoder, kv_projections
-    from sgl_kvxfer.scd.forward import KVCache, LlamaRunner, left_pad
+    from sgl_kvxfer.scd.calib.forward import KVCache, LlamaRunner, left_pad
 
     models = {k: load_model(pair[k], "auto", torch.float32, "cpu", 0)[0] for k in ("producer", "a", "b")}
     arts = ScdArtifacts.load(pair["arts"])

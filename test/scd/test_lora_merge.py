@@ -7,7 +7,7 @@ import torch
 
 from sgl_kvxfer.models.loader import load_model
 from sgl_kvxfer.scd import identify
-from sgl_kvxfer.scd.forward import LlamaRunner, left_pad
+from sgl_kvxfer.scd.calib.forward import LlamaRunner, left_pad
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def tiny(tmp_path_factory):
 
 def test_profile_restore_one_has_no_gain_when_nothing_is_quantized(tiny):
     from sgl_kvxfer.models.loader import load_model
-    from sgl_kvxfer.scd.forward import LlamaRunner
+    from sgl_kvxfer.scd.calib.forward import LlamaRunner
 
     model, _ = load_model(tiny, "auto", torch.float32, "cpu", 0)
     g = torch.Generator().manual_seed(1)

@@ -4,7 +4,7 @@
         [--prose prose.jsonl] [--context 2048] [--chunk 128] [--windows 8] [--device cuda]
 
 For each sample (a context and its continuation), with the engine's own model code
-(sgl_kvxfer/scd/forward.py: the K/V it builds are what the pool stores):
+(sgl_kvxfer/scd/calib/forward.py: the K/V it builds are what the pool stores):
 
     1. prefill the context at full precision; the continuation's next-token log-probs over it
        are the reference p
@@ -62,8 +62,8 @@ def _kl(ref_logp: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> flo
 @torch.no_grad()
 def profile_layers(runner, samples: list[tuple[list[int], list[int]]], group_size: int, page_size: int,
                    num_sink: int = 4, batch: int = 4, meta: dict | None = None) -> LayerProfile:
-    """samples: (context ids, continuation ids). runner: scd.forward.LlamaRunner."""
-    from sgl_kvxfer.scd.forward import KVCache, left_pad
+    """samples: (context ids, continuation ids). runner: scd.calib.forward.LlamaRunner."""
+    from sgl_kvxfer.scd.calib.forward import KVCache, left_pad
 
     num_layers = len(runner.layers)
     sums = {"base": 0.0, **{f"up{l}": 0.0 for l in range(num_layers)}, **{f"down{l}": 0.0 for l in range(num_layers)}}
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> str:
     if args.sinks < 0 or args.group_size < 0:
         ap.error("--sinks and --group-size must be >= 0")
     from sgl_kvxfer.models.loader import load_model, load_tokenizer, resolve_model_path, resolve_tokenizer_path
-    from sgl_kvxfer.scd.forward import LlamaRunner
+    from sgl_kvxfer.scd.calib.forward import LlamaRunner
     from sgl_kvxfer.spectrum.niah import load_filler_texts
 
     model_dir = resolve_model_path(args.model)

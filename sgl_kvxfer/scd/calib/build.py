@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvxfer.scd.fit import JointMoments, fit_joint
+from sgl_kvxfer.scd.calib.fit import JointMoments, fit_joint
 
 
 class ReuseMoments:
@@ -52,16 +52,20 @@ class ReuseMoments:
 
 
 def fit_reuse(moments: ReuseMoments, layers, r_k: int, r_v: int, consumers: list[str],
-              ridge: float = 1e-4) -> tuple[dict[str, torch.Tensor], dict]:
+              ridge: float = 1e-4, levels=()) -> tuple[dict[str, torch.Tensor], dict]:
     """Artifact tensors (producer k/v enc + mu; per consumer k/v dec + mu) for `layers`, and a
-    report {consumer: {"k_rel_err": [per layer], "v_rel_err": [...]}} on the fit data."""
+    report {consumer: {"k_rel_err": [per layer], "v_rel_err": [...]}} on the fit data.
+    levels: lower (r_k', r_v') pairs of nested codes: each consumer also gets `k_dec@r_k'.l` /
+    `v_dec@r_v'.l`, the decoders of the first r' code columns (the producer's encoder is shared)."""
     tensors: dict[str, torch.Tensor] = {}
     report = {c: {"layers": list(layers), "k_rel_err": [], "v_rel_err": []} for c in consumers}
     h, d = moments.num_heads, moments.head_dim
     joint = moments.head_mode == "joint"
+    nested = {"k": sorted({a for a, _ in levels if a < r_k}), "v": sorted({b for _, b in levels if b < r_v})}
     for layer in layers:
         for kind, rank, jm in (("k", r_k, moments.k[layer]), ("v", r_v, moments.v[layer])):
-            fit = fit_joint(jm, h * rank if joint else rank, ridge)
+            scale = h if joint else 1
+            fit = fit_joint(jm, scale * rank, ridge, [scale * r for r in nested[kind]])
             # joint: enc [H*D, H*r], dec [H*r, H*D]; per_head: enc [H, D, r], dec [H, r, D]; mu [H, D]
             tensors[f"producer/{kind}_enc.{layer}"] = fit.enc[0] if joint else fit.enc
             tensors[f"producer/{kind}_mu.{layer}"] = fit.mu_a.reshape(h, d)
@@ -69,6 +73,11 @@ def fit_reuse(moments: ReuseMoments, layers, r_k: int, r_v: int, consumers: list
                 tensors[f"{c}/{kind}_dec.{layer}"] = fit.dec[i][0] if joint else fit.dec[i]
                 tensors[f"{c}/{kind}_mu.{layer}"] = fit.mu_b[i].reshape(h, d)
                 report[c][f"{kind}_rel_err"].append(round(float(fit.rel_err[i].mean()), 6))
+                for r in nested[kind]:
+                    dec = fit.dec_at[scale * r][i]
+                    tensors[f"{c}/{kind}_dec@{r}.{layer}"] = dec[0] if joint else dec
+                    report[c].setdefault(f"{kind}_rel_err@{r}", []).append(
+                        round(float(fit.rel_err_at[scale * r][i].mean()), 6))
     return tensors, report
 
 

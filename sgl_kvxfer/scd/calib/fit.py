@@ -11,7 +11,12 @@ x), so calibration never holds the raw traces:
                  consumer actually receives) = (W^T C_aa W + lam' I)^-1 W^T C_ab_i      [r, d]
 
 N = 1 is the paper's pairwise case (X = [A B]). With N > 1 one latent serves every consumer,
-so the producer encodes once; each consumer keeps only its own decoder. lam = ridge * mean
+so the producer encodes once; each consumer keeps only its own decoder.
+
+Nested ranks: column j of W depends only on direction j of V (the ridge solve is per column),
+so the rank-r' encoder is the first r' columns of the rank-r one: a code at rank r' is a prefix
+of the code at rank r. The decoder of a lower rank is refitted from the codes it receives
+(`levels`): a producer encodes once at the top rank and may send any prefix. lam = ridge * mean
 eigenvalue of the Gram it regularizes (scale-free).
 """
 from __future__ import annotations
@@ -66,6 +71,8 @@ class JointFit:
     dec: list[torch.Tensor]  # per consumer [G, r, d]
     mu_b: list[torch.Tensor]  # per consumer [G, d]
     rel_err: list[torch.Tensor]  # per consumer [G]: E|b - b_hat|^2 / E|b - mu_b|^2 on the fit data
+    dec_at: dict = None  # lower rank r' -> per consumer [G, r', d] (decoders of the code's prefix)
+    rel_err_at: dict = None  # lower rank r' -> per consumer [G]
 
 
 def _ridge_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -76,8 +83,9 @@ def _ridge_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: float) -> torch.T
     return torch.linalg.solve(gram + lam[:, None, None] * eye, rhs)
 
 
-def fit_joint(moments: JointMoments, rank: int, ridge: float = 1e-4) -> JointFit:
-    """Fit encoder / decoders of rank `rank` for every group (see the module docstring)."""
+def fit_joint(moments: JointMoments, rank: int, ridge: float = 1e-4, levels=()) -> JointFit:
+    """Fit encoder / decoders of rank `rank` for every group, and decoders of each lower rank in
+    `levels` for the first columns of the same encoder (see the module docstring)."""
     mu, cov = moments.mean_cov()
     mu, cov = mu.cpu(), cov.cpu()  # small float64 eigenproblems: LAPACK
     d, blocks = moments.width, moments.blocks
@@ -91,6 +99,18 @@ def fit_joint(moments: JointMoments, rank: int, ridge: float = 1e-4) -> JointFit
     v_r = v_r * live[:, None, :]
     c_aa = cov[:, :d, :d]
     enc = _ridge_solve(c_aa, cov[:, :d, :] @ v_r, ridge)  # [G, d, r]
+    decs, mus, errs = _decoders(enc, cov, mu, d, blocks, ridge)
+    dec_at, err_at = {}, {}
+    for r in sorted(set(levels)):
+        if not 1 <= r < rank:
+            raise ValueError(f"a nested rank must be in [1, {rank}), got {r}")
+        dec_at[r], _, err_at[r] = _decoders(enc[..., :r], cov, mu, d, blocks, ridge)
+    return JointFit(enc.float(), mu[:, :d].float(), decs, mus, errs, dec_at, err_at)
+
+
+def _decoders(enc, cov, mu, d: int, blocks: int, ridge: float):
+    """Per consumer block: ridge decoder from the received code, its mean and fit error."""
+    c_aa = cov[:, :d, :d]
     s = enc.transpose(1, 2) @ c_aa @ enc  # cov of the received code [G, r, r]
     decs, mus, errs = [], [], []
     for i in range(1, blocks):
@@ -104,4 +124,4 @@ def fit_joint(moments: JointMoments, rank: int, ridge: float = 1e-4) -> JointFit
         decs.append(dec.float())
         mus.append(mu[:, sl].float())
         errs.append((err / tr_bb.clamp(min=1e-30)).float())
-    return JointFit(enc.float(), mu[:, :d].float(), decs, mus, errs)
+    return decs, mus, errs

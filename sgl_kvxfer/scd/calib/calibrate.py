@@ -1,23 +1,24 @@
 """Offline SCD calibration: paired prefills -> Reuse fits -> layer selection -> Patch aligners.
 
-    python -m sgl_kvxfer.scd.calibrate --producer smollm2-135m \\
-        --consumer code=scripts/scd/specialists/code --consumer prose=scripts/scd/specialists/prose \\
-        --calib ../shared/data/code_calib.jsonl ../shared/data/prose_calib.jsonl \\
-        --r-k 16 --r-v 48 --r-h 192 --patch-budget auto --k-min 4 --out scd_artifacts/smollm2
+    python -m sgl_kvxfer.scd.calib --producer smollm2-135m --consumer qa=SPECIALISTS/qa \\
+        --consumer code=SPECIALISTS/code --calib task:qa task:code --r-k 16 --r-v 48 \\
+        --rank-levels 4:12,8:24 --r-h 96 --patch-budget auto --k-min 2 --out ARTIFACTS
 
 A consumer is NAME=PATH: a model dir, or a peft LoRA adapter dir merged onto --consumer-base
 (default: the producer). Stages (wall time of each in OUT/calibration.json):
 
   load        producer + consumers (our engine's model code, `--merge-lora` semantics)
-  collect_kv  paired prefills of the calib prefixes (same token ids for every model): per layer
+  collect_kv  paired prefills of the calib sequences (same token ids for every model): per layer
               and kv head, streamed joint moments of [deRoPE(K_A) deRoPE(K_B1) ...] and of V
-  fit_reuse   joint subspace + ridge encoder + per-consumer ridge decoders, every layer
-  select      Appendix A on held-out calib windows: F(S) = mean continuation log-prob of the
+  fit_reuse   joint subspace + ridge encoder + per-consumer ridge decoders, every layer, at the
+              top rank and each nested --rank-levels level
+  select      Appendix A on held-out calib items: F(S) = mean answer / continuation log-prob of the
               consumers (mean over consumers) with layers in S restored to each consumer's own
               K/V and the rest Reuse; restore-one, greedy, budget. Also the restore-one profile
               over RAW producer K/V (the DroidSpeak baseline's selection).
   collect_h   second paired pass: input_layernorm outputs at the selected layers
-  fit_patch   joint H subspace + ridge encoder, then per consumer an MLP aligner (Adam)
+  fit_patch   joint H subspace + ridge encoder, then per consumer an MLP aligner (Adam, early
+              stopping on a held-out split)
   save        manifest.json, producer.safetensors, consumer_<name>.safetensors
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvxfer.scd import stages
+from sgl_kvxfer.scd.calib import stages
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,12 @@ class CalibConfig:
     producer: str = "smollm2-135m"
     consumers: tuple[str, ...] = ()  # NAME=PATH
     consumer_base: str | None = None
-    calib: tuple[str, ...] = ("code", "prose")  # paths or corpus names
+    calib: tuple[str, ...] = ("task:qa", "task:kv", "task:code")  # data.py: task:NAME, a JSONL path, corpus:NAME
     out: str = "scd_artifacts"
     r_k: int = 16
     r_v: int = 48
     r_h: int = 192
+    rank_levels: str = ""  # lower nested levels "rk:rv,rk:rv" (ascending) a producer may send instead
     head_mode: str = "joint"  # joint (a layer's heads share one latent of H*r) or per_head
     patch_budget: str = "auto"  # a fixed k, or auto (k* = argmax dF/(c k) over [k_min, k_max])
     k_min: int = 1
@@ -57,7 +59,9 @@ class CalibConfig:
     select_prefix: int = 256
     select_cont: int = 64
     aligner_hidden: int = 512
-    aligner_steps: int = 400
+    aligner_steps: int = 5000  # a cap: training stops when the held-out loss stops improving
+    aligner_patience: int = 4  # held-out checks (every 50 steps) without improvement before stopping
+    aligner_time_s: float = 0.0  # per aligner (0: none)
     aligner_lr: float = 1e-3
     aligner_tokens: int = 65536
     aligner_aux: float = 1.0
@@ -83,9 +87,26 @@ class CalibConfig:
             raise ValueError("ranks, prefix length, prefix count and batch size must be >= 1")
         if self.select_prompts < 1 or self.select_prefix < 2 or self.select_cont < 2:
             raise ValueError("selection needs >= 1 prompt, a prefix >= 2 and a continuation >= 2 tokens")
+        try:
+            levels = self.levels
+        except ValueError:
+            raise ValueError(f"--rank-levels takes R_K:R_V pairs, e.g. 4:12,8:24; got {self.rank_levels!r}") from None
+        chain = [*levels, (self.r_k, self.r_v)]
+        if any(not (1 <= a <= c and 1 <= b <= d) or (a, b) == (c, d) for (a, b), (c, d) in zip(chain, chain[1:])):
+            raise ValueError(f"--rank-levels {self.rank_levels!r}: ascending pairs below (--r-k, --r-v)")
+        if self.aligner_patience < 0 or not self.aligner_time_s >= 0:
+            raise ValueError("--aligner-patience and --aligner-time-s must be >= 0")
         if self.code_dtype not in ("bfloat16", "float16", "float32") or self.storage_dtype not in (
                 "bfloat16", "float16", "float32"):
             raise ValueError("code_dtype / storage_dtype: bfloat16, float16 or float32")
+
+    @property
+    def levels(self) -> tuple[tuple[int, int], ...]:
+        out = []
+        for part in filter(None, (x.strip() for x in self.rank_levels.split(","))):
+            a, _, b = part.partition(":")
+            out.append((int(a), int(b)))
+        return tuple(out)
 
     @property
     def budget(self) -> int | str:
@@ -139,7 +160,7 @@ def calibrate(cfg: CalibConfig) -> dict:
         "wall_s": {**timer.wall, "total": round(time.perf_counter() - t_start, 3)},
         "config": dataclasses.asdict(cfg),
         "models": {"producer": m.producer.to_dict(), "consumers": [c.to_dict() for c in m.consumers]},
-        "tokens": {"fit_prefixes": len(fit_chunks), "fit_tokens": len(fit_chunks) * cfg.prefix_len,
+        "tokens": {"fit_prefixes": len(fit_chunks), "fit_tokens": sum(len(c) for c in fit_chunks),
                    "select_prompts": len(sel_chunks)},
         "patch_layers": list(m.patch_layers), "selection": selection.to_dict(),
         "droidspeak_restore_one": {str(k): v for k, v in droid.items()},

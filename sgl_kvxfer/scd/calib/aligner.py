@@ -8,11 +8,14 @@ on what the consumer actually uses, its own K/V projections of h):
 
     |g(z) - h_B|^2 / var(h_B)  +  aux * |(g(z) - h_B) W_kv^T|^2 / var(h_B W_kv^T)
 
-The parameters with the best held-out loss (checked every `eval_every` steps) are kept.
+Training runs until the held-out loss (checked every `eval_every` steps) has not improved for
+`patience` checks (early stopping), or `steps` (a cap), or `time_budget_s`; the parameters of
+the best check are kept and the report says which step that was and why training stopped.
 """
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -21,7 +24,8 @@ from sgl_kvxfer.scd.codec import apply_aligner
 
 def train_aligner(z: torch.Tensor, target: torch.Tensor, lin_w: torch.Tensor, lin_b: torch.Tensor, width: int,
                   steps: int = 300, lr: float = 1e-3, batch: int = 2048, w_kv: torch.Tensor | None = None,
-                  aux: float = 1.0, seed: int = 0, val_frac: float = 0.1, eval_every: int = 50):
+                  aux: float = 1.0, seed: int = 0, val_frac: float = 0.1, eval_every: int = 50,
+                  patience: int = 4, time_budget_s: float = 0.0):
     """z [n, r_h], target [n, hidden] (float32, one device); lin_w [r_h, hidden], lin_b [hidden]:
     the closed-form decoder (h ~ z lin_w + lin_b). w_kv [kv_rows, hidden] or None.
     Returns (params dict of codec.ALIGNER_PARAMS, report)."""
@@ -58,7 +62,7 @@ def train_aligner(z: torch.Tensor, target: torch.Tensor, lin_w: torch.Tensor, li
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * s / max(1, steps))))
     best = start = val_loss()
     best_p = {k: v.detach().clone() for k, v in p.items()}
-    best_step = 0
+    best_step, stale, stopped, t0 = 0, 0, "max_steps", time.perf_counter()
     for step in range(1, steps + 1):
         idx = tr[torch.randint(0, tr.numel(), (min(batch, tr.numel()),), generator=g).to(dev)]
         loss = loss_fn(idx)
@@ -68,9 +72,18 @@ def train_aligner(z: torch.Tensor, target: torch.Tensor, lin_w: torch.Tensor, li
         sched.step()
         if step % eval_every == 0 or step == steps:
             cur = val_loss()
-            if cur < best:
-                best, best_step = cur, step
+            if cur < best * (1 - 1e-4):
+                best, best_step, stale = cur, step, 0
                 best_p = {k: v.detach().clone() for k, v in p.items()}
+            else:
+                stale += 1
+            if patience and stale >= patience:
+                stopped = "patience"
+                break
+            if time_budget_s and time.perf_counter() - t0 > time_budget_s:
+                stopped = "time"
+                break
     report = {"val_loss_linear": round(start, 6), "val_loss_best": round(best, 6), "best_step": best_step,
-              "train_tokens": int(tr.numel()), "val_tokens": int(n_val)}
+              "steps_run": step if steps else 0, "stopped": stopped, "train_tokens": int(tr.numel()),
+              "val_tokens": int(n_val)}
     return best_p, report

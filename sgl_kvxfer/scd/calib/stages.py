@@ -9,16 +9,16 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from sgl_kvxfer.scd import methods
-from sgl_kvxfer.scd.aligner import train_aligner
+from sgl_kvxfer.scd.calib import methods
+from sgl_kvxfer.scd.calib.aligner import train_aligner
 from sgl_kvxfer.scd.artifacts import CODE_DTYPES, ScdArtifacts, ScdManifest
-from sgl_kvxfer.scd.build import ReuseMoments, fit_reuse, patch_tensors
+from sgl_kvxfer.scd.calib.build import ReuseMoments, fit_reuse, patch_tensors
 from sgl_kvxfer.scd.codec import ScdDecoder, ScdEncoder, kv_projections
-from sgl_kvxfer.scd.fit import JointMoments, fit_joint
-from sgl_kvxfer.scd.forward import LlamaRunner
+from sgl_kvxfer.scd.calib.fit import JointMoments, fit_joint
+from sgl_kvxfer.scd.calib.forward import LlamaRunner, left_pad
 from sgl_kvxfer.scd.identity import ModelIdentity, identify
 from sgl_kvxfer.scd.rotary import KeyRotary
-from sgl_kvxfer.scd.select import select_patch_layers
+from sgl_kvxfer.scd.calib.select import select_patch_layers
 
 
 @dataclass
@@ -66,39 +66,20 @@ def load_models(cfg) -> Models:
     return Models(device, arch, tok, LlamaRunner(model), consumers, idents, projs)
 
 
-def calib_chunks(cfg, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
-    """(fit prefixes of prefix_len tokens, selection windows of select_prefix + select_cont
-    tokens), round-robin over the calib files so every corpus is represented."""
-    from sgl_kvxfer.scd.data import corpus_path, read_texts, token_chunks
+def calib_chunks(cfg, tokenizer):
+    """(fit sequences, selection (prefix, continuation) pairs): data.calib_data over cfg.calib."""
+    from sgl_kvxfer.scd.calib.data import calib_data
 
-    per_file_fit, per_file_sel = [], []
-    for i, spec in enumerate(cfg.calib):
-        path = spec if os.path.isfile(spec) else corpus_path(spec, "calib")
-        texts = read_texts(path)
-        sel_n = max(1, cfg.select_prompts // len(cfg.calib))
-        # selection windows come from the last documents, fit prefixes from the others
-        n_sel_docs = max(1, len(texts) // 8)
-        per_file_sel.append(token_chunks(tokenizer, texts[-n_sel_docs:], cfg.select_prefix + cfg.select_cont,
-                                         sel_n, seed=cfg.seed + i, max_per_doc=4))
-        per_file_fit.append(token_chunks(tokenizer, texts[:-n_sel_docs] or texts, cfg.prefix_len, None,
-                                         seed=cfg.seed + 100 + i, max_per_doc=16))
-    fit = [c for group in _round_robin(per_file_fit) for c in group][:cfg.num_prefixes]
-    sel = [c for group in _round_robin(per_file_sel) for c in group][:cfg.select_prompts]
-    if not fit or not sel:
-        raise ValueError(f"calib data too short for prefix_len {cfg.prefix_len} / selection windows")
-    return fit, sel
+    return calib_data(cfg.calib, tokenizer, cfg.num_prefixes, cfg.prefix_len, cfg.select_prompts, cfg.select_prefix,
+                      cfg.select_cont, cfg.seed)
 
 
-def _round_robin(lists):
-    for i in range(max(len(x) for x in lists)):
-        yield [x[i] for x in lists if i < len(x)]
-
-
-def _batches(chunks, bs, device):
-    for i in range(0, len(chunks), bs):
-        ids = torch.tensor(chunks[i:i + bs], dtype=torch.long, device=device)
-        pos = torch.arange(ids.shape[1], device=device).expand_as(ids)
-        yield ids, pos, torch.ones_like(ids, dtype=torch.bool)
+def _batches(seqs, bs, device):
+    """Left-padded batches of similar lengths: (ids, positions, valid) [B, S]."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    for i in range(0, len(order), bs):
+        ids, valid, pos = left_pad([seqs[j] for j in order[i:i + bs]], 0, device)
+        yield ids, pos, valid
 
 
 def collect_kv(cfg, env: Models, chunks) -> ReuseMoments:
@@ -108,10 +89,10 @@ def collect_kv(cfg, env: Models, chunks) -> ReuseMoments:
     runners = [env.producer, *env.consumers.values()]
     for ids, pos, valid in tqdm(list(_batches(chunks, cfg.batch_size, env.device)), desc="collect K/V", unit="batch"):
         taps = [r.forward(ids, pos, valid, kv_layers=range(L)) for r in runners]
-        flat_pos = pos.reshape(-1)
+        flat_pos = pos[valid]
         for layer in range(L):
-            ks = [rot.derope(t.k[layer].reshape(-1, *t.k[layer].shape[2:]), flat_pos) for t in taps]
-            vs = [t.v[layer].reshape(-1, *t.v[layer].shape[2:]).float() for t in taps]
+            ks = [rot.derope(t.k[layer][valid], flat_pos) for t in taps]
+            vs = [t.v[layer][valid].float() for t in taps]
             moments.update(layer, ks, vs)
     return moments
 
@@ -125,39 +106,49 @@ def manifest_for(cfg, env: Models, patch) -> ScdManifest:
         max_position_embeddings=a.max_position_embeddings,
         reuse_layers=tuple(x for x in range(a.num_hidden_layers) if x not in patch), patch_layers=tuple(sorted(patch)),
         r_k=cfg.r_k, r_v=cfg.r_v, r_h=cfg.r_h, dtype=cfg.code_dtype, aligner_hidden=cfg.aligner_hidden,
-        head_mode=cfg.head_mode)
+        head_mode=cfg.head_mode, rank_levels=cfg.levels)
 
 
 def fit_reuse_all(cfg, env: Models, moments) -> tuple[ScdArtifacts, dict]:
     """Reuse fits of EVERY layer (the all-Reuse baseline that selection starts from)."""
     tensors, report = fit_reuse(moments, range(env.arch.num_hidden_layers), cfg.r_k, cfg.r_v,
-                                list(env.consumers), cfg.ridge)
+                                list(env.consumers), cfg.ridge, cfg.levels)
     return ScdArtifacts(manifest_for(cfg, env, ()), {k: v.to(env.device) for k, v in tensors.items()}), report
 
 
-def select_layers(cfg, env: Models, reuse_all: ScdArtifacts, chunks):
-    ids = torch.tensor(chunks, dtype=torch.long, device=env.device)
-    p = cfg.select_prefix
-    pos = torch.arange(p, device=env.device).expand(ids.shape[0], p)
-    valid = torch.ones_like(pos, dtype=torch.bool)
-    state = methods.producer_state(env.producer, ids[:, :p], pos, valid)
+def selection_batch(pairs, device):
+    """(prefix ids, positions, valid) left-padded, continuation ids right-padded [B, C] with its
+    mask of scored targets [B, C - 1], and each row's continuation start position [B]."""
+    ids, valid, pos = left_pad([p for p, _ in pairs], 0, device)
+    c = max(len(x) for _, x in pairs)
+    cont = torch.zeros(len(pairs), c, dtype=torch.long)
+    mask = torch.zeros(len(pairs), c - 1, dtype=torch.bool)
+    for i, (_, x) in enumerate(pairs):
+        cont[i, :len(x)] = torch.tensor(x)
+        mask[i, :len(x) - 1] = True
+    start = valid.sum(1)
+    return ids, pos, valid, cont.to(device), mask.to(device), start
+
+
+def select_layers(cfg, env: Models, reuse_all: ScdArtifacts, pairs):
+    ids, pos, valid, cont, mask, start = selection_batch(pairs, env.device)
+    state = methods.producer_state(env.producer, ids, pos, valid)
     enc = ScdEncoder(reuse_all)
     oracle, reuse, heldout = {}, {}, {}
     for name, runner in env.consumers.items():
-        oracle[name], _ = runner.prefill_cache(ids[:, :p], pos, valid)
+        oracle[name], _ = runner.prefill_cache(ids, pos, valid)
         reuse[name] = methods.scd_cache(state, enc, ScdDecoder(reuse_all, name), env.projections[name], runner.dtype)
-        heldout[name] = {f"{m}_{kv}": [round(_rel(getattr(c, kv)[i], getattr(oracle[name], kv)[i]), 6)
+        heldout[name] = {f"{m}_{kv}": [round(_rel(getattr(c, kv)[i][valid], getattr(oracle[name], kv)[i][valid]), 6)
                                        for i in range(env.arch.num_hidden_layers)]
                          for m, c in (("reuse", reuse[name]), ("raw", state.cache)) for kv in ("k", "v")}
-    start = torch.full((ids.shape[0],), p, device=env.device)
 
     def metric(base_of):
         def F(s):
             vals = []
             for name, runner in env.consumers.items():
                 cache = methods.with_layers(base_of(name), oracle[name], s)
-                lp, tgt = methods.continuation_logprob(runner, cache, ids[:, p:], start)
-                vals.append(float(lp.gather(-1, tgt[..., None]).mean()))
+                lp, tgt = methods.continuation_logprob(runner, cache, cont, start)
+                vals.append(float(lp.gather(-1, tgt[..., None])[..., 0][mask].mean()))
             return sum(vals) / len(vals)
         return F
 
@@ -190,10 +181,10 @@ def collect_h(cfg, env: Models, chunks, patch):
     samples = {layer: [[] for _ in range(n_models)] for layer in patch}
     for ids, pos, valid in tqdm(batches, desc="collect h_norm", unit="batch"):
         taps = [r.forward(ids, pos, valid, h_layers=patch, end=max(patch) + 1) for r in runners]
-        n = ids.numel()
+        n = int(valid.sum())
         keep = torch.randperm(n, generator=g)[:per_batch].to(env.device)
         for layer in patch:
-            hs = [t.h[layer].reshape(n, -1) for t in taps]
+            hs = [t.h[layer][valid] for t in taps]
             moments[layer].update(torch.cat(hs, -1)[None])
             for i, h in enumerate(hs):
                 samples[layer][i].append(h[keep])
@@ -216,7 +207,8 @@ def fit_patch(cfg, env: Models, h_data, patch):
             w_kv = torch.cat([proj.w_k, proj.w_v]).float()
             params, rep = train_aligner(z, samples[layer][1 + i].float(), fit.dec[i][0].to(z.device),
                                         fit.mu_b[i][0].to(z.device), cfg.aligner_hidden, cfg.aligner_steps,
-                                        cfg.aligner_lr, w_kv=w_kv, aux=cfg.aligner_aux, seed=cfg.seed + layer)
+                                        cfg.aligner_lr, w_kv=w_kv, aux=cfg.aligner_aux, seed=cfg.seed + layer,
+                                        patience=cfg.aligner_patience, time_budget_s=cfg.aligner_time_s)
             aligners[name] = params
             report.setdefault(name, {})[str(layer)] = {**rep, "h_fit_rel_err": round(float(fit.rel_err[i][0]), 6)}
             bar.update()
@@ -244,4 +236,4 @@ def provenance(device: str) -> dict:
                                              cwd=os.path.dirname(os.path.abspath(__file__))).strip()
         except (OSError, subprocess.CalledProcessError):
             commit = "unknown"
-    return {"device": name, "commit": commit, "command": " ".join(["python -m sgl_kvxfer.scd.calibrate", *sys.argv[1:]])}
+    return {"device": name, "commit": commit, "command": " ".join(["python -m sgl_kvxfer.scd.calib", *sys.argv[1:]])}

@@ -4,7 +4,7 @@ Every builder returns a KVCache [B, P, H, D] for the consumer (the prompt minus 
 from the producer's prefill of the same tokens (`ProducerState`):
 
     raw_cache         the producer's K/V as is
-    int4_cache        the producer's K/V through our int4 tier codec (kernels/tier_codec.py)
+    quant_cache       the producer's K/V through our int8 / int4 tier codec (kernels/tier_codec.py)
     scd_cache         Reuse layers decoded from codes, patch layers aligned + regenerated with the
                       consumer's own W_k / W_v (Reuse-only: artifacts with no patch layers)
     droidspeak_cache  raw producer K/V except the recomputed layers: each contiguous run [a, b]
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvxfer.scd.codec import ScdDecoder, ScdEncoder, regenerate_kv
-from sgl_kvxfer.scd.forward import KVCache, LlamaRunner, Taps
+from sgl_kvxfer.scd.calib.forward import KVCache, LlamaRunner, Taps
 
 
 @dataclass
@@ -41,19 +41,25 @@ def raw_cache(state: ProducerState) -> KVCache:
     return state.cache
 
 
-def int4_cache(state: ProducerState, group_size: int = 32) -> KVCache:
+def quant_cache(state: ProducerState, bits: int = 4, group_size: int = 32) -> KVCache:
     from sgl_kvxfer.kernels.tier_codec import dequantize, quantize
 
     def qd(x):
         g = min(group_size, x.shape[-1])
-        q, scale, zero = quantize(x, 4, g)
-        return dequantize(q, scale, zero, 4, g, out_dtype=x.dtype)
+        q, scale, zero = quantize(x, bits, g)
+        return dequantize(q, scale, zero, bits, g, out_dtype=x.dtype)
 
     return KVCache([qd(k) for k in state.cache.k], [qd(v) for v in state.cache.v], state.cache.valid)
 
 
-def scd_cache(state: ProducerState, enc: ScdEncoder, dec: ScdDecoder, proj, dtype: torch.dtype) -> KVCache:
-    """proj: the consumer's per-layer KVProjection list (codec.kv_projections)."""
+def int4_cache(state: ProducerState, group_size: int = 32) -> KVCache:
+    return quant_cache(state, 4, group_size)
+
+
+def scd_cache(state: ProducerState, enc: ScdEncoder, dec: ScdDecoder, proj, dtype: torch.dtype,
+              level: tuple[int, int] | None = None) -> KVCache:
+    """proj: the consumer's per-layer KVProjection list (codec.kv_projections); level: the
+    nested (r_k, r_v) the codes are sent at (default the top)."""
     m = enc.manifest
     b, p = state.positions.shape
     pos = state.positions.reshape(-1)
@@ -65,7 +71,8 @@ def scd_cache(state: ProducerState, enc: ScdEncoder, dec: ScdDecoder, proj, dtyp
                                  dec.rotary, dtype)
         else:
             k0, v0 = state.cache.k[layer], state.cache.v[layer]
-            zk, zv = enc.encode_reuse(layer, k0.reshape(b * p, *k0.shape[2:]), v0.reshape(b * p, *v0.shape[2:]), pos)
+            zk, zv = enc.encode_reuse(layer, k0.reshape(b * p, *k0.shape[2:]), v0.reshape(b * p, *v0.shape[2:]), pos,
+                                      level)
             k, v = dec.decode_reuse(layer, zk, zv, pos, dtype)
         ks.append(k.view(b, p, *k.shape[1:]))
         vs.append(v.view(b, p, *v.shape[1:]))
