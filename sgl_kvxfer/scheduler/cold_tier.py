@@ -213,26 +213,66 @@ class ColdTier:
         self.pending = waiting
 
     def _apply(self, p: _Pending) -> None:
+        """Point the row at the promoted fp16 slots, and at owned copies of the int tokens of pages
+        the row would then see with a hole (the Triton kernels read an int page as its slots
+        [0, fill): mem_cache/README.md section 7). Without room for those copies nothing changes."""
         req, state = p.req, self.states.get(p.req)
         if req.req_pool_idx is None or state is None:  # released meanwhile (release_request frees)
             self.allocator.free(p.new)
             return
-        row_idx = req.req_pool_idx
-        now = self.table.read(row_idx, int(p.positions.max()) + 1).cpu()[p.positions]
-        same = now == p.old
+        row = self.table.read(req.req_pool_idx, req.kv_len).cpu().clone()
+        same = row[p.positions] == p.old
         if not bool(same.all()):  # the row moved under us (should not happen while it runs)
             self.stats["stale"] += int((~same).sum())
             self.allocator.free(p.new[~same])
-        self._rewrite(req, state, p.positions[same], p.new[same])
-        self.stats["landed"] += int(same.sum())
-        self._repair_holes(req, state)
+        positions, new = p.positions[same], p.new[same]
+        row[positions] = new
+        holed = self.allocator.holed_pages(row).nonzero().squeeze(1)
+        old = row[holed]
+        copies = self._copy_slots(old)
+        if copies is None:
+            self.stats["no_room"] += 1
+            self.allocator.free(new)
+            state.promoted.difference_update(positions.tolist())  # may be scored again
+            return
+        if holed.numel():
+            self.pool.move(old, copies)  # codes bit for bit (requantized for KIVI pages)
+            self.stats["repacked_tokens"] += holed.numel()
+        self._rewrite(req, state, torch.cat([positions, holed]), torch.cat([new, copies]))
+        self.stats["landed"] += positions.numel()
+
+    def _copy_slots(self, old: torch.Tensor) -> torch.Tensor | None:
+        """Fresh ids for int tokens `old` (position order): their tier's pages, else fp16 slots;
+        None (nothing kept) when the pool has no room for them."""
+        tiers, new, got_all = self.pool.tier_of(old), old.clone(), []
+        for tier in (TIER_INT8, TIER_INT4):
+            idx = (tiers == tier).nonzero().squeeze(1)
+            if not idx.numel():
+                continue
+            if self.allocator.available_tier(tier) < idx.numel():
+                self.make_room(tier, idx.numel())
+            got = self.allocator.alloc_tier(tier, idx.numel()).cpu()
+            got_all.append(got)
+            if got.numel() < idx.numel():  # the store is short: the rest as fp16 (exact dequantized)
+                short = idx.numel() - got.numel()
+                if self.allocator.available_size() < short:
+                    self.make_room(TIER_FP16, short)
+                fp = self.allocator.alloc(short)
+                if fp is None:
+                    self.allocator.free(torch.cat(got_all))
+                    return None
+                got = torch.cat([got, fp.cpu()])
+                got_all.append(fp.cpu())
+            new[idx] = got
+        return new
 
     def _rewrite(self, req, state: _ReqState, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Point row positions at owned slots; owned slots they replace are freed."""
         if not positions.numel():
             return
         row_idx = req.req_pool_idx
-        cur = self.table.table[row_idx, positions.to(self.table.table.device)].cpu()
+        dev = positions.to(self.table.table.device)
+        cur = self.table.table[row_idx, dev].cpu()
         drop = []
         for pos, was, now in zip(positions.tolist(), cur.tolist(), slots.tolist()):
             if was in state.owned:
@@ -241,39 +281,9 @@ class ColdTier:
             else:
                 state.original.setdefault(pos, was)
             state.owned.add(now)
-        self.table.table[row_idx, positions.to(self.table.table.device)] = slots.to(self.table.table.device)
+        self.table.table[row_idx, dev] = slots.to(self.table.table.device)
         if drop:
             self.allocator.free(torch.tensor(drop, dtype=torch.int64))
-
-    def _repair_holes(self, req, state: _ReqState) -> None:
-        """Copy the row's int tokens of pages it now sees with a hole to fresh pages (the Triton
-        kernels read an int page as its slots [0, fill): mem_cache/README.md section 7)."""
-        row = self.table.read(req.req_pool_idx, req.kv_len).cpu()
-        bad = self.allocator.holed_pages(row)
-        if not bool(bad.any()):
-            return
-        positions = bad.nonzero().squeeze(1)
-        old = row[positions]
-        tiers = self.pool.tier_of(old)
-        new = old.clone()
-        for tier in (TIER_INT8, TIER_INT4):
-            idx = (tiers == tier).nonzero().squeeze(1)
-            if not idx.numel():
-                continue
-            if self.allocator.available_tier(tier) < idx.numel():
-                self.make_room(tier, idx.numel())
-            got = self.allocator.alloc_tier(tier, idx.numel()).cpu()
-            if got.numel() < idx.numel():  # the store is short: the rest stays fp16 (exact dequantized)
-                self.make_room(TIER_FP16, idx.numel() - got.numel())
-                fp = self.allocator.alloc(idx.numel() - got.numel())
-                if fp is None:
-                    self.allocator.free(got)
-                    raise RuntimeError("KV pool exhausted while the cold tier re-packed a promoted row")
-                got = torch.cat([got, fp.cpu()])
-            new[idx] = got
-        self.pool.move(old, new)
-        self.stats["repacked_tokens"] += positions.numel()
-        self._rewrite(req, state, positions, new)
 
     # ------------------------------------------------------------------ end of a request
     def release_request(self, req) -> None:

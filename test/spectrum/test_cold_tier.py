@@ -155,3 +155,20 @@ def test_promotion_on_cuda_is_async_and_exact():
     assert torch.equal(kk, k[7:8])
     cold.release_request(req)
     assert torch.equal(table.read(0, N).cpu(), new.cpu())
+
+
+def test_no_room_for_the_page_repair_keeps_the_row():
+    cold, pool, alloc, table, data, req, row = setup()
+    # int stores: allocate every free page; fp16: leave exactly the 3 slots the promotion takes
+    for tier in (TIER_INT8, TIER_INT4):
+        alloc.alloc_tier(tier, alloc.available_tier(tier))
+    hog = alloc.alloc(alloc.available_size() - 3)
+    used = alloc.used_counts()
+    aim(cold, data, 13)
+    cold.on_decode(SimpleNamespace(slices=[SimpleNamespace(req=req)]))
+    assert cold.stats["no_room"] == 1 and cold.stats["landed"] == 0
+    assert torch.equal(table.read(0, N).cpu(), row) and alloc.used_counts() == used
+    assert not cold.states[req].promoted  # scored again at a later pass
+    alloc.free(hog)
+    cold.on_decode(SimpleNamespace(slices=[SimpleNamespace(req=req)]))  # interval 1: scored again, now it fits
+    assert cold.stats["landed"] == 3
