@@ -31,12 +31,17 @@ CLI_HELP = {
     "kv_quant_group_size": "SpectrumKV int8/int4 quantization group (channels per scale/zero pair); "
                            "0 (default) = head_dim, one pair per token and kv head",
     "kv_tier_page_size": "SpectrumKV: tokens per page of the int8/int4 stores (power of two >= 16, "
-                         "default 64); the fp16 store stays slot-granular",
+                         "default 64; the decode kernel reads 256 tokens a step, several pages or part of one)"
+                         "; the fp16 store stays slot-granular",
+    "served_model_name": "the model name /v1/models and /get_model_info report (default: --model-path as "
+                         "given, or smollm2-135m for the embedded default)",
     "merge_lora": "a peft LoRA adapter dir merged into the model weights at load (base + adapter)",
     "scd_rank": "SCD prefill: the codes' nested rank level: top (default), R_K:R_V, or auto (per request "
                 "from the link rate; sgl_kvxfer/scd/rank_policy.py)",
     "scd_wire_frac": "SCD prefill, --scd-rank auto: the highest level whose codes cross the link within this "
                      "fraction of the prefill's own time (default 0.25)",
+    "shutdown_grace_period_secs": "on SIGTERM / Ctrl-C: seconds in-flight requests may run on before they end "
+                                  "with a 503 (default 20); new requests get 503 at once; a second signal stops",
 }
 
 
@@ -62,7 +67,7 @@ class EngineConfig:
     # kernel launches (small models); max tokens None: the scheduler's max_prefill_tokens.
     enable_prefill_cuda_graph: bool = False
     prefill_cuda_graph_max_tokens: int | None = None
-    # SpectrumKV (issue 4); budget 1.0 keeps every token at the model dtype.
+    # SpectrumKV; budget 1.0 keeps every token at the model dtype.
     kv_tier_budget: float = 1.0
     kv_tier_policy: str = "greedy"
     kv_sink_tokens: int = 4
@@ -78,7 +83,9 @@ class EngineConfig:
     # channels per (scale, zero) pair of the int tiers; 0: head_dim (one pair per token and
     # kv head, the cheapest to decode); see resolved_group_size
     kv_quant_group_size: int = 0
-    # tokens per page of the int8 / int4 stores (the fp16 store stays slot-granular)
+    # tokens per page of the int8 / int4 stores (the fp16 store stays slot-granular); the decode
+    # kernel's loop step (256 tokens) spans several pages or part of one (kernels/README.md
+    # section 10); a page tail left by a short run costs memory
     kv_tier_page_size: int = 64
     kv_importance_window: int = 32  # last W prompt queries whose attention ranks tokens
     kv_decode_recent: int = 64  # newest generated tokens kept fp16; older ones demoted in runs of this size
@@ -89,7 +96,8 @@ class EngineConfig:
     kv_layer_profile: str | None = None
     # Cold tier (scheduler/cold_tier.py): int4 tokens keep an fp16 copy in host memory and come
     # back to fp16 when a decode query's attention on them reaches kv_promote_threshold (one head's
-    # probability), scored every kv_promote_interval steps on kv_promote_layers layers, with
+    # probability), scored every kv_promote_interval steps on kv_promote_layers layers (the most
+    # int4-sensitive of kv_layer_profile when given, spectrum/query_taps.py), with
     # kv_promote_radius neighbours each side; kv_cold_tier_tokens host copies (0: the pool's size).
     kv_cold_tier: bool = False
     kv_promote_threshold: float = 0.02
@@ -167,16 +175,20 @@ class EngineConfig:
 
         if self.kv_layer_budget not in LAYER_BUDGET_CHOICES:
             raise ValueError(f"kv_layer_budget must be one of {LAYER_BUDGET_CHOICES}, got {self.kv_layer_budget!r}")
-        if self.kv_layer_budget == "profile":
+        if self.kv_layer_budget == "profile" and self.kv_layer_profile is None:
+            raise ValueError("--kv-layer-budget profile needs --kv-layer-profile, a JSON file written by "
+                             "python -m sgl_kvxfer.spectrum.calib.layer_profile")
+        if self.kv_layer_profile is not None:
+            if self.kv_layer_budget != "profile" and not self.kv_cold_tier:
+                raise ValueError("--kv-layer-profile is read with --kv-layer-budget profile or --kv-cold-tier "
+                                 "(whose probe layers are then the profile's most int4-sensitive)")
             if not isinstance(self.kv_layer_profile, str) or not os.path.isfile(self.kv_layer_profile):
-                raise ValueError(f"--kv-layer-budget profile needs --kv-layer-profile, a JSON file written by "
-                                 f"python -m sgl_kvxfer.spectrum.calib.layer_profile; got {self.kv_layer_profile!r}")
+                raise ValueError(f"--kv-layer-profile must be a JSON file written by python -m "
+                                 f"sgl_kvxfer.spectrum.calib.layer_profile; got {self.kv_layer_profile!r}")
             try:
                 LayerProfile.load(self.kv_layer_profile)
             except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
                 raise ValueError(f"--kv-layer-profile {self.kv_layer_profile}: {exc}") from None
-        elif self.kv_layer_profile is not None:
-            raise ValueError("--kv-layer-profile is read with --kv-layer-budget profile")
         if not (isinstance(self.kv_promote_threshold, (int, float)) and 0.0 < self.kv_promote_threshold <= 1.0):
             raise ValueError(f"kv_promote_threshold must be in (0, 1] (an attention probability), "
                              f"got {self.kv_promote_threshold}")
@@ -236,8 +248,9 @@ class EngineConfig:
         token and kv head. Validated against the model's head_dim here (the config alone does
         not know it)."""
         g = self.kv_quant_group_size or head_dim
-        if head_dim % g:
-            raise ValueError(f"kv_quant_group_size {g} must divide the model's head_dim {head_dim}")
+        if head_dim % g or (g != head_dim and (head_dim // 2) % g):
+            raise ValueError(f"kv_quant_group_size {g} must be 0 (= head_dim) or divide half the model's "
+                             f"head_dim {head_dim} (int4 packs channels j and j + head_dim / 2 in one byte)")
         return g
 
 
@@ -371,11 +384,29 @@ class ServerArgs:
     log_level: str = "info"
     enable_metrics: bool = False
     skip_tokenizer_init: bool = False
+    # SIGTERM / Ctrl-C: seconds in-flight requests may run on before they end with a 503
+    # (server/shutdown.py); the name is sglang-router's. Below Kubernetes' default 30 s grace.
+    shutdown_grace_period_secs: float = 20.0
     ipc_dir: str | None = None  # directory for ipc:// sockets; default a fresh temp dir
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        name = self.served_model_name
+        if name is not None and not (0 < len(name) <= 256 and name.isprintable() and name.strip() == name):
+            raise ValueError("served_model_name must be 1-256 printable characters without surrounding "
+                             f"spaces, got {name[:64]!r}")
+        if not 0.0 <= self.shutdown_grace_period_secs <= 86400.0:  # NaN fails too
+            raise ValueError(f"shutdown_grace_period_secs must be in [0, 86400], got {self.shutdown_grace_period_secs}")
+
+    @property
+    def resolved_served_model_name(self) -> str:
+        """The name /v1/models and the model info routes give (SGLang's --served-model-name):
+        the flag, else --model-path as given, else the embedded default's name (never the cache
+        folder a model was converted into)."""
+        from sgl_kvxfer.models.convert import EMBEDDED_NAMES
+
+        return self.served_model_name or self.engine.model_path or EMBEDDED_NAMES[0]
 
     @property
     def engine(self) -> EngineConfig:

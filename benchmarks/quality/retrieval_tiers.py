@@ -4,10 +4,13 @@
     python benchmarks/quality/retrieval_tiers.py --quick --model DIR               # CPU smoke run
     python benchmarks/quality/retrieval_tiers.py --plot-only benchmarks/results/retrieval_tiers_<tag>.json
 
-Everything runs through the engine (benchmarks/quality/README.md): an untiered engine (fp16) and
-one tiered engine (torch attention backend, cold tier built in, its scoring switched on only for
-the `cold-tier` rows), each method/budget point applied with `tiering.using(...)`, a cache flush
-and `tiering.replan_stores()` (stores sized for the point's mix: no store fallbacks).
+Everything runs through the engine (benchmarks/quality/README.md): an untiered engine (fp16) and,
+per method and budget, a tiered engine started with that point's flags (torch attention backend;
+--kv-tier-policy, --kv-tier-budget, --kv-recency-lambda, --kv-layer-budget profile, --kv-cold-tier),
+so its pool is sized once for the point's own tier mix and formats, as a server with those flags
+would be (no store fallbacks from a pool planned for another mix; `fallback_tokens` reports any).
+Points that share an engine's flags but for lambda (greedy / spectrumkv) or the cold tier's
+threshold share the engine; one tiered engine lives at a time.
 
 Trials: the task suite's (`sgl_kvxfer/tasks`, default `kv`: key-value lines, one key asked)
 eval split at `--context` tokens, the asked line at `--depths` evenly spaced depths,
@@ -40,18 +43,17 @@ METHODS = ("uniform-int8", "uniform-int4", "kivi", "pdtrim", "sws", "random-tier
            "greedy", "spectrumkv", "per-layer", "cold-tier")
 
 
-def method_settings(method: str, lam: float, profile: str | None) -> tuple[dict, bool]:
-    """(tiering.using kwargs, cold-tier scoring on) of a table method."""
-    tuned = {"policy": "greedy", "recency_lambda": lam}
+def method_settings(method: str, lam: float, profile: str | None) -> tuple[dict, float, bool]:
+    """(engine flags that fix the pool, recency lambda, cold tier on) of a table method."""
     if method == "greedy":
-        return {"policy": "greedy", "recency_lambda": 0.0}, False
+        return {"kv_tier_policy": "greedy"}, 0.0, False
     if method == "spectrumkv":
-        return tuned, False
+        return {"kv_tier_policy": "greedy"}, lam, False
     if method == "per-layer":
-        return {**tuned, "layer_budget": "profile", "layer_profile": profile}, False
+        return {"kv_tier_policy": "greedy", "kv_layer_budget": "profile", "kv_layer_profile": profile}, lam, False
     if method == "cold-tier":
-        return tuned, True
-    return {"policy": method, "recency_lambda": 0.0}, False
+        return {"kv_tier_policy": "greedy"}, lam, True
+    return {"kv_tier_policy": method}, 0.0, False
 
 
 # ---------------------------------------------------------------- trials
@@ -93,22 +95,44 @@ class Run:
         from sgl_kvxfer import Engine
 
         self.args, self.t0 = args, time.time()
-        kw = {"dtype": args.dtype, "device": args.device, "attention_backend": "torch"}
+        self.kw = {"dtype": args.dtype, "device": args.device, "attention_backend": "torch"}
         if args.max_total_tokens:
-            kw["max_total_tokens"] = args.max_total_tokens
-        self.base = Engine(args.model, **kw)
-        tiered = {"kv_tier_budget": 0.5, "kv_int4": "on", "kv_tier_staging": 0.4, "kv_cold_tier": True,
-                  "kv_promote_threshold": args.cold_thresholds[0], "kv_promote_interval": args.promote_interval,
-                  "kv_promote_radius": args.promote_radius, "kv_promote_layers": args.promote_layers,
-                  "kv_cold_tier_tokens": args.cold_tier_tokens}
-        if args.kv_quant_group_size:
-            tiered["kv_quant_group_size"] = args.kv_quant_group_size
-        self.tiered = Engine(args.model, **kw, **tiered)
-        self.tiering = self.tiered.scheduler.tiering
+            self.kw["max_total_tokens"] = args.max_total_tokens
+        self.base = Engine(args.model, **self.kw)
+        self.tiered, self.key = None, None  # the tiered engine of the current point and its flags
+        self.profile = None  # the layer profile's JSON: the cold tier probes its most int4-sensitive layers
         self.tok = self.base.tokenizer
         self.max_new = args.max_new_tokens
-        self.rows, self.payload = [], {}
+        self.rows, self.payload = [], {"engine_starts": []}
         self.name = f"retrieval_tiers_{device_tag(self.base)}{'_quick' if args.quick else ''}"
+
+    def engine(self, flags: dict, budget: float, cold: bool):
+        """The tiered engine for these flags at `budget` (started here, the previous one shut down)."""
+        from sgl_kvxfer import Engine
+
+        args = self.args
+        key = (tuple(sorted(flags.items())), budget, cold)
+        if key == self.key:
+            return self.tiered
+        if self.tiered is not None:
+            self.tiered.shutdown()
+            self.tiered = None
+        t = time.time()
+        kw = {**self.kw, **flags, "kv_tier_budget": budget, "kv_budget_unit": "bytes", "kv_int4": "on",
+              "kv_tier_staging": 0.4}
+        if args.kv_quant_group_size:
+            kw["kv_quant_group_size"] = args.kv_quant_group_size
+        if cold:
+            kw.update(kv_cold_tier=True, kv_promote_threshold=args.cold_thresholds[0],
+                      kv_promote_interval=args.promote_interval, kv_promote_radius=args.promote_radius,
+                      kv_promote_layers=args.promote_layers, kv_cold_tier_tokens=args.cold_tier_tokens)
+            if self.profile is not None:
+                kw["kv_layer_profile"] = self.profile
+        self.tiered, self.key = Engine(args.model, **kw), key
+        if cold:
+            self.payload["probe_layers"] = self.tiered.scheduler.tiering.cold.layers
+        self.payload["engine_starts"].append(round(time.time() - t, 2))
+        return self.tiered
 
     def save(self, done: bool = False) -> str:
         self.payload.update(rows=self.rows, complete=done, wall_s=time.time() - self.t0)
@@ -118,46 +142,53 @@ class Run:
         return bool(self.args.time_budget_s) and time.time() - self.t0 > self.args.time_budget_s
 
     def point(self, trials, method: str, budget: float, lam: float, profile, threshold: float, tag: str) -> dict:
-        settings, cold = method_settings(method, lam, profile)
-        manager = self.tiering.cold
-        manager.enabled, manager.threshold = cold, threshold
-        before = dict(manager.stats)
-        self.tiered.flush_cache()
-        with self.tiering.using(budget=budget, unit="bytes", **settings):
-            self.tiered.flush_cache()
-            self.tiering.replan_stores()
-            ok, texts, rids = run_trials(self.tiered, trials, tag, self.max_new)
-            info = self.tiered.get_server_info()["extra"]
-        manager.enabled = False
-        stats = tier_stats(self.tiering.records, rids)
+        flags, lam, cold = method_settings(method, lam, profile)
+        engine = self.engine(flags, budget, cold)
+        tiering = engine.scheduler.tiering
+        tiering.configure(recency_lambda=lam)  # same formats: allowed at runtime
+        manager = tiering.cold
+        if manager is not None:
+            manager.threshold = threshold
+        before = dict(manager.stats) if manager is not None else None
+        ok, texts, rids = run_trials(engine, trials, tag, self.max_new)
+        info = engine.get_server_info()["extra"]
+        stats = tier_stats(tiering.records, rids)
         delta = {k: manager.stats[k] - before[k] for k in ("promotions", "promoted_tokens", "promoted_bytes_h2d",
-                                                           "scoring_passes", "landed", "deferred", "no_room")}
-        return {"ok": ok, "texts": texts, **stats, "cold": delta if cold else None,
-                "int_formats": info.get("kv_int_formats"), "layer_allocation": info.get("kv_layer_allocation")}
+                                                           "scoring_passes", "landed", "deferred", "no_room")} \
+            if cold else None
+        return {"ok": ok, "texts": texts, **stats, "cold": delta, "int_formats": info.get("kv_int_formats"),
+                "layer_allocation": info.get("kv_layer_allocation"), "tier_slots": info.get("kv_tier_slots")}
 
-    def ppl(self, engine, windows, tag: str, settings: dict | None) -> dict:
+    def ppl(self, windows, tag: str, point: tuple | None) -> dict:
+        """PPL of the fp16 engine (point None) or of the tiered engine of (method, budget, lam, profile)."""
         from ppl_sweep import score
 
-        if settings is None:
-            nll, count, _, resident = score(engine, windows, self.args.ppl_context, tag)
+        if point is None:
+            engine = self.base
         else:
-            with self.tiering.using(unit="bytes", **settings):
-                self.tiered.flush_cache()
-                self.tiering.replan_stores()
-                nll, count, _, resident = score(engine, windows, self.args.ppl_context, tag)
+            method, budget, lam, profile = point
+            flags, lam, cold = method_settings(method, lam, profile)
+            engine = self.engine(flags, budget, cold)
+            engine.scheduler.tiering.configure(recency_lambda=lam)
+        engine.flush_cache()
+        nll, count, _, resident = score(engine, windows, self.args.ppl_context, tag)
         return {"ppl": math.exp(nll / count), "ppl_tokens": count, "resident_ratio": resident}
+
+    def close(self) -> None:
+        for engine in (self.base, self.tiered):
+            if engine is not None:
+                engine.shutdown()
 
 
 def validate(run: Run, val, args) -> tuple[float, float]:
     """Stage 2: lambda (greedy) and the promotion threshold (cold tier) by validation accuracy."""
-    sweep = []
-    for lam in args.lambdas:
-        accs = []
-        for b in args.val_budgets:
-            r = run.point(val, "spectrumkv", b, lam, None, args.cold_thresholds[0], f"val-l{lam}-{b}")
-            accs.append(100.0 * sum(r["ok"]) / len(r["ok"]))
-        sweep.append({"lambda": lam, "budgets": args.val_budgets, "accuracy": accs})
-        print(f"validation lambda {lam:g}: {accs}", flush=True)
+    sweep = [{"lambda": lam, "budgets": args.val_budgets, "accuracy": []} for lam in args.lambdas]
+    for b in args.val_budgets:  # budget outer: one engine per budget, lambda set at runtime
+        for entry in sweep:
+            r = run.point(val, "spectrumkv", b, entry["lambda"], None, args.cold_thresholds[0],
+                          f"val-l{entry['lambda']}-{b}")
+            entry["accuracy"].append(100.0 * sum(r["ok"]) / len(r["ok"]))
+            print(f"validation lambda {entry['lambda']:g} at b={b}: {entry['accuracy'][-1]:.1f}%", flush=True)
         run.payload["lambda_sweep"] = sweep
         run.save()
     best = max(sweep, key=lambda s: (sum(s["accuracy"]), -s["lambda"]))["lambda"]
@@ -188,10 +219,11 @@ def layer_profile(run: Run, val, args) -> str:
     for t in val[:args.profile_samples]:
         ids, n_prompt = tasks.train_ids(run.tok, t["example"])
         samples.append((ids[:n_prompt - 1], ids[n_prompt - 1:]))
-    pool = run.tiered.runner.kv_pool
-    model, _ = load_model(run.tiered.runner.model_dir, "auto", getattr(torch, args.dtype), run.tiered.runner.device, 0)
+    runner = run.base.runner  # the tiered engines' group and page: the same config resolution
+    group = args.kv_quant_group_size or runner.config.resolved_group_size(runner.arch.head_dim)
+    model, _ = load_model(runner.model_dir, "auto", getattr(torch, args.dtype), runner.device, 0)
     t = time.time()
-    prof = profile_layers(LlamaRunner(model), samples, pool.group_size, pool.page_size, 4, args.profile_batch,
+    prof = profile_layers(LlamaRunner(model), samples, group, runner.config.kv_tier_page_size, 4, args.profile_batch,
                           {"source": f"{args.task} validation answers", "context": args.context})
     del model
     path = os.path.join(args.out_dir, run.name.replace("retrieval_tiers", "layer_profile") + ".json")
@@ -243,16 +275,11 @@ def run(args) -> str:
 
         texts = load_filler_texts(args.prose if os.path.exists(args.prose) else None)
         windows = eval_windows(r.tok, texts, args.ppl_context, args.ppl_chunk, args.ppl_windows, 2)
-        r.payload["fp16"].update(r.ppl(r.base, windows, "fp16-ppl", None))
+        r.payload["fp16"].update(r.ppl(windows, "fp16-ppl", None))
     r.save()
     # 2. validation, 3. profile
     profile = layer_profile(r, val, args) if "per-layer" in args.methods or "cold-tier" in args.methods else None
-    if profile is not None and "cold-tier" in args.methods:  # probe the most int4-sensitive layers
-        from sgl_kvxfer.spectrum.layer_budget import LayerProfile
-
-        gains = LayerProfile.load(profile).gain_up
-        r.tiering.cold.set_probe_layers(sorted(range(len(gains)), key=lambda i: -gains[i])[:args.promote_layers])
-    r.payload["probe_layers"] = r.tiering.cold.layers
+    r.profile = profile
     lam, threshold = validate(r, val, args)
     # 4. the table: the headline budget first
     for b in args.budgets:
@@ -266,8 +293,7 @@ def run(args) -> str:
                    "by_depth": by_depth(res["ok"], depths, args.trials_per_depth),
                    **{k: v for k, v in res.items() if k not in ("texts",)}, "answers": res["texts"][:4]}
             if windows and method != "cold-tier":  # the cold tier acts in decode; PPL scores prefill logits
-                settings = {**method_settings(method, lam, profile)[0], "budget": b}
-                row.update(r.ppl(r.tiered, windows, f"{method}-{b}-ppl", settings))
+                row.update(r.ppl(windows, f"{method}-{b}-ppl", (method, b, lam, profile)))
                 row["delta_ppl_pct"] = 100.0 * (row["ppl"] - fp16["ppl"]) / fp16["ppl"]
             row["wall_s"] = time.time() - t
             r.rows.append(row)
@@ -277,8 +303,7 @@ def run(args) -> str:
             r.save()
     r.payload["summary"] = summarize(r.payload, args.budgets)
     path = r.save(done=True)
-    r.base.shutdown()
-    r.tiered.shutdown()
+    r.close()
     print("wrote", path)
     return path
 

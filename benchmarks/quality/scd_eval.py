@@ -121,7 +121,7 @@ def main(argv=None) -> str:
         payload["results"][cname] = compact(h.evaluate(c, exs, variants, args.batch_size, bar.update))
         bar.close()
         prompts = [tasks.chat_prompt_ids(h.tokenizer, ex) for ex in exs[:args.drift_prompts]]
-        payload["drift"][cname] = drift(h, c, prompts, args.batch_size)
+        payload["drift"][cname] = drift(h, c, prompts, min(args.batch_size, 8))  # full-vocab logits: small batches
         mid = sorted(range(len(exs)), key=lambda i: lengths[cname][i])[len(exs) // 2]
         payload["timings"][cname] = h.timings(c, tasks.chat_prompt_ids(h.tokenizer, exs[mid]), variants + sweep,
                                               args.timing_repeats)
@@ -180,7 +180,30 @@ def summarize(p: dict, h, variants) -> dict:
         if -s > best:
             best = -s
             front.append(k)
-    return {"methods": meths, "pareto_scd_reuse": front}
+    return {"methods": meths, "pareto_scd_reuse": front, "matched_bytes": matched(meths)}
+
+
+def matched(meths: dict) -> dict:
+    """At the bytes of int4 producer KV and at 1/8 of raw KV: the best SCD and Reuse-only
+    variant that sends no more, with its score against the oracle's."""
+    out = {}
+    oracle = meths.get("oracle", {}).get("score")
+    raw = meths.get("raw", {}).get("bytes_per_token")
+    caps = {"int4": meths.get("int4", {}).get("bytes_per_token"), "raw/8": raw / 8 if raw else None}
+    for cap_name, cap in caps.items():
+        if cap is None:
+            continue
+        row = {"bytes_per_token": cap}
+        for fam in ("scd", "reuse"):
+            cands = [(v["score"], k) for k, v in meths.items() if k.split("@")[0] == fam and v["bytes_per_token"] <= cap]
+            if cands:
+                score, label = max(cands)
+                row[fam] = {"variant": label, "score": score, "bytes_per_token": meths[label]["bytes_per_token"],
+                            "score_vs_oracle": score / oracle if oracle else None}
+        if cap_name == "int4":
+            row["int4_score"] = meths["int4"]["score"]
+        out[cap_name] = row
+    return out
 
 
 def adaptive(p: dict, h, lengths: dict, args) -> dict:
@@ -215,6 +238,10 @@ def adaptive(p: dict, h, lengths: dict, args) -> dict:
         row = {lab: {"score": statistics.mean(a["score"]), "ttft_ms": statistics.mean(a["ttft_ms"])}
                for lab, a in acc.items()}
         row["adaptive"]["level_counts"] = {labels[k]: chosen.count(k) for k in sorted(set(chosen))}
+        best_ttft = min(row[lab]["ttft_ms"] for lab in labels)
+        best_score = max(row[lab]["score"] for lab in labels)
+        row["adaptive"]["ttft_vs_best_fixed"] = row["adaptive"]["ttft_ms"] / best_ttft
+        row["adaptive"]["score_minus_best_fixed"] = row["adaptive"]["score"] - best_score
         out["rates"][f"{rate:g}"] = row
     return out
 

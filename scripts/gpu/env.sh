@@ -3,7 +3,13 @@
 # .carry_b), the embedded model converted to $SGL_KVXFER_MODEL_CACHE (/tmp/models).
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/m
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+# Once per machine: scripts that run side by side (testbeds_x2.sh) source this file at the same time,
+# and concurrent pip installs into one --target tear each other's files.
+stamp=/tmp/site/.whl_$(ls .whl | md5sum | cut -c1-12)
+if [ ! -f "$stamp" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+  touch "$stamp"
+fi
 # PD (prepare_carry.sh's .whl_pd_a / .whl_pd_b, one per call): Mooncake, its libibverbs, the router.
 for d in .whl_pd_a .whl_pd_b; do
   [ -d $d ] || continue

@@ -58,10 +58,21 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run, time, record
 }
 
 CONSUMERS=""
+train_pids=()
 for s in $SPECIALISTS; do
-  stage "train_$s" $T_TRAIN python3 scripts/train/finetune.py --model "$BASE" --mix "$s=1" --out "$W/specialists/$s" $TRAIN
+  if [ "${PARALLEL_TRAIN:-0}" = 1 ]; then  # side by side on one GPU (a 135M model leaves it idle between kernels)
+    stage "train_$s" $T_TRAIN python3 scripts/train/finetune.py --model "$BASE" --mix "$s=1" --out "$W/specialists/$s" \
+      $TRAIN > "$W/train_$s.log" 2>&1 &
+    train_pids+=($!)
+  else
+    stage "train_$s" $T_TRAIN python3 scripts/train/finetune.py --model "$BASE" --mix "$s=1" --out "$W/specialists/$s" $TRAIN
+  fi
   CONSUMERS="$CONSUMERS --consumer $s=$W/specialists/$s"
 done
+if [ "${PARALLEL_TRAIN:-0}" = 1 ]; then
+  wait "${train_pids[@]}"  # not a bare wait: that also waits for the log's tee, which never ends
+  for s in $SPECIALISTS; do grep -v "it/s\]$" "$W/train_$s.log" | tail -n 15; done
+fi
 stage calibrate $T_CAL python3 -m sgl_kvxfer.scd.calib --producer "$BASE" $CONSUMERS \
   --calib task:qa task:kv task:code --out "$W/artifacts" --save-stats $CALIB
 T_EVAL=$(( WALL - ($(date +%s) - T0) )); [ $T_EVAL -lt 60 ] && T_EVAL=60

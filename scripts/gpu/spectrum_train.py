@@ -45,25 +45,6 @@ def prefetch(tokenizer_dir: str, mix: dict, params: dict, seed: int, items: int,
         return dict(ex.map(_make, jobs, chunksize=8))
 
 
-def _parse_task_params(specs: list[str]) -> dict[str, dict]:
-    """task_data.parse_task_params, checking each value against its task's parameter (the
-    original checks the name with the value None, which an integer parameter rejects)."""
-    import task_data
-
-    from sgl_kvxfer import tasks
-
-    out: dict[str, dict] = {}
-    for spec in specs:
-        key, eq, value = spec.partition("=")
-        task, dot, param = key.partition(".")
-        if not eq or not dot or not task or not param:
-            raise ValueError(f"task parameter {spec!r}: expected TASK.PARAM=VALUE")
-        v = task_data._value(value)
-        tasks.get_task(task).params({param: v})  # unknown names and wrong types fail here
-        out.setdefault(task, {})[param] = v
-    return out
-
-
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
@@ -75,11 +56,9 @@ def main(argv=None) -> None:
     if own.workers < 1 or own.items < 0:
         ap.error("--workers >= 1 and --items >= 0")
     import finetune
-    import task_data
 
     from sgl_kvxfer import tasks
 
-    task_data.parse_task_params = _parse_task_params  # finetune.parse_args imports it by name
     from sgl_kvxfer.models.loader import resolve_model_path, resolve_tokenizer_path
 
     args = finetune.parse_args(rest)

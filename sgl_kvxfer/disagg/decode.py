@@ -11,8 +11,10 @@ a room here (disagg/base.py has the states):
     SUCCESS            KVDone with every segment in: the request joins the running batch with
                        its prompt KV and first token, its prefill skipped
     FAILED             bad checksum, KVFailed, no progress within --kv-transfer-timeout, prefill
-                       unreachable: everything the room held is freed and the request is
-                       prefilled here instead (the client still gets the right answer)
+                       unreachable (peers.py: seen within seconds of its death; a request for a
+                       prefill already seen dead fails at once): everything the room held is
+                       freed and the request is prefilled here instead (the client still gets
+                       the right answer)
 
 Input logprobs are the prefill's (the router prepends them): a PD request never reports its own.
 """
@@ -30,6 +32,7 @@ import torch
 from sgl_kvxfer.disagg import create_transfer_engine
 from sgl_kvxfer.disagg.base import KVPoll
 from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, TransferStats, fetch_prefill_route, first_bad_block
+from sgl_kvxfer.disagg.peers import PeerMonitor
 from sgl_kvxfer.disagg.prefill import TIER_KEEP
 from sgl_kvxfer.disagg.staging import StagingAllocator
 from sgl_kvxfer.mem_cache.kv_payload import unpack_segment
@@ -83,6 +86,7 @@ class DecodeRole:
         self.decode_id = self.inbox.endpoint
         self.peers: dict[str, PushQueue] = {}
         self.lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-bootstrap")
+        self.monitor = PeerMonitor()  # the prefills' bootstrap servers of open rooms
         p = self.pool
         self.layout = KVLayoutInfo(str(p.dtype).replace("torch.", ""), sum(p.stores_layer(i) for i in range(p.num_layers)),
                                    p.num_kv_heads, p.head_dim, getattr(p, "group_size", 32))
@@ -109,7 +113,10 @@ class DecodeRole:
             self._admit_fake(req)
         else:
             room = self.rooms[req.bootstrap.room] = DecodeRoom(req.bootstrap.room, req)
-            room.route = self._lookup(req.bootstrap)
+            if self.monitor.is_dead(self._peer(room)):  # the router has not noticed yet: no wait
+                self._end(room, self._unreachable(self._peer(room)))
+            else:
+                room.route = self._lookup(req.bootstrap)
         return True
 
     def before_forward(self, batch, fb) -> None:
@@ -142,6 +149,7 @@ class DecodeRole:
                 if room is not None:
                     self._on_message(room, msg)
             now = time.monotonic()
+            self._check_peers(now)
             for room in list(self.rooms.values()):
                 self._advance(room, now)
             while self.quarantine and self.quarantine[0][0] <= now:
@@ -152,6 +160,22 @@ class DecodeRole:
     def server_info(self) -> dict:
         extra = {} if self.fake else {"staging_used_bytes": self.regions.used_bytes(), "endpoint": self.decode_id}
         return self.stats.to_dict(rooms_open=len(self.rooms), **extra)
+
+    # ------------------------------------------------------------------ peer liveness
+    def _peer(self, room: DecodeRoom) -> tuple:
+        b = room.req.bootstrap
+        return b.host, b.port if b.port is not None else self.settings.bootstrap_port
+
+    def _unreachable(self, peer: tuple) -> str:
+        return f"prefill unreachable: {peer[0]}:{peer[1]} ({self.monitor.describe(peer)})"
+
+    def _check_peers(self, now: float) -> None:
+        """Rooms of a prefill that stopped answering fail now (local prefill), not at the end
+        of --kv-transfer-timeout."""
+        for peer in self.monitor.poll({self._peer(r) for r in self.rooms.values()}, now):
+            self.stats.peer_failures += 1
+            for room in [r for r in self.rooms.values() if self._peer(r) == peer]:
+                self._end(room, self._unreachable(peer))
 
     # ------------------------------------------------------------------ the room's steps
     def _lookup(self, b) -> Future:
@@ -335,7 +359,10 @@ class DecodeRole:
         self.kv.release(req)
         req.output_ids.clear()
         if room.region is not None and room.claimed_at:  # the prefill knows this region
-            self.quarantine.append((time.monotonic() + self.settings.timeout_s, room.region))
+            if self.monitor.is_dead(self._peer(room)):  # a dead prefill writes nothing late
+                self.regions.free(room.region)
+            else:
+                self.quarantine.append((time.monotonic() + self.settings.timeout_s, room.region))
             room.region = None
         self._release_room(room)
         if fallback:
@@ -385,6 +412,7 @@ class DecodeRole:
 
     def close(self) -> None:
         if not self.fake:
+            self.monitor.close()
             self.lookups.shutdown(wait=False, cancel_futures=True)
             self.inbox.close()
             for sock in self.peers.values():

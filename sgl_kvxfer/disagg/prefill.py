@@ -37,6 +37,7 @@ from sgl_kvxfer import env
 from sgl_kvxfer.disagg import create_transfer_engine
 from sgl_kvxfer.disagg.base import KVPoll
 from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, Fault, TransferStats, register_prefill_rank
+from sgl_kvxfer.disagg.peers import PeerMonitor, endpoint_peer
 from sgl_kvxfer.disagg.sender import NoticeJob, SenderThread, WriteJob
 from sgl_kvxfer.disagg.shaped import ShapedTransferEngine
 from sgl_kvxfer.disagg.staging import RingWriter, StagingAllocator
@@ -98,6 +99,7 @@ class PrefillRole:
         self.send_alloc = StagingAllocator(self.buffer.numel())
         self.sender = SenderThread(self.engine, Fault.parse(env.KV_TRANSFER_FAULT.get()))
         self.inbox = PullQueue(f"tcp://{host}:*", "kv_prefill", bind=True)
+        self.monitor = PeerMonitor()  # the KV inboxes of decodes that claimed open rooms
         p = self.pool
         self.layout = KVLayoutInfo(str(p.dtype).replace("torch.", ""), sum(p.stores_layer(i) for i in range(p.num_layers)),
                                    p.num_kv_heads, p.head_dim, getattr(p, "group_size", 32))
@@ -190,8 +192,21 @@ class PrefillRole:
         for res in self.sender.drain():
             self._on_result(res)
         now = time.monotonic()
+        self._check_decodes(now)
         for room in list(self.rooms.values()):
             self._service_room(room, now)
+
+    def _check_decodes(self, now: float) -> None:
+        """A decode that claimed rooms and died (peers.py): its rooms end now, naming it."""
+        # NOTE: an SCD room (scd_prefill.py) has consumers, not one claim: not watched here
+        claimed = {endpoint_peer(c.reply_to): c.reply_to for c in (getattr(r, "claim", None)
+                                                                   for r in self.rooms.values()) if c}
+        for peer in self.monitor.poll(set(claimed), now):
+            self.stats.peer_failures += 1
+            for room in [r for r in self.rooms.values()
+                         if getattr(r, "claim", None) and endpoint_peer(r.claim.reply_to) == peer]:
+                room.claim = None  # nothing more goes to it
+                self._fail(room, f"decode unreachable: {claimed[peer]} ({self.monitor.describe(peer)})")
 
     def _service_room(self, room, now: float) -> None:
         """One poll's work on a room: send what is ready, fail it past its deadline."""
@@ -380,5 +395,6 @@ class PrefillRole:
 
     def close(self) -> None:
         if not self.fake:
+            self.monitor.close()
             self.sender.close()
             self.inbox.close()

@@ -10,8 +10,8 @@ every consumer that claims them (docs/pd_disaggregation.md, "SCD over PD").
                            (Reuse layers from the KV the pool holds, Patch layers from the zh
                            pool) become one segment in the send buffer, written to every
                            consumer that claimed the room so far
-    on_prompt_done(req)    the last segment; the request's reply ends now and its KV is freed:
-                           the codes live on in the send buffer, under the room
+    on_prompt_done(req)    the last segment; the request's reply ends now and its KV goes to the
+                           radix cache: the codes live on in the send buffer, under the room
 
 The zh pool: per Patch layer a [slots, r_h] tensor beside the KV pool, indexed by KV slot and
 written by every forward, so a slot's patch code lives exactly as long as its KV. A prompt whose
@@ -44,12 +44,13 @@ from dataclasses import dataclass, field
 import torch
 
 from sgl_kvxfer.disagg.prefill import PrefillRole
-from sgl_kvxfer.disagg.scd_common import load_producer, route_info
+from sgl_kvxfer.disagg.scd_common import ScdSetupError, load_producer, route_info
 from sgl_kvxfer.disagg.sender import NoticeJob, WriteJob
 from sgl_kvxfer.disagg.staging import RingWriter
 from sgl_kvxfer.mem_cache.scd_payload import CodeLayout, pack_codes
 from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVSegment
 from sgl_kvxfer.models.llama import HIDDEN_CAPTURE
+from sgl_kvxfer.scd.rank_policy import LevelChooser
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +105,11 @@ class ScdPrefillRole(PrefillRole):
         self.code_layout = CodeLayout.from_manifest(self.manifest)
         self.levels = self.manifest.levels
         self.layouts = [CodeLayout.from_manifest(self.manifest, lv) for lv in self.levels]
-        self.fixed_level = self._fixed_level(settings.scd_rank, settings.scd_artifacts)
-        self.wire_frac = settings.scd_wire_frac
-        self.link_gbps_measured: float | None = None  # achieved write rate, moving average
-        self.prefill_tps: float | None = None  # prompt tokens per second of this server's prefills
-        self.level_counts: Counter = Counter()
+        try:
+            self.chooser = LevelChooser(self.levels, [lay.bytes_per_token for lay in self.layouts],
+                                        settings.scd_rank, settings.scd_wire_frac)
+        except ValueError as e:
+            raise ScdSetupError(f"--scd-artifacts {settings.scd_artifacts}: {e}") from e
         self.patch_layers = frozenset(self.manifest.patch_layers)
         self.fanout = settings.scd_fanout
         self.closed: dict[int, tuple[str, float]] = {}  # room -> (why, forget after)
@@ -123,29 +124,9 @@ class ScdPrefillRole(PrefillRole):
                     settings.scd_artifacts, self.manifest_id[:12], self.code_layout.bytes_per_token,
                     self.manifest.raw_kv_bytes_per_token(torch.finfo(self.pool.dtype).bits // 8), self.fanout)
 
-    def _fixed_level(self, rank: str, art_dir: str) -> int | None:
-        """Index of the level --scd-rank names; None for auto."""
-        from sgl_kvxfer.disagg.scd_common import ScdSetupError
-
-        if rank == "auto":
-            return None
-        if rank == "top":
-            return len(self.levels) - 1
-        want = tuple(int(x) for x in rank.split(":"))
-        if want not in self.levels:
-            raise ScdSetupError(f"--scd-rank {rank}: {art_dir} holds levels "
-                                f"{', '.join(f'{a}:{b}' for a, b in self.levels)}")
-        return self.levels.index(want)
-
-    def _choose_level(self, tokens: int) -> int:
-        from sgl_kvxfer.scd.rank_policy import choose_level
-
-        if self.fixed_level is not None:
-            return self.fixed_level
-        rate = self.engine.rate_bps / 1e9 if 0 < getattr(self.engine, "rate_bps", 0) < float("inf") else \
-            self.link_gbps_measured
-        prefill_s = tokens / self.prefill_tps if self.prefill_tps else None
-        return choose_level([lay.bytes_per_token for lay in self.layouts], tokens, rate, prefill_s, self.wire_frac)
+    def _paced_gbps(self) -> float | None:
+        rate = getattr(self.engine, "rate_bps", 0)
+        return rate / 1e9 if 0 < rate < float("inf") else None
 
     def _registration(self, host: str) -> dict:
         return {**super()._registration(host), "scd": route_info(self.manifest, self.manifest_id)}
@@ -163,8 +144,7 @@ class ScdPrefillRole(PrefillRole):
             room = self.rooms[req.bootstrap.room] = ScdRoom(req.bootstrap.room)
         n = len(req.origin_input_ids)
         room.req, room.limit, room.progress, room.opened = req, n - 1, time.monotonic(), time.monotonic()
-        room.level = self._choose_level(n - 1)
-        self.level_counts[room.level] += 1
+        room.level = self.chooser.choose(n - 1, self._paced_gbps())
         return False
 
     def before_forward(self, batch, fb) -> None:
@@ -174,7 +154,7 @@ class ScdPrefillRole(PrefillRole):
     def _capture(self, slots: torch.Tensor, layer: int, hidden: torch.Tensor) -> None:
         """hidden [T, hidden]: the batch's tokens, in the order of their KV slots `slots` [T]."""
         if layer in self.patch_layers:
-            # NOTE: padding rows of a captured graph write slot 0 (the pool's padding slot)
+            # NOTE: graph runners skip forwards that carry a capture: `slots` are real tokens'
             self.zh_pool[layer][slots] = self.encoder.encode_patch(layer, hidden)
 
     def on_chunk(self, req, start: int, end: int) -> None:
@@ -190,8 +170,7 @@ class ScdPrefillRole(PrefillRole):
         if room.closing is None:
             self._encode(room, room.limit)
         room.prompt_done, room.prompt_done_at = True, time.monotonic()
-        tps = room.limit / max(1e-6, room.prompt_done_at - room.opened)
-        self.prefill_tps = tps if self.prefill_tps is None else 0.7 * self.prefill_tps + 0.3 * tps
+        self.chooser.observe_prefill(room.limit, room.prompt_done_at - room.opened)
         room.first_token, room.progress = req.output_ids[0], time.monotonic()
         req.finish({"type": "length", "length": len(req.output_ids)})
         nbytes = sum(s.nbytes for s in room.segments)
@@ -229,9 +208,7 @@ class ScdPrefillRole(PrefillRole):
         return {**super().server_info(),
                 "scd": {"manifest_id": self.manifest_id, "fanout": self.fanout,
                         "bytes_per_token": self.code_layout.bytes_per_token, "encoded": dict(self.encoded),
-                        "rank": self.settings.scd_rank, "levels": [list(x) for x in self.levels],
-                        "level_counts": {f"{a}:{b}": self.level_counts[i] for i, (a, b) in enumerate(self.levels)},
-                        "link_gbps_measured": self.link_gbps_measured, "prefill_tokens_per_s": self.prefill_tps,
+                        **self.chooser.info(),
                         "rooms_closed": dict(self.rooms_closed)}}
 
     # ------------------------------------------------------------------ encoding
@@ -357,10 +334,7 @@ class ScdPrefillRole(PrefillRole):
                     c.wire_bytes += res.nbytes
                     c.wire_seconds += res.write_seconds
                     self.stats.moved(res.nbytes)
-                    if res.write_seconds > 0 and res.nbytes >= (1 << 16):  # small writes time latency, not rate
-                        g = res.nbytes * 8 / res.write_seconds / 1e9
-                        m = self.link_gbps_measured
-                        self.link_gbps_measured = g if m is None else 0.8 * m + 0.2 * g
+                    self.chooser.observe_write(res.nbytes, res.write_seconds)
         elif room is not None and room.notices:
             decode_id, kind = room.notices.popleft()
             c = room.consumers.get(decode_id)

@@ -50,14 +50,9 @@ class HostColdStore:
         self._rows = LazyFreeList(0, capacity - 1, "cpu")
         self._event = None
         self.stats = {"host_copies": 0, "host_bytes_d2h": 0, "host_full_skips": 0}
-        self.rebind(int4_base, int4_slots)
-
-    def rebind(self, int4_base: int, int4_slots: int) -> None:
-        """The int4 store was (re)allocated, empty: forget every copy."""
+        # the int4 store is allocated once with the pool: its ids never change meaning
         self.base = int4_base
         self.row_of = torch.full((int4_slots,), -1, dtype=torch.int64)
-        self.ref.zero_()
-        self._rows.reset()
 
     @property
     def rows_in_use(self) -> int:

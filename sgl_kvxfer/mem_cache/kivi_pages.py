@@ -90,7 +90,7 @@ def dequantize_per_token(q, scale, zero, bits: int, group_size: int, dtype) -> t
 
 class ChannelKeyIntPages:
     """One layer's int store in the KIVI format (module docstring). Same interface as
-    tiered_pool._IntPages: write / read at (page, offset) index tensors [n]."""
+    kernels/paged_layout.TierPages: write / read / codes at (page, offset) index tensors [n]."""
 
     relocatable = False  # see the module NOTE
 

@@ -11,16 +11,20 @@ Global slot ids (what req_to_token rows and radix nodes hold) cover three stores
     int id s       -> page (s - base(t)) // PAGE, offset (s - base(t)) % PAGE of store t
 
 Per layer, store t holds the codec's format (kernels/tier_codec.py, group size G), the int
-stores in kernels/paged_layout.py's head-major pages (its TierPages, PAGE = kv_tier_page_size):
-    fp16   k, v  [n16 + 2, Hkv, D]            model dtype (slot-granular: PAGE 1)
-    int8   k, v  [n8 / PAGE, Hkv, PAGE, D]    uint8    k/v scale, zero [n8 / PAGE, Hkv, PAGE, D / G] fp16
-    int4   k, v  [n4 / PAGE, Hkv, PAGE, D/2]  uint8    k/v scale, zero likewise
+stores as kernels/paged_layout.py's page-head blocks (its TierPages, PAGE = kv_tier_page_size),
+unless `formats` (spectrum/formats.py) gives a layer's int store another format: a token-axis
+int8 block in the int4 store (per-layer budgets), or KIVI's channel-key pages (int8c / int4c /
+int2c, mem_cache/kivi_pages.py; read by the torch attention backend only):
+    fp16   k, v  [n16 + 2, Hkv, D]                  model dtype (slot-granular: PAGE 1)
+    int8   k, v  [n8 / PAGE, Hkv, BLOCK] uint8      per (page, kv head): codes (K token-major,
+    int4   k, v  [n4 / PAGE, Hkv, BLOCK] uint8      V dim-major), then PAGE scales, PAGE zeros (fp16)
 
 Invariants: a token's tier is a function of its slot id (`tier_of`); slot 0 in a request row
 is a dropped token (TIER_DROP), masked by attention (`drops_tokens`), never read as data.
 `move` copies data only: who owns an id (and which page slots are live) is
-TieredSlotAllocator's business. The stores are allocated once (CUDA graphs keep their
-addresses); only `resize_int_stores` (start-up, empty stores) reallocates the int ones.
+TieredSlotAllocator's business. The stores are allocated once, never resized (CUDA graphs keep
+their addresses); the int4 decision and the per-layer formats that size them are made before the
+pool is built (mem_cache/__init__.py: create_kv_pool).
 """
 from __future__ import annotations
 
@@ -29,15 +33,15 @@ from typing import Callable
 
 import torch
 
-from sgl_kvxfer.kernels.tier_codec import dequantize, payload_bytes, quantize
+from sgl_kvxfer.kernels.paged_layout import TierPages, int_tier_pages
+from sgl_kvxfer.kernels.tier_codec import TIER_BITS, dequantize, payload_bytes
 from sgl_kvxfer.mem_cache.kv_pool import KVPool
-from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan, split_int_stores
+from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
 from sgl_kvxfer.spectrum.formats import IntFormat, StoreFormats
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 INT_TIERS = (TIER_INT8, TIER_INT4)
 DEFAULT_TIER_PAGE_SIZE = 64
-_STREAMS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
 
 
 @dataclass
@@ -50,58 +54,24 @@ class SlotRoute:
     parts: list
 
 
-class _IntPages:
-    """One layer's int store in the codec's format: packed codes plus fp16 scale/zero per group,
-    in pages. `bits` is the store's format in this layer (8 or 4; spectrum/formats.py)."""
-
-    relocatable = True  # codes mean the same on any page: relocation copies them bit for bit
-
-    def __init__(self, bits: int, pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 group_size: int, device: str):
-        self.bits, self.group_size = bits, group_size
-        width = head_dim if bits == 8 else head_dim // 2
-        shape = (pages, num_kv_heads, page_size, width)
-        sshape = (pages, num_kv_heads, page_size, head_dim // group_size)
-        self.k = torch.zeros(shape, dtype=torch.uint8, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.k_scale, self.k_zero, self.v_scale, self.v_zero = (
-            torch.zeros(sshape, dtype=torch.float16, device=device) for _ in range(4))
-
-    def tensors(self) -> tuple:
-        return tuple(getattr(self, s) for s in _STREAMS)
-
-    def write(self, page, off, k, v):
-        # x[page, :, off] with index tensors page, off [n] addresses [n, Hkv, W]
-        bits, g = self.bits, self.group_size
-        self.k[page, :, off], self.k_scale[page, :, off], self.k_zero[page, :, off] = quantize(k, bits, g)
-        self.v[page, :, off], self.v_scale[page, :, off], self.v_zero[page, :, off] = quantize(v, bits, g)
-
-    def codes(self, page, off) -> tuple:
-        """The six streams of tokens (page, off) as [n, Hkv, W] (k, v, k_scale, k_zero, v_scale, v_zero)."""
-        return tuple(x[page, :, off] for x in self.tensors())
-
-    def put_codes(self, page, off, parts) -> None:
-        for x, src in zip(self.tensors(), parts):
-            x[page, :, off] = src
-
-    def read(self, page, off, dtype):
-        kq, vq, ks, kz, vs, vz = self.codes(page, off)
-        return (dequantize(kq, ks, kz, self.bits, self.group_size, dtype),
-                dequantize(vq, vs, vz, self.bits, self.group_size, dtype))
-
-    def read_keys(self, page, off, dtype):
-        return dequantize(self.k[page, :, off], self.k_scale[page, :, off], self.k_zero[page, :, off], self.bits,
-                          self.group_size, dtype)
-
-
 def _int_pages(fmt: IntFormat, pages: int, page_size: int, num_kv_heads: int, head_dim: int, group_size: int,
                device: str):
-    """The store class of one layer's int store format (spectrum/formats.py)."""
+    """One layer's int store in format `fmt`: page-head blocks (token key axis, 8 or 4 bits), or
+    KIVI's channel-key pages."""
     if fmt.key_axis == "channel":
         from sgl_kvxfer.mem_cache.kivi_pages import ChannelKeyIntPages
 
         return ChannelKeyIntPages(fmt.bits, pages, page_size, num_kv_heads, head_dim, group_size, device)
-    return _IntPages(fmt.bits, pages, page_size, num_kv_heads, head_dim, group_size, device)
+    tier = TIER_INT8 if fmt.bits == 8 else TIER_INT4
+    return int_tier_pages(tier, pages, page_size, num_kv_heads, head_dim, group_size, device)
+
+
+def _read_keys(store, page, off, dtype) -> torch.Tensor:
+    """Keys only of an int store's tokens (page, off), [n, Hkv, D]."""
+    if isinstance(store, TierPages):
+        return dequantize(store.k_codes[page, :, off], store.k_scale[page, :, off], store.k_zero[page, :, off],
+                          TIER_BITS[store.tier], store.group_size, dtype)
+    return store.read_keys(page, off, dtype)
 
 
 class TieredKVPool(KVPool):
@@ -115,8 +85,9 @@ class TieredKVPool(KVPool):
         self.formats = formats or StoreFormats.uniform(num_layers)
         if self.formats.num_layers != num_layers:
             raise ValueError(f"store formats cover {self.formats.num_layers} layers, the pool {num_layers}")
-        if group_size < 2 or head_dim % group_size:
-            raise ValueError(f"head_dim {head_dim} must be a multiple of kv_quant_group_size {group_size}")
+        if group_size < 2 or head_dim % group_size or (group_size != head_dim and (head_dim // 2) % group_size):
+            raise ValueError(f"kv_quant_group_size {group_size} must be head_dim ({head_dim}) or divide "
+                             f"head_dim / 2 (int4 packs channels j and j + head_dim / 2 in one byte)")
         if page_size < 1:
             raise ValueError(f"kv_tier_page_size must be >= 1, got {page_size}")
         self.memory_tokens = size  # fp16 tokens whose memory the stores share
@@ -128,6 +99,9 @@ class TieredKVPool(KVPool):
         self.scratch_slot = plan.n16 + 1  # CUDA-graph padding rows write here; never handed out
         self._alloc_int_stores(plan)
         self._occupancy: Callable[[], dict[int, int]] | None = None
+        # re-tiering quantizes with kernels/tier_store.py on CUDA into page-head blocks (the torch
+        # codec elsewhere and for KIVI pages: same bytes for the blocks)
+        self._fused_quantize = str(device).startswith("cuda")
         # host fp16 copies of int4 tokens (scheduler/cold_tier.py); None: no cold tier
         self.cold = None
 
@@ -140,30 +114,6 @@ class TieredKVPool(KVPool):
         self.stores = {t: [_int_pages(self.formats.of(t, layer), counts[t] // P, P, self.num_kv_heads, self.head_dim,
                                       self.group_size, self.device) for layer in range(self.num_layers)]
                        for t in INT_TIERS}
-
-    def int_store_sizes(self, f8: float, f4: float, formats: StoreFormats | None = None) -> tuple[int, int]:
-        """(n8, n4), whole pages, for an int mix f8 : f4 in the memory the fp16 store leaves over
-        (int token bytes of `formats`, default the pool's own)."""
-        left = self.memory_tokens * self.full_bytes_per_token() - (self.plan.n16 + 2) * self.token_bytes(TIER_FP16)
-        old, self.formats = self.formats, formats or self.formats
-        try:
-            b8, b4 = self.token_bytes(TIER_INT8), self.token_bytes(TIER_INT4)
-        finally:
-            self.formats = old
-        return split_int_stores(left, f8, f4, b8, b4, self.page_size)
-
-    def resize_int_stores(self, n8: int, n4: int, formats: StoreFormats | None = None) -> None:
-        """Re-divide the int stores (int4 probe changed the mix; new per-layer formats). Only while
-        they hold nothing. NOTE: new tensors: anything holding views of the old ones (captured CUDA
-        graphs, layer views) must be rebuilt (ModelRunner.kv_pool_resized)."""
-        if formats is not None:
-            if formats.num_layers != self.num_layers:
-                raise ValueError(f"store formats cover {formats.num_layers} layers, the pool {self.num_layers}")
-            self.formats = formats
-        self.stores = {}
-        self._alloc_int_stores(TierStorePlan(self.plan.n16, n8, n4))
-        if self.cold is not None:  # ids of the old int4 store: their host copies are void
-            self.cold.rebind(self.base(TIER_INT4), self.plan.n4)
 
     # ------------------------------------------------------------------ slot id ranges
     def num_slots(self, tier: int) -> int:
@@ -274,7 +224,7 @@ class TieredKVPool(KVPool):
             if tier == TIER_FP16:
                 kk = self.k16[layer_id].index_select(0, where)
             else:
-                kk = self.stores[tier][layer_id].read_keys(*where, self.dtype)
+                kk = _read_keys(self.stores[tier][layer_id], *where, self.dtype)
             if pos is None:
                 return kk.view(*route.shape, self.num_kv_heads, self.head_dim)
             k.index_copy_(0, pos, kk)
@@ -290,13 +240,17 @@ class TieredKVPool(KVPool):
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy tokens src -> dst in every layer, quantizing into dst's store. Ids of the same
-        int tier on both sides copy their codes bit for bit (relocation, not requantization).
-        Which store each id is in is worked out once, on the host; the layer loop runs no sync."""
+        int tier on both sides copy their codes bit for bit (relocation, not requantization);
+        fp16 -> int on CUDA is one quantize-and-store launch per (layer, tier) (tier_store.py).
+        Which store each id is in is worked out once, on the host; the layer loop runs no sync.
+        KIVI pages (per-page key scales) requantize instead of relocating, and take fp16 rows
+        through their own torch write. With a cold tier, every fp16 -> int4 token's fp16 values
+        are copied to host memory on the way (host_cold_store.py)."""
         src, dst = src.reshape(-1).cpu(), dst.reshape(-1).cpu()
         ts, td = self.tier_of(src), self.tier_of(dst)
         same = (ts == td) & (ts != TIER_FP16)
         for tier in INT_TIERS:  # per-page key scales (KIVI): requantize instead of copying codes
-            if not all(store.relocatable for store in self.stores[tier]):
+            if not all(getattr(store, "relocatable", True) for store in self.stores[tier]):
                 same &= ts != tier
         relocate = []
         for tier in INT_TIERS:
@@ -305,17 +259,40 @@ class TieredKVPool(KVPool):
                 relocate.append((tier, tuple(map(self._to_device, self.page_offset(tier, src[m]))),
                                  tuple(map(self._to_device, self.page_offset(tier, dst[m])))))
         rest = ~same
+        capture = cap_src = None
+        if self.cold is not None and bool(rest.any()):
+            capture = self.cold.begin_move(src, dst, ts, td, rest)
+            if capture is not None:  # the demoted tokens' exact values: their fp16 rows
+                cap_src = self._to_device(src[rest][capture.sel.cpu()])
+                capture.sel = torch.arange(cap_src.numel(), device=self.device)
+        # fp16 -> int (every re-tiering): one quantize-and-store launch per (layer, tier) on CUDA
+        fused = []
+        if self._fused_quantize and bool(rest.any()):
+            down = rest & (ts == TIER_FP16) & (td != TIER_FP16)
+            for tier in INT_TIERS:
+                m = down & (td == tier)
+                if bool(m.any()):
+                    fused.append((tier, self._to_device(src[m]), *map(self._to_device, self.page_offset(tier, dst[m]))))
+            rest = rest & ~down
         requant = (self.route(src[rest]), self.route(dst[rest])) if bool(rest.any()) else None
-        capture = self.cold.begin_move(src, dst, ts, td, rest) if self.cold is not None else None
+        if fused:
+            from sgl_kvxfer.kernels.tier_store import store_rows_quantized
         for layer_id in range(self.num_layers):
+            k16, v16 = self.k16[layer_id], self.v16[layer_id]
+            if capture is not None:  # before any write of this layer (sources are fp16 rows: untouched)
+                self.cold.capture(capture, layer_id, k16.index_select(0, cap_src), v16.index_select(0, cap_src))
             for tier, s_where, d_where in relocate:
                 store = self.stores[tier][layer_id]
                 store.put_codes(*d_where, store.codes(*s_where))
+            for tier, rows, page, off in fused:
+                store = self.stores[tier][layer_id]
+                if isinstance(store, TierPages):
+                    store_rows_quantized(k16, v16, rows, store, page, off)
+                else:  # KIVI pages: torch write
+                    store.write(page, off, k16.index_select(0, rows), v16.index_select(0, rows))
             if requant is not None:
                 k, v = self.get_kv_routed(layer_id, requant[0])
                 self.set_kv_routed(layer_id, requant[1], k, v)
-                if capture is not None:  # NOTE: k, v are the exact fp16 values of demoted tokens
-                    self.cold.capture(capture, layer_id, k, v)
         if capture is not None:
             self.cold.end_move(capture)
 

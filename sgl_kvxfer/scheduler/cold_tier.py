@@ -36,19 +36,10 @@ import torch
 
 from sgl_kvxfer.mem_cache.host_cold_store import HostColdStore
 from sgl_kvxfer.spectrum.decode_mass import expand_hits, head_max_mass
+from sgl_kvxfer.spectrum.query_taps import install_query_taps, probe_layers
 from sgl_kvxfer.spectrum.tiers import TIER_FP16, TIER_INT4, TIER_INT8
 
 logger = logging.getLogger(__name__)
-
-
-def probe_layers(num_layers: int, count: int, ranking: list[int] | None = None) -> list[int]:
-    """Layers whose decode queries are scored: the first `count` of `ranking` (most sensitive
-    first, from a layer profile) or `count` layers spread evenly through the middle of the model."""
-    if count >= num_layers:
-        return list(range(num_layers))
-    if ranking:
-        return sorted(ranking[:count])
-    return sorted({min(num_layers - 1, round((i + 1) * num_layers / (count + 1))) for i in range(count)})
 
 
 @dataclass
@@ -79,7 +70,10 @@ class ColdTier:
                                    pool.base(TIER_INT4), pool.num_slots(TIER_INT4), pool.device)
         pool.cold = self.store
         self.runner, self.scale = runner, runner.attn_backend.scale
-        self.set_probe_layers(probe_layers(pool.num_layers, config.kv_promote_layers, ranking))
+        taps = runner.attn_backend.query_taps  # installed by the runner before its graphs (query_taps.py)
+        self.layers, self.taps = (sorted(taps), taps) if taps else ([], None)
+        if not taps:  # a runner built without them (tests): no graphs to keep in step
+            self.set_probe_layers(probe_layers(pool.num_layers, config.kv_promote_layers, ranking))
         self.cuda = str(pool.device).startswith("cuda")
         self.side = torch.cuda.Stream(device=pool.device) if self.cuda else None
         self.states: WeakKeyDictionary = WeakKeyDictionary()
@@ -91,17 +85,17 @@ class ColdTier:
                       "landed": 0, "stale": 0}
 
     def set_probe_layers(self, layers: list[int]) -> None:
-        """Tap the decode queries of `layers` (replaces the taps; captured graphs are re-captured,
-        since the copies into the taps are part of them)."""
+        """Tap the decode queries of `layers` (replaces the taps). Only where no CUDA graph was
+        captured: a graph's copies into the taps are fixed at capture (spectrum/query_taps.py)."""
         pool, runner = self.pool, self.runner
         if not layers or any(not 0 <= layer < pool.num_layers for layer in layers):
             raise ValueError(f"probe layers must be in [0, {pool.num_layers}), got {layers}")
-        backend = runner.attn_backend
-        backend.query_taps = {layer: torch.zeros((runner.max_running_requests, backend.num_q_heads, pool.head_dim),
-                                                 dtype=pool.dtype, device=pool.device) for layer in layers}
-        self.layers, self.taps = sorted(layers), backend.query_taps
-        if runner.graph_runner is not None:
-            runner.graph_runner.recapture()
+        if getattr(runner, "graph_runner", None) is not None and sorted(layers) != self.layers:
+            raise ValueError("the probe layers are fixed once CUDA graphs are captured: choose them at start-up "
+                             "(--kv-promote-layers, --kv-layer-profile)")
+        self.taps = install_query_taps(runner.attn_backend, layers, runner.max_running_requests, pool.dtype,
+                                       pool.device)
+        self.layers = sorted(layers)
 
     # ------------------------------------------------------------------ the decode hook
     def on_decode(self, batch) -> None:
@@ -309,10 +303,6 @@ class ColdTier:
         self.table.table[req.req_pool_idx, dev] = torch.tensor(
             [state.original[p] for p in positions.tolist()], dtype=torch.int64, device=self.table.table.device)
         self.allocator.free(owned)
-
-    def rebind(self) -> None:
-        """The int4 store was re-allocated (empty): host copies of its old ids are void."""
-        self.store.rebind(self.pool.base(TIER_INT4), self.pool.num_slots(TIER_INT4))
 
     def server_info(self) -> dict:
         return {**self.stats, **self.store.stats, "host_rows_in_use": self.store.rows_in_use,

@@ -5,7 +5,7 @@ import logging
 import traceback
 
 from sgl_kvxfer.config import ServerArgs
-from sgl_kvxfer.message import BatchTokenIDOut
+from sgl_kvxfer.message import BatchTokenIDOut, ReqOutput
 from sgl_kvxfer.message.queue import PullQueue, PushQueue, wait_readable
 from sgl_kvxfer.utils.process import die_with_parent
 
@@ -32,17 +32,15 @@ def build_scheduler(server_args: ServerArgs):
     from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
 
     use_interpreter_on_cpu(server_args.scheduler.engine.resolved_device)  # before any kernel import
-    from sgl_kvxfer.engine.model_runner import ModelRunner
-    from sgl_kvxfer.models.loader import load_tokenizer, resolve_tokenizer_path
     from sgl_kvxfer.scheduler.scheduler import Scheduler
+    from sgl_kvxfer.scheduler.startup import create_runner
 
     from sgl_kvxfer.disagg import create_disagg_role
     from sgl_kvxfer.disagg.common import DisaggSettings
 
     cfg = server_args.scheduler
-    runner = ModelRunner(cfg.engine, cfg.max_running_requests, cfg.max_prefill_tokens)
-    tokenizer_path = resolve_tokenizer_path(runner.model_dir, cfg.engine.tokenizer_path)
-    scheduler = Scheduler(cfg, runner, load_tokenizer(tokenizer_path))
+    runner, tokenizer, tokenizer_path = create_runner(cfg)
+    scheduler = Scheduler(cfg, runner, tokenizer)
     scheduler.disagg = create_disagg_role(scheduler, DisaggSettings.from_config(cfg), server_args.host)
     info = {
         "max_total_num_tokens": runner.max_total_tokens, "max_req_input_len": runner.context_len - 1,
@@ -59,18 +57,42 @@ def build_scheduler(server_args: ServerArgs):
 def event_loop(scheduler, inbox: PullQueue, outbox: PushQueue) -> None:
     """Receive, schedule + forward, send results. When a step ran nothing, sleep on the sockets:
     up to 1 s idle, a few ms while PD transfers are in flight (their progress also arrives from
-    the sender thread, which has no socket to wake us)."""
+    the sender thread, which has no socket to wake us). No message and no request stops the
+    loop: `step` contains a batch's failure (Scheduler._recover), a message that raises is
+    logged, and an output that cannot be sent ends its request with a 500."""
     kv_inbox = getattr(scheduler.disagg, "inbox", None)
     sockets = [inbox] + ([kv_inbox] if kv_inbox is not None else [])
     while True:
         msgs = inbox.get_all_nowait()
         for msg in msgs:
-            reply = scheduler.handle(msg)
+            try:
+                reply = scheduler.handle(msg)
+            except Exception:  # noqa: BLE001
+                logger.exception("scheduler: %s failed", type(msg).__name__)
+                continue
             if reply is not None:
                 outbox.put(reply)
         ran = scheduler.step()
         outputs = scheduler.take_outputs()
         if outputs:
-            outbox.put(BatchTokenIDOut(outputs))
+            send_outputs(outbox, outputs)
         if not ran and not msgs and not outputs:
             wait_readable(sockets, 0.005 if scheduler.has_work() else 1.0)
+
+
+def send_outputs(outbox: PushQueue, outputs: list[ReqOutput]) -> None:
+    """One message for the batch; if it cannot be encoded, each output alone, and an output
+    that still cannot be is replaced by its request's 500 (its waiter must not hang)."""
+    try:
+        outbox.put(BatchTokenIDOut(outputs))
+        return
+    except Exception:  # noqa: BLE001
+        logger.exception("scheduler: a batch of outputs could not be sent; sending them one by one")
+    for out in outputs:
+        try:
+            outbox.put(BatchTokenIDOut([out]))
+        except Exception as e:  # noqa: BLE001
+            outbox.put(BatchTokenIDOut([ReqOutput(
+                rid=out.rid, new_output_ids=[], prompt_tokens=out.prompt_tokens, completion_tokens=0,
+                cached_tokens=0, finish_reason={"type": "abort", "status_code": 500, "err_type": "InternalServerError",
+                                                "message": f"Internal server error: output not sendable: {e}"})]))

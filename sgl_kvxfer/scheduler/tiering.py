@@ -38,12 +38,12 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardMode
+from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.spectrum.budget import KVLayout, assignment_bytes, fp16_bytes
-from sgl_kvxfer.spectrum.byte_budget import assign_tiers, planned_fractions
+from sgl_kvxfer.spectrum.byte_budget import assign_tiers
 from sgl_kvxfer.spectrum.importance import ImportanceAccumulator, KVNormAccumulator, token_importance
 from sgl_kvxfer.spectrum.policies import create_tier_policy
-from sgl_kvxfer.spectrum.tiers import NUM_TIERS
+from sgl_kvxfer.spectrum.tiers import NUM_TIERS, TIER_INT4, TIER_INT8
 
 logger = logging.getLogger(__name__)
 
@@ -96,25 +96,31 @@ class EngineTiering:
         self.int4 = None  # probe.Int4Resolution once resolved
         self._acc: WeakKeyDictionary = WeakKeyDictionary()  # req -> ImportanceAccumulator
         self._tiered_len: WeakKeyDictionary = WeakKeyDictionary()  # req -> row prefix at final tiers
+        # req -> {int tier: the last id its decode demotion got}: the next run continues that page
+        # (decode tokens are private to the request until it finishes, so it holds the whole page)
+        self._tails: WeakKeyDictionary = WeakKeyDictionary()
         self.records: deque[TierRecord] = deque(maxlen=4096)
         self.cold = None
         if config.kv_cold_tier:
             from sgl_kvxfer.scheduler.cold_tier import ColdTier
 
-            profile = self._profile(self.settings)
-            ranking = sorted(range(a.num_hidden_layers), key=lambda l: -profile.gain_up[l]) if profile else None
-            self.cold = ColdTier(config, runner, self.allocator, self.table, self._make_room, ranking)
+            # its probe layers' query taps were installed by the runner (spectrum/query_taps.py)
+            self.cold = ColdTier(config, runner, self.allocator, self.table, self._make_room)
 
     # ------------------------------------------------------------------ settings
     def configure(self, **changes) -> TierSettings:
         """Change policy / budget / unit / int4_allowed / decode_recent / layer_budget /
         layer_profile / recency_lambda for later requests; returns the old settings. Requests
-        already tiered keep their tiers. A change of the int stores' formats (KIVI, per-layer
-        budgets) re-allocates them: the cache is flushed and no request may be running."""
+        already tiered keep their tiers. The int stores' per-layer formats were fixed when the
+        pool was built (mem_cache/__init__.py: tier_store_formats, from the flags): a change that
+        needs other formats (to or from KIVI, --kv-layer-budget profile, a budget that moves a
+        profile's allocation) is refused with a ValueError; start an engine with those flags. The
+        stores' sizes stay too: a mix other than the planned one falls back to a higher tier
+        where a store is short (TierRecord.got)."""
         old = self.settings
         new = replace(old, **changes)
         policy = self._make_policy(new)
-        self._apply_formats(policy, new)
+        self._check_formats(policy, new)
         self.settings, self.policy = new, policy
         return old
 
@@ -125,12 +131,6 @@ class EngineTiering:
             yield self
         finally:
             self.configure(**vars(old))
-
-    def replan_stores(self) -> None:
-        """Re-divide the int stores for the current settings' planned tier mix (after a flush, no
-        request running): a benchmark that switches budgets on one engine then never falls back
-        to a higher tier because a store was sized for another mix."""
-        self._apply_formats(self.policy, self.settings, replan=True)
 
     def _make_policy(self, st: TierSettings):
         return create_tier_policy(st.policy, layout=self.base_layout, budget=st.budget)
@@ -144,26 +144,18 @@ class EngineTiering:
             raise ValueError("layer_budget 'profile' needs a layer_profile JSON")
         return LayerProfile.load(st.layer_profile)
 
-    def _apply_formats(self, policy, st: TierSettings, replan: bool = False) -> None:
-        """Give the int stores the formats `policy` at `st` needs (re-allocating them if they
-        change, or if `replan`: the planned tier mix changed)."""
+    def _check_formats(self, policy, st: TierSettings) -> None:
+        """Refuse settings whose int store formats differ from the pool's (fixed at start-up)."""
         from sgl_kvxfer.spectrum.layer_budget import plan_store_formats
 
         formats, alloc = plan_store_formats(policy, st.budget, st.unit, self.base_layout, self.config.kv_sink_tokens,
                                             st.int4_allowed, self._profile(st))
-        if not formats.is_uniform and self.config.resolved_attention_backend != "torch":
-            raise ValueError("per-layer int formats (kivi, layer_budget 'profile') run on the torch attention backend")
-        layout = replace(self.base_layout, formats=None if formats.is_uniform else formats)
-        if formats != self.pool.formats or replan:
-            _, f8, f4, _ = planned_fractions(policy, st.budget, layout, st.unit, self.config.kv_sink_tokens,
-                                             st.int4_allowed)
-            n8, n4 = self.pool.int_store_sizes(f8, f4, formats)
-            if (n8, n4) != (self.pool.plan.n8, self.pool.plan.n4) or formats != self.pool.formats:
-                if self.kv.tree is not None:
-                    self.kv.tree.reset()  # cached int tokens go; running requests' tokens stay (and refuse)
-                self.allocator.repartition(n8, n4, formats)
-                self.runner.kv_pool_resized()  # new int stores: views and captured graphs are rebuilt
-        self.layout, self.allocation = layout, alloc
+        if formats != self.pool.formats:
+            raise ValueError(f"tier settings {st} need int store formats {formats.describe()}, the pool was built "
+                             f"with {self.pool.formats.describe()}: the formats are fixed at start-up (start an "
+                             f"engine with --kv-tier-policy / --kv-tier-budget / --kv-layer-budget for them)")
+        self.layout = replace(self.base_layout, formats=None if formats.is_uniform else formats)
+        self.allocation = alloc
 
     # ------------------------------------------------------------------ hooks
     def before_forward(self, batch, fb) -> None:
@@ -190,6 +182,7 @@ class EngineTiering:
             fb.extras["attn_observer"] = observe
 
     def after_forward(self, batch, chunked) -> None:
+        due = []  # decode: the runs this step demotes, all requests together
         for s in batch.slices:
             req = s.req
             if req.req_pool_idx is None:
@@ -198,7 +191,11 @@ class EngineTiering:
                 if req is not chunked:
                     self._tier_prefill(req)
             else:
-                self._demote_decode(req, final=req.finished)
+                run = self._decode_run(req, final=req.finished)
+                if run is not None:
+                    due.append(run)
+        if due:
+            self._demote_runs(due)
         if self.cold is not None and batch.mode != ForwardMode.EXTEND:
             self.cold.on_decode(batch)
 
@@ -211,6 +208,7 @@ class EngineTiering:
         """Positions [0, n) of req are final (PD decode: the prompt came tiered from the
         prefill); decode demotion starts after them."""
         self._tiered_len[req] = n
+        self._tails.pop(req, None)
 
     # ------------------------------------------------------------------ rules
     def _tier_prefill(self, req) -> None:
@@ -227,24 +225,72 @@ class EngineTiering:
         sinks = max(0, self.policy.sink_count(self.config.kv_sink_tokens) - start)
         self._retier(req, start, slots[start:], importance, sinks)
         self._tiered_len[req] = n
+        self._tails.pop(req, None)  # a re-prefilled (retracted) request starts fresh pages
 
-    def _demote_decode(self, req, final: bool) -> None:
+    def _decode_run(self, req, final: bool):
+        """(req, start, end) of the generated tokens due for demotion, or None."""
         done = self._tiered_len.get(req)
         recent = self.settings.decode_recent
         if done is None or self.policy.keep_drop:
-            return
+            return None
         end = req.kv_len - recent
         if end - done < (1 if final else recent):
-            return
-        slots = self.table.read(req.req_pool_idx, end, start=done).cpu()
-        self._retier(req, done, slots, self._norm_importance(slots), 0)
-        self._tiered_len[req] = end
+            return None
+        return req, done, end
+
+    def _demote_runs(self, runs: list) -> None:
+        """Decode demotion of every due request at once: one host copy of their slots, one KV-norm
+        pass over the layers for all of them, the tiers assigned per run (each run normalized on
+        its own, as a lone run would be), then one retier_runs: each run on its own pages (the
+        free tail of its previous run's last page first), one data move (fp16 -> int: one
+        quantize-and-store launch per layer and tier on CUDA)."""
+        rows = [self.table.read(req.req_pool_idx, end, start=start) for req, start, end in runs]
+        slots = torch.cat(rows).cpu()
+        joint = self._norm_importance(slots)  # normalized over every run's tokens
+        st, parts, pos = self.settings, [], 0
+        for (req, start, end), row in zip(runs, rows):
+            n = row.numel()
+            run_slots, imp = slots[pos:pos + n], joint[pos:pos + n]
+            pos += n
+            if len(runs) > 1:  # renormalized over the run alone (a lone run's scores are already)
+                imp = imp / imp.sum()
+            tiers = assign_tiers(self.policy, imp, st.budget, self.layout, st.unit, 0, st.int4_allowed,
+                                 self.config.random_seed)
+            parts.append((run_slots, tiers, self._live_tails(req)))
+        results = self.allocator.retier_runs(parts, self._make_room)
+        for (req, start, end), (run_slots, tiers, _), (new, got) in zip(runs, parts, results):
+            self._record(req, start, run_slots, tiers, new, got)
+            self._tiered_len[req] = end
+            tails = dict(self._tails.get(req) or {})
+            new_cpu, got_cpu = new.cpu(), got.cpu()
+            moved = new_cpu != run_slots
+            for t in (TIER_INT8, TIER_INT4):
+                idx = (moved & (got_cpu == t)).nonzero().squeeze(1)
+                if idx.numel():
+                    tails[t] = (int(new_cpu[idx[-1]]), start + int(idx[-1]))  # (id, row position)
+            self._tails[req] = tails
+
+    def _live_tails(self, req) -> dict | None:
+        """{tier: id} of the request's previous decode runs' last pages, each only if the row still
+        holds that id at its position (a request retracted and recomputed starts afresh)."""
+        tails = self._tails.get(req)
+        if not tails:
+            return None
+        out = {}
+        for t, (slot, pos) in tails.items():
+            if int(self.table.read(req.req_pool_idx, pos + 1, start=pos)[0]) == slot:
+                out[t] = slot
+        return out
 
     def _retier(self, req, start: int, slots: torch.Tensor, importance: torch.Tensor, sinks: int) -> None:
         st = self.settings
         tiers = assign_tiers(self.policy, importance, st.budget, self.layout, st.unit, sinks, st.int4_allowed,
                              self.config.random_seed)
         new, got = self.allocator.retier(slots, tiers, self._make_room)
+        self._record(req, start, slots, tiers, new, got)
+
+    def _record(self, req, start: int, slots, tiers, new, got) -> None:
+        """Rewrite the request's row at the new ids and keep the run's TierRecord."""
         self.table.write(req.req_pool_idx, start, new)
         got = got.cpu()
         ratio = assignment_bytes(got, self.layout) / fp16_bytes(got.numel(), self.layout)
@@ -268,12 +314,10 @@ class EngineTiering:
 
     # ------------------------------------------------------------------ int4 decision
     def set_int4(self, resolution) -> None:
-        """Apply the int4 decision; re-divide the int stores when the planned mix changes."""
+        """Apply the int4 decision to the settings. The pool was sized for it when it was built
+        (ModelRunner's `int4`), so nothing is re-divided."""
         self.int4 = resolution
-        self.settings = replace(self.settings, int4_allowed=resolution.enabled)
-        self.policy = self._make_policy(self.settings)
-        # start-up: nothing is locked; the probe's cached tokens go if the stores change
-        self._apply_formats(self.policy, self.settings, replan=True)
+        self.configure(int4_allowed=resolution.enabled)
         logger.info("SpectrumKV: int4 %s (%s); stores fp16 %d / int8 %d / int4 %d slots",
                     "on" if resolution.enabled else "off", resolution.source,
                     self.pool.plan.n16, self.pool.plan.n8, self.pool.plan.n4)
@@ -295,13 +339,12 @@ class EngineTiering:
                 "kv_tier_slots": [self.pool.plan.n16, self.pool.plan.n8, self.pool.plan.n4]}
 
 
-def create_engine_tiering(scheduler, tokenizer=None) -> EngineTiering | None:
-    """SpectrumKV for this scheduler, int4 resolved (probe runs here); None at kv_tier_budget 1."""
+def create_engine_tiering(scheduler) -> EngineTiering | None:
+    """SpectrumKV for this scheduler, under the int4 decision its runner's pool was sized by
+    (scheduler/startup.py); None at kv_tier_budget 1."""
     config = scheduler.config.engine
     if not config.tiering_enabled:
         return None
-    from sgl_kvxfer.scheduler.int4_probe import resolve_engine_int4
-
     tiering = scheduler.tiering = EngineTiering(config, scheduler.runner, scheduler.kv)
-    tiering.set_int4(resolve_engine_int4(tiering, scheduler, tokenizer))
+    tiering.set_int4(scheduler.runner.int4)
     return tiering

@@ -22,6 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from common.report import command_line, write_json  # noqa: E402
 
+from sgl_kvxfer.testing.servers import scaled  # noqa: E402
+
 TINY_WORKLOAD = ["--model-preset", "tiny", "--device", "cpu", "--num-prompts", "4", "--input-len-min", "16",
                  "--input-len-max", "32", "--output-len", "4"]
 PROSE_DOCS = ("README.md", "docs/structures.md", "docs/http_api.md", "sgl_kvxfer/mem_cache/README.md",
@@ -34,7 +36,7 @@ def run_bench(script: str, args: list[str], tmp_path, timeout: float = 600) -> s
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, os.path.join("benchmarks", script), *args, "--out-dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(timeout))
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
     # temp model dirs, probe caches, bench_serving's files: removed by the script (server logs
     # of sgl_kvxfer.testing.servers and torch's inductor folder stay, as they do for the tests)
@@ -91,18 +93,19 @@ def test_write_json_records_device_commit_and_command(tmp_path):
 
 # ---------------------------------------------------------------------------- kernels
 def test_attention(tmp_path):
-    out = run_bench("kernels/attention.py", ["--device", "cpu", "--models", "smollm2", "--contexts", "128",
-                                             "--batches", "1", "--iters", "1"], tmp_path)
-    data = result(out, "attention_", ("results", "copy_bandwidth_Bps", "params", "filled_kernel"), png=True)
+    out = run_bench("kernels/attention.py", ["--device", "cpu", "--points", "smollm2:1:128", "--iters", "1"], tmp_path)
+    data = result(out, "attention_", ("results", "copy_bandwidth_Bps", "params", "served_configs"), png=True)
     row, = data["results"]
-    for v in ("sdpa_fp16", "paged_fp16", "filled_fp16", "filled_int8", "filled_int4", "filled_mix_b0.5"):
-        assert {"ms", "bytes", "speed_vs_sdpa", "pct_copy_bw", "pct_sdpa_bw"} <= set(row[v]), v
-    assert row["filled_int8"]["counts"] == [0, 128, 0] and "skipped" in row["flashinfer_fp16"]  # CUDA only
+    for v in ("sdpa", "fp16_pool", "tiered_fp16", "tiered_int8", "tiered_int4", "tiered_mix_b0.5"):
+        assert {"ms", "ms_min", "ms_max", "bytes", "GBps", "speed_vs_sdpa", "pct_sdpa_bw"} <= set(row[v]), v
+    assert row["tiered_int8"]["counts"] == [0, 128, 0] and row["tiered_int8"]["tiers"] == [1]
+    assert row["tiered_int8"]["max_abs_diff_vs_reference"] < 2e-2
+    assert "skipped" in row["flashinfer_fp16"] and "skipped" in row["flashinfer_fp8"]  # CUDA only
 
 
 def test_decode_plan(tmp_path):
     out = run_bench("kernels/decode_plan.py", ["--device", "cpu", "--batch", "2", "--ctx-min", "16", "--ctx-max",
-                                               "64", "--max-seq", "128", "--splits", "1", "2", "--empty-tiers", "0",
+                                               "64", "--max-seq", "128", "--splits", "1", "2",
                                                "--configs", "4:1", "--iters", "1"], tmp_path)
     data = result(out, "decode_plan_", ("rows", "best", "default_plan", "params"), png=True)
     assert len(data["rows"]) == 2 and all(r["max_abs_diff"] == 0 for r in data["rows"])
@@ -236,10 +239,32 @@ def test_ttft_vs_bandwidth(tmp_path, smollm2_path):
 
 def test_fusedkv_serve_bench(tmp_path):
     out = run_bench("fusedkv/serve_bench.py", ["--smoke"], tmp_path)
-    data = result(out, "fusedkv_serve_tiny_cpu", ("rows", "params", "targets", "vs_vanilla"), png=True)
+    data = result(out, "fusedkv_serve_tiny_cpu", ("rows", "params", "targets", "vs_vanilla", "copy_bandwidth_Bps"),
+                  png=True)
     assert sorted(data["rows"]) == ["fusedkv", "lite", "vanilla"]
-    assert data["vs_vanilla"]["fusedkv"]["pool"] == data["vs_vanilla"]["lite"]["pool"] == 0.5
+    assert data["vs_vanilla"]["fusedkv"]["pool_bytes_per_token"] == data["vs_vanilla"]["lite"]["pool_bytes_per_token"] == 0.5
     assert "ttft_no_skip" in data["rows"]["fusedkv"]
+    for row in data["rows"].values():
+        assert [(p["batch"], p["context"]) for p in row["tpot"]] == [(1, 32), (2, 32)]
+        for p in row["tpot"]:  # warm, >= 5 pairs, a spread, never a negative time, the bytes check
+            assert p["step_spread_s"]["n"] >= 5 and len(p["n1_s"]) == len(p["n2_s"]) >= 5
+            assert p["tpot_s"] is None or p["tpot_s"] > 0
+            assert p["min_step_s"] > 0 and isinstance(p["faster_than_bytes_allow"], bool)
+
+
+@pytest.mark.slow
+def test_fusedkv_serve_smoke_writes_to_a_temp_dir(tmp_path):
+    """--smoke without --out-dir writes into a fresh temp dir, never into benchmarks/results."""
+    def results():
+        return set(os.listdir(os.path.join(ROOT, "benchmarks", "results")))
+
+    before = results()
+    env = {**os.environ, "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "benchmarks/fusedkv/serve_bench.py", "--smoke", "--variants", "vanilla"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    wrote = [line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("wrote ")]
+    assert wrote and all(w.startswith(str(tmp_path)) for w in wrote) and results() == before
 
 
 def test_fusedkv_tiers(tmp_path):
@@ -250,6 +275,20 @@ def test_fusedkv_tiers(tmp_path):
     assert all(r["full_prefix_hits"] for r in data["rows"])
     assert got[("fusedkv", 1.0)]["resident_vs_vanilla_fp16"] == 0.5
     assert got[("fusedkv", 0.5)]["resident_vs_vanilla_fp16"] < got[("fusedkv", 1.0)]["resident_vs_vanilla_fp16"]
+    for r in data["rows"]:  # decode timing in the same engine: warm, >= 5 pairs, never negative
+        d = r["decode"]
+        assert d["step_spread_s"]["n"] >= 5 and (d["tpot_s"] is None or d["tpot_s"] > 0)
+
+
+def test_fusedkv_capacity(tmp_path):
+    out = run_bench("fusedkv/capacity.py", ["--smoke"], tmp_path)
+    data = result(out, "fusedkv_capacity_tiny_cpu", ("rows", "params", "vs_vanilla", "copy_bandwidth_Bps"), png=True)
+    rows = data["rows"]
+    # equal pool bytes: the halved KV holds twice the tokens, and the scheduler admitted them all at once
+    assert rows["fusedkv"]["pool_tokens"] == rows["lite"]["pool_tokens"] == 2 * rows["vanilla"]["pool_tokens"]
+    assert all(r["held"] == r["planned"] for r in rows.values())
+    assert data["vs_vanilla"]["fusedkv"]["held"] == data["vs_vanilla"]["lite"]["held"] == 2.0
+    assert all(r["tpot_s"] is None or r["tpot_s"] > 0 for r in rows.values())
 
 
 @pytest.mark.slow
@@ -271,6 +310,25 @@ def test_scd_ttft(tmp_path):
     assert row["bytes_per_token"] == pytest.approx(data["artifacts"]["bytes_per_token"] * 23 / 24)
 
 
+@pytest.mark.slow
+def test_scd_e2e(tmp_path):
+    pytest.importorskip("mooncake")
+    from sgl_kvxfer.models.presets import write_dummy_tokenizer, write_preset_config
+
+    model = write_dummy_tokenizer(write_preset_config("tiny", str(tmp_path / "tiny")), 512)
+    out = run_bench("pd/scd_e2e.py", [
+        "--prompt-tokens", "40", "--question-tokens", "8", "--fanouts", "1", "2", "--rates", "0", "25",
+        "--repeats", "1", "--vocab", "256",
+        "--server-args", f"--model-path {model} --load-format dummy --device cpu --max-total-tokens 1024 "
+                         "--log-level warning"], tmp_path, timeout=1800)
+    data = result(out, "scd_e2e", ("fanout", "shared", "summary", "artifacts", "params"), png=True)
+    assert data["complete"]
+    for n_fan in ("1", "2"):
+        r = data["fanout"][n_fan]["40"]
+        assert r["oracle"]["max_ms"] > 0 and r["scd@0"]["max_ms"] > 0 and r["scd@25"]["max_ms"] > 0
+        # codes of 39 of the 40 positions
+        assert r["scd@25"]["bytes_per_token"] == pytest.approx(data["artifacts"]["bytes_per_token"] * 39 / 40)
+    assert data["shared"]["40"]["oracle"]["mean_ms"] > 0 and data["shared"]["40"]["scd@25"]["mean_ms"] > 0
 # ---------------------------------------------------------------------------- SpectrumKV retrieval test bed
 def test_cold_tier_decode(tmp_path):
     out = run_bench("throughput/cold_tier_decode.py", ["--preset", "tiny", "--context", "96", "--batch", "2",

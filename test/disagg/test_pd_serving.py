@@ -9,6 +9,8 @@ answer from D (its local prefill), a fallback counted in /metrics, and no KV lef
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
+import json
 import re
 import subprocess
 import sys
@@ -18,16 +20,26 @@ import time
 import pytest
 import requests
 
-from servers import ROOT, free_port, start_all, start_router, start_server, stop_all
+from servers import ROOT, Deadline, free_port, scaled, start_all, start_router, start_server, stop_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     __import__("importlib").util.find_spec("sglang_router") is None, reason="sglang-router is not installed")]
 
 COMMON = ["--max-total-tokens", "8192", "--chunked-prefill-size", "128", "--max-running-requests", "16",
           "--context-length", "2048", "--log-level", "warning", "--enable-metrics", "--kv-transfer-buffer-mb", "64"]
-TIMEOUT = "6"  # --kv-transfer-timeout of the module's servers, seconds
 ROOM_CORRUPT, ROOM_TRUNCATE, ROOM_DELAY, ROOM_ORPHAN = 9001, 9002, 9003, 9004
-FAULTS = f"corrupt@{ROOM_CORRUPT},truncate@{ROOM_TRUNCATE},delay:10@{ROOM_DELAY}"
+
+
+@functools.lru_cache(maxsize=1)
+def transfer_timeout() -> int:
+    """--kv-transfer-timeout of the module's servers: 6 s of an idle machine, stretched by the
+    load when the module starts (a busy machine must not turn a slow transfer into a fault)."""
+    return round(scaled(6))
+
+
+def faults() -> str:
+    """Faults armed on the module's prefill; the delayed room stalls well past the timeout."""
+    return f"corrupt@{ROOM_CORRUPT},truncate@{ROOM_TRUNCATE},delay:{2 * transfer_timeout()}@{ROOM_DELAY}"
 PROMPTS = [
     "The history of the Python programming language begins in the late 1980s, when Guido van Rossum " * 4,
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -40,7 +52,7 @@ def greedy(prompt, max_new=12, **extra):
 
 
 def pd_args(mode: str, bootstrap_port: int | None = None, *extra) -> list[str]:
-    args = [*COMMON, "--disaggregation-mode", mode, "--kv-transfer-timeout", TIMEOUT, *extra]
+    args = [*COMMON, "--disaggregation-mode", mode, "--kv-transfer-timeout", str(transfer_timeout()), *extra]
     if bootstrap_port is not None:
         args += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
     return args
@@ -49,7 +61,7 @@ def pd_args(mode: str, bootstrap_port: int | None = None, *extra) -> list[str]:
 @pytest.fixture(scope="module")
 def cluster():
     bp = free_port()
-    p, d, s = start_all([(pd_args("prefill", bp), {"SGL_KVXFER_KV_TRANSFER_FAULT": FAULTS}, "pd_prefill"),
+    p, d, s = start_all([(pd_args("prefill", bp), {"SGL_KVXFER_KV_TRANSFER_FAULT": faults()}, "pd_prefill"),
                          (pd_args("decode"), None, "pd_decode"), (COMMON, None, "pd_single")])
     try:
         router = start_router([(p.url, bp)], [d.url])
@@ -60,8 +72,10 @@ def cluster():
     stop_all(router, p, d, s)
 
 
+# NOTE: every wait below is in seconds of an idle machine, stretched by the load (servers.scaled,
+# servers.Deadline): these servers share 2 cores with whatever else runs.
 def post(url, body, timeout=120):
-    r = requests.post(url + "/generate", json=body, timeout=timeout)
+    r = requests.post(url + "/generate", json=body, timeout=scaled(timeout))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -70,13 +84,13 @@ def pd_direct(cluster, body, room, prefill=None):
     """What the router does: the same body to P and D at once, D's reply to the client."""
     body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster["bp"], "bootstrap_room": room}
     with cf.ThreadPoolExecutor(2) as pool:
-        fp = pool.submit(requests.post, (prefill or cluster["P"]).url + "/generate", json=body, timeout=120)
-        fd = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=120)
+        fp = pool.submit(requests.post, (prefill or cluster["P"]).url + "/generate", json=body, timeout=scaled(120))
+        fd = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=scaled(120))
         return fp.result(), fd.result()
 
 
 def server_info(handle):
-    return requests.get(handle.url + "/server_info", timeout=30).json()
+    return requests.get(handle.url + "/server_info", timeout=scaled(30)).json()
 
 
 def kv_state(handle):
@@ -88,20 +102,20 @@ def assert_nothing_leaked(*handles):
     """Once idle, a server's KV slots are all free or cached (flushing frees the cache), and its
     transfer buffer and rooms are empty."""
     for h in handles:
-        deadline = time.time() + 30
+        deadline = Deadline(30)
         while True:
-            flushed = requests.post(h.url + "/flush_cache", timeout=30).status_code == 200
+            flushed = requests.post(h.url + "/flush_cache", timeout=scaled(30)).status_code == 200
             st = server_info(h)["internal_states"][0]
             kv = st.get("kv_transfer", {})
             if flushed and st["kv_used_tokens"] == 0 and not kv.get("rooms_open") and not kv.get(
                     "send_buffer_used_bytes") and not kv.get("staging_used_bytes"):
                 break
-            assert time.time() < deadline, (h.url, st)
+            assert not deadline.expired(), (h.url, st, str(deadline))
             time.sleep(0.5)
 
 
 def metric(handle, name) -> float:
-    text = requests.get(handle.url + "/metrics", timeout=30).text
+    text = requests.get(handle.url + "/metrics", timeout=scaled(30)).text
     m = re.search(rf"^sglang:{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -120,7 +134,8 @@ def test_router_generate_is_token_identical_to_a_single_server(cluster):
 
 
 def test_router_streams_cumulative_text(cluster):
-    r = requests.post(cluster["router"].url + "/generate", json=greedy(PROMPTS[0], stream=True), stream=True, timeout=120)
+    r = requests.post(cluster["router"].url + "/generate", json=greedy(PROMPTS[0], stream=True), stream=True,
+                      timeout=scaled(120))
     chunks = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
     assert chunks[-1] == "[DONE]"
     import json
@@ -132,8 +147,8 @@ def test_router_streams_cumulative_text(cluster):
 
 def test_router_chat_completions(cluster):
     body = {"model": "x", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
-    ours = requests.post(cluster["router"].url + "/v1/chat/completions", json=body, timeout=120).json()
-    ref = requests.post(cluster["S"].url + "/v1/chat/completions", json=body, timeout=120).json()
+    ours = requests.post(cluster["router"].url + "/v1/chat/completions", json=body, timeout=scaled(120)).json()
+    ref = requests.post(cluster["S"].url + "/v1/chat/completions", json=body, timeout=scaled(120)).json()
     assert ours["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
 
 
@@ -159,7 +174,8 @@ def test_bench_serving_through_the_router(cluster, tmp_path):
         "--dataset-name", "random-ids", "--random-input-len", "48", "--random-output-len", "6",
         "--random-range-ratio", "1.0", "--num-prompts", "12", "--request-rate", "inf", "--max-concurrency", "4",
         "--disable-tqdm")
-    proc = subprocess.run(cmd, cwd=str(tmp_path), env=bench_serving_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=bench_serving_env(), capture_output=True, text=True,
+                          timeout=scaled(900))
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, report[-3000:]
     assert re.search(r"Successful requests:\s+12\b", report), report[-3000:]
@@ -173,7 +189,7 @@ def test_info_routes_report_the_role(cluster):
 
 
 def test_missing_room_is_a_400_and_no_peer_computes_locally(cluster):
-    r = requests.post(cluster["D"].url + "/generate", json=greedy(PROMPTS[2]), timeout=60)
+    r = requests.post(cluster["D"].url + "/generate", json=greedy(PROMPTS[2]), timeout=scaled(60))
     assert r.status_code == 400 and "bootstrap room" in r.text
     local = post(cluster["D"].url, greedy(PROMPTS[2], bootstrap_host="2.2.2.2", bootstrap_room=1))
     assert local["output_ids"] == post(cluster["S"].url, greedy(PROMPTS[2]))["output_ids"]
@@ -184,7 +200,7 @@ def test_missing_room_is_a_400_and_no_peer_computes_locally(cluster):
 def test_decode_may_arrive_before_the_prefill(cluster):
     body = {**greedy(PROMPTS[2]), "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster["bp"], "bootstrap_room": 8101}
     with cf.ThreadPoolExecutor(1) as pool:
-        decode = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=120)
+        decode = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=scaled(120))
         time.sleep(1.5)  # D claims a room P has not seen yet
         assert post(cluster["P"].url, body)["meta_info"]["kv_transfer"]["status"] == "ok"
         out = decode.result().json()
@@ -211,7 +227,7 @@ def test_a_room_no_decode_claims_is_dropped(cluster):
             "bootstrap_room": ROOM_ORPHAN}
     start = time.time()
     out = post(cluster["P"].url, body)  # nobody claims: the reply ends after the timeout, 2xx
-    assert time.time() - start >= float(TIMEOUT) - 1
+    assert time.time() - start >= transfer_timeout() - 1
     assert out["meta_info"]["kv_transfer"]["status"].startswith("failed: no decode claimed")
     assert_nothing_leaked(cluster["P"])
 
@@ -222,11 +238,11 @@ def test_prefill_killed_mid_transfer(cluster):
     try:
         body = {**greedy(PROMPTS[0]), "bootstrap_host": "127.0.0.1", "bootstrap_port": bp, "bootstrap_room": 8201}
         with cf.ThreadPoolExecutor(2) as pool:
-            pool.submit(requests.post, p2.url + "/generate", json=body, timeout=60)
-            decode = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=120)
-            deadline = time.time() + 60
+            pool.submit(requests.post, p2.url + "/generate", json=body, timeout=scaled(60))
+            decode = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=scaled(120))
+            deadline = Deadline(60)
             while server_info(p2)["internal_states"][0]["kv_transfer"]["rooms_open"] == 0:
-                assert time.time() < deadline
+                assert not deadline.expired(), str(deadline)
                 time.sleep(0.2)  # the room is open: P2's sender sleeps before its first write
             p2.proc.kill()
             out = decode.result().json()
@@ -304,8 +320,150 @@ def test_two_prefills_two_decodes_survive_a_killed_decode(cluster):
             t.start()
             time.sleep(0.3)
         for t in threads:
-            t.join(timeout=600)
+            t.join(timeout=scaled(600))
         assert not errors, errors
         assert len(results) == 12 and all(out == ref[p] for p, out in results)
     finally:
         stop_all(router, p3, d3)
+
+
+# ---------------------------------------------------------------- peer deaths under load (disagg/peers.py)
+LONG_PROMPT = PROMPTS[0] * 14  # ~1.4k tokens
+PATIENT = "300"  # --kv-transfer-timeout of the servers below: a room fails fast only by a probe
+# peers.py: 2 failed probes 1 s apart (~2 s), plus one scheduler step, which lasts many seconds on a
+# shared 2-core machine under load (a 128-token chunk: ~1 s idle, 20 s at a load of 20); far below
+# the PATIENT timeout that is the bound without the probes
+DETECT_S = 45.0
+
+
+def _kv(handle) -> dict:
+    """The kv_transfer state, {} while the scheduler is too busy to answer (internal_states [])."""
+    states = server_info(handle)["internal_states"]
+    return states[0].get("kv_transfer", {}) if states else {}
+
+
+def _kv_used(handle) -> int:
+    states = server_info(handle)["internal_states"]
+    return states[0]["kv_used_tokens"] if states else -1
+
+
+def _wait(cond, limit, what):
+    deadline = time.time() + limit
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.1)
+    return time.time()
+
+
+def _kill_tree(handle):
+    kids = handle.children()
+    handle.proc.kill()
+    for k in kids:
+        try:
+            k.kill()
+        except Exception:  # noqa: BLE001 (already gone with its parent)
+            pass
+
+
+@pytest.mark.timeout(1800)  # 8 long local prefills on a loaded shared CPU
+def test_prefill_killed_under_load_every_request_ends(cluster):
+    """2 prefills + 1 decode behind the real router, 8 requests of ~1.4k tokens in flight, one
+    prefill SIGKILLed: its rooms fail on the decode within DETECT_S and are prefilled there;
+    every client gets the single server's answer (or a clear error naming the prefill); the
+    decode's KV held by no request returns to zero; each fallback is counted."""
+    bp = free_port()
+    p2, d = start_all([([*pd_args("prefill", bp), "--kv-transfer-timeout", PATIENT], None, "pd_prefill_killed"),
+                       ([*pd_args("decode"), "--kv-transfer-timeout", PATIENT], None, "pd_decode_patient")])
+    cluster = {**cluster, "D": d}
+    router = None
+    try:
+        router = start_router([(cluster["P"].url, cluster["bp"]), (p2.url, bp)], [d.url], policy="round_robin")
+        before = {k: metric(d, k) for k in ("kv_transfer_fallbacks_total", "kv_transfer_peer_failures_total")}
+        results = []
+
+        def client(i):
+            t = time.time()
+            try:
+                r = requests.post(router.url + "/generate", json=greedy(LONG_PROMPT, max_new=8), timeout=900)
+                results.append((r.status_code, r.json(), time.time() - t))
+            except Exception as e:  # noqa: BLE001 (asserted below)
+                results.append((None, repr(e), time.time() - t))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        _wait(lambda: _kv(p2).get("rooms_open", 0) > 0, 300, "no room on P2")
+        killed = time.time()
+        _kill_tree(p2)
+        seen = _wait(lambda: metric(cluster["D"], "kv_transfer_peer_failures_total") > before[
+            "kv_transfer_peer_failures_total"], 120, "the decode never saw the prefill die")
+        assert seen - killed < DETECT_S, f"prefill death seen after {seen - killed:.1f} s"
+        for t in threads:
+            t.join(900)
+        assert len(results) == 8, results
+        ref = post(cluster["S"].url, greedy(LONG_PROMPT, max_new=8), timeout=900)["output_ids"]
+        fallbacks = 0
+        for status, body, _ in results:
+            if status == 200:
+                assert body["output_ids"] == ref
+                fallbacks += body["meta_info"]["kv_transfer"]["status"].startswith("fallback")
+            else:
+                assert status is not None and "prefill" in json.dumps(body), (status, body)
+        assert fallbacks >= 1
+        # each decode request is counted once; the router's retries of requests whose prefill
+        # connection broke are decode requests of their own (counted, though no client reads them)
+        assert metric(cluster["D"], "kv_transfer_fallbacks_total") - before["kv_transfer_fallbacks_total"] >= fallbacks
+        # the KV held by no request returns to zero (flushing empties the radix cache); staging
+        # regions of rooms a live prefill failed stay quarantined for --kv-transfer-timeout
+        _wait(lambda: requests.post(d.url + "/flush_cache", timeout=60).status_code == 200
+              and _kv(d).get("rooms_open") == 0 and _kv_used(d) == 0,
+              120, "KV left on the decode")
+    finally:
+        stop_all(router, p2, d)
+
+
+@pytest.mark.timeout(1800)
+def test_decode_killed_its_rooms_end_fast_on_the_prefill(cluster):
+    """A decode SIGKILLed with claimed rooms: every client's request ends within seconds with an
+    error naming the decode (the router's 5xx), the prefill sees the decode die within DETECT_S
+    and frees those rooms at once (not after --kv-transfer-timeout), nothing leaks there."""
+    bp = free_port()
+    p, d2 = start_all([([*pd_args("prefill", bp), "--kv-transfer-timeout", PATIENT], None, "pd_prefill_patient"),
+                       ([*pd_args("decode"), "--kv-transfer-timeout", PATIENT], None, "pd_decode_killed")])
+    cluster = {**cluster, "P": p}
+    router = None
+    try:
+        router = start_router([(p.url, bp)], [d2.url])
+        before = metric(p, "kv_transfer_peer_failures_total")
+        results = []
+
+        def client():
+            t = time.time()
+            try:
+                r = requests.post(router.url + "/generate", json=greedy(LONG_PROMPT, max_new=64), timeout=900)
+                results.append((r.status_code, r.text, time.time() - t))
+            except Exception as e:  # noqa: BLE001
+                results.append((None, repr(e), time.time() - t))
+
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for t in threads:
+            t.start()
+        _wait(lambda: _kv(d2).get("staging_used_bytes", 0) > 0, 300, "D2 claimed no room")
+        state = {}
+        _wait(lambda: state.update(_kv(p)) or "rooms_open" in state, 120, "the prefill does not answer")
+        open_before = state["rooms_open"]
+        killed = time.time()
+        _kill_tree(d2)
+        seen = _wait(lambda: metric(p, "kv_transfer_peer_failures_total") > before, 120,
+                     "the prefill never saw the decode die")
+        assert seen - killed < DETECT_S, f"decode death seen after {seen - killed:.1f} s"
+        # the rooms it had claimed end now (a room it never claimed waits for --kv-transfer-timeout)
+        _wait(lambda: _kv(p).get("rooms_open", open_before) < open_before, 60,
+              "the prefill kept the dead decode's claimed rooms")
+        for t in threads:
+            t.join(900)
+        for status, text, took in results:
+            assert status != 200 and status is not None, (status, text)
+            assert "ecode" in text, text  # the router names the decode it lost
+    finally:
+        stop_all(router, p, d2)

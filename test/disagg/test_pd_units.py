@@ -165,3 +165,59 @@ def test_auto_stream_is_int8_on_gpu_from_half_budget_and_end_otherwise():
     assert stream(0.3, "int8") == "int8" and stream(0.75, "end") == "end"
     with pytest.raises(ValueError, match="kv_transfer_stream"):
         stream(0.5, "fast")
+
+
+def test_mooncake_start_writes_nothing_to_stderr():
+    """glog's pre-init notice and the handshake's own-segment lookup line are not the user's
+    concern: an engine start prints nothing (disagg/mooncake.py)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("mooncake.engine", exc_type=ImportError)
+    code = ("from sgl_kvxfer.disagg.mooncake import MooncakeTransferEngine; import sys; "
+            "e = MooncakeTransferEngine('127.0.0.1'); print(e.session_id()); print('stderr works', file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("127.0.0.1:"), out.stderr
+    assert out.stderr == "stderr works\n"
+
+
+# ---------------------------------------------------------------- peer liveness (disagg/peers.py)
+def test_peer_monitor_sees_a_peer_die_and_come_back():
+    import socket
+    import time
+
+    from sgl_kvxfer.disagg.peers import PeerMonitor, endpoint_peer
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    peer = listener.getsockname()
+    assert endpoint_peer(f"tcp://{peer[0]}:{peer[1]}") == peer
+    mon = PeerMonitor(interval=0.05, timeout=1.0, max_failures=2)
+
+    def poll_until(cond, limit=10.0):
+        died, deadline = [], time.monotonic() + limit
+        while not cond() and time.monotonic() < deadline:
+            died += mon.poll({peer})
+            time.sleep(0.02)
+        return died
+
+    try:
+        poll_until(lambda: False, 0.5)
+        assert not mon.is_dead(peer) and mon.deaths == 0
+        listener.close()  # the process is gone: connections are refused
+        t0 = time.monotonic()
+        died = poll_until(lambda: mon.is_dead(peer))
+        assert died == [peer] and mon.deaths == 1 and "ConnectionRefusedError" in mon.describe(peer)
+        assert time.monotonic() - t0 < 5.0
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(peer)
+        listener.listen(8)
+        poll_until(lambda: not mon.is_dead(peer))
+        assert not mon.is_dead(peer)
+        mon.poll(set())  # no room needs it any more: forgotten
+        assert mon.describe(peer) == "never probed"
+    finally:
+        listener.close()
+        mon.close()

@@ -63,3 +63,27 @@ def test_harness_same_model_full_rank_is_exact(tiny_pair, tmp_path, smollm2_path
     assert h.bytes_per_token((4, 4))["scd"] == bpt["scd"] // 4
     t = h.timings(h.consumers["self"], tasks.chat_prompt_ids(h.tokenizer, exs[0]), variants, repeats=1)
     assert t["prefill_s"] > 0 and set(t["rebuild_s"]) == {v[0] for v in variants} - {"base"}
+
+
+@pytest.mark.slow
+def test_scd_eval_quick_writes_table_sweep_drift_and_adaptive(tiny_pair, tmp_path, smollm2_path):
+    import json
+
+    import scd_eval
+    from sgl_kvxfer.scd.calib.calibrate import calibrate, parse_args
+
+    out = str(tmp_path / "art")
+    calibrate(parse_args(["--producer", tiny_pair["producer"], "--consumer", f"qa={tiny_pair['a']}",
+                          "--consumer", f"code={tiny_pair['b']}", "--calib", "task:qa", "task:code", "--r-k", "8",
+                          "--r-v", "8", "--rank-levels", "2:2,4:4", "--r-h", "16", "--patch-budget", "1", "--pool", "2",
+                          "--out", out, "--num-prefixes", "6", "--batch-size", "3", "--select-prompts", "2",
+                          "--aligner-hidden", "8", "--aligner-steps", "20", "--device", "cpu", "--save-stats"]))
+    path = scd_eval.main(["--artifacts", out, "--quick", "--device", "cpu", "--out-dir", str(tmp_path / "res"),
+                          "--rates", "1", "100"])
+    p = json.load(open(path))
+    meths = p["summary"]["methods"]
+    assert {"oracle", "base", "raw", "int8", "int4", "reuse", "droidspeak", "scd", "scd@2:2", "reuse@4:4"} <= set(meths)
+    assert meths["scd@2:2"]["bytes_per_token"] < meths["scd@4:4"]["bytes_per_token"] < meths["scd"]["bytes_per_token"]
+    assert set(p["drift"]) == {"qa", "code"} and len(p["drift"]["qa"]["k_cos"]) == 4
+    assert set(p["adaptive"]["rates"]) == {"1", "100"} and "ttft_vs_best_fixed" in p["adaptive"]["rates"]["1"]["adaptive"]
+    assert "int4" in p["summary"]["matched_bytes"] and os.path.isfile(path[:-5] + ".png")

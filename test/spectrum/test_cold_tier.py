@@ -10,8 +10,9 @@ from sgl_kvxfer.mem_cache.req_to_token import ReqToTokenPool
 from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
 from sgl_kvxfer.mem_cache.tiered_allocator import TieredSlotAllocator
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
-from sgl_kvxfer.scheduler.cold_tier import ColdTier, probe_layers
+from sgl_kvxfer.scheduler.cold_tier import ColdTier
 from sgl_kvxfer.spectrum.decode_mass import expand_hits, head_max_mass
+from sgl_kvxfer.spectrum.query_taps import probe_layers
 from sgl_kvxfer.spectrum.tiers import TIER_FP16, TIER_INT4, TIER_INT8
 
 L, HQ, H, D, PAGE, N = 3, 4, 2, 32, 8, 40
@@ -22,8 +23,9 @@ class Req:  # weak-referenceable, like the scheduler's Req
         self.req_pool_idx, self.kv_len, self.finished_reason = row, n, None
 
 
-def setup(threshold=0.3, radius=1, interval=1, capacity=64):
+def setup(threshold=0.3, radius=1, interval=1, capacity=64, fused=False):
     pool = TieredKVPool(128, L, H, D, torch.float32, "cpu", TierStorePlan(96, 32, 64), group_size=D, page_size=PAGE)
+    pool._fused_quantize = fused  # True: fp16 -> int through the quantize-and-store kernel (as on CUDA)
     alloc = TieredSlotAllocator(pool, "cpu")
     backend = TorchAttentionBackend(pool, HQ, H, D)
     runner = SimpleNamespace(kv_pool=pool, attn_backend=backend, max_running_requests=4, graph_runner=None)
@@ -66,8 +68,13 @@ def test_mass_and_neighbours():
     assert probe_layers(30, 2) == [10, 20] and probe_layers(30, 3, [7, 1, 2, 9]) == [1, 2, 7]
 
 
-def test_demotion_keeps_host_copies_and_frees_them():
-    cold, pool, alloc, table, data, req, row = setup()
+@pytest.mark.parametrize("fused", [False, True])
+def test_demotion_keeps_host_copies_and_frees_them(fused):
+    if fused:  # the kernel path CUDA takes, under Triton's CPU interpreter
+        from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
+
+        use_interpreter_on_cpu("cpu")
+    cold, pool, alloc, table, data, req, row = setup(fused=fused)
     assert cold.store.stats["host_copies"] == 28  # the int4 tokens: positions 2..29
     rows = cold.store.rows_for(row[2:30])
     assert (rows >= 0).all()

@@ -73,29 +73,35 @@ def test_cold_tier_promotes_and_gives_every_slot_back(engines):
     assert cold.scheduler.tiering.cold.store.rows_in_use == 0
 
 
-def test_kivi_and_layer_profile_run_through_the_engine(engines, tmp_path):
-    plain, _ = engines
-    tiering = plain.scheduler.tiering
+def test_kivi_and_layer_profile_run_through_the_engine(tiny_dir, tmp_path):
+    """The formats come from the flags, before the pool is built; the pool never changes them."""
+    from sgl_kvxfer import Engine
+
     ids = prompts(2, 400, seed=2)
-    with tiering.using(policy="kivi", budget=0.2):
-        plain.flush_cache()
-        plain.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})
-        info = extra(plain)
+    with Engine(tiny_dir, **{**KW, "kv_tier_budget": 0.2, "kv_tier_policy": "kivi"}) as kivi:
+        info = extra(kivi)
         assert set(info["kv_int_formats"]["int4"]) == {"int2c"}
-        assert plain.get_server_info()["kv_bytes_per_token"] <= 0.2 * info["kv_full_bytes_per_token"] * 1.02
-        assert len(plain.generate(input_ids=ids, sampling_params=GREEDY)[0]["output_ids"]) == 12
+        kivi.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})
+        assert kivi.get_server_info()["kv_bytes_per_token"] <= 0.2 * info["kv_full_bytes_per_token"] * 1.02
+        assert len(kivi.generate(input_ids=ids, sampling_params=GREEDY)[0]["output_ids"]) == 12
+        tiering = kivi.scheduler.tiering
+        with pytest.raises(ValueError, match="fixed at start-up"):  # other formats: another engine
+            tiering.configure(policy="greedy")
+        assert tiering.settings.policy == "kivi"
     path = str(tmp_path / "profile.json")
     LayerProfile(2, (0.5, 0.0), (0.3, 0.001), 0.1).save(path)
     # at b = 0.4 the uniform plan's int8 share pays part of layer 0's upgrade, lowering layer 1 the rest
-    with tiering.using(budget=0.4, layer_budget="profile", layer_profile=path):
-        plain.flush_cache()
-        plain.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})
-        info = extra(plain)
+    with Engine(tiny_dir, **{**KW, "kv_tier_budget": 0.4, "kv_layer_budget": "profile",
+                             "kv_layer_profile": path}) as layered:
+        info = extra(layered)
         assert info["kv_int_formats"]["int4"] == ["int8", "int2c"]
         assert info["kv_layer_allocation"]["upgraded"] == [0]
-        assert plain.get_server_info()["kv_bytes_per_token"] <= 0.4 * info["kv_full_bytes_per_token"] * 1.001
-    plain.flush_cache()
-    assert extra(plain)["kv_int_formats"] is None  # back to the codec's formats
+        pool = layered.runner.kv_pool
+        assert pool.stores[2][0].tier == 1 and type(pool.stores[2][1]).__name__ == "ChannelKeyIntPages"
+        layered.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})
+        assert layered.get_server_info()["kv_bytes_per_token"] <= 0.4 * info["kv_full_bytes_per_token"] * 1.001
+        assert len(layered.generate(input_ids=ids, sampling_params=GREEDY)[0]["output_ids"]) == 12
+        layered.scheduler.tiering.configure(recency_lambda=1e-3)  # same formats: allowed
 
 
 def test_cli_flags_parse():
@@ -118,3 +124,15 @@ def test_cli_flags_parse():
         with pytest.raises(SystemExit) as exc:
             parse_server_args(["--kv-tier-budget", "0.3", *bad] if bad != ["--kv-cold-tier"] else bad)
         assert exc.value.code == 2, bad
+
+
+def test_cold_tier_probes_the_profiles_most_sensitive_layers(tiny_dir, tmp_path):
+    """The taps are installed by the runner, from the flags, before any graph is captured."""
+    from sgl_kvxfer import Engine
+
+    path = str(tmp_path / "profile.json")
+    LayerProfile(2, (0.1, 0.7), (0.3, 0.001), 0.1).save(path)
+    with Engine(tiny_dir, kv_cold_tier=True, kv_promote_layers=1, kv_layer_profile=path, **KW) as cold:
+        manager = cold.scheduler.tiering.cold
+        assert manager.layers == [1] and sorted(cold.runner.attn_backend.query_taps) == [1]
+        assert len(cold.generate(input_ids=prompts(1, 200), sampling_params=GREEDY)[0]["output_ids"]) == 12

@@ -89,19 +89,23 @@ def test_channel_store_moves_requantize_and_stay_close():
         pool.stored_codes(0, TIER_INT4, relocated)
 
 
-def test_resize_gives_new_formats_only_when_empty():
-    pool, alloc = make_pool(None)
-    assert pool.formats.is_uniform
-    slots = alloc.alloc(4)
-    for layer, (k, v) in enumerate(kv(4)):
-        pool.set_kv(layer, slots, k, v)
-    new, _ = alloc.retier(slots, torch.full((4,), TIER_INT4, dtype=torch.int8))
-    formats = StoreFormats.with_int4([IntFormat(8)] * L)
-    with pytest.raises(RuntimeError, match="still holds"):
-        alloc.repartition(8, 32, formats)
-    alloc.free(new)
-    alloc.repartition(8, 32, formats)
-    assert pool.formats == formats and pool.stores[TIER_INT4][0].bits == 8
+def test_formats_are_given_at_construction_and_size_the_plan():
+    from types import SimpleNamespace
+
+    from sgl_kvxfer.config import EngineConfig
+    from sgl_kvxfer.mem_cache import tier_store_formats, tier_store_plan
+
+    formats = StoreFormats.with_int4([IntFormat(8)] + [IntFormat(4)] * (L - 1))
+    pool, _ = make_pool(formats)
+    assert pool.formats == formats and pool.stores[TIER_INT4][0].tier == TIER_INT8
+    assert pool.stores[TIER_INT4][1].tier == TIER_INT4 and not hasattr(pool, "resize_int_stores")
+    arch = SimpleNamespace(num_hidden_layers=L, num_key_value_heads=H, head_dim=D)
+    cfg = EngineConfig(model_path="x", kv_tier_budget=0.2, kv_tier_policy="kivi", attention_backend="torch")
+    fmt, alloc = tier_store_formats(cfg, arch, True)
+    assert alloc is None and fmt.int4 == (IntFormat(2, "channel"),) * L
+    uni = tier_store_plan(cfg, arch, 4096, torch.float16, True)
+    cheap = tier_store_plan(cfg, arch, 4096, torch.float16, True, fmt)
+    assert cheap.n4 > uni.n4  # int2c tokens are smaller: the same memory holds more of them
 
 
 def test_kivi_policy_budget_and_format():

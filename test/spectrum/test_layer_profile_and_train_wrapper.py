@@ -71,14 +71,16 @@ def test_train_wrapper_serves_the_items_finetune_would_make(tiny):
     sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
     sys.path.insert(0, os.path.join(ROOT, "scripts", "train"))
     import spectrum_train
+    import task_data
 
     from sgl_kvxfer import tasks
     from sgl_kvxfer.models.loader import load_tokenizer
 
-    params = spectrum_train._parse_task_params(["kv.context_tokens=128", "kv.depth=0.5"])
+    params = task_data.parse_task_params(["kv.context_tokens=128", "kv.depth=0.5"])
     assert params == {"kv": {"context_tokens": 128, "depth": 0.5}}
-    with pytest.raises(ValueError):
-        spectrum_train._parse_task_params(["kv.nope=1"])
+    for bad in (["kv.nope=1"], ["kv.context_tokens=abc"], ["kv.context_tokens=1.5"]):
+        with pytest.raises(ValueError):
+            task_data.parse_task_params(bad)
     cache = spectrum_train.prefetch(tiny, {"kv": 1.0}, params, 3, 3, 1)
     tok = load_tokenizer(tiny)
     for i in range(3):
