@@ -91,7 +91,7 @@ class EngineConfig:
     kv_decode_recent: int = 64  # newest generated tokens kept fp16; older ones demoted in runs of this size
     kv_tier_staging: float = 0.25  # share of KV memory kept as fp16 slots for tokens not yet tiered
     # Per-layer budgets (spectrum/layer_budget.py): "profile" moves the int4 store's bytes across
-    # layers by the sensitivity in kv_layer_profile (JSON of spectrum.calib.layer_profile).
+    # layers by the sensitivity in kv_layer_profile (JSON of spectrum_calib.layer_profile).
     kv_layer_budget: str = "uniform"
     kv_layer_profile: str | None = None
     # Cold tier (scheduler/cold_tier.py): int4 tokens keep an fp16 copy in host memory and come
@@ -177,14 +177,14 @@ class EngineConfig:
             raise ValueError(f"kv_layer_budget must be one of {LAYER_BUDGET_CHOICES}, got {self.kv_layer_budget!r}")
         if self.kv_layer_budget == "profile" and self.kv_layer_profile is None:
             raise ValueError("--kv-layer-budget profile needs --kv-layer-profile, a JSON file written by "
-                             "python -m sgl_kvxfer.spectrum.calib.layer_profile")
+                             "python -m sgl_kvxfer.spectrum_calib.layer_profile")
         if self.kv_layer_profile is not None:
             if self.kv_layer_budget != "profile" and not self.kv_cold_tier:
                 raise ValueError("--kv-layer-profile is read with --kv-layer-budget profile or --kv-cold-tier "
                                  "(whose probe layers are then the profile's most int4-sensitive)")
             if not isinstance(self.kv_layer_profile, str) or not os.path.isfile(self.kv_layer_profile):
                 raise ValueError(f"--kv-layer-profile must be a JSON file written by python -m "
-                                 f"sgl_kvxfer.spectrum.calib.layer_profile; got {self.kv_layer_profile!r}")
+                                 f"sgl_kvxfer.spectrum_calib.layer_profile; got {self.kv_layer_profile!r}")
             try:
                 LayerProfile.load(self.kv_layer_profile)
             except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError

@@ -18,7 +18,7 @@ eval split at `--context` tokens, the asked line at `--depths` evenly spaced dep
 Stages, in order (the JSON is rewritten after every point, so a run cut short keeps what ran):
 
     1. fp16 accuracy at --context and --long-context (the test bed's own ceiling)
-    2. the per-layer profile (spectrum/calib/layer_profile.py) on validation prompts: KL of the
+    2. the per-layer profile (spectrum_calib/layer_profile.py) on validation prompts: KL of the
        answer tokens; saved beside the results, used by the `per-layer` rows, and its most
        sensitive layers are the ones the cold tier scores (as --kv-layer-profile would pick them)
     3. validation (the `calib` split, random depths): the recency lambda of Eq. 13 for greedy, and
@@ -213,7 +213,7 @@ def layer_profile(run: Run, val, args) -> str:
     from sgl_kvxfer import tasks
     from sgl_kvxfer.models.loader import load_model
     from sgl_kvxfer.scd.calib.forward import LlamaRunner
-    from sgl_kvxfer.spectrum.calib.layer_profile import profile_layers
+    from sgl_kvxfer.spectrum_calib.layer_profile import profile_layers
 
     samples = []
     for t in val[:args.profile_samples]:

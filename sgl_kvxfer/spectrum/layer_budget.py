@@ -1,7 +1,7 @@
 """Per-layer budgets (`--kv-layer-budget profile`): the int4 store's bytes moved across layers by
 measured sensitivity, within the total the uniform budget spends.
 
-The profile (JSON, written offline by `python -m sgl_kvxfer.spectrum.calib.layer_profile`) holds,
+The profile (JSON, written offline by `python -m sgl_kvxfer.spectrum_calib.layer_profile`) holds,
 for a model, two one-layer-at-a-time sweeps over a baseline with every context token at the low
 tier (codec int4, sinks fp16):
 

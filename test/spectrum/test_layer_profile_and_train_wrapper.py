@@ -1,4 +1,4 @@
-"""The offline layer profile (spectrum/calib/layer_profile.py) and scripts/gpu/spectrum_train.py's
+"""The offline layer profile (spectrum_calib/layer_profile.py) and scripts/gpu/spectrum_train.py's
 prefetch, on CPU with a tiny random model."""
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from sgl_kvxfer.spectrum.calib.layer_profile import profile_layers, roundtrip
+from sgl_kvxfer.spectrum_calib.layer_profile import profile_layers, roundtrip
 from sgl_kvxfer.spectrum.formats import IntFormat
 from sgl_kvxfer.spectrum.layer_budget import LayerProfile
 
@@ -56,7 +56,7 @@ def test_profile_command_writes_a_profile(tiny, tmp_path):
             with open(os.path.join(ROOT, name)) as doc:
                 f.write(json.dumps({"text": doc.read()}) + "\n")
     out = tmp_path / "profile.json"
-    cmd = [sys.executable, "-m", "sgl_kvxfer.spectrum.calib.layer_profile", "--out", str(out), "--model", tiny,
+    cmd = [sys.executable, "-m", "sgl_kvxfer.spectrum_calib.layer_profile", "--out", str(out), "--model", tiny,
            "--prose", str(prose), "--context", "96", "--chunk", "16", "--windows", "2", "--device", "cpu",
            "--dtype", "float32", "--page-size", "16"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -1,6 +1,6 @@
 """Restore-one / lower-one layer profile for `--kv-layer-budget profile` (spectrum/layer_budget.py).
 
-    python -m sgl_kvxfer.spectrum.calib.layer_profile --out profile.json [--model DIR] \
+    python -m sgl_kvxfer.spectrum_calib.layer_profile --out profile.json [--model DIR] \
         [--prose prose.jsonl] [--context 2048] [--chunk 128] [--windows 8] [--device cuda]
 
 For each sample (a context and its continuation), with the engine's own model code
