@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--kv-promote-radius", type=int, default=4)
     p.add_argument("--forced-threshold", type=float, default=None, help="add the `forced` mode at this threshold")
     p.add_argument("--backend", default="triton")
+    p.add_argument("--kv-tier-page-size", type=int, default=None, help="int store page (default: the engine's)")
     p.add_argument("--n1", type=int, default=16)
     p.add_argument("--n2", type=int, default=80)
     p.add_argument("--repeats", type=int, default=5)
