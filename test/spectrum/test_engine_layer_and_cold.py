@@ -120,7 +120,8 @@ def test_cli_flags_parse():
 
     for bad in (["--kv-promote-threshold", "nan"], ["--kv-promote-threshold", "inf"], ["--kv-promote-interval", "0"],
                 ["--kv-layer-budget", "profile"], ["--kv-cold-tier"], ["--kv-cold-tier-tokens", "-5"],
-                ["--kv-promote-radius", "1e9"]):
+                ["--kv-promote-radius", "1e9"], ["--kv-cold-tier", "--kv-layer-profile", "/no/such/profile.json"],
+                ["--kv-layer-profile", __file__]):
         with pytest.raises(SystemExit) as exc:
             parse_server_args(["--kv-tier-budget", "0.3", *bad] if bad != ["--kv-cold-tier"] else bad)
         assert exc.value.code == 2, bad
