@@ -90,6 +90,21 @@ class EngineConfig:
     kv_importance_window: int = 32  # last W prompt queries whose attention ranks tokens
     kv_decode_recent: int = 64  # newest generated tokens kept fp16; older ones demoted in runs of this size
     kv_tier_staging: float = 0.25  # share of KV memory kept as fp16 slots for tokens not yet tiered
+    # Per-layer budgets (spectrum/layer_budget.py): "profile" moves the int4 store's bytes across
+    # layers by the sensitivity in kv_layer_profile (JSON of spectrum_calib.layer_profile).
+    kv_layer_budget: str = "uniform"
+    kv_layer_profile: str | None = None
+    # Cold tier (scheduler/cold_tier.py): int4 tokens keep an fp16 copy in host memory and come
+    # back to fp16 when a decode query's attention on them reaches kv_promote_threshold (one head's
+    # probability), scored every kv_promote_interval steps on kv_promote_layers layers (the most
+    # int4-sensitive of kv_layer_profile when given, spectrum/query_taps.py), with
+    # kv_promote_radius neighbours each side; kv_cold_tier_tokens host copies (0: the pool's size).
+    kv_cold_tier: bool = False
+    kv_promote_threshold: float = 0.02
+    kv_promote_interval: int = 16
+    kv_promote_layers: int = 2
+    kv_promote_radius: int = 4
+    kv_cold_tier_tokens: int = 0
     # A peft LoRA adapter dir merged into the weights at load (W += alpha/r * B @ A; models/lora.py):
     # serves base + adapter at base speed (SCD's specialists, sgl_kvxfer/scd/README.md).
     merge_lora: str | None = None
@@ -140,6 +155,7 @@ class EngineConfig:
             raise ValueError("kv_importance_window and kv_decode_recent must be >= 1")
         if not 0.0 < self.kv_tier_staging < 1.0:
             raise ValueError(f"kv_tier_staging must be in (0, 1), got {self.kv_tier_staging}")
+        self._validate_layer_budget_and_cold_tier()
         if self.merge_lora is not None and not os.path.isfile(
                 os.path.join(os.path.expanduser(self.merge_lora), "adapter_config.json")):
             raise ValueError(f"merge_lora must be a peft LoRA adapter dir (with adapter_config.json), "
@@ -153,6 +169,40 @@ class EngineConfig:
 
             if self.kv_tier_policy not in TIER_POLICIES:
                 raise ValueError(f"kv_tier_policy must be one of {tuple(TIER_POLICIES)}, got {self.kv_tier_policy!r}")
+
+    def _validate_layer_budget_and_cold_tier(self) -> None:
+        from sgl_kvxfer.spectrum.layer_budget import LAYER_BUDGET_CHOICES, LayerProfile
+
+        if self.kv_layer_budget not in LAYER_BUDGET_CHOICES:
+            raise ValueError(f"kv_layer_budget must be one of {LAYER_BUDGET_CHOICES}, got {self.kv_layer_budget!r}")
+        if self.kv_layer_budget == "profile" and self.kv_layer_profile is None:
+            raise ValueError("--kv-layer-budget profile needs --kv-layer-profile, a JSON file written by "
+                             "python -m sgl_kvxfer.spectrum_calib.layer_profile")
+        if self.kv_layer_profile is not None:
+            if self.kv_layer_budget != "profile" and not self.kv_cold_tier:
+                raise ValueError("--kv-layer-profile is read with --kv-layer-budget profile or --kv-cold-tier "
+                                 "(whose probe layers are then the profile's most int4-sensitive)")
+            if not isinstance(self.kv_layer_profile, str) or not os.path.isfile(self.kv_layer_profile):
+                raise ValueError(f"--kv-layer-profile must be a JSON file written by python -m "
+                                 f"sgl_kvxfer.spectrum_calib.layer_profile; got {self.kv_layer_profile!r}")
+            try:
+                LayerProfile.load(self.kv_layer_profile)
+            except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+                raise ValueError(f"--kv-layer-profile {self.kv_layer_profile}: {exc}") from None
+        if not (isinstance(self.kv_promote_threshold, (int, float)) and 0.0 < self.kv_promote_threshold <= 1.0):
+            raise ValueError(f"kv_promote_threshold must be in (0, 1] (an attention probability), "
+                             f"got {self.kv_promote_threshold}")
+        for name, lo, hi in (("kv_promote_interval", 1, 1 << 20), ("kv_promote_layers", 1, 4096),
+                             ("kv_promote_radius", 0, 4096), ("kv_cold_tier_tokens", 0, 1 << 40)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+        if self.kv_cold_tier and not self.tiering_enabled:
+            raise ValueError("--kv-cold-tier keeps host copies of int4 tokens: it needs --kv-tier-budget < 1")
+        custom = self.kv_layer_budget == "profile" or self.kv_tier_policy == "kivi"
+        if custom and self.tiering_enabled and self.resolved_attention_backend != "torch":
+            raise ValueError("--kv-layer-budget profile and --kv-tier-policy kivi store per-layer int formats the "
+                             "Triton kernels do not read: use --attention-backend torch")
 
     @property
     def resolved_device(self) -> str:
@@ -271,6 +321,11 @@ class SchedulerConfig:
             raise ValueError(f"kv_transfer_stream must be one of {KV_TRANSFER_STREAM_CHOICES}, got {self.kv_transfer_stream!r}")
         if self.kv_transfer_rate_gbps < 0 or self.kv_transfer_latency_ms < 0:
             raise ValueError("kv_transfer_rate_gbps and kv_transfer_latency_ms must be >= 0")
+        e = self.engine
+        if self.disaggregation_mode != "null" and (e.kv_cold_tier or e.kv_layer_budget == "profile"
+                                                   or e.kv_tier_policy == "kivi" and e.tiering_enabled):
+            raise ValueError("--kv-cold-tier, --kv-layer-budget profile and --kv-tier-policy kivi run without PD "
+                             "disaggregation (their int formats and host copies do not travel)")
         self._validate_scd()
 
     def _validate_scd(self) -> None:
@@ -427,6 +482,10 @@ class ServerArgs:
                     extra = {"choices": KV_BUDGET_UNIT_CHOICES}
                 elif f.name == "kv_transfer_stream":
                     extra = {"choices": KV_TRANSFER_STREAM_CHOICES}
+                elif f.name == "kv_layer_budget":
+                    from sgl_kvxfer.spectrum.layer_budget import LAYER_BUDGET_CHOICES
+
+                    extra = {"choices": LAYER_BUDGET_CHOICES}
                 elif f.name in ("disaggregation_mode", "disaggregation_transfer_backend"):
                     from sgl_kvxfer.disagg import DISAGGREGATION_MODES, TRANSFER_BACKEND_CHOICES
 

@@ -24,7 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME_ENTRY = "sgl_kvxfer.launch_server"
-OFFLINE = ("sgl_kvxfer.tasks", "sgl_kvxfer.scd.calib", "sgl_kvxfer.fusedkv", "benchmarks", "scripts")
+OFFLINE = ("sgl_kvxfer.tasks", "sgl_kvxfer.scd.calib", "sgl_kvxfer.spectrum_calib", "sgl_kvxfer.fusedkv", "benchmarks",
+           "scripts")
 LOWER_THAN = {  # package -> packages it must not import
     "kernels": {"layers", "models", "engine", "scheduler", "server", "mem_cache", "disagg", "entrypoints"},
     "layers": {"models", "engine", "scheduler", "server"},

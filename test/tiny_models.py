@@ -31,3 +31,15 @@ def write_tiny_model(out_dir: str, config: dict) -> str:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f)
     return write_dummy_tokenizer(out_dir, config["vocab_size"])
+
+
+def tiny_task_model(tmp_path) -> str:
+    """A random tiny Llama with SmolLM2's tokenizer (scripts/train/make_tiny_model.py), for scripts
+    that need real prompts (the task suite's) but no real weights; returns its dir."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "scripts", "train"))
+    from make_tiny_model import make_tiny_model
+
+    return make_tiny_model(str(tmp_path / "tiny_model"), layers=2, hidden=64, heads=4, kv_heads=2)

@@ -96,8 +96,9 @@ def parse_task_params(specs: list[str]) -> dict[str, dict]:
         task, dot, param = key.partition(".")
         if not eq or not dot or not task or not param:
             raise ValueError(f"task parameter {spec!r}: expected TASK.PARAM=VALUE")
-        tasks.get_task(task).params({param: None})  # unknown names fail here
-        out.setdefault(task, {})[param] = _value(value)
+        v = _value(value)
+        tasks.get_task(task).params({param: v})  # unknown names and wrong types fail here
+        out.setdefault(task, {})[param] = v
     return out
 
 

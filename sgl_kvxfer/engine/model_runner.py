@@ -135,6 +135,11 @@ class ModelRunner:
             config.resolved_attention_backend, kv_pool=self.kv_pool,
             num_q_heads=self.arch.num_attention_heads, num_kv_heads=self.arch.num_key_value_heads,
             head_dim=self.arch.head_dim)
+        if config.kv_cold_tier and config.tiering_enabled:  # before the graphs: their copies are captured
+            from sgl_kvxfer.spectrum.query_taps import install_query_taps, start_up_probe_layers
+
+            install_query_taps(self.attn_backend, start_up_probe_layers(config, self.arch.num_hidden_layers),
+                               self.max_running_requests, self.dtype, self.device)
         logger.info("model %s (%s) on %s: KV pool %d tokens, %.0f bytes/token, page %d, backend %s",
                     self.model_dir, self.dtype, self.device, self.max_total_tokens,
                     self.kv_pool.bytes_per_token(), self.page_size, config.resolved_attention_backend)

@@ -47,28 +47,61 @@ def create_kv_pool(config, arch, size: int, dtype, device: str, int4_allowed: bo
         return pool
     if int4_allowed is None:
         int4_allowed = config.kv_int4 != "off"  # no decision given (tests, benchmarks): int4 unless off
+    formats, _ = tier_store_formats(config, arch, int4_allowed)
     pool_cls = _load("tiered")
-    return pool_cls(size, *dims, dtype, device, plan=tier_store_plan(config, arch, size, dtype, int4_allowed),
-                    group_size=config.resolved_group_size(arch.head_dim), page_size=config.kv_tier_page_size)
+    return pool_cls(size, *dims, dtype, device, plan=tier_store_plan(config, arch, size, dtype, int4_allowed, formats),
+                    group_size=config.resolved_group_size(arch.head_dim), page_size=config.kv_tier_page_size,
+                    formats=formats)
 
 
-def tier_store_plan(config, arch, size: int, dtype, int4_allowed: bool):
-    """Store sizes for the configured policy's planned tier mix (see tier_plan.py)."""
+def _tier_layout(config, arch, formats=None):
+    from sgl_kvxfer.spectrum.budget import KVLayout
+
+    layout = KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
+                      config.resolved_group_size(arch.head_dim), page_size=config.kv_tier_page_size)
+    if formats is not None and not formats.is_uniform:
+        import dataclasses
+
+        layout = dataclasses.replace(layout, formats=formats)
+    return layout
+
+
+def tier_store_formats(config, arch, int4_allowed: bool):
+    """(StoreFormats, LayerAllocation | None): the int stores' per-layer formats for the configured
+    policy, budget and --kv-layer-budget (spectrum/layer_budget.py), decided before the pool is
+    built; the pool keeps them for its life."""
+    from sgl_kvxfer.spectrum.layer_budget import LayerProfile, plan_store_formats
+    from sgl_kvxfer.spectrum.policies import create_tier_policy
+
+    layout = _tier_layout(config, arch)
+    policy = create_tier_policy(config.kv_tier_policy, layout=layout, budget=config.kv_tier_budget)
+    profile = LayerProfile.load(config.kv_layer_profile) if config.kv_layer_budget == "profile" else None
+    return plan_store_formats(policy, config.kv_tier_budget, config.kv_budget_unit, layout, config.kv_sink_tokens,
+                              int4_allowed, profile)
+
+
+def tier_store_plan(config, arch, size: int, dtype, int4_allowed: bool, formats=None):
+    """Store sizes for the configured policy's planned tier mix under the int stores' `formats`
+    (None: the codec's in every layer; see tier_plan.py)."""
     import torch
 
     from sgl_kvxfer.kernels.tier_codec import payload_bytes
     from sgl_kvxfer.mem_cache.tier_plan import plan_tier_stores
-    from sgl_kvxfer.spectrum.budget import KVLayout
     from sgl_kvxfer.spectrum.byte_budget import planned_fractions
     from sgl_kvxfer.spectrum.policies import create_tier_policy
+    from sgl_kvxfer.spectrum.tiers import TIER_INT4, TIER_INT8
 
     layers, heads, dim = arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim
     group = config.resolved_group_size(dim)
-    layout = KVLayout(layers, heads, dim, group)
-    fractions = planned_fractions(create_tier_policy(config.kv_tier_policy), config.kv_tier_budget, layout,
-                                  config.kv_budget_unit, config.kv_sink_tokens, int4_allowed)
+    layout = _tier_layout(config, arch, formats)
+    policy = create_tier_policy(config.kv_tier_policy, layout=_tier_layout(config, arch), budget=config.kv_tier_budget)
+    fractions = planned_fractions(policy, config.kv_tier_budget, layout, config.kv_budget_unit,
+                                  config.kv_sink_tokens, int4_allowed)
     elem = torch.finfo(dtype).bits // 8
     per_token = [2 * layers * heads * payload_bytes(t, dim, group, elem) for t in (0, 1, 2)]
+    if formats is not None and not formats.is_uniform:
+        per_token[1:] = [formats.token_bytes(t, heads, dim, group, config.kv_tier_page_size)
+                         for t in (TIER_INT8, TIER_INT4)]
     return plan_tier_stores(size, per_token[0], tuple(per_token), fractions, config.kv_tier_staging,
                             config.kv_tier_page_size)
 

@@ -53,6 +53,10 @@ def elem_bytes(pool: KVPool) -> int:
 
 
 def segment_layout(pool: KVPool, lens) -> SegmentLayout:
+    formats = getattr(pool, "formats", None)
+    if formats is not None and not formats.is_uniform:
+        raise ValueError("PD segments carry the codec's int8 / int4; this pool stores per-layer formats "
+                         "(--kv-layer-budget profile, --kv-tier-policy kivi)")
     lens = tuple(int(n) for n in lens)
     D, g, eb = pool.head_dim, group_size(pool), elem_bytes(pool)
     per_layer = sum(n * pool.num_kv_heads * 2 * tc.payload_bytes(t, D, g, eb) for t, n in enumerate(lens))

@@ -156,6 +156,8 @@ class TieredSlotAllocator(TokenSlotAllocator):
             ids = slots[tiers == t]
             if ids.numel():
                 self._stores[t].give((ids - self.pool.base(t)).cpu())
+                if t == TIER_INT4 and self.pool.cold is not None:  # host copies lose a holder
+                    self.pool.cold.release(ids)
 
     def reclaimable(self, slots: torch.Tensor) -> int:
         """Only fp16 ids count toward `alloc`."""

@@ -11,7 +11,10 @@ Global slot ids (what req_to_token rows and radix nodes hold) cover three stores
     int id s       -> page (s - base(t)) // PAGE, offset (s - base(t)) % PAGE of store t
 
 Per layer, store t holds the codec's format (kernels/tier_codec.py, group size G), the int
-stores as kernels/paged_layout.py's page-head blocks (its TierPages, PAGE = kv_tier_page_size):
+stores as kernels/paged_layout.py's page-head blocks (its TierPages, PAGE = kv_tier_page_size),
+unless `formats` (spectrum/formats.py) gives a layer's int store another format: a token-axis
+int8 block in the int4 store (per-layer budgets), or KIVI's channel-key pages (int8c / int4c /
+int2c, mem_cache/kivi_pages.py; read by the torch attention backend only):
     fp16   k, v  [n16 + 2, Hkv, D]                  model dtype (slot-granular: PAGE 1)
     int8   k, v  [n8 / PAGE, Hkv, BLOCK] uint8      per (page, kv head): codes (K token-major,
     int4   k, v  [n4 / PAGE, Hkv, BLOCK] uint8      V dim-major), then PAGE scales, PAGE zeros (fp16)
@@ -20,7 +23,8 @@ Invariants: a token's tier is a function of its slot id (`tier_of`); slot 0 in a
 is a dropped token (TIER_DROP), masked by attention (`drops_tokens`), never read as data.
 `move` copies data only: who owns an id (and which page slots are live) is
 TieredSlotAllocator's business. The stores are allocated once, never resized (CUDA graphs keep
-their addresses); the int4 decision that sizes them is made before the pool is built.
+their addresses); the int4 decision and the per-layer formats that size them are made before the
+pool is built (mem_cache/__init__.py: create_kv_pool).
 """
 from __future__ import annotations
 
@@ -29,10 +33,11 @@ from typing import Callable
 
 import torch
 
-from sgl_kvxfer.kernels.paged_layout import int_tier_pages
-from sgl_kvxfer.kernels.tier_codec import payload_bytes
+from sgl_kvxfer.kernels.paged_layout import TierPages, int_tier_pages
+from sgl_kvxfer.kernels.tier_codec import TIER_BITS, dequantize, payload_bytes
 from sgl_kvxfer.mem_cache.kv_pool import KVPool
 from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
+from sgl_kvxfer.spectrum.formats import IntFormat, StoreFormats
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 INT_TIERS = (TIER_INT8, TIER_INT4)
@@ -49,14 +54,37 @@ class SlotRoute:
     parts: list
 
 
+def _int_pages(fmt: IntFormat, pages: int, page_size: int, num_kv_heads: int, head_dim: int, group_size: int,
+               device: str):
+    """One layer's int store in format `fmt`: page-head blocks (token key axis, 8 or 4 bits), or
+    KIVI's channel-key pages."""
+    if fmt.key_axis == "channel":
+        from sgl_kvxfer.mem_cache.kivi_pages import ChannelKeyIntPages
+
+        return ChannelKeyIntPages(fmt.bits, pages, page_size, num_kv_heads, head_dim, group_size, device)
+    tier = TIER_INT8 if fmt.bits == 8 else TIER_INT4
+    return int_tier_pages(tier, pages, page_size, num_kv_heads, head_dim, group_size, device)
+
+
+def _read_keys(store, page, off, dtype) -> torch.Tensor:
+    """Keys only of an int store's tokens (page, off), [n, Hkv, D]."""
+    if isinstance(store, TierPages):
+        return dequantize(store.k_codes[page, :, off], store.k_scale[page, :, off], store.k_zero[page, :, off],
+                          TIER_BITS[store.tier], store.group_size, dtype)
+    return store.read_keys(page, off, dtype)
+
+
 class TieredKVPool(KVPool):
     drops_tokens = True
     layout = "tiered"
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: str, plan: TierStorePlan, group_size: int = 32,
-                 page_size: int = DEFAULT_TIER_PAGE_SIZE):
+                 page_size: int = DEFAULT_TIER_PAGE_SIZE, formats: StoreFormats | None = None):
         super().__init__(plan.total, num_layers, num_kv_heads, head_dim, dtype, device)
+        self.formats = formats or StoreFormats.uniform(num_layers)
+        if self.formats.num_layers != num_layers:
+            raise ValueError(f"store formats cover {self.formats.num_layers} layers, the pool {num_layers}")
         if group_size < 2 or head_dim % group_size or (group_size != head_dim and (head_dim // 2) % group_size):
             raise ValueError(f"kv_quant_group_size {group_size} must be head_dim ({head_dim}) or divide "
                              f"head_dim / 2 (int4 packs channels j and j + head_dim / 2 in one byte)")
@@ -71,8 +99,11 @@ class TieredKVPool(KVPool):
         self.scratch_slot = plan.n16 + 1  # CUDA-graph padding rows write here; never handed out
         self._alloc_int_stores(plan)
         self._occupancy: Callable[[], dict[int, int]] | None = None
-        # re-tiering quantizes with kernels/tier_store.py on CUDA (the torch codec elsewhere: same bytes)
+        # re-tiering quantizes with kernels/tier_store.py on CUDA into page-head blocks (the torch
+        # codec elsewhere and for KIVI pages: same bytes for the blocks)
         self._fused_quantize = str(device).startswith("cuda")
+        # host fp16 copies of int4 tokens (scheduler/cold_tier.py); None: no cold tier
+        self.cold = None
 
     def _alloc_int_stores(self, plan: TierStorePlan) -> None:
         P = self.page_size
@@ -80,8 +111,9 @@ class TieredKVPool(KVPool):
         self.plan = plan
         self.size = plan.total
         counts = {TIER_INT8: plan.n8, TIER_INT4: plan.n4}
-        self.stores = {t: [int_tier_pages(t, counts[t] // P, P, self.num_kv_heads, self.head_dim, self.group_size,
-                                          self.device) for _ in range(self.num_layers)] for t in INT_TIERS}
+        self.stores = {t: [_int_pages(self.formats.of(t, layer), counts[t] // P, P, self.num_kv_heads, self.head_dim,
+                                      self.group_size, self.device) for layer in range(self.num_layers)]
+                       for t in INT_TIERS}
 
     # ------------------------------------------------------------------ slot id ranges
     def num_slots(self, tier: int) -> int:
@@ -182,6 +214,22 @@ class TieredKVPool(KVPool):
             v.index_copy_(0, pos, vv)
         return k.view(out_shape), v.view(out_shape)
 
+    def get_k_routed(self, layer_id: int, route: SlotRoute) -> torch.Tensor:
+        """Keys only of get_kv_routed, [*shape, Hkv, D] (the cold tier's scoring reads no values)."""
+        n = 1
+        for d in route.shape:
+            n *= d
+        k = torch.empty((n, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
+        for tier, pos, where in route.parts:
+            if tier == TIER_FP16:
+                kk = self.k16[layer_id].index_select(0, where)
+            else:
+                kk = _read_keys(self.stores[tier][layer_id], *where, self.dtype)
+            if pos is None:
+                return kk.view(*route.shape, self.num_kv_heads, self.head_dim)
+            k.index_copy_(0, pos, kk)
+        return k.view(*route.shape, self.num_kv_heads, self.head_dim)
+
     def stored_codes(self, layer_id: int, tier: int, slots: torch.Tensor) -> tuple:
         """The stored streams (k, v, k_scale, k_zero, v_scale, v_zero) [n, Hkv, W] of int ids of `tier`."""
         return self.stores[tier][layer_id].codes(*self.page_offset(tier, slots))
@@ -194,10 +242,16 @@ class TieredKVPool(KVPool):
         """Copy tokens src -> dst in every layer, quantizing into dst's store. Ids of the same
         int tier on both sides copy their codes bit for bit (relocation, not requantization);
         fp16 -> int on CUDA is one quantize-and-store launch per (layer, tier) (tier_store.py).
-        Which store each id is in is worked out once, on the host; the layer loop runs no sync."""
+        Which store each id is in is worked out once, on the host; the layer loop runs no sync.
+        KIVI pages (per-page key scales) requantize instead of relocating, and take fp16 rows
+        through their own torch write. With a cold tier, every fp16 -> int4 token's fp16 values
+        are copied to host memory on the way (host_cold_store.py)."""
         src, dst = src.reshape(-1).cpu(), dst.reshape(-1).cpu()
         ts, td = self.tier_of(src), self.tier_of(dst)
         same = (ts == td) & (ts != TIER_FP16)
+        for tier in INT_TIERS:  # per-page key scales (KIVI): requantize instead of copying codes
+            if not all(getattr(store, "relocatable", True) for store in self.stores[tier]):
+                same &= ts != tier
         relocate = []
         for tier in INT_TIERS:
             m = same & (ts == tier)
@@ -205,6 +259,12 @@ class TieredKVPool(KVPool):
                 relocate.append((tier, tuple(map(self._to_device, self.page_offset(tier, src[m]))),
                                  tuple(map(self._to_device, self.page_offset(tier, dst[m])))))
         rest = ~same
+        capture = cap_src = None
+        if self.cold is not None and bool(rest.any()):
+            capture = self.cold.begin_move(src, dst, ts, td, rest)
+            if capture is not None:  # the demoted tokens' exact values: their fp16 rows
+                cap_src = self._to_device(src[rest][capture.sel.cpu()])
+                capture.sel = torch.arange(cap_src.numel(), device=self.device)
         # fp16 -> int (every re-tiering): one quantize-and-store launch per (layer, tier) on CUDA
         fused = []
         if self._fused_quantize and bool(rest.any()):
@@ -218,19 +278,31 @@ class TieredKVPool(KVPool):
         if fused:
             from sgl_kvxfer.kernels.tier_store import store_rows_quantized
         for layer_id in range(self.num_layers):
+            k16, v16 = self.k16[layer_id], self.v16[layer_id]
+            if capture is not None:  # before any write of this layer (sources are fp16 rows: untouched)
+                self.cold.capture(capture, layer_id, k16.index_select(0, cap_src), v16.index_select(0, cap_src))
             for tier, s_where, d_where in relocate:
                 store = self.stores[tier][layer_id]
                 store.put_codes(*d_where, store.codes(*s_where))
             for tier, rows, page, off in fused:
-                store_rows_quantized(self.k16[layer_id], self.v16[layer_id], rows, self.stores[tier][layer_id],
-                                     page, off)
+                store = self.stores[tier][layer_id]
+                if isinstance(store, TierPages):
+                    store_rows_quantized(k16, v16, rows, store, page, off)
+                else:  # KIVI pages: torch write
+                    store.write(page, off, k16.index_select(0, rows), v16.index_select(0, rows))
             if requant is not None:
                 k, v = self.get_kv_routed(layer_id, requant[0])
                 self.set_kv_routed(layer_id, requant[1], k, v)
+        if capture is not None:
+            self.cold.end_move(capture)
 
     # ------------------------------------------------------------------ bytes
-    def token_bytes(self, tier: int, with_scales: bool = True) -> int:
-        """Bytes one token takes in a store, all layers, K and V (fp16 store: model dtype)."""
+    def token_bytes(self, tier: int, with_scales: bool = True) -> float:
+        """Bytes one token takes in a store, all layers, K and V (fp16 store: model dtype; int
+        stores: their per-layer formats, a fraction where channel-axis keys amortize page scales)."""
+        if tier in INT_TIERS and not self.formats.is_uniform:
+            return self.formats.token_bytes(tier, self.num_kv_heads, self.head_dim, self.group_size,
+                                            self.page_size, 2 if with_scales else 0)
         elem = torch.finfo(self.dtype).bits // 8
         head = payload_bytes(tier, self.head_dim, self.group_size, elem, with_scales)
         return 2 * self.num_layers * self.num_kv_heads * head

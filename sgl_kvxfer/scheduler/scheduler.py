@@ -429,6 +429,8 @@ class Scheduler:
         return ScheduleBatch(ForwardMode.DECODE, [ReqSlice(r, r.kv_len, 1, True) for r in self.running])
 
     def _retract(self, req: Req) -> None:
+        if self.tiering is not None:
+            self.tiering.release_request(req)  # the cold tier gives the row back first
         self.kv.release(req)
         req.num_retractions += 1
         self.waiting.insert(0, req)
@@ -468,6 +470,8 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         if req.req_pool_idx is not None:  # (a PD request may end before it held KV here)
+            if self.tiering is not None:
+                self.tiering.release_request(req)  # the cold tier gives the row back first
             self.kv.cache(req, finished=True)
         self.outbox.append(make_output(req))
 

@@ -5,6 +5,7 @@ The scheduler calls two hooks per batch (both no-ops for requests they do not co
     before_forward(batch, fb)    EXTEND: install `fb.extras["attn_observer"]`, which feeds each
                                  request's ImportanceAccumulator with the queries of the last
                                  W prompt positions (every layer and head, chunked prefill too)
+                                 DECODE: the cold tier lands promotions whose copies are done
     after_forward(batch, chunked)  EXTEND, prefill complete: score, assign, re-tier private tokens
                                  DECODE: demote generated tokens older than the recent window
 
@@ -54,6 +55,9 @@ class TierSettings:
     unit: str
     int4_allowed: bool
     decode_recent: int
+    layer_budget: str = "uniform"      # "profile": per-layer int4 formats (spectrum/layer_budget.py)
+    layer_profile: str | None = None   # its JSON
+    recency_lambda: float = 0.0        # Eq. 13's lambda
 
 
 @dataclass(frozen=True)
@@ -80,10 +84,15 @@ class EngineTiering:
         self.table = runner.req_to_token
         a = runner.arch
         self.runner = runner
-        self.layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.pool.group_size)
+        # uniform byte layout; self.layout adds the per-layer formats the stores hold now
+        self.base_layout = KVLayout(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, self.pool.group_size,
+                                    page_size=self.pool.page_size)
+        self.layout = self.base_layout
         self.settings = TierSettings(config.kv_tier_policy, config.kv_tier_budget, config.kv_budget_unit,
-                                     config.kv_int4 != "off", config.kv_decode_recent)
-        self.policy = create_tier_policy(self.settings.policy)
+                                     config.kv_int4 != "off", config.kv_decode_recent, config.kv_layer_budget,
+                                     config.kv_layer_profile, config.kv_recency_lambda)
+        self.policy = self._make_policy(self.settings)
+        self.allocation = None  # layer_budget.LayerAllocation of the formats in use (profile mode)
         self.int4 = None  # probe.Int4Resolution once resolved
         self._acc: WeakKeyDictionary = WeakKeyDictionary()  # req -> ImportanceAccumulator
         self._tiered_len: WeakKeyDictionary = WeakKeyDictionary()  # req -> row prefix at final tiers
@@ -91,14 +100,28 @@ class EngineTiering:
         # (decode tokens are private to the request until it finishes, so it holds the whole page)
         self._tails: WeakKeyDictionary = WeakKeyDictionary()
         self.records: deque[TierRecord] = deque(maxlen=4096)
+        self.cold = None
+        if config.kv_cold_tier:
+            from sgl_kvxfer.scheduler.cold_tier import ColdTier
+
+            # its probe layers' query taps were installed by the runner (spectrum/query_taps.py)
+            self.cold = ColdTier(config, runner, self.allocator, self.table, self._make_room)
 
     # ------------------------------------------------------------------ settings
     def configure(self, **changes) -> TierSettings:
-        """Change policy / budget / unit / int4_allowed / decode_recent for later requests; returns
-        the old settings. Requests already tiered keep their tiers."""
+        """Change policy / budget / unit / int4_allowed / decode_recent / layer_budget /
+        layer_profile / recency_lambda for later requests; returns the old settings. Requests
+        already tiered keep their tiers. The int stores' per-layer formats were fixed when the
+        pool was built (mem_cache/__init__.py: tier_store_formats, from the flags): a change that
+        needs other formats (to or from KIVI, --kv-layer-budget profile, a budget that moves a
+        profile's allocation) is refused with a ValueError; start an engine with those flags. The
+        stores' sizes stay too: a mix other than the planned one falls back to a higher tier
+        where a store is short (TierRecord.got)."""
         old = self.settings
-        self.settings = replace(old, **changes)
-        self.policy = create_tier_policy(self.settings.policy)
+        new = replace(old, **changes)
+        policy = self._make_policy(new)
+        self._check_formats(policy, new)
+        self.settings, self.policy = new, policy
         return old
 
     @contextmanager
@@ -109,9 +132,38 @@ class EngineTiering:
         finally:
             self.configure(**vars(old))
 
+    def _make_policy(self, st: TierSettings):
+        return create_tier_policy(st.policy, layout=self.base_layout, budget=st.budget)
+
+    def _profile(self, st: TierSettings):
+        if st.layer_budget != "profile":
+            return None
+        from sgl_kvxfer.spectrum.layer_budget import LayerProfile
+
+        if not st.layer_profile:
+            raise ValueError("layer_budget 'profile' needs a layer_profile JSON")
+        return LayerProfile.load(st.layer_profile)
+
+    def _check_formats(self, policy, st: TierSettings) -> None:
+        """Refuse settings whose int store formats differ from the pool's (fixed at start-up)."""
+        from sgl_kvxfer.spectrum.layer_budget import plan_store_formats
+
+        formats, alloc = plan_store_formats(policy, st.budget, st.unit, self.base_layout, self.config.kv_sink_tokens,
+                                            st.int4_allowed, self._profile(st))
+        if formats != self.pool.formats:
+            raise ValueError(f"tier settings {st} need int store formats {formats.describe()}, the pool was built "
+                             f"with {self.pool.formats.describe()}: the formats are fixed at start-up (start an "
+                             f"engine with --kv-tier-policy / --kv-tier-budget / --kv-layer-budget for them)")
+        self.layout = replace(self.base_layout, formats=None if formats.is_uniform else formats)
+        self.allocation = alloc
+
     # ------------------------------------------------------------------ hooks
     def before_forward(self, batch, fb) -> None:
-        if batch.mode != ForwardMode.EXTEND or self.config.kv_importance != "attn":
+        if batch.mode != ForwardMode.EXTEND:
+            if self.cold is not None:  # copies done since the last step land before this one reads its rows
+                self.cold.land()
+            return
+        if self.config.kv_importance != "attn":
             return
         observed = {}
         for i, s in enumerate(batch.slices):
@@ -144,6 +196,13 @@ class EngineTiering:
                     due.append(run)
         if due:
             self._demote_runs(due)
+        if self.cold is not None and batch.mode != ForwardMode.EXTEND:
+            self.cold.on_decode(batch)
+
+    def release_request(self, req) -> None:
+        """The request's KV is about to be cached or freed: the cold tier gives its row back."""
+        if self.cold is not None:
+            self.cold.release_request(req)
 
     def mark_tiered(self, req, n: int) -> None:
         """Positions [0, n) of req are final (PD decode: the prompt came tiered from the
@@ -162,7 +221,7 @@ class EngineTiering:
             attn = acc.scores().cpu()
         else:  # norm mode, or a backend that feeds no observer
             attn = self._norm_importance(slots)
-        importance = token_importance(attn, self.config.kv_recency_lambda)[start:]
+        importance = token_importance(attn, self.settings.recency_lambda)[start:]
         sinks = max(0, self.policy.sink_count(self.config.kv_sink_tokens) - start)
         self._retier(req, start, slots[start:], importance, sinks)
         self._tiered_len[req] = n
@@ -264,7 +323,16 @@ class EngineTiering:
                     self.pool.plan.n16, self.pool.plan.n8, self.pool.plan.n4)
 
     def server_info(self) -> dict:
-        return {"kv_tier_policy": self.settings.policy, "kv_tier_budget": self.settings.budget,
+        formats = self.pool.formats
+        layer = {"kv_layer_budget": self.settings.layer_budget,
+                 "kv_int_formats": None if formats.is_uniform else formats.describe()}
+        if self.allocation is not None:
+            layer["kv_layer_allocation"] = {"upgraded": list(self.allocation.upgraded),
+                                            "lowered": list(self.allocation.lowered),
+                                            "predicted_kl_gain": self.allocation.predicted_gain}
+        if self.cold is not None:
+            layer["kv_cold_tier"] = self.cold.server_info()
+        return {**layer, "kv_tier_policy": self.settings.policy, "kv_tier_budget": self.settings.budget,
                 "kv_int4_enabled": self.settings.int4_allowed,
                 "kv_int4_source": self.int4.source if self.int4 is not None else "unresolved",
                 "kv_full_bytes_per_token": float(self.pool.full_bytes_per_token()),

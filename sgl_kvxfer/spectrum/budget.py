@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_kvxfer.spectrum.formats import StoreFormats
 from sgl_kvxfer.spectrum.tiers import (NUM_TIERS, TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8,
                                        TIER_QUARTERS)
 
@@ -183,6 +184,9 @@ class KVLayout:
     group_size: int = 32
     elem_bytes: int = 2   # model dtype (fp16/bf16) of the fp16 tier
     scale_bytes: int = 2  # each per-group scale and zero (the codec stores fp16)
+    # per-layer int store formats (spectrum/formats.py); None = the codec's int8 / int4 everywhere
+    formats: StoreFormats | None = None
+    page_size: int = 64   # int-store page (channel-axis K scales are per page)
 
     def vector_bytes(self, tier: int, with_scales: bool = True) -> int:
         """Bytes of one head vector (one of K or V, one layer, one kv head) at `tier`.
@@ -201,8 +205,12 @@ class KVLayout:
         groups = -(-self.head_dim // self.group_size)
         return data + (2 * groups * self.scale_bytes if with_scales else 0)
 
-    def token_bytes(self, tier: int, with_scales: bool = True) -> int:
-        """Bytes one token costs at `tier` across all layers, kv heads, K and V."""
+    def token_bytes(self, tier: int, with_scales: bool = True) -> float:
+        """Bytes one token costs at `tier` across all layers, kv heads, K and V (an int under
+        uniform formats; channel-axis keys amortize their page scales, a fraction)."""
+        if self.formats is not None and tier in (TIER_INT8, TIER_INT4):
+            return self.formats.token_bytes(tier, self.num_kv_heads, self.head_dim, self.group_size,
+                                            self.page_size, self.scale_bytes if with_scales else 0)
         return 2 * self.num_layers * self.num_kv_heads * self.vector_bytes(tier, with_scales)
 
 
@@ -211,7 +219,7 @@ def fp16_bytes(n: int, layout: KVLayout) -> int:
     return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * n * layout.elem_bytes
 
 
-def assignment_bytes(tiers: torch.Tensor, layout: KVLayout, with_scales: bool = True) -> int:
+def assignment_bytes(tiers: torch.Tensor, layout: KVLayout, with_scales: bool = True) -> float:
     """Exact payload bytes of an assignment (dropped tokens send nothing)."""
     counts = torch.bincount(tiers.to(torch.int64).flatten(), minlength=NUM_TIERS).tolist()
     return sum(c * layout.token_bytes(t, with_scales) for t, c in enumerate(counts))

@@ -329,3 +329,34 @@ def test_scd_e2e(tmp_path):
         # codes of 39 of the 40 positions
         assert r["scd@25"]["bytes_per_token"] == pytest.approx(data["artifacts"]["bytes_per_token"] * 39 / 40)
     assert data["shared"]["40"]["oracle"]["mean_ms"] > 0 and data["shared"]["40"]["scd@25"]["mean_ms"] > 0
+# ---------------------------------------------------------------------------- SpectrumKV retrieval test bed
+def test_cold_tier_decode(tmp_path):
+    out = run_bench("throughput/cold_tier_decode.py", ["--preset", "tiny", "--context", "96", "--batch", "2",
+                                                        "--n1", "1", "--n2", "3", "--repeats", "1", "--device", "cpu",
+                                                        "--backend", "torch", "--intervals", "1",
+                                                        "--forced-threshold", "0.001"], tmp_path)
+    data = result(out, "cold_tier_decode_tiny", ("modes", "pool_plan", "params", "server_info_cold_tier"), png=False)
+    assert set(data["modes"]) == {"off", "on@1", "forced"} and not data["partial"]
+    assert data["modes"]["off"]["counters"]["scoring_passes"] == 0
+    assert data["modes"]["on@1"]["counters"]["scoring_passes"] > 0
+    assert data["modes"]["forced"]["counters"]["promoted_tokens"] > 0  # dummy weights: a low bar fires
+    assert "slowdown_min_over_min" in data["modes"]["on@1"]
+
+
+@pytest.mark.slow
+def test_retrieval_tiers(tmp_path):
+    from tiny_models import tiny_task_model
+
+    model = tiny_task_model(tmp_path)
+    out = run_bench("quality/retrieval_tiers.py", ["--quick", "--model", model, "--device", "cpu", "--dtype",
+                                                    "float32", "--context", "160", "--long-context", "0",
+                                                    "--budgets", "0.3", "--val-budgets", "0.3",
+                                                    "--methods", "greedy", "per-layer", "kivi", "cold-tier",
+                                                    "--ppl-context", "96", "--ppl-chunk", "16", "--profile-batch", "2"],
+                    tmp_path, timeout=1800)
+    data = result(out, "retrieval_tiers_", ("fp16", "rows", "lambda_sweep", "threshold_sweep", "layer_profile",
+                                            "summary", "chosen_lambda", "chosen_threshold"), png=True)
+    assert data["complete"] and {r["method"] for r in data["rows"]} == {"greedy", "per-layer", "kivi", "cold-tier"}
+    for row in data["rows"]:
+        assert len(row["by_depth"]) == len(data["params"]["depths"]) and row["byte_ratio"] <= 0.3 + 1e-6
+    assert any(n.startswith("layer_profile_") for n in os.listdir(out))

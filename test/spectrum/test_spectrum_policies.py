@@ -20,7 +20,7 @@ def scores(n, seed=0):
 
 def test_registry():
     assert set(TIER_POLICIES) == {"greedy", "sink-protect", "adaptive-2tier", "balanced", "random-tier",
-                                  "uniform-int8", "uniform-int4", "pdtrim", "sws"}
+                                  "uniform-int8", "uniform-int4", "pdtrim", "sws", "kivi"}
     for name in TIER_POLICIES:
         assert create_tier_policy(name).name == name
     assert create_tier_policy("pdtrim", first_ratio=0.3).first_ratio == 0.3
@@ -35,7 +35,7 @@ def test_every_policy_respects_budget(name, int4, num_sink):
     policy = create_tier_policy(name)
     for n, b in itertools.product(SIZES, BUDGETS):
         imp = scores(n, n)
-        if name == "uniform-int4" and not int4:
+        if name in ("uniform-int4", "kivi") and not int4:
             with pytest.raises(ValueError):
                 policy.assign(imp, b, num_sink, int4)
             continue

@@ -19,6 +19,10 @@ class AttentionBackend(ABC):
     supports_cuda_graph = False
     # True when `prepare_extend_graph_metadata` is implemented (engine/prefill_graph_runner.py).
     supports_prefill_graph = False
+    # Decode query taps (SpectrumKV's cold tier, scheduler/cold_tier.py): layer -> [max_bs, Hq, D]
+    # buffer that each decode forward of that layer copies its q into (rows [0, B)). Installed
+    # before CUDA graphs are captured, so the copy is part of every replay.
+    query_taps: dict | None = None
 
     def __init__(self, kv_pool: KVPool, num_q_heads: int, num_kv_heads: int, head_dim: int):
         self.kv_pool = kv_pool
@@ -42,6 +46,12 @@ class AttentionBackend(ABC):
         cos/sin [T, 1, D/2] -> attention output [T, Hq, D]. Rotates q and k, then `forward`.
         A backend may override it to fuse RoPE with the KV store (triton_backend.py)."""
         return rotate_and_attend(self, qkv, cos, sin, layer_id, batch)
+
+    def tap_query(self, layer_id: int, q: torch.Tensor) -> None:
+        """Copy a decode step's q [B, Hq, D] into this layer's tap, if it has one."""
+        taps = self.query_taps
+        if taps is not None and layer_id in taps:
+            taps[layer_id][: q.shape[0]].copy_(q)
 
     def prepare_graph_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
         """CUDA-graph decode plan: like `prepare_metadata` for a DECODE batch, but from device

@@ -65,6 +65,7 @@ class TorchAttentionBackend(AttentionBackend):
         pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         plan = batch.attn_metadata
         if batch.mode == ForwardMode.DECODE:
+            self.tap_query(layer_id, q)
             keys, values = pool.get_kv(layer_id, plan.slots)  # [B, L, Hkv, D]
             out = F.scaled_dot_product_attention(
                 q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),

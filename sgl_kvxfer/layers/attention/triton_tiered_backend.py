@@ -73,6 +73,9 @@ class TritonTieredAttentionBackend(AttentionBackend):
         # Built on first use, once: the pool's stores are allocated once (never resized).
         if self._views_of is not self.kv_pool.stores:
             pool = self.kv_pool
+            if not pool.formats.is_uniform:
+                raise ValueError("the Triton tiered kernels read the codec's int8 / int4 in every layer; per-layer "
+                                 "budgets and KIVI store other formats: use --attention-backend torch")
             self._views = [tier_layer_view(pool, layer) for layer in range(pool.num_layers)]
             self._views_of = pool.stores
             # decode launches only the stores that can hold a token (an empty one is a placeholder)
@@ -119,6 +122,7 @@ class TritonTieredAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, layer_id, batch):
         plan = batch.attn_metadata
         if batch.mode == ForwardMode.DECODE:
+            self.tap_query(layer_id, q)
             self.kv_pool.set_kv_fp16(layer_id, batch.out_cache_loc, k, v)  # new tokens: fp16 ids
             return self._decode(q.contiguous(), self._views[layer_id], plan.tables, sm_scale=self.scale,
                                 plan=plan.decode_plan, config=self._decode_config, tiers=self._tiers, check=False)

@@ -10,6 +10,7 @@
     uniform-int4    int4                      yes*    no
     pdtrim          fp16 head + tail          no      yes
     sws             fp16 top-k                yes     yes
+    kivi            fp16 newest / KIVI int    no      no (its own store format: policies/kivi.py)
 (* ranking only decides which tokens drop when the budget is below the uniform cost.)
 """
 from __future__ import annotations
@@ -29,15 +30,21 @@ TIER_POLICIES: dict[str, str] = {
     "uniform-int4": "uniform_int4:UniformInt4TierPolicy",
     "pdtrim": "pdtrim:PDTrimTierPolicy",
     "sws": "sws:SWSTierPolicy",
+    "kivi": "kivi:KIVITierPolicy",
 }
 
 
-def create_tier_policy(name: str, **kwargs) -> TierPolicy:
-    """Instantiate a registered policy; kwargs go to its constructor (e.g. first_ratio=0.3)."""
+def create_tier_policy(name: str, layout=None, budget: float | None = None, **kwargs) -> TierPolicy:
+    """Instantiate a registered policy; kwargs go to its constructor (e.g. first_ratio=0.3).
+    Policies whose class sets `needs_layout` (KIVI: its store format and costs) also get the KV
+    layout and the budget they will run at."""
     if name not in TIER_POLICIES:
         raise ValueError(f"unknown tier policy {name!r}; choose from {sorted(TIER_POLICIES)}")
     module, cls = TIER_POLICIES[name].split(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(**kwargs)
+    klass = getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    if getattr(klass, "needs_layout", False):
+        kwargs = {"layout": layout, "budget": budget, **kwargs}
+    return klass(**kwargs)
 
 
 __all__ = ["TIER_POLICIES", "TierPolicy", "create_tier_policy"]

@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 
 from sgl_kvxfer.spectrum.budget import TierCounts
+from sgl_kvxfer.spectrum.formats import StoreFormats  # noqa: F401 (annotation)
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 
@@ -40,6 +41,11 @@ class TierPolicy(ABC):
     def sink_count(self, num_sink: int) -> int:
         """Sinks this policy is asked to pin for a caller's num_sink (before budget clamping)."""
         return num_sink
+
+    def store_formats(self, budget: float, layout) -> "StoreFormats | None":
+        """Per-layer int store formats this policy needs at budget b (spectrum/formats.py), or
+        None for the codec's int8 / int4 (every policy but the KIVI baseline)."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

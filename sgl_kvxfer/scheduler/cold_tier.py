@@ -1,0 +1,310 @@
+"""The cold tier (`--kv-cold-tier`): int4 tokens that decode attends to come back to fp16.
+
+When tiering demotes a token to int4, the pool's HostColdStore keeps its exact fp16 K/V in host
+memory (mem_cache/host_cold_store.py). During decode, every `kv_promote_interval` steps:
+
+    score    the query the attention backend tapped in `kv_promote_layers` layers (q of the step
+             just run, rows [0, B)) against the keys of each request's row (int tiers
+             dequantized): mass[j] = max over probed layers and heads of p(j) (spectrum/decode_mass.py)
+    pick     int4 positions with a host copy whose mass >= kv_promote_threshold, and the eligible
+             positions within kv_promote_radius of them
+    issue    fresh fp16 slots; host rows gathered into pinned staging; on CUDA a side stream copies
+             them to the device and writes the fp16 store, then records an event
+    land     before the next decode forward (or any later hook) that finds the event done, the
+             request's row is rewritten to the new slots (never waits: a copy not done stays pending)
+
+Rows and ownership. The request keeps BORROWING the slots it was given (radix-cache prompt tokens,
+its own demoted tokens); a promotion points its row at slots it OWNS instead:
+
+    row[pos]:  original slot (borrowed)  ->  promoted fp16 slot (owned)
+    the row's other tokens of an int page it now sees with a hole  ->  owned copies on fresh pages
+                                         (codes bit for bit, so the prefix-fill invariant of
+                                         mem_cache/README.md section 7 keeps holding for the row)
+
+`release_request` (the scheduler calls it before the request's KV is cached or freed) frees every
+owned slot and writes the original slots back, so the radix cache and the allocator see exactly
+the row they handed out: a promotion is private to one request and lasts as long as it does.
+Only the scheduler thread touches this state.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from weakref import WeakKeyDictionary
+
+import torch
+
+from sgl_kvxfer.mem_cache.host_cold_store import HostColdStore
+from sgl_kvxfer.spectrum.decode_mass import expand_hits, head_max_mass
+from sgl_kvxfer.spectrum.query_taps import install_query_taps, probe_layers
+from sgl_kvxfer.spectrum.tiers import TIER_FP16, TIER_INT4, TIER_INT8
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    req: object
+    positions: torch.Tensor   # CPU int64
+    old: torch.Tensor         # the int4 ids scored (CPU)
+    new: torch.Tensor         # fp16 ids the copy fills (CPU)
+    event: object = None      # CUDA event on the side stream; None: landed already (CPU)
+    keep: tuple = ()          # staging tensors the copy reads: alive until it lands
+
+
+@dataclass
+class _ReqState:
+    original: dict = field(default_factory=dict)  # position -> the slot the request was given
+    owned: set = field(default_factory=set)       # slots this module allocated, referenced by the row
+    promoted: set = field(default_factory=set)    # positions promoted (or in flight)
+
+
+class ColdTier:
+    def __init__(self, config, runner, allocator, table, make_room, ranking: list[int] | None = None):
+        pool = runner.kv_pool
+        self.pool, self.allocator, self.table, self.make_room = pool, allocator, table, make_room
+        self.threshold, self.interval = config.kv_promote_threshold, config.kv_promote_interval
+        self.radius = config.kv_promote_radius
+        capacity = config.kv_cold_tier_tokens or pool.memory_tokens
+        self.store = HostColdStore(capacity, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype,
+                                   pool.base(TIER_INT4), pool.num_slots(TIER_INT4), pool.device)
+        pool.cold = self.store
+        self.runner, self.scale = runner, runner.attn_backend.scale
+        taps = runner.attn_backend.query_taps  # installed by the runner before its graphs (query_taps.py)
+        self.layers, self.taps = (sorted(taps), taps) if taps else ([], None)
+        if not taps:  # a runner built without them (tests): no graphs to keep in step
+            self.set_probe_layers(probe_layers(pool.num_layers, config.kv_promote_layers, ranking))
+        self.cuda = str(pool.device).startswith("cuda")
+        self.side = torch.cuda.Stream(device=pool.device) if self.cuda else None
+        self.states: WeakKeyDictionary = WeakKeyDictionary()
+        self.decode_steps: WeakKeyDictionary = WeakKeyDictionary()  # req -> decode steps seen
+        self.pending: list[_Pending] = []
+        self.enabled = True  # False: no scoring (benchmarks compare on one engine; copies still kept)
+        self.stats = {"scoring_passes": 0, "scored_tokens": 0, "promotions": 0, "promoted_tokens": 0,
+                      "promoted_bytes_h2d": 0, "repacked_tokens": 0, "deferred": 0, "no_room": 0, "cancelled": 0,
+                      "landed": 0, "stale": 0}
+
+    def set_probe_layers(self, layers: list[int]) -> None:
+        """Tap the decode queries of `layers` (replaces the taps). Only where no CUDA graph was
+        captured: a graph's copies into the taps are fixed at capture (spectrum/query_taps.py)."""
+        pool, runner = self.pool, self.runner
+        if not layers or any(not 0 <= layer < pool.num_layers for layer in layers):
+            raise ValueError(f"probe layers must be in [0, {pool.num_layers}), got {layers}")
+        if getattr(runner, "graph_runner", None) is not None and sorted(layers) != self.layers:
+            raise ValueError("the probe layers are fixed once CUDA graphs are captured: choose them at start-up "
+                             "(--kv-promote-layers, --kv-layer-profile)")
+        self.taps = install_query_taps(runner.attn_backend, layers, runner.max_running_requests, pool.dtype,
+                                       pool.device)
+        self.layers = sorted(layers)
+
+    # ------------------------------------------------------------------ the decode hook
+    def on_decode(self, batch) -> None:
+        """After a decode step: land finished copies, score the requests due (their first decode
+        step, then every `interval`), land what is already there (CPU: all of it)."""
+        self._land()
+        if not self.enabled:
+            return
+        due = []
+        for i, s in enumerate(batch.slices):
+            n = self.decode_steps.get(s.req, 0)
+            self.decode_steps[s.req] = n + 1
+            if n % self.interval == 0:
+                due.append(i)
+        if due:
+            self._score(batch, due)
+            self._land()
+
+    def _score(self, batch, due: list[int]) -> None:
+        pool, work = self.pool, []
+        for i in due:
+            req = batch.slices[i].req
+            if req.req_pool_idx is None or req.finished_reason is not None:
+                continue
+            slots = self.table.read(req.req_pool_idx, req.kv_len).cpu()
+            state = self.states.get(req)
+            cand = pool.tier_of(slots) == TIER_INT4
+            if bool(cand.any()):
+                idx = cand.nonzero().squeeze(1)
+                cand[idx[self.store.rows_for(slots[idx]) < 0]] = False
+            if state is not None and state.promoted:
+                cand[torch.tensor(sorted(state.promoted), dtype=torch.int64)] = False
+            if bool(cand.any()):
+                work.append((i, req, slots, cand))
+        if not work:
+            return
+        self.stats["scoring_passes"] += 1
+        route = pool.route(torch.cat([w[2] for w in work]))
+        mass = [torch.zeros(w[2].numel(), device=pool.device) for w in work]
+        for layer in self.layers:
+            keys = pool.get_k_routed(layer, route)
+            at = 0
+            for m, (i, _, slots, _) in zip(mass, work):
+                n = slots.numel()
+                valid = (slots != 0).to(pool.device)
+                torch.maximum(m, head_max_mass(self.taps[layer][i], keys[at:at + n], self.scale, valid), out=m)
+                at += n
+        for m, (_, req, slots, cand) in zip(mass, work):
+            self.stats["scored_tokens"] += int(cand.sum())
+            pick = expand_hits((m.cpu() >= self.threshold) & cand, cand, self.radius)
+            if bool(pick.any()):
+                positions = pick.nonzero().squeeze(1)
+                self._issue(req, positions, slots[positions])
+
+    # ------------------------------------------------------------------ promotion
+    def _issue(self, req, positions: torch.Tensor, old: torch.Tensor) -> None:
+        if not self.store.ready():  # the newest host copies are still in flight: next pass
+            self.stats["deferred"] += 1
+            return
+        m = positions.numel()
+        if self.allocator.available_size() < m:
+            self.make_room(TIER_FP16, m)
+        new = self.allocator.alloc(m)
+        if new is None:
+            self.stats["no_room"] += 1
+            return
+        new = new.cpu()
+        pool, pin = self.pool, self.cuda
+        rows = self.store.rows_for(old)
+        shape = (m, pool.num_kv_heads, pool.head_dim)
+        stage_k = [torch.empty(shape, dtype=pool.dtype, pin_memory=pin) for _ in range(pool.num_layers)]
+        stage_v = [torch.empty(shape, dtype=pool.dtype, pin_memory=pin) for _ in range(pool.num_layers)]
+        self.store.gather(rows, stage_k, stage_v)
+        event, keep = None, ()
+        if self.cuda:
+            self.side.wait_stream(torch.cuda.current_stream(pool.device))  # the new slots' last users
+            with torch.cuda.stream(self.side):
+                dst = new.to(pool.device, non_blocking=True)
+                dev = [(k.to(pool.device, non_blocking=True), v.to(pool.device, non_blocking=True))
+                       for k, v in zip(stage_k, stage_v)]
+                for layer, (k, v) in enumerate(dev):
+                    pool.set_kv_fp16(layer, dst, k, v)
+                event = torch.cuda.Event()
+                event.record(self.side)
+            keep = (stage_k, stage_v, dst, dev)
+        else:
+            for layer in range(pool.num_layers):
+                pool.set_kv_fp16(layer, new, stage_k[layer], stage_v[layer])
+        state = self.states.setdefault(req, _ReqState())
+        state.promoted.update(positions.tolist())
+        self.pending.append(_Pending(req, positions, old, new, event, keep))
+        self.stats["promotions"] += 1
+        self.stats["promoted_tokens"] += m
+        self.stats["promoted_bytes_h2d"] += 2 * pool.num_layers * m * pool.num_kv_heads * pool.head_dim * \
+            stage_k[0].element_size()
+
+    def land(self) -> None:
+        """Apply every promotion whose copy has completed (never waits). The scheduler calls it
+        before each decode forward too, so a copy issued after step N can serve step N + 1."""
+        self._land()
+
+    def _land(self) -> None:
+        waiting = []
+        for p in self.pending:
+            if p.event is not None and not p.event.query():
+                waiting.append(p)
+            else:
+                self._apply(p)
+        self.pending = waiting
+
+    def _apply(self, p: _Pending) -> None:
+        """Point the row at the promoted fp16 slots, and at owned copies of the int tokens of pages
+        the row would then see with a hole (the Triton kernels read an int page as its slots
+        [0, fill): mem_cache/README.md section 7). Without room for those copies nothing changes."""
+        req, state = p.req, self.states.get(p.req)
+        if req.req_pool_idx is None or state is None:  # released meanwhile (release_request frees)
+            self.allocator.free(p.new)
+            return
+        row = self.table.read(req.req_pool_idx, req.kv_len).cpu().clone()
+        same = row[p.positions] == p.old
+        if not bool(same.all()):  # the row moved under us (should not happen while it runs)
+            self.stats["stale"] += int((~same).sum())
+            self.allocator.free(p.new[~same])
+        positions, new = p.positions[same], p.new[same]
+        row[positions] = new
+        holed = self.allocator.holed_pages(row).nonzero().squeeze(1)
+        old = row[holed]
+        copies = self._copy_slots(old)
+        if copies is None:
+            self.stats["no_room"] += 1
+            self.allocator.free(new)
+            state.promoted.difference_update(positions.tolist())  # may be scored again
+            return
+        if holed.numel():
+            self.pool.move(old, copies)  # codes bit for bit (requantized for KIVI pages)
+            self.stats["repacked_tokens"] += holed.numel()
+        self._rewrite(req, state, torch.cat([positions, holed]), torch.cat([new, copies]))
+        self.stats["landed"] += positions.numel()
+
+    def _copy_slots(self, old: torch.Tensor) -> torch.Tensor | None:
+        """Fresh ids for int tokens `old` (position order): their tier's pages, else fp16 slots;
+        None (nothing kept) when the pool has no room for them."""
+        tiers, new, got_all = self.pool.tier_of(old), old.clone(), []
+        for tier in (TIER_INT8, TIER_INT4):
+            idx = (tiers == tier).nonzero().squeeze(1)
+            if not idx.numel():
+                continue
+            if self.allocator.available_tier(tier) < idx.numel():
+                self.make_room(tier, idx.numel())
+            got = self.allocator.alloc_tier(tier, idx.numel()).cpu()
+            got_all.append(got)
+            if got.numel() < idx.numel():  # the store is short: the rest as fp16 (exact dequantized)
+                short = idx.numel() - got.numel()
+                if self.allocator.available_size() < short:
+                    self.make_room(TIER_FP16, short)
+                fp = self.allocator.alloc(short)
+                if fp is None:
+                    self.allocator.free(torch.cat(got_all))
+                    return None
+                got = torch.cat([got, fp.cpu()])
+                got_all.append(fp.cpu())
+            new[idx] = got
+        return new
+
+    def _rewrite(self, req, state: _ReqState, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Point row positions at owned slots; owned slots they replace are freed."""
+        if not positions.numel():
+            return
+        row_idx = req.req_pool_idx
+        dev = positions.to(self.table.table.device)
+        cur = self.table.table[row_idx, dev].cpu()
+        drop = []
+        for pos, was, now in zip(positions.tolist(), cur.tolist(), slots.tolist()):
+            if was in state.owned:
+                state.owned.discard(was)
+                drop.append(was)
+            else:
+                state.original.setdefault(pos, was)
+            state.owned.add(now)
+        self.table.table[row_idx, dev] = slots.to(self.table.table.device)
+        if drop:
+            self.allocator.free(torch.tensor(drop, dtype=torch.int64))
+
+    # ------------------------------------------------------------------ end of a request
+    def release_request(self, req) -> None:
+        """Before the request's KV is cached or freed: cancel its copies in flight, free what it
+        owns and write back the slots it was given."""
+        keep = []
+        for p in self.pending:
+            if p.req is not req:
+                keep.append(p)
+                continue
+            if p.event is not None:  # NOTE: the side stream may still write p.new: order the reuse
+                torch.cuda.current_stream(self.pool.device).wait_event(p.event)
+            self.allocator.free(p.new)
+            self.stats["cancelled"] += 1
+        self.pending = keep
+        self.decode_steps.pop(req, None)  # a retracted request starts over when it is re-admitted
+        state = self.states.pop(req, None)
+        if state is None or not state.original or req.req_pool_idx is None:
+            return
+        positions = torch.tensor(sorted(state.original), dtype=torch.int64)
+        dev = positions.to(self.table.table.device)
+        owned = self.table.table[req.req_pool_idx, dev].cpu()
+        self.table.table[req.req_pool_idx, dev] = torch.tensor(
+            [state.original[p] for p in positions.tolist()], dtype=torch.int64, device=self.table.table.device)
+        self.allocator.free(owned)
+
+    def server_info(self) -> dict:
+        return {**self.stats, **self.store.stats, "host_rows_in_use": self.store.rows_in_use,
+                "host_capacity": self.store.capacity, "pending": len(self.pending), "probe_layers": self.layers,
+                "threshold": self.threshold, "interval": self.interval, "radius": self.radius}

@@ -1,0 +1,41 @@
+"""Decode-time attention mass per key: the cold tier's promotion signal.
+
+For one request, one decode query per layer (what the attention backend tapped) and the keys it
+attended (read back from the pool, int tiers dequantized):
+
+    p[l, h, j] = softmax_j(q[l, h] . k[l, j, h // G] * scale)     causal over the row, dropped keys masked
+    mass[j]    = max over probed layers l and query heads h of p[l, h, j]
+
+The max (not the mean the prefill importance uses) is deliberate: a retrieval head that puts 30%
+of its attention on one token while the other heads ignore it is exactly the case worth a
+promotion, and the mean over heads would wash it out. A threshold on `mass` is then a threshold
+on one head's attention probability, independent of the context length.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def head_max_mass(q: torch.Tensor, keys: torch.Tensor, scale: float, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """q [Hq, D], keys [T, Hkv, D] (Hq a multiple of Hkv), valid bool [T] or None -> float32 [T]:
+    the largest probability any query head gives each key."""
+    hq, d = q.shape
+    t, hkv, _ = keys.shape
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    group = hq // hkv
+    # in the keys' dtype (no fp32 copy of every key); the softmax runs in fp32
+    logits = torch.einsum("kgd,tkd->kgt", q.to(keys.dtype).view(hkv, group, d), keys).float() * scale  # [Hkv, G, T]
+    if valid is not None:
+        logits = logits.masked_fill(~valid.to(logits.device)[None, None, :], float("-inf"))
+    return torch.softmax(logits, dim=-1).amax(dim=(0, 1))
+
+
+def expand_hits(hot: torch.Tensor, eligible: torch.Tensor, radius: int) -> torch.Tensor:
+    """bool [T]: eligible positions within `radius` of a hot one (hot itself included when eligible).
+    A needle spans several tokens; the head that finds one of them reads its neighbours next."""
+    if radius <= 0 or not bool(hot.any()):
+        return hot & eligible
+    kernel = torch.ones(1, 1, 2 * radius + 1)
+    near = torch.nn.functional.conv1d(hot.float().view(1, 1, -1), kernel, padding=radius).view(-1) > 0
+    return near & eligible

@@ -1,0 +1,181 @@
+"""The cold tier on CPU, no model: host copies at demotion, scoring a tapped decode query,
+promotion to exact fp16, the prefix-fill repair, and giving the row back."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sgl_kvxfer.layers.attention.torch_backend import TorchAttentionBackend
+from sgl_kvxfer.mem_cache.req_to_token import ReqToTokenPool
+from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
+from sgl_kvxfer.mem_cache.tiered_allocator import TieredSlotAllocator
+from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
+from sgl_kvxfer.scheduler.cold_tier import ColdTier
+from sgl_kvxfer.spectrum.decode_mass import expand_hits, head_max_mass
+from sgl_kvxfer.spectrum.query_taps import probe_layers
+from sgl_kvxfer.spectrum.tiers import TIER_FP16, TIER_INT4, TIER_INT8
+
+L, HQ, H, D, PAGE, N = 3, 4, 2, 32, 8, 40
+
+
+class Req:  # weak-referenceable, like the scheduler's Req
+    def __init__(self, row, n):
+        self.req_pool_idx, self.kv_len, self.finished_reason = row, n, None
+
+
+def setup(threshold=0.3, radius=1, interval=1, capacity=64, fused=False):
+    pool = TieredKVPool(128, L, H, D, torch.float32, "cpu", TierStorePlan(96, 32, 64), group_size=D, page_size=PAGE)
+    pool._fused_quantize = fused  # True: fp16 -> int through the quantize-and-store kernel (as on CUDA)
+    alloc = TieredSlotAllocator(pool, "cpu")
+    backend = TorchAttentionBackend(pool, HQ, H, D)
+    runner = SimpleNamespace(kv_pool=pool, attn_backend=backend, max_running_requests=4, graph_runner=None)
+    config = SimpleNamespace(kv_promote_threshold=threshold, kv_promote_interval=interval, kv_promote_radius=radius,
+                             kv_cold_tier_tokens=capacity, kv_promote_layers=2)
+    table = ReqToTokenPool(4, 256)
+    cold = ColdTier(config, runner, alloc, table, lambda tier, n: None)
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(N, H, D, generator=gen), torch.randn(N, H, D, generator=gen)) for _ in range(L)]
+    slots = alloc.alloc(N)
+    for layer, (k, v) in enumerate(data):
+        pool.set_kv(layer, slots, k, v)
+    tiers = torch.full((N,), TIER_INT4, dtype=torch.int8)
+    tiers[:2], tiers[30:] = TIER_FP16, TIER_INT8  # sinks fp16, a few int8
+    new, _ = alloc.retier(slots, tiers)
+    req = Req(0, N)
+    table.write(0, 0, new)
+    return cold, pool, alloc, table, data, req, new.clone()
+
+
+def aim(cold, data, pos, scale=30.0):
+    """Every probed layer's tapped query points each head at token `pos`'s key."""
+    for layer in cold.layers:
+        k = data[layer][0][pos]  # [H, D]
+        q = k.repeat_interleave(HQ // H, 0) / k.norm(dim=-1).repeat_interleave(HQ // H, 0)[:, None] * scale
+        cold.taps[layer][0] = q
+
+
+def test_mass_and_neighbours():
+    q = torch.zeros(HQ, D)
+    q[0, 0] = 50.0
+    keys = torch.zeros(5, H, D)
+    keys[3, 0, 0] = 1.0
+    m = head_max_mass(q, keys, 1.0)
+    assert m.argmax() == 3 and float(m[3]) > 0.99
+    assert float(head_max_mass(q, keys, 1.0, torch.tensor([1, 1, 1, 0, 1], dtype=torch.bool))[3]) == 0.0
+    hot = torch.tensor([0, 0, 1, 0, 0, 0], dtype=torch.bool)
+    ok = torch.tensor([1, 1, 1, 1, 0, 1], dtype=torch.bool)
+    assert expand_hits(hot, ok, 2).tolist() == [True, True, True, True, False, False]
+    assert probe_layers(30, 2) == [10, 20] and probe_layers(30, 3, [7, 1, 2, 9]) == [1, 2, 7]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_demotion_keeps_host_copies_and_frees_them(fused):
+    if fused:  # the kernel path CUDA takes, under Triton's CPU interpreter
+        from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
+
+        use_interpreter_on_cpu("cpu")
+    cold, pool, alloc, table, data, req, row = setup(fused=fused)
+    assert cold.store.stats["host_copies"] == 28  # the int4 tokens: positions 2..29
+    rows = cold.store.rows_for(row[2:30])
+    assert (rows >= 0).all()
+    for layer, (k, v) in enumerate(data):
+        assert torch.equal(cold.store.k_host[layer][rows], k[2:30])
+    alloc.free(row)
+    assert cold.store.rows_in_use == 0
+
+
+def test_promotion_lands_exact_fp16_and_row_is_given_back():
+    cold, pool, alloc, table, data, req, row = setup()
+    used0 = alloc.used_counts()
+    aim(cold, data, 13)
+    batch = SimpleNamespace(slices=[SimpleNamespace(req=req)])
+    cold.on_decode(batch)
+    now = table.read(0, N).cpu()
+    assert cold.stats["promoted_tokens"] == 3 and cold.stats["landed"] == 3
+    assert (pool.tier_of(now[12:15]) == TIER_FP16).all()
+    for layer, (k, v) in enumerate(data):  # the promoted tokens are exact
+        kk, vv = pool.get_kv(layer, now[12:15])
+        assert torch.equal(kk, k[12:15]) and torch.equal(vv, v[12:15])
+        kk, _ = pool.get_kv(layer, now[:12])  # the rest reads as before (bit-exact page copies)
+        k0, _ = pool.get_kv(layer, row[:12])
+        assert torch.equal(kk, k0)
+    assert not alloc.holed_pages(now).any()  # the row sees every int page as slots [0, fill)
+    assert cold.stats["repacked_tokens"] > 0
+    # a second pass does not promote the same tokens again
+    cold.on_decode(batch)
+    assert cold.stats["promoted_tokens"] == 3
+    cold.release_request(req)
+    assert torch.equal(table.read(0, N).cpu(), row)
+    assert alloc.used_counts() == used0
+    alloc.debug_check()
+
+
+def test_threshold_one_never_promotes_and_interval_skips_steps():
+    cold, pool, alloc, table, data, req, row = setup(threshold=1.0)
+    aim(cold, data, 13, scale=1.0)
+    cold.on_decode(SimpleNamespace(slices=[SimpleNamespace(req=req)]))
+    assert cold.stats["promoted_tokens"] == 0 and cold.stats["scoring_passes"] == 1
+    cold, pool, alloc, table, data, req, row = setup(interval=3)
+    aim(cold, data, 20)
+    batch = SimpleNamespace(slices=[SimpleNamespace(req=req)])
+    for _ in range(4):
+        cold.on_decode(batch)
+    assert cold.stats["scoring_passes"] == 2  # steps 1 and 4 of the request
+
+
+def test_full_host_store_copies_what_fits():
+    cold, pool, alloc, table, data, req, row = setup(capacity=10)
+    assert cold.store.stats["host_copies"] == 10 and cold.store.stats["host_full_skips"] == 18
+    aim(cold, data, 25)  # no copy for position 25: nothing to promote
+    cold.on_decode(SimpleNamespace(slices=[SimpleNamespace(req=req)]))
+    assert cold.stats["promoted_tokens"] == 0
+
+
+@pytest.mark.gpu
+def test_promotion_on_cuda_is_async_and_exact():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pool = TieredKVPool(128, L, H, D, torch.float16, "cuda", TierStorePlan(96, 32, 64), group_size=D, page_size=PAGE)
+    alloc = TieredSlotAllocator(pool, "cuda")
+    runner = SimpleNamespace(kv_pool=pool, attn_backend=TorchAttentionBackend(pool, HQ, H, D), max_running_requests=4,
+                             graph_runner=None)
+    config = SimpleNamespace(kv_promote_threshold=0.3, kv_promote_interval=1, kv_promote_radius=0,
+                             kv_cold_tier_tokens=64, kv_promote_layers=2)
+    table = ReqToTokenPool(4, 256, "cuda")
+    cold = ColdTier(config, runner, alloc, table, lambda tier, n: None)
+    k = torch.randn(N, H, D, device="cuda", dtype=torch.float16)
+    slots = alloc.alloc(N)
+    for layer in range(L):
+        pool.set_kv(layer, slots, k, k)
+    new, _ = alloc.retier(slots.cpu(), torch.full((N,), TIER_INT4, dtype=torch.int8))
+    table.write(0, 0, new.cuda())
+    req = Req(0, N)
+    for layer in cold.layers:
+        cold.taps[layer][0] = (k[7] / k[7].norm(dim=-1, keepdim=True) * 30).repeat_interleave(HQ // H, 0)
+    batch = SimpleNamespace(slices=[SimpleNamespace(req=req)])
+    cold.on_decode(batch)
+    torch.cuda.synchronize()
+    cold.on_decode(batch)  # lands now (the copy is done)
+    now = table.read(0, N).cpu()
+    assert cold.stats["landed"] == 1 and int(pool.tier_of(now[7:8])) == TIER_FP16
+    kk, _ = pool.get_kv(0, now[7:8].cuda())
+    assert torch.equal(kk, k[7:8])
+    cold.release_request(req)
+    assert torch.equal(table.read(0, N).cpu(), new.cpu())
+
+
+def test_no_room_for_the_page_repair_keeps_the_row():
+    cold, pool, alloc, table, data, req, row = setup()
+    # int stores: allocate every free page; fp16: leave exactly the 3 slots the promotion takes
+    for tier in (TIER_INT8, TIER_INT4):
+        alloc.alloc_tier(tier, alloc.available_tier(tier))
+    hog = alloc.alloc(alloc.available_size() - 3)
+    used = alloc.used_counts()
+    aim(cold, data, 13)
+    cold.on_decode(SimpleNamespace(slices=[SimpleNamespace(req=req)]))
+    assert cold.stats["no_room"] == 1 and cold.stats["landed"] == 0
+    assert torch.equal(table.read(0, N).cpu(), row) and alloc.used_counts() == used
+    assert not cold.states[req].promoted  # scored again at a later pass
+    alloc.free(hog)
+    cold.on_decode(SimpleNamespace(slices=[SimpleNamespace(req=req)]))  # interval 1: scored again, now it fits
+    assert cold.stats["landed"] == 3
