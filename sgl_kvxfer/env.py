@@ -64,10 +64,15 @@ KV_TRANSFER_FAULT = EnvVar(
     "tests only: faults the PD prefill's sender injects into KV writes, comma-separated "
     "kind[:seconds][@room] with kind corrupt, truncate or delay (sgl_kvxfer/disagg/common.py)")
 
+KV_BUFFER = EnvVar(
+    "SGL_KVXFER_KV_BUFFER", "auto",
+    "where a PD server's registered transfer buffer lives: auto (GPU memory on CUDA when the installed "
+    "Mooncake build registers GPU memory, else host), host, or device (sgl_kvxfer/disagg/buffers.py)")
+
 SCD_DATA = EnvVar(
     "SGL_KVXFER_SCD_DATA", None,
     "folder of the SCD corpora ({code,prose}_{train,calib,eval}.jsonl[.gz]); default ../shared/data, "
     "else the repo's .cache/scd_data (sgl_kvxfer/scd/data.py)")
 
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, CPU_ISA,
-       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, SCD_DATA)
+       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, KV_BUFFER, SCD_DATA)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sgl_kvxfer.disagg.buffers import wsum64
 from sgl_kvxfer.disagg.prefill import PrefillRole
 from sgl_kvxfer.disagg.scd_common import load_producer, route_info
 from sgl_kvxfer.disagg.sender import NoticeJob, WriteJob
@@ -49,6 +50,7 @@ class _Segment:
     end: int
     offset: int  # in the send buffer
     nbytes: int
+    checksums: list[int] | None = None  # GPU send buffer: wsum64, summed once for every consumer
 
 
 @dataclass
@@ -82,8 +84,17 @@ class ScdRoom:
 
 
 class ScdPrefillRole(PrefillRole):
-    def __init__(self, scheduler, settings, host: str):
-        runner = scheduler.runner
+    def __init__(self, settings, host: str):
+        super().__init__(settings, host)
+        self.fanout = settings.scd_fanout
+        self.closed: dict[int, tuple[str, float]] = {}  # room -> (why, forget after)
+        self._jobs: dict[int, tuple[int, str]] = {}  # write job id -> (room, decode_id)
+        self._job_ids = itertools.count()
+        self.encoded = {"rooms": 0, "tokens": 0, "bytes": 0}  # prefills whose codes were encoded (once each)
+        self.rooms_closed: Counter = Counter()  # why rooms closed ("served", "fan-out timed out", ...)
+
+    def start(self, ctx) -> None:
+        runner, settings = ctx.runner, self.settings
         self.artifacts, self.manifest_id = load_producer(settings.scd_artifacts, runner)
         self.manifest = self.artifacts.manifest
         from sgl_kvxfer.scd.codec import ScdEncoder
@@ -91,13 +102,7 @@ class ScdPrefillRole(PrefillRole):
         self.encoder = ScdEncoder(self.artifacts, runner.device)
         self.code_layout = CodeLayout.from_manifest(self.manifest)
         self.patch_layers = frozenset(self.manifest.patch_layers)
-        self.fanout = settings.scd_fanout
-        self.closed: dict[int, tuple[str, float]] = {}  # room -> (why, forget after)
-        self._jobs: dict[int, tuple[int, str]] = {}  # write job id -> (room, decode_id)
-        self._job_ids = itertools.count()
-        self.encoded = {"rooms": 0, "tokens": 0, "bytes": 0}  # prefills whose codes were encoded (once each)
-        self.rooms_closed: Counter = Counter()  # why rooms closed ("served", "fan-out timed out", ...)
-        super().__init__(scheduler, settings, host)
+        super().start(ctx)
         logger.info("SCD producer: artifacts %s (id %s), %d B/token of codes vs %d B/token of KV, fan-out %d",
                     settings.scd_artifacts, self.manifest_id[:12], self.code_layout.bytes_per_token,
                     self.manifest.raw_kv_bytes_per_token(torch.finfo(self.pool.dtype).bits // 8), self.fanout)
@@ -217,10 +222,14 @@ class ScdPrefillRole(PrefillRole):
         if off is None:
             self._close(room, f"send buffer full ({nbytes} B of codes do not fit --kv-transfer-buffer-mb)")
             return
-        pack_codes(self.code_layout, codes, self.buffer[off:off + nbytes])
-        if self.buffer.device.type == "cpu" and positions.device.type == "cuda":
+        payload = self.buffer[off:off + nbytes]
+        pack_codes(self.code_layout, codes, payload)
+        sums = None
+        if self.buffer.on_device:
+            sums = wsum64(payload)  # tolist() also waits for the pack
+        elif positions.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the codes must be in host memory before a write
-        room.segments.append(_Segment(a, b, off, nbytes))
+        room.segments.append(_Segment(a, b, off, nbytes, sums))
         room.encoded, room.progress = b, time.monotonic()
 
     # ------------------------------------------------------------------ claims and transfers
@@ -286,7 +295,8 @@ class ScdPrefillRole(PrefillRole):
                 # NOTE: every consumer's write reads the same send-buffer bytes (never rewritten
                 # while the room is open); only the KVSegment (ring offset, seq) is per consumer
                 self.sender.submit(WriteJob(room.room, job, self.buffer[seg.offset:seg.offset + seg.nbytes],
-                                            c.claim.session, c.claim.region_addr + dst, c.claim.reply_to, segment))
+                                            c.claim.session, c.claim.region_addr + dst, c.claim.reply_to, segment,
+                                            seg.checksums, self.buffer.checksum_kind))
                 c.sent += 1
                 c.inflight += 1
                 room.inflight += 1

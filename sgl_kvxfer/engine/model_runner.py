@@ -32,6 +32,10 @@ class ModelRunner:
 
         self.config = config
         self.device = config.resolved_device
+        if self.device.startswith("cuda"):  # --base-gpu-id: this thread's "cuda" is that GPU from here on
+            if config.base_gpu_id >= torch.cuda.device_count():
+                raise ValueError(f"--base-gpu-id {config.base_gpu_id}: this host has {torch.cuda.device_count()} GPU(s)")
+            torch.cuda.set_device(config.base_gpu_id)
         torch.manual_seed(config.random_seed)
         self.model_dir = resolve_model_path(config.model_path)
         with open(os.path.join(self.model_dir, "config.json")) as f:

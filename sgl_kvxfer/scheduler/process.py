@@ -42,8 +42,8 @@ def build_scheduler(server_args: ServerArgs):
     cfg = server_args.scheduler
     runner = ModelRunner(cfg.engine, cfg.max_running_requests, cfg.max_prefill_tokens)
     tokenizer_path = resolve_tokenizer_path(runner.model_dir, cfg.engine.tokenizer_path)
-    scheduler = Scheduler(cfg, runner, load_tokenizer(tokenizer_path))
-    scheduler.disagg = create_disagg_role(scheduler, DisaggSettings.from_config(cfg), server_args.host)
+    role = create_disagg_role(DisaggSettings.from_config(cfg), server_args.host)
+    scheduler = Scheduler(cfg, runner, load_tokenizer(tokenizer_path), role=role)
     info = {
         "max_total_num_tokens": runner.max_total_tokens, "max_req_input_len": runner.context_len - 1,
         "context_len": runner.context_len, "vocab_size": runner.arch.vocab_size,
@@ -57,20 +57,27 @@ def build_scheduler(server_args: ServerArgs):
 
 
 def event_loop(scheduler, inbox: PullQueue, outbox: PushQueue) -> None:
-    """Receive, schedule + forward, send results. When a step ran nothing, sleep on the sockets:
-    up to 1 s idle, a few ms while PD transfers are in flight (their progress also arrives from
-    the sender thread, which has no socket to wake us)."""
-    kv_inbox = getattr(scheduler.disagg, "inbox", None)
-    sockets = [inbox] + ([kv_inbox] if kv_inbox is not None else [])
+    """Receive, poll the PD role, schedule + forward, send results. What the role produced
+    (a PD request's first token) goes out before the step's forward. When nothing ran, sleep on
+    the sockets (the role's include the wake channel its sender thread signals): up to 1 s idle,
+    5 ms while the role has work (its bootstrap lookups run in threads that signal nothing)."""
+    sockets = [inbox] + scheduler.role.wake_sockets()
+
+    def flush() -> bool:
+        outputs = scheduler.take_outputs()
+        if outputs:
+            outbox.put(BatchTokenIDOut(outputs))
+        return bool(outputs)
+
     while True:
         msgs = inbox.get_all_nowait()
         for msg in msgs:
             reply = scheduler.handle(msg)
             if reply is not None:
                 outbox.put(reply)
+        scheduler.poll_role()
+        sent = flush()
         ran = scheduler.step()
-        outputs = scheduler.take_outputs()
-        if outputs:
-            outbox.put(BatchTokenIDOut(outputs))
-        if not ran and not msgs and not outputs:
+        sent = flush() or sent
+        if not ran and not msgs and not sent:
             wait_readable(sockets, 0.005 if scheduler.has_work() else 1.0)

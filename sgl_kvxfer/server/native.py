@@ -138,16 +138,20 @@ async def flush_cache(request: Request, timeout: float = 0.0):
 
 @router.post("/kv_transfer_link")
 async def kv_transfer_link(request: Request):
-    """Re-pace a prefill server's shaped KV link: {"rate_gbps": float, "latency_ms": float}.
-    Ours, not SGLang's: benchmarks sweep link rates on one server pair (benchmarks/pd/)."""
+    """Re-pace a prefill server's shaped KV link: {"rate_gbps": float (0: unpaced), "latency_ms":
+    float, "stream": str (optional: --kv-transfer-stream for rooms opened from now on)}.
+    Ours, not SGLang's: benchmarks sweep link rates and streams on one server pair (benchmarks/pd/)."""
     body, err = await read_json_body(request)
     if err is not None:
         return err
     try:
         rate, latency = float(body["rate_gbps"]), float(body.get("latency_ms", 0.0))
-    except (TypeError, KeyError, ValueError):
-        return openai_error("body must be {\"rate_gbps\": float, \"latency_ms\": float}", 400)
-    result = await _tm(request).set_kv_link(rate, latency)
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, str):
+            raise TypeError("stream")
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return openai_error("body must be {\"rate_gbps\": float, \"latency_ms\": float, \"stream\": str}", 400)
+    result = await _tm(request).set_kv_link(rate, latency, stream)
     return PlainTextResponse(result.message, status_code=200 if result.success else 400)
 
 
