@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from weakref import WeakKeyDictionary
@@ -62,6 +63,7 @@ class DecodeRoom:
     claimed_at: float = 0.0
     wire_bytes: int = 0
     trace: PhaseTrace | None = None  # --enable-pd-trace
+    acks: deque = field(default_factory=deque)  # (seq, CUDA event): unpacked from GPU staging, not acked
 
 
 class DecodeRole(PDRole):
@@ -198,6 +200,13 @@ class DecodeRole(PDRole):
             self._bootstrap(room)
         if room.state in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING):
             self._unpack_ready(room)
+            complete = room.done is not None and room.unpacked == room.done.segments
+            if complete and room.acks:  # the first token waits on these kernels: wait here, not a poll later
+                t0 = time.time()
+                room.acks[-1][1].synchronize()
+                if room.trace is not None:
+                    room.trace.add("unpack_wait", t0)
+            self._ack_unpacked(room)
         if room.state == KVPoll.TRANSFERRING and room.done is not None and room.unpacked == room.done.segments:
             self._succeed(room)
         elif room.room in self.rooms and now - room.progress > self.settings.timeout_s:
@@ -280,9 +289,20 @@ class DecodeRole(PDRole):
             room.unpacked += 1
             room.wire_bytes += seg.nbytes
             self.stats.moved(seg.nbytes)
-            self._push(room.endpoint, KVAck(room.room, self.decode_id, seg.seq))
+            if self.staging.on_device:  # NOTE: the unpack kernels still read the staging bytes
+                event = torch.cuda.Event()
+                event.record()
+                room.acks.append((seg.seq, event))
+            else:  # copied out of host memory already
+                self._push(room.endpoint, KVAck(room.room, self.decode_id, seg.seq))
             if room.trace is not None:
                 room.trace.add(f"unpack[{seg.seq}]", t0)
+
+    def _ack_unpacked(self, room: DecodeRoom) -> None:
+        """Ack GPU-staged segments whose unpack kernels are done: only then may the prefill write
+        over their ring bytes (and the room's region go back, at success)."""
+        while room.acks and room.acks[0][1].query():
+            self._push(room.endpoint, KVAck(room.room, self.decode_id, room.acks.popleft()[0]))
 
     def _write_segment(self, req, seg: KVSegment, payload: torch.Tensor) -> bool:
         """Allocate slots for the segment's positions, unpack, update the row. False: no room."""

@@ -67,9 +67,14 @@ def load_engine_class():
     try:
         from mooncake.engine import TransferEngine as MooncakeEngine
     except ImportError as e:
-        hint = (" (the engine links libibverbs.so.1 even for TCP: install rdma-core's libibverbs1, e.g. "
-                "`apt-get install libibverbs1`; the CUDA build also needs ibverbs-providers for libmlx5.so.1)"
-                ) if "libibverbs" in str(e) or "libmlx5" in str(e) else ""
+        if "libibverbs" in str(e) or "libmlx5" in str(e):
+            hint = (" (the engine links libibverbs.so.1 even for TCP: install rdma-core's libibverbs1, e.g. "
+                    "`apt-get install libibverbs1`; the CUDA build also links libmlx5.so.1: ibverbs-providers)")
+        elif "mooncake" in str(e):
+            hint = (" (pip install -e '.[pd]' for host memory, or '.[pd-cuda13]' for Mooncake's CUDA build, "
+                    "which also moves GPU memory)")
+        else:
+            hint = ""
         raise ImportError(f"Mooncake's transfer engine is unavailable: {e}{hint}") from e
     return MooncakeEngine
 

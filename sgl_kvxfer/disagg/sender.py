@@ -131,6 +131,8 @@ class SenderThread:
             return SendResult(job.room, job.seq, "room cancelled before its write")
         elif fault.kind == "corrupt" and nbytes:
             payload[nbytes // 2] ^= 0xFF  # after checksumming: the wire carries a flipped byte
+            if payload.is_cuda:
+                torch.cuda.current_stream().synchronize()
         elif fault.kind == "truncate":
             sent = nbytes // 2
         wall_start, write_start = time.time(), time.perf_counter()

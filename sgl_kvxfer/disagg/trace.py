@@ -14,7 +14,8 @@ both sides into its reply's `meta_info.kv_transfer.trace`:
              wire[s]        segment s: the engine's write
              notice         KVDone on its way
     decode   bootstrap      arrival -> the claim is sent (bootstrap lookup, staging, request row)
-             unpack[s]      segment s: checksum verified, slots allocated, unpacked
+             unpack[s]      segment s: checksum verified, slots allocated, unpack launched
+             unpack_wait    GPU staging: the last unpack's kernels finishing (its acks wait on them)
              admit          KVDone handled -> the first token is queued to the client
              first_step     the request's first decode step (after the first token: not in TTFT)
 
