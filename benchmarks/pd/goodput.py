@@ -6,7 +6,8 @@ two devices, `sglang.bench_serving` through the real sglang-router at a sweep of
         [--slo-ttft-p99-ms 2000] [--slo-itl-p99-ms 60] [--server-args "..."]
         [--gpu-args "--base-gpu-id 0" "--base-gpu-id 1"] [--out-dir DIR]
 
-Setups, each started once and swept over the rates (Poisson arrivals, `--request-rate R`):
+Setups, all started at once (each device holds one server of each) and swept over the rates in
+turn (Poisson arrivals, `--request-rate R`; one setup serves at a time, the other idles):
 
     pd          a prefill server on the first device and a decode server on the second, behind
                 `launch_router --pd-disaggregation`
@@ -177,18 +178,28 @@ def main() -> None:
         plot(payload, path[:-5] + ".png")  # rewritten after every rate: a run cut short keeps both
         return path
 
-    with tempfile.TemporaryDirectory(prefix="goodput_") as tmp:
-        for setup in args.setups:
-            handles = start_setup(setup, args)
-            rows = payload["setups"][setup] = {}
-            try:
-                for rate in args.rates:
-                    row = bench(handles[-1].url, rate, args, os.path.join(tmp, f"{setup}_{rate:g}.jsonl"))
-                    rows[f"{rate:g}"] = row
+    handles: dict[str, list] = {}
+    try:
+        with ThreadPoolExecutor(len(args.setups)) as pool:  # both setups load at once; one runs at a time
+            futures = {setup: pool.submit(start_setup, setup, args) for setup in args.setups}
+            errors = []
+            for setup, f in futures.items():
+                try:
+                    handles[setup] = f.result()
+                except Exception as e:  # noqa: BLE001 (the others still get stopped below)
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+        with tempfile.TemporaryDirectory(prefix="goodput_") as tmp:
+            for rate in args.rates:  # rates outside: a run cut short keeps both setups' low rates
+                for setup in args.setups:
+                    row = bench(handles[setup][-1].url, rate, args, os.path.join(tmp, f"{setup}_{rate:g}.jsonl"))
+                    payload["setups"].setdefault(setup, {})[f"{rate:g}"] = row
                     print(f"{setup:>10} rate {rate:g}: {json.dumps(row)[:400]}", flush=True)
                     save()
-            finally:
-                stop_all(*reversed(handles))
+    finally:
+        for hs in handles.values():
+            stop_all(*reversed(hs))
     payload["complete"] = True
     path = save()
     print("max rate within SLO:", payload["max_rate_within_slo"])

@@ -279,6 +279,8 @@ def plot(payload: dict, path: str) -> None:
     rates = sorted({name.split()[2] for name in payload["pd"]}, key=lambda r: float("inf") if r == "unpaced" else float(r))
     x = {r: i for i, r in enumerate(rates)}
     prompts = [str(n) for n in p["prompts"]]
+    colors = {b: f"C{i}" for i, b in enumerate(sorted({name.split()[0][2:] for name in payload["pd"]}, reverse=True))}
+    styles = {"end": "o-", "int8": "s--", "chunk": "^--", "chunk-upgrade": "v--"}
     fig, axes = plt.subplots(len(prompts), 3, figsize=(16, 3.6 * len(prompts)), squeeze=False)
     for row_axes, n in zip(axes, prompts):
         for series in sorted({" ".join(name.split()[:2]) for name in payload["pd"]}):
@@ -286,12 +288,15 @@ def plot(payload: dict, path: str) -> None:
             names.sort(key=lambda name: x[name.split()[2]])
             rows = [payload["pd"][name][n] for name in names]
             xs = [x[name.split()[2]] for name in names]
-            line = row_axes[0].plot(xs, [r["ttft_ms"] for r in rows], "o-", label=f"PD {series}")[0]
-            row_axes[1].plot(xs, [r.get("wire_ms", float("nan")) for r in rows], "o-", color=line.get_color(), label=series)
-            row_axes[2].plot(xs, [r.get("link_gbps", float("nan")) for r in rows], "o-", color=line.get_color(), label=series)
+            b, stream = series.split()
+            style = dict(color=colors[b[2:]], label=f"PD {series}")
+            row_axes[0].plot(xs, [r["ttft_ms"] for r in rows], styles[stream], **style)
+            row_axes[1].plot(xs, [r.get("wire_ms", float("nan")) for r in rows], styles[stream], **style)
+            row_axes[2].plot(xs, [r.get("link_gbps", float("nan")) for r in rows], styles[stream], **style)
         for b, rows in payload["reference"].items():
             if n in rows:
-                row_axes[0].axhline(rows[n]["ttft_ms"], ls=":", lw=1, label=f"reference b={b}")
+                row_axes[0].axhline(rows[n]["ttft_ms"], ls=":", lw=1, color=colors.get(b, "gray"),
+                                    label=f"reference b={b}")
         titles = (f"TTFT through the router, {n}-token prompt", "KV wire time (link busy)", "achieved link rate")
         for ax, title, yl in zip(row_axes, titles, ("TTFT (ms)", "ms", "Gbit/s")):
             ax.set_xticks(range(len(rates)), [f"{r} Gbit/s" if r != "unpaced" else r for r in rates], fontsize=7)

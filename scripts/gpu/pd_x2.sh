@@ -10,11 +10,11 @@
 #   /tmp/pdlibs, then a 2-process GPU0 -> GPU1 write through sgl_kvxfer's engine (the GPU test).
 # run (at most 9 min; each stage under `timeout -s INT`, results rewritten as they come, so a stage
 #   cut short keeps what it measured):
-#   tests    (T_TESTS, 90 s)   the GPU-marked tests of the PD transfer path
-#   ttft     (T_TTFT, 330 s)   benchmarks/pd/ttft_vs_bandwidth.py at the Llama-3-8B shape: budgets
+#   tests    (T_TESTS, 50 s)   the GPU-marked tests of the PD transfer path
+#   ttft     (T_TTFT, 300 s)   benchmarks/pd/ttft_vs_bandwidth.py at the Llama-3-8B shape: budgets
 #                              1.0 / 0.5 / 0.3, prompts 2k / 8k / 32k, unpaced and paced links,
 #                              streams end / chunk-upgrade, a GPU0 -> GPU1 copy, phase traces
-#   goodput  (T_GOODPUT, 150 s) benchmarks/pd/goodput.py: 1 prefill + 1 decode vs 2 co-located
+#   goodput  (T_GOODPUT, 170 s) benchmarks/pd/goodput.py: 1 prefill + 1 decode vs 2 co-located
 # $OUT gets ttft_vs_bandwidth_*.{json,png}, goodput_*.{json,png}, gpu_tests.log, pd_x2.log (7 files).
 # CPU rehearsal at toy size: DEVICE=cpu OUT=/tmp/x bash scripts/gpu/pd_x2.sh
 set -uo pipefail
@@ -55,11 +55,13 @@ if [ "$DEVICE" = cuda ]; then
   # TTFT: 32k prompts fit the tiered pool's fp16 staging store (0.4 of 100k tokens); no decode graphs
   SERVER="$COMMON --max-total-tokens 100000 --kv-tier-staging 0.4 --kv-int4 on --attention-backend triton \
 --disable-cuda-graph --kv-transfer-buffer-mb 4096"
-  PROMPTS=(2048 8192 32768) RATES=(0 10 25 100 200) VARIANT_RATES=(0 10) REPEATS=5 REPEATS_LONG=1
-  GOODPUT_SERVER="$COMMON --max-total-tokens 200000 --cuda-graph-max-bs 64"
-  GOODPUT=(--rates 2 4 8 --input-len 4096 --output-len 256 --seconds-per-rate 3)
+  # the target points first (10 Gbit/s, NVLink unpaced): a stage cut short keeps them
+  PROMPTS=(2048 8192 32768) RATES=(10 0 25 100 200) VARIANT_RATES=(10 0) REPEATS=5 REPEATS_LONG=1
+  # goodput: a PD and a co-located server on each GPU (one setup serves at a time), 120k tokens each
+  GOODPUT_SERVER="${COMMON/--mem-fraction-static 0.7/--mem-fraction-static 0.9} --max-total-tokens 120000 --cuda-graph-max-bs 64"
+  GOODPUT=(--rates 2 4 8 --input-len 4096 --output-len 192 --seconds-per-rate 3)
   TTFT_NAME=ttft_vs_bandwidth_llama-3-8b_${GPU}_x2 GOODPUT_NAME=goodput_llama-3-8b_${GPU}_x2
-  T_TESTS=${T_TESTS:-60} T_TTFT=${T_TTFT:-300} T_GOODPUT=${T_GOODPUT:-160}
+  T_TESTS=${T_TESTS:-50} T_TTFT=${T_TTFT:-300} T_GOODPUT=${T_GOODPUT:-170}
   TESTS=(test/disagg/test_gpu_transfer.py test/disagg/test_pd_units.py)
 else  # the CPU rehearsal: the same stages on the tiny preset, two CPU servers per setup
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
