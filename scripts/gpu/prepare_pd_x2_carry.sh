@@ -9,7 +9,7 @@
 #                                  dist-info: the wheel is 49.7 MB, more than one call moves beside the
 #                                  tree; the rest of it (Mooncake Store, EP, the master) is not imported
 #     mooncake_cuda13.sha256       the sha256 of the whole wheel these files came from
-#     *.whl                        sglang-router 0.3.2 (+ setproctitle, orjson)
+#     *.whl                        sglang-router 0.3.2 (+ setproctitle, orjson), xxhash (the stage's test)
 #     deb/                         rdma-core's libibverbs1 and ibverbs-providers (libmlx5.so.1, which
 #                                  the CUDA build links), libnl-3, libnl-route-3, libnuma1
 #   .carry_pdx2_b/  (call 2, with .whl, about 25 MB)
@@ -27,7 +27,7 @@ PLAT="--platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platfo
 get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT -d "$1" "${@:2}"; }
 
 get "$T" mooncake-transfer-engine-cuda13==0.3.14 sglang==0.5.23
-get "$A" sglang-router==0.3.2 setproctitle==1.3.8 orjson==3.13.0
+get "$A" sglang-router==0.3.2 setproctitle==1.3.8 orjson==3.13.0 xxhash==4.1.0
 get "$B" apache-tvm-ffi==0.1.15.post2 compressed-tensors==0.20.0 datasets==5.2.0 dill==0.4.1 \
     multiprocess==0.70.19 ipython==9.18.1 traitlets==5.16.1 loguru==0.7.3 orjson==3.13.0 pybase64==1.5.1 \
     huggingface_hub==2.4.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5

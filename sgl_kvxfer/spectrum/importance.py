@@ -114,14 +114,15 @@ class ImportanceAccumulator:
         visible = key_pos[None, :] <= pos[:, None]                      # [W', T]
         if sliding_window is not None:
             visible &= key_pos[None, :] > pos[:, None] - sliding_window
-        # [W', Hkv, G, D] x [T, Hkv, D] -> [W', Hkv, G, T]: each query head against the kv head it
-        # reads, every head in one product (a per-head loop costs Hkv times the kernel launches)
-        qg = q.view(q.shape[0], hkv, hq // hkv, d)
-        logits = torch.einsum("whgd,thd->whgt", qg, k.float()) * scale
-        if logit_softcap is not None:
-            logits = logit_softcap * torch.tanh(logits / logit_softcap)
-        logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
-        self._mass[:t] += torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2)).to(self._mass.device)
+        group = hq // hkv
+        kf = k.float()
+        for h in range(hkv):
+            # [W', G, D] x [T, D] -> [W', G, T]: the G query heads that read kv head h
+            logits = torch.einsum("wgd,td->wgt", q[:, h * group:(h + 1) * group], kf[:, h]) * scale
+            if logit_softcap is not None:
+                logits = logit_softcap * torch.tanh(logits / logit_softcap)
+            logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+            self._mass[:t] += torch.softmax(logits, dim=-1).sum(dim=(0, 1)).to(self._mass.device)
         self.num_rows += int(keep.sum()) * hq
 
     @property
