@@ -154,7 +154,7 @@ class _Pool:
 
 
 def test_upgrade_resends_only_the_tokens_whose_tier_rose():
-    from sgl_kvxfer.disagg.prefill import TIER_KEEP, PrefillRole, PrefillRoom, _Range
+    from sgl_kvxfer.disagg.prefill import TIER_KEEP, PrefillRole, PrefillRoom
 
     role = object.__new__(PrefillRole)
     role.pool = _Pool([0, 1, 2, 1, 3, 2])  # final tiers of slots 0..5 (slot i holds position i)
