@@ -120,7 +120,7 @@ class EngineTiering:
                 acc = self._acc[s.req] = ImportanceAccumulator(n, window, dev)
             accs = [acc] if end > acc.window_start else []  # this chunk holds window queries
             if s.req in self._chunk_acc and end < n:  # a streamed chunk: its own window ranks it
-                self._chunk_acc[s.req] = ImportanceAccumulator(end, window, dev)
+                self._chunk_acc[s.req] = ImportanceAccumulator(end, window, dev, fused_heads=True)
                 accs.append(self._chunk_acc[s.req])
             if accs:
                 observed[i] = (accs, torch.arange(s.start, end, device=dev))

@@ -277,3 +277,16 @@ def test_pd_flags_are_validated():
             ServerArgs.from_flat(**bad)
     assert ServerArgs.from_flat(disaggregation_transfer_backend="mooncake_tcp").scheduler.disaggregation_transfer_backend \
         == "mooncake_tcp"
+
+
+def test_fused_head_importance_equals_the_per_head_loop():
+    """Chunk ranking's accumulator (one product per layer) computes the per-head loop's scores."""
+    from sgl_kvxfer.spectrum.importance import ImportanceAccumulator
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(40, 8, 16, generator=gen), torch.randn(100, 2, 16, generator=gen)
+    loop, fused = ImportanceAccumulator(100, 32), ImportanceAccumulator(100, 32, fused_heads=True)
+    for acc in (loop, fused):
+        acc.add_layer(q, k, q_positions=torch.arange(60, 100))
+        acc.add_layer(q, k, q_positions=torch.arange(60, 100), logit_softcap=5.0)
+    assert fused.num_rows == loop.num_rows and torch.allclose(fused.scores(), loop.scores(), atol=1e-6)
