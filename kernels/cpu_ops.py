@@ -202,19 +202,19 @@ def argmax_rows_reference(x):
 
 
 def add_rmsnorm_reference(x, weight, eps, residual=None):
-    from sgl_kvxfer.models.fused_ops import rmsnorm_torch
+    from .reference import rmsnorm_torch
 
     return rmsnorm_torch(x, weight, eps, residual)
 
 
 def silu_mul_reference(x):
-    from sgl_kvxfer.models.fused_ops import silu_mul_torch
+    from .reference import silu_mul_torch
 
     return silu_mul_torch(x)
 
 
 def rope_qk_reference(q, k, cos, sin):
-    from sgl_kvxfer.models.rope import apply_rope
+    from .reference import apply_rope
 
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 

@@ -74,7 +74,7 @@ def fused_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def fused_rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
                             residual: torch.Tensor | None = None):
-    """The unfused torch math the model runs without this kernel (`fused_ops.rmsnorm_torch`)."""
-    from sgl_kvxfer.models.fused_ops import rmsnorm_torch
+    """The unfused torch math the model runs without this kernel (`reference.rmsnorm_torch`)."""
+    from .reference import rmsnorm_torch
 
     return rmsnorm_torch(x, weight, eps, residual)

@@ -10,7 +10,7 @@ q_rot, k_rot: NEW contiguous [T, H, D] tensors (what the attention backends expe
 grid = (T, Hq + Hkv): program (t, h) rotates q head h (h < Hq) or k head h - Hq.
 Neox / HF rotate_half layout, x = [x1 | x2] (halves of D):
     out = [x1*cos - x2*sin | x2*cos + x1*sin]
-Rounding replicates `sgl_kvxfer.models.rope.apply_rope` (torch, same-dtype ops): every product
+Rounding replicates `sgl_kvxfer.layers.rope.apply_rope` (torch, same-dtype ops): every product
 is rounded to the model dtype, then the add/sub of the two rounded products is rounded. fp16 and
 bf16 products are exact in fp32 and each op is a single fp32 op + one rounding, so the result is
 bitwise equal to torch (no FMA can form: a rounding sits between the mul and the add).
@@ -80,6 +80,6 @@ def fused_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 def fused_rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Torch reference: `apply_rope` on q and on k."""
-    from sgl_kvxfer.models.rope import apply_rope
+    from .reference import apply_rope
 
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)

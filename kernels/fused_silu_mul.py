@@ -47,7 +47,7 @@ def fused_silu_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
 
 
 def fused_silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    """The unfused torch math the model runs without this kernel (`fused_ops.silu_mul_torch`)."""
-    from sgl_kvxfer.models.fused_ops import silu_mul_torch
+    """The unfused torch math the model runs without this kernel (`reference.silu_mul_torch`)."""
+    from .reference import silu_mul_torch
 
     return silu_mul_torch(x)

@@ -14,7 +14,7 @@ k_pages / v_pages: tuples of pool buffers [num_pages + 2, Hkv, PAGE, D] (head-ma
 (K_s0, K_s1) / (V_s0, V_s1) for FusedKV, (K_s1,) / (V_s0,) for Lite. weights: float32
 [4, Hkv, D] contiguous = (a0, a1, b0, b1) per channel (`pack_fusion_weights`; the key weights
 already expanded from their rotary-pair form, so a0[c] == a0[c'] for each pair). Numerics
-follow `fusedkv_math.fuse_kv`: fp32 products and sum, one rounding to the model dtype, then the
+follow `reference.fuse_kv`: fp32 products and sum, one rounding to the model dtype, then the
 usual dot. block_table int32 [B, W]: page ids of request b's slots 0..PAGE-1, PAGE..2*PAGE-1, ...
 
 Decode, grid (B * Hkv, S): as kernels/decode_attention.py (split-K, all KV_GROUP query heads of
@@ -361,9 +361,9 @@ def gather_pages(buf: torch.Tensor, pages: torch.Tensor, n: int) -> torch.Tensor
 def fusedkv_attention_reference(q, qo_indptr, k_pages, v_pages, block_table, kv_lens, weights=None,
                                 sm_scale=None) -> torch.Tensor:
     """Torch reference of both launchers (decode: qo_indptr = arange(B + 1)): gather the
-    sources, fuse with fusedkv_math.fuse_kv (or select, Lite), causal over the query suffix,
+    sources, fuse with reference.fuse_kv (or select, Lite), causal over the query suffix,
     softmax and PV in fp32."""
-    from sgl_kvxfer.models.fusedkv_math import fuse_kv
+    from .reference import fuse_kv
 
     N, Hq, D = q.shape
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale

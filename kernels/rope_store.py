@@ -114,7 +114,7 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots
 def rope_store_kv_reference(qkv, cos, sin, slots, k_pages, v_pages, num_q_heads, num_kv_heads,
                             return_kv=False):
     """Torch reference: split, `apply_rope` on q and k, then the paged pool's indexed stores."""
-    from sgl_kvxfer.models.rope import apply_rope
+    from .reference import apply_rope
 
     T, D = qkv.shape[0], k_pages.shape[-1]
     PAGE = k_pages.shape[2]

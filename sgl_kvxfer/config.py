@@ -32,6 +32,8 @@ CLI_HELP = {
     "kv_tier_page_size": "SpectrumKV: tokens per page of the int8/int4 stores (power of two >= 16, "
                          "default 64); the fp16 store stays slot-granular",
     "merge_lora": "a peft LoRA adapter dir merged into the model weights at load (base + adapter)",
+    "shutdown_grace_period_secs": "on SIGTERM / Ctrl-C: seconds in-flight requests may run on before they end "
+                                  "with a 503 (default 20); new requests get 503 at once; a second signal stops",
 }
 
 
@@ -321,11 +323,16 @@ class ServerArgs:
     log_level: str = "info"
     enable_metrics: bool = False
     skip_tokenizer_init: bool = False
+    # SIGTERM / Ctrl-C: seconds in-flight requests may run on before they end with a 503
+    # (server/shutdown.py); the name is sglang-router's. Below Kubernetes' default 30 s grace.
+    shutdown_grace_period_secs: float = 20.0
     ipc_dir: str | None = None  # directory for ipc:// sockets; default a fresh temp dir
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if not 0.0 <= self.shutdown_grace_period_secs <= 86400.0:  # NaN fails too
+            raise ValueError(f"shutdown_grace_period_secs must be in [0, 86400], got {self.shutdown_grace_period_secs}")
 
     @property
     def engine(self) -> EngineConfig:

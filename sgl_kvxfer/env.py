@@ -74,5 +74,10 @@ SCD_DATA = EnvVar(
     "folder of the SCD corpora ({code,prose}_{train,calib,eval}.jsonl[.gz]); default ../shared/data, "
     "else the repo's .cache/scd_data (sgl_kvxfer/scd/data.py)")
 
+FUSEDKV_DATA = EnvVar(
+    "SGL_KVXFER_FUSEDKV_DATA", None,
+    "folder of {domain}_{train,calib,eval}.jsonl (or their token files) for FusedKV conversion and "
+    "training when no --train-data / --data-dir is given (sgl_kvxfer/fusedkv/data.py)")
+
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, CPU_ISA,
-       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, KV_BUFFER, SCD_DATA)
+       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, KV_BUFFER, SCD_DATA, FUSEDKV_DATA)

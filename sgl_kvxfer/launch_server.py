@@ -12,7 +12,9 @@
 
 Shutdown invariant: no orphans. The launcher terminates its children on any exit path
 (SIGTERM, Ctrl-C, startup error); each child also dies with its parent (PR_SET_PDEATHSIG plus a
-watchdog thread on the parent pid) in case the launcher is SIGKILLed.
+watchdog thread on the parent pid) in case the launcher is SIGKILLed. While serving, the first
+SIGTERM / Ctrl-C drains the HTTP server first (server/shutdown.py: no new requests, in-flight ones
+finish within --shutdown-grace-period-secs or end with a 503), a second one stops at once.
 """
 from __future__ import annotations
 
@@ -139,7 +141,7 @@ def launch_server(server_args: ServerArgs, scheduler_target=None, launch_command
         tokenizer = _load_tokenizer(server_args, info)
         _wait_ack("detokenizer", detok, detok_conn)
         _watch_children(procs, stopping, crashed)
-        _serve(server_args, info, tokenizer, launch_command)
+        _serve(server_args, info, tokenizer, launch_command, crashed)
     except KeyboardInterrupt:
         logger.info("shutting down")
     finally:
@@ -167,16 +169,20 @@ def _load_tokenizer(server_args: ServerArgs, info: dict):
     return load_tokenizer(info["tokenizer_path"])
 
 
-def _serve(server_args: ServerArgs, info: dict, tokenizer, launch_command: str | None) -> None:
+def _serve(server_args: ServerArgs, info: dict, tokenizer, launch_command: str | None,
+           crashed: threading.Event) -> None:
     import uvicorn
 
     from sgl_kvxfer.server.app import create_app
+    from sgl_kvxfer.server.shutdown import DrainingServer
     from sgl_kvxfer.tokenizer.manager import TokenizerManager
 
-    app = create_app(server_args, TokenizerManager(server_args, info, tokenizer), launch_command)
+    tm = TokenizerManager(server_args, info, tokenizer)
+    app = create_app(server_args, tm, launch_command)
     logger.info("serving on http://%s:%d", server_args.host, server_args.port)
-    uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
-                access_log=False, timeout_graceful_shutdown=3)
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
+                            access_log=False, timeout_graceful_shutdown=3)
+    DrainingServer(config, tm, server_args.shutdown_grace_period_secs, crashed.is_set).run()
 
 
 def main(argv: list[str] | None = None, scheduler_target=None) -> None:

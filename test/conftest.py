@@ -60,3 +60,11 @@ def smollm2_path() -> str:
     from sgl_kvxfer.models.loader import resolve_model_path
 
     return resolve_model_path(None)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(request, tmp_path_factory) -> str:
+    """A dummy-weights model dir of the requesting test module's `TINY` config (tiny_models.py)."""
+    from tiny_models import write_tiny_model
+
+    return write_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")), request.module.TINY)

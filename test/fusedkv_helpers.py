@@ -8,16 +8,13 @@ import os
 import torch
 import torch.nn.functional as F
 
-from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.models.fusedkv_math import FusedKVConfig, expand_key_weight, fuse_kv, fusion_param_names
 
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "vocab_size": 128,
-    "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "max_position_embeddings": 1024, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-    "torch_dtype": "float32",
-}
+from tiny_models import tiny_llama
+
+TINY = tiny_llama(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, head_dim=16,
+                  torch_dtype="float32")
 
 
 def write_model(out_dir: str, variant: str | None, seed: int = 0, base: dict = TINY, **section) -> str:

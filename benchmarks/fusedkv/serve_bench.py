@@ -1,36 +1,33 @@
-"""FusedKV serving, side by side: KV pool bytes, prefill TTFT and decode TPOT of vanilla,
-FusedKV and FusedKV-Lite models of one shape, through the offline Engine.
+"""FusedKV serving, side by side: KV pool bytes, prefill TTFT and decode TPOT of vanilla, FusedKV
+and FusedKV-Lite models of one shape (dummy weights), through the offline Engine.
 
-Each variant is the preset's config.json (+ a `fusedkv` section: bottom half stores KV, random
-fusion weights from the config's init) with dummy weights, served by one Engine with the same
-pool capacity in tokens (equal context), so the pool bytes compare directly:
+    pool     allocated bytes of the KV pool (every tensor it holds) per token: FusedKV / Lite 0.5x
+    TTFT     generate(max_new_tokens=1) of one random prompt per length, one chunk, radix cache
+             flushed before each run: one untimed run per length, then --ttft-repeats timed ones
+             (median and spread). --ablate-skip also times FusedKV with its top half run over every
+             prompt token (model.skip_prefill_rows = False): where the TTFT gain comes from
+    TPOT     per point BATCHxCONTEXT: `batch` distinct random prompts of `context` tokens, prefilled
+             once, then decode_timing.measure_tpot: warm-up, --repeats adjacent (n1, n2) pairs,
+             median step with its spread; CUDA graphs as the engine defaults (on for CUDA)
+    bytes    each TPOT against the bytes its step must read (weights + KV; a FusedKV top layer reads
+             two source layers' K and V, a Lite one as much as a vanilla layer) at the copy bandwidth
+             measured here: `faster_than_bytes_allow` flags a step no real run can take
 
-    pool     allocated bytes of the KV pool (every tensor it holds) and bytes per token
-    TTFT     generate(max_new_tokens=1) of one random prompt of each length, prefilled in one
-             chunk, radix cache flushed before each timed run (median of --ttft-repeats, after
-             a warm-up run per length). --ablate-skip also times FusedKV with its top half run
-             over every prompt token (model.skip_prefill_rows = False): where the TTFT comes from
-    TPOT     `batch` prompts of --decode-context tokens: step = (T(n2) - T(n1)) / (n2 - n1) of
-             generate(max_new_tokens=n1 / n2) over radix-cached prompts (benchmarks/throughput/
-             e2e_decode.py's method), medians of --decode-repeats; CUDA graphs as the engine
-             defaults (on for CUDA)
+Each variant's engine gets one pool sized for its largest point that fits the device (weights +
+pool + headroom <= free memory); a point that does not fit a variant is recorded as skipped, with
+the bytes it needs (FusedKV and Lite hold twice vanilla's tokens in the same bytes).
 
-Targets (issue 21, the paper's figures): pool 0.50x of vanilla; TTFT <= 0.6x of vanilla at
-prompts >= 8k; TPOT within 1.1x (Lite) and 1.5x (FusedKV). The JSON records each ratio and
-whether it meets its target.
-
-    python benchmarks/fusedkv/serve_bench.py --preset llama-3-8b --prompt-lens 4096 8192 16384 \
-        --decode-context 8192 --decode-batch 1 16 --ablate-skip          # GPU (scripts/gpu/fusedkv_bench.sh)
-    python benchmarks/fusedkv/serve_bench.py --smoke                     # CPU smoke run
+    python benchmarks/fusedkv/serve_bench.py --preset llama-3-8b --points 1x8192 16x8192 64x8192 \\
+        1x32768 16x32768 64x32768 --prompt-lens 8192 32768        # GPU (scripts/gpu/fusedkv_all.sh)
+    python benchmarks/fusedkv/serve_bench.py --smoke               # CPU smoke run, into a temp dir
 """
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
-import statistics
+import re
 import sys
 import tempfile
 import time
@@ -38,141 +35,153 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common.bandwidth import copy_bandwidth_Bps  # noqa: E402
 from common.report import device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
+from decode_timing import (HEADROOM_BYTES, SLACK, VARIANTS, device_free_bytes, engine_memory_kwargs,  # noqa: E402
+                           kv_stored_bytes_per_token, measure_tpot, random_prompts, spread, step_roofline, sync,
+                           weight_bytes, write_variant)
 
-VARIANTS = ("vanilla", "fusedkv", "lite")
 TARGETS = {"pool_ratio": 0.5, "ttft_ratio_max": 0.6, "ttft_min_prompt": 8192,
            "tpot_ratio_max": {"lite": 1.1, "fusedkv": 1.5}}
 SMOKE = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--backend", "torch", "--prompt-lens", "48",
-         "96", "--ttft-repeats", "1", "--decode-context", "32", "--decode-batch", "2", "--n1", "1", "--n2", "3",
-         "--decode-repeats", "1", "--ablate-skip"]
+         "96", "--ttft-repeats", "2", "--points", "1x32", "2x32", "--n1", "2", "--n2", "6", "--repeats", "5",
+         "--ablate-skip"]
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def parse_point(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)x(\d+)", text)
+    if not m or not (1 <= int(m[1]) <= 4096 and 1 <= int(m[2]) <= 1 << 20):
+        raise argparse.ArgumentTypeError(f"a point is BATCHxCONTEXT with batch in [1, 4096], context in [1, 2^20]: {text!r}")
+    return int(m[1]), int(m[2])
 
 
-def write_variant(preset: str, variant: str, root: str) -> str:
-    """The preset's config.json (+ a fusedkv section) and a dummy tokenizer in root/variant."""
-    from sgl_kvxfer.models.presets import PRESETS, write_dummy_tokenizer, write_preset_config
+def measure_ttft(engine, lens: list[int], repeats: int, vocab: int) -> dict[int, dict]:
+    out = {}
+    for length in lens:
+        prompt = [random.Random(length).randrange(10, vocab) for _ in range(length)]
+        engine.flush_cache()
+        timed_one(engine, prompt)  # untimed: Triton JIT / autotune for this length
+        runs = []
+        for _ in range(repeats):
+            engine.flush_cache()
+            runs.append(timed_one(engine, prompt))
+        out[length] = {"ttft_s": spread(runs)["median"], "spread_s": spread(runs), "runs_s": runs}
+    return out
 
-    d = write_preset_config(preset, os.path.join(root, variant))
-    if variant != "vanilla":
-        path = os.path.join(d, "config.json")
-        with open(path) as f:
-            cfg = json.load(f)
-        cfg["fusedkv"] = {"variant": variant}  # storage layers: the bottom half (the default)
-        with open(path, "w") as f:
-            json.dump(cfg, f, indent=2)
-    return write_dummy_tokenizer(d, PRESETS[preset]["vocab_size"])
 
-
-def timed(engine, prompts, n: int) -> float:
-    params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+def timed_one(engine, prompt) -> float:
     sync()
     t = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 1, "temperature": 0, "ignore_eos": True})
     sync()
-    assert all(o["meta_info"]["completion_tokens"] == n for o in outs)
     return time.perf_counter() - t
 
 
-def measure_ttft(engine, args, vocab: int) -> dict[int, dict]:
-    out = {}
-    for length in args.prompt_lens:
-        prompt = [random.Random(length).randrange(10, vocab) for _ in range(length)]
-        engine.flush_cache()
-        timed(engine, [prompt], 1)  # warm-up: Triton JIT / autotune for this length
-        runs = []
-        for _ in range(args.ttft_repeats):
-            engine.flush_cache()
-            runs.append(timed(engine, [prompt], 1))
-        out[length] = {"ttft_s": statistics.median(runs), "runs_s": runs}
-    return out
+def plan_variant(args, arch, variant: str) -> tuple[list, list, int]:
+    """(points that fit, skipped point rows, pool tokens) of one variant."""
+    per_token = kv_stored_bytes_per_token(arch, args.dtype, variant)
+    _, resident = weight_bytes(arch, args.dtype, variant)
+    free = device_free_bytes(args.device)
+    run, skipped, pool = [], [], max(args.prompt_lens, default=0) + 1024
+    for batch, ctx in args.points:
+        tokens = batch * (ctx + args.n2 + SLACK)
+        need = resident + tokens * per_token + HEADROOM_BYTES
+        if free is not None and need > free:
+            skipped.append({"batch": batch, "context": ctx, "skipped": f"needs {need / 2**30:.1f} GiB (weights "
+                            f"{resident / 2**30:.1f} + KV {tokens * per_token / 2**30:.1f} + headroom), "
+                            f"{free / 2**30:.1f} GiB free"})
+            continue
+        run.append((batch, ctx))
+        pool = max(pool, tokens)
+    return run, skipped, pool
 
 
-def measure_tpot(engine, args, vocab: int) -> dict[int, dict]:
-    out = {}
-    for batch in args.decode_batch:
-        rng = random.Random(batch)
-        prompts = [[rng.randrange(10, vocab) for _ in range(args.decode_context)] for _ in range(batch)]
-        engine.flush_cache()
-        timed(engine, prompts, 1)  # prefill; later calls are radix hits
-        t1, t2 = [], []
-        for _ in range(args.decode_repeats):
-            t1.append(timed(engine, prompts, args.n1))
-            t2.append(timed(engine, prompts, args.n2))
-        step = (statistics.median(t2) - statistics.median(t1)) / (args.n2 - args.n1)
-        out[batch] = {"tpot_s": step, "n1_s": t1, "n2_s": t2}
-    return out
-
-
-def run_variant(args, variant: str, model_dir: str, pool_tokens: int, vocab: int) -> dict:
+def run_variant(args, variant: str, model_dir: str, arch, vocab: int, copy_bw: float) -> dict:
     from sgl_kvxfer import Engine
     from sgl_kvxfer.mem_cache.pool_bytes import allocated_bytes
 
-    max_b = max(args.decode_batch)
-    chunk = max(args.prompt_lens + [args.decode_context])
+    points, skipped, pool_tokens = plan_variant(args, arch, variant)
+    max_b = max([b for b, _ in points], default=1)
+    chunk = args.chunk or max(args.prompt_lens + [c for _, c in args.points])  # TTFT prompts in one chunk
+    _, resident = weight_bytes(arch, args.dtype, variant)
     kw = dict(load_format="dummy", dtype=args.dtype, device=args.device, attention_backend=args.backend,
               max_total_tokens=pool_tokens, max_running_requests=max_b, chunked_prefill_size=chunk,
-              max_prefill_tokens=max(chunk, 32768))  # the decode batch's prompts: a few 32k-token prefills
+              max_prefill_tokens=max(chunk, max(args.prompt_lens, default=0)),
+              **engine_memory_kwargs(args.device, resident, pool_tokens * kv_stored_bytes_per_token(arch, args.dtype, variant)))
     if args.device != "cpu":
         kw["cuda_graph_max_bs"] = max_b
     t0 = time.perf_counter()
     engine = Engine(model_dir, **kw)
-    start_s = time.perf_counter() - t0
-    runner = engine.runner
-    pool = runner.kv_pool
-    row = {"variant": variant, "engine_kwargs": kw, "engine_start_s": start_s,
-           "pool_tokens": pool.size, "pool_allocated_bytes": allocated_bytes(pool),
-           "kv_bytes_per_token": pool.bytes_per_token(),
-           "reconstruction_path": getattr(runner.attn_backend, "path", None),
-           "cuda_graphs": runner.graph_runner is not None}
-    print(f"{variant}: pool {row['pool_allocated_bytes'] / 2**30:.2f} GiB for {pool.size} tokens "
-          f"({row['kv_bytes_per_token']:.0f} B/token), start {start_s:.1f} s", flush=True)
-    row["ttft"] = measure_ttft(engine, args, vocab)
-    if variant == "fusedkv" and args.ablate_skip:
-        runner.model.skip_prefill_rows = False
-        row["ttft_no_skip"] = measure_ttft(engine, args, vocab)
-        runner.model.skip_prefill_rows = True
-    row["tpot"] = measure_tpot(engine, args, vocab)
-    for length, t in row["ttft"].items():
-        extra = f" (no skip {row['ttft_no_skip'][length]['ttft_s'] * 1e3:.1f} ms)" if "ttft_no_skip" in row else ""
-        print(f"  TTFT {length}: {t['ttft_s'] * 1e3:.1f} ms{extra}", flush=True)
-    for batch, t in row["tpot"].items():
-        print(f"  TPOT batch {batch} ctx {args.decode_context}: {t['tpot_s'] * 1e3:.2f} ms", flush=True)
-    engine.shutdown()
-    del engine, runner, pool
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    row = {"variant": variant, "engine_kwargs": kw, "engine_start_s": time.perf_counter() - t0}
+    try:
+        runner, pool = engine.runner, engine.runner.kv_pool
+        row.update(pool_tokens=pool.size, pool_allocated_bytes=allocated_bytes(pool),
+                   kv_bytes_per_token=pool.bytes_per_token(),
+                   pool_bytes_per_token_allocated=allocated_bytes(pool) / pool.size,
+                   reconstruction_path=getattr(runner.attn_backend, "path", None),
+                   cuda_graphs=runner.graph_runner is not None)
+        print(f"{variant}: pool {row['pool_allocated_bytes'] / 2**30:.2f} GiB for {pool.size} tokens "
+              f"({row['kv_bytes_per_token']:.0f} B/token), start {row['engine_start_s']:.1f} s", flush=True)
+        row["ttft"] = measure_ttft(engine, args.prompt_lens, args.ttft_repeats, vocab)
+        if variant == "fusedkv" and args.ablate_skip:
+            runner.model.skip_prefill_rows = False
+            row["ttft_no_skip"] = measure_ttft(engine, args.prompt_lens, args.ttft_repeats, vocab)
+            runner.model.skip_prefill_rows = True
+        row["tpot"] = list(skipped)
+        for batch, ctx in points:
+            prompts = random_prompts(batch, ctx, vocab, seed=batch * 100003 + ctx)
+            engine.flush_cache()
+            t = time.perf_counter()
+            engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1})  # prefill; radix hits after
+            point = {"batch": batch, "context": ctx, "prefill_s": time.perf_counter() - t,
+                     **measure_tpot(engine, prompts, args.n1, args.n2, args.repeats)}
+            step_roofline(point, arch, args.dtype, variant, batch, ctx, args.n1, args.n2, copy_bw)
+            row["tpot"].append(point)
+            s = point["step_spread_s"]
+            tp = "unmeasurable (noise > decode)" if point["tpot_s"] is None else f"{point['tpot_s'] * 1e3:.2f} ms"
+            print(f"  TPOT b{batch} ctx {ctx}: {tp} (min {s['min'] * 1e3:.2f}, max {s['max'] * 1e3:.2f}, n={s['n']}); "
+                  f"bytes allow >= {point['min_step_s'] * 1e3:.2f} ms"
+                  + ("  FASTER THAN ITS BYTES ALLOW" if point["faster_than_bytes_allow"] else "")
+                  + ("  (unstable)" if point["unstable"] else ""), flush=True)
+        for length, t in row["ttft"].items():
+            extra = f" (no skip {row['ttft_no_skip'][length]['ttft_s'] * 1e3:.1f} ms)" if "ttft_no_skip" in row else ""
+            print(f"  TTFT {length}: {t['ttft_s'] * 1e3:.1f} ms{extra}", flush=True)
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return row
 
 
 def ratios(rows: dict[str, dict]) -> dict:
-    """Each variant vs vanilla, with the targets it meets."""
+    """Each variant vs vanilla (same length / same point), with the targets it meets."""
     base, out = rows.get("vanilla"), {}
     if base is None:
         return out
+    btp = {(p["batch"], p["context"]): p.get("tpot_s") for p in base["tpot"]}
     for v, r in rows.items():
         if v == "vanilla":
             continue
-        pool = r["pool_allocated_bytes"] / base["pool_allocated_bytes"]
-        ttft = {L: r["ttft"][L]["ttft_s"] / base["ttft"][L]["ttft_s"] for L in r["ttft"]}
-        tpot = {b: r["tpot"][b]["tpot_s"] / base["tpot"][b]["tpot_s"] for b in r["tpot"]}
+        pool = r["pool_bytes_per_token_allocated"] / base["pool_bytes_per_token_allocated"]
+        ttft = {L: r["ttft"][L]["ttft_s"] / base["ttft"][L]["ttft_s"] for L in r["ttft"] if L in base["ttft"]}
+        tpot = {f"{p['batch']}x{p['context']}": p["tpot_s"] / btp[(p["batch"], p["context"])] for p in r["tpot"]
+                if p.get("tpot_s") and btp.get((p["batch"], p["context"]))}
         long = [x for L, x in ttft.items() if L >= TARGETS["ttft_min_prompt"]]
         cap = TARGETS["tpot_ratio_max"][v]
-        out[v] = {"pool": pool, "ttft": ttft, "tpot": tpot,
+        out[v] = {"pool_bytes_per_token": pool, "ttft": ttft, "tpot": tpot,
                   "meets": {"pool": abs(pool - TARGETS["pool_ratio"]) < 0.01,
-                            "ttft": bool(long) and 0 < max(long) <= TARGETS["ttft_ratio_max"],
-                            "tpot": 0 < min(tpot.values()) and max(tpot.values()) <= cap}}
+                            "ttft": bool(long) and max(long) <= TARGETS["ttft_ratio_max"],
+                            "tpot": bool(tpot) and max(tpot.values()) <= cap}}
         if "ttft_no_skip" in r:
-            out[v]["ttft_no_skip"] = {L: r["ttft_no_skip"][L]["ttft_s"] / base["ttft"][L]["ttft_s"] for L in r["ttft"]}
+            out[v]["ttft_no_skip"] = {L: r["ttft_no_skip"][L]["ttft_s"] / base["ttft"][L]["ttft_s"] for L in r["ttft"]
+                                      if L in base["ttft"]}
     return out
 
 
-def plot(path_png: str, title: str, rows: dict[str, dict], rel: dict) -> bool:
+def plot(path_png: str, title: str, rows: dict[str, dict]) -> bool:
     try:
         import matplotlib
 
@@ -180,33 +189,37 @@ def plot(path_png: str, title: str, rows: dict[str, dict], rel: dict) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
     names = list(rows)
-    axes[0].bar(names, [rows[v]["pool_allocated_bytes"] / 2**30 for v in names], color=["C0", "C1", "C2"][:len(names)])
-    for i, v in enumerate(names):
-        if v in rel:
-            axes[0].text(i, rows[v]["pool_allocated_bytes"] / 2**30, f"{rel[v]['pool']:.2f}x", ha="center", va="bottom")
-    axes[0].set_ylabel(f"KV pool GiB ({rows[names[0]]['pool_tokens']} tokens)")
     for i, v in enumerate(names):
         lens = sorted(rows[v]["ttft"])
-        axes[1].plot(lens, [rows[v]["ttft"][L]["ttft_s"] * 1e3 for L in lens], "o-", color=f"C{i}", label=v)
+        med = [rows[v]["ttft"][L]["ttft_s"] * 1e3 for L in lens]
+        err = [[m - rows[v]["ttft"][L]["spread_s"]["min"] * 1e3 for m, L in zip(med, lens)],
+               [rows[v]["ttft"][L]["spread_s"]["max"] * 1e3 - m for m, L in zip(med, lens)]]
+        axes[0].errorbar(lens, med, yerr=err, fmt="o-", color=f"C{i}", capsize=3, label=v)
         if "ttft_no_skip" in rows[v]:
-            axes[1].plot(lens, [rows[v]["ttft_no_skip"][L]["ttft_s"] * 1e3 for L in lens], "x--", color=f"C{i}",
+            axes[0].plot(lens, [rows[v]["ttft_no_skip"][L]["ttft_s"] * 1e3 for L in lens], "x--", color=f"C{i}",
                          label=f"{v}, top half over every token")
-        batches = sorted(rows[v]["tpot"])
-        xs = [j + 0.27 * (i - 1) for j in range(len(batches))]
-        axes[2].bar(xs, [rows[v]["tpot"][b]["tpot_s"] * 1e3 for b in batches], 0.27, color=f"C{i}", label=v)
-        if v in rel:
-            for x, b in zip(xs, batches):
-                axes[2].text(x, rows[v]["tpot"][b]["tpot_s"] * 1e3, f"{rel[v]['tpot'][b]:.2f}x", ha="center",
-                             va="bottom", fontsize=7)
-    axes[1].set_xlabel("prompt tokens")
-    axes[1].set_ylabel("TTFT ms")
-    axes[1].legend(fontsize=7)
-    batches = sorted(rows[names[0]]["tpot"])
-    axes[2].set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
-    axes[2].set_ylabel("TPOT ms")
-    axes[2].legend(fontsize=7)
+    pts = sorted({(p["batch"], p["context"]) for r in rows.values() for p in r["tpot"]})
+    w = 0.8 / max(1, len(names))
+    for i, v in enumerate(names):
+        by = {(p["batch"], p["context"]): p for p in rows[v]["tpot"]}
+        for j, key in enumerate(pts):
+            p = by.get(key)
+            if not p or not p.get("tpot_s"):
+                continue
+            x, s = j + (i - (len(names) - 1) / 2) * w, p["step_spread_s"]
+            axes[1].bar(x, p["tpot_s"] * 1e3, w, color=f"C{i}", label=v if j == 0 or key == pts[0] else None,
+                        yerr=[[max(0, p["tpot_s"] - s["min"]) * 1e3], [max(0, s["max"] - p["tpot_s"]) * 1e3]], capsize=2)
+            axes[1].plot([x - w / 2, x + w / 2], [p["min_step_s"] * 1e3] * 2, "k-", lw=1)
+    axes[0].set(xlabel="prompt tokens", ylabel="TTFT ms (median, min..max)")
+    axes[0].set_xscale("log", base=2)
+    axes[0].legend(fontsize=7)
+    axes[1].set_xticks(range(len(pts)), [f"b{b}\nctx {c}" for b, c in pts], fontsize=8)
+    axes[1].set_ylim(bottom=0)
+    axes[1].set(ylabel="TPOT ms (median, min..max)", title="black line: bytes per step / copy bandwidth")
+    handles, labels = axes[1].get_legend_handles_labels()
+    axes[1].legend(dict(zip(labels, handles)).values(), dict(zip(labels, handles)).keys(), fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path_png, dpi=120)
@@ -216,51 +229,62 @@ def plot(path_png: str, title: str, rows: dict[str, dict], rel: dict) -> bool:
 
 def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CPU smoke run: " + " ".join(SMOKE))
+    p.add_argument("--smoke", action="store_true", help="CPU smoke run into a temp dir: " + " ".join(SMOKE))
     p.add_argument("--preset", default="llama-3-8b")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--prompt-lens", type=int, nargs="+", default=[4096, 8192, 16384])
-    p.add_argument("--ttft-repeats", type=int, default=3)
+    p.add_argument("--prompt-lens", type=int, nargs="*", default=[8192, 32768])
+    p.add_argument("--ttft-repeats", type=int, default=5)
     p.add_argument("--ablate-skip", action="store_true", help="also time FusedKV's TTFT without the prefill skip")
-    p.add_argument("--decode-context", type=int, default=8192)
-    p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--n1", type=int, default=16)
-    p.add_argument("--n2", type=int, default=80)
-    p.add_argument("--decode-repeats", type=int, default=2)
+    p.add_argument("--points", type=parse_point, nargs="+",
+                   default=[parse_point(x) for x in ("1x8192", "16x8192", "64x8192", "1x32768", "16x32768", "64x32768")])
+    p.add_argument("--n1", type=int, default=8)
+    p.add_argument("--n2", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--chunk", type=int, default=None, help="--chunked-prefill-size (default: the longest prompt)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backend", default="triton")
-    p.add_argument("--out-dir", default=None)
+    p.add_argument("--out-dir", default=None, help="default benchmarks/results (--smoke: a fresh temp dir)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     if args.smoke:
         args = p.parse_args(SMOKE + [a for a in argv if a != "--smoke"])
         args.smoke = True
-    if args.n2 <= args.n1:
-        p.error("--n2 must exceed --n1")
+        args.out_dir = args.out_dir or tempfile.mkdtemp(prefix="fusedkv_serve_smoke_")
+    if args.n2 <= args.n1 or args.n1 < 1:
+        p.error("need 1 <= --n1 < --n2 (both calls must decode)")
+    if args.repeats < 5 or args.ttft_repeats < 1:
+        p.error("--repeats must be >= 5 (the spread needs them), --ttft-repeats >= 1")
     triton_interpreter_for(args.device)
 
+    from sgl_kvxfer.models.arch_config import ModelArchConfig
     from sgl_kvxfer.models.presets import PRESETS
 
-    vocab = PRESETS[args.preset]["vocab_size"]
-    # equal capacity for every variant: the longest prompt, or every decode request to its end
-    pool_tokens = max(max(args.prompt_lens), max(args.decode_batch) * (args.decode_context + args.n2 + 64)) + 1024
+    arch = ModelArchConfig.from_hf_dict(PRESETS[args.preset])
+    vocab = arch.vocab_size
     device = device_name(args.device)
+    copy_bw = copy_bandwidth_Bps(torch.device(args.device))
+    print(f"{device}: copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)", flush=True)
     rows = {}
     with tempfile.TemporaryDirectory(prefix="fusedkv_serve_") as root:
         for variant in args.variants:
-            rows[variant] = run_variant(args, variant, write_variant(args.preset, variant, root), pool_tokens, vocab)
+            rows[variant] = run_variant(args, variant, write_variant(args.preset, variant, root), arch, vocab, copy_bw)
     rel = ratios(rows)
     for v, r in rel.items():
-        print(f"{v} vs vanilla: pool {r['pool']:.3f}x, TTFT " + ", ".join(f"{L}: {x:.2f}x" for L, x in r["ttft"].items())
-              + ", TPOT " + ", ".join(f"b{b}: {x:.2f}x" for b, x in r["tpot"].items()) + f"; meets {r['meets']}")
+        print(f"{v} vs vanilla: pool {r['pool_bytes_per_token']:.3f}x, TTFT " +
+              ", ".join(f"{L}: {x:.2f}x" for L, x in r["ttft"].items()) +
+              ", TPOT " + ", ".join(f"{k}: {x:.2f}x" for k, x in r["tpot"].items()) + f"; meets {r['meets']}")
+    flagged = [(v, p["batch"], p["context"]) for v, r in rows.items() for p in r["tpot"] if p.get("faster_than_bytes_allow")]
+    if flagged:
+        print(f"WARNING: faster than their bytes allow (a timing error, not a speed-up): {flagged}", flush=True)
     payload = {"benchmark": "fusedkv_serve", "device": device, "commit": git_commit(), "torch": torch.__version__,
-               "params": vars(args), "targets": TARGETS, "rows": rows, "vs_vanilla": rel}
+               "params": {k: v for k, v in vars(args).items()}, "copy_bandwidth_Bps": copy_bw, "targets": TARGETS,
+               "rows": rows, "vs_vanilla": rel, "faster_than_bytes_allow": flagged}
     tag = "cpu" if args.device == "cpu" else device.split(" (")[0].replace(" ", "_")
     path = write_json(f"fusedkv_serve_{args.preset}_{tag}", payload, args.out_dir)
     print("wrote", path)
     title = f"vanilla / FusedKV / FusedKV-Lite, {args.preset} shape, dummy weights, {args.dtype}, {device}"
-    if plot(path[:-5] + ".png", title, rows, rel):
+    if plot(path[:-5] + ".png", title, rows):
         print("wrote", path[:-5] + ".png")
     return path
 

@@ -10,10 +10,14 @@ request 1 prefills `--context` tokens (max_new_tokens=0; the scheduler tiers the
 radix cache keeps them), request 2 sends context + `--continuation` tokens with
 logprob_start_len = context, so only the continuation is scored, over the tiered prefix.
 PPL = exp(mean NLL). Resident bytes: /get_server_info's kv_bytes_per_token after the context
-prefills, over the vanilla model's fp16 (model dtype) bytes per token.
+prefills, over the vanilla model's fp16 (model dtype) bytes per token. Decode speed (--decode-batch
+> 0): that many random prompts of --decode-context tokens, prefilled (and tiered) once, then
+decode_timing.measure_tpot (warm-up, >= 5 (n1, n2) pairs, median step and spread) in the same engine.
+Eval text: --eval-data (jsonl, tokenized by the model's tokenizer) or --eval-tokens (a token file of
+sgl_kvxfer/fusedkv/data.py made with the same tokenizer).
 
-    python benchmarks/fusedkv/tiers.py --fusedkv-model ~/.cache/sgl_kvxfer/models/smollm2-135m-fusedkv \
-        --eval-data ../shared/data/prose_eval.jsonl --device cuda       # the retrofit (benchmarks/fusedkv/README.md)
+    python benchmarks/fusedkv/tiers.py --fusedkv-model DIR --eval-tokens .cache/fusedkv/prose_eval.u16.xz \
+        --device cuda                                                   # a converted model (docs/fusedkv.md)
     python benchmarks/fusedkv/tiers.py --smoke                          # CPU: random tiny models, dummy weights
 """
 from __future__ import annotations
@@ -29,10 +33,13 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common.report import device_name, git_commit, write_json  # noqa: E402
+from decode_timing import measure_tpot, random_prompts  # noqa: E402
 
 SMOKE = ["--base-model", "@tiny", "--fusedkv-model", "@tiny", "--load-format", "dummy", "--device", "cpu",
-         "--dtype", "float32", "--context", "64", "--continuation", "16", "--windows", "2"]
+         "--dtype", "float32", "--context", "64", "--continuation", "16", "--windows", "2", "--decode-batch", "2",
+         "--decode-context", "48", "--n1", "2", "--n2", "6"]
 
 
 def tiny_models(root: str) -> tuple[str, str]:
@@ -52,8 +59,19 @@ def tiny_models(root: str) -> tuple[str, str]:
     return dirs[0], dirs[1]
 
 
-def windows(tokenizer, path: str | None, size: int, count: int, vocab: int) -> list[list[int]]:
+def windows(tokenizer, path: str | None, size: int, count: int, vocab: int, tokens: str | None = None) -> list[list[int]]:
     """`count` non-overlapping windows of `size` tokens of the eval text (random ids without one)."""
+    if tokens is not None:
+        import lzma
+
+        import numpy as np
+
+        with open(tokens, "rb") as f:
+            ids = np.frombuffer(lzma.decompress(f.read()), dtype=np.uint16 if ".u16." in tokens else np.uint32)
+        out = [ids[i:i + size].tolist() for i in range(0, ids.size - size + 1, size)][:count]
+        if len(out) < count:
+            raise SystemExit(f"{tokens}: {len(out)} windows of {size} tokens, {count} asked")
+        return out
     if path is None:
         g = torch.Generator().manual_seed(0)
         return torch.randint(3, vocab, (count, size), generator=g).tolist()
@@ -100,7 +118,8 @@ def run(args, base_dir: str, fkv_dir: str) -> dict:
             # a tiered pool stages new tokens in an fp16 store of ~1/4 of its memory: room for
             # every window there, so no cached context is evicted before it is scored
             kw = dict(load_format=args.load_format, dtype=args.dtype, device=args.device,
-                      max_total_tokens=4 * args.windows * (args.context + args.continuation + 64) + 4096,
+                      max_total_tokens=4 * max(args.windows * (args.context + args.continuation + 64),
+                                               args.decode_batch * (args.decode_context + args.n2 + 192)) + 4096,
                       chunked_prefill_size=args.context)
             if args.attention_backend:
                 kw["attention_backend"] = args.attention_backend
@@ -109,22 +128,36 @@ def run(args, base_dir: str, fkv_dir: str) -> dict:
             with Engine(model_dir, **kw) as engine:
                 if wins is None:
                     wins = windows(engine.tokenizer, args.eval_data, args.context + args.continuation, args.windows,
-                                   engine.runner.arch.vocab_size)
+                                   engine.runner.arch.vocab_size, args.eval_tokens)
                 r = score(engine, wins, args.context, f"{name}-{budget}")
+                if args.decode_batch:
+                    prompts = random_prompts(args.decode_batch, args.decode_context, engine.runner.arch.vocab_size, 11)
+                    engine.flush_cache()
+                    engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1})
+                    r["decode"] = {"batch": args.decode_batch, "context": args.decode_context,
+                                   **measure_tpot(engine, prompts, args.n1, args.n2, args.repeats)}
             if name == "vanilla" and budget == 1.0:
                 vanilla_fp16 = r["kv_bytes_per_token"]
             rows.append({"model": name, "kv_tier_budget": budget, **r})
-            print(f"{name} b={budget:g}: PPL {r['ppl']:.3f}, {r['kv_bytes_per_token']:.0f} B/token", flush=True)
+            tpot = (r.get("decode") or {}).get("tpot_s")
+            print(f"{name} b={budget:g}: PPL {r['ppl']:.3f}, {r['kv_bytes_per_token']:.0f} B/token"
+                  + (f", TPOT {tpot * 1e3:.2f} ms at batch {args.decode_batch} x {args.decode_context}" if tpot else ""),
+                  flush=True)
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     if vanilla_fp16 is None:  # no b = 1.0 run: the FusedKV engine reports what the vanilla pool takes
         vanilla_fp16 = next(r["kv_vanilla_bytes_per_token"] for r in rows if r["kv_vanilla_bytes_per_token"])
     base_ppl = {r["kv_tier_budget"]: r["ppl"] for r in rows if r["model"] == "vanilla"}
+    base_tpot = next(((r.get("decode") or {}).get("tpot_s") for r in rows
+                      if r["model"] == "vanilla" and r["kv_tier_budget"] == 1.0), None)
     for r in rows:
         r["resident_vs_vanilla_fp16"] = r["kv_bytes_per_token"] / vanilla_fp16
         if 1.0 in base_ppl:
             r["ppl_vs_vanilla_fp16_pct"] = 100 * (r["ppl"] - base_ppl[1.0]) / base_ppl[1.0]
+        tpot = (r.get("decode") or {}).get("tpot_s")
+        if tpot and base_tpot:
+            r["tpot_vs_vanilla_fp16"] = tpot / base_tpot
     return {"rows": rows, "vanilla_fp16_bytes_per_token": vanilla_fp16, "windows": len(wins)}
 
 
@@ -159,6 +192,12 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--base-model", default="smollm2-135m", help="the vanilla model it came from; @tiny: random")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--eval-data", default=None, help="jsonl with a 'text' field (none: random ids)")
+    p.add_argument("--eval-tokens", default=None, help="a token file (.u16.xz / .u32.xz) of the model's tokenizer")
+    p.add_argument("--decode-batch", type=int, default=8, help="decode timing: requests (0: none)")
+    p.add_argument("--decode-context", type=int, default=2048)
+    p.add_argument("--n1", type=int, default=8)
+    p.add_argument("--n2", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budgets", type=float, nargs="+", default=[1.0, 0.5])
     p.add_argument("--kv-tier-policy", default="greedy")
     p.add_argument("--kv-int4", default="on", help="on: int4 allowed (no start-up probe); auto: the probe decides")
@@ -176,6 +215,8 @@ def main(argv: list[str] | None = None) -> str:
         args.smoke = True
     if not args.fusedkv_model:
         p.error("--fusedkv-model is required (or --smoke)")
+    if args.decode_batch < 0 or not 1 <= args.n1 < args.n2 or args.repeats < 5:
+        p.error("need --decode-batch >= 0, 1 <= --n1 < --n2, --repeats >= 5")
     from common.report import triton_interpreter_for
 
     triton_interpreter_for(args.device)

@@ -20,7 +20,7 @@ namespace sgl_kvxfer_cpu {
 namespace {
 
 // ---------------------------------------------------------------- RMSNorm (+ residual)
-// torch reference (fused_ops.rmsnorm_torch):
+// torch reference (reference.py rmsnorm_torch):
 //   s = x + residual                  (rounded to T; returned as the new residual)
 //   n = T(float(s) * rsqrt(mean(float(s)^2) + eps))
 //   out = T(float(weight) * float(n))
@@ -138,7 +138,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
 }
 
 // ---------------------------------------------------------------- RoPE on q and k
-// torch reference (models/rope.py apply_rope), per half-pair (x1, x2) = (x[:D/2], x[D/2:]):
+// torch reference (reference.py apply_rope), per half-pair (x1, x2) = (x[:D/2], x[D/2:]):
 //   out1 = T(T(x1 * c) - T(x2 * s));  out2 = T(T(x2 * c) + T(x1 * s))
 template <typename T>
 void rope_rows(const T* src, int64_t st, int64_t sh, T* dst, int64_t H, int64_t D, const T* cos,

@@ -68,7 +68,7 @@ for s in $STAGES; do
   case $s in
     tests)  # one pytest per file, in parallel: Triton's JIT builds (CPU-bound) dominate them
       t=$(date +%s); pids=(); names=()
-      for f in test/kernels/test_filled_decode_attention.py test/engine/test_triton_tiered_backend.py \
+      for f in test/kernels/test_filled_decode_attention.py test/layers/test_triton_tiered_backend.py \
                test/kernels/test_decode_attention.py test/kernels/test_extend_attention.py; do
         [ -f "$f" ] || continue
         n=$(basename "$f" .py); names+=("$n")

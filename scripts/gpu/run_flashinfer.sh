@@ -21,7 +21,7 @@ if [ "$what" = all ] || [ "$what" = jit ]; then
   grep -E "^JIT|Error|error" "$OUT/jit.log" | cut -c1-400 | head -20
 fi
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  timeout 300 python3 -m pytest -q -rs -p no:cacheprovider test/engine/test_flashinfer_backend.py 2>&1 \
+  timeout 300 python3 -m pytest -q -rs -p no:cacheprovider test/layers/test_flashinfer_backend.py 2>&1 \
     | tee "$OUT/fi_tests.log" | tail -15
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then

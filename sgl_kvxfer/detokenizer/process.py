@@ -4,7 +4,8 @@
               --InternalState / FlushCacheResult-------------------------> (forwarded as is)
 
 Invariant: one `IncrementalDetokenizer` per live rid, created on the rid's first `ReqOutput`
-and dropped on the one that carries a finish_reason, so state never outlives a request.
+and dropped on the one that carries a finish_reason, so state never outlives a request. A rid
+whose ids cannot be rendered ends with a 500 abort (its state dropped); the others go on.
 """
 from __future__ import annotations
 
@@ -46,10 +47,24 @@ class DetokenizerManager:
             return [""] * len(outputs)
         whole = [i for i, o in enumerate(outputs) if o.finish_reason is not None and o.rid not in self._states]
         skip = set(whole)
-        texts = [None if i in skip else self._text(o) for i, o in enumerate(outputs)]
-        for i, text in zip(whole, render_finished(self._tokenizer, [outputs[i] for i in whole])):
+        texts = [None if i in skip else self._text_or_fail(o) for i, o in enumerate(outputs)]
+        try:
+            rendered = render_finished(self._tokenizer, [outputs[i] for i in whole])
+        except Exception:  # noqa: BLE001 (one bad request must not fail the batch: render each alone)
+            rendered = [self._text_or_fail(outputs[i]) for i in whole]
+        for i, text in zip(whole, rendered):
             texts[i] = text
         return texts
+
+    def _text_or_fail(self, out: ReqOutput) -> str:
+        try:
+            return self._text(out)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("cannot detokenize %s", out.rid)
+            self._states.pop(out.rid, None)
+            out.finish_reason = {"type": "abort", "status_code": 500, "err_type": "InternalServerError",
+                                 "message": f"Internal server error: detokenizing failed: {type(e).__name__}: {e}"}
+            return ""
 
     def handle(self, msg):
         if isinstance(msg, BatchTokenIDOut):
@@ -77,4 +92,6 @@ def run_detokenizer_process(server_args: ServerArgs, conn) -> None:
     conn.send({"status": "ready"})
 
     while True:
-        send.put(manager.handle(recv.get()))
+        msg = recv.get()
+        if msg is not None:
+            send.put(manager.handle(msg))

@@ -85,6 +85,7 @@ class TransferStats:
         self.bytes = 0
         self.tokens = 0
         self.segments = 0
+        self.peer_failures = 0  # peers seen dying (disagg/peers.py)
 
     def outcome(self, name: str) -> None:
         self.rooms[name] += 1
@@ -97,7 +98,8 @@ class TransferStats:
     def to_dict(self, **extra) -> dict:
         return {"rooms": dict(self.rooms), "bytes": self.bytes, "tokens": self.tokens, "segments": self.segments,
                 "bytes_per_token": self.bytes / self.tokens if self.tokens else 0.0,
-                "fallbacks": sum(n for k, n in self.rooms.items() if k.startswith("fallback")), **extra}
+                "fallbacks": sum(n for k, n in self.rooms.items() if k.startswith("fallback")),
+                "peer_failures": self.peer_failures, **extra}
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ a room here (disagg/base.py has the states):
     SUCCESS            KVDone with every segment in: the request joins the running batch with
                        its prompt KV and first token, its prefill skipped
     FAILED             bad checksum, KVFailed, no progress within --kv-transfer-timeout, prefill
-                       unreachable: everything the room held is freed and the request is
-                       prefilled here instead (the client still gets the right answer)
+                       unreachable (peers.py: seen within seconds of its death; a request for a
+                       prefill already seen dead fails at once): everything the room held is
+                       freed and the request is prefilled here instead (the client still gets
+                       the right answer)
 
 Input logprobs are the prefill's (the router prepends them): a PD request never reports its own.
 """
@@ -33,11 +35,12 @@ from sgl_kvxfer.disagg import create_transfer_engine
 from sgl_kvxfer.disagg.base import KVPoll
 from sgl_kvxfer.disagg.buffers import TransferBuffer, first_bad_block
 from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, TransferStats, fetch_prefill_route
+from sgl_kvxfer.disagg.peers import PeerMonitor
 from sgl_kvxfer.disagg.prefill import TIER_KEEP
 from sgl_kvxfer.disagg.role import PDRole
 from sgl_kvxfer.disagg.staging import StagingAllocator
 from sgl_kvxfer.disagg.trace import PhaseTrace, render
-from sgl_kvxfer.engine.forward_batch import ForwardMode
+from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.mem_cache.kv_payload import unpack_segment
 from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVSegment
 from sgl_kvxfer.message.queue import PullQueue, PushQueue
@@ -68,6 +71,7 @@ class DecodeRoom:
 
 class DecodeRole(PDRole):
     mode = "decode"
+    peer_kind = "prefill"
 
     def __init__(self, settings, host: str):
         self.settings = settings
@@ -99,6 +103,7 @@ class DecodeRole(PDRole):
         self.peers: dict[str, PushQueue] = {}
         self.lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-bootstrap")
         self.routes: dict[tuple[str, int], dict] = {}  # (bootstrap host, port) -> its /route info
+        self.monitor = PeerMonitor()  # the prefills' bootstrap servers of open rooms
         p = self.pool
         self.layout = KVLayoutInfo(str(p.dtype).replace("torch.", ""), sum(p.stores_layer(i) for i in range(p.num_layers)),
                                    p.num_kv_heads, p.head_dim, getattr(p, "group_size", 32))
@@ -129,7 +134,11 @@ class DecodeRole(PDRole):
             if self.settings.trace:
                 room.trace = PhaseTrace()
                 room.trace.add("arrival", time.time(), time.time())
-            room.route = self._lookup(req.bootstrap)
+            peer = self._peer(req.bootstrap)
+            if self.monitor.is_dead(peer):  # the router has not noticed yet: no wait
+                self._end(room, f"{self.peer_kind} unreachable: {peer[0]}:{peer[1]} ({self.monitor.describe(peer)})")
+            else:
+                room.route = self._lookup(req.bootstrap)
         return True
 
     def after_forward(self, batch) -> None:
@@ -165,6 +174,7 @@ class DecodeRole(PDRole):
                 if room is not None:
                     self._on_message(room, msg)
             now = time.monotonic()
+            self.check_peers(now)
             for room in list(self.rooms.values()):
                 self._advance(room, now)
             while self.quarantine and self.quarantine[0][0] <= now:
@@ -181,14 +191,26 @@ class DecodeRole(PDRole):
                                       "buffer": self.staging.location, **self.engine.describe()}
         return self.stats.to_dict(rooms_open=len(self.rooms), **extra)
 
-    # ------------------------------------------------------------------ the room's steps
-    def _route_key(self, b) -> tuple[str, int]:
+    # ------------------------------------------------------------------ peer liveness (role.py)
+    def _peer(self, b) -> tuple[str, int]:
+        """A request's prefill: its bootstrap server's (host, port)."""
         return b.host, b.port if b.port is not None else self.settings.bootstrap_port
 
+    def watched_peers(self) -> dict:
+        return {p: f"{p[0]}:{p[1]}" for p in (self._peer(r.req.bootstrap) for r in self.rooms.values())}
+
+    def on_peer_dead(self, peer, reason: str) -> None:
+        """Rooms of a prefill that stopped answering fail now (local prefill), not at the end
+        of --kv-transfer-timeout. Its remembered route goes too (a restarted prefill has another)."""
+        self.routes.pop(peer, None)
+        for room in [r for r in self.rooms.values() if self._peer(r.req.bootstrap) == peer]:
+            self._end(room, reason)
+
+    # ------------------------------------------------------------------ the room's steps
     def _lookup(self, b) -> Future:
         """The prefill's route: remembered from an earlier room of the same prefill (a prefill's
         route is fixed for its life), else asked of its bootstrap server in a worker thread."""
-        key = self._route_key(b)
+        key = self._peer(b)
         if key in self.routes:
             known = Future()
             known.set_result(self.routes[key])
@@ -225,7 +247,7 @@ class DecodeRole(PDRole):
             room.route = None
             if not self._check_route(room, info):
                 return
-            self.routes[self._route_key(room.req.bootstrap)] = info
+            self.routes[self._peer(room.req.bootstrap)] = info
             room.endpoint = f"tcp://{info['rank_ip']}:{info['rank_port']}"
         if not room.endpoint:
             return
@@ -403,14 +425,17 @@ class DecodeRole(PDRole):
     def _end(self, room: DecodeRoom, reason: str, fallback: bool = True, notify: bool = True) -> None:
         """Fail the room: free what it holds; the request is prefilled here (or was aborted)."""
         logger.warning("PD room %d: %s%s", room.room, reason, "; prefilling locally" if fallback else "")
-        self.routes.pop(self._route_key(room.req.bootstrap), None)  # ask that prefill afresh next time
+        self.routes.pop(self._peer(room.req.bootstrap), None)  # ask that prefill afresh next time
         if notify and room.endpoint and room.region is not None:
             self._push(room.endpoint, KVCancel(room.room, self.decode_id, reason))
         req = room.req
         self.kv.release(req)
         req.output_ids.clear()
         if room.region is not None and room.claimed_at:  # the prefill knows this region
-            self.quarantine.append((time.monotonic() + self.settings.timeout_s, room.region))
+            if self.monitor.is_dead(self._peer(room.req.bootstrap)):  # a dead prefill writes nothing late
+                self.regions.free(room.region)
+            else:
+                self.quarantine.append((time.monotonic() + self.settings.timeout_s, room.region))
             room.region = None
         self._release_room(room)
         if fallback:
@@ -459,6 +484,7 @@ class DecodeRole(PDRole):
         self.ready.append(req)
 
     def close(self) -> None:
+        super().close()
         if not self.fake:
             self.lookups.shutdown(wait=False, cancel_futures=True)
             self.inbox.close()

@@ -46,12 +46,13 @@ from sgl_kvxfer.disagg import create_transfer_engine
 from sgl_kvxfer.disagg.base import KVPoll
 from sgl_kvxfer.disagg.buffers import TransferBuffer, wsum64
 from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, Fault, TransferStats, register_prefill_rank
+from sgl_kvxfer.disagg.peers import PeerMonitor, endpoint_peer
 from sgl_kvxfer.disagg.role import PDRole
 from sgl_kvxfer.disagg.sender import NoticeJob, SenderThread, WriteJob
 from sgl_kvxfer.disagg.shaped import ShapedTransferEngine
 from sgl_kvxfer.disagg.staging import RingWriter, StagingAllocator
 from sgl_kvxfer.disagg.trace import PhaseTrace
-from sgl_kvxfer.engine.forward_batch import ForwardMode
+from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.mem_cache.kv_payload import pack_segment, segment_layout, tier_counts, wire_tier_of
 from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVSegment
 from sgl_kvxfer.message.queue import PullQueue, WakeChannel
@@ -109,6 +110,7 @@ class PrefillRoom:
 class PrefillRole(PDRole):
     mode = "prefill"
     intercepts_prefill = True
+    peer_kind = "decode"
 
     def __init__(self, settings, host: str):
         self.settings = settings
@@ -135,6 +137,7 @@ class PrefillRole(PDRole):
         self.sender = SenderThread(self.engine, Fault.parse(env.KV_TRANSFER_FAULT.get()), self.wake,
                                    torch.cuda.current_device() if self.buffer.on_device else None)
         self.inbox = PullQueue(f"tcp://{host}:*", "kv_prefill", bind=True)
+        self.monitor = PeerMonitor()  # the KV inboxes of decodes that claimed open rooms
         p = self.pool
         self.layout = KVLayoutInfo(str(p.dtype).replace("torch.", ""), sum(p.stores_layer(i) for i in range(p.num_layers)),
                                    p.num_kv_heads, p.head_dim, getattr(p, "group_size", 32))
@@ -269,8 +272,23 @@ class PrefillRole(PDRole):
         for res in self.sender.drain():
             self._on_result(res)
         now = time.monotonic()
+        self.check_peers(now)
         for room in list(self.rooms.values()):
             self._service_room(room, now)
+
+    # ------------------------------------------------------------------ peer liveness (role.py)
+    def watched_peers(self) -> dict:
+        """The KV inboxes of decodes that claimed open rooms."""
+        # NOTE: an SCD room (scd_prefill.py) has consumers, not one claim: not watched here
+        return {endpoint_peer(c.reply_to): c.reply_to
+                for c in (getattr(r, "claim", None) for r in self.rooms.values()) if c}
+
+    def on_peer_dead(self, peer, reason: str) -> None:
+        """A decode that claimed rooms and died: its rooms end now, naming it."""
+        for room in [r for r in self.rooms.values()
+                     if getattr(r, "claim", None) and endpoint_peer(r.claim.reply_to) == peer]:
+            room.claim = None  # nothing more goes to it
+            self._fail(room, reason)
 
     def _service_room(self, room, now: float) -> None:
         """One poll's work on a room: send what is ready, fail it past its deadline."""
@@ -504,6 +522,7 @@ class PrefillRole(PDRole):
         return True, f"KV link: {rate_gbps:g} Gbit/s, {latency_ms:g} ms, stream {self.stream}"
 
     def close(self) -> None:
+        super().close()
         if not self.fake:
             self.sender.close()
             self.inbox.close()

@@ -17,6 +17,11 @@ holds the Scheduler itself.
     event loop              role.has_work()            keep the loop turning
                             role.wake_sockets()        sockets that end its idle wait
     /server_info            role.server_info()         its counters (None: nothing to show)
+    shutdown                role.close()               threads, sockets, the peer monitor
+
+Peer liveness (disagg/peers.py), for roles with remote peers: `start` sets `self.monitor`, `poll`
+calls `check_peers(now)`, which probes the peers `watched_peers()` names and hands each one
+seen dead to `on_peer_dead(peer, reason)`, which fails that peer's rooms at once.
 
 `intercepts_prefill` is False for roles whose on_chunk / on_prompt_done do nothing, so the
 scheduler's per-slice loop skips them. Every hook runs on the scheduler thread.
@@ -25,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from sgl_kvxfer.disagg.peers import Peer
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,8 @@ class PDRole:
 
     mode = "null"
     intercepts_prefill = False
+    monitor = None  # PeerMonitor of a role with remote peers (set in start)
+    peer_kind = "peer"  # how a dead peer is named in its rooms' failure reason
 
     def start(self, ctx: RoleContext) -> None:
         self.ctx = ctx
@@ -91,5 +100,22 @@ class PDRole:
     def server_info(self) -> dict | None:
         return None
 
+    def watched_peers(self) -> dict[Peer, str]:
+        """(host, port) -> its name in messages: the peers whose death fails open rooms."""
+        return {}
+
+    def on_peer_dead(self, peer: Peer, reason: str) -> None:
+        """`peer` stopped answering: fail every room that depends on it, now."""
+
+    def check_peers(self, now: float) -> None:
+        """Probe the watched peers (worker thread); act on the ones seen dead since last time."""
+        if self.monitor is None:
+            return
+        watched = self.watched_peers()
+        for peer in self.monitor.poll(set(watched), now):
+            self.stats.peer_failures += 1
+            self.on_peer_dead(peer, f"{self.peer_kind} unreachable: {watched[peer]} ({self.monitor.describe(peer)})")
+
     def close(self) -> None:
-        pass
+        if self.monitor is not None:
+            self.monitor.close()

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
 
@@ -180,12 +180,6 @@ class CudaGraphRunner:
         self.backend.prepare_graph_metadata(batch, self.max_seq_len)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         self.logits[:bs].copy_(self.model.compute_logits(hidden))
-
-    def recapture(self) -> None:
-        """Capture every bucket again (the KV pool's storage moved: ModelRunner.kv_pool_resized)."""
-        self.graphs = {}
-        if self.use_graphs:
-            self._capture_all()
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

@@ -1,54 +1,94 @@
 """ModelRunner: weights, KV pool, req-to-token table and attention backend; runs a ForwardBatch.
 
 Owns every tensor of the engine. The scheduler talks to it only through `forward(batch)` and
-the pool/allocator handles it exposes.
+the pool/allocator handles it exposes. Start-up order (scheduler/startup.py):
+
+    load_weights(config) -> LoadedModel      weights on the device, no KV memory yet
+    (tiered pool only) the int4 decision     it divides the pool's memory between the tiers
+    ModelRunner(config, loaded, int4)        the KV pool, sized once, then the CUDA graphs
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from sgl_kvxfer import env
 from sgl_kvxfer.config import EngineConfig
 from sgl_kvxfer.engine.cuda_graph_runner import create_cuda_graph_runner
-from sgl_kvxfer.engine.forward_batch import ForwardBatch
 from sgl_kvxfer.engine.memory import kv_pool_tokens
 from sgl_kvxfer.engine.prefill_graph_runner import create_prefill_graph_runner
+from sgl_kvxfer.forward_batch import ForwardBatch
 from sgl_kvxfer.layers.attention import create_attention_backend
 from sgl_kvxfer.mem_cache import create_kv_pool, create_slot_allocator
 from sgl_kvxfer.mem_cache.req_to_token import ReqToTokenPool
 
+if TYPE_CHECKING:
+    from sgl_kvxfer.models.arch_config import ModelArchConfig
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """The model's weights on their device and what was read with them; no KV memory yet."""
+    model_dir: str
+    hf_config: dict
+    model: torch.nn.Module
+    arch: ModelArchConfig
+    dtype: torch.dtype
+    stored_layers: int | None  # FusedKV (config.json's fusedkv section): only the bottom layers store KV
+
+
+def load_weights(config: EngineConfig) -> LoadedModel:
+    from sgl_kvxfer.models.arch_config import ModelArchConfig
+    from sgl_kvxfer.models.loader import load_model, resolve_dtype, resolve_model_path
+
+    device = config.resolved_device
+    if device.startswith("cuda"):  # --base-gpu-id: this thread's "cuda" is that GPU from here on
+        if config.base_gpu_id >= torch.cuda.device_count():
+            raise ValueError(f"--base-gpu-id {config.base_gpu_id}: this host has {torch.cuda.device_count()} GPU(s)")
+        torch.cuda.set_device(config.base_gpu_id)
+    torch.manual_seed(config.random_seed)
+    model_dir = resolve_model_path(config.model_path)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    dtype = resolve_dtype(config.dtype, ModelArchConfig.from_hf_dict(hf_config), device)
+    model, arch = load_model(model_dir, config.load_format, dtype, device, config.random_seed,
+                             merge_lora=config.merge_lora)
+    model.eval()
+    if device == "cpu":
+        _prepare_cpu(model, dtype)
+    return LoadedModel(model_dir, hf_config, model, arch, dtype, stored_layers(hf_config))
+
+
+def stored_layers(hf_config: dict) -> int | None:
+    """FusedKV (config.json's fusedkv section): how many bottom layers store KV; None: all."""
+    from sgl_kvxfer.models.fusedkv_math import FusedKVConfig
+
+    fkv = FusedKVConfig.from_hf_dict(hf_config)
+    return None if fkv is None else fkv.num_storage_layers
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, max_running_requests: int | None = None,
-                 max_prefill_tokens: int = 16384):
-        from sgl_kvxfer.models.arch_config import ModelArchConfig
-        from sgl_kvxfer.models.loader import load_model, resolve_dtype, resolve_model_path
-
+                 max_prefill_tokens: int = 16384, loaded: LoadedModel | None = None, int4=None):
+        """`loaded`: weights from `load_weights` (None: load them here). `int4`: the int4 decision
+        (spectrum/probe.Int4Resolution) a tiered pool is sized by; required when tiering is on,
+        because the pool is built once (scheduler/startup.py decides it first)."""
+        if config.tiering_enabled and int4 is None:
+            raise ValueError("a tiered KV pool is sized by the int4 decision: build the runner with "
+                             "scheduler/startup.create_runner, or pass int4")
         self.config = config
         self.device = config.resolved_device
-        if self.device.startswith("cuda"):  # --base-gpu-id: this thread's "cuda" is that GPU from here on
-            if config.base_gpu_id >= torch.cuda.device_count():
-                raise ValueError(f"--base-gpu-id {config.base_gpu_id}: this host has {torch.cuda.device_count()} GPU(s)")
-            torch.cuda.set_device(config.base_gpu_id)
-        torch.manual_seed(config.random_seed)
-        self.model_dir = resolve_model_path(config.model_path)
-        with open(os.path.join(self.model_dir, "config.json")) as f:
-            self.hf_config = json.load(f)
-        arch = ModelArchConfig.from_hf_dict(self.hf_config)
-        # FusedKV (config.json's fusedkv section): only the bottom layers store KV
-        self.stored_layers = self._stored_layers(self.hf_config)
-        self.dtype = resolve_dtype(config.dtype, arch, self.device)
-        self.model, self.arch = load_model(self.model_dir, config.load_format, self.dtype, self.device,
-                                           config.random_seed, merge_lora=config.merge_lora)
-        self.model.eval()
-        if self.device == "cpu":
-            self._prepare_cpu()
+        loaded = loaded or load_weights(config)
+        self.model_dir, self.hf_config, self.model = loaded.model_dir, loaded.hf_config, loaded.model
+        self.arch, self.dtype, self.stored_layers = loaded.arch, loaded.dtype, loaded.stored_layers
+        self.int4 = int4
         self.context_len = config.context_length or self.arch.max_position_embeddings
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.page_size = config.resolved_page_size
@@ -58,6 +98,7 @@ class ModelRunner:
         if self.max_total_tokens == 0:
             raise RuntimeError(f"the KV pool ({tokens} tokens) is smaller than one page ({self.page_size})")
         self.kv_pool = create_kv_pool(config, self.arch, self.max_total_tokens, self.dtype, self.device,
+                                      int4_allowed=None if int4 is None else int4.enabled,
                                       stored_layers=self.stored_layers)
         self.allocator = create_slot_allocator(config, self.kv_pool, self.device)
         if config.tiering_enabled:  # SpectrumKV: a request must fit the fp16 (staging) store
@@ -78,48 +119,21 @@ class ModelRunner:
         self.graph_runner = create_cuda_graph_runner(self)  # None where decode graphs do not apply
         self.prefill_graph_runner = create_prefill_graph_runner(self, max_prefill_tokens)  # None: off
 
-    def kv_pool_resized(self) -> None:
-        """The pool reallocated storage (TieredKVPool.resize_int_stores, start-up only): the
-        backend's layer views and the captured decode graphs point at the old tensors."""
-        hook = getattr(self.attn_backend, "kv_pool_resized", None)
-        if hook is not None:
-            hook()
-        if self.graph_runner is not None:
-            self.graph_runner.recapture()
-
-    def _prepare_cpu(self) -> None:
-        """Everything the CPU paths build or convert once happens here, before the engine serves:
-        the native C++ kernels (every CPU dtype samples greedily with them) and, for bf16, the
-        linears' prepared weights, whose form follows the ISA (models/cpu_linear.py)."""
-        from sgl_kvxfer.kernels import cpu_ops
-        from sgl_kvxfer.utils import cpu_isa
-
-        if not env.CPU_KERNELS.get_bool():
-            return
-        logger.info("%s", cpu_isa.describe())
-        if not cpu_ops.available():
-            logger.warning("%s; the torch paths run instead", cpu_ops.load_error())
-        if self.dtype != torch.bfloat16:
-            return
-        from sgl_kvxfer.models.cpu_linear import can_prepack, pack_weight, prepack_linears_cpu
-
-        n = prepack_linears_cpu(self.model)
-        head = getattr(self.model, "lm_head_weight", None)
-        if head is not None and can_prepack(head):
-            self.model.packed_lm_head = pack_weight(head)
-        logger.info("CPU bf16: %d linears prepared", n)
+    def close(self) -> None:
+        """Drop every tensor this runner owns: graphs first (each holds its private memory pool
+        and the static buffers it replays), then the backend, the pool, the table and the
+        weights. The caller collects cycles and empties the CUDA cache (Engine.shutdown)."""
+        for runner in (self.graph_runner, self.prefill_graph_runner):
+            for graph in (getattr(runner, "graphs", None) or {}).values():
+                graph.reset()
+        self.graph_runner = self.prefill_graph_runner = None
+        self.attn_backend = self.kv_pool = self.allocator = self.req_to_token = None
+        self.model = None
 
     def _bytes_per_token_estimate(self) -> float:
         a = self.arch
         layers = a.num_hidden_layers if self.stored_layers is None else self.stored_layers
         return 2.0 * layers * a.num_key_value_heads * a.head_dim * torch.finfo(self.dtype).bits / 8
-
-    @staticmethod
-    def _stored_layers(hf_config: dict) -> int | None:
-        from sgl_kvxfer.models.fusedkv_math import FusedKVConfig
-
-        fkv = FusedKVConfig.from_hf_dict(hf_config)
-        return None if fkv is None else fkv.num_storage_layers
 
     def server_info_extra(self) -> dict:
         """Model-variant facts for /get_server_info (FusedKV: the layer storage map and bytes)."""
@@ -153,3 +167,26 @@ class ModelRunner:
         if getattr(self.model, "returns_logits_rows", False):  # FusedKV: rows selected mid-model
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[batch.logits_positions])
+
+
+def _prepare_cpu(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Everything the CPU paths build or convert once happens here, before the engine serves:
+    the native C++ kernels (every CPU dtype samples greedily with them) and, for bf16, the
+    linears' prepared weights, whose form follows the ISA (layers/cpu_linear.py)."""
+    from sgl_kvxfer.kernels import cpu_ops
+    from sgl_kvxfer.utils import cpu_isa
+
+    if not env.CPU_KERNELS.get_bool():
+        return
+    logger.info("%s", cpu_isa.describe())
+    if not cpu_ops.available():
+        logger.warning("%s; the torch paths run instead", cpu_ops.load_error())
+    if dtype != torch.bfloat16:
+        return
+    from sgl_kvxfer.layers.cpu_linear import can_prepack, pack_weight, prepack_linears_cpu
+
+    n = prepack_linears_cpu(model)
+    head = getattr(model, "lm_head_weight", None)
+    if head is not None and can_prepack(head):
+        model.packed_lm_head = pack_weight(head)
+    logger.info("CPU bf16: %d linears prepared", n)

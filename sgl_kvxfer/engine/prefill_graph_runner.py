@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from sgl_kvxfer.engine.cuda_graph_runner import capture_graphs
-from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.utils.host_copy import pinned
 
 logger = logging.getLogger(__name__)

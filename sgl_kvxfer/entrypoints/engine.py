@@ -7,9 +7,12 @@
 """
 from __future__ import annotations
 
+import gc
 import time
 import uuid
 from typing import Any, Iterator
+
+import torch
 
 from sgl_kvxfer.config import ServerArgs
 from sgl_kvxfer.message import TokenizedGenerateReq
@@ -23,15 +26,13 @@ class Engine:
         self.server_args = ServerArgs.from_flat(model_path=model_path, **server_args)
         cfg = self.server_args.scheduler
         use_interpreter_on_cpu(cfg.engine.resolved_device)  # before the imports below load kernels
-        from sgl_kvxfer.engine.model_runner import ModelRunner
-        from sgl_kvxfer.models.loader import load_tokenizer, resolve_tokenizer_path
         from sgl_kvxfer.scheduler.scheduler import Scheduler
+        from sgl_kvxfer.scheduler.startup import create_runner
 
         if cfg.disaggregation_mode != "null":
             raise ValueError("PD roles (disaggregation_mode prefill / decode) run in the server: "
                              "python -m sgl_kvxfer.launch_server --disaggregation-mode ...")
-        self.runner = ModelRunner(cfg.engine, cfg.max_running_requests, cfg.max_prefill_tokens)
-        self.tokenizer = load_tokenizer(resolve_tokenizer_path(self.runner.model_dir, cfg.engine.tokenizer_path))
+        self.runner, self.tokenizer, _ = create_runner(cfg)
         self.scheduler = Scheduler(cfg, self.runner, self.tokenizer)
         from sgl_kvxfer.detokenizer.byte_level import ByteLevelDecoder
 
@@ -45,6 +46,7 @@ class Engine:
                  stream: bool = False, rid: str | list[str] | None = None, **ignored: Any):
         """Returns one SGLang-shaped dict, or a list for a batch (or n > 1); with stream=True an
         iterator of cumulative dicts (single prompt only). Raises ValueError on bad input."""
+        self._live()
         reqs, single = self._tokenize(prompt, input_ids, sampling_params, return_logprob,
                                       logprob_start_len, top_logprobs_num, token_ids_logprob, rid, stream)
         if stream:
@@ -55,16 +57,33 @@ class Engine:
         return results[0] if single else results
 
     def flush_cache(self) -> bool:
-        return self.scheduler.flush_cache().success
+        return self._live().flush_cache().success
 
     def get_server_info(self) -> dict:
         import msgspec
 
-        return {**self.server_args.to_flat(), **msgspec.structs.asdict(self.scheduler.internal_state())}
+        flat = {k: v for k, v in self.server_args.to_flat().items() if k not in ("api_key", "admin_api_key")}
+        return {**flat, **msgspec.structs.asdict(self._live().internal_state())}
+
+    def _live(self):
+        if self.scheduler is None:
+            raise RuntimeError("this Engine was shut down")
+        return self.scheduler
 
     def shutdown(self) -> None:
-        self.scheduler = None
-        self.runner = None
+        """Give back what the engine holds, even while the caller keeps this object: requests,
+        the radix cache, the KV pool, CUDA graphs and weights; the CUDA caching allocator then
+        returns the freed blocks to the device (another engine in this process can use them).
+        Idempotent; `generate` afterwards raises."""
+        if self.runner is None:
+            return
+        runner, self.scheduler, self.runner = self.runner, None, None
+        runner.close()
+        del runner
+        gc.collect()  # the model and graph runners hold reference cycles
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def __enter__(self):
         return self
@@ -75,39 +94,48 @@ class Engine:
     # ------------------------------------------------------------------ internals
     def _tokenize(self, prompt, input_ids, sampling_params, return_logprob, logprob_start_len,
                   top_logprobs_num, token_ids_logprob, rid, stream):
+        """Every argument through tokenizer/validation.py (the server's rules and messages);
+        ValueError (RequestError) before any request of the call is queued: all or nothing."""
+        from sgl_kvxfer.tokenizer import validation as v
+
+        if prompt is not None and input_ids is not None:
+            raise v.RequestError("Give either `prompt` (text) or `input_ids`, not both.")
         if prompt is None and input_ids is None:
-            raise ValueError("Either prompt (text) or input_ids should be provided.")
+            raise v.RequestError("Either prompt (text) or input_ids should be provided.")
+        vocab = self.runner.arch.vocab_size
         if prompt is not None:
             single = isinstance(prompt, str)
             texts = [prompt] if single else list(prompt)
-            if not all(isinstance(t, str) for t in texts):
-                raise ValueError("prompt must be a string or a list of strings")
-            ids_list = [self.tokenizer.encode(t) for t in texts]
+            ids_list = [self.tokenizer.encode(v.read_str(t, f"prompt[{i}]")) for i, t in enumerate(texts)]
         else:
             single = not input_ids or not isinstance(input_ids[0], list)
             ids_list = [list(input_ids)] if single else [list(x) for x in input_ids]
+            for i, ids in enumerate(ids_list):
+                v.check_prompt_ids(v.read_ints(ids, f"input_ids[{i}]"), vocab, f"input_ids[{i}]")
         params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
         if len(params_list) != len(ids_list):
-            raise ValueError(f"got {len(params_list)} sampling_params for {len(ids_list)} prompts")
+            raise v.RequestError(f"got {len(params_list)} sampling_params for {len(ids_list)} prompts")
         rids = rid if isinstance(rid, list) else [rid] * len(ids_list)
-        vocab = self.runner.arch.vocab_size
-        parsed: dict[int, SamplingParams] = {}  # one parse per distinct dict (a batch often shares one)
+        start = -1 if logprob_start_len is None else v.read_int(logprob_start_len, "logprob_start_len")
+        top = 0 if top_logprobs_num is None else v.read_int(top_logprobs_num, "top_logprobs_num")
+        if token_ids_logprob is not None:
+            v.read_ints(token_ids_logprob, "token_ids_logprob")
+        v.check_logprob_args(top, token_ids_logprob, start, vocab)
+        parsed: dict[int, SamplingParams] = {}  # one check per distinct dict (a batch often shares one)
         reqs = []
         for ids, raw, r in zip(ids_list, params_list, rids):
             params = parsed.get(id(raw))
             if params is None:
-                params = parsed[id(raw)] = SamplingParams.from_dict(raw, vocab)
+                params = parsed[id(raw)] = v.sampling_params(raw, vocab)
             for _ in range(params.n):
                 msg = TokenizedGenerateReq(
                     rid=r if (r and params.n == 1) else uuid.uuid4().hex, input_ids=ids, sampling=params,
-                    return_logprob=return_logprob,
-                    logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
-                    top_logprobs_num=top_logprobs_num or 0, token_ids_logprob=token_ids_logprob, stream=stream)
-                req = self.scheduler.new_req(msg)
-                error = self.scheduler.validate(req)
-                if error:  # before any request of the call is queued: all or nothing
-                    raise ValueError(error)
-                reqs.append(req)
+                    return_logprob=bool(return_logprob), logprob_start_len=start, top_logprobs_num=top,
+                    token_ids_logprob=token_ids_logprob, stream=stream)
+                error = self.scheduler.validate(msg)
+                if error:
+                    raise v.RequestError(error)
+                reqs.append(self.scheduler.new_req(msg))
         return reqs, single and len(reqs) == 1
 
     def _stream(self, req, return_text_in_logprobs) -> Iterator[dict]:

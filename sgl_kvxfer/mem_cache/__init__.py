@@ -46,7 +46,7 @@ def create_kv_pool(config, arch, size: int, dtype, device: str, int4_allowed: bo
         pool.group_size = config.resolved_group_size(arch.head_dim)
         return pool
     if int4_allowed is None:
-        int4_allowed = config.kv_int4 != "off"  # "auto" is sized for the probe's own 3-tier run
+        int4_allowed = config.kv_int4 != "off"  # no decision given (tests, benchmarks): int4 unless off
     pool_cls = _load("tiered")
     return pool_cls(size, *dims, dtype, device, plan=tier_store_plan(config, arch, size, dtype, int4_allowed),
                     group_size=config.resolved_group_size(arch.head_dim), page_size=config.kv_tier_page_size)

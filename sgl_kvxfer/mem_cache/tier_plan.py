@@ -9,8 +9,8 @@ Plain arithmetic over byte counts (unit-tested on CPU). With M = size x full_byt
     stores       n16 = S + f16 T,   n8 = f8 T,   n4 = f4 T        (n8, n4 floored to whole pages)
 
 so (n16 + 2) b16 + n8 b8 + n4 b4 <= M (the fp16 store also holds the padding and the CUDA-graph
-scratch rows). `split_int_stores` re-divides the int part when the int4 probe changes the mix
-after start-up (the fp16 store, which the scheduler's allocator indexes, keeps its size).
+scratch rows). The planned mix includes the int4 decision (made before the pool is built,
+scheduler/startup.py), so the stores are sized once.
 """
 from __future__ import annotations
 

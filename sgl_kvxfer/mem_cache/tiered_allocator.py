@@ -150,13 +150,6 @@ class TieredSlotAllocator(TokenSlotAllocator):
         return {TIER_FP16: self.pool.num_slots(TIER_FP16) - self.available_size(),
                 **{t: self._stores[t].used() for t in INT_TIERS}}
 
-    def repartition(self, n8: int, n4: int) -> None:
-        """Resize the int stores; legal only while no int id is handed out (after a flush)."""
-        for t, store in self._stores.items():
-            assert store.used() == 0, f"tier {t} store still holds tokens"
-        self.pool.resize_int_stores(n8, n4)
-        self._new_page_lists()
-
     def debug_check(self) -> None:
         super().debug_check()
         for t, store in self._stores.items():

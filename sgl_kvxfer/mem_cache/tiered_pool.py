@@ -19,8 +19,8 @@ stores in kernels/paged_layout.py's head-major pages (its TierPages, PAGE = kv_t
 Invariants: a token's tier is a function of its slot id (`tier_of`); slot 0 in a request row
 is a dropped token (TIER_DROP), masked by attention (`drops_tokens`), never read as data.
 `move` copies data only: who owns an id (and which page slots are live) is
-TieredSlotAllocator's business. The stores are allocated once (CUDA graphs keep their
-addresses); only `resize_int_stores` (start-up, empty stores) reallocates the int ones.
+TieredSlotAllocator's business. The stores are allocated once, never resized (CUDA graphs keep
+their addresses); the int4 decision that sizes them is made before the pool is built.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import torch
 
 from sgl_kvxfer.kernels.tier_codec import dequantize, payload_bytes, quantize
 from sgl_kvxfer.mem_cache.kv_pool import KVPool
-from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan, split_int_stores
+from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 INT_TIERS = (TIER_INT8, TIER_INT4)
@@ -115,19 +115,6 @@ class TieredKVPool(KVPool):
         counts = {TIER_INT8: plan.n8, TIER_INT4: plan.n4}
         self.stores = {t: [_IntPages(t, counts[t] // P, P, self.num_kv_heads, self.head_dim, self.group_size,
                                      self.device) for _ in range(self.num_layers)] for t in INT_TIERS}
-
-    def int_store_sizes(self, f8: float, f4: float) -> tuple[int, int]:
-        """(n8, n4), whole pages, for an int mix f8 : f4 in the memory the fp16 store leaves over."""
-        left = self.memory_tokens * self.full_bytes_per_token() - (self.plan.n16 + 2) * self.token_bytes(TIER_FP16)
-        return split_int_stores(left, f8, f4, self.token_bytes(TIER_INT8), self.token_bytes(TIER_INT4),
-                                self.page_size)
-
-    def resize_int_stores(self, n8: int, n4: int) -> None:
-        """Re-divide the int stores (int4 probe changed the mix). Only while they hold nothing.
-        NOTE: new tensors: anything holding views of the old ones (captured CUDA graphs, layer
-        views) must be rebuilt (ModelRunner.kv_pool_resized)."""
-        self.stores = {}
-        self._alloc_int_stores(TierStorePlan(self.plan.n16, n8, n4))
 
     # ------------------------------------------------------------------ slot id ranges
     def num_slots(self, tier: int) -> int:

@@ -65,8 +65,7 @@ def tier_block_tables(pool: TieredKVPool, slots: torch.Tensor, seq_lens: torch.T
 def tier_layer_view(pool: TieredKVPool, layer_id: int) -> TieredKVLayer:
     """The layer's stores as TierPages (no copy): fp16 [n16 + 2, Hkv, 1, D], int stores
     [pages, Hkv, PAGE, W]. An empty int store (e.g. no int8 at b = 0.25) is replaced by a
-    one-page zero placeholder: its counts are 0, it is never read.
-    NOTE: `resize_int_stores` (int4 probe) replaces the int stores; rebuild views after it."""
+    one-page zero placeholder: its counts are 0, it is never read."""
     def placeholder(x):
         return torch.zeros((1, *x.shape[1:]), dtype=x.dtype, device=x.device) if x.shape[0] == 0 else x
 

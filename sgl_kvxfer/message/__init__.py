@@ -17,6 +17,9 @@ from sgl_kvxfer.sampling.params import SamplingParams
 
 
 # ---------------------------------------------------------------- to the scheduler
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK_"  # /health's probe: the scheduler loop answers it on arrival
+
+
 class TokenizedGenerateReq(msgspec.Struct, tag=True):
     rid: str
     input_ids: list[int]

@@ -6,10 +6,25 @@ to its peers. Messages are encoded with `message.encode`.
 """
 from __future__ import annotations
 
+import logging
+
+import msgspec
 import zmq
 import zmq.asyncio
 
 from sgl_kvxfer.message import decode, encode
+
+logger = logging.getLogger(__name__)
+
+
+def _decode_or_none(data: bytes, destination: str):
+    """NOTE: a PD KV inbox listens on TCP, so anything may arrive: a message that does not
+    decode is dropped (and logged), never raised into the receiving loop."""
+    try:
+        return decode(data, destination)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        logger.warning("dropped an undecodable message for %s (%d bytes): %s", destination, len(data), e)
+        return None
 
 
 class PushQueue:
@@ -38,7 +53,7 @@ class PullQueue:
         """Block up to `timeout` seconds (forever if None); return a message or None."""
         if timeout is not None and not self._sock.poll(int(timeout * 1000)):
             return None
-        return decode(self._sock.recv(copy=False).bytes, self._destination)
+        return _decode_or_none(self._sock.recv(copy=False).bytes, self._destination)
 
     def get_all_nowait(self) -> list:
         msgs = []
@@ -47,7 +62,9 @@ class PullQueue:
                 data = self._sock.recv(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return msgs
-            msgs.append(decode(data.bytes, self._destination))
+            msg = _decode_or_none(data.bytes, self._destination)
+            if msg is not None:
+                msgs.append(msg)
 
     @property
     def endpoint(self) -> str:
@@ -111,8 +128,12 @@ class AsyncPullQueue:
         self._destination = destination
 
     async def get(self):
-        data = await self._sock.recv(copy=False)
-        return decode(data.bytes, self._destination)
+        """The next message that decodes."""
+        while True:
+            data = await self._sock.recv(copy=False)
+            msg = _decode_or_none(data.bytes, self._destination)
+            if msg is not None:
+                return msg
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -29,13 +29,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sgl_kvxfer.engine.forward_batch import ForwardMode
-from sgl_kvxfer.models import fused_ops
+from sgl_kvxfer.forward_batch import ForwardMode
+from sgl_kvxfer.layers import fused_ops
+from sgl_kvxfer.layers.layernorm import RMSNorm
+from sgl_kvxfer.layers.rope import apply_rope
 from sgl_kvxfer.models.arch_config import ModelArchConfig
 from sgl_kvxfer.models.fusedkv_math import (FusedKVConfig, check_fusion_tensors, expand_key_weight,
                                             fusion_param_names, init_fusion_weights)
-from sgl_kvxfer.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm
-from sgl_kvxfer.models.rope import apply_rope
+from sgl_kvxfer.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 logger = logging.getLogger(__name__)
 

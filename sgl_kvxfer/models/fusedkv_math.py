@@ -1,8 +1,9 @@
 """FusedKV math (../shared/papers/fusedkv-cross-layer-fusion.txt): config, fusion, init, fitting.
 
-Pure torch, no engine imports: the model variants, the layer-mapped pool, the attention
-kernels (kernels/fusedkv_attention.py) and the training scripts (benchmarks/fusedkv/) all
-build on this file.
+Pure torch, no engine imports: the model variants, the layer-mapped pool and the offline
+package (sgl_kvxfer/fusedkv/: training, retrofit, converter) build on this file. The fusion
+itself, `fuse_kv`, is the attention kernels' reference and lives beside them
+(kernels/reference.py).
 
 Layers (0-based here; the paper counts from 1, so its "layer 1" and "layer n" are our
 `source_layers = (0, n - 1)`):
@@ -21,7 +22,7 @@ RoPE pair constraint (paper section 2.4 / appendix A.4). A key weight w applied 
 key gives scores with a (m - n) term scaled by (w_c + w_c')/2 and an absolute (m + n) term
 scaled by (w_c - w_c')/2, for the two channels c, c' of one rotary pair; the absolute term
 vanishes iff w_c == w_c'. The paper writes pairs as (2j, 2j+1) (interleaved RoPE); our models
-rotate halves (models/rope.py: channel j pairs with j + D/2), so the stored key parameter holds
+rotate halves (layers/rope.py: channel j pairs with j + D/2), so the stored key parameter holds
 ONE weight per pair, [.., D/2], and `expand_key_weight` writes it to both channels of its pair.
 The constraint is structural: no stored state can break it. Values carry no rotation, so value
 weights are free per channel.
@@ -51,6 +52,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from sgl_kvxfer.kernels.reference import fuse_kv  # noqa: F401  (the reference fusion the kernels follow)
 
 VARIANTS = ("fusedkv", "lite")
 # equivalent: the paper's best (Table 5), standard FusedKV initialized to equal the iterative
@@ -168,23 +171,6 @@ def expand_key_weight(pair_weight: torch.Tensor, layout: str = "half") -> torch.
     if layout == "interleaved":
         return pair_weight.repeat_interleave(2, dim=-1)
     raise ValueError(f"rope layout must be one of {ROPE_LAYOUTS}, got {layout!r}")
-
-
-def fuse_kv(k0: torch.Tensor, k1: torch.Tensor, v0: torch.Tensor, v1: torch.Tensor,
-            key_weight: torch.Tensor, value_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference fusion. k*, v* [..., Hkv, D] (sources s0, s1; post-RoPE keys);
-    key_weight, value_weight [2, Hkv, D] PER CHANNEL (key: `expand_key_weight` of the stored
-    pair weights). Numerics contract (the kernels follow it): fp32 products and sum (fp64 for
-    fp64 inputs), one rounding to the sources' dtype. Returns (K, V) [..., Hkv, D] in the sources' dtype."""
-    if key_weight.shape != value_weight.shape or key_weight.shape[0] != 2:
-        raise ValueError(f"weights must both be [2, Hkv, D], got {tuple(key_weight.shape)} / {tuple(value_weight.shape)}")
-    if k0.shape[-2:] != key_weight.shape[1:]:
-        raise ValueError(f"KV [..., Hkv, D] = {tuple(k0.shape)} does not match weights {tuple(key_weight.shape)}")
-    acc = torch.promote_types(k0.dtype, torch.float32)  # fp32 (fp64 inputs stay fp64)
-    a, b = key_weight.to(acc), value_weight.to(acc)
-    k = a[0] * k0.to(acc) + a[1] * k1.to(acc)
-    v = b[0] * v0.to(acc) + b[1] * v1.to(acc)
-    return k.to(k0.dtype), v.to(v0.dtype)
 
 
 class KVFusion(nn.Module):

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sgl_kvxfer.models import fused_ops
+from sgl_kvxfer.layers import fused_ops
+from sgl_kvxfer.layers.layernorm import RMSNorm
+from sgl_kvxfer.layers.rope import RotaryEmbedding
 from sgl_kvxfer.models.arch_config import ModelArchConfig
-from sgl_kvxfer.models.rope import RotaryEmbedding
 
 
 CPU_MLP_BLOCK = 2048  # rows per MLP block on CPU (LlamaMLP.forward)
@@ -26,20 +27,6 @@ CPU_MLP_BLOCK = 2048  # rows per MLP block on CPU (LlamaMLP.forward)
 # input_layernorm output (the SCD producer's Patch signal). Absent: nothing runs; present, the
 # graph runners step aside (they replay only batches without extras).
 HIDDEN_CAPTURE = "hidden_capture"
-
-
-class RMSNorm(nn.Module):
-    """HF-exact RMSNorm (float32 statistics), with optional fused residual add.
-    One Triton launch on CUDA fp16/bf16 (`fused_ops.rmsnorm`)."""
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """x [T, H] -> normed [T, H]; with residual: (normed(x + residual), x + residual)."""
-        return fused_ops.rmsnorm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -160,10 +147,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
-        packed = getattr(self, "packed_lm_head", None)  # models/cpu_linear.py (CPU bf16)
+        packed = getattr(self, "packed_lm_head", None)  # layers/cpu_linear.py (CPU bf16)
         if packed is not None:
             from sgl_kvxfer.kernels import cpu_ops
-            from sgl_kvxfer.models.cpu_linear import packed_linear
+            from sgl_kvxfer.layers.cpu_linear import packed_linear
 
             logits = packed_linear(hidden, packed)
             if not cpu_ops.enabled():

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from sgl_kvxfer.models import fused_ops
+from sgl_kvxfer.layers import fused_ops
 
 
 @dataclass

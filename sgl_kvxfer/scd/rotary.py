@@ -1,4 +1,4 @@
-"""RoPE and its inverse for keys, on the engine's own cos/sin tables (models/rope.py).
+"""RoPE and its inverse for keys, on the engine's own cos/sin tables (layers/rope.py).
 
 The engine stores keys rotated: k = R(theta_p) k_content * a, with `a` the variant's attention
 scaling folded into cos/sin (1 except YaRN). SCD encodes keys in the content frame:
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvxfer.models.rope import RotaryEmbedding, apply_rope
+from sgl_kvxfer.layers.rope import RotaryEmbedding, apply_rope
 
 
 class KeyRotary:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.scheduler.req import Req
 from sgl_kvxfer.utils.host_copy import int64_to_device, to_device
 

@@ -5,7 +5,7 @@ import logging
 import traceback
 
 from sgl_kvxfer.config import ServerArgs
-from sgl_kvxfer.message import BatchTokenIDOut
+from sgl_kvxfer.message import BatchTokenIDOut, ReqOutput
 from sgl_kvxfer.message.queue import PullQueue, PushQueue, wait_readable
 from sgl_kvxfer.utils.process import die_with_parent
 
@@ -32,18 +32,16 @@ def build_scheduler(server_args: ServerArgs):
     from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
 
     use_interpreter_on_cpu(server_args.scheduler.engine.resolved_device)  # before any kernel import
-    from sgl_kvxfer.engine.model_runner import ModelRunner
-    from sgl_kvxfer.models.loader import load_tokenizer, resolve_tokenizer_path
     from sgl_kvxfer.scheduler.scheduler import Scheduler
+    from sgl_kvxfer.scheduler.startup import create_runner
 
     from sgl_kvxfer.disagg import create_disagg_role
     from sgl_kvxfer.disagg.common import DisaggSettings
 
     cfg = server_args.scheduler
-    runner = ModelRunner(cfg.engine, cfg.max_running_requests, cfg.max_prefill_tokens)
-    tokenizer_path = resolve_tokenizer_path(runner.model_dir, cfg.engine.tokenizer_path)
+    runner, tokenizer, tokenizer_path = create_runner(cfg)
     role = create_disagg_role(DisaggSettings.from_config(cfg), server_args.host)
-    scheduler = Scheduler(cfg, runner, load_tokenizer(tokenizer_path), role=role)
+    scheduler = Scheduler(cfg, runner, tokenizer, role=role)
     info = {
         "max_total_num_tokens": runner.max_total_tokens, "max_req_input_len": runner.context_len - 1,
         "context_len": runner.context_len, "vocab_size": runner.arch.vocab_size,
@@ -60,19 +58,26 @@ def event_loop(scheduler, inbox: PullQueue, outbox: PushQueue) -> None:
     """Receive, poll the PD role, schedule + forward, send results. What the role produced
     (a PD request's first token) goes out before the step's forward. When nothing ran, sleep on
     the sockets (the role's include the wake channel its sender thread signals): up to 1 s idle,
-    5 ms while the role has work (its bootstrap lookups run in threads that signal nothing)."""
+    5 ms while the role has work (its bootstrap lookups run in threads that signal nothing).
+    No message and no request stops the loop: `step` and `poll_role` contain a failure
+    (Scheduler._recover), a message that raises is logged, and an output that cannot be sent
+    ends its request with a 500."""
     sockets = [inbox] + scheduler.role.wake_sockets()
 
     def flush() -> bool:
         outputs = scheduler.take_outputs()
         if outputs:
-            outbox.put(BatchTokenIDOut(outputs))
+            send_outputs(outbox, outputs)
         return bool(outputs)
 
     while True:
         msgs = inbox.get_all_nowait()
         for msg in msgs:
-            reply = scheduler.handle(msg)
+            try:
+                reply = scheduler.handle(msg)
+            except Exception:  # noqa: BLE001
+                logger.exception("scheduler: %s failed", type(msg).__name__)
+                continue
             if reply is not None:
                 outbox.put(reply)
         scheduler.poll_role()
@@ -81,3 +86,21 @@ def event_loop(scheduler, inbox: PullQueue, outbox: PushQueue) -> None:
         sent = flush() or sent
         if not ran and not msgs and not sent:
             wait_readable(sockets, 0.005 if scheduler.has_work() else 1.0)
+
+
+def send_outputs(outbox: PushQueue, outputs: list[ReqOutput]) -> None:
+    """One message for the batch; if it cannot be encoded, each output alone, and an output
+    that still cannot be is replaced by its request's 500 (its waiter must not hang)."""
+    try:
+        outbox.put(BatchTokenIDOut(outputs))
+        return
+    except Exception:  # noqa: BLE001
+        logger.exception("scheduler: a batch of outputs could not be sent; sending them one by one")
+    for out in outputs:
+        try:
+            outbox.put(BatchTokenIDOut([out]))
+        except Exception as e:  # noqa: BLE001
+            outbox.put(BatchTokenIDOut([ReqOutput(
+                rid=out.rid, new_output_ids=[], prompt_tokens=out.prompt_tokens, completion_tokens=0,
+                cached_tokens=0, finish_reason={"type": "abort", "status_code": 500, "err_type": "InternalServerError",
+                                                "message": f"Internal server error: output not sendable: {e}"})]))

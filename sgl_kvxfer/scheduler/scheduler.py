@@ -5,6 +5,10 @@ offline Engine (which calls `handle` and `step` directly). Policy decisions live
 `policy.py`; KV ownership in `kv_lifecycle.py`; logits handling in `results.py`. A PD role
 (`disagg/role.py`: the hooks it calls, in one place) is given to the constructor; without one,
 `PDRole`'s hooks do nothing.
+
+Failure isolation: a request that cannot be admitted ends alone with a 400 (or 500); a batch
+whose forward or sampling raises ends its own requests with a 500 and frees their KV
+(`_recover`); the loop, and every other request, carry on.
 """
 from __future__ import annotations
 
@@ -14,9 +18,10 @@ import time
 
 from sgl_kvxfer.config import SchedulerConfig
 from sgl_kvxfer.disagg.role import PDRole, RoleContext
-from sgl_kvxfer.engine.forward_batch import ForwardMode
-from sgl_kvxfer.message import (AbortReq, FlushCacheReq, FlushCacheResult, GetInternalStateReq, InternalState,
-                                ReqOutput, SetKVLinkReq, SetKVLinkResult, TokenizedGenerateReq)
+from sgl_kvxfer.forward_batch import ForwardMode
+from sgl_kvxfer.message import (HEALTH_CHECK_RID_PREFIX, AbortReq, FlushCacheReq, FlushCacheResult,
+                                GetInternalStateReq, InternalState, ReqOutput, SetKVLinkReq, SetKVLinkResult,
+                                TokenizedGenerateReq)
 from sgl_kvxfer.scheduler.batch import ReqSlice, ScheduleBatch, prepare_batch, prepare_decode
 from sgl_kvxfer.scheduler.kv_lifecycle import KVLifecycle
 from sgl_kvxfer.scheduler.overlap import (InflightBatch, continues_overlapped, overlap_ok, prefill_overlap_ok,
@@ -25,11 +30,13 @@ from sgl_kvxfer.scheduler.policy import PrefillAdder, decode_reserve, pick_retra
 from sgl_kvxfer.scheduler.req import Req
 from sgl_kvxfer.scheduler.results import FinishChecker, make_output, process_logits
 from sgl_kvxfer.scheduler.tiering import create_engine_tiering
+from sgl_kvxfer.tokenizer.validation import check_tokenized
 from sgl_kvxfer.utils.host_copy import int64_to_device
 
 logger = logging.getLogger(__name__)
 
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.15, 0.002
+MAX_FAILED_STEPS = 3  # _recover: then every request ends, so a persistent fault cannot spin forever
 
 
 class Scheduler:
@@ -51,13 +58,16 @@ class Scheduler:
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated": 0, "gen_throughput": 0.0}
         self._tput_window = (time.monotonic(), 0)
         self.tiering = None
-        self.overlap = False  # NOTE: set before tiering: its int4 probe already runs steps
-        self.role = PDRole()  # NOTE: the probe's steps run without the PD role
+        self.overlap = False  # decided below, once tiering is known
+        self.role = PDRole()  # replaced below once the pool and tiering exist
         self._role_prefill = False
         self._joined = False  # requests joined `running` from outside a batch (PD decode)
         self.inflight: InflightBatch | None = None  # decode step launched, not applied
+        self._current = None  # (batch, out_cache_loc) between allocation and apply: _recover
+        self._unapplied: list[InflightBatch] = []  # taken off inflight / pending_prefill, being applied
+        self._failed_steps = 0  # consecutive steps that raised outside any batch
         self.pending_prefill: InflightBatch | None = None  # prefill launched, not applied
-        self.tiering = create_engine_tiering(self, tokenizer)  # SpectrumKV; None at kv_tier_budget 1
+        self.tiering = create_engine_tiering(self)  # SpectrumKV; None at kv_tier_budget 1
         # Overlapped decode (scheduler/overlap.py): CUDA only (a CPU forward is synchronous).
         self.overlap = (not config.disable_overlap_schedule and self.tiering is None
                         and str(runner.device).startswith("cuda"))
@@ -70,13 +80,7 @@ class Scheduler:
     def handle(self, msg):
         """Apply one incoming message; returns a reply message for request/response types."""
         if isinstance(msg, TokenizedGenerateReq):
-            req = self.new_req(msg)
-            error = self.validate(req)
-            if error:
-                req.finish({"type": "abort", "message": error, "status_code": 400, "err_type": "BadRequestError"})
-                self.outbox.append(make_output(req))
-            elif not self.role.on_new_request(req):
-                self.enqueue_validated(req)
+            self._add_request(msg)
             return None
         if isinstance(msg, AbortReq):
             self.abort(msg.rid, msg.abort_all)
@@ -89,6 +93,32 @@ class Scheduler:
             return SetKVLinkResult(*self.role.set_link(msg.rate_gbps, msg.latency_ms, msg.stream))
         raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
 
+    def _add_request(self, msg: TokenizedGenerateReq) -> None:
+        """Queue a new request, or end it alone with an error (it never reaches a batch)."""
+        if msg.rid.startswith(HEALTH_CHECK_RID_PREFIX):  # the loop turns: that is the answer
+            self.outbox.append(ReqOutput(rid=msg.rid, new_output_ids=[], prompt_tokens=len(msg.input_ids),
+                                         finish_reason={"type": "length", "length": 0}, completion_tokens=0,
+                                         cached_tokens=0))
+            return
+        req = None
+        try:
+            error = check_tokenized(msg, self.runner.arch.vocab_size, self.runner.context_len,
+                                    self.runner.max_total_tokens)
+            req = self.new_req(msg)
+            if error:
+                req.finish({"type": "abort", "message": error, "status_code": 400, "err_type": "BadRequestError"})
+                self.outbox.append(make_output(req))
+            elif not self.role.on_new_request(req):
+                self.enqueue_validated(req)
+        except Exception as e:  # noqa: BLE001 (what the checks let through must not stop the loop)
+            logger.exception("request %s could not be admitted", msg.rid)
+            reason = {"type": "abort", "message": f"Internal server error: {type(e).__name__}: {e}",
+                      "status_code": 500, "err_type": "InternalServerError"}
+            if req is not None and req.req_pool_idx is not None:
+                self.kv.release(req)
+            self.outbox.append(ReqOutput(rid=msg.rid, new_output_ids=[], finish_reason=reason,
+                                         prompt_tokens=len(msg.input_ids), completion_tokens=0, cached_tokens=0))
+
     def new_req(self, msg: TokenizedGenerateReq) -> Req:
         return Req(msg, next(self._arrivals))
 
@@ -97,26 +127,10 @@ class Scheduler:
         before queueing any of it)."""
         self.waiting.append(req)
 
-    def validate(self, req: Req) -> str | None:
-        """A clear message naming what is wrong with the request, or None."""
-        n, ctx = len(req.origin_input_ids), self.runner.context_len
-        if n == 0:
-            return "The input is empty: provide a non-empty text or input_ids."
-        if n >= ctx:
-            return f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
-        total = n + req.sampling.max_new_tokens
-        if total > ctx:
-            return (f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
-                    f"You requested a total of {total} tokens: {n} tokens from the input messages and "
-                    f"{req.sampling.max_new_tokens} tokens for the completion.")
-        if total > self.runner.max_total_tokens:
-            return f"The request needs {total} KV slots but the KV pool holds only {self.runner.max_total_tokens}."
-        if req.logprob_start_len > n:
-            return f"logprob_start_len ({req.logprob_start_len}) is larger than the prompt ({n} tokens)."
-        vocab = self.runner.arch.vocab_size
-        if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= vocab:  # C loops: prompts are long
-            return f"input_ids contain a token id outside the vocabulary [0, {vocab})."
-        return None
+    def validate(self, msg: TokenizedGenerateReq) -> str | None:
+        """A clear message naming what is wrong with the request, or None (the same checks and
+        messages as the tokenizer manager's: tokenizer/validation.py)."""
+        return check_tokenized(msg, self.runner.arch.vocab_size, self.runner.context_len, self.runner.max_total_tokens)
 
     def abort(self, rid: str, abort_all: bool = False) -> None:
         self._apply_prefill()  # its requests join `running`, where the loop below finds them
@@ -164,6 +178,16 @@ class Scheduler:
 
     def step(self) -> bool:
         """Schedule, run and apply one batch. Returns False when there was nothing to run."""
+        try:
+            ran = self._step()
+        except Exception as e:  # noqa: BLE001 (the batch's requests fail; the scheduler goes on)
+            self._recover(e)
+            return True
+        self._current = None
+        self._failed_steps = 0
+        return ran
+
+    def _step(self) -> bool:
         self.role.poll()
         if self.inflight is not None:
             return self._step_overlapped()
@@ -174,6 +198,7 @@ class Scheduler:
         if batch is None:
             return False
         loc = self._out_cache_loc
+        self._current = (batch, loc)  # slots allocated, not yet in the requests' kv_len: _recover
         fb = prepare_batch(batch, loc, self.runner.req_to_token.table, self.runner.device)
         if self.tiering is not None:
             self.tiering.before_forward(batch, fb)
@@ -191,21 +216,80 @@ class Scheduler:
             self.pending_prefill = launched
             return True
         self._apply_prefill()  # results apply in launch order
-        process_logits(batch, logits, self.checker)
+        process_logits(batch, logits, self.checker)  # sets every slice's kv_len before anything else
+        self._current = None
         self._after_batch(batch)
         return True
+
+    def _recover(self, exc: Exception) -> None:
+        """A batch raised (forward, sampling, a PD hook): end its requests, and those of any
+        launched-but-unapplied step, with a 500; free their KV; keep everything else running.
+
+        KV accounting: a request's row holds slots for [0, kv_len) once its slice is applied; the
+        batch being run had slots allocated for [start, start + length) that kv_len does not yet
+        cover. They are written into the row (prepare_batch may have failed before doing it) and
+        kv_len extended, so `release` frees exactly what the request holds."""
+        logger.exception("a batch failed; its requests end with an error")
+        reason = {"type": "abort", "message": f"Internal server error: {type(exc).__name__}: {exc}",
+                  "status_code": 500, "err_type": "InternalServerError"}
+        victims: list[Req] = []
+        current, self._current = self._current, None
+        if current is not None:
+            batch, loc = current
+            offset = 0
+            for s in batch.slices:
+                req = s.req
+                if loc is not None and req.req_pool_idx is not None and req.kv_len < s.start + s.length:
+                    self.runner.req_to_token.write(req.req_pool_idx, s.start, loc[offset:offset + s.length])
+                    req.kv_len = s.start + s.length
+                offset += s.length
+                victims.append(req)
+        for inf in (self.inflight, self.pending_prefill, *self._unapplied):
+            if inf is not None:  # overlap (CUDA): launched, its rows written at launch
+                for s in inf.batch.slices:
+                    if s.req.req_pool_idx is not None and s.req.kv_len < s.start + s.length:
+                        s.req.kv_len = s.start + s.length
+                    victims.append(s.req)
+        self.inflight = self.pending_prefill = None
+        self._unapplied.clear()
+        victims = [r for r in dict.fromkeys(victims) if r.finished_reason is None or r.req_pool_idx is not None]
+        self._failed_steps = 0 if victims else self._failed_steps + 1
+        if self._failed_steps >= MAX_FAILED_STEPS:  # failing outside any batch, again and again
+            logger.error("%d steps in a row failed outside a batch; ending every request", self._failed_steps)
+            victims = [*self.running, *([self.chunked] if self.chunked else []), *self.waiting]
+            self.role.abort("", True)
+            self._failed_steps = 0
+        for req in victims:  # not already retired
+            self._drop(req, reason)
+
+    def _drop(self, req: Req, reason: dict) -> None:
+        """End a request now with `reason` (kept if it already finished) and free its KV
+        without caching it (it may be incomplete)."""
+        req.finish(reason)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self.kv.release(req)
+        self.outbox.append(make_output(req))
 
     def _step_overlapped(self) -> bool:
         """Launch the next decode step on the in-flight step's device-resident tokens, then
         apply the in-flight step while the GPU runs the next one (scheduler/overlap.py)."""
         prev, self.inflight = self.inflight, None
+        self._unapplied.append(prev)
         nxt = None
         if not self.waiting and self.chunked is None and not self._joined:  # new requests: regroup first
             nxt = self._launch_followup(prev)
+            if nxt is not None:
+                self._unapplied.append(nxt)
         self._apply_inflight(prev)
         if nxt is not None and not self.running:  # prev finished everyone: nxt is all void
             self._apply_inflight(nxt)
             nxt = None
+        self._unapplied.clear()
         self.inflight = nxt  # invariant: an in-flight step has a running request
         return True
 
@@ -215,12 +299,14 @@ class Scheduler:
         if self.pending_prefill is None:
             return
         inf, self.pending_prefill = self.pending_prefill, None
+        self._unapplied.append(inf)
         tokens = iter(inf.token_list())
         for s in inf.batch.slices:
             if s.sample:
                 s.req.output_ids.append(next(tokens))
                 self.checker.check(s.req)
         self._after_batch(inf.batch)
+        self._unapplied.remove(inf)
 
     def _pending_reqs(self) -> list[Req]:
         """Requests of the pending prefill that join `running` when it is applied."""
@@ -240,9 +326,12 @@ class Scheduler:
         self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
         batch = ScheduleBatch(ForwardMode.DECODE, [ReqSlice(r, st, 1, True) for r, st in zip(reqs, starts)])
         ids = prev.tokens if len(keep) == len(slices) else prev.tokens[int64_to_device((keep,), prev.tokens.device)]
+        self._current = (batch, loc)
         fb = prepare_decode(batch, loc, self.runner.req_to_token.table, self.runner.device, input_ids=ids)
         logits = self.runner.forward(fb)
-        return InflightBatch.launch(batch, logits, loc)
+        launched = InflightBatch.launch(batch, logits, loc)
+        self._current = None
+        return launched
 
     def _apply_inflight(self, inf: InflightBatch) -> None:
         """process_logits for an overlapped step: its tokens are the argmax already taken."""
@@ -280,6 +369,7 @@ class Scheduler:
         # Slices are admitted against free KV one by one (room is made as they come) and
         # allocated together at the end: one allocation per batch, not per request.
         batch, room = ScheduleBatch(ForwardMode.EXTEND), [0]
+        self._current = (batch, None)  # its requests leave the queues before their slots exist
         if self.chunked is not None:
             req, self.chunked = self.chunked, None
             if not self._add_slice(batch, room, adder, req, admitted=True):
@@ -332,8 +422,10 @@ class Scheduler:
             self._retract(self.running.pop(pick_retraction([r.arrival for r in self.running])))
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
             loc = self.kv.alloc(self.running)
-        if loc is None:
-            raise RuntimeError("KV pool exhausted with a single running request; the pool is too small")
+        if loc is None:  # one request that alone outgrew the pool: it ends, the server goes on
+            self._drop(self.running[0], {"type": "abort", "status_code": 500, "err_type": "InternalServerError",
+                                         "message": "The KV pool ran out of room for this request."})
+            return None
         self._out_cache_loc = loc
         self._joined = False
         return ScheduleBatch(ForwardMode.DECODE, [ReqSlice(r, r.kv_len, 1, True) for r in self.running])
@@ -385,8 +477,12 @@ class Scheduler:
     # ------------------------------------------------------------------ PD roles (disagg/role.py)
     def poll_role(self) -> None:
         """The PD role's transfers and admissions without a forward: the server's loop sends
-        what they produced (a PD request's first token) before the next step runs."""
-        self.role.poll()
+        what they produced (a PD request's first token) before the next step runs. A poll
+        that raises is contained as a failed step is (`_recover`)."""
+        try:
+            self.role.poll()
+        except Exception as e:  # noqa: BLE001
+            self._recover(e)
 
     def has_running_seat(self) -> bool:
         return len(self.running) + len(self._pending_reqs()) < self.max_running

@@ -37,9 +37,9 @@ from weakref import WeakKeyDictionary
 
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardMode
+from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.spectrum.budget import KVLayout, assignment_bytes, fp16_bytes
-from sgl_kvxfer.spectrum.byte_budget import assign_tiers, planned_fractions
+from sgl_kvxfer.spectrum.byte_budget import assign_tiers
 from sgl_kvxfer.spectrum.importance import ImportanceAccumulator, KVNormAccumulator, token_importance
 from sgl_kvxfer.spectrum.policies import create_tier_policy
 from sgl_kvxfer.spectrum.tiers import NUM_TIERS
@@ -225,18 +225,10 @@ class EngineTiering:
 
     # ------------------------------------------------------------------ int4 decision
     def set_int4(self, resolution) -> None:
-        """Apply the int4 decision; re-divide the int stores when the planned mix changes."""
+        """Apply the int4 decision to the settings. The pool was sized for it when it was built
+        (ModelRunner's `int4`), so nothing is re-divided."""
         self.int4 = resolution
         self.configure(int4_allowed=resolution.enabled)
-        st = self.settings
-        _, f8, f4, _ = planned_fractions(self.policy, st.budget, self.layout, st.unit, self.config.kv_sink_tokens,
-                                         st.int4_allowed)
-        n8, n4 = self.pool.int_store_sizes(f8, f4)
-        if (n8, n4) != (self.pool.plan.n8, self.pool.plan.n4):
-            if self.kv.tree is not None:
-                self.kv.tree.reset()  # start-up: nothing is locked; the probe's tokens go
-            self.allocator.repartition(n8, n4)
-            self.runner.kv_pool_resized()  # new int stores: views and captured graphs are rebuilt
         logger.info("SpectrumKV: int4 %s (%s); stores fp16 %d / int8 %d / int4 %d slots",
                     "on" if resolution.enabled else "off", resolution.source,
                     self.pool.plan.n16, self.pool.plan.n8, self.pool.plan.n4)
@@ -249,13 +241,12 @@ class EngineTiering:
                 "kv_tier_slots": [self.pool.plan.n16, self.pool.plan.n8, self.pool.plan.n4]}
 
 
-def create_engine_tiering(scheduler, tokenizer=None) -> EngineTiering | None:
-    """SpectrumKV for this scheduler, int4 resolved (probe runs here); None at kv_tier_budget 1."""
+def create_engine_tiering(scheduler) -> EngineTiering | None:
+    """SpectrumKV for this scheduler, under the int4 decision its runner's pool was sized by
+    (scheduler/startup.py); None at kv_tier_budget 1."""
     config = scheduler.config.engine
     if not config.tiering_enabled:
         return None
-    from sgl_kvxfer.scheduler.int4_probe import resolve_engine_int4
-
     tiering = scheduler.tiering = EngineTiering(config, scheduler.runner, scheduler.kv)
-    tiering.set_int4(resolve_engine_int4(tiering, scheduler, tokenizer))
+    tiering.set_int4(scheduler.runner.int4)
     return tiering

@@ -1,8 +1,9 @@
 """Bearer-token auth as a plain ASGI middleware (no BaseHTTPMiddleware: it would break streaming
 disconnect detection).
 
-Rules (spec 1.1): OPTIONS and paths under /health, /ready, /metrics are exempt. Admin routes take
---admin-api-key when set, else --api-key. Keys are compared in constant time; failure is 401
+Rules: OPTIONS and the probes (paths under /health, and /ready), which carry no data, are
+exempt; every other route, /metrics included, needs the key. Admin routes take --admin-api-key
+when set, else --api-key. Keys are compared in constant time; failure is 401
 {"error":"Unauthorized"}.
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import hmac
 import json
 
-EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")
+EXEMPT_PREFIXES = ("/health", "/ready")
 ADMIN_PATHS = ("/flush_cache", "/abort_request", "/kv_transfer_link")
 
 

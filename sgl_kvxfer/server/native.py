@@ -7,11 +7,13 @@ import time
 
 import msgspec
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from sgl_kvxfer.server.errors import contract_error, openai_error, read_json_body, request_error
-from sgl_kvxfer.server.streaming import collect, dumps, sse_merge
-from sgl_kvxfer.tokenizer.generate_input import ContractError, RequestError, parse_generate_request
+from sgl_kvxfer.server.redact import redact_command
+from sgl_kvxfer.server.streaming import SSEResponse, collect, dumps, sse_merge
+from sgl_kvxfer.tokenizer.generate_input import parse_generate_request
+from sgl_kvxfer.tokenizer.validation import ContractError, RequestError, read_float
 
 SGLANG_VERSION = "0.5.23"
 FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. "
@@ -36,10 +38,10 @@ async def generate(request: Request):
         return contract_error(str(e))
     except RequestError as e:
         return request_error(str(e), e.status_code)
-    states = [tm.submit(item, ids) for item, ids in zip(req.items, prompts)]
+    states = tm.submit_all(req.items, prompts)
     extra = (lambda i: {"prompt_token_ids": prompts[i]}) if req.return_prompt_token_ids else None
     if req.stream:
-        return StreamingResponse(sse_merge(tm, states, req.is_batch, extra), media_type="text/event-stream")
+        return SSEResponse(sse_merge(tm, states, req.is_batch, extra), tm, states)
     try:
         results = await collect(tm, states, request.is_disconnected)
     except RequestError as e:
@@ -116,7 +118,8 @@ async def get_server_info(request: Request):
         "model_path": mi["model_path"], "tokenizer_path": mi["tokenizer_path"], "served_model_name": mi["served_model_name"],
         "tp_size": 1, "dp_size": 1, "pp_size": 1,
         "load_balance_method": "round_robin", "kv_cache_dtype": "auto", "context_length": tm.context_len,
-        "launch_command": app.state.launch_command, "status": "ready",
+        "launch_command": redact_command(app.state.launch_command, (args.api_key, args.admin_api_key)),
+        "status": "ready",
         "max_total_num_tokens": info.get("max_total_num_tokens"), "max_req_input_len": info.get("max_req_input_len"),
         "startup_time": app.state.startup_time, "kv_events": None, "internal_states": states,
         "version": SGLANG_VERSION, "frontend": "python",
@@ -124,9 +127,14 @@ async def get_server_info(request: Request):
     return JSONResponse(flat)
 
 
+MAX_FLUSH_WAIT_S = 600.0
+
+
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request, timeout: float = 0.0):
-    tm, deadline = _tm(request), time.monotonic() + max(0.0, timeout)
+    if not 0.0 <= timeout <= MAX_FLUSH_WAIT_S:  # NaN fails both
+        return openai_error(f"timeout must be in [0, {MAX_FLUSH_WAIT_S:g}] seconds, got {timeout}", 400)
+    tm, deadline = _tm(request), time.monotonic() + timeout
     while True:
         result = await tm.flush_cache()
         if result.success:
@@ -145,12 +153,14 @@ async def kv_transfer_link(request: Request):
     if err is not None:
         return err
     try:
-        rate, latency = float(body["rate_gbps"]), float(body.get("latency_ms", 0.0))
+        rate = read_float(body["rate_gbps"], "rate_gbps")
+        latency = read_float(body.get("latency_ms", 0.0), "latency_ms")
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, str):
             raise TypeError("stream")
-    except (TypeError, KeyError, ValueError, AttributeError):
-        return openai_error("body must be {\"rate_gbps\": float, \"latency_ms\": float, \"stream\": str}", 400)
+    except (TypeError, KeyError, AttributeError, RequestError):
+        return openai_error("body must be {\"rate_gbps\": float, \"latency_ms\": float (finite), "
+                            "\"stream\": str}", 400)
     result = await _tm(request).set_kv_link(rate, latency, stream)
     return PlainTextResponse(result.message, status_code=200 if result.success else 400)
 
@@ -160,7 +170,8 @@ async def abort_request(request: Request):
     body, err = await read_json_body(request)
     if err is not None:
         return err
-    if not isinstance(body, dict) or not isinstance(body.get("rid", ""), str):
+    if not isinstance(body, dict) or not isinstance(body.get("rid") or "", str) \
+            or not isinstance(body.get("abort_all", False), bool):
         return openai_error("body must be {\"rid\": str, \"abort_all\": bool}", 400)
     _tm(request).abort(body.get("rid") or "", bool(body.get("abort_all", False)))
     return Response(status_code=200)

@@ -8,17 +8,21 @@ from __future__ import annotations
 import time
 import uuid
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
-from pydantic import ValidationError
+import logging
 
-from sgl_kvxfer.server.errors import openai_error, read_json_body, stream_error_event
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from sgl_kvxfer.server.errors import internal_error_message, openai_error, read_json_body, stream_error_event
 from sgl_kvxfer.server.native import model_info
 from sgl_kvxfer.server.openai_format import ChoiceStreamer, chat_choice, completion_choice, usage
-from sgl_kvxfer.server.openai_protocol import ChatCompletionRequest, CompletionRequest, sampling_dict
-from sgl_kvxfer.server.streaming import DONE, collect, dumps, iter_snapshots, sse
-from sgl_kvxfer.tokenizer.generate_input import GenerateItem, RequestError, make_sampling_params, parse_bootstrap
+from sgl_kvxfer.server.openai_protocol import parse_chat, parse_completion
+from sgl_kvxfer.server.streaming import DONE, SSEResponse, collect, dumps, iter_snapshots, sse
+from sgl_kvxfer.tokenizer.generate_input import GenerateItem, parse_bootstrap
+from sgl_kvxfer.tokenizer.validation import RequestError, check_item_count
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -43,7 +47,7 @@ async def get_model(request: Request, model_id: str):
     return card
 
 
-async def _parse(request: Request, schema):
+async def _parse(request: Request, parse):
     ctype = request.headers.get("content-type", "")
     if ctype.split(";")[0].strip().lower() != "application/json":
         return None, openai_error("Unsupported Media Type: Only 'application/json' is allowed", 400)
@@ -51,22 +55,25 @@ async def _parse(request: Request, schema):
     if err is not None:
         return None, err
     try:
-        return schema.model_validate(body), None
-    except ValidationError as e:
-        msg = "; ".join(f"{'.'.join(str(x) for x in d['loc'])}: {d['msg']}" for d in e.errors()) or str(e)
-        return None, openai_error(msg, 400)
+        return parse(body, request.app.state.tm.vocab_size or None), None
+    except RequestError as e:
+        return None, openai_error(str(e), e.status_code)
 
 
-def _items(tm, prompts: list[list[int]], req, max_new: list[int | None], return_logprob: bool, top: int) -> list[GenerateItem]:
+def _items(req, prompts: list[list[int]], max_new: list[int], return_logprob: bool, top: int) -> list[GenerateItem]:
+    n = req.n
+    check_item_count(len(prompts), n)
+    boot = parse_bootstrap(req.extra, len(prompts) * n)  # PD fields (top level)
+    base = msgspec.structs.replace(req.sampling, n=1)
     items = []
-    boot = parse_bootstrap(req.model_extra or {}, len(prompts) * req.n)  # PD fields (top level)
     for i, ids in enumerate(prompts):
-        sampling = make_sampling_params(sampling_dict(req, max_new[i]), tm.vocab_size or None)
-        for j in range(req.n):
+        sampling = base if max_new[i] == base.max_new_tokens else \
+            msgspec.structs.replace(base, max_new_tokens=max_new[i])
+        for j in range(n):
             items.append(GenerateItem(
-                rid=uuid.uuid4().hex, text=None, input_ids=ids, sampling=sampling,
-                max_new_tokens_given=max_new[i] is not None, return_logprob=return_logprob,
-                top_logprobs_num=top, return_text_in_logprobs=return_logprob, bootstrap=boot[i * req.n + j]))
+                rid=uuid.uuid4().hex, text=None, input_ids=ids, sampling=sampling, max_new_tokens_given=True,
+                return_logprob=return_logprob, top_logprobs_num=top, return_text_in_logprobs=return_logprob,
+                bootstrap=boot[i * n + j]))
     return items
 
 
@@ -74,13 +81,13 @@ async def _run(request: Request, req, prompts, max_new, return_logprob, top, ren
     """Shared body of both routes; `render` knows the route's reply and chunk shapes."""
     tm = request.app.state.tm
     try:
-        items = _items(tm, prompts, req, max_new, return_logprob, top)
+        items = _items(req, prompts, max_new, return_logprob, top)
         input_ids = tm.prepare(items)
     except RequestError as e:
         return openai_error(str(e), e.status_code)
-    states = [tm.submit(item, ids) for item, ids in zip(items, input_ids)]
+    states = tm.submit_all(items, input_ids)
     if req.stream:
-        return StreamingResponse(_stream(tm, states, req, render), media_type="text/event-stream")
+        return SSEResponse(_stream(tm, states, req, render), tm, states)
     try:
         results = await collect(tm, states, request.is_disconnected)
     except RequestError as e:
@@ -93,6 +100,7 @@ async def _run(request: Request, req, prompts, max_new, return_logprob, top, ren
 
 
 async def _stream(tm, states, req, render):
+    """Every stream ends with [DONE], after an error event if the request failed."""
     streamer = ChoiceStreamer(render)
     results: dict[int, dict] = {}
     try:
@@ -102,11 +110,13 @@ async def _stream(tm, states, req, render):
             results[i] = snap
             for chunk in streamer.chunks(i, snap):
                 yield sse(chunk)
-        opts = req.stream_options
-        if opts is not None and opts.include_usage:
+        if req.include_usage:
             yield sse(render.envelope([], usage([results[i] for i in sorted(results)], req.n), chunk=True))
     except RequestError as e:
         yield stream_error_event(str(e), e.status_code)
+    except Exception as e:  # noqa: BLE001 (a bug must still end the stream in the route's error shape)
+        logger.exception("stream failed")
+        yield stream_error_event(internal_error_message(e), 500)
     yield DONE
 
 
@@ -142,43 +152,38 @@ class _Render:
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    req, err = await _parse(request, CompletionRequest)
+    req, err = await _parse(request, parse_completion)
     if err is not None:
         return err
     tm = request.app.state.tm
-    raw = req.prompt
-    if isinstance(raw, str):
-        raw = [raw]
-    elif raw and isinstance(raw[0], int):
-        raw = [raw]
-    if not raw or any(isinstance(p, list) and not p for p in raw):
-        return openai_error("prompt must not be empty", 400)
-    if tm.tokenizer is None and any(isinstance(p, str) for p in raw):
+    if tm.tokenizer is None and any(isinstance(p, str) for p in req.prompts):
         return openai_error("text prompts need the tokenizer (server runs with --skip-tokenizer-init)", 400)
-    prompts = [tm.tokenizer.encode(p) if isinstance(p, str) else p for p in raw]
-    texts = [p if isinstance(p, str) else (tm.tokenizer.decode(p) if tm.tokenizer else "") for p in raw]
+    prompts = [tm.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
+    texts = [p if isinstance(p, str) else (tm.tokenizer.decode(p) if tm.tokenizer else "") for p in req.prompts]
     top = req.logprobs or 0
     render = _Render(req, "completion", texts)
-    return await _run(request, req, prompts, [req.max_tokens] * len(prompts), req.logprobs is not None, top, render)
+    max_new = [req.sampling.max_new_tokens] * len(prompts)
+    return await _run(request, req, prompts, max_new, req.logprobs is not None, top, render)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    req, err = await _parse(request, ChatCompletionRequest)
+    req, err = await _parse(request, parse_chat)
     if err is not None:
         return err
     tm = request.app.state.tm
     if tm.tokenizer is None:
         return openai_error("chat needs the tokenizer (server runs with --skip-tokenizer-init)", 400)
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt = tm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = tm.tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # jinja template errors (e.g. role order) are client errors
         return openai_error(f"Cannot apply the chat template: {e}", 400)
     ids = tm.tokenizer.encode(prompt, add_special_tokens=False)
-    max_new = req.max_completion_tokens or req.max_tokens
-    if max_new is None and tm.context_len:
+    max_new = req.sampling.max_new_tokens
+    if not req.max_new_given and tm.context_len:
         max_new = max(1, tm.context_len - len(ids) - 1)
+        if req.sampling.min_new_tokens > max_new:
+            return openai_error(f"`min_tokens` ({req.sampling.min_new_tokens}) exceeds the {max_new} tokens left "
+                                f"in the context after the {len(ids)}-token prompt", 400)
     render = _Render(req, "chat")
-    return await _run(request, req, [ids], [max_new], req.logprobs, req.top_logprobs or 0, render)
-
+    return await _run(request, req, [ids], [max_new], req.logprobs, req.top_logprobs, render)

@@ -1,6 +1,8 @@
 """Fan-in of per-request snapshot streams: SSE for `stream: true`, a list otherwise.
 
 A batch (or n>1) in stream mode interleaves chunks from all items, each tagged `"index": i`.
+Every stream ends with `data: [DONE]`; a request that fails after the stream started (an abort
+with a status, a shutdown, a bug) first gets one error event in the route's shape.
 NOTE: cancellation (client disconnect) must reach every per-item `TokenizerManager.wait`
 generator; their `finally` blocks abort the unfinished requests and free their KV.
 """
@@ -8,12 +10,36 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 
-from sgl_kvxfer.server.errors import stream_error_event
-from sgl_kvxfer.tokenizer.generate_input import RequestError
+from fastapi.responses import StreamingResponse
+
+from sgl_kvxfer.server.errors import internal_error_message, stream_error_event
+from sgl_kvxfer.tokenizer.validation import RequestError
+
+logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """An SSE stream that releases its requests however it ends.
+
+    NOTE: when the client goes away while the response is writing, Starlette cancels it with
+    the body's generators suspended at a `yield`; their `finally` blocks then run only when
+    they are garbage collected (maybe never, if a traceback cycle holds them). The requests
+    are released here instead, synchronously, so each is aborted and counted exactly once."""
+
+    def __init__(self, content, tm, states):
+        super().__init__(content, media_type="text/event-stream")
+        self._release = lambda: [tm.release(s) for s in states]
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 def _finite(obj):
@@ -67,7 +93,7 @@ async def iter_snapshots(tm, states):
         try:
             async for snapshot in tm.wait(state, True):
                 await queue.put((i, snapshot, None))
-        except RequestError as e:
+        except Exception as e:  # noqa: BLE001 (re-raised by the consumer below)
             await queue.put((i, None, e))
         finally:
             await queue.put((i, None, None))
@@ -98,4 +124,7 @@ async def sse_merge(tm, states, is_batch: bool, extra=None):
             yield sse(snapshot)
     except RequestError as e:
         yield stream_error_event(str(e), e.status_code)
+    except Exception as e:  # noqa: BLE001 (a bug must still end the stream in the route's error shape)
+        logger.exception("stream failed")
+        yield stream_error_event(internal_error_message(e), 500)
     yield DONE

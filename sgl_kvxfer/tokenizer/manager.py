@@ -6,9 +6,13 @@
 Invariants:
 - `self._states` holds exactly the rids whose handler is still waiting; a handler that stops
   waiting (finish, disconnect, error) pops its rid, and if the request was unfinished it also
-  sends AbortReq so the scheduler frees the request's KV.
+  sends AbortReq so the scheduler frees the request's KV (and counts it as aborted once).
 - Round trips (internal state, flush) are FIFO: the scheduler answers in order, so each reply
   resolves every waiter registered before it was asked.
+- An error while handling one request's output fails that request (500), never the receive
+  loop: every other request keeps streaming.
+- Shutdown (`begin_shutdown`, then `fail_all` at the drain deadline): new requests get 503,
+  waiting handlers end with a 503 error in their route's shape.
 """
 from __future__ import annotations
 
@@ -17,19 +21,23 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from http import HTTPStatus
 
 from sgl_kvxfer.config import ServerArgs
-from sgl_kvxfer.message import (AbortReq, BatchStrOut, FlushCacheReq, FlushCacheResult, GetInternalStateReq,
-                                InternalState, SetKVLinkReq, SetKVLinkResult, TokenizedGenerateReq)
+from sgl_kvxfer.message import (HEALTH_CHECK_RID_PREFIX, AbortReq, BatchStrOut, FlushCacheReq, FlushCacheResult,
+                                GetInternalStateReq, InternalState, SetKVLinkReq, SetKVLinkResult,
+                                TokenizedGenerateReq)
 from sgl_kvxfer.message.disagg import BootstrapInfo
 from sgl_kvxfer.message.queue import AsyncPullQueue, PushQueue
 from sgl_kvxfer.sampling.params import SamplingParams
-from sgl_kvxfer.tokenizer.generate_input import GenerateItem, RequestError
+from sgl_kvxfer.tokenizer.generate_input import GenerateItem
 from sgl_kvxfer.tokenizer.metrics import ServerMetrics
+from sgl_kvxfer.tokenizer.validation import RequestError, check_lengths, check_prompt_ids
 from sgl_kvxfer.tokenizer.output_state import RequestOutputState
 
 logger = logging.getLogger(__name__)
 HEALTH_CHECK_TIMEOUT = 20.0
+SHUTDOWN_MESSAGE = "The server is shutting down; the request was not completed. Retry on another server."
 _DISCONNECT_POLL = 2.0
 
 
@@ -41,6 +49,7 @@ class ReqState:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     created: float = field(default_factory=time.perf_counter)
     last_token_time: float = 0.0
+    released: bool = False  # its handler stopped waiting (release: exactly once)
 
 
 class TokenizerManager:
@@ -51,6 +60,7 @@ class TokenizerManager:
         self.context_len = int(scheduler_info.get("context_len") or 0)
         self.max_req_input_len = int(scheduler_info.get("max_req_input_len") or self.context_len)
         self.vocab_size = int(scheduler_info.get("vocab_size") or 0)
+        self.pool_tokens = int(scheduler_info.get("max_total_num_tokens") or 0)
         self.metrics = ServerMetrics()
         self.shutting_down = False
         self.last_receive_time = 0.0
@@ -75,13 +85,24 @@ class TokenizerManager:
 
     async def _handle_loop(self) -> None:
         while True:
-            msg = await self._recv.get()
+            try:
+                msg = await self._recv.get()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 (an undecodable message: log it, keep receiving)
+                logger.exception("tokenizer manager: bad message from the detokenizer")
+                continue
             self.last_receive_time = time.perf_counter()
             if isinstance(msg, BatchStrOut):
                 for out, text in zip(msg.outputs, msg.texts):
                     state = self._states.get(out.rid)
-                    if state is not None:
+                    if state is None or state.out.finished:  # gone, or already failed here
+                        continue
+                    try:
                         self._on_output(state, out, text)
+                    except Exception as e:  # noqa: BLE001 (this request fails; the others go on)
+                        logger.exception("output of %s could not be handled", out.rid)
+                        self._fail(state, f"Internal server error: {type(e).__name__}: {e}", 500)
             elif isinstance(msg, InternalState):
                 self._resolve(self._state_waiters, msg)
             elif isinstance(msg, FlushCacheResult):
@@ -100,8 +121,26 @@ class TokenizerManager:
         state.out.add(out, text)
         if out.finish_reason is not None:
             aborted = out.finish_reason.get("type") == "abort"
+            if aborted and (out.finish_reason.get("status_code") or 0) >= 500:
+                self._send.put(AbortReq(rid=out.rid))  # failed downstream of the scheduler: stop it there
             self.metrics.on_finish(out.prompt_tokens, out.completion_tokens, out.cached_tokens, now - state.created, aborted)
         state.event.set()
+
+    def _fail(self, state: ReqState, message: str, status_code: int) -> None:
+        """End a waiting request with an error its handler raises (RequestError); the scheduler
+        is told to abort it (its KV is freed there)."""
+        if state.out.finished or state.released:
+            return
+        state.out.finish_reason = {"type": "abort", "message": message, "status_code": status_code,
+                                   "err_type": HTTPStatus(status_code).phrase.replace(" ", "")}
+        self._count_abort(state)
+        self._send.put(AbortReq(rid=state.item.rid))
+        state.event.set()
+
+    def _count_abort(self, state: ReqState) -> None:
+        out = state.out
+        self.metrics.on_finish(len(state.input_ids), out.completion_tokens, out.cached_tokens,
+                               time.perf_counter() - state.created, aborted=True)
 
     @staticmethod
     def _resolve(waiters: list, value) -> None:
@@ -113,31 +152,16 @@ class TokenizerManager:
     # ------------------------------------------------------------ generation
     def tokenize(self, item: GenerateItem) -> list[int]:
         if item.input_ids is not None:
-            ids = item.input_ids
-            if self.vocab_size and any(not 0 <= t < self.vocab_size for t in ids):
-                raise RequestError(f"input_ids holds a token id outside the vocabulary [0, {self.vocab_size}).")
-            return ids
+            check_prompt_ids(item.input_ids, self.vocab_size or None)
+            return item.input_ids
         if self.tokenizer is None:
             raise RequestError("text input needs the tokenizer; the server runs with --skip-tokenizer-init.")
         return self.tokenizer.encode(item.text)
 
     def validate(self, item: GenerateItem, input_ids: list[int]) -> None:
-        n = len(input_ids)
-        if n == 0:
-            raise RequestError("The prompt is empty.")
-        if self.context_len and n >= self.context_len:
-            raise RequestError(f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens).")
-        if self.max_req_input_len and n > self.max_req_input_len:
-            raise RequestError(f"The input ({n} tokens) is longer than the server's limit of {self.max_req_input_len} tokens.")
-        max_new = item.sampling.max_new_tokens
-        if item.max_new_tokens_given and self.context_len and max_new + n > self.context_len:
-            raise RequestError(
-                f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
-                f"You requested a total of {max_new + n} tokens: {n} tokens from the input messages and "
-                f"{max_new} tokens for the completion. Please reduce the number of tokens in the input messages "
-                f"or the completion to fit within the limit.")
-        if item.return_logprob and item.logprob_start_len >= n:
-            raise RequestError(f"logprob_start_len ({item.logprob_start_len}) is not below the prompt length ({n}).")
+        """The request against the model and this server (validation.check_lengths), and PD's rule."""
+        check_lengths(len(input_ids), item.sampling.max_new_tokens, item.max_new_tokens_given, self.context_len,
+                      self.max_req_input_len, 0, item.logprob_start_len, item.return_logprob)
         sched = self.server_args.scheduler
         if (sched.disaggregation_mode != "null" and sched.disaggregation_transfer_backend != "fake"
                 and (item.bootstrap is None or item.bootstrap.room is None)):
@@ -146,7 +170,7 @@ class TokenizerManager:
     def prepare(self, items: list[GenerateItem]) -> list[list[int]]:
         """Tokenize and validate every item before any is sent (all-or-nothing per HTTP call)."""
         if self.shutting_down:
-            raise RequestError("The server is shutting down.", 503)
+            raise RequestError(SHUTDOWN_MESSAGE, 503)
         prepared = []
         if len({item.rid for item in items}) != len(items):
             raise RequestError("Duplicate request ids in one batch.")
@@ -168,6 +192,9 @@ class TokenizerManager:
             logprob_start_len=item.logprob_start_len, top_logprobs_num=item.top_logprobs_num,
             token_ids_logprob=item.token_ids_logprob, stream=True, bootstrap=item.bootstrap))
         return state
+
+    def submit_all(self, items: list[GenerateItem], input_ids: list[list[int]]) -> list[ReqState]:
+        return [self.submit(item, ids) for item, ids in zip(items, input_ids)]
 
     async def wait(self, state: ReqState, stream: bool, is_disconnected=None):
         """Yield cumulative snapshots (every update if `stream`, else only the final one).
@@ -201,9 +228,19 @@ class TokenizerManager:
                 if stream:
                     yield self.snapshot(state)
         finally:
-            self._states.pop(rid, None)
-            if not state.out.finished:
-                self._send.put(AbortReq(rid=rid))
+            self.release(state)
+
+    def release(self, state: ReqState) -> None:
+        """The handler stopped waiting for `state` (finished, failed, client gone, task
+        cancelled). Idempotent: a stream's response and its generators may both call it. An
+        unfinished request is aborted in the scheduler and counted as aborted, once."""
+        if state.released:
+            return
+        state.released = True
+        self._states.pop(state.item.rid, None)
+        if not state.out.finished:
+            self._count_abort(state)
+            self._send.put(AbortReq(rid=state.item.rid))
 
     def snapshot(self, state: ReqState) -> dict:
         e2e = time.perf_counter() - state.created if state.out.finished else None
@@ -214,6 +251,18 @@ class TokenizerManager:
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         self._send.put(AbortReq(rid=rid, abort_all=abort_all))
+
+    # ------------------------------------------------------------ shutdown
+    def begin_shutdown(self) -> None:
+        """Stop admitting: new requests (and /health, /ready) answer 503 from now on."""
+        self.shutting_down = True
+
+    def fail_all(self, message: str = SHUTDOWN_MESSAGE, status_code: int = 503) -> int:
+        """End every waiting request with an error; returns how many there were."""
+        states = [s for s in self._states.values() if not s.out.finished]
+        for state in states:
+            self._fail(state, message, status_code)
+        return len(states)
 
     # ------------------------------------------------------------ round trips
     async def _round_trip(self, waiters: list, request, timeout: float):
@@ -233,12 +282,15 @@ class TokenizerManager:
         return await self._round_trip(self._link_waiters, SetKVLinkReq(rate_gbps, latency_ms, stream), timeout)
 
     async def health_generate(self, timeout: float = HEALTH_CHECK_TIMEOUT) -> bool:
-        """A 1-token generation; healthy if the scheduler sends anything back in time."""
+        """Healthy if the scheduler sends anything back in time. The probe request is answered
+        by the scheduler loop when it reads it (between two steps, Scheduler._add_request): a
+        busy server is healthy, a dead or stuck one is not (a router must not take one long
+        prefill on a loaded CPU for a dead server)."""
         if self.shutting_down:
             return False
         start = time.perf_counter()
         pd = self.server_args.scheduler.disaggregation_mode != "null"
-        item = GenerateItem(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", text=None, input_ids=[0],
+        item = GenerateItem(rid=f"{HEALTH_CHECK_RID_PREFIX}{uuid.uuid4().hex}", text=None, input_ids=[0],
                             sampling=SamplingParams(max_new_tokens=1, temperature=1.0, top_k=1),
                             max_new_tokens_given=True,  # PD: no peer, compute here (SGLang's 2.2.2.2)
                             bootstrap=BootstrapInfo("2.2.2.2", None, 0) if pd else None)

@@ -76,7 +76,9 @@ class ServerMetrics:
                 sample("kv_transfer_rooms_failed_total", "counter", "Rooms whose KV transfer failed.",
                        sum(n for k, n in kv["rooms"].items() if k != "ok"))
                 sample("kv_transfer_fallbacks_total", "counter", "Decode requests prefilled locally after a "
-                       "failed KV transfer.", kv["fallbacks"])
+                       "failed KV transfer (each request once).", kv["fallbacks"])
+                sample("kv_transfer_peer_failures_total", "counter", "PD peers (prefill or decode servers) seen "
+                       "dying by the liveness probes.", kv.get("peer_failures", 0))
         for name, hist, help_text in (
             ("time_to_first_token_seconds", self.ttft, "Time to first token."),
             ("inter_token_latency_seconds", self.itl, "Inter-token latency."),

@@ -236,10 +236,32 @@ def test_ttft_vs_bandwidth(tmp_path, smollm2_path):
 
 def test_fusedkv_serve_bench(tmp_path):
     out = run_bench("fusedkv/serve_bench.py", ["--smoke"], tmp_path)
-    data = result(out, "fusedkv_serve_tiny_cpu", ("rows", "params", "targets", "vs_vanilla"), png=True)
+    data = result(out, "fusedkv_serve_tiny_cpu", ("rows", "params", "targets", "vs_vanilla", "copy_bandwidth_Bps"),
+                  png=True)
     assert sorted(data["rows"]) == ["fusedkv", "lite", "vanilla"]
-    assert data["vs_vanilla"]["fusedkv"]["pool"] == data["vs_vanilla"]["lite"]["pool"] == 0.5
+    assert data["vs_vanilla"]["fusedkv"]["pool_bytes_per_token"] == data["vs_vanilla"]["lite"]["pool_bytes_per_token"] == 0.5
     assert "ttft_no_skip" in data["rows"]["fusedkv"]
+    for row in data["rows"].values():
+        assert [(p["batch"], p["context"]) for p in row["tpot"]] == [(1, 32), (2, 32)]
+        for p in row["tpot"]:  # warm, >= 5 pairs, a spread, never a negative time, the bytes check
+            assert p["step_spread_s"]["n"] >= 5 and len(p["n1_s"]) == len(p["n2_s"]) >= 5
+            assert p["tpot_s"] is None or p["tpot_s"] > 0
+            assert p["min_step_s"] > 0 and isinstance(p["faster_than_bytes_allow"], bool)
+
+
+@pytest.mark.slow
+def test_fusedkv_serve_smoke_writes_to_a_temp_dir(tmp_path):
+    """--smoke without --out-dir writes into a fresh temp dir, never into benchmarks/results."""
+    def results():
+        return set(os.listdir(os.path.join(ROOT, "benchmarks", "results")))
+
+    before = results()
+    env = {**os.environ, "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "benchmarks/fusedkv/serve_bench.py", "--smoke", "--variants", "vanilla"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    wrote = [line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("wrote ")]
+    assert wrote and all(w.startswith(str(tmp_path)) for w in wrote) and results() == before
 
 
 def test_fusedkv_tiers(tmp_path):
@@ -250,6 +272,20 @@ def test_fusedkv_tiers(tmp_path):
     assert all(r["full_prefix_hits"] for r in data["rows"])
     assert got[("fusedkv", 1.0)]["resident_vs_vanilla_fp16"] == 0.5
     assert got[("fusedkv", 0.5)]["resident_vs_vanilla_fp16"] < got[("fusedkv", 1.0)]["resident_vs_vanilla_fp16"]
+    for r in data["rows"]:  # decode timing in the same engine: warm, >= 5 pairs, never negative
+        d = r["decode"]
+        assert d["step_spread_s"]["n"] >= 5 and (d["tpot_s"] is None or d["tpot_s"] > 0)
+
+
+def test_fusedkv_capacity(tmp_path):
+    out = run_bench("fusedkv/capacity.py", ["--smoke"], tmp_path)
+    data = result(out, "fusedkv_capacity_tiny_cpu", ("rows", "params", "vs_vanilla", "copy_bandwidth_Bps"), png=True)
+    rows = data["rows"]
+    # equal pool bytes: the halved KV holds twice the tokens, and the scheduler admitted them all at once
+    assert rows["fusedkv"]["pool_tokens"] == rows["lite"]["pool_tokens"] == 2 * rows["vanilla"]["pool_tokens"]
+    assert all(r["held"] == r["planned"] for r in rows.values())
+    assert data["vs_vanilla"]["fusedkv"]["held"] == data["vs_vanilla"]["lite"]["held"] == 2.0
+    assert all(r["tpot_s"] is None or r["tpot_s"] > 0 for r in rows.values())
 
 
 @pytest.mark.slow

@@ -25,12 +25,14 @@ def tiny_dir(tmp_path_factory):
 
 
 def make_scheduler(tiny_dir, role, **engine):
-    from sgl_kvxfer.engine.model_runner import ModelRunner
     from sgl_kvxfer.scheduler.scheduler import Scheduler
+    from sgl_kvxfer.scheduler.startup import create_runner
 
     cfg = SchedulerConfig(engine=EngineConfig(model_path=tiny_dir, load_format="dummy", device="cpu",
-                                              max_total_tokens=2048, **engine), chunked_prefill_size=16)
-    return Scheduler(cfg, ModelRunner(cfg.engine, 4), None, role=role)
+                                              max_total_tokens=2048, **engine), chunked_prefill_size=16,
+                          max_running_requests=4)
+    runner, _, _ = create_runner(cfg)
+    return Scheduler(cfg, runner, None, role=role)
 
 
 def submit(sched, rid, n, max_new=3, **extra):

@@ -9,6 +9,7 @@ answer from D (its local prefill), a fallback counted in /metrics, and no KV lef
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import re
 import subprocess
 import sys
@@ -323,3 +324,145 @@ def test_two_prefills_two_decodes_survive_a_killed_decode(cluster):
         assert len(results) == 12 and all(out == ref[p] for p, out in results)
     finally:
         stop_all(router, p3, d3)
+
+
+# ---------------------------------------------------------------- peer deaths under load (disagg/peers.py)
+LONG_PROMPT = PROMPTS[0] * 14  # ~1.4k tokens
+PATIENT = "300"  # --kv-transfer-timeout of the servers below: a room fails fast only by a probe
+# peers.py: 2 failed probes 1 s apart (~2 s), plus one scheduler step, which lasts many seconds on a
+# shared 2-core machine under load (a 128-token chunk: ~1 s idle, 20 s at a load of 20); far below
+# the PATIENT timeout that is the bound without the probes
+DETECT_S = 45.0
+
+
+def _kv(handle) -> dict:
+    """The kv_transfer state, {} while the scheduler is too busy to answer (internal_states [])."""
+    states = server_info(handle)["internal_states"]
+    return states[0].get("kv_transfer", {}) if states else {}
+
+
+def _kv_used(handle) -> int:
+    states = server_info(handle)["internal_states"]
+    return states[0]["kv_used_tokens"] if states else -1
+
+
+def _wait(cond, limit, what):
+    deadline = time.time() + limit
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.1)
+    return time.time()
+
+
+def _kill_tree(handle):
+    kids = handle.children()
+    handle.proc.kill()
+    for k in kids:
+        try:
+            k.kill()
+        except Exception:  # noqa: BLE001 (already gone with its parent)
+            pass
+
+
+@pytest.mark.timeout(1800)  # 8 long local prefills on a loaded shared CPU
+def test_prefill_killed_under_load_every_request_ends(cluster):
+    """2 prefills + 1 decode behind the real router, 8 requests of ~1.4k tokens in flight, one
+    prefill SIGKILLed: its rooms fail on the decode within DETECT_S and are prefilled there;
+    every client gets the single server's answer (or a clear error naming the prefill); the
+    decode's KV held by no request returns to zero; each fallback is counted."""
+    bp = free_port()
+    p2, d = start_all([([*pd_args("prefill", bp), "--kv-transfer-timeout", PATIENT], None, "pd_prefill_killed"),
+                       ([*pd_args("decode"), "--kv-transfer-timeout", PATIENT], None, "pd_decode_patient")])
+    cluster = {**cluster, "D": d}
+    router = None
+    try:
+        router = start_router([(cluster["P"].url, cluster["bp"]), (p2.url, bp)], [d.url], policy="round_robin")
+        before = {k: metric(d, k) for k in ("kv_transfer_fallbacks_total", "kv_transfer_peer_failures_total")}
+        results = []
+
+        def client(i):
+            t = time.time()
+            try:
+                r = requests.post(router.url + "/generate", json=greedy(LONG_PROMPT, max_new=8), timeout=900)
+                results.append((r.status_code, r.json(), time.time() - t))
+            except Exception as e:  # noqa: BLE001 (asserted below)
+                results.append((None, repr(e), time.time() - t))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        _wait(lambda: _kv(p2).get("rooms_open", 0) > 0, 300, "no room on P2")
+        killed = time.time()
+        _kill_tree(p2)
+        seen = _wait(lambda: metric(cluster["D"], "kv_transfer_peer_failures_total") > before[
+            "kv_transfer_peer_failures_total"], 120, "the decode never saw the prefill die")
+        assert seen - killed < DETECT_S, f"prefill death seen after {seen - killed:.1f} s"
+        for t in threads:
+            t.join(900)
+        assert len(results) == 8, results
+        ref = post(cluster["S"].url, greedy(LONG_PROMPT, max_new=8), timeout=900)["output_ids"]
+        fallbacks = 0
+        for status, body, _ in results:
+            if status == 200:
+                assert body["output_ids"] == ref
+                fallbacks += body["meta_info"]["kv_transfer"]["status"].startswith("fallback")
+            else:
+                assert status is not None and "prefill" in json.dumps(body), (status, body)
+        assert fallbacks >= 1
+        # each decode request is counted once; the router's retries of requests whose prefill
+        # connection broke are decode requests of their own (counted, though no client reads them)
+        assert metric(cluster["D"], "kv_transfer_fallbacks_total") - before["kv_transfer_fallbacks_total"] >= fallbacks
+        # the KV held by no request returns to zero (flushing empties the radix cache); staging
+        # regions of rooms a live prefill failed stay quarantined for --kv-transfer-timeout
+        _wait(lambda: requests.post(d.url + "/flush_cache", timeout=60).status_code == 200
+              and _kv(d).get("rooms_open") == 0 and _kv_used(d) == 0,
+              120, "KV left on the decode")
+    finally:
+        stop_all(router, p2, d)
+
+
+@pytest.mark.timeout(1800)
+def test_decode_killed_its_rooms_end_fast_on_the_prefill(cluster):
+    """A decode SIGKILLed with claimed rooms: every client's request ends within seconds with an
+    error naming the decode (the router's 5xx), the prefill sees the decode die within DETECT_S
+    and frees those rooms at once (not after --kv-transfer-timeout), nothing leaks there."""
+    bp = free_port()
+    p, d2 = start_all([([*pd_args("prefill", bp), "--kv-transfer-timeout", PATIENT], None, "pd_prefill_patient"),
+                       ([*pd_args("decode"), "--kv-transfer-timeout", PATIENT], None, "pd_decode_killed")])
+    cluster = {**cluster, "P": p}
+    router = None
+    try:
+        router = start_router([(p.url, bp)], [d2.url])
+        before = metric(p, "kv_transfer_peer_failures_total")
+        results = []
+
+        def client():
+            t = time.time()
+            try:
+                r = requests.post(router.url + "/generate", json=greedy(LONG_PROMPT, max_new=64), timeout=900)
+                results.append((r.status_code, r.text, time.time() - t))
+            except Exception as e:  # noqa: BLE001
+                results.append((None, repr(e), time.time() - t))
+
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for t in threads:
+            t.start()
+        _wait(lambda: _kv(d2).get("staging_used_bytes", 0) > 0, 300, "D2 claimed no room")
+        state = {}
+        _wait(lambda: state.update(_kv(p)) or "rooms_open" in state, 120, "the prefill does not answer")
+        open_before = state["rooms_open"]
+        killed = time.time()
+        _kill_tree(d2)
+        seen = _wait(lambda: metric(p, "kv_transfer_peer_failures_total") > before, 120,
+                     "the prefill never saw the decode die")
+        assert seen - killed < DETECT_S, f"decode death seen after {seen - killed:.1f} s"
+        # the rooms it had claimed end now (a room it never claimed waits for --kv-transfer-timeout)
+        _wait(lambda: _kv(p).get("rooms_open", open_before) < open_before, 60,
+              "the prefill kept the dead decode's claimed rooms")
+        for t in threads:
+            t.join(900)
+        for status, text, took in results:
+            assert status != 200 and status is not None, (status, text)
+            assert "ecode" in text, text  # the router names the decode it lost
+    finally:
+        stop_all(router, p, d2)

@@ -185,3 +185,94 @@ def test_auto_stream_is_int8_on_gpu_from_half_budget_and_end_otherwise():
     assert stream(0.3, "int8") == "int8" and stream(0.75, "end") == "end"
     with pytest.raises(ValueError, match="kv_transfer_stream"):
         stream(0.5, "fast")
+
+
+# ---------------------------------------------------------------- peer liveness (disagg/peers.py)
+def test_peer_monitor_sees_a_peer_die_and_come_back():
+    import socket
+    import time
+
+    from sgl_kvxfer.disagg.peers import PeerMonitor, endpoint_peer
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    peer = listener.getsockname()
+    assert endpoint_peer(f"tcp://{peer[0]}:{peer[1]}") == peer
+    mon = PeerMonitor(interval=0.05, timeout=1.0, max_failures=2)
+
+    def poll_until(cond, limit=10.0):
+        died, deadline = [], time.monotonic() + limit
+        while not cond() and time.monotonic() < deadline:
+            died += mon.poll({peer})
+            time.sleep(0.02)
+        return died
+
+    try:
+        poll_until(lambda: False, 0.5)
+        assert not mon.is_dead(peer) and mon.deaths == 0
+        listener.close()  # the process is gone: connections are refused
+        t0 = time.monotonic()
+        died = poll_until(lambda: mon.is_dead(peer))
+        assert died == [peer] and mon.deaths == 1 and "ConnectionRefusedError" in mon.describe(peer)
+        assert time.monotonic() - t0 < 5.0
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(peer)
+        listener.listen(8)
+        poll_until(lambda: not mon.is_dead(peer))
+        assert not mon.is_dead(peer)
+        mon.poll(set())  # no room needs it any more: forgotten
+        assert mon.describe(peer) == "never probed"
+    finally:
+        listener.close()
+        mon.close()
+
+
+def test_a_role_fails_the_rooms_of_a_peer_its_monitor_sees_die():
+    """The base class's peer hooks (disagg/role.py): check_peers probes what watched_peers
+    names and hands a dead peer to on_peer_dead once, counted in the role's stats."""
+    import socket
+    import time
+
+    from sgl_kvxfer.disagg.common import TransferStats
+    from sgl_kvxfer.disagg.peers import PeerMonitor
+    from sgl_kvxfer.disagg.role import PDRole
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    peer = listener.getsockname()
+
+    class Watcher(PDRole):
+        peer_kind = "decode"
+
+        def __init__(self):
+            self.stats, self.monitor, self.dead = TransferStats(), PeerMonitor(0.05, 1.0, 2), []
+
+        def watched_peers(self):
+            return {peer: "tcp://%s:%d" % peer}
+
+        def on_peer_dead(self, p, reason):
+            self.dead.append((p, reason))
+
+    role = Watcher()
+    try:
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            role.check_peers(time.monotonic())
+            time.sleep(0.02)
+        assert role.dead == [] and role.stats.peer_failures == 0
+        listener.close()
+        deadline = time.monotonic() + 10.0
+        while not role.dead and time.monotonic() < deadline:
+            role.check_peers(time.monotonic())
+            time.sleep(0.02)
+        for _ in range(10):  # dead already: not reported again
+            role.check_peers(time.monotonic())
+        assert [p for p, _ in role.dead] == [peer] and role.stats.peer_failures == 1
+        assert role.dead[0][1].startswith("decode unreachable: tcp://127.0.0.1:")
+    finally:
+        listener.close()
+        role.close()
+    assert PDRole().watched_peers() == {} and PDRole().check_peers(0.0) is None  # no monitor: nothing

@@ -6,7 +6,6 @@ buffers (padding included) and calls the capture target `decode_step_static` dir
 padding invariant and the fixed-width attention plan are checked without CUDA (Triton kernels
 under TRITON_INTERPRET=1, set by test/conftest.py).
 """
-import json
 import random
 
 import pytest
@@ -14,26 +13,14 @@ import torch
 
 from sgl_kvxfer.engine.cuda_graph_runner import (CudaGraphRunner, bucket_for, cuda_graph_buckets,
                                                  resolve_max_bs)
-from sgl_kvxfer.engine.forward_batch import ForwardMode
+from sgl_kvxfer.forward_batch import ForwardMode
+
+from greedy_checks import assert_greedy_close
+from tiny_models import tiny_llama
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "vocab_size": 512,
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "max_position_embeddings": 1024, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-    "torch_dtype": "float16",
-}
+TINY = tiny_llama(vocab_size=512, hidden_size=64, intermediate_size=128, head_dim=16)
 ATOL = 2e-2  # fp16 attention: the graph plan splits the context differently from the eager plan
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from sgl_kvxfer.models.presets import write_dummy_tokenizer
-
-    d = tmp_path_factory.mktemp("tiny_llama_graph")
-    (d / "config.json").write_text(json.dumps(TINY))
-    return write_dummy_tokenizer(str(d), TINY["vocab_size"])
 
 
 def _engine(model_dir, **kw):
@@ -171,18 +158,6 @@ def test_graph_runner_not_used_off_cuda_or_on_torch_backend(tiny_dir):
         assert graph_unsupported_reason(eng.runner) == "disabled by --disable-cuda-graph"
 
 
-def _assert_greedy_close(got, ref, atol):
-    """Same tokens up to a near tie (top-2 gap < atol in the reference), logprobs within atol."""
-    for g, r in zip(got, ref):
-        gl, rl = g["meta_info"]["output_token_logprobs"], r["meta_info"]["output_token_logprobs"]
-        assert len(g["output_ids"]) == len(r["output_ids"])
-        for i, (gt, rt) in enumerate(zip(g["output_ids"], r["output_ids"])):
-            assert abs(gl[i][0] - rl[i][0]) < atol, (i, gl[i], rl[i])
-            if gt != rt:
-                top = r["meta_info"]["output_top_logprobs"][i]
-                assert top[0][0] - top[1][0] < atol, f"step {i}: {gt} != {rt} without a near tie"
-                break
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset,dtype", [(None, "float16"), ("smollm2-135m", "bfloat16")])
@@ -213,4 +188,4 @@ def test_gpu_graphs_match_eager(tmp_path, tiny_dir, preset, dtype):
                 assert bool((runner.kv_pool.k_buffer[0][0] == 0).all()), "page 0 must stay zero"
             eng.flush_cache()
             runner.allocator.debug_check()
-    _assert_greedy_close(out[True], out[False], 0.1 if dtype == "bfloat16" else ATOL)
+    assert_greedy_close(out[True], out[False], 0.1 if dtype == "bfloat16" else ATOL, same_length=True)

@@ -1,5 +1,5 @@
 """Native CPU kernels (kernels/cpu_ops.py) against their torch references, and the prepacked
-oneDNN linears (models/cpu_linear.py) against F.linear.
+oneDNN linears (layers/cpu_linear.py) against F.linear.
 
 Tolerances: RoPE and the residual sum are bitwise equal to torch (the kernels round every
 intermediate torch rounds); SiLU may be one bf16 ulp off on rare elements (exp), RMSNorm two
@@ -61,7 +61,7 @@ def test_silu_mul(T, I, dtype):
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("T,Hq,Hkv,D", [(1, 9, 3, 64), (33, 32, 8, 128), (5, 4, 4, 24)])
 def test_rope_qk_bitwise(T, Hq, Hkv, D, dtype):
-    from sgl_kvxfer.models.rope import RotaryEmbedding
+    from sgl_kvxfer.layers.rope import RotaryEmbedding
 
     g = torch.Generator().manual_seed(T * Hq)
     qkv = (torch.randn(T, (Hq + 2 * Hkv) * D, generator=g) * 2).to(dtype)
@@ -129,7 +129,7 @@ def test_packed_linear_matches_f_linear(M, isa, monkeypatch):
     """Where oneDNN packs bf16 weights (AVX-512 / AVX-NE-CONVERT) the prepared linear is F.linear
     bit for bit; elsewhere (AVX2, or the cap forcing it) it is one fp32 GEMM rounded to bf16
     once: bitwise that, and like F.linear within one bf16 rounding of the exact product."""
-    from sgl_kvxfer.models.cpu_linear import pack_weight, packed_linear
+    from sgl_kvxfer.layers.cpu_linear import pack_weight, packed_linear
     from sgl_kvxfer.utils import cpu_isa
 
     monkeypatch.setenv("SGL_KVXFER_CPU_ISA", isa)
@@ -153,7 +153,7 @@ def test_packed_linear_matches_f_linear(M, isa, monkeypatch):
 def test_prepack_swaps_bf16_linears_only():
     from torch import nn
 
-    from sgl_kvxfer.models.cpu_linear import PackedLinearCPU, prepack_linears_cpu
+    from sgl_kvxfer.layers.cpu_linear import PackedLinearCPU, prepack_linears_cpu
 
     model = nn.Sequential(nn.Linear(16, 32), nn.Sequential(nn.Linear(32, 8)))
     assert prepack_linears_cpu(model) == 0  # fp32: untouched

@@ -15,8 +15,8 @@ from sgl_kvxfer.kernels import fused_rmsnorm as rms_mod
 from sgl_kvxfer.kernels import fused_rope as rope_mod
 from sgl_kvxfer.kernels import fused_silu_mul as silu_mod
 from sgl_kvxfer.kernels.testing import assert_rope_close
+from sgl_kvxfer.layers import fused_ops
 from sgl_kvxfer.layers.attention.base import rotate_and_attend
-from sgl_kvxfer.models import fused_ops
 from sgl_kvxfer.models.arch_config import ModelArchConfig
 from sgl_kvxfer.models.llama import LlamaForCausalLM
 
@@ -67,7 +67,7 @@ def _check_rmsnorm(T, H, dtype, device, with_residual, strided=False):
 def _qkv_views(T, Hq, Hkv, D, dtype, device):
     """q [T, Hq, D], k [T, Hkv, D] as strided views of one fused qkv tensor, cos/sin [T, 1, D/2]
     from a RotaryEmbedding (cos/sin in the model dtype, as the model passes them)."""
-    from sgl_kvxfer.models.rope import RotaryEmbedding
+    from sgl_kvxfer.layers.rope import RotaryEmbedding
 
     g = torch.Generator().manual_seed(T * 100 + Hq)
     qkv = (torch.randn(T, (Hq + 2 * Hkv) * D, generator=g) * 2).to(dtype).to(device)

@@ -14,7 +14,7 @@ DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 
 
 def _case(T, Hq, Hkv, D, page, dtype, device, seed=0):
-    from sgl_kvxfer.models.rope import RotaryEmbedding
+    from sgl_kvxfer.layers.rope import RotaryEmbedding
 
     g = torch.Generator().manual_seed(seed * 1000 + T * 10 + Hq)
     # a wider buffer, so qkv rows are strided like a sliced projection output

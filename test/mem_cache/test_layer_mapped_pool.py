@@ -56,13 +56,13 @@ def test_half_the_bytes_at_the_same_tokens(family):
 
 def test_twice_the_tokens_at_the_same_bytes(tmp_path):
     """ModelRunner sizes the pool from the stored layers' bytes per token."""
-    from sgl_kvxfer.engine.model_runner import ModelRunner
+    from sgl_kvxfer.engine.model_runner import ModelRunner, stored_layers
 
     est = {}
     for name, section in (("vanilla", None), ("fusedkv", {"variant": "fusedkv", "num_storage_layers": 2})):
         runner = ModelRunner.__new__(ModelRunner)  # only the sizing inputs
         runner.arch, runner.dtype = ModelArchConfig.from_hf_dict(TINY), torch.float16
-        runner.stored_layers = ModelRunner._stored_layers({**TINY, **({"fusedkv": section} if section else {})})
+        runner.stored_layers = stored_layers({**TINY, **({"fusedkv": section} if section else {})})
         est[name] = runner._bytes_per_token_estimate()
     assert est["fusedkv"] == est["vanilla"] / 2
     budget_tokens = {n: kv_pool_tokens("cpu", 0.001, 0, b, None) for n, b in est.items()}

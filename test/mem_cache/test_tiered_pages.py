@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.kernels.paged_layout import gather_request_kv
 from sgl_kvxfer.mem_cache.req_to_token import ReqToTokenPool
 from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan

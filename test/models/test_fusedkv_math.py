@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from sgl_kvxfer.layers.rope import RotaryEmbedding, apply_rope
 from sgl_kvxfer.models.fusedkv_math import (
     FusedKVConfig, FusionLstsq, KVFusion, check_fusion_tensors, expand_key_weight, fit_fusion_weights_lstsq,
     fuse_kv, fusion_param_names, fusion_param_shapes, init_fusion_weights)
-from sgl_kvxfer.models.rope import RotaryEmbedding, apply_rope
 
 
 # ---- config -------------------------------------------------------------------------------

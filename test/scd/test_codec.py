@@ -2,10 +2,10 @@
 import pytest
 import torch
 
+from sgl_kvxfer.layers.rope import RotaryEmbedding, apply_rope
 from sgl_kvxfer.models.arch_config import ModelArchConfig
 from sgl_kvxfer.models.loader import load_model
 from sgl_kvxfer.models.presets import PRESETS
-from sgl_kvxfer.models.rope import RotaryEmbedding, apply_rope
 from sgl_kvxfer.scd import (ScdArtifacts, ScdDecoder, ScdEncoder, ScdManifest, kv_projections,
                             make_random_artifacts, regenerate_kv)
 from sgl_kvxfer.scd.build import ReuseMoments, fit_reuse

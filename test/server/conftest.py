@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from servers import ROOT, ServerHandle, free_port, start_server  # noqa: F401  (re-exported for tests)
+from servers import start_server
 
 # Small limits keep the CPU server light: a modest KV pool and short prefill chunks.
 LIVE_ARGS = ["--max-total-tokens", "16384", "--chunked-prefill-size", "512", "--max-running-requests", "64",

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import requests
-from conftest import ROOT
+from servers import ROOT
 
 pytestmark = pytest.mark.slow
 sys.path.insert(0, os.path.join(ROOT, "python"))

@@ -1,11 +1,12 @@
 """HTTP-layer tests over the model-free fake scheduler: auth, exact error envelopes, SSE
 framing, batch interleaving, disconnect abort, and process hygiene. Fast (no weights)."""
 import json
+import re
 import time
 
 import pytest
 import requests
-from conftest import start_server
+from servers import start_server
 
 KEY, ADMIN = "sk-test", "sk-admin"
 
@@ -27,10 +28,20 @@ def test_auth(auth_server):
     assert requests.post(url + "/generate", json=body, headers={"Authorization": KEY}).status_code == 401
     assert requests.post(url + "/generate", json=body, headers={"Authorization": f"bearer {KEY}"}).status_code == 200
     assert requests.get(url + "/v1/models", headers=bearer).status_code == 200
-    for path in ("/health", "/health_generate", "/metrics"):
+    for path in ("/health", "/health_generate", "/ready"):  # probes: no data, no key
         assert requests.get(url + path).status_code == 200, path
+    r = requests.get(url + "/metrics")  # the key guards everything else, the metrics too
+    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+    assert requests.get(url + "/metrics", headers=bearer).status_code == 200
     assert requests.post(url + "/flush_cache", headers=bearer).status_code == 401
     assert requests.post(url + "/flush_cache", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+
+
+def test_server_info_never_echoes_a_key(auth_server):
+    r = requests.get(auth_server.url + "/get_server_info", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200
+    assert KEY not in r.text and ADMIN not in r.text, r.json()["launch_command"]
+    assert "--api-key <redacted>" in r.json()["launch_command"]
 
 
 def test_error_envelopes(fake_server):
@@ -99,6 +110,55 @@ def test_non_stream_disconnect_aborts(fake_server):
         time.sleep(0.25)
     else:
         pytest.fail("disconnect did not abort the non-streaming request")
+
+
+def _metric(url, name, headers=None) -> float:
+    text = requests.get(url + "/metrics", headers=headers, timeout=30).text
+    m = re.search(rf"^sglang:{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1))
+
+
+def _wait_metric(url, name, target, timeout=30.0):
+    deadline = time.time() + timeout
+    while (value := _metric(url, name)) < target and time.time() < deadline:
+        time.sleep(0.2)
+    return value
+
+
+def test_abort_counters_move_for_every_kind_of_abort(fake_server):
+    url = fake_server.url
+    before = _metric(url, "num_aborted_requests_total")
+    # four streams (both route families) whose clients go away after the first event
+    streams = []
+    for route, body in (("/generate", {"text": "x y", "sampling_params": {"max_new_tokens": 1500}, "stream": True}),
+                        ("/generate", {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 1500},
+                                       "stream": True}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 1500, "stream": True})):
+        r = requests.post(url + route, json=body, stream=True, timeout=60)
+        lines = r.iter_lines()
+        next(lines)
+        streams.append((r, lines))
+    for r, _ in streams:
+        r.close()
+    assert _wait_metric(url, "num_aborted_requests_total", before + 4) == before + 4  # the batch is 2
+    # a non-streaming client that times out
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1500}, timeout=1)
+    assert _wait_metric(url, "num_aborted_requests_total", before + 5) == before + 5
+    # /abort_request (the scheduler ends it; counted once)
+    import threading
+
+    t = threading.Thread(target=requests.post, args=(url + "/generate",),
+                         kwargs={"json": {"text": "x", "rid": "to-abort", "sampling_params": {"max_new_tokens": 1500}},
+                                 "timeout": 60})
+    t.start()
+    time.sleep(0.5)
+    assert requests.post(url + "/abort_request", json={"rid": "to-abort"}).status_code == 200
+    t.join(30)
+    assert _wait_metric(url, "num_aborted_requests_total", before + 6) == before + 6
+    time.sleep(1.0)
+    assert _metric(url, "num_aborted_requests_total") == before + 6  # none counted twice
 
 
 def test_sigterm_stops_all_children(auth_server):

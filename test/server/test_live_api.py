@@ -187,6 +187,27 @@ def internal_state(url):
     return requests.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]
 
 
+def test_requests_that_once_stopped_the_server_get_4xx_and_it_stays_up(live_server):
+    """The hostile kinds that killed or hung a real server (NaN / inf logit bias, top_logprobs_num
+    of a million, out-of-vocabulary logprob and stop ids with min tokens, n of 100,000, seeds and
+    ids beyond 64 bits, lone surrogates, deep nesting, 5000-digit integers), streaming or not:
+    each gets its 4xx, and the server still generates afterwards."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from hostile_requests import cases
+
+    crashers = [c for c in cases() if c.crasher]
+    assert len(crashers) >= 60
+    for c in crashers:
+        r = requests.post(live_server.url + c.route, data=c.body, headers={"Content-Type": c.content_type}, timeout=120)
+        assert r.status_code == c.expect and r.headers["content-type"].startswith("application/json"), (
+            c.id, r.status_code, r.text[:200])
+        assert requests.get(live_server.url + "/health", timeout=60).status_code == 200, c.id
+    ok = gen(live_server.url, {"text": PROMPT, "sampling_params": {"max_new_tokens": 2, "logit_bias": {"5": -100}}})
+    assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
+
+
 def test_disconnect_aborts_and_frees_kv(live_server):
     body = {"text": "Tell me a very long story.", "stream": True,
             "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}

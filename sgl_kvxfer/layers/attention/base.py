@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardBatch
+from sgl_kvxfer.forward_batch import ForwardBatch
 from sgl_kvxfer.mem_cache.kv_pool import KVPool
 
 
@@ -62,7 +62,7 @@ def rotate_and_attend(backend, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.
                       batch) -> torch.Tensor:
     """The unfused forward_qkv, for any object with num_q_heads / num_kv_heads / head_dim and
     `forward` (test fakes assign it as their forward_qkv)."""
-    from sgl_kvxfer.models import fused_ops
+    from sgl_kvxfer.layers import fused_ops
 
     T, Hq, Hkv, D = qkv.shape[0], backend.num_q_heads, backend.num_kv_heads, backend.head_dim
     q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)

@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardMode
+from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.layers.attention.torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)

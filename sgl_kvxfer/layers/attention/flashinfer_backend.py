@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.layers import fused_ops
 from sgl_kvxfer.layers.attention.base import AttentionBackend
-from sgl_kvxfer.models import fused_ops
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-KV partials)
 KERNEL_BACKEND = "fa2"  # FlashInfer's FA2 kernels: one JIT build per (dtype, head_dim), Hopper included

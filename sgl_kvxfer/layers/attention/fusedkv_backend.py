@@ -27,7 +27,7 @@ Paths (`self.path`, logged once):
             EXTEND with at most one row per request run its split-K decode kernel (prefill-skip
             is a decode of each prompt's last token), other EXTENDs its extend kernel
     torch   anything else (fp32 / CPU, tiered pools, the kernels missing): pool.get_kv of
-            both sources, fusedkv_math.fuse_kv, SDPA
+            both sources, kernels/reference.fuse_kv, SDPA
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.layers.attention.base import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -108,11 +108,6 @@ class FusedKVAttentionBackend(AttentionBackend):
         if pool.head_dim < 16 or pool.head_dim & (pool.head_dim - 1):
             return f"head_dim {pool.head_dim} is not a power of two >= 16"
         return None
-
-    def kv_pool_resized(self) -> None:
-        hook = getattr(self.inner, "kv_pool_resized", None)
-        if hook is not None:
-            hook()
 
     # ------------------------------------------------------------------ plans
     def prepare_metadata(self, batch: ForwardBatch) -> None:
@@ -258,7 +253,7 @@ class FusedKVAttentionBackend(AttentionBackend):
 
     def _rebuild(self, slots: torch.Tensor, recon) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [*slots.shape, Hkv, D] of a reconstruction layer at `slots` (torch path)."""
-        from sgl_kvxfer.models.fusedkv_math import fuse_kv
+        from sgl_kvxfer.kernels.reference import fuse_kv
 
         s0, s1 = recon.sources
         k1, v1 = self.kv_pool.get_kv(s1, slots)

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.layers import fused_ops
 from sgl_kvxfer.layers.attention.base import AttentionBackend
 from sgl_kvxfer.mem_cache.paged_fp16_pool import PagedFp16KVPool
-from sgl_kvxfer.models import fused_ops
 from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
 
 

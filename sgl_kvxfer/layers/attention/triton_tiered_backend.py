@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvxfer.engine.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.layers.attention.base import AttentionBackend
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
 from sgl_kvxfer.mem_cache.tiered_rows import tier_block_tables, tier_layer_view
@@ -66,11 +66,8 @@ class TritonTieredAttentionBackend(AttentionBackend):
         use_interpreter_on_cpu(str(kv_pool.device))  # normally on already (Engine / scheduler process)
         self._views, self._views_of = [], None
 
-    def kv_pool_resized(self) -> None:
-        self._views_of = None
-
     def _layers(self):
-        # The int4 probe may re-divide the int stores (pool.stores is then a new dict).
+        # Built on first use, once: the pool's stores are allocated once (never resized).
         if self._views_of is not self.kv_pool.stores:
             pool = self.kv_pool
             self._views = [tier_layer_view(pool, layer) for layer in range(pool.num_layers)]

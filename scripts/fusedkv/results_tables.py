@@ -1,0 +1,104 @@
+"""Markdown tables of a FusedKV GPU run's JSONs (scripts/gpu/fusedkv_all.sh), for the docs.
+
+    python scripts/fusedkv/results_tables.py DIR      # DIR: where the JSONs are (e.g. benchmarks/results)
+
+Prints, for each JSON found: the retrofit's curve and extrapolation, the from-scratch summary over
+seeds, tiers (PPL, bytes, TPOT), serving TPOT with spread and bytes check, capacity. Every number
+printed is read from the files; nothing is computed beyond ratios.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+
+def _load(d: str, pattern: str) -> dict | None:
+    paths = sorted(glob.glob(os.path.join(d, pattern)))
+    return (json.load(open(paths[-1])) | {"_file": os.path.basename(paths[-1])}) if paths else None
+
+
+def retrofit(r: dict) -> list[str]:
+    out = [f"**Retrofit** (`{r['_file']}`, {r['device']}, sources {r['fusedkv']['source_layers']}, "
+           f"{r['train_gpu_s'] / 60:.2f} training GPU-minutes, {r['tokens_seen']:,} tokens, {r['epochs']:.2f} epochs)", "",
+           "| point | GPU-min | " + " | ".join(f"{d} PPL" for d in sorted(r["teacher_ppl"])) + " |",
+           "|---|---|" + "---|" * len(r["teacher_ppl"]),
+           "| original | | " + " | ".join(f"{r['teacher_ppl'][d]:.3f}" for d in sorted(r["teacher_ppl"])) + " |"]
+    for p in r["curve"]:
+        cells = " | ".join(f"{p['ppl'][d]:.3f} ({100 * (p['ppl'][d] / r['teacher_ppl'][d] - 1):+.1f}%)"
+                           for d in sorted(r["teacher_ppl"]))
+        out.append(f"| {p['phase']} {p['step']} | {p['gpu_min']:.2f} | {cells} |")
+    for d, e in sorted(r["extrapolation"].items()):
+        fit = e.get("fit")
+        out.append(f"- {d}: target x{e['target_ratio']}; " + (
+            f"fit A={fit['A']:.3f}, alpha={fit['alpha']:.3f} over {e['points']} points, target at "
+            f"{e['minutes_to_target']:.1f} GPU-minutes" if fit else f"no falling fit over {e['points']} points"))
+    return out
+
+
+def scratch(r: dict) -> list[str]:
+    out = [f"**From scratch** (`{r['_file']}`, {r['device']}, {r['steps']} steps x {r['tokens_per_step']} tokens, "
+           f"{r['workers']} workers)", "", "| run | final val loss mean | std | min..max | seeds | params |",
+           "|---|---|---|---|---|---|"]
+    for n, s in r["summary"].items():
+        out.append(f"| {n} | {s['mean']:.4f} | {s['std']:.4f} | {s['min']:.4f}..{s['max']:.4f} | {len(s['seeds'])} | "
+                   f"{s['params_total']:,} |")
+    out.append(f"- comparisons: {json.dumps(r['comparisons'])}")
+    return out
+
+
+def tiers(r: dict) -> list[str]:
+    out = [f"**Tiers** (`{r['_file']}`, {r['device']})", "",
+           "| model | b | resident vs vanilla fp16 | PPL | TPOT ms (min..max) |", "|---|---|---|---|---|"]
+    for x in r["rows"]:
+        d = x.get("decode") or {}
+        s = d.get("step_spread_s") or {}
+        tp = f"{d['tpot_s'] * 1e3:.2f} ({s['min'] * 1e3:.2f}..{s['max'] * 1e3:.2f})" if d.get("tpot_s") else "-"
+        out.append(f"| {x['model']} | {x['kv_tier_budget']:g} | {x['resident_vs_vanilla_fp16']:.3f}x | {x['ppl']:.3f} | {tp} |")
+    return out
+
+
+def serve(r: dict) -> list[str]:
+    out = [f"**Serving** (`{r['_file']}`, {r['device']}, copy {r['copy_bandwidth_Bps'] / 1e9:.0f} GB/s)", "",
+           "| variant | point | TPOT ms | min..max | bytes allow >= ms | flag |", "|---|---|---|---|---|---|"]
+    for v, row in r["rows"].items():
+        for p in row["tpot"]:
+            if "skipped" in p:
+                out.append(f"| {v} | {p['batch']}x{p['context']} | skipped: {p['skipped']} | | | |")
+                continue
+            s = p["step_spread_s"]
+            tp = f"{p['tpot_s'] * 1e3:.2f}" if p["tpot_s"] else "unmeasurable"
+            out.append(f"| {v} | {p['batch']}x{p['context']} | {tp} | {s['min'] * 1e3:.2f}..{s['max'] * 1e3:.2f} | "
+                       f"{p['min_step_s'] * 1e3:.2f} | {'FASTER THAN BYTES' if p['faster_than_bytes_allow'] else ''} |")
+    for v, rel in r["vs_vanilla"].items():
+        out.append(f"- {v}: pool {rel['pool_bytes_per_token']:.3f}x, TTFT {rel['ttft']}, TPOT {rel['tpot']}")
+    return out
+
+
+def capacity(r: dict) -> list[str]:
+    out = [f"**Capacity** (`{r['_file']}`, {r['device']}, {r['params']['context']}-token requests)", "",
+           "| variant | pool tokens | planned | held | decode step ms (min..max) | tok/s |", "|---|---|---|---|---|---|"]
+    for v, x in r["rows"].items():
+        s = x.get("step_spread_s") or {}
+        out.append(f"| {v} | {x.get('pool_tokens')} | {x.get('planned')} | {x.get('held')} | "
+                   f"{s.get('median', 0) * 1e3:.1f} ({s.get('min', 0) * 1e3:.1f}..{s.get('max', 0) * 1e3:.1f}) | "
+                   f"{x.get('decode_tok_s') or 0:.1f} |")
+    for v, rel in r["vs_vanilla"].items():
+        out.append(f"- {v}: held {rel['held']:.2f}x, decode throughput {rel['decode_throughput']}, "
+                   f"bytes predict {rel['bytes_model_throughput_ratio']:.2f}x")
+    return out
+
+
+def main() -> None:
+    d = sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results"
+    for pattern, fn in (("fusedkv_retrofit*.json", retrofit), ("fusedkv_scratch_*.json", scratch),
+                        ("fusedkv_tiers_*.json", tiers), ("fusedkv_serve_*.json", serve),
+                        ("fusedkv_capacity_*.json", capacity)):
+        r = _load(d, pattern)
+        if r is not None:
+            print("\n".join(fn(r)) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Retrofit FusedKV / FusedKV-Lite onto a pretrained Llama-family model by distillation.
+
+The student starts as the teacher (the original model) with its top half's k_proj / v_proj
+removed, and learns to reproduce the teacher within a budget of training seconds (the clock
+counts training work only, evaluation excluded):
+
+    sources  `sources="search"`: the storage layers whose K/V best explain the top half's, by
+             least squares over every pair (distill.source_search); "paper": (0, n - 1)
+    init     FusedKV: fusion weights fitted to the teacher's own K/V by least squares
+             (distill.lstsq_fusion_init); Lite has none
+    local    `local_frac` of the budget: attention-output matching, every reconstruction layer
+             against the teacher's attention output from the teacher's input (q_proj, o_proj,
+             fusion weights; distill.AttentionMatcher)
+    distill  the rest: KL(teacher || student) on next-token distributions + hidden_weight x the
+             relative error of every layer's residual stream, AdamW over every weight
+             (train_scope "all") or the reconstruction layers and final norm only ("top"); the
+             step count is planned from measured step times, linear warm-up then cosine to
+             min_lr_frac; fusion weights at their own learning rate
+
+Perplexity per eval domain is measured at `eval_points` points along the way: the curve of PPL
+against training GPU-minutes, with the power-law extrapolation of curve.py. No cross-entropy on
+the training text: fitting the domain could push the student's PPL below the teacher's, which
+would say nothing about how faithful the conversion is.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from sgl_kvxfer.fusedkv import curve as curves
+from sgl_kvxfer.fusedkv.checkpoint import load_lm
+from sgl_kvxfer.fusedkv.data import EpochBatches, Tokenized, chunks, mixed_chunks
+from sgl_kvxfer.fusedkv.distill import AttentionMatcher, distill_loss, lstsq_fusion_init, source_search
+from sgl_kvxfer.fusedkv.model import LM
+from sgl_kvxfer.fusedkv.runctl import Progress, StopOnInterrupt, TrainClock
+from sgl_kvxfer.models.fusedkv_math import CONFIG_KEY
+
+TARGETS = {"prose": 1.03, "code": 1.05}  # PPL ratio to the teacher per domain; other domains: 1.03
+SCOPES = ("all", "top")
+SOURCES = ("search", "paper")
+REPLAN_STEP = 25  # the distill step count is planned after the probe steps and again here
+
+
+@dataclass(frozen=True)
+class RetrofitConfig:
+    variant: str = "fusedkv"  # fusedkv | lite
+    num_storage_layers: int | None = None  # None: half the layers
+    sources: str = "search"
+    budget_s: float = 1200.0  # training seconds (init + local + distill), evaluation excluded
+    seq: int = 512
+    batch: int = 16
+    lr: float = 2e-4  # peak, pretrained weights
+    lr_fusion: float = 1e-2  # fusion weights (O(1) values, a handful of them)
+    warmup_frac: float = 0.05
+    min_lr_frac: float = 0.1
+    local_frac: float = 0.2
+    local_lr: float = 5e-4  # peak; cosine to a tenth over the local phase
+    hidden_weight: float = 0.5
+    train_scope: str = "all"
+    eval_windows: int = 32  # per domain
+    eval_points: int = 12
+    calib_windows: int = 64
+    max_train_windows: int | None = None
+    probe_steps: int = 3
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.variant not in ("fusedkv", "lite"):
+            raise ValueError(f"variant must be fusedkv or lite, got {self.variant!r}")
+        if self.sources not in SOURCES:
+            raise ValueError(f"sources must be one of {SOURCES}, got {self.sources!r}")
+        if self.train_scope not in SCOPES:
+            raise ValueError(f"train_scope must be one of {SCOPES}, got {self.train_scope!r}")
+        if not (math.isfinite(self.budget_s) and self.budget_s >= 0):
+            raise ValueError(f"budget_s must be finite and >= 0, got {self.budget_s}")
+        if not 0 <= self.local_frac < 1 or not 0 <= self.warmup_frac < 1:
+            raise ValueError("local_frac and warmup_frac must be in [0, 1)")
+        for name in ("seq", "batch", "eval_windows", "eval_points", "calib_windows", "probe_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def autocast_for(device: str):
+    if device.startswith("cuda"):
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def student_from(teacher: LM, cfg: RetrofitConfig, sources: tuple[int, int] | None = None) -> LM:
+    """A FusedKV / Lite LM holding the teacher's weights (the top half's k/v projections dropped);
+    FusedKV's fusion weights start as Lite (K from source 1, V from source 0)."""
+    m = LM(teacher.config.with_layout(cfg.variant, num_storage_layers=cfg.num_storage_layers, init="lite",
+                                      source_layers=sources))
+    m.init_weights()  # fusion weights per init; every other weight is overwritten next
+    own = m.state_dict()
+    missing = m.load_state_dict({k: v for k, v in teacher.state_dict().items() if k in own}, strict=False).missing_keys
+    if any(".kv_fusion." not in k for k in missing):
+        raise ValueError(f"teacher lacks student weights: {missing[:4]}")
+    return m.to(next(teacher.parameters()).device)
+
+
+def spaced(windows: torch.Tensor, n: int) -> torch.Tensor:
+    """n windows spread evenly over the split (every document region, not only its start)."""
+    if windows.shape[0] <= n:
+        return windows
+    return windows[torch.linspace(0, windows.shape[0] - 1, n).round().long()]
+
+
+def _lr_factor(step: int, steps: int, warmup: int, floor: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def _trainable(student: LM, scope: str) -> tuple[list, list]:
+    """(matrices + norms, fusion weights) to train."""
+    top = {i for i in range(student.config.num_layers) if not student.config.stores(i)}
+    main, fusion = [], []
+    for name, p in student.named_parameters():
+        if scope == "top" and not (name == "model.norm.weight" or
+                                   (name.startswith("model.layers.") and int(name.split(".")[2]) in top)):
+            p.requires_grad_(False)
+            continue
+        p.requires_grad_(True)
+        (fusion if ".kv_fusion." in name else main).append(p)
+    return main, fusion
+
+
+def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: str,
+                 progress: bool = True) -> tuple[LM, dict]:
+    """Convert model_dir's model (see the module docstring); returns (student, report)."""
+    torch.manual_seed(cfg.seed)
+    t_wall = time.perf_counter()
+    autocast = autocast_for(device)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf_cfg = json.load(f)
+    if CONFIG_KEY in hf_cfg:
+        raise SystemExit(f"{model_dir} is already a FusedKV model (its config.json has a '{CONFIG_KEY}' section)")
+    teacher = load_lm(model_dir, device)
+    teacher.requires_grad_(False)
+    evals = {d: spaced(chunks(t, cfg.seq), cfg.eval_windows) for d, t in data.split("eval").items()}
+    calib_split = data.split("calib") if data.domains("calib") else data.split("train")
+    calib = mixed_chunks(calib_split, cfg.seq, cfg.calib_windows)
+    train = mixed_chunks(data.split("train"), cfg.seq, cfg.max_train_windows)
+    targets = {d: TARGETS.get(d, 1.03) for d in evals}
+    report = {"variant": cfg.variant, "config": asdict(cfg), "targets": targets,
+              "eval_tokens": {d: int(w[:, 1:].numel()) for d, w in evals.items()},
+              "train_tokens": int(train[:, 1:].numel()), "calib_tokens": int(calib[:, 1:].numel())}
+    report["teacher_ppl"] = curves.domain_ppl(teacher, evals, cfg.batch, autocast)
+    clock, points, eval_s = TrainClock(device), [], 0.0
+    stop = StopOnInterrupt()
+    n = cfg.num_storage_layers or teacher.config.num_layers // 2
+    sources = None
+    if cfg.sources == "search":
+        with clock:
+            found = source_search(teacher, calib, cfg.batch, autocast, n, cfg.variant)
+        sources = tuple(found["sources"])
+        report["source_search"] = found
+    student = student_from(teacher, cfg, sources)
+    report["fusedkv"] = student.config.fusedkv.to_dict()
+    bar = Progress(cfg.budget_s, progress)
+
+    def point(phase: str, step: int, **extra) -> None:
+        nonlocal eval_s
+        t0 = time.perf_counter()
+        ppl = curves.domain_ppl(student, evals, cfg.batch, autocast)
+        eval_s += time.perf_counter() - t0
+        points.append({"phase": phase, "step": step, "gpu_s": clock.s, "gpu_min": clock.s / 60, "ppl": ppl, **extra})
+        rel = ", ".join(f"{d} {p:.3f} ({100 * (p / report['teacher_ppl'][d] - 1):+.1f}%)" for d, p in ppl.items())
+        bar.write(f"[{clock.s:7.1f} s] {phase} step {step}: PPL {rel}")
+
+    if cfg.variant == "fusedkv":
+        with clock:
+            report["lstsq_residuals"] = lstsq_fusion_init(teacher, student, calib, cfg.batch, autocast)
+    bar.update(clock.s)
+    point("init", 0)
+    batches = EpochBatches(train, cfg.batch, seed=cfg.seed)
+
+    # ---- local: attention-output matching ---------------------------------------------------
+    local_steps = 0
+    if cfg.local_frac > 0 and clock.s < cfg.budget_s:
+        matcher = AttentionMatcher(teacher, student)
+        student.requires_grad_(False)
+        mats, fusion = matcher.parameters()
+        for p in mats + fusion:
+            p.requires_grad_(True)
+        groups = [{"params": mats, "lr": cfg.local_lr}] + ([{"params": fusion, "lr": cfg.lr_fusion}] if fusion else [])
+        opt = torch.optim.Adam(groups)
+        base = [g["lr"] for g in opt.param_groups]
+        start = clock.s
+        end = min(cfg.budget_s, start + cfg.local_frac * cfg.budget_s)
+        while clock.s < end and not stop.requested:
+            with clock:
+                done = (clock.s - start) / max(end - start, 1e-9)
+                for g, lr in zip(opt.param_groups, base):
+                    g["lr"] = lr * min(1.0, (local_steps + 1) / 10) * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
+                with autocast():
+                    loss = matcher.loss(next(batches).to(device)[:, :-1])
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            local_steps += 1
+            bar.update(clock.s, local=loss.item())
+        matcher.close()
+        report["local_final_rel_err"] = loss.item()
+        point("local", local_steps)
+
+    # ---- distill: KL + hidden-state matching -------------------------------------------------
+    main, fusion = _trainable(student, cfg.train_scope)
+    groups = [{"params": main, "lr": cfg.lr}] + ([{"params": fusion, "lr": cfg.lr_fusion}] if fusion else [])
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, fused=device.startswith("cuda"))
+    base = [g["lr"] for g in opt.param_groups]
+    student.train()
+    step, planned, every, t_start, t_warm = 0, None, None, clock.s, None
+    kl = hid = float("nan")
+
+    def replan(step_s: float) -> None:
+        nonlocal planned, every
+        planned = step + max(0, int((cfg.budget_s - clock.s) / step_s))
+        every = max(1, planned // cfg.eval_points)
+        report["distill_step_s"] = step_s
+
+    def lr_factor() -> float:
+        if planned is None:  # the probe steps: the start of a warm-up
+            return (step + 1) / 100
+        warm = max(cfg.probe_steps + 1, int(cfg.warmup_frac * planned))
+        return _lr_factor(step, planned, warm, cfg.min_lr_frac)
+
+    while clock.s < cfg.budget_s and (planned is None or step < planned) and not stop.requested:
+        with clock:
+            for g, lr in zip(opt.param_groups, base):
+                g["lr"] = lr * lr_factor()
+            with autocast():
+                loss, parts = distill_loss(student, teacher, next(batches).to(device)[:, :-1], cfg.hidden_weight)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(main + fusion, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step += 1
+        kl, hid = parts["kl"].item(), parts["hidden"].item()
+        bar.update(clock.s, kl=kl, hidden=hid)
+        if step == cfg.probe_steps:  # plan from the probe steps, then again from warm steps only
+            t_warm = clock.s
+            replan((clock.s - t_start) / step)
+        elif step == REPLAN_STEP and t_warm is not None:
+            replan((clock.s - t_warm) / (step - cfg.probe_steps))
+        if every and (step % every == 0) and step < planned:
+            point("distill", step, kl=kl, hidden=hid, epochs=batches.epochs)
+    student.eval()
+    bar.close()
+    stop.restore()
+    report["interrupted"] = stop.requested
+    report["distill_steps"], report["distill_planned_steps"], report["local_steps"] = step, planned, local_steps
+    report["tokens_seen"] = int((local_steps + step) * cfg.batch * cfg.seq)
+    report["epochs"] = batches.epochs
+    point("final", step, kl=kl, hidden=hid, epochs=batches.epochs)
+    report["curve"] = points
+    report["final_ppl"] = points[-1]["ppl"]
+    report["final_rel"] = {d: p / report["teacher_ppl"][d] - 1 for d, p in report["final_ppl"].items()}
+    report["meets_targets"] = {d: report["final_ppl"][d] <= targets[d] * report["teacher_ppl"][d] for d in targets}
+    warm = max(1, int(cfg.warmup_frac * (planned or 1)))
+    skip = next((p["gpu_min"] for p in points if p["phase"] == "distill" and p["step"] >= warm), 0.0)
+    report["extrapolation"] = curves.extrapolate([p for p in points if p["phase"] != "init"], report["teacher_ppl"],
+                                                 targets, skip_minutes=skip * 0.999)
+    report["train_gpu_s"], report["eval_s"], report["wall_s"] = clock.s, eval_s, time.perf_counter() - t_wall
+    return student, report

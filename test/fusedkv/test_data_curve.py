@@ -1,0 +1,69 @@
+"""sgl_kvxfer/fusedkv/data.py and curve.py: data folders (jsonl and token files, the tokenizer check,
+the folder from a flag or the environment) and the power-law extrapolation of the retrofit curve."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from sgl_kvxfer.fusedkv.curve import extrapolate, fit_power_law
+from sgl_kvxfer.fusedkv.data import Tokenized, chunks, prepare, resolve_data_dir
+
+
+def test_jsonl_and_token_folders_give_the_same_tokens(tmp_path, tiny_model, text_data):
+    raw = Tokenized(text_data, tiny_model)
+    assert raw.domains("eval") == ["code", "prose"] and raw.eot_id == 0  # SmolLM2's <|endoftext|>
+    meta = prepare(text_data, str(tmp_path / "tok"), tiny_model)
+    assert meta["vocab_size"] == 49152 and set(meta["files"]) == {f"{d}_{s}" for d in ("code", "prose")
+                                                                  for s in ("train", "calib", "eval")}
+    tok = Tokenized(str(tmp_path / "tok"), tiny_model)
+    for d in ("code", "prose"):
+        a, b = raw.tokens(d, "train"), tok.tokens(d, "train")
+        assert b.dtype == np.uint16 and np.array_equal(a, b) and a[-1] == 0
+
+
+def test_token_files_of_another_tokenizer_are_refused(tmp_path, tiny_model, text_data):
+    import json
+
+    prepare(text_data, str(tmp_path / "tok"), tiny_model)
+    meta = tmp_path / "tok" / "meta.json"
+    m = json.load(open(meta))
+    json.dump({**m, "tokenizer_sha256": "0" * 64}, open(meta, "w"))
+    with pytest.raises(SystemExit, match="another tokenizer"):
+        Tokenized(str(tmp_path / "tok"), tiny_model)
+
+
+def test_data_folder_from_flag_or_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("SGL_KVXFER_FUSEDKV_DATA", raising=False)
+    with pytest.raises(SystemExit, match="SGL_KVXFER_FUSEDKV_DATA"):
+        resolve_data_dir(None)
+    monkeypatch.setenv("SGL_KVXFER_FUSEDKV_DATA", str(tmp_path))
+    assert resolve_data_dir(None) == str(tmp_path)
+    assert resolve_data_dir(str(tmp_path)) == str(tmp_path)  # the flag wins
+    with pytest.raises(SystemExit, match="does not exist"):
+        resolve_data_dir(str(tmp_path / "missing"))
+
+
+def test_chunks_are_shifted_windows():
+    w = chunks(np.arange(20, dtype=np.uint16), 6)
+    assert w.shape == (3, 7) and w[1].tolist() == list(range(6, 13))
+    with pytest.raises(ValueError):
+        chunks(np.arange(3, dtype=np.uint16), 6)
+
+
+def test_power_law_fit_and_the_minutes_to_a_target():
+    A, alpha = 0.8, 0.5
+    ts = [0.5, 1, 2, 4, 8]
+    fit = fit_power_law(ts, [A * t ** -alpha for t in ts])
+    assert fit == pytest.approx((A, alpha), rel=1e-9)
+    teacher = {"prose": 10.0}
+    curve = [{"gpu_min": t, "ppl": {"prose": 10.0 * math.exp(A * t ** -alpha)}} for t in ts]
+    ex = extrapolate(curve, teacher, {"prose": 1.03})["prose"]
+    want = (A / math.log(1.03)) ** (1 / alpha)
+    assert ex["minutes_to_target"] == pytest.approx(want, rel=1e-6) and "met_at_min" not in ex
+    # a curve that does not fall gives no extrapolation; one already under the target says so
+    flat = [{"gpu_min": t, "ppl": {"prose": 20.0}} for t in ts]
+    assert extrapolate(flat, teacher, {"prose": 1.03})["prose"]["minutes_to_target"] is None
+    done = curve + [{"gpu_min": 9, "ppl": {"prose": 10.1}}]
+    assert extrapolate(done, teacher, {"prose": 1.03})["prose"]["met_at_min"] == 9
