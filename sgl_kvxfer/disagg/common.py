@@ -30,6 +30,8 @@ class DisaggSettings:
     scd_artifacts: str | None = None  # SCD over PD (disagg/scd_*.py)
     scd_consumer: str | None = None
     scd_fanout: int = 1
+    scd_rank: str = "top"
+    scd_wire_frac: float = 0.25
     ib_device: str | None = None  # --disaggregation-ib-device (disagg/mooncake.py)
     gpu_id: int = 0  # --base-gpu-id: picks this GPU's HCAs from an ib-device mapping
     trace: bool = False  # --enable-pd-trace (disagg/trace.py)
@@ -39,7 +41,8 @@ class DisaggSettings:
         return cls(cfg.disaggregation_mode, cfg.disaggregation_bootstrap_port, cfg.disaggregation_transfer_backend,
                    cfg.kv_transfer_timeout, int(cfg.kv_transfer_buffer_mb) << 20, cfg.resolved_kv_transfer_stream,
                    cfg.kv_transfer_rate_gbps, cfg.kv_transfer_latency_ms, cfg.scd_artifacts, cfg.scd_consumer,
-                   cfg.scd_fanout, cfg.disaggregation_ib_device, cfg.engine.base_gpu_id, cfg.enable_pd_trace)
+                   cfg.scd_fanout, cfg.scd_rank, cfg.scd_wire_frac, cfg.disaggregation_ib_device,
+                   cfg.engine.base_gpu_id, cfg.enable_pd_trace)
 
 
 # ---------------------------------------------------------------- bootstrap server client

@@ -23,10 +23,13 @@ A write copies bytes from this process's registered memory into a peer's registe
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import logging
 import os
+import sys
+import tempfile
 import threading
 
 from sgl_kvxfer.disagg.base import TransferEngine, TransferError
@@ -55,10 +58,35 @@ def build_has_cuda(build: str | None = None) -> bool:
 
 def _prepare_environment() -> None:
     """Mooncake reads MC_* once, when its library loads: settle them before the import."""
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # glog; what remains is one benign "Local segment
-    # descriptor not found" line per engine start
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # glog; its start-up noise: _START_NOISE
     if os.environ.get("MC_INTRANODE_NVLINK", "x").strip().lower() in FALSE_VALUES:
         del os.environ["MC_INTRANODE_NVLINK"]  # NOTE: Mooncake enables it on presence, "false" included
+
+
+# What Mooncake's glog writes on every engine start, none of it the user's concern: glog's notice
+# that it logs before InitGoogleLogging, and an ERROR line from the P2P handshake's metadata
+# lookup of this engine's own segment before it is published. Dropped from stderr during
+# `initialize` only; everything else it writes there passes through.
+_START_NOISE = ("Logging before InitGoogleLogging() is written to STDERR", "Local segment descriptor not found")
+
+
+@contextlib.contextmanager
+def _stderr_without(noise: tuple[str, ...]):
+    """Capture file descriptor 2 (glog writes there from C++) and write back every line that
+    contains none of `noise`."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            for line in capture.read().splitlines(keepends=True):
+                if not any(n.encode() in line for n in noise):
+                    os.write(2, line)
 
 
 def load_engine_class():
@@ -127,7 +155,8 @@ class MooncakeTransferEngine(TransferEngine):
         self.build = installed_build()
         self.gpu_memory = build_has_cuda(self.build)
         self.transport = expected_transport(self.build)
-        ret = self._engine.initialize(host, "P2PHANDSHAKE", "rdma", self.devices)
+        with _stderr_without(_START_NOISE):
+            ret = self._engine.initialize(host, "P2PHANDSHAKE", "rdma", self.devices)
         if ret != 0:
             raise RuntimeError(f"Mooncake transfer engine failed to initialize on {host} (code {ret})")
         self._session = f"{host}:{self._engine.get_rpc_port()}"
