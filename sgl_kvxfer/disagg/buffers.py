@@ -4,7 +4,8 @@ Each role registers one buffer with its transfer engine (prefill: packed segment
 staging regions). It is GPU memory when the server runs on CUDA and the installed Mooncake build
 registers GPU memory (the CUDA build): KV then goes pool -> send buffer -> the peer's staging ->
 its pool without touching host memory. Otherwise it is host memory (pinned on a CUDA host).
-SGL_KVXFER_KV_BUFFER=host|device overrides the choice.
+SGL_KVXFER_KV_BUFFER=host|device overrides the choice; `device` with an engine that cannot
+register GPU memory (Mooncake's host-memory build) is an error naming the CUDA build's install.
 
 Checksums, one per BLOCK_BYTES block of a segment (the last block may be short):
 
@@ -22,11 +23,16 @@ so the sum does not depend on the reduction order and a CPU computes what a GPU 
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 import xxhash
 
 from sgl_kvxfer import env
+from sgl_kvxfer.disagg.mooncake import CUDA_BUILD_INSTALL, gpu_build_missing
+
+logger = logging.getLogger(__name__)
 
 BLOCK_BYTES = 4 << 20
 _WORDS = BLOCK_BYTES // 8
@@ -100,6 +106,11 @@ class TransferBuffer:
         if choice not in ("auto", "host", "device"):
             raise ValueError(f"{env.KV_BUFFER.name} must be auto, host or device, got {choice!r}")
         on_gpu = str(device).startswith("cuda")
+        if on_gpu and choice == "device" and not gpu_capable_engine:  # registering it would fail obscurely
+            raise ValueError(gpu_build_missing(f"{env.KV_BUFFER.name}=device asks for a GPU transfer buffer"))
+        if on_gpu and choice == "auto" and not gpu_capable_engine:
+            logger.warning("PD on a GPU with a host-memory transfer engine: KV is staged through pinned host "
+                           "memory (Mooncake's CUDA build moves it GPU to GPU: %s)", CUDA_BUILD_INSTALL)
         self.on_device = on_gpu and (choice == "device" or (choice == "auto" and gpu_capable_engine))
         if self.on_device:
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)

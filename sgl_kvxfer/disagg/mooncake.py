@@ -37,6 +37,9 @@ from sgl_kvxfer.disagg.base import TransferEngine, TransferError
 logger = logging.getLogger(__name__)
 
 NON_CUDA_DIST = "mooncake-transfer-engine-non-cuda"
+# the one install line for the CUDA build (setup.py's "pd-cuda13" extra; both builds install the
+# `mooncake` package, so the host-memory one goes first)
+CUDA_BUILD_INSTALL = f"pip uninstall -y {NON_CUDA_DIST} && pip install -e '.[pd-cuda13]'"
 FALSE_VALUES = ("", "0", "false", "no", "off")
 
 
@@ -101,10 +104,23 @@ def load_engine_class():
         elif "mooncake" in str(e):
             hint = (" (pip install -e '.[pd]' for host memory, or '.[pd-cuda13]' for Mooncake's CUDA build, "
                     "which also moves GPU memory)")
+        elif "libcuda" in str(e) or "libcudart" in str(e):
+            hint = (" (Mooncake's CUDA build needs the CUDA driver and runtime; on a host without a GPU "
+                    f"use its host-memory build: pip uninstall -y mooncake-transfer-engine-cuda13 && "
+                    "pip install -e '.[pd]')")
         else:
             hint = ""
         raise ImportError(f"Mooncake's transfer engine is unavailable: {e}{hint}") from e
     return MooncakeEngine
+
+
+def gpu_build_missing(what: str, build: str | None = None) -> str:
+    """The error for a GPU-memory transfer asked of a Mooncake build that cannot register GPU
+    memory: what asked for it, the build found, and the install line of the CUDA build."""
+    build = installed_build() if build is None else build
+    return (f"{what}, but the installed Mooncake build ({build or 'none found by name'}) moves host memory "
+            f"only. Install its CUDA build: {CUDA_BUILD_INSTALL} (plus the ibverbs-providers system package), "
+            "or leave it unset to move KV through host memory")
 
 
 def ib_devices_for_gpu(spec: str | None, gpu_id: int) -> str:
@@ -150,10 +166,14 @@ class MooncakeTransferEngine(TransferEngine):
 
     def __init__(self, host: str, ib_device: str | None = None, gpu_id: int = 0):
         self.devices = ib_devices_for_gpu(ib_device, gpu_id)
-        self._engine = load_engine_class()()
-        self._lock = threading.Lock()
+        engine_class = load_engine_class()  # settles MC_* first
         self.build = installed_build()
         self.gpu_memory = build_has_cuda(self.build)
+        if "MC_INTRANODE_NVLINK" in os.environ and not self.gpu_memory:  # present (not "false"): on
+            raise RuntimeError(gpu_build_missing("MC_INTRANODE_NVLINK is set (Mooncake's NVLink transport)",
+                                                 self.build))
+        self._engine = engine_class()
+        self._lock = threading.Lock()
         self.transport = expected_transport(self.build)
         with _stderr_without(_START_NOISE):
             ret = self._engine.initialize(host, "P2PHANDSHAKE", "rdma", self.devices)

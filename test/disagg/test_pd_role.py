@@ -292,3 +292,28 @@ def test_fused_head_importance_equals_the_per_head_loop():
         acc.add_layer(q, k, q_positions=torch.arange(60, 100))
         acc.add_layer(q, k, q_positions=torch.arange(60, 100), logit_softcap=5.0)
     assert fused.num_rows == loop.num_rows and torch.allclose(fused.scores(), loop.scores(), atol=1e-6)
+
+
+def test_a_gpu_transfer_asked_of_the_host_memory_build_names_the_cuda_build(monkeypatch):
+    """SGL_KVXFER_KV_BUFFER=device with an engine that registers host memory only, or
+    MC_INTRANODE_NVLINK with Mooncake's non-CUDA build: an error with the CUDA build's install line
+    (checked before any GPU memory is touched, so it runs on CPU)."""
+    from sgl_kvxfer.disagg import mooncake
+    from sgl_kvxfer.disagg.buffers import TransferBuffer
+
+    monkeypatch.setenv("SGL_KVXFER_KV_BUFFER", "device")
+    with pytest.raises(ValueError, match=r"SGL_KVXFER_KV_BUFFER=device.*\.\[pd-cuda13\]"):
+        TransferBuffer(1 << 20, "cuda", gpu_capable_engine=False)
+    assert not TransferBuffer(1 << 10, "cpu", gpu_capable_engine=False).on_device  # a CPU server: host memory
+    if mooncake.installed_build() != mooncake.NON_CUDA_DIST:
+        pytest.skip("the NVLink check needs Mooncake's host-memory build installed")
+    pytest.importorskip("mooncake.engine")
+    monkeypatch.setenv("MC_INTRANODE_NVLINK", "true")
+    with pytest.raises(RuntimeError, match=r"MC_INTRANODE_NVLINK is set.*mooncake-transfer-engine-non-cuda.*pd-cuda13"):
+        mooncake.MooncakeTransferEngine("127.0.0.1")
+    monkeypatch.setenv("MC_INTRANODE_NVLINK", "false")  # off: the host-memory build starts as usual
+    engine = mooncake.MooncakeTransferEngine("127.0.0.1")
+    try:
+        assert not engine.gpu_memory and engine.describe()["build"] == mooncake.NON_CUDA_DIST
+    finally:
+        engine.close()
