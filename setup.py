@@ -36,17 +36,22 @@ setup(
         "tqdm",
         "triton",
         "xxhash",  # KV transfer block checksums
-        # PD KV transfer (disagg/mooncake.py): Mooncake's engine, CPU build (its TCP transport
-        # also serves GPU hosts over host memory). Links rdma-core's libibverbs.so.1 (README).
-        "mooncake-transfer-engine-non-cuda",
         "ninja",  # builds the native CPU kernels (kernels/cpu_ops.py) on first use, with the system g++
     ],
     # "test": what the test suite and the benchmarks run besides the runtime, including the real
     # SGLang clients. SGLang 0.5.23 itself is installed with --no-deps (README): its declared
     # dependencies are the GPU server's (CUDA torch 2.14, flashinfer, ...); the client modules
     # (frontend DSL, bench_serving) import only the packages below.
+    # PD KV transfer (disagg/mooncake.py): Mooncake's engine, one build of it (both install the
+    # `mooncake` package, so never both): "pd" is the host-memory build (TCP / RDMA; links
+    # rdma-core's libibverbs.so.1), "pd-cuda13" the CUDA 13 build, which also moves GPU memory
+    # (NVLink within a host, GPUDirect RDMA) and links libmlx5.so.1 (docs/pd_disaggregation.md).
     extras_require={
+        "pd": ["mooncake-transfer-engine-non-cuda"],
+        "pd-cuda13": ["mooncake-transfer-engine-cuda13==0.3.14"],
         "test": [
+            # PD tests run over the host-memory build
+            "mooncake-transfer-engine-non-cuda",
             "pytest", "pytest-timeout", "requests", "aiohttp", "openai", "matplotlib", "psutil",
             # sglang.lang (the frontend DSL)
             "orjson", "pybase64", "pillow", "IPython", "packaging", "pydantic", "starlette",

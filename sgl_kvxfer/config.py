@@ -22,7 +22,7 @@ LOAD_FORMAT_CHOICES = ("auto", "safetensors", "gguf", "dummy")
 KV_INT4_CHOICES = ("auto", "on", "off")
 KV_IMPORTANCE_CHOICES = ("attn", "norm")
 KV_BUDGET_UNIT_CHOICES = ("bytes", "cost")
-KV_TRANSFER_STREAM_CHOICES = ("auto", "end", "int8")
+KV_TRANSFER_STREAM_CHOICES = ("auto", "end", "int8", "chunk", "chunk-upgrade")
 AUTO_INT8_STREAM_MIN_BUDGET = 0.5  # --kv-transfer-stream auto: int8 stream on a GPU at budgets >= this
 
 
@@ -51,6 +51,7 @@ class EngineConfig:
     tokenizer_path: str | None = None
     dtype: str = "auto"
     device: str = "auto"  # "cpu", "cuda", or auto
+    base_gpu_id: int = 0  # SGLang's: the GPU this server runs on (a PD pair on one host: 0 and 1)
     load_format: str = "auto"
     context_length: int | None = None
     mem_fraction_static: float | None = None
@@ -122,6 +123,8 @@ class EngineConfig:
             raise ValueError(f"context_length must be >= 1, got {self.context_length}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not 0 <= self.base_gpu_id < 1024:
+            raise ValueError(f"base_gpu_id must be in 0..1023, got {self.base_gpu_id}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.prefill_cuda_graph_max_tokens is not None and self.prefill_cuda_graph_max_tokens < 16:
@@ -271,11 +274,15 @@ class SchedulerConfig:
     disaggregation_mode: str = "null"
     disaggregation_bootstrap_port: int = 8998
     disaggregation_transfer_backend: str = "mooncake"
+    # RDMA devices for Mooncake: "mlx5_0,mlx5_1", or {"<gpu id>": "mlx5_0", ...} inline or in a
+    # .json file (SGLang's forms; disagg/mooncake.py); None: every HCA Mooncake finds
+    disaggregation_ib_device: str | None = None
     # Ours: seconds a room may go without progress (no claim, no segment, no ack) before it
     # fails (the decode then prefills locally); the registered transfer buffer per server
     # (prefill: packed segments; decode: staging regions); at kv_tier_budget < 1, what streams
     # during chunked prefill ("end": nothing, tiers go out at prefill end; "int8": chunks at
-    # int8, final tiers after; "auto": on a GPU int8 from AUTO_INT8_STREAM_MIN_BUDGET up, else end);
+    # int8, final tiers after; "chunk": each chunk at tiers chosen for it; "chunk-upgrade": that,
+    # then the tokens whose final tier is more precise; "auto": resolved_kv_transfer_stream);
     # a link rate / latency paced in the engine (0: unpaced; benchmarks/pd/shaped_link.py
     # checks the achieved rate against the setting).
     kv_transfer_timeout: float = 30.0
@@ -283,6 +290,9 @@ class SchedulerConfig:
     kv_transfer_stream: str = "auto"
     kv_transfer_rate_gbps: float = 0.0
     kv_transfer_latency_ms: float = 0.0
+    # Every PD reply's meta_info.kv_transfer.trace: the request's phases on both servers
+    # (disagg/trace.py). A traced prefill chunk waits for its GPU kernels to end its span.
+    enable_pd_trace: bool = False
     # SCD over PD (docs/pd_disaggregation.md, "SCD over PD"): the artifacts dir of
     # `python -m sgl_kvxfer.scd.calib` (prefill: ship the prompt's KV as codes; decode:
     # rebuild its KV from them), the consumer this decode server is in the manifest (default:
@@ -319,8 +329,12 @@ class SchedulerConfig:
             raise ValueError("kv_transfer_timeout must be > 0 and kv_transfer_buffer_mb >= 1")
         if self.kv_transfer_stream not in KV_TRANSFER_STREAM_CHOICES:
             raise ValueError(f"kv_transfer_stream must be one of {KV_TRANSFER_STREAM_CHOICES}, got {self.kv_transfer_stream!r}")
-        if self.kv_transfer_rate_gbps < 0 or self.kv_transfer_latency_ms < 0:
-            raise ValueError("kv_transfer_rate_gbps and kv_transfer_latency_ms must be >= 0")
+        if not (0 <= self.kv_transfer_rate_gbps < 1e6 and 0 <= self.kv_transfer_latency_ms < 1e6):
+            raise ValueError("kv_transfer_rate_gbps and kv_transfer_latency_ms must be in [0, 1e6)")
+        if self.disaggregation_ib_device is not None:
+            from sgl_kvxfer.disagg.mooncake import ib_devices_for_gpu
+
+            ib_devices_for_gpu(self.disaggregation_ib_device, self.engine.base_gpu_id)  # ValueError if malformed
         e = self.engine
         if self.disaggregation_mode != "null" and (e.kv_cold_tier or e.kv_layer_budget == "profile"
                                                    or e.kv_tier_policy == "kivi" and e.tiering_enabled):

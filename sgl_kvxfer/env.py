@@ -74,6 +74,11 @@ KV_TRANSFER_FAULT = EnvVar(
     "tests only: faults the PD prefill's sender injects into KV writes, comma-separated "
     "kind[:seconds][@room] with kind corrupt, truncate or delay (sgl_kvxfer/disagg/common.py)")
 
+KV_BUFFER = EnvVar(
+    "SGL_KVXFER_KV_BUFFER", "auto",
+    "where a PD server's registered transfer buffer lives: auto (GPU memory on CUDA when the installed "
+    "Mooncake build registers GPU memory, else host), host, or device (sgl_kvxfer/disagg/buffers.py)")
+
 SCD_DATA = EnvVar(
     "SGL_KVXFER_SCD_DATA", None,
     "folder of text corpora NAME_SPLIT.jsonl[.gz] that SCD calibration reads for a `corpus:NAME` "
@@ -90,4 +95,4 @@ FUSEDKV_DATA = EnvVar(
     "training when no --train-data / --data-dir is given (sgl_kvxfer/fusedkv/data.py)")
 
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, KERNEL_CACHE, CPU_ISA,
-       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, SCD_DATA, TIERED_DECODE_CONFIG, FUSEDKV_DATA)
+       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, KV_BUFFER, SCD_DATA, TIERED_DECODE_CONFIG, FUSEDKV_DATA)

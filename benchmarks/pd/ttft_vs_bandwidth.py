@@ -1,30 +1,37 @@
-"""TTFT and KV transfer time through the real sglang-router vs link rate, prompt length and tier budget.
+"""TTFT and KV transfer time through the real sglang-router vs link rate, prompt length, tier budget
+and transfer stream.
 
     python benchmarks/pd/ttft_vs_bandwidth.py [--prompts 2000 4000 8000] [--budgets 1.0 0.5 0.3]
-        [--rates 1 10 25 100] [--variant-rates 10] [--repeats 1] [--server-args "..."] [--out-dir DIR]
+        [--rates 1 10 25 100] [--streams end chunk-upgrade] [--variant-rates 10] [--repeats 1]
+        [--server-args "..."] [--prefill-args "..."] [--decode-args "..."] [--reference single|prefill]
+        [--peer-copy] [--trace] [--out-dir DIR]
 
-For each budget b, a single non-disaggregated server at b is the baseline. Then a prefill server
-with a shaped link (`--kv-transfer-rate-gbps`, see shaped_link.py), a decode server and
-`sglang_router.launch_router --pd-disaggregation` start, and for each link rate R (set on the
-prefill with POST /kv_transfer_link) each prompt (random token ids, so nothing hits a radix
-cache) goes through the router once per repeat, streamed: TTFT is the time to the first
-streamed chunk. The decode's `meta_info.kv_transfer` gives the bytes on the
-wire, `wire_ms` (the link's busy time: summed write times) and `tail_ms` (prompt done -> last
-write: the transfer the prefill's compute did not hide). At b < 1 the default stream variant
-("end": tiers assigned at prefill end, everything sent then) runs at every rate, and the "int8"
-variant (chunks sent at int8 as they finish, the kept-fp16/int8 tokens re-sent at the end) at
-`--variant-rates`.
+For each budget b one prefill / decode pair starts behind `sglang_router.launch_router
+--pd-disaggregation`. For each stream (b = 1.0: chunks at the model dtype; b < 1: `--streams`,
+see sgl_kvxfer/disagg/prefill.py) and link rate R (0: unpaced), POST /kv_transfer_link sets the
+prefill's pacing and stream, then each prompt (random token ids, so nothing hits a radix cache)
+goes through the router `--repeats` times (`--repeats-long` from `--long-prompt` tokens up),
+streamed: TTFT is the time to the first streamed chunk. The decode's `meta_info.kv_transfer`
+gives the bytes on the wire, `wire_ms` (the link's busy time: summed write times), `tail_ms`
+(prompt done -> last write: the transfer the prefill's compute did not hide) and, with
+`--trace`, the request's phase trace (sgl_kvxfer/disagg/trace.py). Streams other than `end` run
+at `--variant-rates` only (all rates when it is omitted).
 
-Ratios (same run): link efficiency = achieved / set rate at the longest prompt; transfer time at
-b vs b=1.0 (wire_ms); TTFT at b vs b=1.0 through PD; PD TTFT vs the single server.
+The reference at each budget is a server computing the prompt alone: `--reference single`
+starts a non-disaggregated server (server + prefill args); `--reference prefill` asks the PD
+prefill server itself with SGLang's "no peer" host 2.2.2.2 (the same process and GPU, no
+transfer; it saves one server start per budget). `--peer-copy` measures a plain GPU0 -> GPU1
+copy (torch, `--peer-copy-mib`) in the same run, the bandwidth the KV transfer is held against.
 
-`--server-args` is passed to every server (default: the embedded SmolLM2 in bf16 on CPU, int4
-tier on without the start-up probe). Each server first serves one prompt of every length, so
-kernel compiles stay out of the numbers. On one GPU, with a Llama-3-8B-shaped dummy model dir
-(`models/presets.py`: write_preset_config + write_dummy_tokenizer):
-`--server-args "--model-path DIR --load-format dummy --dtype bfloat16 --device cuda
---mem-fraction-static 0.6 --max-total-tokens 40000 --disable-cuda-graph --kv-int4 on"` runs
-both PD servers (and the baseline) on it; KV moves over Mooncake TCP through host memory.
+Ratios (same run, `ratios` in the JSON): link efficiency = achieved / set rate; KV transfer rate
+unpaced vs the plain peer copy; TTFT at b vs b = 1.0 per stream and rate; each stream vs `end`;
+PD TTFT vs the reference; the tiered prefill (reference at b) vs the fp16 one (reference at 1.0);
+the largest uncovered stretch of any traced request.
+
+`--server-args` go to every server (default: the embedded SmolLM2 in bf16 on CPU, int4 tier on
+without the start-up probe); `--prefill-args` / `--decode-args` to one role (e.g. `--base-gpu-id
+0` / `--base-gpu-id 1`: the pair on two GPUs). Each server first serves one prompt of every
+length, so kernel compiles stay out of the numbers. The JSON is rewritten after every budget.
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ from sgl_kvxfer.testing.servers import free_port, start_router, start_server, st
 
 DEFAULT_SERVER_ARGS = "--dtype bfloat16 --max-total-tokens 40000 --kv-int4 on"  # int4 on: no start-up probe
 MAX_NEW_TOKENS = 4
+NO_PEER = {"bootstrap_host": "2.2.2.2", "bootstrap_room": 0}  # SGLang's fake-prefill host: compute here
 
 
 def prompt_ids(length: int, seed: int, vocab: int) -> list[int]:
@@ -77,93 +85,187 @@ def stream_ttft(url: str, body: dict) -> tuple[float, dict]:
     return first, meta
 
 
-def ttft(url: str, ids: list[int]) -> tuple[float, dict]:
+def ttft(url: str, ids: list[int], extra: dict | None = None) -> tuple[float, dict]:
     """TTFT of one greedy request for the token ids `ids`."""
-    return stream_ttft(url, {"input_ids": ids, "stream": True, "sampling_params": {
+    return stream_ttft(url, {"input_ids": ids, "stream": True, **(extra or {}), "sampling_params": {
         "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
 
 
-def warm_up(url: str, prompts: list[int], vocab: int) -> None:
+def warm_up(url: str, prompts: list[int], vocab: int, extra: dict | None = None) -> None:
     """One request per prompt length (other token ids): kernel compiles for new shapes and
     first-request costs stay out of the numbers."""
     for n in prompts:
-        ttft(url, prompt_ids(n, -n, vocab))
+        ttft(url, prompt_ids(n, -n, vocab), extra)
+
+
+def peer_copy(mib: int, repeats: int) -> dict:
+    """A plain copy of `mib` MiB from GPU 0 to GPU 1 (torch, CUDA events), `repeats` timed runs
+    after one warm-up: the bandwidth the KV transfer between the two GPUs is held against."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return {"skipped": f"{torch.cuda.device_count()} GPU(s)"}
+    src = torch.empty(mib << 20, dtype=torch.uint8, device="cuda:0").random_(0, 255)
+    dst = torch.empty(mib << 20, dtype=torch.uint8, device="cuda:1")
+    runs = []
+    for i in range(repeats + 1):
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        start = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize(1)
+        torch.cuda.synchronize(0)
+        if i:
+            runs.append((mib << 20) / (time.perf_counter() - start) / 1e9)
+    same = bool(torch.equal(src.to("cuda:1"), dst))
+    p2p = torch.cuda.can_device_access_peer(0, 1)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"GBps": statistics.median(runs), "runs_GBps": runs, "mib": mib, "bytes_equal": same, "peer_access": p2p}
 
 
 _PROMPT_SEEDS = itertools.count(1)  # every measured request has its own prompt: no radix-cache hit
 
 
-def measure(url: str, prompts: list[int], repeats: int, vocab: int, label: str) -> dict:
-    out = {}
-    for n in prompts:
-        runs = [ttft(url, prompt_ids(n, next(_PROMPT_SEEDS), vocab)) for _ in range(repeats)]
-        transfer = [m.get("kv_transfer", {}) for _, m in runs]
-        row = {"ttft_ms": 1e3 * statistics.median(t for t, _ in runs)}
-        if any(transfer):
-            if any(t.get("status") != "ok" for t in transfer):
-                raise RuntimeError(f"{label}, {n} tokens: a transfer fell back: {transfer}")
-            for key in ("bytes", "bytes_per_token", "wire_ms", "tail_ms", "link_gbps"):
-                row[key] = statistics.median(t[key] for t in transfer)
-        out[str(n)] = row
-        extra = "".join(f", {k} {row[k]:.1f}" for k in ("wire_ms", "tail_ms", "link_gbps") if k in row)
-        print(f"  {label:<34} {n:>6} tokens: TTFT {row['ttft_ms']:8.1f} ms{extra}", flush=True)
-    return out
+def trace_summary(traces: list[dict]) -> dict:
+    """Medians over one row's traced requests, and its largest uncovered stretch."""
+    kinds = sorted({k for t in traces for k in t["by_phase_ms"]})
+    gaps = [g for t in traces for g in t["gaps"]]
+    return {"critical_ms": statistics.median(t["critical_ms"] for t in traces),
+            "unaccounted_ms": statistics.median(t["unaccounted_ms"] for t in traces),
+            "max_gap": max(gaps, key=lambda g: g[2], default=None),
+            "by_phase_ms": {k: statistics.median(t["by_phase_ms"].get(k, 0.0) for t in traces) for k in kinds},
+            "example": traces[len(traces) // 2]}
 
 
-def run_single(server_args: list[str], budget: float, args) -> dict:
-    s = start_server(server_args + ["--kv-tier-budget", str(budget)], name="bench_single")
+def measure(url: str, n: int, repeats: int, vocab: int, label: str, extra: dict | None = None) -> dict:
+    runs = [ttft(url, prompt_ids(n, next(_PROMPT_SEEDS), vocab), extra) for _ in range(repeats)]
+    times = [1e3 * t for t, _ in runs]
+    row = {"ttft_ms": statistics.median(times), "ttft_min_ms": min(times), "ttft_max_ms": max(times),
+           "runs_ms": times}
+    transfer = [m.get("kv_transfer", {}) for _, m in runs]
+    if any("wire_ms" in t for t in transfer):
+        if any(t.get("status") != "ok" for t in transfer):
+            raise RuntimeError(f"{label}, {n} tokens: a transfer fell back: {transfer}")
+        for key in ("bytes", "bytes_per_token", "wire_ms", "tail_ms", "link_gbps"):
+            row[key] = statistics.median(t[key] for t in transfer)
+        traces = [t["trace"] for t in transfer if "trace" in t]
+        if traces:
+            row["trace"] = trace_summary(traces)
+    extra_s = "".join(f", {k} {row[k]:.1f}" for k in ("wire_ms", "tail_ms", "link_gbps") if k in row)
+    if "trace" in row:
+        extra_s += f", unaccounted {row['trace']['unaccounted_ms']:.1f} ms"
+    print(f"  {label:<38} {n:>6} tokens: TTFT {row['ttft_ms']:8.1f} ms [{row['ttft_min_ms']:.1f}, "
+          f"{row['ttft_max_ms']:.1f}]{extra_s}", flush=True)
+    return row
+
+
+def repeats_for(n: int, args) -> int:
+    return args.repeats_long if n >= args.long_prompt else args.repeats
+
+
+def measure_all(url: str, args, label: str, extra: dict | None = None) -> dict:
+    return {str(n): measure(url, n, repeats_for(n, args), args.vocab, label, extra) for n in args.prompts}
+
+
+def rate_name(rate: float) -> str:
+    return "unpaced" if rate == 0 else f"{rate:g}"
+
+
+def set_link(url: str, rate: float, stream: str, latency_ms: float) -> None:
+    r = requests.post(url + "/kv_transfer_link", json={"rate_gbps": rate, "latency_ms": latency_ms, "stream": stream},
+                      timeout=30)
+    if r.status_code != 200:
+        raise RuntimeError(f"POST /kv_transfer_link: {r.status_code} {r.text}")
+
+
+def run_reference(server_args: list[str], budget: float, args, prefill=None) -> dict:
+    """The budget's reference: the prompt computed by one server alone."""
+    tier = ["--kv-tier-budget", str(budget)]
+    if prefill is not None:  # the PD prefill server, asked with no peer
+        warm_up(prefill.url, args.prompts, args.vocab, NO_PEER)
+        return measure_all(prefill.url, args, f"reference b={budget} (prefill, no peer)", NO_PEER)
+    s = start_server(server_args + tier + args.prefill_args, name="bench_single")
     try:
         warm_up(s.url, args.prompts, args.vocab)
-        return measure(s.url, args.prompts, args.repeats, args.vocab, f"single b={budget}")
+        return measure_all(s.url, args, f"single b={budget}")
     finally:
         stop_all(s)
 
 
-def run_pd(server_args: list[str], budget: float, stream: str, rates: list[float], args) -> dict:
-    """One prefill/decode pair and router per (budget, stream); the prefill's link is re-paced
-    for each rate (POST /kv_transfer_link) between measurements."""
+def run_budget(server_args: list[str], budget: float, args, res: dict, save) -> None:
+    """One prefill / decode pair and router for the budget; its reference, then every (stream,
+    rate) through the router, re-paced and re-streamed in place (POST /kv_transfer_link)."""
+    if args.reference == "single":
+        res["reference"][str(budget)] = run_reference(server_args, budget, args)
+        save()
     bp = free_port()
-    tier = ["--kv-tier-budget", str(budget), "--kv-transfer-stream", stream]
-    prefill_args = server_args + tier + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bp),
-                                         "--kv-transfer-rate-gbps", str(rates[0]), "--kv-transfer-latency-ms", str(args.latency_ms)]
+    tier = ["--kv-tier-budget", str(budget)] + (["--enable-pd-trace"] if args.trace else [])
+    paced = max([r for r in args.rates if r > 0], default=100.0)  # a shaped engine; rate 0 unpaces it
+    prefill_args = server_args + tier + args.prefill_args + [
+        "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bp),
+        "--kv-transfer-rate-gbps", str(paced), "--kv-transfer-latency-ms", str(args.latency_ms)]
+    decode_args = server_args + tier + args.decode_args + ["--disaggregation-mode", "decode"]
     handles = []
     try:
         with ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(start_server, prefill_args, name="bench_prefill"),
-                       pool.submit(start_server, server_args + tier + ["--disaggregation-mode", "decode"], name="bench_decode")]
+                       pool.submit(start_server, decode_args, name="bench_decode")]
             for f in futures:
                 handles.append(f.result())
         p, d = handles
         handles.append(start_router([(p.url, bp)], [d.url], name="bench_router"))
-        requests.post(p.url + "/kv_transfer_link", json={"rate_gbps": max(rates)}, timeout=30).raise_for_status()
+        if args.reference == "prefill":
+            res["reference"][str(budget)] = run_reference(server_args, budget, args, prefill=p)
+            save()
+        streams = ["end"] if budget >= 1.0 else args.streams
+        set_link(p.url, 0.0, streams[0], args.latency_ms)
         warm_up(handles[2].url, args.prompts, args.vocab)
-        out = {}
-        for rate in rates:
-            r = requests.post(p.url + "/kv_transfer_link", json={"rate_gbps": rate, "latency_ms": args.latency_ms}, timeout=30)
-            r.raise_for_status()
-            out[f"b={budget} {stream} {rate:g}"] = measure(handles[2].url, args.prompts, args.repeats, args.vocab,
-                                                          f"PD b={budget} {stream} {rate:g} Gbit/s")
-        return out
+        for stream in streams:
+            rates = args.rates if stream == "end" or args.variant_rates is None else args.variant_rates
+            for rate in rates:
+                set_link(p.url, rate, stream, args.latency_ms)
+                name = f"b={budget} {stream} {rate_name(rate)}"
+                res["pd"][name] = measure_all(handles[2].url, args, f"PD {name}")
+                save()
     finally:
         stop_all(*reversed(handles))
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def summarize(res: dict, args) -> dict:
-    longest, pd, single = str(max(args.prompts)), res["pd"], res["single"]
-    key = lambda b, s, r: f"b={b} {s} {r:g}"  # noqa: E731
-    base = lambda r: pd.get(key(1.0, "end", r)) or {}  # noqa: E731
-    out = {"link_efficiency_longest_prompt": {}, "wire_time_vs_b1": {}, "ttft_vs_b1": {}, "pd_ttft_vs_single_b1": {}}
+    """Every ratio the JSON reports, at every prompt length (keys "<row> @<tokens>")."""
+    pd, ref = res["pd"], res["reference"]
+    out = {"link_efficiency": {}, "kv_transfer_vs_peer_copy": {}, "ttft_vs_b1": {}, "stream_vs_end": {},
+           "pd_vs_reference": {}, "tiered_prefill_vs_fp16": {}, "max_unaccounted_gap_ms": None}
+    peer = (res.get("peer_copy") or {}).get("GBps")
+    gaps = []
     for name, rows in pd.items():
         b, stream, rate = name.split()
-        row = rows[longest]
-        if "link_gbps" in row:
-            out["link_efficiency_longest_prompt"][name] = row["link_gbps"] / float(rate)
-        ref = base(float(rate)).get(longest)
-        if ref and b != "b=1.0":
-            out["wire_time_vs_b1"][name] = row["wire_ms"] / ref["wire_ms"]
-            out["ttft_vs_b1"][name] = row["ttft_ms"] / ref["ttft_ms"]
-        if "1.0" in single:
-            out["pd_ttft_vs_single_b1"][name] = row["ttft_ms"] / single["1.0"][longest]["ttft_ms"]
+        for n, row in rows.items():
+            key = f"{name} @{n}"
+            if rate != "unpaced" and "link_gbps" in row:
+                out["link_efficiency"][key] = row["link_gbps"] / float(rate)
+            if rate == "unpaced" and peer and "link_gbps" in row:
+                out["kv_transfer_vs_peer_copy"][key] = row["link_gbps"] / 8 / peer
+            if b != "b=1.0":
+                base = pd.get(f"b=1.0 end {rate}", {}).get(n, {})
+                out["ttft_vs_b1"][key] = _ratio(row["ttft_ms"], base.get("ttft_ms"))
+                if stream != "end":
+                    end = pd.get(f"{b} end {rate}", {}).get(n, {})
+                    out["stream_vs_end"][key] = _ratio(row["ttft_ms"], end.get("ttft_ms"))
+            r = ref.get(b[2:], {}).get(n, {})
+            out["pd_vs_reference"][key] = _ratio(row["ttft_ms"], r.get("ttft_ms"))
+            if row.get("trace") and row["trace"]["max_gap"]:
+                gaps.append([key, *row["trace"]["max_gap"]])
+    for b, rows in ref.items():
+        if b != "1.0":
+            for n, row in rows.items():
+                out["tiered_prefill_vs_fp16"][f"b={b} @{n}"] = _ratio(row["ttft_ms"], ref.get("1.0", {}).get(n, {}).get("ttft_ms"))
+    out["max_unaccounted_gap_ms"] = max(gaps, key=lambda g: g[3], default=None)
     return out
 
 
@@ -174,70 +276,99 @@ def plot(payload: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     p = payload["params"]
-    longest = str(max(p["prompts"]))
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for b in p["budgets"]:
-        names = [n for n in payload["pd"] if n.startswith(f"b={b} end ")]
-        rates = [float(n.split()[2]) for n in names]
-        rows = [payload["pd"][n][longest] for n in names]
-        axes[0].plot(rates, [r["ttft_ms"] for r in rows], "o-", label=f"PD b={b}")
-        axes[1].plot(rates, [r["wire_ms"] for r in rows], "o-", label=f"b={b}")
-        axes[2].plot(rates, [r["link_gbps"] for r in rows], "o-", label=f"b={b}")
-        if str(b) in payload["single"]:
-            axes[0].axhline(payload["single"][str(b)][longest]["ttft_ms"], ls=":", lw=1, color=axes[0].lines[-1].get_color(),
-                            label=f"single server b={b}")
-    all_rates = sorted({float(n.split()[2]) for n in payload["pd"]})
-    axes[2].plot(all_rates, all_rates, "--", color="gray", label="set rate")
-    titles = (f"TTFT through the router, {longest}-token prompt", "KV wire time (link busy)", "achieved link rate")
-    ylabels = ("TTFT (ms)", "ms", "Gbit/s")
-    for ax, title, yl in zip(axes, titles, ylabels):
-        ax.set_xscale("log")
-        ax.set_xlabel("link rate (Gbit/s)")
-        ax.set_ylabel(yl)
-        ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=7)
-    axes[1].set_yscale("log")
-    axes[2].set_yscale("log")
+    rates = sorted({name.split()[2] for name in payload["pd"]}, key=lambda r: float("inf") if r == "unpaced" else float(r))
+    x = {r: i for i, r in enumerate(rates)}
+    prompts = [str(n) for n in p["prompts"]]
+    colors = {b: f"C{i}" for i, b in enumerate(sorted({name.split()[0][2:] for name in payload["pd"]}, reverse=True))}
+    styles = {"end": "o-", "int8": "s--", "chunk": "^--", "chunk-upgrade": "v--"}
+    fig, axes = plt.subplots(len(prompts), 3, figsize=(16, 3.6 * len(prompts)), squeeze=False)
+    for row_axes, n in zip(axes, prompts):
+        for series in sorted({" ".join(name.split()[:2]) for name in payload["pd"]}):
+            names = [name for name in payload["pd"] if name.startswith(series + " ") and n in payload["pd"][name]]
+            names.sort(key=lambda name: x[name.split()[2]])
+            rows = [payload["pd"][name][n] for name in names]
+            xs = [x[name.split()[2]] for name in names]
+            b, stream = series.split()
+            style = dict(color=colors[b[2:]], label=f"PD {series}")
+            row_axes[0].plot(xs, [r["ttft_ms"] for r in rows], styles[stream], **style)
+            row_axes[1].plot(xs, [r.get("wire_ms", float("nan")) for r in rows], styles[stream], **style)
+            row_axes[2].plot(xs, [r.get("link_gbps", float("nan")) for r in rows], styles[stream], **style)
+        for b, rows in payload["reference"].items():
+            if n in rows:
+                row_axes[0].axhline(rows[n]["ttft_ms"], ls=":", lw=1, color=colors.get(b, "gray"),
+                                    label=f"reference b={b}")
+        titles = (f"TTFT through the router, {n}-token prompt", "KV wire time (link busy)", "achieved link rate")
+        for ax, title, yl in zip(row_axes, titles, ("TTFT (ms)", "ms", "Gbit/s")):
+            ax.set_xticks(range(len(rates)), [f"{r} Gbit/s" if r != "unpaced" else r for r in rates], fontsize=7)
+            ax.set_ylabel(yl)
+            ax.set_yscale("log")
+            ax.set_title(title, fontsize=9)
+            ax.legend(fontsize=6)
     fig.suptitle(f"PD through sglang-router: {payload['model']}, {payload['device']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, nargs="+", default=[2000, 4000, 8000], help="prompt lengths (tokens)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[1.0, 0.5, 0.3], help="--kv-tier-budget values")
-    ap.add_argument("--rates", type=float, nargs="+", default=[1, 10, 25, 100], help="link rates, Gbit/s")
+    ap.add_argument("--rates", type=float, nargs="+", default=[1, 10, 25, 100], help="link rates, Gbit/s (0: unpaced)")
+    ap.add_argument("--streams", nargs="+", default=["end", "int8"],
+                    choices=["end", "int8", "chunk", "chunk-upgrade"], help="--kv-transfer-stream values at b < 1")
     ap.add_argument("--variant-rates", type=float, nargs="*", default=[10],
-                    help="rates where b<1 also runs the int8 stream variant")
+                    help="rates where streams other than end run (omit the values for every rate)")
     ap.add_argument("--latency-ms", type=float, default=0.0, help="one-way link latency per write")
-    ap.add_argument("--repeats", type=int, default=1, help="requests per prompt length (median)")
+    ap.add_argument("--repeats", type=int, default=1, help="requests per point (median, min and max reported)")
+    ap.add_argument("--repeats-long", type=int, default=None, help="requests per point from --long-prompt tokens up")
+    ap.add_argument("--long-prompt", type=int, default=16384, help="where --repeats-long starts")
     ap.add_argument("--server-args", default=DEFAULT_SERVER_ARGS, help="arguments for every server")
+    ap.add_argument("--prefill-args", default="", help="extra arguments of the prefill (and single) server")
+    ap.add_argument("--decode-args", default="", help="extra arguments of the decode server")
+    ap.add_argument("--reference", choices=["single", "prefill"], default="single",
+                    help="single: a non-disaggregated server; prefill: the PD prefill server with no peer")
+    ap.add_argument("--peer-copy", action="store_true", help="also time a plain GPU0 -> GPU1 copy")
+    ap.add_argument("--peer-copy-mib", type=int, default=512)
+    ap.add_argument("--trace", action="store_true", help="PD servers with --enable-pd-trace; rows get phase traces")
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     ap.add_argument("--name", default="ttft_vs_bandwidth", help="result file name (without extension)")
     ap.add_argument("--out-dir", default=None, help="where the JSON and PNG go (default benchmarks/results)")
     args = ap.parse_args()
     if 1.0 not in args.budgets:
         ap.error("--budgets must include 1.0 (the raw baseline every ratio is taken against)")
-    if min(args.rates) <= 0 or min(args.prompts) < 1 or args.repeats < 1:
-        ap.error("--rates, --prompts and --repeats must be positive")
+    if min(args.rates) < 0 or min(args.prompts) < 1 or args.repeats < 1 or (args.repeats_long or 1) < 1:
+        ap.error("--rates must be >= 0 (0: unpaced); --prompts and --repeats positive")
+    if not all(0 < b <= 1 for b in args.budgets):
+        ap.error("--budgets must be in (0, 1]")
+    args.repeats_long = args.repeats_long or args.repeats
+    args.variant_rates = args.variant_rates or None  # `--variant-rates` with no values: every rate
+    args.budgets = sorted(args.budgets, reverse=True)  # b = 1.0 first: every ratio's base
     server_args = shlex.split(args.server_args)
-    res = {"single": {}, "pd": {}}
-    start = time.time()
-    for b in args.budgets:
-        res["single"][str(b)] = run_single(server_args, b, args)
-        res["pd"].update(run_pd(server_args, b, "end", args.rates, args))
-        if b < 1 and args.variant_rates:
-            res["pd"].update(run_pd(server_args, b, "int8", args.variant_rates, args))
+    args.prefill_args, args.decode_args = shlex.split(args.prefill_args), shlex.split(args.decode_args)
     model = next((server_args[i + 1] for i, a in enumerate(server_args) if a == "--model-path"), "smollm2-135m-instruct")
     device = "cuda" if "cuda" in args.server_args else "cpu"
+    res = {"reference": {}, "pd": {}}
+    start = time.time()
     payload = {"benchmark": "ttft_vs_bandwidth", "device": device_name(device), "commit": git_commit(),
-               "model": model, "params": vars(args),
-               "link": "in-engine pacing over Mooncake TCP (loopback)", "seconds": time.time() - start, **res}
-    payload["ratios"] = summarize(res, args)
-    path = write_json(args.name, payload, args.out_dir)
-    plot(payload, path[:-5] + ".png")
-    print(json.dumps(payload["ratios"], indent=1))
+               "model": model, "params": vars(args), "reference_kind": args.reference,
+               "link": "Mooncake transfer engine between the two servers, paced in the engine at each set rate "
+                       "(unpaced: the transport Mooncake picked; see the servers' /server_info)"}
+    if args.peer_copy:
+        payload["peer_copy"] = res["peer_copy"] = peer_copy(args.peer_copy_mib, 5)
+        print("peer copy GPU0 -> GPU1:", payload["peer_copy"], flush=True)
+
+    def save() -> str:
+        payload.update(res, seconds=time.time() - start, complete=False)
+        payload["ratios"] = summarize(res, args)
+        return write_json(args.name, payload, args.out_dir)
+
+    for b in args.budgets:
+        run_budget(server_args, b, args, res, save)
+        plot(payload, save()[:-5] + ".png")
+    payload["complete"] = True
+    path = write_json(args.name, {**payload, "seconds": time.time() - start}, args.out_dir)
+    print(json.dumps(payload["ratios"], indent=1, default=str))
     print("wrote", path)
 
 

@@ -1,8 +1,13 @@
 """PD disaggregation: prefill and decode servers that hand a request's KV over a transfer engine.
 
     bootstrap_server.py  the prefill node's directory of KV senders (its own process)
+    role.py              PDRole: the hooks the Scheduler calls, and what a role may touch
     base.py              the room state machine (KVPoll) and the TransferEngine base
-    mooncake.py          Mooncake's Transfer Engine (TCP on CPU hosts; SGLang's default)
+    mooncake.py          Mooncake's Transfer Engine (SGLang's default): TCP / RDMA, and NVLink
+                         between GPUs of one host with its CUDA build
+    buffers.py           the registered transfer buffers (host, or GPU with the CUDA build) and
+                         their block checksums
+    trace.py             the per-request phase trace (--enable-pd-trace)
     shaped.py            a link of a chosen rate and latency, paced inside the engine
     common.py            settings, bootstrap client, block checksums, counters
     sender.py            the prefill's sender thread (checksums, writes, notices)
@@ -19,20 +24,27 @@ fake backend: no bootstrap server, the decode's KV is left unwritten).
 from __future__ import annotations
 
 import importlib
+import os
 
 TRANSFER_ENGINES = {
     "mooncake": "sgl_kvxfer.disagg.mooncake:MooncakeTransferEngine",
 }
-TRANSFER_BACKEND_CHOICES = (*TRANSFER_ENGINES, "fake")
+TRANSFER_ALIASES = {"mooncake_tcp": "mooncake"}  # SGLang's: mooncake with MC_FORCE_TCP set
+TRANSFER_BACKEND_CHOICES = (*TRANSFER_ENGINES, *TRANSFER_ALIASES, "fake")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
-def create_transfer_engine(name: str, host: str, rate_gbps: float = 0.0, latency_ms: float = 0.0):
+def create_transfer_engine(name: str, host: str, rate_gbps: float = 0.0, latency_ms: float = 0.0,
+                           ib_device: str | None = None, gpu_id: int = 0):
     """The engine for --disaggregation-transfer-backend, paced when a link rate is set."""
+    if name == "mooncake_tcp":
+        os.environ.setdefault("MC_FORCE_TCP", "1")  # before Mooncake's library loads
+        ib_device = None
+    name = TRANSFER_ALIASES.get(name, name)
     if name not in TRANSFER_ENGINES:
         raise ValueError(f"unknown transfer engine {name!r}; choose from {sorted(TRANSFER_ENGINES)}")
     module, cls = TRANSFER_ENGINES[name].split(":")
-    engine = getattr(importlib.import_module(module), cls)(host)
+    engine = getattr(importlib.import_module(module), cls)(host, ib_device=ib_device, gpu_id=gpu_id)
     if rate_gbps > 0 or latency_ms > 0:
         from sgl_kvxfer.disagg.shaped import ShapedTransferEngine
 
@@ -40,22 +52,22 @@ def create_transfer_engine(name: str, host: str, rate_gbps: float = 0.0, latency
     return engine
 
 
-def create_disagg_role(scheduler, settings, host: str):
-    """The scheduler's PD role for --disaggregation-mode, or None for "null"."""
+def create_disagg_role(settings, host: str):
+    """The PD role for --disaggregation-mode (not started: the Scheduler starts it), or None."""
     if settings.mode == "prefill" and settings.scd_artifacts:
         from sgl_kvxfer.disagg.scd_prefill import ScdPrefillRole
 
-        return ScdPrefillRole(scheduler, settings, host)
+        return ScdPrefillRole(settings, host)
     if settings.mode == "decode" and settings.scd_artifacts:
         from sgl_kvxfer.disagg.scd_decode import ScdDecodeRole
 
-        return ScdDecodeRole(scheduler, settings, host)
+        return ScdDecodeRole(settings, host)
     if settings.mode == "prefill":
         from sgl_kvxfer.disagg.prefill import PrefillRole
 
-        return PrefillRole(scheduler, settings, host)
+        return PrefillRole(settings, host)
     if settings.mode == "decode":
         from sgl_kvxfer.disagg.decode import DecodeRole
 
-        return DecodeRole(scheduler, settings, host)
+        return DecodeRole(settings, host)
     return None

@@ -44,6 +44,7 @@ class TransferEngine(ABC):
     as `peer` to reach this process."""
 
     name = "base"
+    gpu_memory = False  # whether register / write take GPU memory (Mooncake's CUDA build)
 
     @abstractmethod
     def session_id(self) -> str:
@@ -56,6 +57,10 @@ class TransferEngine(ABC):
     @abstractmethod
     def write(self, peer: str, src_addr: int, dst_addr: int, nbytes: int) -> None:
         """Copy nbytes from local src_addr to dst_addr in the peer's registered memory."""
+
+    def describe(self) -> dict:
+        """What /server_info reports about the engine."""
+        return {"engine": self.name}
 
     def close(self) -> None:
         pass

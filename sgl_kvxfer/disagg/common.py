@@ -1,4 +1,4 @@
-"""What both PD roles share: settings, the bootstrap client, block checksums, counters, faults."""
+"""What both PD roles share: settings, the bootstrap client, counters, faults."""
 from __future__ import annotations
 
 import json
@@ -9,14 +9,11 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 
-import xxhash
-
 from sgl_kvxfer import env
 
 logger = logging.getLogger(__name__)
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang: "no prefill peer" (health checks, bench --fake-prefill)
-BLOCK_BYTES = 4 << 20  # checksum granularity of a segment
 
 
 @dataclass(frozen=True)
@@ -27,7 +24,7 @@ class DisaggSettings:
     backend: str
     timeout_s: float
     buffer_bytes: int
-    stream: str  # b < 1: "end" or "int8"
+    stream: str  # b < 1: "end", "int8", "chunk" or "chunk-upgrade" (prefill.py)
     rate_gbps: float
     latency_ms: float
     scd_artifacts: str | None = None  # SCD over PD (disagg/scd_*.py)
@@ -35,26 +32,17 @@ class DisaggSettings:
     scd_fanout: int = 1
     scd_rank: str = "top"
     scd_wire_frac: float = 0.25
+    ib_device: str | None = None  # --disaggregation-ib-device (disagg/mooncake.py)
+    gpu_id: int = 0  # --base-gpu-id: picks this GPU's HCAs from an ib-device mapping
+    trace: bool = False  # --enable-pd-trace (disagg/trace.py)
 
     @classmethod
     def from_config(cls, cfg) -> "DisaggSettings":
         return cls(cfg.disaggregation_mode, cfg.disaggregation_bootstrap_port, cfg.disaggregation_transfer_backend,
                    cfg.kv_transfer_timeout, int(cfg.kv_transfer_buffer_mb) << 20, cfg.resolved_kv_transfer_stream,
                    cfg.kv_transfer_rate_gbps, cfg.kv_transfer_latency_ms, cfg.scd_artifacts, cfg.scd_consumer,
-                   cfg.scd_fanout, cfg.scd_rank, cfg.scd_wire_frac)
-
-
-def block_checksums(payload: memoryview, block_bytes: int = BLOCK_BYTES) -> list[int]:
-    """xxh3-64 of each `block_bytes` block (the last may be short)."""
-    return [xxhash.xxh3_64_intdigest(payload[i:i + block_bytes]) for i in range(0, len(payload), block_bytes)]
-
-
-def first_bad_block(payload: memoryview, checksums: list[int], block_bytes: int) -> int | None:
-    """Index of the first block whose checksum differs (a corrupt or short write), or None."""
-    got = block_checksums(payload, block_bytes)
-    if len(got) != len(checksums):
-        return min(len(got), len(checksums))
-    return next((i for i, (a, b) in enumerate(zip(got, checksums)) if a != b), None)
+                   cfg.scd_fanout, cfg.scd_rank, cfg.scd_wire_frac, cfg.disaggregation_ib_device,
+                   cfg.engine.base_gpu_id, cfg.enable_pd_trace)
 
 
 # ---------------------------------------------------------------- bootstrap server client

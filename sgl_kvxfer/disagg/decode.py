@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from weakref import WeakKeyDictionary
 
 import msgspec
 import numpy as np
@@ -31,10 +33,14 @@ import torch
 
 from sgl_kvxfer.disagg import create_transfer_engine
 from sgl_kvxfer.disagg.base import KVPoll
-from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, TransferStats, fetch_prefill_route, first_bad_block
+from sgl_kvxfer.disagg.buffers import TransferBuffer, first_bad_block
+from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, TransferStats, fetch_prefill_route
 from sgl_kvxfer.disagg.peers import PeerMonitor
 from sgl_kvxfer.disagg.prefill import TIER_KEEP
+from sgl_kvxfer.disagg.role import PDRole
 from sgl_kvxfer.disagg.staging import StagingAllocator
+from sgl_kvxfer.disagg.trace import PhaseTrace, render
+from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.mem_cache.kv_payload import unpack_segment
 from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVSegment
 from sgl_kvxfer.message.queue import PullQueue, PushQueue
@@ -59,24 +65,34 @@ class DecodeRoom:
     progress: float = field(default_factory=time.monotonic)
     claimed_at: float = 0.0
     wire_bytes: int = 0
+    trace: PhaseTrace | None = None  # --enable-pd-trace
+    acks: deque = field(default_factory=deque)  # (seq, CUDA event): unpacked from GPU staging, not acked
 
 
-class DecodeRole:
-    def __init__(self, scheduler, settings, host: str):
-        self.sched = scheduler
+class DecodeRole(PDRole):
+    mode = "decode"
+    peer_kind = "prefill"
+
+    def __init__(self, settings, host: str):
         self.settings = settings
-        self.kv = scheduler.kv
-        self.pool = scheduler.runner.kv_pool
-        self.table = scheduler.runner.req_to_token
-        self.tiered = getattr(self.pool, "layout", "") == "tiered"
+        self.host = host
         self.stats = TransferStats()
         self.rooms: dict[int, DecodeRoom] = {}
         self.ready: list = []  # transferred requests waiting for a running-batch seat
+        self.traces = WeakKeyDictionary()  # --enable-pd-trace: req -> (prefill spans, room trace) until admitted
+        self.first_steps = WeakKeyDictionary()  # req -> (admitted, t0) until its first decode step
         self.fake = settings.backend == "fake"
+
+    def start(self, ctx) -> None:
+        super().start(ctx)
+        settings, host = self.settings, self.host
+        self.kv, self.pool, self.table = ctx.kv, ctx.pool, ctx.table
+        self.tiered = getattr(self.pool, "layout", "") == "tiered"
         if self.fake:
             return
-        self.engine = create_transfer_engine(settings.backend, host, settings.rate_gbps, settings.latency_ms)
-        self.staging = torch.empty(settings.buffer_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self.engine = create_transfer_engine(settings.backend, host, settings.rate_gbps, settings.latency_ms,
+                                             settings.ib_device, settings.gpu_id)
+        self.staging = TransferBuffer(settings.buffer_bytes, ctx.runner.device, self.engine.gpu_memory)
         self.engine.register(self.staging.data_ptr(), self.staging.numel())
         self.regions = StagingAllocator(self.staging.numel())
         # regions of failed rooms, freed only after a timeout: a prefill that has not seen the
@@ -86,13 +102,15 @@ class DecodeRole:
         self.decode_id = self.inbox.endpoint
         self.peers: dict[str, PushQueue] = {}
         self.lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-bootstrap")
+        self.routes: dict[tuple[str, int], dict] = {}  # (bootstrap host, port) -> its /route info
         self.monitor = PeerMonitor()  # the prefills' bootstrap servers of open rooms
         p = self.pool
         self.layout = KVLayoutInfo(str(p.dtype).replace("torch.", ""), sum(p.stores_layer(i) for i in range(p.num_layers)),
                                    p.num_kv_heads, p.head_dim, getattr(p, "group_size", 32))
         self.full_bytes = 2 * self.layout.num_layers * p.num_kv_heads * p.head_dim * (torch.finfo(p.dtype).bits // 8)
-        logger.info("PD decode: KV receiver %s on %s, endpoint %s, %d MiB staging", settings.backend,
-                    self.engine.session_id(), self.decode_id, settings.buffer_bytes >> 20)
+        logger.info("PD decode: KV receiver %s on %s (%s), endpoint %s, %d MiB staging in %s memory",
+                    settings.backend, self.engine.session_id(), self.engine.describe(), self.decode_id,
+                    settings.buffer_bytes >> 20, self.staging.location)
 
     # ------------------------------------------------------------------ scheduler hooks
     def takes(self, req) -> bool:
@@ -108,36 +126,43 @@ class DecodeRole:
         req.input_logprobs_done = True  # the prefill's input logprobs reach the client, not ours
         if req.sampling.max_new_tokens == 0:  # prefill-only: nothing to receive or compute here
             req.finish({"type": "length", "length": 0})
-            self.sched.retire_parked(req)
+            self.ctx.retire(req)
         elif self.fake:
             self._admit_fake(req)
         else:
             room = self.rooms[req.bootstrap.room] = DecodeRoom(req.bootstrap.room, req)
-            if self.monitor.is_dead(self._peer(room)):  # the router has not noticed yet: no wait
-                self._end(room, self._unreachable(self._peer(room)))
+            if self.settings.trace:
+                room.trace = PhaseTrace()
+                room.trace.add("arrival", time.time(), time.time())
+            peer = self._peer(req.bootstrap)
+            if self.monitor.is_dead(peer):  # the router has not noticed yet: no wait
+                self._end(room, f"{self.peer_kind} unreachable: {peer[0]}:{peer[1]} ({self.monitor.describe(peer)})")
             else:
                 room.route = self._lookup(req.bootstrap)
         return True
 
-    def before_forward(self, batch, fb) -> None:
-        pass
+    def after_forward(self, batch) -> None:
+        """--enable-pd-trace: a traced request's first decode step, added to its reply's trace."""
+        if self.first_steps and batch.mode == ForwardMode.DECODE:
+            for s in batch.slices:
+                start, t0 = self.first_steps.pop(s.req, (None, None))
+                if start is not None:
+                    s.req.extra_meta["kv_transfer"]["trace"]["phases"].append(
+                        ["d.first_step", round(1e3 * (start - t0), 3), round(1e3 * (time.time() - start), 3)])
 
-    def on_chunk(self, req, start: int, end: int) -> None:
-        pass  # a local prefill (fallback, no peer) streams nowhere
-
-    def on_prompt_done(self, req) -> bool:
-        return False  # a local prefill decodes here as usual
+    def wake_sockets(self) -> list:
+        return [] if self.fake else [self.inbox]
 
     def abort(self, rid: str, abort_all: bool) -> None:
         for room in list(self.rooms.values()):
             if abort_all or room.req.rid == rid:
                 room.req.finish({"type": "abort", "message": "Abort requested", "status_code": None, "err_type": None})
                 self._end(room, "aborted", fallback=False)
-                self.sched.retire_parked(room.req)
+                self.ctx.retire(room.req)
         for req in [r for r in self.ready if abort_all or r.rid == rid]:
             self.ready.remove(req)
             req.finish({"type": "abort", "message": "Abort requested", "status_code": None, "err_type": None})
-            self.sched.retire_parked(req)
+            self.ctx.retire(req)
 
     def has_work(self) -> bool:
         return bool(self.rooms or self.ready)
@@ -149,44 +174,61 @@ class DecodeRole:
                 if room is not None:
                     self._on_message(room, msg)
             now = time.monotonic()
-            self._check_peers(now)
+            self.check_peers(now)
             for room in list(self.rooms.values()):
                 self._advance(room, now)
             while self.quarantine and self.quarantine[0][0] <= now:
                 self.regions.free(self.quarantine.pop(0)[1])
-        while self.ready and self.sched.has_running_seat():
-            self.sched.admit_prefilled(self.ready.pop(0))
+        while self.ready and self.ctx.has_seat():
+            req = self.ready.pop(0)
+            spans = self.traces.pop(req, None)
+            if spans is not None:  # admission queues the first token: the critical path ends here
+                self._close_trace(req, *spans)
+            self.ctx.admit(req)
 
     def server_info(self) -> dict:
-        extra = {} if self.fake else {"staging_used_bytes": self.regions.used_bytes(), "endpoint": self.decode_id}
+        extra = {} if self.fake else {"staging_used_bytes": self.regions.used_bytes(), "endpoint": self.decode_id,
+                                      "buffer": self.staging.location, **self.engine.describe()}
         return self.stats.to_dict(rooms_open=len(self.rooms), **extra)
 
-    # ------------------------------------------------------------------ peer liveness
-    def _peer(self, room: DecodeRoom) -> tuple:
-        b = room.req.bootstrap
+    # ------------------------------------------------------------------ peer liveness (role.py)
+    def _peer(self, b) -> tuple[str, int]:
+        """A request's prefill: its bootstrap server's (host, port)."""
         return b.host, b.port if b.port is not None else self.settings.bootstrap_port
 
-    def _unreachable(self, peer: tuple) -> str:
-        return f"prefill unreachable: {peer[0]}:{peer[1]} ({self.monitor.describe(peer)})"
+    def watched_peers(self) -> dict:
+        return {p: f"{p[0]}:{p[1]}" for p in (self._peer(r.req.bootstrap) for r in self.rooms.values())}
 
-    def _check_peers(self, now: float) -> None:
+    def on_peer_dead(self, peer, reason: str) -> None:
         """Rooms of a prefill that stopped answering fail now (local prefill), not at the end
-        of --kv-transfer-timeout."""
-        for peer in self.monitor.poll({self._peer(r) for r in self.rooms.values()}, now):
-            self.stats.peer_failures += 1
-            for room in [r for r in self.rooms.values() if self._peer(r) == peer]:
-                self._end(room, self._unreachable(peer))
+        of --kv-transfer-timeout. Its remembered route goes too (a restarted prefill has another)."""
+        self.routes.pop(peer, None)
+        for room in [r for r in self.rooms.values() if self._peer(r.req.bootstrap) == peer]:
+            self._end(room, reason)
 
     # ------------------------------------------------------------------ the room's steps
     def _lookup(self, b) -> Future:
-        port = b.port if b.port is not None else self.settings.bootstrap_port
-        return self.lookups.submit(fetch_prefill_route, b.host, port)
+        """The prefill's route: remembered from an earlier room of the same prefill (a prefill's
+        route is fixed for its life), else asked of its bootstrap server in a worker thread."""
+        key = self._peer(b)
+        if key in self.routes:
+            known = Future()
+            known.set_result(self.routes[key])
+            return known
+        return self.lookups.submit(fetch_prefill_route, *key)
 
     def _advance(self, room: DecodeRoom, now: float) -> None:
         if room.state == KVPoll.BOOTSTRAPPING:
             self._bootstrap(room)
         if room.state in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING):
             self._unpack_ready(room)
+            complete = room.done is not None and room.unpacked == room.done.segments
+            if complete and room.acks:  # the first token waits on these kernels: wait here, not a poll later
+                t0 = time.time()
+                room.acks[-1][1].synchronize()
+                if room.trace is not None:
+                    room.trace.add("unpack_wait", t0)
+            self._ack_unpacked(room)
         if room.state == KVPoll.TRANSFERRING and room.done is not None and room.unpacked == room.done.segments:
             self._succeed(room)
         elif room.room in self.rooms and now - room.progress > self.settings.timeout_s:
@@ -205,6 +247,7 @@ class DecodeRole:
             room.route = None
             if not self._check_route(room, info):
                 return
+            self.routes[self._peer(room.req.bootstrap)] = info
             room.endpoint = f"tcp://{info['rank_ip']}:{info['rank_port']}"
         if not room.endpoint:
             return
@@ -220,6 +263,8 @@ class DecodeRole:
         self._push(room.endpoint, KVClaim(room.room, self.decode_id, self.decode_id, self.engine.session_id(),
                                           self.staging.data_ptr() + region, want, n, self.layout,
                                           scd=self._scd_claim()))
+        if room.trace is not None:
+            room.trace.add("bootstrap", room.trace.start_of("arrival"))
 
     def _check_route(self, room: DecodeRoom, info: dict) -> bool:
         """Whether the prefill's KV fits this server; False when the room ended here."""
@@ -254,8 +299,9 @@ class DecodeRole:
     def _unpack_ready(self, room: DecodeRoom) -> None:
         while room.unpacked in room.segments:
             seg = room.segments[room.unpacked]
+            t0 = time.time()
             payload = self.staging[room.region + seg.offset:room.region + seg.offset + seg.nbytes]
-            bad = first_bad_block(memoryview(payload.numpy()), seg.checksums, seg.block_bytes)
+            bad = first_bad_block(payload, seg.checksums, seg.checksum_kind, seg.block_bytes)
             if bad is not None:
                 self._end(room, f"checksum mismatch in segment {seg.seq} block {bad}")
                 return
@@ -265,7 +311,20 @@ class DecodeRole:
             room.unpacked += 1
             room.wire_bytes += seg.nbytes
             self.stats.moved(seg.nbytes)
-            self._push(room.endpoint, KVAck(room.room, self.decode_id, seg.seq))
+            if self.staging.on_device:  # NOTE: the unpack kernels still read the staging bytes
+                event = torch.cuda.Event()
+                event.record()
+                room.acks.append((seg.seq, event))
+            else:  # copied out of host memory already
+                self._push(room.endpoint, KVAck(room.room, self.decode_id, seg.seq))
+            if room.trace is not None:
+                room.trace.add(f"unpack[{seg.seq}]", t0)
+
+    def _ack_unpacked(self, room: DecodeRoom) -> None:
+        """Ack GPU-staged segments whose unpack kernels are done: only then may the prefill write
+        over their ring bytes (and the room's region go back, at success)."""
+        while room.acks and room.acks[0][1].query():
+            self._push(room.endpoint, KVAck(room.room, self.decode_id, room.acks.popleft()[0]))
 
     def _write_segment(self, req, seg: KVSegment, payload: torch.Tensor) -> bool:
         """Allocate slots for the segment's positions, unpack, update the row. False: no room."""
@@ -356,18 +415,32 @@ class DecodeRole:
         self.stats.outcome("ok")
         self.stats.tokens += n
         self._release_room(room)
+        if room.trace is not None:
+            room.trace.add("done", time.time(), time.time())
+            self.traces[req] = (done.trace or [], room.trace)
         self.ready.append(req)
+
+    def _close_trace(self, req, prefill: list, trace: PhaseTrace) -> None:
+        """Render the trace into the reply: the first token is queued now."""
+        now = time.time()
+        trace.add("admit", trace.start_of("done"), now)
+        arrivals = [t for t in (trace.start_of("arrival"), next((s for n, s, _ in prefill if n == "arrival"), None))
+                    if t is not None]
+        spans = [x for x in trace.spans if x[0] not in ("arrival", "done")]
+        req.extra_meta["kv_transfer"]["trace"] = render([x for x in prefill if x[0] != "arrival"], spans, arrivals, now)
+        self.first_steps[req] = (now, min(arrivals))
 
     def _end(self, room: DecodeRoom, reason: str, fallback: bool = True, notify: bool = True) -> None:
         """Fail the room: free what it holds; the request is prefilled here (or was aborted)."""
         logger.warning("PD room %d: %s%s", room.room, reason, "; prefilling locally" if fallback else "")
+        self.routes.pop(self._peer(room.req.bootstrap), None)  # ask that prefill afresh next time
         if notify and room.endpoint and room.region is not None:
             self._push(room.endpoint, KVCancel(room.room, self.decode_id, reason))
         req = room.req
         self.kv.release(req)
         req.output_ids.clear()
         if room.region is not None and room.claimed_at:  # the prefill knows this region
-            if self.monitor.is_dead(self._peer(room)):  # a dead prefill writes nothing late
+            if self.monitor.is_dead(self._peer(room.req.bootstrap)):  # a dead prefill writes nothing late
                 self.regions.free(room.region)
             else:
                 self.quarantine.append((time.monotonic() + self.settings.timeout_s, room.region))
@@ -376,7 +449,7 @@ class DecodeRole:
         if fallback:
             self.stats.outcome("fallback:" + reason.split(":")[0].split(" in ")[0])
             req.extra_meta = {"kv_transfer": {"status": "fallback: " + reason}}
-            self.sched.enqueue_validated(req)
+            self.ctx.requeue(req)
 
     def _reject(self, room: DecodeRoom, reason: str) -> None:
         """A prefill this server cannot take KV from (not a transfer fault): the request fails
@@ -385,7 +458,7 @@ class DecodeRole:
         self._end(room, reason, fallback=False)
         self.stats.outcome("rejected")
         req.finish({"type": "abort", "message": reason, "status_code": 400, "err_type": "BadRequestError"})
-        self.sched.retire_parked(req)
+        self.ctx.retire(req)
 
     def _release_room(self, room: DecodeRoom) -> None:
         self.rooms.pop(room.room, None)
@@ -406,12 +479,12 @@ class DecodeRole:
         first token is a placeholder (the last prompt token); outputs are meaningless."""
         n = len(req.origin_input_ids)
         if not self.kv.admit_external(req):
-            self.sched.enqueue_validated(req)
+            self.ctx.requeue(req)
             return
         slots = self.kv.alloc([req], [n], [0])
         if slots is None:
             self.kv.release(req)
-            self.sched.enqueue_validated(req)
+            self.ctx.requeue(req)
             return
         self.table.write(req.req_pool_idx, 0, slots)
         req.kv_len = n
@@ -419,8 +492,8 @@ class DecodeRole:
         self.ready.append(req)
 
     def close(self) -> None:
+        super().close()
         if not self.fake:
-            self.monitor.close()
             self.lookups.shutdown(wait=False, cancel_futures=True)
             self.inbox.close()
             for sock in self.peers.values():

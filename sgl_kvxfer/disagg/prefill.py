@@ -1,6 +1,6 @@
 """The scheduler's prefill role: prefill, then hand the prompt's KV to the decode that claims it.
 
-The Scheduler runs as usual; this role hooks four points (scheduler.py):
+The Scheduler runs as usual; this role implements PDRole's hooks (disagg/role.py):
 
     on_new_request(req)      a room opens for req's bootstrap_room (or meets an early claim)
     on_chunk(req, a, b)      a prefill chunk finished: positions [a, b) may stream now
@@ -18,6 +18,14 @@ What travels, by `--kv-tier-budget` b and `--kv-transfer-stream`:
     b < 1, "int8"      chunks stream at int8; at the end a replacing segment sends the tokens
                        whose final tier is not int8 (fp16 upgrades, int4 codes, drops), so the
                        decode ends with exactly the codes of the "end" variant
+    b < 1, "chunk"     each chunk streams at tiers chosen for it at budget b when it finishes,
+                       ranked by the attention of its own last W queries (EngineTiering
+                       .chunk_tiers); the pool keeps the chunk at the model dtype, so it is
+                       quantized on the way out. The last chunk, and chunks not yet packed when
+                       the prompt ends, go at the final tiers (ranked by the whole prompt).
+    b < 1, "chunk-upgrade"  "chunk", then one replacing segment with the tokens whose final
+                       tier is more precise than the one they streamed at (TIER_KEEP for the
+                       rest): the decode holds max(streamed, final) precision per token
 
 A request finishes (its HTTP reply ends) once KVDone is out, or when its room fails (no claim in
 `--kv-transfer-timeout`, a write error, a stalled ring, a cancel): the decode then prefills
@@ -36,25 +44,38 @@ import torch
 from sgl_kvxfer import env
 from sgl_kvxfer.disagg import create_transfer_engine
 from sgl_kvxfer.disagg.base import KVPoll
+from sgl_kvxfer.disagg.buffers import TransferBuffer, wsum64
 from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, Fault, TransferStats, register_prefill_rank
 from sgl_kvxfer.disagg.peers import PeerMonitor, endpoint_peer
+from sgl_kvxfer.disagg.role import PDRole
 from sgl_kvxfer.disagg.sender import NoticeJob, SenderThread, WriteJob
 from sgl_kvxfer.disagg.shaped import ShapedTransferEngine
 from sgl_kvxfer.disagg.staging import RingWriter, StagingAllocator
+from sgl_kvxfer.disagg.trace import PhaseTrace
+from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.mem_cache.kv_payload import pack_segment, segment_layout, tier_counts, wire_tier_of
 from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVSegment
-from sgl_kvxfer.message.queue import PullQueue
+from sgl_kvxfer.message.queue import PullQueue, WakeChannel
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_INT8
 
 logger = logging.getLogger(__name__)
 TIER_KEEP = 255  # in a replacing segment: the decode keeps what it holds for this position
+CHUNK_STREAMS = ("chunk", "chunk-upgrade")
+STREAMS = ("end", "int8", *CHUNK_STREAMS)
 
 
 @dataclass
 class _Range:
     start: int
     end: int
-    kind: str  # "stored": the tiers the pool holds; "int8": quantized on the way; "replace"
+    kind: str  # "stored": the pool's tiers; "int8" / "chunk": quantized on the way; "replace" / "upgrade"
+    tiers: torch.Tensor | None = None  # "chunk": the wire tier per position, chosen when the chunk ended
+
+    def split(self) -> tuple["_Range", "_Range"]:
+        mid = (self.start + self.end) // 2
+        cut = None if self.tiers is None else mid - self.start
+        return (_Range(self.start, mid, self.kind, None if cut is None else self.tiers[:cut]),
+                _Range(mid, self.end, self.kind, None if cut is None else self.tiers[cut:]))
 
 
 @dataclass
@@ -78,48 +99,89 @@ class PrefillRoom:
     prompt_done_at: float = 0.0
     first_write: float | None = None
     finished: bool = False
+    sent_tiers: torch.Tensor | None = None  # "chunk-upgrade": int16 [n], the wire tier each
+    # position went out at (-1: not yet)
+    trace: PhaseTrace | None = None  # --enable-pd-trace
+    stream: str = "end"  # --kv-transfer-stream when its request arrived
+    launched: float = 0.0  # time.time() its current chunk was launched
+    forward_end: float = 0.0  # time.time() its last chunk's forward ended
 
 
-class PrefillRole:
-    def __init__(self, scheduler, settings, host: str):
-        self.sched = scheduler
+class PrefillRole(PDRole):
+    mode = "prefill"
+    intercepts_prefill = True
+    peer_kind = "decode"
+
+    def __init__(self, settings, host: str):
         self.settings = settings
-        self.pool = scheduler.runner.kv_pool
-        self.table = scheduler.runner.req_to_token
-        self.tiered = scheduler.tiering is not None
+        self.host = host
         self.stats = TransferStats()
         self.rooms: dict[int, PrefillRoom] = {}
         self.fake = settings.backend == "fake"
+        self.stream = settings.stream
+
+    def start(self, ctx) -> None:
+        super().start(ctx)
+        settings, host = self.settings, self.host
+        self.pool, self.table, self.tiering = ctx.pool, ctx.table, ctx.tiering
+        self.tiered = ctx.tiering is not None
+        self.device = ctx.runner.device
         if self.fake:
             return
-        self.engine = create_transfer_engine(settings.backend, host, settings.rate_gbps, settings.latency_ms)
-        cuda = torch.cuda.is_available()
-        self.buffer = torch.empty(settings.buffer_bytes, dtype=torch.uint8, pin_memory=cuda)
+        self.engine = create_transfer_engine(settings.backend, host, settings.rate_gbps, settings.latency_ms,
+                                             settings.ib_device, settings.gpu_id)
+        self.buffer = TransferBuffer(settings.buffer_bytes, self.device, self.engine.gpu_memory)
         self.engine.register(self.buffer.data_ptr(), self.buffer.numel())
         self.send_alloc = StagingAllocator(self.buffer.numel())
-        self.sender = SenderThread(self.engine, Fault.parse(env.KV_TRANSFER_FAULT.get()))
+        self.wake = WakeChannel()
+        self.sender = SenderThread(self.engine, Fault.parse(env.KV_TRANSFER_FAULT.get()), self.wake,
+                                   torch.cuda.current_device() if self.buffer.on_device else None)
         self.inbox = PullQueue(f"tcp://{host}:*", "kv_prefill", bind=True)
         self.monitor = PeerMonitor()  # the KV inboxes of decodes that claimed open rooms
         p = self.pool
         self.layout = KVLayoutInfo(str(p.dtype).replace("torch.", ""), sum(p.stores_layer(i) for i in range(p.num_layers)),
                                    p.num_kv_heads, p.head_dim, getattr(p, "group_size", 32))
         register_prefill_rank(host, settings.bootstrap_port, self._registration(host))
-        logger.info("PD prefill: KV sender %s on %s, endpoint %s, %d MiB send buffer", settings.backend,
-                    self.engine.session_id(), self.inbox.endpoint, settings.buffer_bytes >> 20)
+        logger.info("PD prefill: KV sender %s on %s (%s), endpoint %s, %d MiB send buffer in %s memory",
+                    settings.backend, self.engine.session_id(), self.engine.describe(), self.inbox.endpoint,
+                    settings.buffer_bytes >> 20, self.buffer.location)
 
     def _registration(self, host: str) -> dict:
         """This rank's PUT /route body (bootstrap_server.py)."""
         return {
             "attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1,
             "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
-            "rank_ip": host, "rank_port": self.inbox.port, "page_size": self.sched.kv.page_size,
+            "rank_ip": host, "rank_port": self.inbox.port, "page_size": self.ctx.kv.page_size,
             "kv_cache_dtype": "auto", "kv_layout": "sgl_kvxfer-segments", "load_balance_method": "round_robin",
             "decode_allocation_policy": "early", "transfer_backend": self.settings.backend,
             "transfer_session": self.engine.session_id(), "kv_layout_info": msgspec.structs.asdict(self.layout)}
 
     # ------------------------------------------------------------------ scheduler hooks
     def before_forward(self, batch, fb) -> None:
-        pass  # an SCD producer captures hidden states here (scd_prefill.py)
+        """The trace's chunk start (an SCD producer also captures hidden states here)."""
+        if self.settings.trace:
+            now = time.time()
+            for s in batch.slices:
+                room = self._room_of(s.req)
+                if room is not None and room.trace is not None:
+                    if not room.launched:
+                        room.trace.add("queue", room.trace.start_of("arrival"), now)
+                    room.launched = now
+
+    def after_forward(self, batch) -> None:
+        """The trace's chunk end; on a GPU it waits for the chunk's kernels (trace runs only)."""
+        if not self.settings.trace or batch.mode != ForwardMode.EXTEND:
+            return
+        rooms = [(s, r) for s in batch.slices if (r := self._room_of(s.req)) is not None and r.trace is not None]
+        if rooms and str(self.device).startswith("cuda"):
+            torch.cuda.synchronize()
+        now = time.time()
+        for s, room in rooms:
+            room.trace.add(f"prefill[{s.start}:{s.start + s.length}]", room.launched, now)
+            room.forward_end = now
+
+    def wake_sockets(self) -> list:
+        return [] if self.fake else [self.inbox, self.wake]
 
     def transfers(self, req) -> bool:
         """A request whose KV leaves this server (not a health check or a prefill-only one)."""
@@ -133,17 +195,31 @@ class PrefillRole:
             room = self.rooms.get(req.bootstrap.room)
             if room is None or room.req is not None:  # a fresh room (a reused id replaces a stale one)
                 room = self.rooms[req.bootstrap.room] = PrefillRoom(req.bootstrap.room)
-            room.req = req
+            room.req, room.stream = req, self.stream
             room.created = room.progress = time.monotonic()
+            if self.settings.trace:
+                room.trace = PhaseTrace()
+                room.trace.add("arrival", time.time(), time.time())
+            if self.tiered and room.stream in CHUNK_STREAMS:
+                self.tiering.rank_chunks(req)  # feed a per-chunk importance window from now on
         return False
 
     def on_chunk(self, req, start: int, end: int) -> None:
         room = self._room_of(req)
-        if room is None or room.error or (self.tiered and self.settings.stream == "end"):
+        if room is None or room.error or (self.tiered and room.stream == "end"):
             return
         # from `streamed`, not `start`: a prompt whose head came from the prefix cache has its
         # first chunk start past 0, and the decode needs those cached positions too
-        room.pending.append(_Range(room.streamed, end, "int8" if self.tiered else "stored"))
+        start = room.streamed
+        if not self.tiered:
+            room.pending.append(_Range(start, end, "stored"))
+        elif room.stream == "int8":
+            room.pending.append(_Range(start, end, "int8"))
+        else:  # chunk streams: tiers at budget b for this chunk, from what is known now
+            t0 = time.time()
+            room.pending.append(_Range(start, end, "chunk", self.tiering.chunk_tiers(req, start, end)))
+            if room.trace is not None:
+                room.trace.add(f"chunk_tier[{start}:{end}]", t0)
         room.streamed = end
 
     def on_prompt_done(self, req) -> bool:
@@ -156,7 +232,11 @@ class PrefillRole:
                 req.finish({"type": "length", "length": len(req.output_ids)})
             return False
         n = len(req.origin_input_ids)
-        if self.tiered and self.settings.stream == "int8" and room.streamed:
+        if room.trace is not None:
+            room.trace.add("tier", room.forward_end or time.time())  # tiering + caching after the forward
+        if self.tiered and room.stream in CHUNK_STREAMS:
+            self._finalize_chunks(room, n)
+        if self.tiered and room.stream == "int8" and room.streamed:
             room.pending.append(_Range(0, room.streamed, "replace"))
         if room.streamed < n:
             room.pending.append(_Range(room.streamed, n, "stored"))
@@ -189,26 +269,29 @@ class PrefillRole:
     def poll(self) -> None:
         if self.fake:
             return
+        self.wake.drain()
         for msg in self.inbox.get_all_nowait():
             self._on_message(msg)
         for res in self.sender.drain():
             self._on_result(res)
         now = time.monotonic()
-        self._check_decodes(now)
+        self.check_peers(now)
         for room in list(self.rooms.values()):
             self._service_room(room, now)
 
-    def _check_decodes(self, now: float) -> None:
-        """A decode that claimed rooms and died (peers.py): its rooms end now, naming it."""
+    # ------------------------------------------------------------------ peer liveness (role.py)
+    def watched_peers(self) -> dict:
+        """The KV inboxes of decodes that claimed open rooms."""
         # NOTE: an SCD room (scd_prefill.py) has consumers, not one claim: not watched here
-        claimed = {endpoint_peer(c.reply_to): c.reply_to for c in (getattr(r, "claim", None)
-                                                                   for r in self.rooms.values()) if c}
-        for peer in self.monitor.poll(set(claimed), now):
-            self.stats.peer_failures += 1
-            for room in [r for r in self.rooms.values()
-                         if getattr(r, "claim", None) and endpoint_peer(r.claim.reply_to) == peer]:
-                room.claim = None  # nothing more goes to it
-                self._fail(room, f"decode unreachable: {claimed[peer]} ({self.monitor.describe(peer)})")
+        return {endpoint_peer(c.reply_to): c.reply_to
+                for c in (getattr(r, "claim", None) for r in self.rooms.values()) if c}
+
+    def on_peer_dead(self, peer, reason: str) -> None:
+        """A decode that claimed rooms and died: its rooms end now, naming it."""
+        for room in [r for r in self.rooms.values()
+                     if getattr(r, "claim", None) and endpoint_peer(r.claim.reply_to) == peer]:
+            room.claim = None  # nothing more goes to it
+            self._fail(room, reason)
 
     def _service_room(self, room, now: float) -> None:
         """One poll's work on a room: send what is ready, fail it past its deadline."""
@@ -217,7 +300,9 @@ class PrefillRole:
 
     def server_info(self) -> dict:
         extra = {} if self.fake else {"send_buffer_used_bytes": self.send_alloc.used_bytes(),
-                                      "endpoint": self.inbox.endpoint}
+                                      "endpoint": self.inbox.endpoint, "stream": self.stream,
+                                      "buffer": self.buffer.location, "checksum": self.buffer.checksum_kind,
+                                      **self.engine.describe()}
         return self.stats.to_dict(rooms_open=len(self.rooms),
                                   rooms_prefilled=sum(r.prompt_done for r in self.rooms.values()), **extra)
 
@@ -265,6 +350,8 @@ class PrefillRole:
             room.wire_bytes += res.nbytes
             room.wire_seconds += res.write_seconds
             self.stats.moved(res.nbytes)
+            if room.trace is not None:
+                room.trace.add(f"wire[{res.seq}]", res.write_start, res.write_end)
         elif room.done_queued and room.error is None:  # KVDone is out
             room.state = KVPoll.SUCCESS
             self.stats.outcome("ok")
@@ -282,31 +369,48 @@ class PrefillRole:
         if room.prompt_done and not room.inflight and not room.done_queued:
             self._queue_done(room)
 
-    def _segment_tiers(self, rng: _Range, slots: torch.Tensor) -> torch.Tensor:
+    def _segment_tiers(self, room: PrefillRoom, rng: _Range, slots: torch.Tensor) -> torch.Tensor:
         """Wire tier per position of the range (int16: TIER_KEEP does not fit int8; on the wire
         one unsigned byte each)."""
+        if rng.kind == "chunk":
+            return rng.tiers.to(torch.int16)
         stored = wire_tier_of(self.pool, slots).to(torch.int16)
         if rng.kind == "int8":
             return torch.where(stored == TIER_DROP, stored, torch.full_like(stored, TIER_INT8))
         if rng.kind == "replace":  # what the int8 stream got right stays where it is
             return torch.where(stored == TIER_INT8, torch.full_like(stored, TIER_KEEP), stored)
+        if rng.kind == "upgrade":  # a smaller tier id is more precise: resend those, keep the rest
+            sent = room.sent_tiers[rng.start:rng.end]
+            return torch.where(stored < sent, stored, torch.full_like(stored, TIER_KEEP))
         return stored
+
+    def _finalize_chunks(self, room: PrefillRoom, n: int) -> None:
+        """Prompt end of a chunk stream: chunk ranges not packed yet go at the final tiers
+        instead (none of their bytes left), and the upgrade pass covers what did leave."""
+        if room.pending:  # NOTE: packed in order, so the unpacked chunks are a suffix
+            room.streamed = room.pending[0].start
+            room.pending.clear()
+        if room.stream == "chunk-upgrade" and room.streamed:
+            room.pending.append(_Range(0, room.streamed, "upgrade"))
 
     def _send_next(self, room: PrefillRoom) -> bool:
         """Pack the next pending range (split to fit the decode's ring) and queue its write."""
         rng = room.pending[0]
         req = room.req
+        t0 = time.time()
         slots = self.table.read(req.req_pool_idx, rng.end, start=rng.start).clone()
-        tiers = self._segment_tiers(rng, slots)
+        tiers = self._segment_tiers(room, rng, slots)
+        if rng.kind == "upgrade" and bool((tiers == TIER_KEEP).all()):
+            room.pending.popleft()  # no token's tier rose: nothing to resend
+            return True
         live = (tiers != TIER_DROP) & (tiers != TIER_KEEP)
         lay = segment_layout(self.pool, tier_counts(tiers[live]))
         if not room.ring.fits_ever(lay.total_bytes) or lay.total_bytes > self.send_alloc.total // 2:
             if rng.end - rng.start == 1:
                 self._fail(room, f"one token's KV ({lay.total_bytes} B) exceeds the transfer buffers")
                 return False
-            mid = (rng.start + rng.end) // 2
-            room.pending[0] = _Range(rng.start, mid, rng.kind)
-            room.pending.insert(1, _Range(mid, rng.end, rng.kind))
+            room.pending.popleft()
+            room.pending.extendleft(reversed(rng.split()))
             return True
         seq = room.next_seq
         dst = room.ring.place(seq, lay.total_bytes)
@@ -318,16 +422,27 @@ class PrefillRole:
             return False
         payload = self.buffer[src:src + lay.total_bytes]
         pack_segment(self.pool, slots[live.to(slots.device)], tiers[live], payload)
-        if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()
+        if self.buffer.on_device:  # summed where the bytes are; tolist() waits for the pack
+            sums = wsum64(payload)
+        else:
+            sums = None  # the sender thread computes xxh3 of the host bytes
+            if torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()
+        if rng.kind == "chunk":
+            if room.sent_tiers is None:
+                room.sent_tiers = torch.full((len(req.origin_input_ids),), -1, dtype=torch.int16)
+            room.sent_tiers[rng.start:rng.end] = tiers
         segment = KVSegment(room.room, seq, rng.start, rng.end, None if bool((tiers == 0).all()) else tiers.to(torch.uint8).numpy().tobytes(),
-                            lay.lens, dst, lay.total_bytes, 0, [], replaces=rng.kind == "replace")
+                            lay.lens, dst, lay.total_bytes, 0, [], replaces=rng.kind in ("replace", "upgrade"))
         room.inflight[seq] = src
         room.next_seq += 1
         room.pending.popleft()
         room.first_write = room.first_write or time.monotonic()
+        if room.trace is not None:
+            room.trace.add(f"pack[{seq}]", t0)
         c = room.claim
-        self.sender.submit(WriteJob(room.room, seq, payload, c.session, c.region_addr + dst, c.reply_to, segment))
+        self.sender.submit(WriteJob(room.room, seq, payload, c.session, c.region_addr + dst, c.reply_to, segment,
+                                    sums, self.buffer.checksum_kind))
         return True
 
     def _queue_done(self, room: PrefillRoom) -> None:
@@ -340,6 +455,9 @@ class PrefillRole:
             msg.output_token_ids_logprobs = req.output_token_ids_logprobs[:1] or None
         room.done_queued = True
         self.stats.tokens += len(req.origin_input_ids)
+        if room.trace is not None:
+            room.trace.add("notice", time.time())
+            msg.trace = room.trace.spans
         self.sender.submit(NoticeJob(room.room, room.claim.reply_to, msg))
 
     # ------------------------------------------------------------------ endings
@@ -383,20 +501,31 @@ class PrefillRole:
                                           "bytes": room.wire_bytes,
                                           "bytes_per_token": room.wire_bytes / max(1, len(req.origin_input_ids)),
                                           "transfer_ms": 1e3 * (time.monotonic() - (room.first_write or time.monotonic()))}}
-        self.sched.retire_parked(req)
+        if room.trace is not None:
+            req.extra_meta["kv_transfer"]["trace"] = room.trace.spans
+        self.ctx.retire(req)
 
-    def set_link(self, rate_gbps: float, latency_ms: float) -> tuple[bool, str]:
-        """Re-pace the shaped link (the server was started with --kv-transfer-rate-gbps)."""
-        if self.fake or not isinstance(self.engine, ShapedTransferEngine):
+    def set_link(self, rate_gbps: float, latency_ms: float, stream: str | None = None) -> tuple[bool, str]:
+        """Re-pace the shaped link (the server was started with --kv-transfer-rate-gbps; rate 0:
+        unpaced) and, with `stream`, switch --kv-transfer-stream for rooms opened from now on.
+        An unshaped link takes rate 0 and latency 0 only (a stream switch)."""
+        if self.fake:
+            return False, "the fake transfer backend moves no KV"
+        if not (0 <= rate_gbps <= 1e6 and 0 <= latency_ms <= 1e6):  # NaN fails every comparison
+            return False, "rate_gbps must be in [0, 1e6] (0: unpaced) and latency_ms in [0, 1e6]"
+        if stream is not None and stream not in STREAMS:
+            return False, f"stream must be one of {STREAMS}, got {stream!r}"
+        shaped = isinstance(self.engine, ShapedTransferEngine)
+        if not shaped and (rate_gbps or latency_ms):
             return False, "the KV link is not shaped: start the prefill server with --kv-transfer-rate-gbps"
-        if rate_gbps <= 0 or latency_ms < 0:
-            return False, "rate_gbps must be > 0 and latency_ms >= 0"
-        self.engine.set_link(rate_gbps, latency_ms)
-        logger.info("KV link re-paced: %g Gbit/s, %g ms", rate_gbps, latency_ms)
-        return True, f"KV link: {rate_gbps:g} Gbit/s, {latency_ms:g} ms"
+        if shaped:
+            self.engine.set_link(rate_gbps, latency_ms)
+        self.stream = stream or self.stream
+        logger.info("KV link re-paced: %g Gbit/s, %g ms, stream %s", rate_gbps, latency_ms, self.stream)
+        return True, f"KV link: {rate_gbps:g} Gbit/s, {latency_ms:g} ms, stream {self.stream}"
 
     def close(self) -> None:
+        super().close()
         if not self.fake:
-            self.monitor.close()
             self.sender.close()
             self.inbox.close()

@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 class ScdDecodeRole(DecodeRole):
-    def __init__(self, scheduler, settings, host: str):
-        runner = scheduler.runner
+    def start(self, ctx) -> None:
+        runner, settings = ctx.runner, self.settings
         self.artifacts, self.consumer, self.manifest_id = load_consumer(settings.scd_artifacts, runner,
                                                                         settings.scd_consumer)
         self.manifest = self.artifacts.manifest
@@ -48,7 +48,7 @@ class ScdDecodeRole(DecodeRole):
                               (CodeLayout.from_manifest(self.manifest, lv) for lv in self.manifest.levels)}
         self.patch_layers = frozenset(self.manifest.patch_layers)
         self.claim_info = ScdClaimInfo(self.manifest_id, self.consumer)
-        super().__init__(scheduler, settings, host)
+        super().start(ctx)
         logger.info("SCD consumer %r of artifacts %s (id %s): %d B/token of codes", self.consumer,
                     settings.scd_artifacts, self.manifest_id[:12], self.code_layout.bytes_per_token)
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sgl_kvxfer.disagg.buffers import wsum64
 from sgl_kvxfer.disagg.prefill import PrefillRole
 from sgl_kvxfer.disagg.scd_common import ScdSetupError, load_producer, route_info
 from sgl_kvxfer.disagg.sender import NoticeJob, WriteJob
@@ -61,6 +62,7 @@ class _Segment:
     end: int
     offset: int  # in the send buffer
     nbytes: int
+    checksums: list[int] | None = None  # GPU send buffer: wsum64, summed once for every consumer
 
 
 @dataclass
@@ -95,8 +97,17 @@ class ScdRoom:
 
 
 class ScdPrefillRole(PrefillRole):
-    def __init__(self, scheduler, settings, host: str):
-        runner = scheduler.runner
+    def __init__(self, settings, host: str):
+        super().__init__(settings, host)
+        self.fanout = settings.scd_fanout
+        self.closed: dict[int, tuple[str, float]] = {}  # room -> (why, forget after)
+        self._jobs: dict[int, tuple[int, str]] = {}  # write job id -> (room, decode_id)
+        self._job_ids = itertools.count()
+        self.encoded = {"rooms": 0, "tokens": 0, "bytes": 0}  # prefills whose codes were encoded (once each)
+        self.rooms_closed: Counter = Counter()  # why rooms closed ("served", "fan-out timed out", ...)
+
+    def start(self, ctx) -> None:
+        runner, settings = ctx.runner, self.settings
         self.artifacts, self.manifest_id = load_producer(settings.scd_artifacts, runner)
         self.manifest = self.artifacts.manifest
         from sgl_kvxfer.scd.codec import ScdEncoder
@@ -111,13 +122,7 @@ class ScdPrefillRole(PrefillRole):
         except ValueError as e:
             raise ScdSetupError(f"--scd-artifacts {settings.scd_artifacts}: {e}") from e
         self.patch_layers = frozenset(self.manifest.patch_layers)
-        self.fanout = settings.scd_fanout
-        self.closed: dict[int, tuple[str, float]] = {}  # room -> (why, forget after)
-        self._jobs: dict[int, tuple[int, str]] = {}  # write job id -> (room, decode_id)
-        self._job_ids = itertools.count()
-        self.encoded = {"rooms": 0, "tokens": 0, "bytes": 0}  # prefills whose codes were encoded (once each)
-        self.rooms_closed: Counter = Counter()  # why rooms closed ("served", "fan-out timed out", ...)
-        super().__init__(scheduler, settings, host)
+        super().start(ctx)
         self.zh_pool = {layer: torch.zeros(self.pool.size + 1, self.manifest.r_h, dtype=self.manifest.code_dtype,
                                            device=self.pool.device) for layer in self.patch_layers}
         logger.info("SCD producer: artifacts %s (id %s), %d B/token of codes vs %d B/token of KV, fan-out %d",
@@ -237,10 +242,14 @@ class ScdPrefillRole(PrefillRole):
         if off is None:
             self._close(room, f"send buffer full ({nbytes} B of codes do not fit --kv-transfer-buffer-mb)")
             return
-        pack_codes(layout, codes, self.buffer[off:off + nbytes])
-        if self.buffer.device.type == "cpu" and positions.device.type == "cuda":
+        payload = self.buffer[off:off + nbytes]
+        pack_codes(layout, codes, payload)
+        sums = None
+        if self.buffer.on_device:
+            sums = wsum64(payload)  # tolist() also waits for the pack
+        elif positions.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the codes must be in host memory before a write
-        room.segments.append(_Segment(a, b, off, nbytes))
+        room.segments.append(_Segment(a, b, off, nbytes, sums))
         room.encoded, room.progress = b, time.monotonic()
 
     # ------------------------------------------------------------------ claims and transfers
@@ -306,7 +315,8 @@ class ScdPrefillRole(PrefillRole):
                 # NOTE: every consumer's write reads the same send-buffer bytes (never rewritten
                 # while the room is open); only the KVSegment (ring offset, seq) is per consumer
                 self.sender.submit(WriteJob(room.room, job, self.buffer[seg.offset:seg.offset + seg.nbytes],
-                                            c.claim.session, c.claim.region_addr + dst, c.claim.reply_to, segment))
+                                            c.claim.session, c.claim.region_addr + dst, c.claim.reply_to, segment,
+                                            seg.checksums, self.buffer.checksum_kind))
                 c.sent += 1
                 c.inflight += 1
                 room.inflight += 1

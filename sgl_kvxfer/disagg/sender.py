@@ -2,7 +2,9 @@
 
 The scheduler thread packs segments into the registered send buffer and queues jobs; this
 thread runs them in order (so a room's KVDone follows its last segment) and reports each write's
-outcome back. It owns its own ZMQ push sockets (a socket belongs to one thread).
+outcome back, waking the scheduler's loop through its WakeChannel. It owns its own ZMQ push
+sockets (a socket belongs to one thread). Host buffers are checksummed here (xxh3, off the
+scheduler thread); GPU buffers arrive with their checksums (computed on the device).
 
     scheduler thread --WriteJob / NoticeJob--> [queue] --> sender thread --write--> decode memory
                     <----------- SendResult ----------                  --KVSegment / KVDone / KVFailed--> decode
@@ -19,7 +21,8 @@ import msgspec
 import torch
 
 from sgl_kvxfer.disagg.base import TransferEngine, TransferError
-from sgl_kvxfer.disagg.common import BLOCK_BYTES, Fault, block_checksums
+from sgl_kvxfer.disagg.buffers import BLOCK_BYTES, block_checksums
+from sgl_kvxfer.disagg.common import Fault
 from sgl_kvxfer.message.disagg import KVDone, KVSegment
 from sgl_kvxfer.message.queue import PushQueue
 
@@ -34,7 +37,9 @@ class WriteJob:
     peer: str  # the decode's transfer session
     dst_addr: int
     reply_to: str
-    segment: KVSegment  # checksums filled in here
+    segment: KVSegment  # checksums filled in here unless `checksums` is given
+    checksums: list[int] | None = None  # computed already (GPU buffers: wsum64 on the device)
+    checksum_kind: str = "xxh3"
 
 
 @dataclass
@@ -51,12 +56,16 @@ class SendResult:
     error: str | None
     nbytes: int = 0
     write_seconds: float = 0.0  # the engine write alone (the link's busy time), not checksumming
+    write_start: float = 0.0  # time.time() of the write's start and end (the phase trace)
+    write_end: float = 0.0
 
 
 class SenderThread:
-    def __init__(self, engine: TransferEngine, faults: list[Fault] | None = None):
+    def __init__(self, engine: TransferEngine, faults: list[Fault] | None = None, wake=None, device=None):
         self.engine = engine
         self.faults = faults or []
+        self.wake = wake  # WakeChannel: notified after each result (its push end is this thread's)
+        self.device = device  # CUDA device of GPU buffers (a thread's current device is its own)
         self.jobs: queue.Queue = queue.Queue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled: set[int] = set()  # rooms whose writes must not start any more (the
@@ -82,28 +91,37 @@ class SenderThread:
             sock = self._peers[endpoint] = PushQueue(endpoint)
         sock.put(msg)
 
+    def _report(self, result: SendResult) -> None:
+        self.results.put(result)
+        if self.wake is not None:
+            self.wake.notify()
+
     def _run(self) -> None:
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
         while True:
             job = self.jobs.get()
             if job is None:
                 return
             if isinstance(job, NoticeJob) and isinstance(job.msg, (KVDone,)) and job.room in self.cancelled:
-                self.results.put(SendResult(job.room, -1, "room cancelled"))
+                self._report(SendResult(job.room, -1, "room cancelled"))
                 continue
             try:
                 if isinstance(job, WriteJob):
-                    self.results.put(self._write(job))
+                    self._report(self._write(job))
                 else:
                     self._push(job.reply_to, job.msg)
-                    self.results.put(SendResult(job.room, -1, None))
+                    self._report(SendResult(job.room, -1, None))
             except Exception as e:  # never let one room's failure stop the thread
                 logger.warning("KV transfer of room %s failed: %s: %s", job.room, type(e).__name__, e)
-                self.results.put(SendResult(job.room, getattr(job, "seq", -1), f"{type(e).__name__}: {e}"))
+                self._report(SendResult(job.room, getattr(job, "seq", -1), f"{type(e).__name__}: {e}"))
 
     def _write(self, job: WriteJob) -> SendResult:
         payload = job.payload
         nbytes = payload.numel()
-        job.segment.checksums = block_checksums(memoryview(payload.numpy()), BLOCK_BYTES)
+        if job.checksums is None:
+            job.checksums, job.checksum_kind = block_checksums(payload, "xxh3", BLOCK_BYTES), "xxh3"
+        job.segment.checksums, job.segment.checksum_kind = job.checksums, job.checksum_kind
         job.segment.block_bytes = BLOCK_BYTES
         sent = nbytes
         fault = Fault.for_room(self.faults, job.room)
@@ -113,9 +131,11 @@ class SenderThread:
             return SendResult(job.room, job.seq, "room cancelled before its write")
         elif fault.kind == "corrupt" and nbytes:
             payload[nbytes // 2] ^= 0xFF  # after checksumming: the wire carries a flipped byte
+            if payload.is_cuda:
+                torch.cuda.current_stream().synchronize()
         elif fault.kind == "truncate":
             sent = nbytes // 2
-        write_start = time.perf_counter()
+        wall_start, write_start = time.time(), time.perf_counter()
         try:
             if sent:
                 self.engine.write(job.peer, payload.data_ptr(), job.dst_addr, sent)
@@ -123,10 +143,12 @@ class SenderThread:
             return SendResult(job.room, job.seq, str(e))
         write_seconds = time.perf_counter() - write_start
         self._push(job.reply_to, job.segment)
-        return SendResult(job.room, job.seq, None, sent, write_seconds)
+        return SendResult(job.room, job.seq, None, sent, write_seconds, wall_start, wall_start + write_seconds)
 
     def close(self) -> None:
         self.jobs.put(None)
         self._thread.join(timeout=5)
         for sock in self._peers.values():
             sock.close()
+        if self.wake is not None:
+            self.wake.close()

@@ -17,6 +17,7 @@ class ShapedTransferEngine(TransferEngine):
     def __init__(self, inner: TransferEngine, rate_gbps: float, latency_ms: float = 0.0):
         self.inner = inner
         self.name = f"{inner.name}+shaped"
+        self.gpu_memory = inner.gpu_memory
         self._free_at = 0.0  # monotonic time the link is free again
         self._lock = threading.Lock()
         self.set_link(rate_gbps, latency_ms)
@@ -42,6 +43,9 @@ class ShapedTransferEngine(TransferEngine):
         delay = done_at - time.monotonic()
         if delay > 0:
             time.sleep(delay)
+
+    def describe(self) -> dict:
+        return {**self.inner.describe(), "paced_gbps": self.rate_bps / 1e9, "paced_latency_ms": 1e3 * self.latency_s}
 
     def close(self) -> None:
         self.inner.close()

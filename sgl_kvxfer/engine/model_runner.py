@@ -51,6 +51,10 @@ def load_weights(config: EngineConfig, max_running_requests: int | None = None,
     from sgl_kvxfer.models.loader import load_model, resolve_dtype, resolve_model_path
 
     device = config.resolved_device
+    if device.startswith("cuda"):  # --base-gpu-id: this thread's "cuda" is that GPU from here on
+        if config.base_gpu_id >= torch.cuda.device_count():
+            raise ValueError(f"--base-gpu-id {config.base_gpu_id}: this host has {torch.cuda.device_count()} GPU(s)")
+        torch.cuda.set_device(config.base_gpu_id)
     torch.manual_seed(config.random_seed)
     model_dir = resolve_model_path(config.model_path)
     with open(os.path.join(model_dir, "config.json")) as f:

@@ -146,8 +146,12 @@ def _pack_stored_tiers(pool, groups, lay: SegmentLayout, out: torch.Tensor) -> N
     """Every token travels at the tier the (tiered) pool holds it at, as stored: one gather per
     stream (fp16 rows; int tokens at (page, offset) of head-major pages) into a device stage,
     then one copy out (a torch path)."""
-    on_gpu = groups[0][1].device.type == "cuda"
-    stage = torch.empty(lay.total_bytes, dtype=torch.uint8, device=groups[0][1].device) if on_gpu else out
+    device = groups[0][1].device
+    # a GPU pool stages on the device, then one copy out; into a GPU `out` directly
+    on_gpu = device.type == "cuda" and out.device != device
+    stage = torch.empty(lay.total_bytes, dtype=torch.uint8, device=device) if on_gpu else out
+    # (page, offset) of each int tier's tokens, looked up once, not per layer
+    where = {t: pool.page_offset(t, slots) for t, slots in groups if t != TIER_FP16 and slots.numel()}
     pos = 0
     for layer in range(pool.num_layers):
         if not pool.stores_layer(layer):
@@ -156,7 +160,7 @@ def _pack_stored_tiers(pool, groups, lay: SegmentLayout, out: torch.Tensor) -> N
             if slots.numel() == 0:
                 continue
             parts = ((pool.k16[layer][slots], pool.v16[layer][slots]) if tier == TIER_FP16
-                     else pool.stored_codes(layer, tier, slots))
+                     else pool.stores[tier][layer].codes(*where[tier]))  # = pool.stored_codes(layer, tier, slots)
             for x in parts:
                 stream = _head_major(x)
                 stage[pos:pos + stream.numel()].copy_(stream)
@@ -187,6 +191,10 @@ def unpack_segment(pool: KVPool, payload: torch.Tensor, lens, slots_by_tier: tup
     H, D, g, dtype = pool.num_kv_heads, pool.head_dim, group_size(pool), pool.dtype
     gs = D // g
     tiered = getattr(pool, "layout", "") == "tiered"
+    # int tokens the caller allocated in their own store take the codes as they are: decided
+    # once per tier, not per layer (each check reads device ids back to the host)
+    direct = {t: pool.page_offset(t, slots_by_tier[t]) for t in (TIER_INT8, TIER_INT4)
+              if tiered and lay.lens[t] and bool((pool.tier_of(slots_by_tier[t]) == t).all())}
     pos = 0
     for layer in range(pool.num_layers):
         if not pool.stores_layer(layer):
@@ -203,8 +211,8 @@ def unpack_segment(pool: KVPool, payload: torch.Tensor, lens, slots_by_tier: tup
             width = D if tier == TIER_INT8 else D // 2
             parts, pos = _read_streams(payload, pos, n, H, [(width, torch.uint8)] * 2 + [(gs, torch.float16)] * 4)
             kq, vq, ks, kz, vs, vz = (x.to(pool.device) for x in parts)
-            if tiered and bool((pool.tier_of(slots) == tier).all()):
-                pool.put_codes(layer, tier, slots, (kq, vq, ks, kz, vs, vz))
+            if tier in direct:  # = pool.put_codes(layer, tier, slots, ...)
+                pool.stores[tier][layer].put_codes(*direct[tier], (kq, vq, ks, kz, vs, vz))
             else:
                 k = tc.dequantize(kq, ks, kz, _BITS[tier], g, dtype)
                 v = tc.dequantize(vq, vs, vz, _BITS[tier], g, dtype)

@@ -68,11 +68,13 @@ class KVCancel(msgspec.Struct, tag=True):
 # ---------------------------------------------------------------- to the decode KV manager
 class KVSegment(msgspec.Struct, tag=True):
     """Prompt positions [start, end) landed at `offset` of the room's ring, `nbytes` long, as
-    consecutive blocks of `block_bytes` (the last may be short), each with its xxh3-64 checksum.
+    consecutive blocks of `block_bytes` (the last may be short), each with its checksum of
+    `checksum_kind` (disagg/buffers.py: "xxh3", or "wsum64" for bytes in GPU memory).
 
     `tiers`: one tier id (spectrum/tiers.py) per position, None when all are at the model dtype.
     `lens`: tokens per tier (fp16, int8, int4) in the packed payload; dropped positions hold no
-    bytes. `replaces`: the positions were sent before (streamed at int8) and take these tiers now.
+    bytes. `replaces`: the positions were sent before (streamed ahead of their final tiers) and
+    take these tiers now; TIER_KEEP (255) keeps what the decode holds.
     `codes`: the payload is SCD codes of the positions (mem_cache/scd_payload.py; tiers None,
     lens unused), from which an SCD consumer rebuilds their KV."""
     room: int
@@ -87,6 +89,7 @@ class KVSegment(msgspec.Struct, tag=True):
     checksums: list[int]
     replaces: bool = False
     codes: bool = False
+    checksum_kind: str = "xxh3"
 
 
 class KVDone(msgspec.Struct, tag=True):
@@ -101,6 +104,7 @@ class KVDone(msgspec.Struct, tag=True):
     output_token_ids_logprobs: list | None = None
     wire_seconds: float = 0.0  # summed engine write times of the room's segments
     tail_seconds: float = 0.0  # prompt done -> last segment written (transfer not hidden by compute)
+    trace: list | None = None  # --enable-pd-trace: the prefill's spans [name, start, end] (disagg/trace.py)
 
 
 class KVFailed(msgspec.Struct, tag=True):

@@ -79,8 +79,38 @@ class PullQueue:
         self._sock.close(linger=0)
 
 
-def wait_readable(queues: list[PullQueue], timeout: float) -> None:
-    """Block until any of the queues has a message, or `timeout` seconds pass."""
+class WakeChannel:
+    """Wakes a `wait_readable` from another thread (PD: the sender thread's results have no
+    socket of their own). `notify` is called from one thread only, `drain` from the waiting one
+    (each end of the inproc pair belongs to one thread)."""
+
+    def __init__(self):
+        self._ctx = zmq.Context.instance()
+        addr = f"inproc://wake-{id(self):x}"
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.bind(addr)
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(addr)
+
+    def notify(self) -> None:
+        self._push.send(b"", flags=zmq.NOBLOCK, copy=False)
+
+    def drain(self) -> None:
+        while True:
+            try:
+                self._sock.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+
+    def close(self) -> None:
+        self._push.close(linger=0)
+        self._sock.close(linger=0)
+
+
+def wait_readable(queues: list, timeout: float) -> None:
+    """Block until any of the queues (PullQueue / WakeChannel) has a message, or `timeout`
+    seconds pass."""
     poller = zmq.Poller()
     for q in queues:
         poller.register(q._sock, zmq.POLLIN)

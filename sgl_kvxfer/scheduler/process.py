@@ -40,8 +40,8 @@ def build_scheduler(server_args: ServerArgs):
 
     cfg = server_args.scheduler
     runner, tokenizer, tokenizer_path = create_runner(cfg)
-    scheduler = Scheduler(cfg, runner, tokenizer)
-    scheduler.disagg = create_disagg_role(scheduler, DisaggSettings.from_config(cfg), server_args.host)
+    role = create_disagg_role(DisaggSettings.from_config(cfg), server_args.host)
+    scheduler = Scheduler(cfg, runner, tokenizer, role=role)
     info = {
         "max_total_num_tokens": runner.max_total_tokens, "max_req_input_len": runner.context_len - 1,
         "context_len": runner.context_len, "vocab_size": runner.arch.vocab_size,
@@ -55,13 +55,21 @@ def build_scheduler(server_args: ServerArgs):
 
 
 def event_loop(scheduler, inbox: PullQueue, outbox: PushQueue) -> None:
-    """Receive, schedule + forward, send results. When a step ran nothing, sleep on the sockets:
-    up to 1 s idle, a few ms while PD transfers are in flight (their progress also arrives from
-    the sender thread, which has no socket to wake us). No message and no request stops the
-    loop: `step` contains a batch's failure (Scheduler._recover), a message that raises is
-    logged, and an output that cannot be sent ends its request with a 500."""
-    kv_inbox = getattr(scheduler.disagg, "inbox", None)
-    sockets = [inbox] + ([kv_inbox] if kv_inbox is not None else [])
+    """Receive, poll the PD role, schedule + forward, send results. What the role produced
+    (a PD request's first token) goes out before the step's forward. When nothing ran, sleep on
+    the sockets (the role's include the wake channel its sender thread signals): up to 1 s idle,
+    5 ms while the role has work (its bootstrap lookups run in threads that signal nothing).
+    No message and no request stops the loop: `step` and `poll_role` contain a failure
+    (Scheduler._recover), a message that raises is logged, and an output that cannot be sent
+    ends its request with a 500."""
+    sockets = [inbox] + scheduler.role.wake_sockets()
+
+    def flush() -> bool:
+        outputs = scheduler.take_outputs()
+        if outputs:
+            send_outputs(outbox, outputs)
+        return bool(outputs)
+
     while True:
         msgs = inbox.get_all_nowait()
         for msg in msgs:
@@ -72,11 +80,11 @@ def event_loop(scheduler, inbox: PullQueue, outbox: PushQueue) -> None:
                 continue
             if reply is not None:
                 outbox.put(reply)
+        scheduler.poll_role()
+        sent = flush()
         ran = scheduler.step()
-        outputs = scheduler.take_outputs()
-        if outputs:
-            send_outputs(outbox, outputs)
-        if not ran and not msgs and not outputs:
+        sent = flush() or sent
+        if not ran and not msgs and not sent:
             wait_readable(sockets, 0.005 if scheduler.has_work() else 1.0)
 
 

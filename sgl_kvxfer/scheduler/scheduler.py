@@ -3,8 +3,8 @@
 The same class runs inside the server's scheduler process (via `event_loop`) and inside the
 offline Engine (which calls `handle` and `step` directly). Policy decisions live in
 `policy.py`; KV ownership in `kv_lifecycle.py`; logits handling in `results.py`. A PD role
-(`disagg/prefill.py`, `disagg/decode.py`; server mode only) is attached as `self.disagg` and
-hooked at request arrival, chunk and prompt completion, abort, and the start of each step.
+(`disagg/role.py`: the hooks it calls, in one place) is given to the constructor; without one,
+`PDRole`'s hooks do nothing.
 
 Failure isolation: a request that cannot be admitted ends alone with a 400 (or 500); a batch
 whose forward or sampling raises ends its own requests with a 500 and frees their KV
@@ -17,6 +17,7 @@ import logging
 import time
 
 from sgl_kvxfer.config import SchedulerConfig
+from sgl_kvxfer.disagg.role import PDRole, RoleContext
 from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.message import (HEALTH_CHECK_RID_PREFIX, AbortReq, FlushCacheReq, FlushCacheResult,
                                 GetInternalStateReq, InternalState, ReqOutput, SetKVLinkReq, SetKVLinkResult,
@@ -39,7 +40,7 @@ MAX_FAILED_STEPS = 3  # _recover: then every request ends, so a persistent fault
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, runner, tokenizer=None):
+    def __init__(self, config: SchedulerConfig, runner, tokenizer=None, role: PDRole | None = None):
         self.config = config
         self.runner = runner
         self.max_running = runner.max_running_requests
@@ -58,7 +59,8 @@ class Scheduler:
         self._tput_window = (time.monotonic(), 0)
         self.tiering = None
         self.overlap = False  # decided below, once tiering is known
-        self.disagg = None  # PD role (disagg/__init__.py: create_disagg_role), set by the server
+        self.role = PDRole()  # replaced below once the pool and tiering exist
+        self._role_prefill = False
         self._joined = False  # requests joined `running` from outside a batch (PD decode)
         self.inflight: InflightBatch | None = None  # decode step launched, not applied
         self._current = None  # (batch, out_cache_loc) between allocation and apply: _recover
@@ -69,6 +71,10 @@ class Scheduler:
         # Overlapped decode (scheduler/overlap.py): CUDA only (a CPU forward is synchronous).
         self.overlap = (not config.disable_overlap_schedule and self.tiering is None
                         and str(runner.device).startswith("cuda"))
+        if role is not None:
+            role.start(RoleContext(runner, self.kv, self.tiering, retire=self._retire, requeue=self.enqueue_validated,
+                                   admit=self.admit_prefilled, has_seat=self.has_running_seat))
+            self.role, self._role_prefill = role, role.intercepts_prefill
 
     # ------------------------------------------------------------------ messages
     def handle(self, msg):
@@ -84,9 +90,7 @@ class Scheduler:
         if isinstance(msg, GetInternalStateReq):
             return self.internal_state()
         if isinstance(msg, SetKVLinkReq):
-            if self.disagg is None or not hasattr(self.disagg, "set_link"):
-                return SetKVLinkResult(False, "not a prefill server (--disaggregation-mode prefill)")
-            return SetKVLinkResult(*self.disagg.set_link(msg.rate_gbps, msg.latency_ms))
+            return SetKVLinkResult(*self.role.set_link(msg.rate_gbps, msg.latency_ms, msg.stream))
         raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
@@ -104,7 +108,7 @@ class Scheduler:
             if error:
                 req.finish({"type": "abort", "message": error, "status_code": 400, "err_type": "BadRequestError"})
                 self.outbox.append(make_output(req))
-            elif self.disagg is None or not self.disagg.on_new_request(req):
+            elif not self.role.on_new_request(req):
                 self.enqueue_validated(req)
         except Exception as e:  # noqa: BLE001 (what the checks let through must not stop the loop)
             logger.exception("request %s could not be admitted", msg.rid)
@@ -130,8 +134,7 @@ class Scheduler:
 
     def abort(self, rid: str, abort_all: bool = False) -> None:
         self._apply_prefill()  # its requests join `running`, where the loop below finds them
-        if self.disagg is not None:  # requests waiting on a KV transfer
-            self.disagg.abort(rid, abort_all)
+        self.role.abort(rid, abort_all)  # requests waiting on a KV transfer
         reason = {"type": "abort", "message": "Abort requested", "status_code": None, "err_type": None}
         for req in [r for r in self.waiting if abort_all or r.rid == rid]:
             self.waiting.remove(req)
@@ -158,6 +161,7 @@ class Scheduler:
         cached = tree.evictable_size() + tree.protected_size() if tree else 0
         used = self.runner.max_total_tokens - self.kv.allocator.available_size()
         hit = self.stats["cached_tokens"] / max(self.stats["prompt_tokens"], 1)
+        role_info = self.role.server_info()
         return InternalState(
             max_total_num_tokens=self.runner.max_total_tokens, max_req_input_len=self.runner.context_len - 1,
             num_running_reqs=len(self.running) + len(self._pending_reqs()) + (self.chunked is not None),
@@ -165,12 +169,12 @@ class Scheduler:
             kv_used_tokens=used, kv_cached_tokens=cached, kv_bytes_per_token=self.runner.kv_pool.bytes_per_token(),
             last_gen_throughput=self.stats["gen_throughput"], cache_hit_rate=hit,
             extra={**(self.tiering.server_info() if self.tiering is not None else {}), **self.runner.server_info_extra(),
-                   **({"kv_transfer": self.disagg.server_info()} if self.disagg is not None else {})})
+                   **({"kv_transfer": role_info} if role_info is not None else {})})
 
     # ------------------------------------------------------------------ one iteration
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked or self.inflight or self.pending_prefill
-                    or (self.disagg is not None and self.disagg.has_work()))
+                    or self.role.has_work())
 
     def step(self) -> bool:
         """Schedule, run and apply one batch. Returns False when there was nothing to run."""
@@ -184,8 +188,7 @@ class Scheduler:
         return ran
 
     def _step(self) -> bool:
-        if self.disagg is not None:
-            self.disagg.poll()
+        self.role.poll()
         if self.inflight is not None:
             return self._step_overlapped()
         batch = self._prefill_batch()
@@ -199,8 +202,8 @@ class Scheduler:
         fb = prepare_batch(batch, loc, self.runner.req_to_token.table, self.runner.device)
         if self.tiering is not None:
             self.tiering.before_forward(batch, fb)
-        if self.disagg is not None and batch.mode == ForwardMode.EXTEND:
-            self.disagg.before_forward(batch, fb)  # SCD producer: capture hidden states
+        if batch.mode == ForwardMode.EXTEND:
+            self.role.before_forward(batch, fb)
         logits = self.runner.forward(fb)
         if self.overlap and batch.mode == ForwardMode.DECODE and all(overlap_ok(s.req, 0) for s in batch.slices):
             self.inflight = InflightBatch.launch(batch, logits, loc)  # applied next step
@@ -254,8 +257,7 @@ class Scheduler:
         if self._failed_steps >= MAX_FAILED_STEPS:  # failing outside any batch, again and again
             logger.error("%d steps in a row failed outside a batch; ending every request", self._failed_steps)
             victims = [*self.running, *([self.chunked] if self.chunked else []), *self.waiting]
-            if self.disagg is not None:
-                self.disagg.abort("", True)
+            self.role.abort("", True)
             self._failed_steps = 0
         for req in victims:  # not already retired
             self._drop(req, reason)
@@ -438,6 +440,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ bookkeeping
     def _after_batch(self, batch: ScheduleBatch) -> None:
+        self.role.after_forward(batch)
         if self.tiering is not None:  # re-tier finished prefills, demote old decode tokens
             self.tiering.after_forward(batch, self.chunked)
         interval = self.config.stream_interval
@@ -446,13 +449,13 @@ class Scheduler:
             self._count_generated(len(batch.slices))
         for s in batch.slices:  # hot: every request of every decode step
             req = s.req
-            if extend and self.disagg is not None:  # PD prefill: the KV leaves, the request waits
+            if extend and self._role_prefill:  # PD prefill: the KV leaves, the request waits
                 if s.sample:
                     self.kv.cache(req, finished=False)
-                    if self.disagg.on_prompt_done(req):
+                    if self.role.on_prompt_done(req):
                         continue
                 elif req.finished_reason is None:
-                    self.disagg.on_chunk(req, s.start, s.start + s.length)
+                    self.role.on_chunk(req, s.start, s.start + s.length)
             if req.finished_reason is not None:
                 if req in self.running:
                     self.running.remove(req)
@@ -475,10 +478,15 @@ class Scheduler:
             self.kv.cache(req, finished=True)
         self.outbox.append(make_output(req))
 
-    # ------------------------------------------------------------------ PD roles (disagg/)
-    def retire_parked(self, req: Req) -> None:
-        """End a request a PD role holds outside the batch lists (its KV goes to the cache)."""
-        self._retire(req)
+    # ------------------------------------------------------------------ PD roles (disagg/role.py)
+    def poll_role(self) -> None:
+        """The PD role's transfers and admissions without a forward: the server's loop sends
+        what they produced (a PD request's first token) before the next step runs. A poll
+        that raises is contained as a failed step is (`_recover`)."""
+        try:
+            self.role.poll()
+        except Exception as e:  # noqa: BLE001
+            self._recover(e)
 
     def has_running_seat(self) -> bool:
         return len(self.running) + len(self._pending_reqs()) < self.max_running

@@ -95,6 +95,8 @@ class EngineTiering:
         self.allocation = None  # layer_budget.LayerAllocation of the formats in use (profile mode)
         self.int4 = None  # probe.Int4Resolution once resolved
         self._acc: WeakKeyDictionary = WeakKeyDictionary()  # req -> ImportanceAccumulator
+        # PD chunk streams: req -> the accumulator of its current chunk's window (None between chunks)
+        self._chunk_acc: WeakKeyDictionary = WeakKeyDictionary()
         self._tiered_len: WeakKeyDictionary = WeakKeyDictionary()  # req -> row prefix at final tiers
         # req -> {int tier: the last id its decode demotion got}: the next run continues that page
         # (decode tokens are private to the request until it finishes, so it holds the whole page)
@@ -165,19 +167,24 @@ class EngineTiering:
             return
         if self.config.kv_importance != "attn":
             return
-        observed = {}
+        observed, dev, window = {}, fb.input_ids.device, self.config.kv_importance_window
         for i, s in enumerate(batch.slices):
-            n = s.req.seq_len
+            n, end = s.req.seq_len, s.start + s.length
             acc = self._acc.get(s.req)
             if acc is None or acc.num_tokens != n:
-                acc = self._acc[s.req] = ImportanceAccumulator(n, self.config.kv_importance_window, fb.input_ids.device)
-            if s.start + s.length > acc.window_start:  # this chunk holds window queries
-                observed[i] = (acc, torch.arange(s.start, s.start + s.length, device=fb.input_ids.device))
+                acc = self._acc[s.req] = ImportanceAccumulator(n, window, dev)
+            accs = [acc] if end > acc.window_start else []  # this chunk holds window queries
+            if s.req in self._chunk_acc and end < n:  # a streamed chunk: its own window ranks it
+                self._chunk_acc[s.req] = ImportanceAccumulator(end, window, dev, fused_heads=True)
+                accs.append(self._chunk_acc[s.req])
+            if accs:
+                observed[i] = (accs, torch.arange(s.start, end, device=dev))
         if observed:
             def observe(layer_id, i, q, keys):
                 if i in observed:
-                    acc, pos = observed[i]
-                    acc.add_layer(q, keys, q_positions=pos)
+                    accs, pos = observed[i]
+                    for acc in accs:
+                        acc.add_layer(q, keys, q_positions=pos)
             observe.requests = frozenset(observed)  # backends that compute keys only for these
             fb.extras["attn_observer"] = observe
 
@@ -203,6 +210,26 @@ class EngineTiering:
         """The request's KV is about to be cached or freed: the cold tier gives its row back."""
         if self.cold is not None:
             self.cold.release_request(req)
+
+    def rank_chunks(self, req) -> None:
+        """PD chunk streams: from now on each chunk of req is also ranked on its own (its last W
+        queries over keys [0, chunk end)), so chunk_tiers can tier it before the prompt ends."""
+        self._chunk_acc[req] = None
+
+    def chunk_tiers(self, req, start: int, end: int) -> torch.Tensor:
+        """Tiers at budget b for positions [start, end) of req (its chunk just ended), from the
+        chunk's window attention (KV norms where none was observed). The pool is unchanged: the
+        prompt's final tiers still come from the whole prompt at its end."""
+        acc, self._chunk_acc[req] = self._chunk_acc.get(req), None
+        if self.config.kv_importance == "attn" and acc is not None and acc.has_data and acc.num_tokens == end:
+            importance = token_importance(acc.scores().cpu(), self.config.kv_recency_lambda)[start:]
+        else:
+            slots = self.table.read(req.req_pool_idx, end, start=start).cpu()
+            importance = token_importance(self._norm_importance(slots), self.config.kv_recency_lambda)
+        st = self.settings
+        sinks = max(0, self.policy.sink_count(self.config.kv_sink_tokens) - start)
+        return assign_tiers(self.policy, importance, st.budget, self.layout, st.unit, sinks, st.int4_allowed,
+                            self.config.random_seed)
 
     def mark_tiered(self, req, n: int) -> None:
         """Positions [0, n) of req are final (PD decode: the prompt came tiered from the

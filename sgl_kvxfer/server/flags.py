@@ -30,7 +30,7 @@ UNSUPPORTED_FLAGS = (
     "--max-loras-per-batch", "--lora-backend", "--max-lora-rank", "--enable-dp-attention", "--expert-parallel-size",
     "--dist-init-addr", "--incremental-streaming-output", "--decode-attention-backend", "--prefill-attention-backend",
     "--radix-cache-backend", "--max-queued-requests", "--enable-hierarchical-cache", "--hicache-ratio",
-    "--disaggregation-ib-device", "--disaggregation-decode-allocation-policy", "--enable-pd-role-switch",
+    "--disaggregation-decode-allocation-policy", "--enable-pd-role-switch",
     "--load-balance-method",
     "--enable-torch-compile", "--tool-call-parser", "--reasoning-parser", "--chat-template", "--is-embedding",
     "--grammar-backend", "--enable-mixed-chunk", "--enable-two-batch-overlap", "--json-model-override-args",

@@ -146,17 +146,22 @@ async def flush_cache(request: Request, timeout: float = 0.0):
 
 @router.post("/kv_transfer_link")
 async def kv_transfer_link(request: Request):
-    """Re-pace a prefill server's shaped KV link: {"rate_gbps": float, "latency_ms": float}.
-    Ours, not SGLang's: benchmarks sweep link rates on one server pair (benchmarks/pd/)."""
+    """Re-pace a prefill server's shaped KV link: {"rate_gbps": float (0: unpaced), "latency_ms":
+    float, "stream": str (optional: --kv-transfer-stream for rooms opened from now on)}.
+    Ours, not SGLang's: benchmarks sweep link rates and streams on one server pair (benchmarks/pd/)."""
     body, err = await read_json_body(request)
     if err is not None:
         return err
     try:
         rate = read_float(body["rate_gbps"], "rate_gbps")
         latency = read_float(body.get("latency_ms", 0.0), "latency_ms")
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, str):
+            raise TypeError("stream")
     except (TypeError, KeyError, AttributeError, RequestError):
-        return openai_error("body must be {\"rate_gbps\": float, \"latency_ms\": float} (finite)", 400)
-    result = await _tm(request).set_kv_link(rate, latency)
+        return openai_error("body must be {\"rate_gbps\": float, \"latency_ms\": float (finite), "
+                            "\"stream\": str}", 400)
+    result = await _tm(request).set_kv_link(rate, latency, stream)
     return PlainTextResponse(result.message, status_code=200 if result.success else 400)
 
 

@@ -76,9 +76,12 @@ class ImportanceAccumulator:
     thread-safe (one accumulator per request, fed by the forward thread).
     """
 
-    def __init__(self, num_tokens: int, window: int | None = DEFAULT_WINDOW, device=None):
+    def __init__(self, num_tokens: int, window: int | None = DEFAULT_WINDOW, device=None, fused_heads: bool = False):
         if num_tokens < 1 or (window is not None and window < 1):
             raise ValueError(f"need num_tokens >= 1 and window >= 1 or None, got {num_tokens}, {window}")
+        # fused_heads: every head in one product per layer (Hkv times fewer kernel launches); the
+        # same sums in another order, so a ranking may differ at near-ties
+        self.fused_heads = fused_heads
         self.num_tokens = num_tokens
         self.window = window
         self.window_start = 0 if window is None else max(0, num_tokens - window)
@@ -114,6 +117,14 @@ class ImportanceAccumulator:
         visible = key_pos[None, :] <= pos[:, None]                      # [W', T]
         if sliding_window is not None:
             visible &= key_pos[None, :] > pos[:, None] - sliding_window
+        if self.fused_heads:  # [W', Hkv, G, D] x [T, Hkv, D] -> [W', Hkv, G, T]
+            logits = torch.einsum("whgd,thd->whgt", q.view(q.shape[0], hkv, hq // hkv, d), k.float()) * scale
+            if logit_softcap is not None:
+                logits = logit_softcap * torch.tanh(logits / logit_softcap)
+            logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
+            self._mass[:t] += torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2)).to(self._mass.device)
+            self.num_rows += int(keep.sum()) * hq
+            return
         group = hq // hkv
         kf = k.float()
         for h in range(hkv):

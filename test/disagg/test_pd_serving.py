@@ -301,6 +301,20 @@ def test_tiered_pd_matches_the_tiered_single_server():
                 assert 0.2 < ratio <= (0.5 if stream == "end" else 1.0), (stream, ratio)
         info = server_info(d)["internal_states"][0]
         assert info["kv_bytes_per_token"] < 0.6 * full  # the decode pool holds them tiered
+        # the chunk streams (switched on the running prefill): each 32-token chunk leaves at tiers
+        # of its own within the budget; the upgrade pass may add the tokens whose tier rose
+        ratios = {}
+        for room, stream in ((7100, "chunk"), (7101, "chunk-upgrade")):
+            r = requests.post(p_int8.url + "/kv_transfer_link", json={"rate_gbps": 0, "stream": stream}, timeout=30)
+            assert r.status_code == 200, r.text
+            assert requests.post(p_int8.url + "/flush_cache", timeout=30).status_code == 200  # every chunk computed
+            _, reply = pd_direct(int8_pair, greedy(PROMPTS[0], max_new=16), room)
+            out = reply.json()
+            kv = out["meta_info"]["kv_transfer"]
+            assert reply.status_code == 200 and kv["status"] == "ok" and len(out["output_ids"]) == 16, (stream, kv)
+            ratios[stream] = kv["bytes_per_token"] / full
+        assert 0.2 < ratios["chunk"] <= 0.5 and ratios["chunk"] <= ratios["chunk-upgrade"] <= 1.0, ratios
+        assert requests.post(p_int8.url + "/kv_transfer_link", json={"rate_gbps": 5}).status_code == 400  # not shaped
     finally:
         stop_all(router, p_end, p_int8, d, s)
 

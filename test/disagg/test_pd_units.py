@@ -9,7 +9,8 @@ import requests
 import torch
 
 from sgl_kvxfer.disagg.base import TransferEngine
-from sgl_kvxfer.disagg.common import Fault, block_checksums, first_bad_block
+from sgl_kvxfer.disagg.buffers import block_checksums, first_bad_block
+from sgl_kvxfer.disagg.common import Fault
 from sgl_kvxfer.disagg.shaped import ShapedTransferEngine
 from sgl_kvxfer.disagg.staging import ALIGN, RingWriter, StagingAllocator
 from sgl_kvxfer.message import decode, encode
@@ -64,14 +65,33 @@ def test_router_bootstrap_fields_scalar_room_expands_per_item():
     assert [i.bootstrap.room for i in req.items] == [7, 8, 9, 10]
 
 
-def test_block_checksums_find_corrupt_and_short_payloads():
-    data = torch.arange(10_000, dtype=torch.int32).view(torch.uint8)
-    sums = block_checksums(memoryview(data.numpy()), 4096)
-    assert len(sums) == 10 and first_bad_block(memoryview(data.numpy()), sums, 4096) is None
-    bad = data.clone()
-    bad[9000] ^= 1
-    assert first_bad_block(memoryview(bad.numpy()), sums, 4096) == 2
-    assert first_bad_block(memoryview(data[:20000].numpy()), sums, 4096) is not None  # truncated
+@pytest.mark.parametrize("kind", ["xxh3", "wsum64"])
+def test_block_checksums_find_corrupt_and_short_payloads(kind):
+    block = 4 << 20
+    data = torch.randint(0, 256, (2 * block + 1000,), dtype=torch.uint8)
+    sums = block_checksums(data, kind, block)
+    assert len(sums) == 3 and first_bad_block(data, sums, kind, block) is None
+    for pos in (0, block + 8, 2 * block + 999):  # a flipped byte in each block, the last one short
+        bad = data.clone()
+        bad[pos] ^= 1
+        assert first_bad_block(bad, sums, kind, block) == pos // block
+    assert first_bad_block(data[:block + 100], sums, kind, block) is not None  # truncated
+    swapped = data.clone()  # two 8-byte words exchanged
+    swapped[8:16], swapped[64:72] = data[64:72].clone(), data[8:16].clone()
+    assert (data[8:16] != data[64:72]).any() and first_bad_block(swapped, sums, kind, block) == 0
+
+
+def test_wsum64_is_the_documented_sum():
+    """wsum64 = sum_i w_i * m_i mod 2^64 per block, computed here with Python integers."""
+    from sgl_kvxfer.disagg.buffers import BLOCK_BYTES, wsum64
+
+    data = torch.randint(0, 256, (4099,), dtype=torch.uint8)
+    raw = data.numpy().tobytes() + bytes(5)  # the short last word, zero-padded
+    want = 0
+    for i in range(len(raw) // 8):
+        m = (i * 0x9E3779B97F4A7C15) % 2**64 | 1
+        want = (want + int.from_bytes(raw[8 * i:8 * i + 8], "little") * m) % 2**64
+    assert wsum64(data, BLOCK_BYTES) == [want]
 
 
 def test_fault_specs_target_rooms():
@@ -221,3 +241,52 @@ def test_peer_monitor_sees_a_peer_die_and_come_back():
     finally:
         listener.close()
         mon.close()
+
+
+def test_a_role_fails_the_rooms_of_a_peer_its_monitor_sees_die():
+    """The base class's peer hooks (disagg/role.py): check_peers probes what watched_peers
+    names and hands a dead peer to on_peer_dead once, counted in the role's stats."""
+    import socket
+    import time
+
+    from sgl_kvxfer.disagg.common import TransferStats
+    from sgl_kvxfer.disagg.peers import PeerMonitor
+    from sgl_kvxfer.disagg.role import PDRole
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    peer = listener.getsockname()
+
+    class Watcher(PDRole):
+        peer_kind = "decode"
+
+        def __init__(self):
+            self.stats, self.monitor, self.dead = TransferStats(), PeerMonitor(0.05, 1.0, 2), []
+
+        def watched_peers(self):
+            return {peer: "tcp://%s:%d" % peer}
+
+        def on_peer_dead(self, p, reason):
+            self.dead.append((p, reason))
+
+    role = Watcher()
+    try:
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            role.check_peers(time.monotonic())
+            time.sleep(0.02)
+        assert role.dead == [] and role.stats.peer_failures == 0
+        listener.close()
+        deadline = time.monotonic() + 10.0
+        while not role.dead and time.monotonic() < deadline:
+            role.check_peers(time.monotonic())
+            time.sleep(0.02)
+        for _ in range(10):  # dead already: not reported again
+            role.check_peers(time.monotonic())
+        assert [p for p, _ in role.dead] == [peer] and role.stats.peer_failures == 1
+        assert role.dead[0][1].startswith("decode unreachable: tcp://127.0.0.1:")
+    finally:
+        listener.close()
+        role.close()
+    assert PDRole().watched_peers() == {} and PDRole().check_peers(0.0) is None  # no monitor: nothing

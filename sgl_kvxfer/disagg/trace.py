@@ -1,0 +1,77 @@
+"""The per-request PD phase trace (`--enable-pd-trace`): where a request's time to first token goes.
+
+Each server records spans (name, start, end) in wall-clock seconds (`time.time()`, so the
+prefill's spans and the decode's share one clock when both run on one host; across hosts they
+are as close as the hosts' clocks). The prefill sends its spans with KVDone; the decode renders
+both sides into its reply's `meta_info.kv_transfer.trace`:
+
+    prefill  queue          arrival -> its first chunk is launched
+             prefill[a:b]   one chunk's forward, positions [a, b) (synchronized: a GPU chunk
+                            ends when its kernels do)
+             chunk_tier[a:b]  tiers chosen for a streamed chunk (`--kv-transfer-stream chunk`)
+             tier           the last chunk's end -> the prompt is tiered and cached
+             pack[s]        segment s: gather-pack + checksum (+ the copy out)
+             wire[s]        segment s: the engine's write
+             notice         KVDone on its way
+    decode   bootstrap      arrival -> the claim is sent (bootstrap lookup, staging, request row)
+             unpack[s]      segment s: checksum verified, slots allocated, unpack launched
+             unpack_wait    GPU staging: the last unpack's kernels finishing (its acks wait on them)
+             admit          KVDone handled -> the first token is queued to the client
+             first_step     the request's first decode step (after the first token: not in TTFT)
+
+`critical_ms` runs from the earlier arrival to the first token queued; `unaccounted_ms` is the
+part of it no span covers (message hops, loop wake-ups, ...), and `gaps` lists each uncovered
+stretch over 1 ms with the spans around it.
+"""
+from __future__ import annotations
+
+import time
+
+
+class PhaseTrace:
+    """Spans of one request on one server; cheap enough to keep for every traced request."""
+
+    def __init__(self):
+        self.spans: list[list] = []  # [name, start, end] in time.time() seconds
+
+    def add(self, name: str, start: float, end: float | None = None) -> None:
+        self.spans.append([name, start, time.time() if end is None else end])
+
+    def start_of(self, name: str) -> float | None:
+        return next((s for n, s, _ in self.spans if n == name), None)
+
+
+def _gaps(spans: list[list], t0: float, t1: float, min_gap: float = 1e-3) -> tuple[float, list]:
+    """Uncovered time of [t0, t1] by the union of spans, and the stretches over min_gap."""
+    covered_to, last, total, gaps = t0, "arrival", 0.0, []
+    for name, s, e in sorted(spans, key=lambda x: x[1]):
+        s, e = max(s, t0), min(e, t1)
+        if e <= covered_to:
+            continue
+        if s > covered_to:
+            total += s - covered_to
+            if s - covered_to > min_gap:
+                gaps.append([last, name, round(1e3 * (s - covered_to), 3)])
+        covered_to, last = max(covered_to, e), name
+    if t1 > covered_to:
+        total += t1 - covered_to
+        if t1 - covered_to > min_gap:
+            gaps.append([last, "first token", round(1e3 * (t1 - covered_to), 3)])
+    return total, gaps
+
+
+def render(prefill: list[list], decode: list[list], arrivals: list[float], first_token: float) -> dict:
+    """The reply's trace: every span as [side.name, start_ms, dur_ms] from the earlier arrival,
+    summed time per phase kind, the critical path and its uncovered stretches."""
+    t0 = min(arrivals)
+    spans = [["p." + n, s, e] for n, s, e in prefill] + [["d." + n, s, e] for n, s, e in decode]
+    spans.sort(key=lambda x: x[1])
+    by_kind: dict[str, float] = {}
+    for name, s, e in spans:
+        kind = name.split("[")[0]
+        by_kind[kind] = by_kind.get(kind, 0.0) + 1e3 * (e - s)
+    unaccounted, gaps = _gaps(spans, t0, first_token)
+    return {"phases": [[n, round(1e3 * (s - t0), 3), round(1e3 * (e - s), 3)] for n, s, e in spans],
+            "by_phase_ms": {k: round(v, 3) for k, v in by_kind.items()},
+            "critical_ms": round(1e3 * (first_token - t0), 3), "unaccounted_ms": round(1e3 * unaccounted, 3),
+            "gaps": gaps}

@@ -1,0 +1,319 @@
+"""PD roles without servers: the hooks the Scheduler calls (disagg/role.py) on a tiny CPU engine,
+per-chunk tiers for the chunk streams, the upgrade pass, the phase trace, the link route's
+validation, Mooncake's settings (HCA filter, environment) and the loop's wake channel."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from sgl_kvxfer.config import EngineConfig, SchedulerConfig, ServerArgs
+from sgl_kvxfer.disagg.role import PDRole
+from sgl_kvxfer.message import TokenizedGenerateReq
+from sgl_kvxfer.sampling.params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from sgl_kvxfer.models.presets import write_dummy_tokenizer, write_preset_config
+
+    d = str(tmp_path_factory.mktemp("tiny"))
+    write_dummy_tokenizer(write_preset_config("tiny", d), 512)
+    return d
+
+
+def make_scheduler(tiny_dir, role, **engine):
+    from sgl_kvxfer.scheduler.scheduler import Scheduler
+    from sgl_kvxfer.scheduler.startup import create_runner
+
+    cfg = SchedulerConfig(engine=EngineConfig(model_path=tiny_dir, load_format="dummy", device="cpu",
+                                              max_total_tokens=2048, **engine), chunked_prefill_size=16,
+                          max_running_requests=4)
+    runner, _, _ = create_runner(cfg)
+    return Scheduler(cfg, runner, None, role=role)
+
+
+def submit(sched, rid, n, max_new=3, **extra):
+    sched.handle(TokenizedGenerateReq(rid=rid, input_ids=[(7 * i) % 400 + 50 for i in range(n)],
+                                      sampling=SamplingParams.from_dict({"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}),
+                                      **extra))
+
+
+def run(sched, steps=200):
+    outs = []
+    for _ in range(steps):
+        sched.step()
+        outs += sched.take_outputs()
+        if not sched.has_work():
+            break
+    return outs
+
+
+class Recorder(PDRole):
+    intercepts_prefill = True
+
+    def __init__(self):
+        self.calls = []
+
+    def start(self, ctx):
+        super().start(ctx)
+        self.calls.append(("start",))
+
+    def before_forward(self, batch, fb):
+        self.calls.append(("before_forward", batch.mode.name))
+
+    def after_forward(self, batch):
+        self.calls.append(("after_forward", batch.mode.name))
+
+    def on_chunk(self, req, start, end):
+        self.calls.append(("chunk", start, end))
+
+    def on_prompt_done(self, req):
+        self.calls.append(("prompt_done", req.rid))
+        return False
+
+
+def test_the_scheduler_calls_the_role_hooks_it_was_given(tiny_dir):
+    role = Recorder()
+    sched = make_scheduler(tiny_dir, role)
+    assert sched.role is role and role.calls == [("start",)] and role.ctx.pool is sched.runner.kv_pool
+    submit(sched, "r", 40)
+    outs = run(sched)
+    assert outs[-1].finish_reason is not None
+    hooks = [c for c in role.calls if c[0] in ("chunk", "prompt_done")]
+    assert hooks == [("chunk", 0, 16), ("chunk", 16, 32), ("prompt_done", "r")]
+    extend = [c for c in role.calls if c == ("before_forward", "EXTEND")]
+    assert len(extend) == 3 and role.calls.count(("after_forward", "EXTEND")) == 3
+    assert role.calls.count(("after_forward", "DECODE")) == 2  # 3 tokens: the first from the prefill
+
+
+class Holder(PDRole):
+    """Takes every request, then hands it back to the scheduler's queue (a decode role's fallback)."""
+
+    def __init__(self):
+        self.held = []
+
+    def on_new_request(self, req):
+        self.held.append(req)
+        return True
+
+    def poll(self):
+        while self.held:
+            self.ctx.requeue(self.held.pop())
+
+    def has_work(self):
+        return bool(self.held)
+
+
+def test_a_role_hands_requests_back_through_its_context(tiny_dir):
+    sched = make_scheduler(tiny_dir, Holder())
+    submit(sched, "x", 20)
+    assert not sched.waiting and sched.role.held  # the role took it
+    outs = run(sched)
+    assert outs[-1].rid == "x" and len(outs[-1].new_output_ids) + sum(len(o.new_output_ids) for o in outs[:-1]) == 3
+
+
+class ChunkTiers(PDRole):
+    intercepts_prefill = True
+
+    def __init__(self):
+        self.tiers = {}
+
+    def on_new_request(self, req):
+        self.ctx.tiering.rank_chunks(req)
+        return False
+
+    def on_chunk(self, req, start, end):
+        self.tiers[(start, end)] = self.ctx.tiering.chunk_tiers(req, start, end)
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.3])
+def test_chunk_tiers_meet_the_budget_chunk_by_chunk(tiny_dir, budget):
+    from sgl_kvxfer.spectrum.budget import assignment_bytes, fp16_bytes
+
+    role = ChunkTiers()
+    sched = make_scheduler(tiny_dir, role, kv_tier_budget=budget, kv_int4="on")
+    submit(sched, "c", 60)
+    run(sched)
+    assert sorted(role.tiers) == [(0, 16), (16, 32), (32, 48)]  # the last chunk is tiered with the prompt
+    layout = sched.tiering.layout
+    for (a, b), tiers in role.tiers.items():
+        assert tiers.numel() == b - a
+        assert assignment_bytes(tiers, layout) <= budget * fp16_bytes(b - a, layout) + 1e-6
+    assert role.tiers[(0, 16)][0] == 0  # a sink, pinned at fp16 in the first chunk
+
+
+class _Pool:
+    layout = "tiered"
+
+    def __init__(self, tiers):
+        self.tiers = torch.tensor(tiers, dtype=torch.int8)
+
+    def tier_of(self, slots):
+        return self.tiers[slots]
+
+
+def test_upgrade_resends_only_the_tokens_whose_tier_rose():
+    from sgl_kvxfer.disagg.prefill import TIER_KEEP, PrefillRole, PrefillRoom
+
+    role = object.__new__(PrefillRole)
+    role.pool = _Pool([0, 1, 2, 1, 3, 2])  # final tiers of slots 0..5 (slot i holds position i)
+    room = PrefillRoom(1, stream="chunk-upgrade")
+    room.sent_tiers = torch.tensor([1, 1, 1, 2, 2, 3], dtype=torch.int16)  # what each position streamed at
+    room.streamed = 6
+    role._finalize_chunks(room, 6)
+    assert [(r.start, r.end, r.kind) for r in room.pending] == [(0, 6, "upgrade")]
+    tiers = role._segment_tiers(room, room.pending[0], torch.arange(6))
+    assert tiers.tolist() == [0, TIER_KEEP, TIER_KEEP, 1, TIER_KEEP, 2]  # rose: fp16, int8, int4 (from a drop)
+
+
+def test_chunks_not_packed_at_prompt_end_go_at_the_final_tiers():
+    from sgl_kvxfer.disagg.prefill import PrefillRole, PrefillRoom, _Range
+
+    role = object.__new__(PrefillRole)
+    room = PrefillRoom(1, stream="chunk")
+    room.pending.extend([_Range(16, 32, "chunk", torch.zeros(16)), _Range(32, 48, "chunk", torch.zeros(16))])
+    room.streamed = 48
+    role._finalize_chunks(room, 60)
+    assert not room.pending and room.streamed == 16  # on_prompt_done then sends [16, 60) stored
+    r = _Range(0, 10, "chunk", torch.arange(10))
+    a, b = r.split()
+    assert (a.start, a.end, b.start, b.end) == (0, 5, 5, 10) and b.tiers.tolist() == [5, 6, 7, 8, 9]
+
+
+def test_the_link_route_rejects_bad_values():
+    from sgl_kvxfer.disagg.base import TransferEngine
+    from sgl_kvxfer.disagg.prefill import PrefillRole
+    from sgl_kvxfer.disagg.shaped import ShapedTransferEngine
+
+    class Engine(TransferEngine):
+        def session_id(self):
+            return "x:1"
+
+        def register(self, addr, nbytes):
+            pass
+
+        def write(self, peer, src, dst, n):
+            pass
+
+    role = object.__new__(PrefillRole)
+    role.fake, role.stream, role.engine = False, "end", ShapedTransferEngine(Engine(), 10.0)
+    for rate, lat, stream in ((float("nan"), 0, None), (-1, 0, None), (1, float("inf"), None), (1e9, 0, None),
+                              (1, 0, "fast")):
+        ok, msg = role.set_link(rate, lat, stream)
+        assert not ok and msg, (rate, lat, stream)
+    assert role.set_link(0, 0, "chunk")[0] and role.stream == "chunk" and role.engine.rate_bps == float("inf")
+    role.engine = Engine()  # not shaped: a stream switch only
+    assert not role.set_link(5, 0)[0] and role.set_link(0, 0, "end")[0] and role.stream == "end"
+
+
+def test_trace_render_finds_the_uncovered_stretches():
+    from sgl_kvxfer.disagg.trace import render
+
+    prefill = [["queue", 0.000, 0.010], ["prefill[0:16]", 0.010, 0.050], ["wire[0]", 0.060, 0.070]]
+    decode = [["bootstrap", 0.001, 0.005], ["unpack[0]", 0.075, 0.080], ["admit", 0.100, 0.101]]
+    t = render(prefill, decode, [0.0, 0.001], 0.101)
+    assert t["critical_ms"] == pytest.approx(101.0)
+    assert t["unaccounted_ms"] == pytest.approx(10 + 5 + 20)  # 50-60, 70-75, 80-100
+    assert [g[:2] for g in t["gaps"]] == [["p.prefill[0:16]", "p.wire[0]"], ["p.wire[0]", "d.unpack[0]"],
+                                          ["d.unpack[0]", "d.admit"]]
+    assert t["by_phase_ms"]["p.prefill"] == pytest.approx(40.0)
+    assert [p[0] for p in t["phases"]][:2] == ["p.queue", "d.bootstrap"]
+
+
+def test_ib_device_forms_of_sglang(tmp_path):
+    from sgl_kvxfer.disagg.mooncake import ib_devices_for_gpu
+
+    assert ib_devices_for_gpu(None, 0) == "" and ib_devices_for_gpu("mlx5_0,mlx5_1", 3) == "mlx5_0,mlx5_1"
+    assert ib_devices_for_gpu('{"0": "mlx5_0", "1": "mlx5_1"}', 1) == "mlx5_1"
+    f = tmp_path / "map.json"
+    f.write_text('{"0": "mlx5_2"}')
+    assert ib_devices_for_gpu(str(f), 0) == "mlx5_2"
+    for bad, gpu in (('{"0": "mlx5_0"}', 1), ("{oops", 0), ('{"a": "mlx5_0"}', 0), ('{"0": 5}', 0),
+                     (str(tmp_path / "none.json"), 0)):
+        with pytest.raises(ValueError):
+            ib_devices_for_gpu(bad, gpu)
+
+
+def test_mooncake_env_false_means_off(monkeypatch):
+    import os
+
+    from sgl_kvxfer.disagg.mooncake import _prepare_environment
+
+    for value in ("false", "0", "", "Off"):
+        monkeypatch.setenv("MC_INTRANODE_NVLINK", value)
+        _prepare_environment()
+        assert "MC_INTRANODE_NVLINK" not in os.environ  # Mooncake would enable it on presence
+    monkeypatch.setenv("MC_INTRANODE_NVLINK", "true")
+    _prepare_environment()
+    assert os.environ["MC_INTRANODE_NVLINK"] == "true"
+
+
+def test_the_wake_channel_ends_a_wait_from_another_thread():
+    from sgl_kvxfer.message.queue import WakeChannel, wait_readable
+
+    wake = WakeChannel()
+    try:
+        threading.Timer(0.05, wake.notify).start()
+        start = time.monotonic()
+        wait_readable([wake], 5.0)
+        assert time.monotonic() - start < 2.0
+        wake.drain()
+        start = time.monotonic()
+        wait_readable([wake], 0.05)  # drained: nothing pending
+        assert time.monotonic() - start >= 0.04
+    finally:
+        wake.close()
+
+
+def test_pd_flags_are_validated():
+    ok = ServerArgs.from_flat(base_gpu_id=1, disaggregation_ib_device='{"1": "mlx5_1"}',
+                              kv_transfer_stream="chunk-upgrade", enable_pd_trace=True)
+    assert ok.engine.base_gpu_id == 1 and ok.scheduler.enable_pd_trace
+    for bad in (dict(base_gpu_id=-1), dict(disaggregation_ib_device='{"0": "mlx5_0"}', base_gpu_id=1),
+                dict(kv_transfer_rate_gbps=float("nan")), dict(kv_transfer_latency_ms=float("inf")),
+                dict(kv_transfer_stream="fast"), dict(disaggregation_transfer_backend="nixl")):
+        with pytest.raises(ValueError):
+            ServerArgs.from_flat(**bad)
+    assert ServerArgs.from_flat(disaggregation_transfer_backend="mooncake_tcp").scheduler.disaggregation_transfer_backend \
+        == "mooncake_tcp"
+
+
+def test_fused_head_importance_equals_the_per_head_loop():
+    """Chunk ranking's accumulator (one product per layer) computes the per-head loop's scores."""
+    from sgl_kvxfer.spectrum.importance import ImportanceAccumulator
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(40, 8, 16, generator=gen), torch.randn(100, 2, 16, generator=gen)
+    loop, fused = ImportanceAccumulator(100, 32), ImportanceAccumulator(100, 32, fused_heads=True)
+    for acc in (loop, fused):
+        acc.add_layer(q, k, q_positions=torch.arange(60, 100))
+        acc.add_layer(q, k, q_positions=torch.arange(60, 100), logit_softcap=5.0)
+    assert fused.num_rows == loop.num_rows and torch.allclose(fused.scores(), loop.scores(), atol=1e-6)
+
+
+def test_a_gpu_transfer_asked_of_the_host_memory_build_names_the_cuda_build(monkeypatch):
+    """SGL_KVXFER_KV_BUFFER=device with an engine that registers host memory only, or
+    MC_INTRANODE_NVLINK with Mooncake's non-CUDA build: an error with the CUDA build's install line
+    (checked before any GPU memory is touched, so it runs on CPU)."""
+    from sgl_kvxfer.disagg import mooncake
+    from sgl_kvxfer.disagg.buffers import TransferBuffer
+
+    monkeypatch.setenv("SGL_KVXFER_KV_BUFFER", "device")
+    with pytest.raises(ValueError, match=r"SGL_KVXFER_KV_BUFFER=device.*\.\[pd-cuda13\]"):
+        TransferBuffer(1 << 20, "cuda", gpu_capable_engine=False)
+    assert not TransferBuffer(1 << 10, "cpu", gpu_capable_engine=False).on_device  # a CPU server: host memory
+    if mooncake.installed_build() != mooncake.NON_CUDA_DIST:
+        pytest.skip("the NVLink check needs Mooncake's host-memory build installed")
+    pytest.importorskip("mooncake.engine")
+    monkeypatch.setenv("MC_INTRANODE_NVLINK", "true")
+    with pytest.raises(RuntimeError, match=r"MC_INTRANODE_NVLINK is set.*mooncake-transfer-engine-non-cuda.*pd-cuda13"):
+        mooncake.MooncakeTransferEngine("127.0.0.1")
+    monkeypatch.setenv("MC_INTRANODE_NVLINK", "false")  # off: the host-memory build starts as usual
+    engine = mooncake.MooncakeTransferEngine("127.0.0.1")
+    try:
+        assert not engine.gpu_memory and engine.describe()["build"] == mooncake.NON_CUDA_DIST
+    finally:
+        engine.close()
