@@ -54,7 +54,7 @@ setup(
             "datasets", "sentencepiece", "compressed-tensors", "apache-tvm-ffi",
             # the real PD router (sglang-compat section 4)
             "sglang-router==0.3.2",
-            # SCD specialists: LoRA training and the merge check (scripts/scd, test/scd)
+            # LoRA fine-tuning and the merge check (scripts/train, test/scd)
             "peft",
         ],
     },

@@ -1,7 +1,6 @@
-"""Shared @triton.jit helpers: fp16 directed rounding, tier quantize, page-tile and row-gather
-loads, dequantize.
-
-Every helper mirrors kernels/tier_codec.py; a change to the codec must land here too.
+"""Shared @triton.jit helpers: fp16 directed rounding and the tier quantizer (mirrors of
+kernels/tier_codec.py: a change to the codec must land here too), exact uint8 / nibble -> fp16
+code conversion (portable and PRMT / LOP3), a GPU-scope fence; host helpers.
 """
 from __future__ import annotations
 
@@ -68,39 +67,6 @@ def _quantize_values(x, zero32, safe, scale32, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _load_page_raw(
-    data_ptr, scale_ptr, zero_ptr, base, sbase, offs_t, tmask,
-    TIER: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
-):
-    """Issue the loads of one page-head tile of K or V, without using them yet (so a caller
-    can prefetch page p+1 while computing page p). Returns (data, scale, zero):
-
-        fp16: data [PAGE, D] (scale = zero = data, unused)
-        int8: data [PAGE, NG, G] uint8, scale/zero [PAGE, NG] fp16
-        int4: data [PAGE, NG, G/2] uint8 (low nibble = even channel), scale/zero [PAGE, NG]
-
-    data_ptr + base: the contiguous [PAGE, W] block; scale/zero_ptr + sbase: [PAGE, NG].
-    Rows with tmask == False read as 0."""
-    NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
-    if TIER == 0:
-        offs_d = tl.arange(0, HEAD_DIM)
-        x = tl.load(data_ptr + base + offs_t[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=tmask[:, None], other=0.0)
-        return x, x, x
-    else:
-        W: tl.constexpr = HEAD_DIM if TIER == 1 else HEAD_DIM // 2
-        GW: tl.constexpr = GROUP_SIZE if TIER == 1 else GROUP_SIZE // 2
-        offs_g = tl.arange(0, NG)
-        offs_j = tl.arange(0, GW)
-        offs3 = offs_t[:, None, None] * W + offs_g[None, :, None] * GW + offs_j[None, None, :]
-        q = tl.load(data_ptr + base + offs3, mask=tmask[:, None, None], other=0)
-        soff = sbase + offs_t[:, None] * NG + offs_g[None, :]
-        s = tl.load(scale_ptr + soff, mask=tmask[:, None], other=0.0)
-        z = tl.load(zero_ptr + soff, mask=tmask[:, None], other=0.0)
-        return q, s, z
-
-
-@triton.jit
 def _u8_to_f16(c):
     """uint8 0..255 -> exact fp16 without an int->float conversion instruction:
     fp16 bits 0x6400 | c encode 1024 + c, so subtract 1024 (exact)."""
@@ -108,77 +74,51 @@ def _u8_to_f16(c):
 
 
 @triton.jit
-def _dequant_tile(q, s, z, OUT_DTYPE: tl.constexpr, TIER: tl.constexpr, PAGE: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, FAST: tl.constexpr):
-    """(data, scale, zero) from _load_page_raw -> [PAGE, HEAD_DIM] OUT_DTYPE.
-
-    FAST=False: fp32 math exactly as tier_codec.dequantize (x = q*scale + zero, one rounding).
-    FAST=True: q -> fp16 by bit trick, x = q*scale + zero in fp16 (q*scale is exact in fp32,
-    fp16 FMA rounds once; an unfused mul+add can differ by 1 fp16 ulp): no I2F/F2F
-    conversions, which are quarter-rate and bound the fp32 path."""
-    if TIER == 0:
-        return q.to(OUT_DTYPE)
-    else:
-        if FAST:
-            s3 = s.to(tl.float16)[:, :, None]
-            z3 = z.to(tl.float16)[:, :, None]
-            if TIER == 1:
-                x = (_u8_to_f16(q) * s3 + z3).to(OUT_DTYPE)
-                return tl.reshape(x, (PAGE, HEAD_DIM))
-            else:
-                lo = (_u8_to_f16(q & 15) * s3 + z3).to(OUT_DTYPE)
-                hi = (_u8_to_f16(q >> 4) * s3 + z3).to(OUT_DTYPE)
-                return tl.reshape(tl.join(lo, hi), (PAGE, HEAD_DIM))
-        else:
-            s3 = s.to(tl.float32)[:, :, None]
-            z3 = z.to(tl.float32)[:, :, None]
-            if TIER == 1:
-                x = (q.to(tl.float32) * s3 + z3).to(OUT_DTYPE)
-                return tl.reshape(x, (PAGE, HEAD_DIM))
-            else:
-                lo = ((q & 15).to(tl.float32) * s3 + z3).to(OUT_DTYPE)
-                hi = ((q >> 4).to(tl.float32) * s3 + z3).to(OUT_DTYPE)
-                # join -> [PAGE, NG, G/2, 2]: channel g*G + 2j + i, low nibble = even channel
-                return tl.reshape(tl.join(lo, hi), (PAGE, HEAD_DIM))
+def _u8x4_to_f16_asm(x):
+    """4 packed bytes -> fp16 (1024 + byte) each: two byte permutes (PRMT) per 4 codes. Lane
+    pairs: out0 = (b0, b1), out1 = (b2, b3), each byte under a 0x64 high byte."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 c; mov.b32 c, 0x64646464;"
+        " prmt.b32 $0, $2, c, 0x5150; prmt.b32 $1, $2, c, 0x5352; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
-def _load_page_tile(
-    data_ptr, scale_ptr, zero_ptr, base, sbase, offs_t, tmask,
-    OUT_DTYPE: tl.constexpr, TIER: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, FAST: tl.constexpr,
-):
-    """One page-head tile [PAGE, HEAD_DIM] of K or V in OUT_DTYPE (load + dequantize)."""
-    q, s, z = _load_page_raw(data_ptr, scale_ptr, zero_ptr, base, sbase, offs_t, tmask,
-                             TIER, HEAD_DIM, GROUP_SIZE)
-    return _dequant_tile(q, s, z, OUT_DTYPE, TIER, PAGE, HEAD_DIM, FAST)
+def _nibbles_to_f16_asm(x):
+    """4 packed bytes -> (1024 + low nibble, 1024 + high nibble) as fp16, each of the 8 codes with
+    one LOP3 ((t & 0x000F000F) | 0x64006400) after spreading the bytes into 16-bit lanes (PRMT
+    with zeros) and, for the high nibbles, a 4-bit shift."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t0, t1, u0, u1, z; mov.b32 z, 0;"
+        " prmt.b32 t0, $4, z, 0x5150; prmt.b32 t1, $4, z, 0x5352;"
+        " shr.b32 u0, t0, 4; shr.b32 u1, t1, 4;"
+        " lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;"
+        " lop3.b32 $2, u0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $3, u1, 0x000F000F, 0x64006400, 0xEA; }",
+        "=r,=r,=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 @triton.jit
-def _load_rows_raw(
-    data_ptr, scale_ptr, zero_ptr, row_off, srow_off, tmask,
-    TIER: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
-):
-    """Token-gather twin of _load_page_raw: BLOCK_N rows that need not be adjacent.
-
-    row_off  int64 [BLOCK_N]: element offset of each token's (row, kv-head) vector in data_ptr
-    srow_off int64 [BLOCK_N]: the same for its D/G scales (and zeros)
-    Returns the (data, scale, zero) shapes of _load_page_raw with PAGE = BLOCK_N, so
-    _dequant_tile applies unchanged. Rows with tmask == False read as 0.
-    NOTE: each row is a separate short burst (int4: D/2 bytes + two D/G*2-byte scale rows),
-    so a gather moves whole sectors for a few useful bytes; see kernels/README.md section 6."""
-    NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
-    if TIER == 0:
-        offs_d = tl.arange(0, HEAD_DIM)
-        x = tl.load(data_ptr + row_off[:, None] + offs_d[None, :], mask=tmask[:, None], other=0.0)
-        return x, x, x
+def _cvt_u8(c, FAST: tl.constexpr):
+    """uint8 codes -> the same integers in fp16 (exact). FAST: PRMT (GPU only)."""
+    if FAST:
+        return _u8x4_to_f16_asm(c) - 1024.0
     else:
-        GW: tl.constexpr = GROUP_SIZE if TIER == 1 else GROUP_SIZE // 2
-        offs_g = tl.arange(0, NG)
-        offs_j = tl.arange(0, GW)
-        offs3 = row_off[:, None, None] + offs_g[None, :, None] * GW + offs_j[None, None, :]
-        q = tl.load(data_ptr + offs3, mask=tmask[:, None, None], other=0)
-        soff = srow_off[:, None] + offs_g[None, :]
-        s = tl.load(scale_ptr + soff, mask=tmask[:, None], other=0.0)
-        z = tl.load(zero_ptr + soff, mask=tmask[:, None], other=0.0)
-        return q, s, z
+        return _u8_to_f16(c)
+
+
+@triton.jit
+def _cvt_nibbles(c, FAST: tl.constexpr):
+    """uint8 bytes -> (low nibbles, high nibbles) as exact fp16 integers. FAST: PRMT/LOP3 (GPU)."""
+    if FAST:
+        lo, hi = _nibbles_to_f16_asm(c)
+        return lo - 1024.0, hi - 1024.0
+    else:
+        return _u8_to_f16(c & 15), _u8_to_f16(c >> 4)
+
+
+@triton.jit
+def _gpu_fence(x):
+    """fence.acq_rel.gpu in every thread that holds an element of x (GPU only): orders this
+    thread's earlier stores before a later release by another thread of the CTA."""
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [x.to(tl.int32)],
+                                     dtype=tl.int32, is_pure=False, pack=1)

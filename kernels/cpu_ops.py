@@ -2,7 +2,7 @@
 
 The Triton kernels only run interpreted on CPU, so a bf16 CPU engine would otherwise run the
 model's elementwise ops as 5-10 unfused torch ops each and decode attention as a gathered,
-padded copy of every request's KV. These four ops replace that:
+padded copy of every request's KV. These ops replace that:
 
     add_rmsnorm(x, weight, eps, residual=None)  -> out | (out, x + residual)
     silu_mul(x [T, 2I])                          -> [T, I]
@@ -15,22 +15,25 @@ padded copy of every request's KV. These four ops replace that:
 Each has a `*_reference` torch function below (the model's own torch path) and a test in
 test/kernels/test_cpu_ops.py. The extension is compiled with the system C++ compiler for the
 CPU's ISA level (sgl_kvxfer/utils/cpu_isa.py: -march=x86-64-v3 on AVX2, -march=native with
-512-bit vectors on AVX-512; about a minute on 2 cores) and cached by torch under
-$TORCH_EXTENSIONS_DIR. The engine builds it at start-up, before it reports ready
+512-bit vectors on AVX-512; about a minute on 2 cores) into a folder keyed by everything that
+changes the binary, this install included (`build_key()`, `build_dir()`, under
+$SGL_KVXFER_KERNEL_CACHE or ~/.cache/sgl_kvxfer/cpu_kernels), so two installs on one machine
+never rebuild each other's. The engine builds it at start-up, before it reports ready
 (`engine/model_runner.py`); `available()` is False where no compiler or ninja is found, and
-callers then keep the torch path.
+callers then keep the torch path. Importing this module builds nothing (`toolchain_found()`
+neither: test collection uses it).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
-import logging
+import json
 import os
 import platform
+import sys
 
 import torch
 import torch.nn.functional as F
-
-logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # cpu_ops.cpp: elementwise ops + the module; cpu_decode_attention.cpp: decode attention (an
@@ -40,85 +43,130 @@ _module = None
 _load_error: str | None = None
 
 
-def _build_tag() -> str:
-    """Key of the cached build: code built for one CPU model and ISA level is only valid there,
-    and torch rebuilds on changed sources but not on a changed header, so all go into the name."""
-    from sgl_kvxfer.utils import cpu_isa
+def _compiler() -> tuple[str, str]:
+    """(path, first line of `--version`) of the C++ compiler torch builds with ($CXX or c++);
+    ("", "") where there is none."""
+    return _compiler_of(os.environ.get("CXX", "c++"))
 
+
+@functools.lru_cache(maxsize=4)
+def _compiler_of(cxx: str) -> tuple[str, str]:
+    import shutil
+    import subprocess
+
+    path = shutil.which(cxx) or ""
+    if not path:
+        return "", ""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return os.path.realpath(path), (out.splitlines() or [""])[0]
+
+
+def _cpu_model() -> str:
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            name = next((line for line in f if line.startswith("model name")), name)
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
     except OSError:
         pass
-    h = hashlib.sha1(name.encode())
-    h.update(" ".join(cpu_isa.native_build_flags()).encode())
+    return name
+
+
+def _cflags() -> list[str]:
+    from sgl_kvxfer.utils import cpu_isa
+
+    return ["-O3", *cpu_isa.native_build_flags(), "-fopenmp", "-ffp-contract=off"]
+
+
+_LDFLAGS = ["-fopenmp"]
+
+
+def build_key() -> dict[str, str]:
+    """Everything that changes the binary or decides who may load it. A build is valid only for
+    all of these: the install (the interpreter prefix, torch's version and path: two virtualenvs
+    on one machine never share, so never rebuild each other's), the compiler and its version,
+    the CPU model and ISA level with the flags (-march=native code is only valid on this CPU),
+    and every file of csrc/ (a changed header changes the build too)."""
+    import sysconfig
+
+    from sgl_kvxfer.utils import cpu_isa
+
+    cxx_path, cxx_version = _compiler()
+    h = hashlib.sha256()
     for f in sorted(os.listdir(_CSRC)):
         with open(os.path.join(_CSRC, f), "rb") as fh:
-            h.update(fh.read())
-    return h.hexdigest()[:8]
+            h.update(f.encode() + b"\0" + fh.read() + b"\0")
+    return {"install": sys.prefix, "python": f"{sys.version} {sysconfig.get_config_var('EXT_SUFFIX')}",
+            "torch": f"{torch.__version__} {os.path.dirname(os.path.realpath(torch.__file__))}",
+            "compiler": f"{cxx_path} {cxx_version}", "cpu": _cpu_model(), "isa": cpu_isa.level(),
+            "cflags": " ".join(_cflags()), "ldflags": " ".join(_LDFLAGS), "sources": h.hexdigest()}
+
+
+def build_dir(key: dict[str, str] | None = None) -> str:
+    """The folder of this install's build: <cache root>/cpu_ops_<isa>_<hash of build_key()>."""
+    from sgl_kvxfer import env
+
+    key = build_key() if key is None else key
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    root = env.KERNEL_CACHE.get() or os.path.join(os.path.expanduser("~"), ".cache", "sgl_kvxfer", "cpu_kernels")
+    return os.path.join(root, f"cpu_ops_{key['isa']}_{digest}")
+
+
+def toolchain_found() -> bool:
+    """A C++ compiler and ninja are on this machine (builds nothing: safe at test collection)."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return bool(_compiler()[0]) and is_ninja_available()
+
+
+def _import(name: str, path: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def load():
-    """The compiled extension module; builds it once per machine and ISA level (about a minute
-    on 2 cores, announced with a start and a "done in N s" line; silent when cached). Raises on
-    failure."""
+    """The compiled extension module. Built once per install, CPU and ISA level into
+    `build_dir()` (about a minute on 2 cores, announced on stderr with a "building" and a
+    "done in N s" line; silent when built). Concurrent first loads build once: the others wait
+    for the live builder (utils/locked_build.py). Raises on failure."""
     global _module, _load_error
     if _module is not None:
         return _module
     if _load_error is not None:
         raise RuntimeError(_load_error)
-    import time
-
-    from torch.utils.cpp_extension import _get_build_directory
-    from torch.utils.cpp_extension import load as load_ext
-
     from sgl_kvxfer.utils import cpu_isa
+    from sgl_kvxfer.utils.locked_build import build_once
 
-    name = f"sgl_kvxfer_cpu_ops_{_build_tag()}"
-    start = time.perf_counter()
+    key = build_key()
+    final = build_dir(key)
+    name = "sgl_kvxfer_cpu_ops_" + os.path.basename(final).rsplit("_", 1)[1]
+    built = {}
+
+    def build(tmp: str) -> None:
+        from torch.utils.cpp_extension import load as load_ext
+
+        with open(os.path.join(tmp, "build_key.json"), "w") as f:
+            json.dump(key, f, indent=1)
+        built["module"] = load_ext(name=name, sources=_SOURCES, extra_include_paths=[_CSRC],
+                                   extra_cflags=_cflags(), extra_ldflags=_LDFLAGS,
+                                   build_directory=tmp, verbose=False)
+
     try:
-        build_dir = _get_build_directory(name, verbose=False)
-        _clear_stale_build_lock(build_dir)
-        cached = os.path.exists(os.path.join(build_dir, name + ".so"))
-        if not cached:
-            logger.info("building the native CPU kernels for %s (once per machine, about a minute)...",
-                        cpu_isa.level())
-        _module = load_ext(name=name, sources=_SOURCES, extra_include_paths=[_CSRC],
-                           extra_cflags=["-O3", *cpu_isa.native_build_flags(), "-fopenmp", "-ffp-contract=off"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+        if not key["compiler"].strip():
+            raise RuntimeError("no C++ compiler found ($CXX or c++)")
+        build_once(final, build, name + ".so", f"the native CPU kernels for {cpu_isa.level()}",
+                   "(once per install, about a minute)")
+        _module = built.get("module") or _import(name, os.path.join(final, name + ".so"))
     except Exception as e:  # no compiler, no ninja, ...: callers fall back to torch
         _load_error = f"native CPU kernels unavailable: {type(e).__name__}: {str(e)[-400:]}"
         raise RuntimeError(_load_error) from e
-    if not cached:
-        logger.info("native CPU kernels built: done in %.0f s", time.perf_counter() - start)
     return _module
-
-
-_STALE_LOCK_S = 600  # a build takes about a minute on 2 cores; a lock 10x older has no owner
-
-
-def _clear_stale_build_lock(build_dir: str, poll_s: float = 1.0) -> None:
-    """Hazard: torch's build lock (`<build_dir>/lock`) is a plain file that a killed build leaves
-    behind, and torch then waits on it forever. Wait here instead while the lock is younger than
-    any real build (another process is building: it removes the lock when done); once it is
-    older than that, it has no owner and is removed with a warning."""
-    import time
-
-    lock = os.path.join(build_dir, "lock")
-    while True:
-        try:
-            age = time.time() - os.path.getmtime(lock)
-        except OSError:
-            return  # no lock
-        if age > _STALE_LOCK_S:
-            logger.warning("removing a stale build lock %s (%.0f s old, left by a killed build)", lock, age)
-            try:
-                os.remove(lock)
-            except OSError:
-                pass
-            return
-        time.sleep(poll_s)
 
 
 def available() -> bool:

@@ -25,11 +25,12 @@ pages, virtual slot l = j * PAGE + s (slot s of listed page j):
     PAGE <  BLOCK_P   BLOCK_P / PAGE pages gathered per step (PAGE 1: a row gather)
     valid slot        dense: l < n_t          filled: j < num_pages and s < fills[j]
 
-so a partial page anywhere in the list costs masked slots, never a wrong token. Quantized tiers
-prefetch the next step's raw bytes into registers. With one scale group per token-head (G = D)
-the int tiers skip per-element dequantization: codes go to tl.dot as exact integers and the
-scale / zero are applied per score and per probability (`_prefix_step`, FOLD); otherwise the
-tile is dequantized in registers (_tiles._dequant_tile, fast path) as the decode kernels do.
+so a partial page anywhere in the list costs masked slots, never a wrong token. The int tiers
+are read as paged_layout.py's page-head blocks (K codes token-major, V codes dim-major, scales
+behind the codes). With one scale group per token-head (G = D) they skip per-element
+dequantization: codes go to tl.dot as exact integers (int4: low nibbles = the first half of the
+head dim, high = the second) and the scale / zero are applied per score and per probability
+(FOLD, `_attend_prefix_tier`); otherwise each element is dequantized with its group's scale.
 
 Tiled launch (`tiles=(tile_req, tile_blk)`, CUDA-graph prefill): grid = (len(tile_req), Hkv)
 and program t takes block tile_blk[t] of request tile_req[t], at the fixed config
@@ -47,8 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._tiles import _dequant_tile, _load_rows_raw, _u8_to_f16, is_interpret, next_pow2
-from .decode_attention import LOG2E, NEG_BIG, _softmax_step
+from ._split_k import LOG2E, NEG_BIG, _softmax_step
+from ._tiles import _u8_to_f16, is_interpret, next_pow2
 from .paged_layout import TieredBlockTables, TieredKVLayer, gather_request_kv
 from .tuned_launch import TunedLauncher
 
@@ -103,33 +104,18 @@ def build_tiles(extend_lens, block_tokens: int, num_tiles: int, spare_req: int):
 
 
 @triton.jit
-def _codes_tile(c, OUT_DTYPE: tl.constexpr, TIER: tl.constexpr, TILE: tl.constexpr,
-                HEAD_DIM: tl.constexpr):
-    """Raw codes [TILE, 1, W] uint8 (one scale group per row, G = D) -> [TILE, HEAD_DIM] codes as
-    exact OUT_DTYPE integers (0..255 are exact in fp16 and bf16); int4: low nibble = even channel."""
-    if TIER == 1:
-        return tl.reshape(_u8_to_f16(c), (TILE, HEAD_DIM)).to(OUT_DTYPE)
-    else:
-        x = tl.join(_u8_to_f16(c & 15), _u8_to_f16(c >> 4))  # [TILE, 1, D/2, 2]
-        return tl.reshape(x, (TILE, HEAD_DIM)).to(OUT_DTYPE)
-
-
-@triton.jit
 def _prefix_slots(bt_row_ptr, fill_row_ptr, n_tok, n_pages, l0, offs,
-                  stride_p, stride_h, stride_sp, stride_sh, kv_head,
-                  PAGE: tl.constexpr, TILE: tl.constexpr, W: tl.constexpr, NG: tl.constexpr,
-                  FILLED: tl.constexpr):
-    """Addresses of the TILE virtual slots [l0, l0 + TILE) of one tier's listed pages
-    (virtual slot l = j * PAGE + s: slot s of listed page j) -> (row_off, srow_off, tmask).
+                  PAGE: tl.constexpr, TILE: tl.constexpr, FILLED: tl.constexpr):
+    """The TILE virtual slots [l0, l0 + TILE) of one tier's listed pages (virtual slot
+    l = j * PAGE + s: slot s of listed page j) -> (page int64, slot s, tmask), each [TILE].
 
         PAGE >= TILE   one page per step (page j = l0 // PAGE, slots l0 % PAGE + [0, TILE)):
-                       scalar page id and fill, rows contiguous
+                       scalar page id and fill, slots contiguous
         PAGE <  TILE   TILE / PAGE pages per step, page id (and fill) gathered per slot;
                        PAGE = 1 is a row gather (the engine's slot-granular fp16 store)
 
     Valid slots: dense form l < n_tok; filled form j < n_pages and s < fills[j] (each listed
-    page holds a prefix of its slots). row_off / srow_off: element offsets of the slot's
-    (kv-head) data row [W] and scale row [NG]."""
+    page holds a prefix of its slots)."""
     if PAGE >= TILE:
         j = l0 // PAGE
         s = l0 % PAGE + offs
@@ -138,7 +124,7 @@ def _prefix_slots(bt_row_ptr, fill_row_ptr, n_tok, n_pages, l0, offs,
         else:
             fill = n_tok - j * PAGE
         tmask = s < fill
-        page = tl.load(bt_row_ptr + j, mask=fill > 0, other=0).to(tl.int64)
+        page = tl.load(bt_row_ptr + j, mask=fill > 0, other=0).to(tl.int64) + offs * 0
     else:
         l = l0 + offs
         j = l // PAGE
@@ -150,103 +136,108 @@ def _prefix_slots(bt_row_ptr, fill_row_ptr, n_tok, n_pages, l0, offs,
         else:
             tmask = l < n_tok
         page = tl.load(bt_row_ptr + j, mask=tmask, other=0).to(tl.int64)
-    row_off = page * stride_p + kv_head * stride_h + s * W
-    srow_off = page * stride_sp + kv_head * stride_sh + s * NG
-    return row_off, srow_off, tmask
+    return page, s, tmask
 
 
 @triton.jit
-def _prefix_step(acc, m_i, l_i, q, q_sum, kq, ks, kz, vq, vs, vz, tmask, qk_scale,
-                 TIER: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 FOLD: tl.constexpr, DOT_F32: tl.constexpr):
-    """One online-softmax step over a tile of raw K/V (from _load_rows_raw).
-
-    FOLD (int tiers, one scale/zero per row: G = D): the codes go to tl.dot as exact integers
-    and the per-token scale and zero are applied outside the inner products,
-        score = ks * (q . codes_k) + kz * sum(q)
-        o    += (p * vs) @ codes_v + sum(p * vz)       (per output row, every channel)
-    in fp32, instead of dequantizing every element (q . k is then not rounded through fp16 k).
-    Otherwise: dequantize to q's dtype (_dequant_tile, fast path) and a plain step.
-    DOT_F32: tl.dot on fp32 operands (the interpreter's bf16 dot is wrong)."""
-    if FOLD and TIER != 0:
-        if DOT_F32:
-            qd = q.to(tl.float32)
-            kc = _codes_tile(kq, tl.float32, TIER, TILE, HEAD_DIM)
-            vc = _codes_tile(vq, tl.float32, TIER, TILE, HEAD_DIM)
-        else:
-            qd = q
-            kc = _codes_tile(kq, q.dtype, TIER, TILE, HEAD_DIM)
-            vc = _codes_tile(vq, q.dtype, TIER, TILE, HEAD_DIM)
-        ks1 = tl.reshape(ks, (TILE,)).to(tl.float32)
-        kz1 = tl.reshape(kz, (TILE,)).to(tl.float32)
-        vs1 = tl.reshape(vs, (TILE,)).to(tl.float32)
-        vz1 = tl.reshape(vz, (TILE,)).to(tl.float32)
-        qk = tl.dot(qd, tl.trans(kc))
-        s = (qk * ks1[None, :] + q_sum[:, None] * kz1[None, :]) * qk_scale
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        pr = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        pv = tl.dot((pr * vs1[None, :]).to(vc.dtype), vc) + tl.sum(pr * vz1[None, :], 1)[:, None]
-        acc = acc * alpha[:, None] + pv
-        return acc, m_new, l_i
+def _full_codes(kq, TIER: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Raw codes [TILE, W] -> [TILE, HEAD_DIM] exact fp16 integers in channel order (int4: the
+    low nibbles are channels [0, D/2), the high ones [D/2, D): tier_codec's split halves)."""
+    if TIER == 1:
+        return _u8_to_f16(kq)
     else:
-        k = _dequant_tile(kq, ks, kz, q.dtype, TIER, TILE, HEAD_DIM, True)
-        v = _dequant_tile(vq, vs, vz, q.dtype, TIER, TILE, HEAD_DIM, True)
-        if DOT_F32:
-            return _softmax_step(acc, m_i, l_i, q.to(tl.float32), k.to(tl.float32), v.to(tl.float32),
-                                 tmask, qk_scale)
-        else:
-            return _softmax_step(acc, m_i, l_i, q, k, v, tmask, qk_scale)
+        lo = _u8_to_f16(kq & 15)
+        hi = _u8_to_f16(kq >> 4)
+        return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (TILE, HEAD_DIM))
+
+
+@triton.jit
+def _load_int_tile(data_ptr, half_ptr, blk, s, tmask, offs_d, TIER: tl.constexpr, V_MAJOR: tl.constexpr,
+                   PAGE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                   FOLD: tl.constexpr):
+    """K (V_MAJOR False) or V (True) of TILE slots of an int tier's page-head blocks (blk [TILE]:
+    byte offset of each slot's block; paged_layout.py) -> (values [TILE, D] fp16, scale [TILE],
+    zero [TILE]). FOLD (G = D): values are the codes (exact integers) and the scale / zero come
+    back for the caller to fold; otherwise values dequantized per element (scale, zero then
+    unused)."""
+    W: tl.constexpr = HEAD_DIM if TIER == 1 else HEAD_DIM // 2
+    NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
+    offs_c = tl.arange(0, W)
+    if V_MAJOR:  # dim-major codes [W, PAGE]
+        q = tl.load(data_ptr + blk[:, None] + offs_c[None, :] * PAGE + s[:, None], mask=tmask[:, None], other=0)
+    else:
+        q = tl.load(data_ptr + blk[:, None] + s[:, None] * W + offs_c[None, :], mask=tmask[:, None], other=0)
+    x = _full_codes(q, TIER, TILE, HEAD_DIM)
+    srow = blk // 2 + PAGE * W // 2 + s * NG  # fp16 index of the slot's first scale
+    if FOLD:
+        sc = tl.load(half_ptr + srow, mask=tmask, other=0.0).to(tl.float32)
+        zr = tl.load(half_ptr + srow + PAGE * NG, mask=tmask, other=0.0).to(tl.float32)
+        return x, sc, zr
+    else:
+        g = offs_d // GROUP_SIZE
+        sc = tl.load(half_ptr + srow[:, None] + g[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        zr = tl.load(half_ptr + srow[:, None] + PAGE * NG + g[None, :], mask=tmask[:, None], other=0.0)
+        x = (x.to(tl.float32) * sc + zr.to(tl.float32)).to(tl.float16)
+        return x, sc, sc
 
 
 @triton.jit
 def _attend_prefix_tier(
     acc, m_i, l_i, q, q_sum, bt_row_ptr, fill_row_ptr, n_tok, n_pages,
-    data_k_ptr, data_v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr,
-    stride_p, stride_h, stride_sp, stride_sh, kv_head, qk_scale,
+    data_k_ptr, data_v_ptr, half_k_ptr, half_v_ptr, stride_p, stride_h, kv_head, qk_scale,
     TIER: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP_SIZE: tl.constexpr, FILLED: tl.constexpr, FOLD: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """Online-softmax accumulate all of one tier's cached prefix of a request, TILE virtual
-    slots a step (_prefix_slots). Quantized tiers prefetch: step i+1's raw bytes are loaded
-    into registers before step i is dequantized (the table -> data load chain is dependent)."""
-    NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
-    W: tl.constexpr = HEAD_DIM // 2 if TIER == 2 else HEAD_DIM
+    slots a step (_prefix_slots). fp16: rows of the model dtype. int8 / int4: page-head blocks
+    (paged_layout.py); FOLD (G = D): the codes go to tl.dot as exact integers and the per-token
+    scale and zero are applied outside the inner products,
+        score = ks * (q . codes_k) + kz * sum(q)
+        o    += (p * vs) @ codes_v + sum(p * vz)       (per output row, every channel)
+    in fp32 (int-tier dots on fp16 operands); G < D: tiles dequantized per element.
+    DOT_F32: tl.dot on fp32 operands (the interpreter's bf16 dot is wrong)."""
     offs = tl.arange(0, TILE)
+    offs_d = tl.arange(0, HEAD_DIM)
     if FILLED:
         l_end = n_pages * PAGE
     else:
         l_end = n_tok
-    if TIER == 0:
-        offs_d = tl.arange(0, HEAD_DIM)
-        for l0 in range(0, l_end, TILE):
-            ro, so, tm = _prefix_slots(bt_row_ptr, fill_row_ptr, n_tok, n_pages, l0, offs,
-                                       stride_p, stride_h, 0, 0, kv_head, PAGE, TILE, W, NG, FILLED)
-            k = tl.load(data_k_ptr + ro[:, None] + offs_d[None, :], mask=tm[:, None], other=0.0)
-            v = tl.load(data_v_ptr + ro[:, None] + offs_d[None, :], mask=tm[:, None], other=0.0)
+    for l0 in range(0, l_end, TILE):
+        page, s, tm = _prefix_slots(bt_row_ptr, fill_row_ptr, n_tok, n_pages, l0, offs, PAGE, TILE, FILLED)
+        blk = page * stride_p + kv_head * stride_h
+        if TIER == 0:
+            rows = blk + s.to(tl.int64) * HEAD_DIM
+            k = tl.load(data_k_ptr + rows[:, None] + offs_d[None, :], mask=tm[:, None], other=0.0)
+            v = tl.load(data_v_ptr + rows[:, None] + offs_d[None, :], mask=tm[:, None], other=0.0)
             if DOT_F32:
                 acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q.to(tl.float32), k.to(tl.float32),
                                               v.to(tl.float32), tm, qk_scale)
             else:
                 acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, tm, qk_scale)
-    else:
-        ro, so, tm = _prefix_slots(bt_row_ptr, fill_row_ptr, n_tok, n_pages, 0, offs,
-                                   stride_p, stride_h, stride_sp, stride_sh, kv_head, PAGE, TILE, W, NG, FILLED)
-        kq, ks, kz = _load_rows_raw(data_k_ptr, ks_ptr, kz_ptr, ro, so, tm, TIER, HEAD_DIM, GROUP_SIZE)
-        vq, vs, vz = _load_rows_raw(data_v_ptr, vs_ptr, vz_ptr, ro, so, tm, TIER, HEAD_DIM, GROUP_SIZE)
-        for l0 in range(0, l_end, TILE):
-            ro_n, so_n, tm_n = _prefix_slots(bt_row_ptr, fill_row_ptr, n_tok, n_pages, l0 + TILE, offs,
-                                             stride_p, stride_h, stride_sp, stride_sh, kv_head,
-                                             PAGE, TILE, W, NG, FILLED)
-            kq_n, ks_n, kz_n = _load_rows_raw(data_k_ptr, ks_ptr, kz_ptr, ro_n, so_n, tm_n,
-                                              TIER, HEAD_DIM, GROUP_SIZE)
-            vq_n, vs_n, vz_n = _load_rows_raw(data_v_ptr, vs_ptr, vz_ptr, ro_n, so_n, tm_n,
-                                              TIER, HEAD_DIM, GROUP_SIZE)
-            acc, m_i, l_i = _prefix_step(acc, m_i, l_i, q, q_sum, kq, ks, kz, vq, vs, vz, tm, qk_scale,
-                                         TIER, TILE, HEAD_DIM, FOLD, DOT_F32)
-            kq, ks, kz, vq, vs, vz, tm = kq_n, ks_n, kz_n, vq_n, vs_n, vz_n, tm_n
+        else:
+            k, ks, kz = _load_int_tile(data_k_ptr, half_k_ptr, blk, s, tm, offs_d, TIER, False, PAGE, TILE,
+                                       HEAD_DIM, GROUP_SIZE, FOLD)
+            v, vs, vz = _load_int_tile(data_v_ptr, half_v_ptr, blk, s, tm, offs_d, TIER, True, PAGE, TILE,
+                                       HEAD_DIM, GROUP_SIZE, FOLD)
+            if DOT_F32:
+                qd = q.to(tl.float32)
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            else:
+                qd = q.to(tl.float16)
+            if FOLD:
+                qk = tl.dot(qd, tl.trans(k))
+                sc = (qk * ks[None, :] + q_sum[:, None] * kz[None, :]) * qk_scale
+                sc = tl.where(tm[None, :], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, 1))
+                alpha = tl.exp2(m_i - m_new)
+                pr = tl.exp2(sc - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(pr, 1)
+                pv = tl.dot((pr * vs[None, :]).to(v.dtype), v) + tl.sum(pr * vz[None, :], 1)[:, None]
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+            else:
+                acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qd, k, v, tm, qk_scale)
     return acc, m_i, l_i
 
 
@@ -256,14 +247,13 @@ def _attend_prefix_tier(
 def _extend_tiered_kernel(
     q_ptr, kn_ptr, vn_ptr, o_ptr, qo_indptr_ptr, tile_req_ptr, tile_blk_ptr,
     k16_ptr, v16_ptr,
-    k8_ptr, v8_ptr, k8s_ptr, k8z_ptr, v8s_ptr, v8z_ptr,
-    k4_ptr, v4_ptr, k4s_ptr, k4z_ptr, v4s_ptr, v4z_ptr,
+    k8_ptr, v8_ptr, h8k_ptr, h8v_ptr,
+    k4_ptr, v4_ptr, h4k_ptr, h4v_ptr,
     bt16_ptr, bt8_ptr, bt4_ptr, len16_ptr, len8_ptr, len4_ptr,
     fill16_ptr, fill8_ptr, fill4_ptr, npg16_ptr, npg8_ptr, npg4_ptr,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_on, stride_oh,
     stride_bt16, stride_bt8, stride_bt4, stride_f16, stride_f8, stride_f4,
     stride_p16, stride_h16, stride_p8, stride_h8, stride_p4, stride_h4,
-    stride_sp8, stride_sh8, stride_sp4, stride_sh4,
     qk_scale,
     KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
@@ -309,20 +299,17 @@ def _extend_tiered_kernel(
     acc, m_i, l_i = _attend_prefix_tier(
         acc, m_i, l_i, q, q_sum, bt16_ptr + b * stride_bt16, fill16_ptr + b * stride_f16,
         tl.load(len16_ptr + b), npg16,
-        k16_ptr, v16_ptr, k16_ptr, k16_ptr, k16_ptr, k16_ptr,
-        stride_p16, stride_h16, 0, 0, kv_head, qk_scale,
+        k16_ptr, v16_ptr, k16_ptr, k16_ptr, stride_p16, stride_h16, kv_head, qk_scale,
         0, PAGE16, BLOCK_P, HEAD_DIM, GROUP_SIZE, FILLED, FOLD, DOT_F32)
     acc, m_i, l_i = _attend_prefix_tier(
         acc, m_i, l_i, q, q_sum, bt8_ptr + b * stride_bt8, fill8_ptr + b * stride_f8,
         tl.load(len8_ptr + b), npg8,
-        k8_ptr, v8_ptr, k8s_ptr, k8z_ptr, v8s_ptr, v8z_ptr,
-        stride_p8, stride_h8, stride_sp8, stride_sh8, kv_head, qk_scale,
+        k8_ptr, v8_ptr, h8k_ptr, h8v_ptr, stride_p8, stride_h8, kv_head, qk_scale,
         1, PAGE8, BLOCK_P, HEAD_DIM, GROUP_SIZE, FILLED, FOLD, DOT_F32)
     acc, m_i, l_i = _attend_prefix_tier(
         acc, m_i, l_i, q, q_sum, bt4_ptr + b * stride_bt4, fill4_ptr + b * stride_f4,
         tl.load(len4_ptr + b), npg4,
-        k4_ptr, v4_ptr, k4s_ptr, k4z_ptr, v4s_ptr, v4z_ptr,
-        stride_p4, stride_h4, stride_sp4, stride_sh4, kv_head, qk_scale,
+        k4_ptr, v4_ptr, h4k_ptr, h4v_ptr, stride_p4, stride_h4, kv_head, qk_scale,
         2, PAGE4, BLOCK_P, HEAD_DIM, GROUP_SIZE, FILLED, FOLD, DOT_F32)
 
     # ---- new tokens, causal: row token i sees new tokens j <= i
@@ -411,15 +398,15 @@ def extend_attention_tiered(
     else:
         # the autotuner's key: its key arguments and every tensor argument's dtype
         tune_key = (D, pages, block_g, layer.group_size, filled, dot_f32, fold, q.dtype, k_new.dtype,
-                    out.dtype, qo_indptr.dtype, f16.k.dtype, i8.k.dtype, i8.k_scale.dtype, i8.k_zero.dtype,
-                    i4.k.dtype, i4.k_scale.dtype, i4.k_zero.dtype, bt[0].dtype, bt[1].dtype, bt[2].dtype,
+                    out.dtype, qo_indptr.dtype, f16.k.dtype, i8.k.dtype, i4.k.dtype, bt[0].dtype, bt[1].dtype,
+                    bt[2].dtype,
                     ln[0].dtype, ln[1].dtype, ln[2].dtype, fills[0].dtype, npg[0].dtype)
         launch, tile_args = functools.partial(_launch_extend, tune_key, grid), (qo_indptr, qo_indptr)
     launch(
         q, k_new, v_new, out, qo_indptr, *tile_args,
         f16.k, f16.v,
-        i8.k, i8.v, i8.k_scale, i8.k_zero, i8.v_scale, i8.v_zero,
-        i4.k, i4.v, i4.k_scale, i4.k_zero, i4.v_scale, i4.v_zero,
+        i8.k, i8.v, i8.k.view(torch.float16), i8.v.view(torch.float16),
+        i4.k, i4.v, i4.k.view(torch.float16), i4.v.view(torch.float16),
         bt[0], bt[1], bt[2], ln[0], ln[1], ln[2],
         fills[0], fills[1], fills[2], npg[0], npg[1], npg[2],
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
@@ -428,7 +415,6 @@ def extend_attention_tiered(
         fills[0].stride(0), fills[1].stride(0), fills[2].stride(0),
         f16.k.stride(0), f16.k.stride(1), i8.k.stride(0), i8.k.stride(1),
         i4.k.stride(0), i4.k.stride(1),
-        i8.k_scale.stride(0), i8.k_scale.stride(1), i4.k_scale.stride(0), i4.k_scale.stride(1),
         sm_scale * LOG2E,
         KV_GROUP=kv_group, BLOCK_G=block_g, HEAD_DIM=D, GROUP_SIZE=layer.group_size,
         PAGE16=pages[0], PAGE8=pages[1], PAGE4=pages[2], FILLED=filled, FOLD=fold, DOT_F32=dot_f32,

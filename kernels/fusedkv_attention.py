@@ -17,7 +17,7 @@ already expanded from their rotary-pair form, so a0[c] == a0[c'] for each pair).
 follow `reference.fuse_kv`: fp32 products and sum, one rounding to the model dtype, then the
 usual dot. block_table int32 [B, W]: page ids of request b's slots 0..PAGE-1, PAGE..2*PAGE-1, ...
 
-Decode, grid (B * Hkv, S): as kernels/decode_attention.py (split-K, all KV_GROUP query heads of
+Decode, grid (B * Hkv, S): as kernels/paged_fp16_pool_decode.py (split-K, all KV_GROUP query heads of
 a kv-head per program, LSE merge by its `merge_splits`; S == 1 writes o directly).
 Also the prefill-skip path: when a reconstruction layer runs only the LAST token of each
 prompt, that is one query per request over seq_lens keys already in the pool, i.e. decode.
@@ -44,11 +44,11 @@ import triton
 import triton.language as tl
 
 from ._tiles import is_interpret, next_pow2, num_sms
-from .decode_attention import (LOG2E, NEG_BIG, SPLIT_WAVES, merge_splits, _softmax_step, _split_pages,
-                               _store_split_result)
+from ._split_k import LOG2E, NEG_BIG, merge_splits, _softmax_step, _store_split_result
+from .paged_fp16_pool_decode import SPLIT_WAVES, _split_pages
 
 # Elements of one K (or V) source tile per loop step: FusedKV holds four tiles (two sources of K
-# and V) where plain attention holds two, so half of decode_attention.FP16_STEP_ELEMS.
+# and V) where plain attention holds two, so half of paged_fp16_pool_decode.FP16_STEP_ELEMS.
 FUSED_STEP_ELEMS = 4096
 LITE_STEP_ELEMS = 8192
 
@@ -273,7 +273,7 @@ def fusedkv_decode_attention(
 
     seq_lens int32 [B]: keys per request (the query's own included, stored by the source layers).
     split_plan: plan_fusedkv_splits(...) reused across layers; even_splits: each request spreads
-    its own pages over the S splits (a fixed plan for CUDA graphs, as decode_attention_tiered).
+    its own pages over the S splits (a fixed plan for CUDA graphs, as paged_fp16_pool_decode).
     No host sync: the plan comes from block_table.shape[1]."""
     k0, k1, v0, v1, w, sources = _check_sources(q, k_pages, v_pages, weights, block_table, seq_lens)
     B, Hq, D = q.shape

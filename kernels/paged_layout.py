@@ -2,11 +2,21 @@
 
 See kernels/README.md for the why. Per layer and per tier t in (fp16, int8, int4):
 
-    data  k, v        [num_pages_t, Hkv, PAGE, W_t]      W: fp16 D (model dtype) | int8 D | int4 D//2 (uint8)
-    scales k/v scale,  [num_pages_t, Hkv, PAGE, D // G]  float16 (int8 / int4 tiers only)
-           k/v zero
+    fp16   k, v  [num_pages, Hkv, PAGE, D]   model dtype, head-major pages (PAGE 1: slot rows)
+    int8 / int4  k, v  uint8 [num_pages, Hkv, BLOCK]: one page-head block per (page, kv head)
 
-    page p, kv-head h  ->  one contiguous block of PAGE * W_t elements (head-major inside a page)
+        K block   codes [PAGE, W] token-major | scale [PAGE, NG] fp16 | zero [PAGE, NG] fp16
+        V block   codes [W, PAGE] dim-major   | scale [PAGE, NG] fp16 | zero [PAGE, NG] fp16
+                  0                           PAGE*W                   PAGE*W + 2*PAGE*NG    BLOCK
+        W = D (int8) | D/2 (int4: byte j = channel j low nibble, channel j + D/2 high nibble, the
+        tier codec's split halves); NG = D / G groups (1 at G = D: one scale and one zero per
+        token-head); BLOCK = PAGE*W + 4*PAGE*NG bytes
+
+A decode step over (page, kv head) reads each block as one contiguous run, its scales right
+behind its codes. V is stored dim-major so that the P @ V operand arrives K-major, as tl.dot
+takes it, with no transpose through shared memory; K token-major serves q @ K^T the same way.
+`TierPages.streams()` gives token-major views [P, Hkv, PAGE, X] of the six streams of an int
+tier (k codes, v codes, k scale, k zero, v scale, v zero), which is what torch code indexes.
 
 Per request and tier: a block table row (page ids into that tier's pool, in fill order) and a
 token count n_t. Two forms:
@@ -16,7 +26,7 @@ token count n_t. Two forms:
                        slots 0 .. fill-1 (a prefix of the page); any listed page may be partial.
                        n_t == sum of the fills. This is what the engine's paged tiered pool gives:
                        each re-tiered run fills fresh pages in position order, so a request sees
-                       a prefix of every page it shares (mem_cache/README.md section 8).
+                       a prefix of every page it shares (mem_cache/README.md section 7).
 Tiers may have different page sizes (the engine's fp16 store is slot-granular: PAGE 1).
 Because K is stored post-RoPE, attention is a set function of the cached (k, v) pairs: the
 order of tokens inside and across tiers does not matter.
@@ -28,22 +38,33 @@ from typing import Optional
 
 import torch
 
-from .tier_codec import DEFAULT_GROUP_SIZE, TIER_FP16, TIER_INT4, TIER_INT8, TIERS
+from .tier_codec import DEFAULT_GROUP_SIZE, TIER_BITS, TIER_FP16, TIER_INT4, TIER_INT8, TIERS, dequantize, quantize
 
 DEFAULT_PAGE_SIZE = 64
 
 
+def code_width(tier: int, head_dim: int) -> int:
+    """Code bytes per token-head of an int tier (its row of K codes / column of V codes)."""
+    return head_dim if tier == TIER_INT8 else head_dim // 2
+
+
+def block_bytes(tier: int, page_size: int, head_dim: int, group_size: int) -> int:
+    """Bytes of one page-head block of an int tier (module docstring)."""
+    return page_size * code_width(tier, head_dim) + 4 * page_size * (head_dim // group_size)
+
+
 @dataclass
 class TierPages:
-    """One layer's pool of one tier. Scale/zero tensors are None for the fp16 tier."""
+    """One layer's pool of one tier. fp16: k, v [P, Hkv, PAGE, D]. int8 / int4: k, v uint8
+    [P, Hkv, BLOCK] page-head blocks (module docstring); `page`, `head_dim` and `group_size`
+    describe them (the fp16 tier's page is k.shape[2])."""
 
     tier: int
     k: torch.Tensor
     v: torch.Tensor
-    k_scale: Optional[torch.Tensor] = None
-    k_zero: Optional[torch.Tensor] = None
-    v_scale: Optional[torch.Tensor] = None
-    v_zero: Optional[torch.Tensor] = None
+    page: int = 0
+    head_dim: int = 0
+    group_size: int = 0
 
     @property
     def num_pages(self) -> int:
@@ -51,33 +72,120 @@ class TierPages:
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[2] if self.tier == TIER_FP16 else self.page
 
     @property
     def num_kv_heads(self) -> int:
         return self.k.shape[1]
 
-    def scales(self):
-        return (self.k_scale, self.k_zero, self.v_scale, self.v_zero)
+    @property
+    def width(self) -> int:
+        return code_width(self.tier, self.head_dim)
 
-    def tensors(self):
-        return (self.k, self.v) + (() if self.tier == TIER_FP16 else self.scales())
+    @property
+    def num_groups(self) -> int:
+        return self.head_dim // self.group_size
+
+    # ---- views of an int tier's blocks (they write through to k / v)
+    def _scales(self, x: torch.Tensor) -> torch.Tensor:
+        P, H, _ = x.shape
+        return x[..., self.page * self.width:].view(torch.float16).view(P, H, 2, self.page, self.num_groups)
+
+    @property
+    def k_codes(self) -> torch.Tensor:
+        """[P, Hkv, PAGE, W] uint8 (token-major)."""
+        P, H, _ = self.k.shape
+        return self.k[..., :self.page * self.width].view(P, H, self.page, self.width)
+
+    @property
+    def v_codes(self) -> torch.Tensor:
+        """[P, Hkv, W, PAGE] uint8 (dim-major, as stored)."""
+        P, H, _ = self.v.shape
+        return self.v[..., :self.page * self.width].view(P, H, self.width, self.page)
+
+    @property
+    def k_scale(self) -> torch.Tensor:
+        return self._scales(self.k)[:, :, 0]
+
+    @property
+    def k_zero(self) -> torch.Tensor:
+        return self._scales(self.k)[:, :, 1]
+
+    @property
+    def v_scale(self) -> torch.Tensor:
+        return self._scales(self.v)[:, :, 0]
+
+    @property
+    def v_zero(self) -> torch.Tensor:
+        return self._scales(self.v)[:, :, 1]
+
+    def streams(self) -> tuple:
+        """Token-major views [P, Hkv, PAGE, X]: (k, v) for fp16; (k codes, v codes, k scale,
+        k zero, v scale, v zero) for an int tier (the pack / wire order)."""
+        if self.tier == TIER_FP16:
+            return self.k, self.v
+        return (self.k_codes, self.v_codes.transpose(2, 3), self.k_scale, self.k_zero, self.v_scale, self.v_zero)
+
+    def tensors(self) -> tuple:
+        """The storage tensors (k, v): what a kernel receives."""
+        return self.k, self.v
+
+    # ---- token access: tokens at (page[i], offset[i]), index tensors of one shape [n]
+    def codes(self, page: torch.Tensor, off: torch.Tensor) -> tuple:
+        """The streams of tokens (page, off) as stored, each [n, Hkv, X] (streams() order)."""
+        return tuple(x[page, :, off] for x in self.streams())
+
+    def put_codes(self, page: torch.Tensor, off: torch.Tensor, parts) -> None:
+        """Write streams (as `codes` returns them) at tokens (page, off), as they are."""
+        for x, src in zip(self.streams(), parts):
+            x[page, :, off] = src
+
+    def write(self, page: torch.Tensor, off: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [n, Hkv, D] at tokens (page, off): fp16 as the pool dtype, int tiers through
+        tier_codec.quantize."""
+        if self.tier == TIER_FP16:
+            self.put_codes(page, off, (k.to(self.k.dtype), v.to(self.v.dtype)))
+            return
+        bits = TIER_BITS[self.tier]
+        kq, ks, kz = quantize(k, bits, self.group_size)
+        vq, vs, vz = quantize(v, bits, self.group_size)
+        self.put_codes(page, off, (kq, vq, ks, kz, vs, vz))
+
+    def read(self, page: torch.Tensor, off: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """(k, v) [n, Hkv, D] of tokens (page, off), dequantized through tier_codec, in dtype."""
+        if self.tier == TIER_FP16:
+            k, v = self.codes(page, off)
+            return k.to(dtype), v.to(dtype)
+        kq, vq, ks, kz, vs, vz = self.codes(page, off)
+        bits = TIER_BITS[self.tier]
+        return (dequantize(kq, ks, kz, bits, self.group_size, dtype),
+                dequantize(vq, vs, vz, bits, self.group_size, dtype))
 
     def check(self, head_dim: int, group_size: int) -> None:
         """Assert the layout every kernel relies on (dtype, shape, contiguity)."""
-        P, H, PAGE, W = self.k.shape
-        want_w = {TIER_FP16: head_dim, TIER_INT8: head_dim, TIER_INT4: head_dim // 2}[self.tier]
-        assert W == want_w, f"tier {self.tier}: last dim {W} != {want_w}"
         assert self.v.shape == self.k.shape and self.v.dtype == self.k.dtype
         if self.tier == TIER_FP16:
+            assert self.k.dim() == 4 and self.k.shape[3] == head_dim, self.k.shape
             assert self.k.dtype in (torch.float16, torch.bfloat16), self.k.dtype
-        else:
-            assert self.k.dtype == torch.uint8, self.k.dtype
-            for s in self.scales():
-                assert s is not None and s.dtype == torch.float16
-                assert s.shape == (P, H, PAGE, head_dim // group_size), s.shape
-                assert s.is_contiguous()
+            # rows (PAGE 1) may be a strided view of a slot store; pages must be contiguous
+            assert self.k.stride(-1) == 1 and self.v.stride() == self.k.stride()
+            assert self.page_size == 1 or self.k.is_contiguous()
+            return
+        assert self.k.dtype == torch.uint8, self.k.dtype
+        assert self.head_dim == head_dim and self.group_size == group_size, (self.head_dim, self.group_size)
+        assert self.page >= 1 and head_dim % group_size == 0
+        assert self.k.dim() == 3 and self.k.shape[2] == block_bytes(self.tier, self.page, head_dim, group_size), \
+            (self.k.shape, block_bytes(self.tier, self.page, head_dim, group_size))
         assert self.k.is_contiguous() and self.v.is_contiguous()
+
+
+def int_tier_pages(tier: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                   group_size: int, device="cpu", fill: Optional[float] = 0.0) -> TierPages:
+    """An int tier's pool of `num_pages` page-head blocks (zeros; fill=None: uninitialised)."""
+    shape = (num_pages, num_kv_heads, block_bytes(tier, page_size, head_dim, group_size))
+    new = torch.zeros if fill is not None else torch.empty
+    return TierPages(tier, new(shape, dtype=torch.uint8, device=device), new(shape, dtype=torch.uint8, device=device),
+                     page_size, head_dim, group_size)
 
 
 @dataclass
@@ -113,7 +221,9 @@ class TieredKVLayer:
 
     def check(self, uniform: bool = True) -> None:
         """uniform: every tier has the same page size (the kernels that take one PAGE)."""
-        assert self.head_dim % self.group_size == 0 and self.group_size % 2 == 0
+        D, G = self.head_dim, self.group_size
+        # int4 split halves: a scale group never straddles the two halves
+        assert D % G == 0 and G % 2 == 0 and (G == D or (D // 2) % G == 0), (D, G)
         for t in TIERS:
             assert self.pages[t].tier == t
             self.pages[t].check(self.head_dim, self.group_size)
@@ -123,7 +233,7 @@ class TieredKVLayer:
 
 def allocate_tiered_layer(
     num_pages: tuple,
-    page_size: int,
+    page_size,
     num_kv_heads: int,
     head_dim: int,
     group_size: int = DEFAULT_GROUP_SIZE,
@@ -131,32 +241,21 @@ def allocate_tiered_layer(
     device="cpu",
     fill: Optional[float] = None,
 ) -> TieredKVLayer:
-    """Allocate one layer's pools; num_pages = (n_fp16, n_int8, n_int4) pages.
-    `fill=None` leaves memory uninitialised (torch.empty)."""
+    """Allocate one layer's pools; num_pages = (n_fp16, n_int8, n_int4) pages; page_size one int
+    for every tier or (PAGE16, PAGE8, PAGE4). `fill=None` leaves memory uninitialised
+    (torch.empty); a number fills the fp16 tier with it and the int blocks with zeros."""
+    pages = (page_size,) * 3 if isinstance(page_size, int) else tuple(page_size)
     n16, n8, n4 = num_pages
-    ng = head_dim // group_size
-
-    def new(shape, dt):
-        t = torch.empty(shape, dtype=dt, device=device)
-        if fill is not None:
-            t.fill_(fill if dt.is_floating_point else 0)
-        return t
-
-    def quant_tier(tier, n, w):
-        shape, sshape = (n, num_kv_heads, page_size, w), (n, num_kv_heads, page_size, ng)
-        return TierPages(
-            tier, new(shape, torch.uint8), new(shape, torch.uint8),
-            new(sshape, torch.float16), new(sshape, torch.float16),
-            new(sshape, torch.float16), new(sshape, torch.float16),
-        )
-
-    fp = TierPages(TIER_FP16, new((n16, num_kv_heads, page_size, head_dim), dtype),
-                   new((n16, num_kv_heads, page_size, head_dim), dtype))
-    layer = TieredKVLayer(
-        (fp, quant_tier(TIER_INT8, n8, head_dim), quant_tier(TIER_INT4, n4, head_dim // 2)),
-        head_dim, group_size,
-    )
-    layer.check()
+    shape16 = (n16, num_kv_heads, pages[0], head_dim)
+    k16 = torch.empty(shape16, dtype=dtype, device=device)
+    v16 = torch.empty(shape16, dtype=dtype, device=device)
+    if fill is not None:
+        k16.fill_(fill)
+        v16.fill_(fill)
+    quant = [int_tier_pages(t, n, pages[t], num_kv_heads, head_dim, group_size, device, fill)
+             for t, n in ((TIER_INT8, n8), (TIER_INT4, n4))]
+    layer = TieredKVLayer((TierPages(TIER_FP16, k16, v16), *quant), head_dim, group_size)
+    layer.check(uniform=False)
     return layer
 
 
@@ -202,8 +301,6 @@ def gather_request_kv(layer: TieredKVLayer, tables: TieredBlockTables, b: int,
     """Torch reference: request b's cached (k, v) as dense [n, Hkv, D] tensors, tiers
     concatenated fp16 -> int8 -> int4 and dequantized through tier_codec (fp16 rounding
     of dequantized values included, then cast to out_dtype)."""
-    from .tier_codec import TIER_BITS, dequantize
-
     ks, vs = [], []
     for t in TIERS:
         PAGE = layer.page_size_of(t)
@@ -218,20 +315,10 @@ def gather_request_kv(layer: TieredKVLayer, tables: TieredBlockTables, b: int,
             fill = torch.full((npg,), PAGE, dtype=torch.long)
             fill[-1] = n - (npg - 1) * PAGE
         ids = tables.tables[t][b, :npg].long()
-        keep = (torch.arange(PAGE)[None, :] < fill.cpu()[:, None]).reshape(-1).to(ids.device)
-        tp = layer[t]
-
-        def rows(x):  # [npg, H, PAGE, W] -> [n, H, W]: each page's first `fill` slots, in order
-            return x[ids].permute(0, 2, 1, 3).reshape(npg * PAGE, x.shape[1], x.shape[3])[keep]
-
-        if t == TIER_FP16:
-            k, v = rows(tp.k), rows(tp.v)
-        else:
-            bits = TIER_BITS[t]
-            k = dequantize(rows(tp.k), rows(tp.k_scale), rows(tp.k_zero), bits,
-                           layer.group_size, layer.dtype)
-            v = dequantize(rows(tp.v), rows(tp.v_scale), rows(tp.v_zero), bits,
-                           layer.group_size, layer.dtype)
+        keep = (torch.arange(PAGE)[None, :] < fill.cpu()[:, None]).reshape(-1)
+        page = ids.cpu()[:, None].expand(npg, PAGE).reshape(-1)[keep].to(ids.device)
+        off = torch.arange(PAGE)[None, :].expand(npg, PAGE).reshape(-1)[keep].to(ids.device)
+        k, v = layer[t].read(page, off, layer.dtype)  # each page's first `fill` slots, in order
         ks.append(k.to(out_dtype))
         vs.append(v.to(out_dtype))
     if not ks:

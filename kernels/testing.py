@@ -53,10 +53,8 @@ def slots_for(tables: TieredBlockTables, page_size: int):
 
 def build_random_cache(lens, num_kv_heads: int, head_dim: int, group_size: int, page_size: int,
                        dtype=torch.float16, device="cpu", seed: int = 0):
-    """Random K/V for every cached token, quantized and stored with the torch reference store.
+    """Random K/V for every cached token, stored at its tier (TierPages.write: tier_codec).
     -> (layer, tables, (k, v) [N, Hkv, D] originals, request-major, tier order 16/8/4)."""
-    from .store import store_tiered_kv_reference  # local: store imports triton
-
     tables, pools = random_block_tables(lens, page_size, device, seed)
     layer = allocate_tiered_layer(pools, page_size, num_kv_heads, head_dim, group_size, dtype,
                                   device, fill=0.0)
@@ -65,7 +63,10 @@ def build_random_cache(lens, num_kv_heads: int, head_dim: int, group_size: int, 
     N = tiers.shape[0]
     k = torch.randn(N, num_kv_heads, head_dim, generator=g).to(dtype).to(device)
     v = torch.randn(N, num_kv_heads, head_dim, generator=g).to(dtype).to(device)
-    store_tiered_kv_reference(layer, k, v, tiers, pages, offs)
+    for t in TIERS:
+        m = tiers == t
+        if bool(m.any()):
+            layer[t].write(pages[m].long(), offs[m].long(), k[m], v[m])
     return layer, tables, (k, v)
 
 
@@ -81,7 +82,6 @@ def build_random_paged_cache(lens, num_kv_heads: int, head_dim: int, group_size:
     the middle, the last one whatever is left), sum(fills) == n_t. filled=False: the dense form
     (full pages, the last one partial). `extra_cols` unused table columns hold valid page ids.
     -> (layer, tables)."""
-    from .tier_codec import TIER_BITS, quantize
 
     g = torch.Generator().manual_seed(seed)
     B = len(lens)
@@ -117,24 +117,14 @@ def build_random_paged_cache(lens, num_kv_heads: int, head_dim: int, group_size:
     tables = (TieredBlockTables(tuple(tables), lens_t, tuple(fill_t), tuple(npg_t)) if filled
               else TieredBlockTables(tuple(tables), lens_t))
 
-    tiers = []
-    for t in TIERS:
-        sizes = tuple(pools[t] if i == t else 1 for i in TIERS)
-        one = allocate_tiered_layer(sizes, page_sizes[t], num_kv_heads, head_dim, group_size, dtype, device,
-                                    fill=0.0)
-        tp = one[t]
-        shape = (pools[t], num_kv_heads, page_sizes[t], head_dim)
-        for x in (("k", "k_scale", "k_zero"), ("v", "v_scale", "v_zero")):
-            orig = torch.randn(shape, generator=g).to(dtype)
-            if t == TIER_FP16:
-                getattr(tp, x[0]).copy_(orig.to(device))
-                continue
-            q, sc, zr = quantize(orig, TIER_BITS[t], group_size)
-            for name, val in zip(x, (q, sc, zr)):
-                getattr(tp, name).copy_(val.to(device))
-        tiers.append(tp)
-    layer = TieredKVLayer(tuple(tiers), head_dim, group_size)
-    layer.check(uniform=False)
+    layer = allocate_tiered_layer(pools, page_sizes, num_kv_heads, head_dim, group_size, dtype, device, fill=0.0)
+    for t in TIERS:  # every slot of every page holds codec-valid data
+        P = page_sizes[t]
+        page = torch.arange(pools[t]).repeat_interleave(P).to(device)
+        off = torch.arange(P).repeat(pools[t]).to(device)
+        k = torch.randn(pools[t] * P, num_kv_heads, head_dim, generator=g).to(dtype).to(device)
+        v = torch.randn(pools[t] * P, num_kv_heads, head_dim, generator=g).to(dtype).to(device)
+        layer[t].write(page, off, k, v)
     return layer, tables
 
 
@@ -150,10 +140,10 @@ def fill_random_pools(layer: TieredKVLayer, seed: int = 0) -> None:
             continue
         for x in (tp.k, tp.v):
             x.random_(0, 256, generator=g)
-        for s in (tp.k_scale, tp.v_scale):
-            s.uniform_(0.001, 0.02, generator=g)
+        for s in (tp.k_scale, tp.v_scale):  # views into the blocks: fill through a copy
+            s.copy_(torch.empty(s.shape, dtype=s.dtype, device=s.device).uniform_(0.001, 0.02, generator=g))
         for z in (tp.k_zero, tp.v_zero):
-            z.uniform_(-1.0, 0.0, generator=g)
+            z.copy_(torch.empty(z.shape, dtype=z.dtype, device=z.device).uniform_(-1.0, 0.0, generator=g))
 
 
 # max |kernel - attention(original fp16 K/V)| per tier mix: what each tier's quantization costs

@@ -24,8 +24,10 @@ not torch.round's half-to-even, because that is what the kernels can reproduce.
 Packing
 -------
 int8: q is uint8 [..., D].
-int4: q is uint8 [..., D // 2]; byte i holds channel 2i in its LOW nibble and channel
-      2i+1 in its HIGH nibble:  byte = q[2i] | (q[2i+1] << 4).
+int4: q is uint8 [..., D // 2], split halves: byte j holds channel j in its LOW nibble and
+      channel j + D/2 in its HIGH nibble:  byte = q[j] | (q[j + D/2] << 4). A kernel takes the
+      low nibbles of a row as the first half of the head dim and the high nibbles as the second,
+      so it never interleaves nibbles in registers (q . k = q[:D/2] . lo + q[D/2:] . hi).
 scale, zero: float16 [..., D // group_size].
 fp16 tier: the tensor itself (model dtype, 2 bytes/elem), no scales.
 
@@ -53,8 +55,8 @@ def _check(x_last: int, bits: int, group_size: int) -> None:
         raise ValueError(f"quantize/dequantize take bits in (8, 4), got {bits}")
     if group_size <= 0 or x_last % group_size != 0:
         raise ValueError(f"head_dim {x_last} must be a multiple of group_size {group_size}")
-    if bits == 4 and group_size % 2 != 0:
-        raise ValueError("int4 needs an even group_size (two channels per byte)")
+    if bits == 4 and x_last % 2 != 0:
+        raise ValueError("int4 needs an even head_dim (two channels per byte)")
 
 
 def _round_up_fp16(v: torch.Tensor) -> torch.Tensor:
@@ -78,7 +80,8 @@ def _round_down_fp16(v: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, bits: int, group_size: int = DEFAULT_GROUP_SIZE):
     """x [..., D] (fp16/bf16/fp32) -> (q, scale, zero); see the module docstring.
 
-    Returns q uint8 [..., D] (bits=8) or [..., D//2] (bits=4, low nibble = even channel),
+    Returns q uint8 [..., D] (bits=8) or [..., D//2] (bits=4, split halves: low nibble = channel j,
+    high nibble = channel j + D/2),
     scale/zero float16 [..., D // group_size].
     """
     D = x.shape[-1]
@@ -97,15 +100,13 @@ def quantize(x: torch.Tensor, bits: int, group_size: int = DEFAULT_GROUP_SIZE):
     q = torch.where(scale32[..., None] > 0, q, torch.zeros_like(q))
     q = q.to(torch.uint8).reshape(*x.shape[:-1], D)
     if bits == 4:
-        q = q[..., 0::2] | (q[..., 1::2] << 4)
+        q = q[..., : D // 2] | (q[..., D // 2:] << 4)
     return q.contiguous(), scale.to(_SCALE_DTYPE), zero.to(_SCALE_DTYPE)
 
 
 def unpack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., D//2] packed -> uint8 [..., D] (one 4-bit value per byte)."""
-    lo = q & 0x0F
-    hi = q >> 4
-    return torch.stack((lo, hi), dim=-1).reshape(*q.shape[:-1], q.shape[-1] * 2)
+    """uint8 [..., D//2] packed (split halves) -> uint8 [..., D] (one 4-bit value per byte)."""
+    return torch.cat((q & 0x0F, q >> 4), dim=-1)
 
 
 def dequantize(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +31,15 @@ CLI_HELP = {
     "kv_quant_group_size": "SpectrumKV int8/int4 quantization group (channels per scale/zero pair); "
                            "0 (default) = head_dim, one pair per token and kv head",
     "kv_tier_page_size": "SpectrumKV: tokens per page of the int8/int4 stores (power of two >= 16, "
-                         "default 64); the fp16 store stays slot-granular",
+                         "default 64; the decode kernel reads 256 tokens a step, several pages or part of one)"
+                         "; the fp16 store stays slot-granular",
+    "served_model_name": "the model name /v1/models and /get_model_info report (default: --model-path as "
+                         "given, or smollm2-135m for the embedded default)",
     "merge_lora": "a peft LoRA adapter dir merged into the model weights at load (base + adapter)",
+    "scd_rank": "SCD prefill: the codes' nested rank level: top (default), R_K:R_V, or auto (per request "
+                "from the link rate; sgl_kvxfer/scd/rank_policy.py)",
+    "scd_wire_frac": "SCD prefill, --scd-rank auto: the highest level whose codes cross the link within this "
+                     "fraction of the prefill's own time (default 0.25)",
     "shutdown_grace_period_secs": "on SIGTERM / Ctrl-C: seconds in-flight requests may run on before they end "
                                   "with a 503 (default 20); new requests get 503 at once; a second signal stops",
 }
@@ -59,7 +67,7 @@ class EngineConfig:
     # kernel launches (small models); max tokens None: the scheduler's max_prefill_tokens.
     enable_prefill_cuda_graph: bool = False
     prefill_cuda_graph_max_tokens: int | None = None
-    # SpectrumKV (issue 4); budget 1.0 keeps every token at the model dtype.
+    # SpectrumKV; budget 1.0 keeps every token at the model dtype.
     kv_tier_budget: float = 1.0
     kv_tier_policy: str = "greedy"
     kv_sink_tokens: int = 4
@@ -75,7 +83,9 @@ class EngineConfig:
     # channels per (scale, zero) pair of the int tiers; 0: head_dim (one pair per token and
     # kv head, the cheapest to decode); see resolved_group_size
     kv_quant_group_size: int = 0
-    # tokens per page of the int8 / int4 stores (the fp16 store stays slot-granular)
+    # tokens per page of the int8 / int4 stores (the fp16 store stays slot-granular); the decode
+    # kernel's loop step (256 tokens) spans several pages or part of one (kernels/README.md
+    # section 10); a page tail left by a short run costs memory
     kv_tier_page_size: int = 64
     kv_importance_window: int = 32  # last W prompt queries whose attention ranks tokens
     kv_decode_recent: int = 64  # newest generated tokens kept fp16; older ones demoted in runs of this size
@@ -188,8 +198,9 @@ class EngineConfig:
         token and kv head. Validated against the model's head_dim here (the config alone does
         not know it)."""
         g = self.kv_quant_group_size or head_dim
-        if head_dim % g:
-            raise ValueError(f"kv_quant_group_size {g} must divide the model's head_dim {head_dim}")
+        if head_dim % g or (g != head_dim and (head_dim // 2) % g):
+            raise ValueError(f"kv_quant_group_size {g} must be 0 (= head_dim) or divide half the model's "
+                             f"head_dim {head_dim} (int4 packs channels j and j + head_dim / 2 in one byte)")
         return g
 
 
@@ -223,13 +234,18 @@ class SchedulerConfig:
     kv_transfer_rate_gbps: float = 0.0
     kv_transfer_latency_ms: float = 0.0
     # SCD over PD (docs/pd_disaggregation.md, "SCD over PD"): the artifacts dir of
-    # `python -m sgl_kvxfer.scd.calibrate` (prefill: ship the prompt's KV as codes; decode:
+    # `python -m sgl_kvxfer.scd.calib` (prefill: ship the prompt's KV as codes; decode:
     # rebuild its KV from them), the consumer this decode server is in the manifest (default:
     # the one this server's weights match), and how many decode servers claim each room's
     # codes before the prefill frees them (or the room times out).
     scd_artifacts: str | None = None
     scd_consumer: str | None = None
     scd_fanout: int = 1
+    # prefill: the nested rank level the codes go at (artifacts with rank levels): "top", a fixed
+    # "R_K:R_V", or "auto" (per request from the link rate, scd/rank_policy.py, with the wire
+    # budget scd_wire_frac x the prefill's own time)
+    scd_rank: str = "top"
+    scd_wire_frac: float = 0.25
 
     def __post_init__(self):
         if self.max_running_requests is not None and self.max_running_requests < 1:
@@ -260,20 +276,24 @@ class SchedulerConfig:
     def _validate_scd(self) -> None:
         if self.scd_fanout < 1:
             raise ValueError(f"scd_fanout must be >= 1, got {self.scd_fanout}")
+        if not (isinstance(self.scd_wire_frac, (int, float)) and 0 < self.scd_wire_frac < float("inf")):
+            raise ValueError(f"--scd-wire-frac must be a finite number > 0, got {self.scd_wire_frac}")
+        if self.scd_rank not in ("top", "auto") and not re.fullmatch(r"[1-9][0-9]{0,4}:[1-9][0-9]{0,4}", self.scd_rank):
+            raise ValueError(f"--scd-rank must be top, auto or R_K:R_V (a level of the artifacts), got {self.scd_rank!r}")
         if self.scd_artifacts is None:
-            if self.scd_consumer is not None or self.scd_fanout != 1:
-                raise ValueError("--scd-consumer and --scd-fanout need --scd-artifacts")
+            if self.scd_consumer is not None or self.scd_fanout != 1 or self.scd_rank != "top":
+                raise ValueError("--scd-consumer, --scd-fanout and --scd-rank need --scd-artifacts")
             return
         if self.disaggregation_mode == "null" or self.disaggregation_transfer_backend == "fake":
             raise ValueError("--scd-artifacts needs --disaggregation-mode prefill or decode and a transfer "
                              "backend that moves bytes (not fake)")
         if not os.path.isfile(os.path.join(self.scd_artifacts, "manifest.json")):
             raise ValueError(f"--scd-artifacts {self.scd_artifacts}: no manifest.json there "
-                             "(python -m sgl_kvxfer.scd.calibrate writes it)")
+                             "(python -m sgl_kvxfer.scd.calib writes it)")
         if self.disaggregation_mode == "prefill" and self.scd_consumer is not None:
             raise ValueError("--scd-consumer names the consumer a decode server is; a prefill encodes for all")
-        if self.disaggregation_mode == "decode" and self.scd_fanout != 1:
-            raise ValueError("--scd-fanout is the prefill's (how many decodes claim each room)")
+        if self.disaggregation_mode == "decode" and (self.scd_fanout != 1 or self.scd_rank != "top"):
+            raise ValueError("--scd-fanout and --scd-rank are the prefill's (a decode server reads any level)")
         if self.engine.tiering_enabled:
             raise ValueError("--scd-artifacts runs with fp16-family KV pools (--kv-tier-budget 1.0): codes are "
                              "encoded from and decoded into the model dtype")
@@ -317,8 +337,21 @@ class ServerArgs:
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        name = self.served_model_name
+        if name is not None and not (0 < len(name) <= 256 and name.isprintable() and name.strip() == name):
+            raise ValueError("served_model_name must be 1-256 printable characters without surrounding "
+                             f"spaces, got {name[:64]!r}")
         if not 0.0 <= self.shutdown_grace_period_secs <= 86400.0:  # NaN fails too
             raise ValueError(f"shutdown_grace_period_secs must be in [0, 86400], got {self.shutdown_grace_period_secs}")
+
+    @property
+    def resolved_served_model_name(self) -> str:
+        """The name /v1/models and the model info routes give (SGLang's --served-model-name):
+        the flag, else --model-path as given, else the embedded default's name (never the cache
+        folder a model was converted into)."""
+        from sgl_kvxfer.models.convert import EMBEDDED_NAMES
+
+        return self.served_model_name or self.engine.model_path or EMBEDDED_NAMES[0]
 
     @property
     def engine(self) -> EngineConfig:

@@ -43,6 +43,11 @@ CPU_KERNELS = EnvVar(
     "0: on CPU bf16 keep the torch path instead of the native C++ kernels (kernels/cpu_ops.py: "
     "RMSNorm / RoPE / SwiGLU, in-place decode attention, prepacked oneDNN linears)")
 
+KERNEL_CACHE = EnvVar(
+    "SGL_KVXFER_KERNEL_CACHE", None,
+    "root folder of the native CPU kernel builds, one per install and CPU (kernels/cpu_ops.py; "
+    "default ~/.cache/sgl_kvxfer/cpu_kernels)")
+
 CPU_ISA = EnvVar(
     "SGL_KVXFER_CPU_ISA", "auto",
     "cap on the CPU instruction set the native CPU paths use: auto (what the CPU has), baseline, "
@@ -54,8 +59,13 @@ DECODE_LONGEST_FIRST = EnvVar(
     "the triton backend's decode attention serves a batch's requests longest first (one argsort "
     "per batch; kernels/README.md); 0: in batch order")
 
+# The data checkouts share (eval prose, SCD corpora): ../shared/data beside the repository, where
+# dev machines and CI keep it. Never a fixed machine path; each use also takes a variable or flag.
+SHARED_DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                               "shared", "data")
+
 PROBE_PROSE = EnvVar(
-    "SGL_KVXFER_PROBE_PROSE", "/work/shared/data/prose_eval.jsonl",
+    "SGL_KVXFER_PROBE_PROSE", os.path.join(SHARED_DATA_DIR, "prose_eval.jsonl"),
     "JSONL of {\"text\": ...} rows: filler prose for the int4 probe's needle-in-a-haystack "
     "prompts; when the file is absent, the docstrings of Python's standard library are used")
 
@@ -66,14 +76,18 @@ KV_TRANSFER_FAULT = EnvVar(
 
 SCD_DATA = EnvVar(
     "SGL_KVXFER_SCD_DATA", None,
-    "folder of the SCD corpora ({code,prose}_{train,calib,eval}.jsonl[.gz]); default ../shared/data, "
-    "else the repo's .cache/scd_data (sgl_kvxfer/scd/data.py)")
+    "folder of text corpora NAME_SPLIT.jsonl[.gz] that SCD calibration reads for a `corpus:NAME` "
+    "spec (sgl_kvxfer/scd/calib/data.py); unset: only task-suite specs and explicit paths work")
+
+TIERED_DECODE_CONFIG = EnvVar(
+    "SGL_KVXFER_TIERED_DECODE_CONFIG", None,
+    "JSON object of kernels.tiered_pool_decode.TieredDecodeConfig fields (e.g. {\"tile8\": 128, "
+    "\"qk_int8\": true}) replacing the served config of the tiered pool's decode for every head shape")
 
 FUSEDKV_DATA = EnvVar(
     "SGL_KVXFER_FUSEDKV_DATA", None,
     "folder of {domain}_{train,calib,eval}.jsonl (or their token files) for FusedKV conversion and "
     "training when no --train-data / --data-dir is given (sgl_kvxfer/fusedkv/data.py)")
 
-ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, CPU_ISA,
-       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, SCD_DATA,
-       FUSEDKV_DATA)
+ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, KERNEL_CACHE, CPU_ISA,
+       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, SCD_DATA, TIERED_DECODE_CONFIG, FUSEDKV_DATA)

@@ -52,7 +52,18 @@ def _child_main(target, args, parent_pid: int) -> None:
     die_with_parent()
     _watch_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when children stop
+    _no_semaphores()
     target(*args)
+
+
+def _no_semaphores() -> None:
+    """Hazard: a child stops by SIGTERM, so it never unlinks a multiprocessing semaphore it
+    made, and the launcher's resource tracker warns of a "leaked semaphore" at exit. tqdm makes
+    one for its default lock at its first bar (the first start's model conversion); a thread
+    lock serves a process that shares no bar with another."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def _spawn(ctx, name: str, target, args, duplex: bool = False) -> tuple[mp.Process, object]:
@@ -174,6 +185,7 @@ def _serve(server_args: ServerArgs, info: dict, tokenizer, launch_command: str |
     import uvicorn
 
     from sgl_kvxfer.server.app import create_app
+    from sgl_kvxfer.server.http1 import Http1Protocol
     from sgl_kvxfer.server.shutdown import DrainingServer
     from sgl_kvxfer.tokenizer.manager import TokenizerManager
 
@@ -181,7 +193,7 @@ def _serve(server_args: ServerArgs, info: dict, tokenizer, launch_command: str |
     app = create_app(server_args, tm, launch_command)
     logger.info("serving on http://%s:%d", server_args.host, server_args.port)
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
-                            access_log=False, timeout_graceful_shutdown=3)
+                            access_log=False, timeout_graceful_shutdown=3, http=Http1Protocol)
     DrainingServer(config, tm, server_args.shutdown_grace_period_secs, crashed.is_set).run()
 
 

@@ -12,10 +12,12 @@ import os
 import shutil
 import tempfile
 
+from sgl_kvxfer.testing.servers import load_factor
 from sgl_kvxfer.utils.cpu_isa import torch_cap_env
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("PYTEST_TIMEOUT", "900")  # pytest-timeout: no test hangs the run
+# pytest-timeout: no test hangs the run; 900 s of an idle machine, stretched by the load at start
+os.environ.setdefault("PYTEST_TIMEOUT", str(round(900 * load_factor())))
 for _name, _value in torch_cap_env().items():
     os.environ.setdefault(_name, _value)
 TMP_ROOT = tempfile.mkdtemp(prefix="sgl_kvxfer_tests_")
@@ -60,6 +62,17 @@ def smollm2_path() -> str:
     from sgl_kvxfer.models.loader import resolve_model_path
 
     return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def native_cpu_ops():
+    """The native CPU kernels, built (or loaded) when the first test that needs them runs, never
+    at collection; a machine where they cannot build skips those tests with the reason."""
+    from sgl_kvxfer.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip(cpu_ops.load_error())
+    return cpu_ops
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 
-from sgl_kvxfer.testing.servers import ServerHandle, free_port, start_router, stop_all  # noqa: F401
+from sgl_kvxfer.testing.servers import (Deadline, ServerHandle, free_port, scaled, start_router,  # noqa: F401
+                                         stop_all)
 from sgl_kvxfer.testing.servers import start_server as _start_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

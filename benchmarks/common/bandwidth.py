@@ -62,8 +62,9 @@ def _capture(calls: Sequence[Callable]):
 
 def time_rotating(calls: Sequence[Callable], device: torch.device, iters: int = 10, warmup: int = 2,
                   graph: bool = True) -> dict:
-    """{"ms": median ms per call, "copies", "graphed", "iters"}; every call is run once eagerly
-    first (JIT, autotune and library plans happen outside the capture)."""
+    """{"ms": median ms per call, "ms_min", "ms_max" (the spread over the `iters` replays), "copies",
+    "graphed", "iters"}; every call is run once eagerly first (JIT, autotune and library plans
+    happen outside the capture)."""
     for c in calls:
         c()
     cuda = device.type == "cuda"
@@ -86,7 +87,9 @@ def time_rotating(calls: Sequence[Callable], device: torch.device, iters: int = 
             t = time.perf_counter()
             run()
             ts.append(1e3 * (time.perf_counter() - t))
-    return {"ms": statistics.median(ts) / len(calls), "copies": len(calls), "graphed": graphed, "iters": iters}
+    n = len(calls)
+    return {"ms": statistics.median(ts) / n, "ms_min": min(ts) / n, "ms_max": max(ts) / n, "copies": n,
+            "graphed": graphed, "iters": iters}
 
 
 def copy_bandwidth_Bps(device: torch.device, nbytes: int | None = None, iters: int = 10) -> float:
@@ -110,12 +113,18 @@ def sdpa_backend_name(q, k, v) -> str:
         return f"unknown ({type(exc).__name__})"
 
 
+SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+
+
 def sdpa_decode(batch: int, hq: int, hkv: int, ctx: int, d: int, dtype: torch.dtype, device: torch.device,
-                iters: int = 10, max_bytes: int | None = None, seed: int = 0) -> dict:
-    """torch SDPA, default backend, enable_gqa=True, on one decode step: q [B, Hq, 1, D] over
-    dense K/V [B, Hkv, ctx, D], rotated over batch slices of one [copies * B, ...] allocation.
+                iters: int = 10, max_bytes: int | None = None, seed: int = 0, backend: str | None = None) -> dict:
+    """torch SDPA, enable_gqa=True, on one decode step: q [B, Hq, 1, D] over dense K/V
+    [B, Hkv, ctx, D], rotated over batch slices of one [copies * B, ...] allocation. backend: one
+    of SDPA_BACKENDS forced (torch.nn.attention.sdpa_kernel), None: torch's default dispatch.
     -> {"ms", "bytes" (K + V + q read, o written), "Bps" (bytes / time: SDPA's effective read
     bandwidth), "backend", "copies", ...}."""
+    import contextlib
+
     import torch.nn.functional as F
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -125,10 +134,21 @@ def sdpa_decode(batch: int, hq: int, hkv: int, ctx: int, d: int, dtype: torch.dt
     k = torch.randn(copies * batch, hkv, ctx, d, dtype=dtype, device=device, generator=g)
     v = torch.randn(copies * batch, hkv, ctx, d, dtype=dtype, device=device, generator=g)
     kvs = [(k[i * batch:(i + 1) * batch], v[i * batch:(i + 1) * batch]) for i in range(copies)]  # views
-    calls = [lambda kk=kk, vv=vv: F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True) for kk, vv in kvs]
+    if backend is None:
+        forced = contextlib.nullcontext
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        forced = lambda: sdpa_kernel(getattr(SDPBackend, backend))  # noqa: E731
+
+    def call(kk, vv):
+        with forced():
+            return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
+
+    calls = [lambda kk=kk, vv=vv: call(kk, vv) for kk, vv in kvs]
     res = time_rotating(calls, device, iters)
     nbytes = kv_bytes + 2 * q.numel() * q.element_size()
-    res.update(bytes=nbytes, Bps=nbytes / (res["ms"] * 1e-3), backend=sdpa_backend_name(q, *kvs[0]),
+    res.update(bytes=nbytes, Bps=nbytes / (res["ms"] * 1e-3), backend=backend or sdpa_backend_name(q, *kvs[0]),
                shape={"batch": batch, "hq": hq, "hkv": hkv, "ctx": ctx, "d": d, "dtype": str(dtype)})
     del k, v, kvs, calls
     if device.type == "cuda":

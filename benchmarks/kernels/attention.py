@@ -1,35 +1,38 @@
-"""Decode attention over the engine's tiered KV layout vs torch SDPA, our fp16 paged decode and FlashInfer.
+"""Decode attention, one table: SDPA, our two pools' decode kernels per tier mix, FlashInfer.
 
-    python benchmarks/kernels/attention.py                                   # GPU, every point
-    python benchmarks/kernels/attention.py --sweep-configs --configs '[{"block_n": 128}, ...]'
+    python benchmarks/kernels/attention.py                                   # GPU, the default grid
+    python benchmarks/kernels/attention.py --sweep-configs --configs '[{"tile8": 128}, ...]'
     python benchmarks/kernels/attention.py --plot-only benchmarks/results/attention_<dev>.json
-    python benchmarks/kernels/attention.py --device cpu --models smollm2 --contexts 128 \
-        --batches 1 --iters 1                                                # CPU smoke run
+    python benchmarks/kernels/attention.py --device cpu --points smollm2:1:64 --iters 1   # CPU smoke run
 
-One layer, one decode step, every request of the batch at the same context. Variants:
-  sdpa_fp16        torch SDPA, default backend (cuDNN on an H100), enable_gqa=True, dense
-                   [B, Hkv, ctx, D]: the baseline every ratio is taken against
-  paged_fp16       our fp16 paged decode, decode_attention_tiered on a uniform page-64 fp16 layout
-  flashinfer_fp16  FlashInfer's paged decode (CUDA cores, page 64, HND), where `import flashinfer`
-                   works; flashinfer_fp8 (e4m3 K/V) on request (--variants)
-  filled_<mix>     decode_attention_filled over the engine's layout (engine_layout.py: fp16 slot
-                   rows at PAGE 1, int8 / int4 pages of 64, one fp16 scale + zero per token-head,
-                   filled tables): fp16, int8, int4 (all tokens) and mix_b0.5 (the decode window
-                   fp16, the rest at SpectrumKV's planned fractions for b = 0.5)
-Until kernels/filled_decode_attention.py exists the filled variants run its torch reference
-(filled_kernel.py): on CUDA they are then skipped (a host loop is not worth timing).
+One layer, one decode step, every request of the batch at the same context. Points
+(--points MODEL:BATCH:CONTEXT): Llama-3-8B heads (32/8/128) at batch 1 / 8 / 32 and 16k-128k,
+SmolLM2 heads (9/3/64) at batch 8, 32k. Variants, side by side in one run:
+  sdpa             torch SDPA, enable_gqa=True, dense [B, Hkv, ctx, D]: each backend forced in turn
+                   (cuDNN, flash, efficient) and the fastest kept (`sdpa.backends` has all): the
+                   baseline every ratio is taken against
+  fp16_pool        paged_fp16_pool_decode, the paged fp16 pool's decode (page 64)
+  tiered_<mix>     tiered_pool_decode over the engine's own TieredKVPool layout (engine_layout.py:
+                   fp16 slot rows at PAGE 1, int8 / int4 page-head blocks of the engine's page,
+                   one fp16 scale + zero per token-head, filled tables): fp16, int8, int4 (every
+                   token in that tier) and mix_b0.5 (the 64-token decode window fp16, the rest at
+                   SpectrumKV's planned fractions for b = 0.5). Tiers holding no token of the
+                   layout are not launched (the engine launches every store that has pages)
+  flashinfer_fp16  FlashInfer's paged decode (page 64, HND, CUDA cores), where `import flashinfer`
+  flashinfer_fp8   works; _fp8: e4m3 K/V, q and o in the model dtype
 
-Time: each variant's inputs in rotated copies (common/bandwidth.py: together >= 3x L2), all
-copies' calls captured in one CUDA graph and replayed, median of --iters replays / copies.
-Bytes = what the kernel must move: K/V payload with scales and zeros, q read, o written.
-Reported per variant: ms, speed vs SDPA (sdpa ms / ms), bytes, % of the copy bandwidth (torch
-copy_, read + write) and % of SDPA's effective read bandwidth at the same point.
+Time: each variant's inputs in rotated copies (common/bandwidth.py: together >= 3x L2, so every call
+reads from DRAM), all copies' calls captured in one CUDA graph and replayed --iters times (>= 5):
+median per call, with the min and max over the replays. Bytes = what the kernel must move: K/V
+payload with scales and zeros, q read, o written; GB/s = bytes / median; speed = SDPA ms / ms;
+% of SDPA bandwidth = GB/s over SDPA's at the same point.
 
---sweep-configs: before the measurement, every --configs entry (FilledDecodeConfig(**d)) and the
-kernel's default config are timed at --sweep-points for each filled variant; every time is
-recorded, and the measurement then runs each (model, variant) with the config of the lowest
-geometric-mean time over that model's sweep points (--measure-config default: the defaults).
-Configs run one after another over all points; none starts after --sweep-budget-s.
+--sweep-configs: before the measurement, the served config of the tiered decode and every
+--configs entry (TieredDecodeConfig fields; "int_page" sets the layout's int page size) are timed
+at --sweep-points on the fp16 / int8 / int4 layouts; the config with the lowest geometric-mean
+time over a model's points is its best (JSON sweep.best, with the SERVED_CONFIGS line to paste
+into kernels/tiered_pool_decode.py) and the measurement runs every tiered variant with it.
+Configs run one after another; none starts after --sweep-budget-s.
 """
 from __future__ import annotations
 
@@ -45,19 +48,27 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common.bandwidth import copy_bandwidth_Bps, rotation_copies, sdpa_decode, time_rotating  # noqa: E402
+from common.bandwidth import (SDPA_BACKENDS, copy_bandwidth_Bps, rotation_copies, sdpa_decode,  # noqa: E402
+                              time_rotating)
 from common.report import device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
-from engine_layout import build_engine_layout, build_uniform_fp16, engine_tier_counts  # noqa: E402
+from engine_layout import build_engine_layout, build_paged_fp16, engine_int_page, engine_tier_counts  # noqa: E402
 
 MODELS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
-FILLED = ("filled_fp16", "filled_int8", "filled_int4", "filled_mix_b0.5")
-DEFAULT_VARIANTS = ("sdpa_fp16", "paged_fp16", "flashinfer_fp16", *FILLED)
-ALL_VARIANTS = (*DEFAULT_VARIANTS, "flashinfer_fp8")
-DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768, 65536, 131072)
+TIERED = ("tiered_fp16", "tiered_int8", "tiered_int4", "tiered_mix_b0.5")
+VARIANTS = ("sdpa", "fp16_pool", *TIERED, "flashinfer_fp16", "flashinfer_fp8")
+DEFAULT_POINTS = tuple(f"llama3-8b:{b}:{c}" for b in (8, 1, 32) for c in (32768, 16384, 65536, 131072)) + \
+    ("smollm2:8:32768",)
 DEFAULT_SWEEP_POINTS = ("llama3-8b:8:32768", "llama3-8b:1:32768", "smollm2:8:32768")
+SWEEP_VARIANTS = ("tiered_fp16", "tiered_int8", "tiered_int4")
 CHECK_TOKENS = 16384  # points with B * ctx <= this also check outputs against the torch reference
 
 
+def parse_point(spec: str):
+    model, B, ctx = spec.split(":")
+    return model, int(B), int(ctx)
+
+
+# ---------------------------------------------------------------------------------------- variants
 def flashinfer_timing(B, ctx, Hq, Hkv, D, q, dev, iters, max_bytes, fp8=False) -> dict:
     """FlashInfer's paged decode over rotated K/V copies sharing one plan (flashinfer_baseline.py's
     layout and wrapper); {"error": ...} where it does not import or run."""
@@ -88,51 +99,94 @@ def flashinfer_timing(B, ctx, Hq, Hkv, D, q, dev, iters, max_bytes, fp8=False) -
         return {"error": f"{type(exc).__name__}: {exc}"[:1000]}
 
 
-def filled_timing(kernel, B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, config=None, layout=None) -> dict:
-    """decode_attention_filled over the engine layout of `mix` (built here unless `layout` is given)."""
-    if layout is None:
-        layout = engine_layout_for(B, ctx, Hkv, D, q, mix, dev, max_bytes)
-    cfg = kernel.make_config(config)
-    plan = kernel.make_plan(B, Hkv, layout.max_tokens, dev, cfg, head_dim=D, num_q_heads=Hq, dtype=q.dtype,
-                            group_size=D)
-    o = torch.empty_like(q)
-    res = time_rotating([lambda t=t: kernel(q, layout.layer, t, out=o, plan=plan, config=cfg)
-                         for t in layout.tables], dev, iters)
-    res.update(bytes=layout.kv_bytes(D, q.element_size()) + 2 * q.numel() * q.element_size(),
-               counts=layout.counts, planned=plan is not None, config=config if config is not None else "default")
-    if kernel.available and B * ctx <= CHECK_TOKENS:
-        from sgl_kvxfer.kernels.decode_attention import decode_attention_tiered_reference
+def sdpa_timing(B, ctx, Hq, Hkv, D, dtype, dev, iters, max_bytes) -> dict:
+    """Every SDPA backend forced in turn (CUDA); the fastest is the row's SDPA."""
+    if dev.type != "cuda":
+        return sdpa_decode(B, Hq, Hkv, ctx, D, dtype, dev, iters, max_bytes)
+    runs = {}
+    for be in SDPA_BACKENDS:
+        try:
+            runs[be] = sdpa_decode(B, Hq, Hkv, ctx, D, dtype, dev, iters, max_bytes, backend=be)
+        except Exception as exc:  # noqa: BLE001 - a backend that does not take this shape
+            runs[be] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        torch.cuda.empty_cache()
+    ok = {k: r for k, r in runs.items() if "ms" in r}
+    if not ok:
+        raise RuntimeError(f"no SDPA backend ran: {runs}")
+    best = dict(ok[min(ok, key=lambda k: ok[k]["ms"])])
+    best["backends"] = {k: r.get("ms", r.get("error")) for k, r in runs.items()}
+    return best
 
-        ref = decode_attention_tiered_reference(q, layout.layer, layout.tables[0])
-        got = kernel(q, layout.layer, layout.tables[0], plan=plan, config=cfg)
+
+def fp16_pool_timing(B, ctx, Hq, Hkv, D, q, dev, iters, max_bytes) -> dict:
+    from sgl_kvxfer.kernels.paged_fp16_pool_decode import paged_fp16_pool_decode, plan_fp16_splits
+
+    kv_bytes = 2 * B * Hkv * ctx * D * q.element_size()
+    lay = build_paged_fp16(B, ctx, Hkv, D, q.dtype, dev, rotation_copies(kv_bytes, dev, max_bytes))
+    plan = plan_fp16_splits(lay.tables[0].shape[1], B, Hkv, dev)  # once per batch, as the backend
+    o = torch.empty_like(q)
+    res = time_rotating([lambda t=t: paged_fp16_pool_decode(q, lay.k_pages, lay.v_pages, t, lay.seq_lens, out=o,
+                                                            split_plan=plan, check=False)
+                         for t in lay.tables], dev, iters)
+    res["bytes"] = kv_bytes + 2 * q.numel() * q.element_size()
+    res["splits"] = plan[1]
+    return res
+
+
+def tiered_layout(B, ctx, Hkv, D, q, mix, dev, max_bytes, int_page=None):
+    """The engine layout of `mix` with as many copies as rotation_copies asks for its bytes."""
+    counts = engine_tier_counts(ctx, mix, Hkv, D)
+    one = build_engine_layout(B, counts, Hkv, D, q.dtype, dev, copies=1, page_size=int_page)
+    copies = rotation_copies(one.kv_bytes(D, q.element_size()), dev, max_bytes)
+    return one if copies == 1 else build_engine_layout(B, counts, Hkv, D, q.dtype, dev, copies=copies,
+                                                       page_size=int_page)
+
+
+def split_config(d: dict | None):
+    """A sweep entry -> (TieredDecodeConfig or None for the served one, int page or None)."""
+    from sgl_kvxfer.kernels.tiered_pool_decode import TieredDecodeConfig
+
+    if d is None:
+        return None, None
+    d = dict(d)
+    page = d.pop("int_page", None)
+    return TieredDecodeConfig(**d), page
+
+
+def tiered_timing(B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, entry=None, layout=None) -> dict:
+    from sgl_kvxfer.kernels.tiered_pool_decode import (fallbacks, plan_tiered_pool_decode, served_config,
+                                                       tiered_pool_decode, tiered_pool_decode_reference)
+
+    cfg, page = split_config(entry)
+    cfg = cfg or served_config(D, Hq // Hkv)
+    if layout is None:
+        layout = tiered_layout(B, ctx, Hkv, D, q, mix, dev, max_bytes, page)
+    plan = plan_tiered_pool_decode(B, Hkv, layout.max_tokens, dev, cfg)  # the backend plans from the width
+    o = torch.empty_like(q)
+    tiers = layout.tiers
+    res = time_rotating([lambda t=t: tiered_pool_decode(q, layout.layer, t, out=o, plan=plan, config=cfg, tiers=tiers,
+                                                        check=False) for t in layout.tables], dev, iters)
+    res.update(bytes=layout.kv_bytes(D, q.element_size()) + 2 * q.numel() * q.element_size(),
+               counts=layout.counts, tiers=tiers, splits=plan.num_splits, int_page=layout.layer.page_size_of(1),
+               config=entry if entry is not None else "served", config_fields=str(cfg))
+    def asked(t):
+        tile, warps, stages = cfg.launch(t)
+        return {"tile": tile, "warps": warps, "stages": stages}
+
+    ran_other = [f for f in fallbacks() if f["tier"] in tiers and f["head_dim"] == D and f["asked"] == asked(f["tier"])]
+    if ran_other:  # a config past the GPU's shared memory ran with fewer stages / a smaller tile
+        res["fallbacks"] = ran_other
+    if B * ctx <= CHECK_TOKENS:
+        ref = tiered_pool_decode_reference(q, layout.layer, layout.tables[0])
+        got = tiered_pool_decode(q, layout.layer, layout.tables[0], plan=plan, config=cfg, tiers=tiers)
         res["max_abs_diff_vs_reference"] = float((got.float() - ref.float()).abs().max())
     return res
 
 
-def engine_layout_for(B, ctx, Hkv, D, q, mix, dev, max_bytes):
-    """The engine layout of `mix` with as many copies as rotation_copies asks for its bytes."""
-    counts = engine_tier_counts(ctx, mix, Hkv, D)
-    one = build_engine_layout(B, counts, Hkv, D, q.dtype, dev, copies=1)
-    copies = rotation_copies(one.kv_bytes(D, q.element_size()), dev, max_bytes)
-    return one if copies == 1 else build_engine_layout(B, counts, Hkv, D, q.dtype, dev, copies=copies)
-
-
-def paged_fp16_timing(B, ctx, Hq, Hkv, D, q, dev, iters, max_bytes) -> dict:
-    from sgl_kvxfer.kernels.decode_attention import decode_attention_tiered, plan_splits
-
-    kv_bytes = 2 * B * Hkv * ctx * D * q.element_size()
-    layer, tables = build_uniform_fp16(B, ctx, Hkv, D, q.dtype, dev, rotation_copies(kv_bytes, dev, max_bytes))
-    split = plan_splits(tables[0], Hkv, D, layer.group_size, q.element_size(), dev)  # once per batch
-    o = torch.empty_like(q)
-    res = time_rotating([lambda t=t: decode_attention_tiered(q, layer, t, out=o, split_plan=split)
-                         for t in tables], dev, iters)
-    res["bytes"] = kv_bytes + 2 * q.numel() * q.element_size()
-    return res
-
-
+# ---------------------------------------------------------------------------------------- run
 def derive(res: dict, copy_bw: float) -> None:
-    """GB/s, % of copy bandwidth, speed and % of read bandwidth vs SDPA at this point, in place."""
-    sdpa = res.get("sdpa_fp16", {})
+    """GB/s, % of copy bandwidth, speed and % of SDPA's read bandwidth at this point, in place."""
+    sdpa = res.get("sdpa", {})
     sdpa_bw = sdpa["bytes"] / (sdpa["ms"] * 1e-3) if "ms" in sdpa else None
     for r in res.values():
         if isinstance(r, dict) and "ms" in r:
@@ -148,27 +202,25 @@ def free_bytes(dev: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure_point(args, env, model, B, ctx, configs) -> dict:
+def measure_point(args, env, model, B, ctx, entries) -> dict:
     Hq, Hkv, D = MODELS[model]
-    dev, kernel, iters = env["dev"], env["kernel"], args.iters or (10 if B * ctx >= (1 << 20) else 20)
+    dev, iters = env["dev"], args.iters
     dtype = getattr(torch, args.dtype)
     q = torch.randn(B, Hq, D, dtype=dtype, device=dev)
     res = {"model": model, "batch": B, "context": ctx, "Hq": Hq, "Hkv": Hkv, "D": D}
     for v in args.variants:
         t = time.time()
         try:
-            if v == "sdpa_fp16":
-                r = sdpa_decode(B, Hq, Hkv, ctx, D, dtype, dev, iters, env["max_bytes"])
-            elif v == "paged_fp16":
-                r = paged_fp16_timing(B, ctx, Hq, Hkv, D, q, dev, iters, env["max_bytes"])
+            if v == "sdpa":
+                r = sdpa_timing(B, ctx, Hq, Hkv, D, dtype, dev, iters, env["max_bytes"])
+            elif v == "fp16_pool":
+                r = fp16_pool_timing(B, ctx, Hq, Hkv, D, q, dev, iters, env["max_bytes"])
             elif v.startswith("flashinfer"):
                 r = (flashinfer_timing(B, ctx, Hq, Hkv, D, q, dev, iters, env["max_bytes"], v.endswith("fp8"))
                      if dev.type == "cuda" else {"skipped": "CUDA only"})
-            elif not kernel.available and dev.type == "cuda":
-                r = {"skipped": kernel.name}
             else:
-                r = filled_timing(kernel, B, ctx, Hq, Hkv, D, q, v[len("filled_"):], dev, iters, env["max_bytes"],
-                                  configs.get((model, v)))
+                r = tiered_timing(B, ctx, Hq, Hkv, D, q, v[len("tiered_"):], dev, iters, env["max_bytes"],
+                                  entries.get(model))
         except Exception as exc:  # noqa: BLE001 - out of memory, a kernel that rejects the shape: record it
             r = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             print(f"{model} B={B} ctx={ctx} {v}: {r['error'][:200]}", flush=True)
@@ -181,75 +233,77 @@ def measure_point(args, env, model, B, ctx, configs) -> dict:
 
 
 def sweep(args, env, rows: list) -> dict:
-    """Every config (the kernel's default first) x sweep point x filled variant, appended to
-    `rows`, config-major so that --sweep-budget-s cuts whole configs -> the best config per
-    (model, variant): lowest geometric-mean ms over the points the default ran at."""
-    kernel, dev = env["kernel"], env["dev"]
-    if not kernel.available:
-        rows.append({"skipped": kernel.name})
-        return {}
-    dtype, t0 = getattr(torch, args.dtype), time.time()
-    configs = [None, *args.configs]
-    cases = []  # (model, B, ctx, variant, q, layout): built once, timed under every config
-    for spec in args.sweep_points:
-        model, B, ctx = spec.split(":")
-        B, ctx = int(B), int(ctx)
-        Hq, Hkv, D = MODELS[model]
-        q = torch.randn(B, Hq, D, dtype=dtype, device=dev)
-        for v in [x for x in args.variants if x in FILLED]:
-            cases.append((model, B, ctx, v, q, engine_layout_for(B, ctx, Hkv, D, q, v[len("filled_"):], dev,
-                                                                  env["max_bytes"])))
-    default_out = {}
-    for i, cfg in enumerate(configs):
+    """Every config (the served one first) x sweep point x SWEEP_VARIANTS, appended to `rows`,
+    config-major so that --sweep-budget-s cuts whole configs -> {model: best entry} (lowest
+    geometric-mean ms over the (point, variant) pairs the served config ran)."""
+    dev, dtype, t0 = env["dev"], getattr(torch, args.dtype), time.time()
+    entries = [None, *args.configs]
+    for i, entry in enumerate(entries):
         if i and time.time() - t0 > args.sweep_budget_s:
-            rows.append({"config": cfg, "skipped": f"--sweep-budget-s {args.sweep_budget_s} spent"})
+            rows.append({"config": entry, "skipped": f"--sweep-budget-s {args.sweep_budget_s} spent"})
             continue
-        for model, B, ctx, v, q, layout in cases:
+        for spec in args.sweep_points:
+            model, B, ctx = parse_point(spec)
             Hq, Hkv, D = MODELS[model]
-            row = {"model": model, "batch": B, "context": ctx, "variant": v,
-                   "config": cfg if cfg is not None else "default"}
-            try:
-                r = filled_timing(kernel, B, ctx, Hq, Hkv, D, q, v[len("filled_"):], dev, args.iters or 10,
-                                  env["max_bytes"], cfg, layout)
-                out = kernel(q, layout.layer, layout.tables[0], config=kernel.make_config(cfg)).float()
-                ref = default_out.setdefault((model, B, ctx, v), out)
-                row.update(ms=r["ms"], bytes=r["bytes"], copies=r["copies"], graphed=r["graphed"],
-                           pct_copy_bw=100 * r["bytes"] / (r["ms"] * 1e-3) / env["copy_bw"],
-                           max_abs_diff_vs_default=float((out - ref).abs().max()))
-            except Exception as exc:  # noqa: BLE001 - a config the kernel rejects
-                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            rows.append(row)
-            print("sweep", {k: row[k] for k in row if k != "bytes"}, flush=True)
-    del cases
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+            q = torch.randn(B, Hq, D, dtype=dtype, device=dev, generator=torch.Generator(dev).manual_seed(0))
+            for v in [x for x in SWEEP_VARIANTS if x in args.variants]:
+                row = {"model": model, "batch": B, "context": ctx, "variant": v,
+                       "config": entry if entry is not None else "served"}
+                try:
+                    r = tiered_timing(B, ctx, Hq, Hkv, D, q, v[len("tiered_"):], dev, args.iters, env["max_bytes"],
+                                      entry)
+                    row.update({k: r[k] for k in ("ms", "ms_min", "ms_max", "bytes", "splits", "int_page")})
+                    if "fallbacks" in r:
+                        row["fallbacks"] = r["fallbacks"]
+                    row["GBps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+                except Exception as exc:  # noqa: BLE001 - a config the kernel rejects
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                rows.append(row)
+                print("sweep", {k: row[k] for k in row if k != "bytes"}, flush=True)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
     best = {}
     for model in {r["model"] for r in rows if "model" in r}:
-        for v in FILLED:
-            sel = [r for r in rows if r.get("model") == model and r.get("variant") == v]
-            points = {(r["batch"], r["context"]) for r in sel if r["config"] == "default" and "ms" in r}
-            scores = {}
-            for i, cfg in enumerate(configs):
-                ms = [r["ms"] for r in sel if r["config"] == (cfg if cfg is not None else "default") and "ms" in r]
-                if points and len(ms) == len(points):
-                    scores[i] = math.exp(sum(math.log(m) for m in ms) / len(ms))
-            if scores:
-                best[(model, v)] = configs[min(scores, key=scores.get)]
+        sel = [r for r in rows if r.get("model") == model]
+        keys = {(r["batch"], r["context"], r["variant"]) for r in sel if r["config"] == "served" and "ms" in r}
+        scores = {}
+        for i, entry in enumerate(entries):
+            ms = [r["ms"] for r in sel if r["config"] == (entry if entry is not None else "served") and "ms" in r]
+            if keys and len(ms) == len(keys):
+                scores[i] = math.exp(sum(math.log(m) for m in ms) / len(ms))
+        if scores:
+            best[model] = entries[min(scores, key=scores.get)]
     return best
 
 
+def served_line(model: str, entry) -> str:
+    """The SERVED_CONFIGS line of kernels/tiered_pool_decode.py for a model's best entry."""
+    Hq, Hkv, D = MODELS[model]
+    if entry is None:
+        return f"# {model}: the served config won"
+    fields = {k: v for k, v in entry.items() if k != "int_page"}
+    args = ", ".join(f"{k}={v!r}" for k, v in fields.items())
+    page = f"  # with --kv-tier-page-size {entry['int_page']}" if "int_page" in entry else ""
+    return f"    ({D}, {Hq // Hkv}): TieredDecodeConfig({args}),{page}"
+
+
 def meta(args, env, rows, skipped, sweep_rows, best, partial) -> dict:
+    from sgl_kvxfer.kernels.tiered_pool_decode import served_config
+
+    served = {m: str(served_config(D, Hq // Hkv)) for m, (Hq, Hkv, D) in MODELS.items()}
     return {
-        "benchmark": "decode attention: engine tiered layout vs SDPA, fp16 paged decode, FlashInfer",
+        "benchmark": "decode attention: SDPA, paged fp16 pool, tiered pool per tier mix, FlashInfer",
         "device": env["device"], "sm_count": env["sms"], "torch": torch.__version__,
         "triton": __import__("triton").__version__, "commit": git_commit(), "partial": partial,
         "params": {k: v for k, v in vars(args).items() if k not in ("plot_only",)},
-        "filled_kernel": env["kernel"].name, "plan_error": env["kernel"].plan_error,
-        "timing": "rotated input copies (>= 3x L2) in one CUDA graph, CUDA events, median replay / copies",
+        "served_configs": served, "int_page": engine_int_page(),
+        "timing": "rotated input copies (>= 3x L2) in one CUDA graph, CUDA events, median (min, max) over "
+                  "--iters replays, per call",
         "bytes": "K/V payload incl. per-token-head scales and zeros + q read + o written",
         "copy_bandwidth_Bps": env["copy_bw"], "results": rows, "skipped": skipped,
-        "sweep": {"rows": sweep_rows, "best": [{"model": m, "variant": v, "config": c if c is not None else "default"}
-                                               for (m, v), c in best.items()]} if args.sweep_configs else None,
+        "sweep": {"rows": sweep_rows, "best": [{"model": m, "config": c if c is not None else "served",
+                                                "served_configs_line": served_line(m, c)} for m, c in best.items()]}
+        if args.sweep_configs else None,
     }
 
 
@@ -257,13 +311,10 @@ def run(args, on_update=None) -> dict:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     props = torch.cuda.get_device_properties(dev) if cuda else None
-    from filled_kernel import load_filled_kernel
-
-    env = {"dev": dev, "device": props.name if cuda else device_name("cpu"), "sms": props.multi_processor_count
-           if cuda else None, "kernel": load_filled_kernel(), "copy_bw": copy_bandwidth_Bps(dev),
+    env = {"dev": dev, "device": props.name if cuda else device_name("cpu"),
+           "sms": props.multi_processor_count if cuda else None, "copy_bw": copy_bandwidth_Bps(dev),
            "max_bytes": int(0.25 * free_bytes(dev)) if cuda else (64 << 20)}
-    print(f"device {env['device']}  copy {env['copy_bw'] / 1e12:.2f} TB/s  filled kernel: {env['kernel'].name}",
-          flush=True)
+    print(f"device {env['device']}  copy {env['copy_bw'] / 1e12:.2f} TB/s", flush=True)
     rows, skipped, sweep_rows, best = [], [], [], {}
     state = {"partial": True}
 
@@ -275,24 +326,23 @@ def run(args, on_update=None) -> dict:
         if args.sweep_configs:
             best.update(sweep(args, env, sweep_rows))
             update()
-        configs = best if args.measure_config == "best" else {}
-        for model in args.models:
+        entries = best if args.measure_config == "best" else {}
+        for spec in args.points:
+            model, B, ctx = parse_point(spec)
             Hq, Hkv, D = MODELS[model]
-            for B in args.batches:
-                for ctx in args.contexts:
-                    need = 2 * B * Hkv * ctx * D * torch.finfo(getattr(torch, args.dtype)).bits // 8
-                    if B * ctx > args.max_tokens or 2.5 * need > 0.8 * free_bytes(dev):
-                        skipped.append({"model": model, "batch": B, "context": ctx, "fp16_kv_bytes": need,
-                                        "reason": "B * ctx > --max-tokens" if B * ctx > args.max_tokens else "memory"})
-                        print(f"skip {model} B={B} ctx={ctx}: {skipped[-1]['reason']}", flush=True)
-                        continue
-                    t = time.time()
-                    res = measure_point(args, env, model, B, ctx, configs)
-                    rows.append(res)
-                    print(f"{model} B={B} ctx={ctx} ({time.time() - t:.1f}s): " + "  ".join(
-                        f"{v}={res[v]['ms'] * 1e3:.1f}us/{res[v].get('speed_vs_sdpa', 0):.2f}x/"
-                        f"{res[v]['pct_copy_bw']:.0f}%" for v in args.variants if "ms" in res.get(v, {})), flush=True)
-                    update()
+            need = 2 * B * Hkv * ctx * D * torch.finfo(getattr(torch, args.dtype)).bits // 8
+            if B * ctx > args.max_tokens or 2.5 * need > 0.8 * free_bytes(dev):
+                skipped.append({"model": model, "batch": B, "context": ctx, "fp16_kv_bytes": need,
+                                "reason": "B * ctx > --max-tokens" if B * ctx > args.max_tokens else "memory"})
+                print(f"skip {model} B={B} ctx={ctx}: {skipped[-1]['reason']}", flush=True)
+                continue
+            t = time.time()
+            res = measure_point(args, env, model, B, ctx, entries)
+            rows.append(res)
+            print(f"{model} B={B} ctx={ctx} ({time.time() - t:.1f}s): " + "  ".join(
+                f"{v}={res[v]['ms'] * 1e3:.1f}us/{res[v].get('speed_vs_sdpa', 0):.2f}x/{res[v]['GBps']:.0f}GB/s"
+                for v in args.variants if "ms" in res.get(v, {})), flush=True)
+            update()
     except KeyboardInterrupt:  # `timeout -s INT`: keep what was measured
         print("interrupted: writing the points measured so far", flush=True)
         return meta(args, env, rows, skipped, sweep_rows, best, True)
@@ -300,21 +350,31 @@ def run(args, on_update=None) -> dict:
     return meta(args, env, rows, skipped, sweep_rows, best, False)
 
 
+# ---------------------------------------------------------------------------------------- report
 def summary(data: dict) -> str:
-    """Markdown: speed vs SDPA (and % of SDPA's read bandwidth) of every variant at every point."""
-    names = [v for v in ALL_VARIANTS if any("ms" in r.get(v, {}) for r in data["results"])]
-    out = ["| model | batch | context | SDPA us | " + " | ".join(names[1:] if names[:1] == ["sdpa_fp16"] else names)
-           + " |", "|---" * (4 + len(names) - (names[:1] == ["sdpa_fp16"])) + "|"]
+    """Markdown: per point, SDPA's time and backend, then every variant's speed vs SDPA with its
+    GB/s and the spread of its replays."""
+    names = [v for v in VARIANTS if v != "sdpa" and any("ms" in r.get(v, {}) for r in data["results"])]
+    out = ["| model | batch | context | SDPA us (backend, GB/s) | " + " | ".join(names) + " |",
+           "|---" * (4 + len(names)) + "|"]
     for r in data["results"]:
-        cells = [f"{r[v]['speed_vs_sdpa']:.2f}x ({r[v]['pct_sdpa_bw']:.0f}%)" if "speed_vs_sdpa" in r.get(v, {})
-                 else "-" for v in names if v != "sdpa_fp16"]
-        sdpa = f"{r['sdpa_fp16']['ms'] * 1e3:.1f}" if "ms" in r.get("sdpa_fp16", {}) else "-"
+        s = r.get("sdpa", {})
+        sdpa = (f"{s['ms'] * 1e3:.1f} ({str(s.get('backend', '?')).split('_')[0].lower()}, {s['GBps']:.0f})"
+                if "ms" in s else "-")
+        cells = []
+        for v in names:
+            x = r.get(v, {})
+            if "speed_vs_sdpa" not in x:
+                cells.append("-")
+                continue
+            spread = 100 * (x["ms_max"] - x["ms_min"]) / x["ms"] if "ms_max" in x else 0
+            cells.append(f"{x['speed_vs_sdpa']:.2f}x ({x['GBps']:.0f} GB/s, ±{spread / 2:.0f}%)")
         out.append(f"| {r['model']} | {r['batch']} | {r['context']} | {sdpa} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
 def plot(data: dict, path: str) -> bool:
-    """Per model: speed vs SDPA and % of SDPA's read bandwidth over context, one column per batch."""
+    """Per model and batch: speed vs SDPA and achieved GB/s over context."""
     rows = data["results"]
     if not rows:
         return False
@@ -323,29 +383,25 @@ def plot(data: dict, path: str) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = sorted({r["model"] for r in rows})
-    batches = sorted({r["batch"] for r in rows})
-    variants = [v for v in ALL_VARIANTS if any("ms" in r.get(v, {}) for r in rows)]
-    fig, axes = plt.subplots(2 * len(models), len(batches), figsize=(5 * len(batches), 3.6 * 2 * len(models)),
-                             squeeze=False)
-    for i, m in enumerate(models):
-        for j, b in enumerate(batches):
-            sel = sorted((r for r in rows if r["model"] == m and r["batch"] == b), key=lambda r: r["context"])
-            for k, (key, label) in enumerate((("speed_vs_sdpa", "speed vs SDPA fp16 (x)"),
-                                              ("pct_sdpa_bw", "% of SDPA read bandwidth"))):
-                ax = axes[2 * i + k][j]
-                for v in variants:
-                    pts = [(r["context"], r[v][key]) for r in sel if key in r.get(v, {})]
-                    if pts:
-                        ax.plot(*zip(*pts), marker="o", label=v, ls="--" if not v.startswith("filled") else "-")
-                ax.set_xscale("log", base=2)
-                ax.set_title(f"{m}, batch {b}", fontsize=9)
-                ax.set_xlabel("context (tokens)")
-                ax.set_ylabel(label)
-                ax.grid(True, which="both", alpha=0.3)
-                ax.legend(fontsize=6)
+    groups = sorted({(r["model"], r["batch"]) for r in rows})
+    variants = [v for v in VARIANTS if any("ms" in r.get(v, {}) for r in rows)]
+    fig, axes = plt.subplots(2, len(groups), figsize=(4.6 * len(groups), 7.2), squeeze=False)
+    for j, (m, b) in enumerate(groups):
+        sel = sorted((r for r in rows if r["model"] == m and r["batch"] == b), key=lambda r: r["context"])
+        for k, (key, label) in enumerate((("speed_vs_sdpa", "speed vs SDPA (x)"), ("GBps", "achieved GB/s"))):
+            ax = axes[k][j]
+            for v in variants:
+                pts = [(r["context"], r[v][key]) for r in sel if key in r.get(v, {})]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=v, ls="-" if v.startswith("tiered") else "--")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{m}, batch {b}", fontsize=9)
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel(label)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=6)
     fig.suptitle(f"{data['device']} @ {str(data['commit'])[:10]}, copy {data['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
-                 f"{data.get('filled_kernel', '')[:60]}", fontsize=9)
+                 f"int page {data.get('int_page')}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -356,21 +412,19 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cpu: Triton's interpreter, perf_counter timing (a smoke run, not a measurement)")
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--contexts", type=int, nargs="+", default=list(DEFAULT_CONTEXTS), help="in the order run")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(ALL_VARIANTS))
+    ap.add_argument("--points", nargs="+", default=list(DEFAULT_POINTS), help="MODEL:BATCH:CONTEXT, in the order run")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    ap.add_argument("--iters", type=int, default=None, help="timed graph replays per variant (default 10-20)")
+    ap.add_argument("--iters", type=int, default=10, help="timed graph replays per variant (>= 1; 5+ on a GPU)")
     ap.add_argument("--max-tokens", type=int, default=1 << 22, help="skip points with B * ctx above this")
-    ap.add_argument("--sweep-configs", action="store_true", help="time --configs (and the default) first")
+    ap.add_argument("--sweep-configs", action="store_true", help="time --configs (and the served config) first")
     ap.add_argument("--configs", type=json.loads, default=[],
-                    help="JSON list of dicts, each passed as FilledDecodeConfig(**d)")
+                    help="JSON list of objects: TieredDecodeConfig fields, plus int_page (the layout's int page)")
     ap.add_argument("--sweep-points", nargs="+", default=list(DEFAULT_SWEEP_POINTS), help="MODEL:BATCH:CONTEXT")
-    ap.add_argument("--sweep-budget-s", type=float, default=120.0,
+    ap.add_argument("--sweep-budget-s", type=float, default=90.0,
                     help="start no further config once the sweep has run this long")
-    ap.add_argument("--measure-config", choices=["best", "default"], default="best",
-                    help="after a sweep: measure with each (model, variant)'s best config or the defaults")
+    ap.add_argument("--measure-config", choices=["best", "served"], default="best",
+                    help="after a sweep: measure the tiered variants with each model's best config or the served one")
     ap.add_argument("--out-dir", default=None, help="where the JSON and PNG go (default benchmarks/results)")
     ap.add_argument("--name", default=None, help="result name (default attention_<device>)")
     ap.add_argument("--plot-only", default=None, help="re-plot an existing JSON")
@@ -379,15 +433,23 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.plot_only) as f:
             plot(json.load(f), args.plot_only.replace(".json", ".png"))
         return
+    if args.iters < 1:
+        ap.error("--iters must be >= 1")
     if not isinstance(args.configs, list) or not all(isinstance(c, dict) for c in args.configs):
         ap.error("--configs must be a JSON list of objects")
-    for spec in args.sweep_points:
+    for spec in list(args.points) + list(args.sweep_points):
         parts = spec.split(":")
-        if len(parts) != 3 or parts[0] not in MODELS or not (parts[1].isdigit() and parts[2].isdigit()):
-            ap.error(f"--sweep-points: {spec!r} is not MODEL:BATCH:CONTEXT")
+        if len(parts) != 3 or parts[0] not in MODELS or not (parts[1].isdigit() and parts[2].isdigit()) \
+                or int(parts[1]) < 1 or int(parts[2]) < 1:
+            ap.error(f"{spec!r} is not MODEL:BATCH:CONTEXT (MODEL in {list(MODELS)}, positive integers)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error("no CUDA device: pass --device cpu (tiny shapes)")
-    triton_interpreter_for(args.device)
+    triton_interpreter_for(args.device)  # before any kernel module is imported
+    for c in args.configs:
+        try:
+            split_config(c)
+        except (TypeError, ValueError) as exc:
+            ap.error(f"--configs: {c}: {exc}")
     signal.signal(signal.SIGINT, signal.default_int_handler)
     dev_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else device_name("cpu").split(" (")[0]
     name = args.name or f"attention_{dev_name.replace(' ', '_').replace('/', '_')}"
@@ -398,6 +460,9 @@ def main(argv: list[str] | None = None) -> None:
     data = run(args, on_update=dump)
     path = dump(data)
     print(summary(data))
+    if data.get("sweep"):
+        for b in data["sweep"]["best"]:
+            print(f"best config {b['model']}: {b['config']}\n{b['served_configs_line']}")
     print("wrote", path)
     try:
         if plot(data, path.replace(".json", ".png")):

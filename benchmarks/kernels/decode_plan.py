@@ -7,9 +7,9 @@
 One layer of SmolLM2-135M heads (9 q / 3 kv, head_dim 64) by default, bf16, page 64, every
 request at its own length (uniform in [ctx-min, ctx-max]; the offline benchmark's prompts plus
 half its output), block tables as wide as the whole context (the graph plan's fixed width) and
-even splits. Swept: fp16 splits per request (S16), whether the two empty quantized tiers get
-their no-op split programs (the pure-fp16 backend has no int8 / int4 tokens), and each of the
-kernel's autotune configs (forced one at a time). Time: CUDA events around a graphed call,
+even splits, through the paged fp16 pool's decode (kernels/paged_fp16_pool_decode.py). Swept:
+splits per request (S16), pages per loop step, request order and launch configs (warps:stages,
+--configs; default the kernel's own). Time: CUDA events around a graphed call,
 L2 flushed before each, median of --iters; bandwidth = K/V bytes read / time, against a
 device-to-device copy measured in the same run. On CPU (`--device cpu`, the default without
 CUDA) the kernel runs in Triton's interpreter, eagerly, timed with perf_counter: a check that
@@ -31,26 +31,22 @@ from common.bandwidth import copy_bandwidth_Bps, time_rotating  # noqa: E402
 from common.report import RESULTS_DIR, device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
 
 def build(args, dev):
-    from sgl_kvxfer.kernels.paged_layout import TieredBlockTables, allocate_tiered_layer
-    from sgl_kvxfer.kernels.testing import fill_random_pools
-
+    """K/V pages [pages + 1, Hkv, PAGE, D] (page 0 unused), a table of the graph plan's width and
+    the requests' lengths."""
     B, P, Hkv, D = args.batch, args.page, args.kv_heads, args.head_dim
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(args.ctx_min, args.ctx_max + 1, (B,), generator=g)
     need = [math.ceil(int(n) / P) for n in lens]
     width = math.ceil(args.max_seq / P)
-    layer = allocate_tiered_layer((sum(need) + 1, 1, 1), P, Hkv, D, 32, torch.bfloat16, dev)
-    fill_random_pools(layer)
+    k = torch.randn(sum(need) + 1, Hkv, P, D, generator=g).to(torch.bfloat16).to(dev)
+    v = torch.randn(sum(need) + 1, Hkv, P, D, generator=g).to(torch.bfloat16).to(dev)
     perm = torch.randperm(sum(need), generator=g) + 1
     table = torch.zeros(B, width, dtype=torch.int32)
     at = 0
     for b, n in enumerate(need):
         table[b, :n] = perm[at : at + n]
         at += n
-    zeros = torch.zeros(B, 1, dtype=torch.int32, device=dev)
-    none = torch.zeros(B, dtype=torch.int32, device=dev)
-    tables = TieredBlockTables((table.to(dev), zeros, zeros), (lens.to(torch.int32).to(dev), none, none))
-    return layer, tables, int(lens.sum())
+    return k, v, table.to(dev), lens.to(torch.int32).to(dev), int(lens.sum())
 
 
 def main() -> None:
@@ -66,13 +62,11 @@ def main() -> None:
     p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--pages-per-iter", type=int, nargs="+", default=[1],
                    help="fp16 pages per kernel loop step to sweep")
-    p.add_argument("--empty-tiers", type=int, nargs="+", default=[1, 0], choices=[0, 1],
-                   help="sweep with (1) and without (0) the empty int8/int4 tiers' split programs")
     p.add_argument("--order", nargs="+", default=["none"], choices=["none", "longest"],
                    help="request order of the kernel's programs to sweep: batch order, or longest first "
-                        "(decode_attention.longest_first_order, computed once per batch, outside the timing)")
+                        "(paged_fp16_pool_decode.longest_first_order, computed once per batch, outside the timing)")
     p.add_argument("--configs", nargs="+", default=None, metavar="WARPS:STAGES",
-                   help="launch configs to sweep instead of the kernel's autotune list, e.g. 4:1 2:1")
+                   help="launch configs to sweep (default: the kernel's own), e.g. 4:1 2:1")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--tag", default=None, help="suffix for the result file name")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -89,52 +83,38 @@ def main() -> None:
         p.error("no CUDA device: pass --device cpu (tiny shapes)")
     triton_interpreter_for(args.device)
 
-    from sgl_kvxfer.kernels import decode_attention as da
+    from sgl_kvxfer.kernels import paged_fp16_pool_decode as fp
 
     dev = torch.device(args.device)
     copy_bw = copy_bandwidth_Bps(dev)
-    layer, tables, tokens = build(args, dev)
+    k, v, table, lens, tokens = build(args, dev)
     nbytes = tokens * args.kv_heads * args.head_dim * 2 * 2
     q = torch.randn(args.batch, args.q_heads, args.head_dim, dtype=torch.bfloat16, device=dev)
-    kern = da._decode_tiered_kernel
-    all_configs, prune = list(kern.configs), kern.early_config_prune
-    sweep = all_configs
-    if args.configs:
-        import triton
-
-        sweep = [triton.Config({}, num_warps=int(w), num_stages=int(st))
-                 for w, st in (c.split(":") for c in args.configs)]
-    kern.early_config_prune = None  # fp16-only launches are pinned to one config; sweep them all
-    default_plan = da.plan_splits(tables, args.kv_heads, args.head_dim, 32, 2, dev)
+    sweep = [(int(w), int(st)) for w, st in (c.split(":") for c in args.configs)] if args.configs else \
+        [(fp.NUM_WARPS, fp.NUM_STAGES)]
+    default_plan = fp.plan_fp16_splits(table.shape[1], args.batch, args.kv_heads, dev)
     ref = None
     rows = []
-    try:
-        for cfg in sweep:
-            kern.configs = [cfg]
-            kern.cache.clear()
-            for s16, empty_tiers, ppi, order in itertools.product(args.splits, args.empty_tiers,
-                                                                  args.pages_per_iter, args.order):
-                plan = ((math.ceil(tables.tables[0].shape[1] / s16), 1, 1), (s16, empty_tiers, empty_tiers))
-                perm = da.longest_first_order(tables) if order == "longest" else None
+    for (warps, stages), s16, ppi, order in itertools.product(sweep, args.splits, args.pages_per_iter, args.order):
+        plan = (math.ceil(table.shape[1] / s16), s16)
+        perm = fp.longest_first_order(lens) if order == "longest" else None
 
-                def call(plan=plan, ppi=ppi, perm=perm):
-                    return da.decode_attention_tiered(q, layer, tables, split_plan=plan, check=False,
-                                                      even_splits=True, pages_per_iter=ppi, request_order=perm)
-                out = call()
-                ref = out if ref is None else ref
-                diff = (out.float() - ref.float()).abs().max().item()
-                # one call per replay: the KV of a real shape (>= 32k tokens) is far beyond L2
-                timing = time_rotating([call], dev, args.iters)
-                ms, graphed = timing["ms"], timing["graphed"]
-                row = {"config": str(cfg), "S16": s16, "empty_tier_splits": empty_tiers, "pages_per_iter": ppi,
-                       "order": order, "ms": ms, "pct_copy_bw": 100 * nbytes / (ms * 1e-3) / copy_bw, "graphed": graphed,
-                       "max_abs_diff": diff}
-                rows.append(row)
-                print(f"{row['config']:40s} S16={s16} empty={empty_tiers} ppi={ppi} order={order}: {1e3 * ms:7.1f} us "
-                      f"({row['pct_copy_bw']:.0f}% of copy bw, diff {diff:.1e})", flush=True)
-    finally:
-        kern.configs, kern.early_config_prune = all_configs, prune
-        kern.cache.clear()
+        def call(plan=plan, ppi=ppi, perm=perm, warps=warps, stages=stages):
+            return fp.paged_fp16_pool_decode(q, k, v, table, lens, split_plan=plan, check=False, even_splits=True,
+                                             pages_per_iter=ppi, request_order=perm, num_warps=warps,
+                                             num_stages=stages)
+        out = call()
+        ref = out if ref is None else ref
+        diff = (out.float() - ref.float()).abs().max().item()
+        # one call per replay: the KV of a real shape (>= 32k tokens) is far beyond L2
+        timing = time_rotating([call], dev, args.iters)
+        ms, graphed = timing["ms"], timing["graphed"]
+        row = {"config": f"{warps} warps, {stages} stages", "S16": s16, "pages_per_iter": ppi, "order": order,
+               "ms": ms, "pct_copy_bw": 100 * nbytes / (ms * 1e-3) / copy_bw, "graphed": graphed,
+               "max_abs_diff": diff}
+        rows.append(row)
+        print(f"{row['config']:20s} S16={s16} ppi={ppi} order={order}: {1e3 * ms:7.1f} us "
+              f"({row['pct_copy_bw']:.0f}% of copy bw, diff {diff:.1e})", flush=True)
     best = min(rows, key=lambda r: r["ms"])
     print("best:", best, "| the planner's default:", default_plan)
     device = device_name(args.device)
@@ -147,12 +127,6 @@ def main() -> None:
     print("wrote", path)
 
 
-def _warps_stages(config: str) -> str:
-    """"num_warps: 4, num_ctas: 1, num_stages: 2, ..." -> "4 warps, 2 stages"."""
-    kv = dict(part.strip().split(": ", 1) for part in config.split(",") if ": " in part)
-    return f"{kv.get('num_warps')} warps, {kv.get('num_stages')} stages"
-
-
 def plot(path_png, rows, params: dict) -> None:
     import matplotlib
 
@@ -163,15 +137,14 @@ def plot(path_png, rows, params: dict) -> None:
     configs = sorted({r["config"] for r in rows})
     ppis = sorted({r.get("pages_per_iter", 1) for r in rows})
     orders = sorted({r.get("order", "none") for r in rows})
-    for cfg, empty, ppi, order in itertools.product(configs, (1, 0), ppis, orders):
-        pts = [(r["S16"], 1e3 * r["ms"]) for r in rows if r["config"] == cfg and r["empty_tier_splits"] == empty
+    for cfg, ppi, order in itertools.product(configs, ppis, orders):
+        pts = [(r["S16"], 1e3 * r["ms"]) for r in rows if r["config"] == cfg
                and r.get("pages_per_iter", 1) == ppi and r.get("order", "none") == order]
         if pts:
-            ax.plot(*zip(*pts), marker="o" if order == "none" else "s", ls="-" if empty == 0 else ":",
-                    label=f"{_warps_stages(cfg)}, {ppi} page(s)/step, {'no' if empty == 0 else 'with'} empty tiers"
-                          + ("" if order == "none" else ", longest first"))
+            ax.plot(*zip(*pts), marker="o" if order == "none" else "s",
+                    label=f"{cfg}, {ppi} page(s)/step" + ("" if order == "none" else ", longest first"))
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("fp16 splits per request (S16)")
+    ax.set_xlabel("splits per request (S16)")
     ax.set_ylabel("us per layer")
     ax.set_title(f"decode attention, heads {params['q_heads']}/{params['kv_heads']}/{params['head_dim']}, "
                  f"B={params['batch']}, ctx {params['ctx_min']}-{params['ctx_max']}, page {params['page']}",

@@ -3,8 +3,8 @@
     engine_tier_counts(ctx, mix, Hkv, D)            -> (n16, n8, n4) tokens of one request
     build_engine_layout(B, counts, Hkv, D, ...)     -> EngineLayout: one layer + FILLED tables of
                                                        `copies` batches, as the tiered backend sees them
-    build_uniform_fp16(B, ctx, Hkv, D, ...)         -> a uniform page-64 fp16 layer + dense tables
-                                                       per copy (decode_attention_tiered's fp16 path)
+    build_paged_fp16(B, ctx, Hkv, D, ...)           -> PagedFp16Layout: page-64 K/V pages + one block
+                                                       table per copy (the paged fp16 pool's decode)
 
 Copies (common/bandwidth.py's rotation) are batches of B requests on disjoint pages of one
 pool, each with its own row views of the tables. The engine layout is not imitated: a
@@ -13,8 +13,9 @@ the tables from the request rows and `tiered_rows.tier_layer_view` the layer's v
 (mem_cache/README.md sections 7-8):
 
     fp16 store   [n16 + 2, Hkv, 1, D]     pages of ONE token (slot rows), model dtype
-    int8 / int4  [pages, Hkv, 64, W]      head-major pages, W = D | D / 2 (uint8)
-    scales       [pages, Hkv, 64, 1]      one fp16 scale and one zero per token and kv head (G = D)
+    int8 / int4  [pages, Hkv, BLOCK]      page-head blocks of PAGE (default: the engine's
+                                          kv_tier_page_size) tokens: codes (V dim-major), then one
+                                          fp16 scale and one zero per token and kv head (G = D)
     tables       filled form, width L = ctx for every tier (eager decode's L = the longest request)
 
 Each request's tokens of a tier are one run on fresh pages, as the prefill re-tiering leaves them
@@ -30,8 +31,14 @@ import torch
 
 # the engine's defaults (EngineConfig): decode window kept fp16, int page size, sinks, policy
 DECODE_RECENT = 64
-INT_PAGE = 64
+FP16_PAGE = 64  # the paged fp16 pool's page (triton backend)
 MIXES = ("fp16", "int8", "int4", "mix_b0.5")
+
+
+def engine_int_page() -> int:
+    from sgl_kvxfer.config import EngineConfig
+
+    return EngineConfig().kv_tier_page_size
 
 
 def planned_mix(budget: float, Hkv: int, D: int) -> tuple[float, ...]:
@@ -80,6 +87,11 @@ class EngineLayout:
     pool: object  # the TieredKVPool that owns the storage
     slots: torch.Tensor  # int64 [copies * B, L] request rows of global slot ids (req_to_token's)
 
+    @property
+    def tiers(self) -> tuple:
+        """The tiers that hold tokens (the others are not launched)."""
+        return tuple(t for t, n in enumerate(self.counts) if n > 0)
+
     def kv_bytes(self, D: int, elem_bytes: int) -> int:
         """K + V bytes one copy's requests hold (scales included): what one call must read."""
         from sgl_kvxfer.kernels.tier_codec import payload_bytes
@@ -90,16 +102,17 @@ class EngineLayout:
 
 
 def build_engine_layout(B: int, counts: tuple, Hkv: int, D: int, dtype=torch.float16, device="cpu",
-                        copies: int = 1, page_size: int = INT_PAGE, seed: int = 0) -> EngineLayout:
+                        copies: int = 1, page_size: int | None = None, seed: int = 0) -> EngineLayout:
     """`copies` x B requests holding counts = (n16, n8, n4) tokens each in one TieredKVPool layer;
     copy i is the batch of requests [i B, (i + 1) B) (disjoint pages: rotation without copies of
-    the pool's tensors)."""
+    the pool's tensors). page_size: the int stores' (default: the engine's)."""
     from sgl_kvxfer.kernels.testing import fill_random_pools
     from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
     from sgl_kvxfer.mem_cache.tiered_allocator import TieredSlotAllocator
     from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
     from sgl_kvxfer.mem_cache.tiered_rows import tier_block_tables, tier_layer_view
 
+    page_size = page_size or engine_int_page()
     n16, n8, n4 = counts
     R = copies * B
     plan = TierStorePlan(max(16, R * n16), *(R * math.ceil(n / page_size) * page_size for n in (n8, n4)))
@@ -119,22 +132,24 @@ def build_engine_layout(B: int, counts: tuple, Hkv: int, D: int, dtype=torch.flo
     return EngineLayout(layer, tables, tuple(counts), L, pool, slots)
 
 
-def build_uniform_fp16(B: int, ctx: int, Hkv: int, D: int, dtype=torch.float16, device="cpu", copies: int = 1,
-                       page_size: int = INT_PAGE, seed: int = 0):
-    """One layer whose fp16 tier holds every token of `copies` x B requests in pages of
-    `page_size` (int tiers: one unused page), each request on random pages; dense tables, one
-    per copy. -> (layer, [tables])."""
-    from sgl_kvxfer.kernels.paged_layout import TieredBlockTables, allocate_tiered_layer
-    from sgl_kvxfer.kernels.testing import fill_random_pools
+@dataclass
+class PagedFp16Layout:
+    k_pages: torch.Tensor  # [pages, Hkv, PAGE, D] (page 0 unused, as the pool's padding page)
+    v_pages: torch.Tensor
+    tables: list  # per copy: int32 [B, cdiv(ctx, PAGE)] block table rows
+    seq_lens: torch.Tensor  # int32 [B]
 
+
+def build_paged_fp16(B: int, ctx: int, Hkv: int, D: int, dtype=torch.float16, device="cpu", copies: int = 1,
+                     page_size: int = FP16_PAGE, seed: int = 0) -> PagedFp16Layout:
+    """K/V pages of a PagedFp16KVPool layer holding `copies` x B requests of ctx tokens, each
+    request on random distinct pages; one block table per copy."""
     npg, R = math.ceil(ctx / page_size), copies * B
-    g = torch.Generator().manual_seed(seed)
-    group = 32 if D % 32 == 0 else D
-    layer = allocate_tiered_layer((R * npg, 1, 1), page_size, Hkv, D, group, dtype, device)
-    fill_random_pools(layer, seed=seed)
-    table16 = torch.randperm(R * npg, generator=g).to(torch.int32).view(R, npg).to(device)
-    empty = torch.zeros(R, 1, dtype=torch.int32, device=device)
-    zeros = torch.zeros(R, dtype=torch.int32, device=device)
-    full = TieredBlockTables((table16, empty, empty.clone()),
-                             (torch.full((R,), ctx, dtype=torch.int32, device=device), zeros, zeros.clone()))
-    return layer, [batch_slice(full, i * B, (i + 1) * B) for i in range(copies)]
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (R * npg + 1, Hkv, page_size, D)
+    k = torch.randn(shape, dtype=dtype, device=device, generator=g)
+    v = torch.randn(shape, dtype=dtype, device=device, generator=g)
+    table = (torch.randperm(R * npg, generator=torch.Generator().manual_seed(seed)) + 1).to(torch.int32)
+    table = table.view(R, npg).to(device)
+    return PagedFp16Layout(k, v, [table[i * B:(i + 1) * B] for i in range(copies)],
+                           torch.full((B,), ctx, dtype=torch.int32, device=device))

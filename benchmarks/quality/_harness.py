@@ -18,7 +18,9 @@ sys.path.insert(0, ROOT)
 from benchmarks.common.report import device_name, git_commit, write_json  # noqa: E402
 
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
-PROSE = os.environ.get("SGL_KVXFER_PROSE", "/work/shared/data/prose_eval.jsonl")
+# the eval prose: --prose, else $SGL_KVXFER_PROSE, else the shared data beside the checkout
+PROSE = os.environ.get("SGL_KVXFER_PROSE") or os.path.join(os.path.dirname(ROOT), "shared", "data",
+                                                           "prose_eval.jsonl")
 ALL_METHODS = ("greedy", "sink-protect", "adaptive-2tier", "balanced", "random-tier", "uniform-int8",
                "uniform-int4", "pdtrim", "sws")
 
@@ -28,7 +30,8 @@ def add_common_args(ap) -> None:
     ap.add_argument("--device", default="auto", help="cpu | cuda | auto")
     ap.add_argument("--dtype", default="bfloat16", help="model dtype (bf16 keeps KV bytes literal)")
     ap.add_argument("--model", default=None, help="model path or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--prose", default=PROSE)
+    ap.add_argument("--prose", default=PROSE, help="JSONL of {\"text\": ...} eval prose (default: "
+                    "$SGL_KVXFER_PROSE, else ../shared/data/prose_eval.jsonl beside the checkout)")
     ap.add_argument("--out-dir", default=RESULTS_DIR)
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: memory-based)")
     ap.add_argument("--kv-quant-group-size", type=int, default=None,
@@ -48,6 +51,7 @@ def make_engines(args, tiered_kwargs: dict):
     its stores; every point overrides policy/budget/unit."""
     from sgl_kvxfer import Engine
 
+    _check_prose(args.prose)  # before minutes of model loading
     base = Engine(args.model, **engine_kwargs(args))
     if getattr(args, "kv_quant_group_size", None):
         tiered_kwargs = {**tiered_kwargs, "kv_quant_group_size": args.kv_quant_group_size}
@@ -55,7 +59,15 @@ def make_engines(args, tiered_kwargs: dict):
     return base, tiered
 
 
+def _check_prose(path: str) -> None:
+    if not os.path.isfile(path):
+        raise SystemExit(f"eval prose {path} not found: pass --prose FILE or set SGL_KVXFER_PROSE (JSONL rows "
+                         "of {\"text\": ...}; the project's shared data keeps it as ../shared/data/prose_eval.jsonl "
+                         "beside the checkout)")
+
+
 def load_texts(path: str) -> list[str]:
+    _check_prose(path)
     with open(path, encoding="utf-8") as f:
         return [json.loads(line)["text"] for line in f if line.strip()]
 

@@ -1,30 +1,36 @@
-"""SCD quality: extractive-QA F1, held-out PPL, KL / TV against the oracle, per method and consumer;
-rank sensitivity (F1 vs transferred bytes over an (r_K, r_V) grid, Pareto front).
+"""SCD quality on the task suite: one table at matched bytes per token, the rank sweep's Pareto
+front, per-layer drift of each specialist, and bandwidth-adaptive rank choice vs fixed ranks.
 
-    python benchmarks/quality/scd_eval.py --artifacts scd_artifacts/smollm2 [--quick]
+    python benchmarks/quality/scd_eval.py --artifacts DIR [--n 100] [--rates 1 5 25 100 200]
+        [--consumer-tasks qa=qa,kv=kv,code=code] [--task-param kv.context_tokens=1024] [--quick]
 
-Methods (benchmarks/quality/scd_harness.py): oracle (the consumer's own prefill), raw producer
-KV, int4 producer KV (our tier codec, group 32), reuse (Reuse on every layer), droidspeak (raw
-KV except the k layers most sensitive to raw reuse, recomputed by the consumer from the
-producer's residual stream; k = the number of SCD patch layers), scd (Reuse + Patch).
-QA: benchmarks/quality/scd_qa.py on the eval split (seeded). PPL / KL / TV: eval windows of
---ppl-prefix + --ppl-cont tokens, scored on the continuation. Reuse-only and the rank grid refit
-from reuse_stats.safetensors (calibrate --save-stats). The grid stops at --time-budget-s.
-Writes scd_eval_<device>.json (write_json) and .png into --out-dir.
+Each consumer (a specialist) is scored on its task's eval split (sgl_kvxfer/tasks; default: the
+task named like the consumer) by every method of benchmarks/quality/scd_harness.py: oracle (its
+own prefill), base (the producer answering itself), raw producer KV, int8 / int4 producer KV,
+Reuse-only, DroidSpeak (raw KV, the k layers most sensitive to raw reuse recomputed; k = the
+SCD patch count), SCD; then SCD and Reuse-only at every lower nested rank level of the
+artifacts (calibrate --rank-levels: the rank sweep). Per method: task score, KL and top-1
+agreement against the oracle on the gold answer tokens, bytes per token, rebuild time.
+
+Adaptive codes: per eval item and link rate, TTFT = the producer's prefill + wire time of the
+level's bytes + the level's rebuild + the consumer's first step, from batch-1 timings measured
+here (scaled by prompt length); the adaptive policy (sgl_kvxfer/scd/rank_policy.py) picks a
+level per item, each fixed policy always sends its level. Writes NAME.json and NAME.png.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
+import statistics
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts", "train"))
 
-from benchmarks.common.report import RESULTS_DIR, device_name, write_json  # noqa: E402
+from benchmarks.common.report import RESULTS_DIR, device_name, git_commit, write_json  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -32,200 +38,211 @@ def parse_args(argv=None):
     ap.add_argument("--artifacts", required=True)
     ap.add_argument("--producer", default=None, help="producer model dir (default: the manifest's source)")
     ap.add_argument("--consumer", action="append", default=[], metavar="NAME=PATH",
-                    help="consumer model dir or LoRA adapter (on the producer) (default: the manifest's sources)")
-    ap.add_argument("--qa-per-corpus", type=int, default=150)
-    ap.add_argument("--qa-seed", type=int, default=0)
-    ap.add_argument("--max-new-tokens", type=int, default=12)
-    ap.add_argument("--ppl-windows", type=int, default=12, help="per corpus")
-    ap.add_argument("--ppl-prefix", type=int, default=512)
-    ap.add_argument("--ppl-cont", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--grid-rk", default="8,16,32,48")
-    ap.add_argument("--grid-rv", default="32,48,64")
-    ap.add_argument("--grid-questions", type=int, default=100, help="QA items per grid point (a fixed subset)")
-    ap.add_argument("--droid-k", type=int, default=None, help="DroidSpeak's recomputed layers (default: #patch layers)")
-    ap.add_argument("--time-budget-s", type=float, default=300.0)
+                    help="consumer model dir (default: the manifest's sources)")
+    ap.add_argument("--consumer-tasks", default="", help="NAME=TASK[+TASK],... (default: the task named like each consumer)")
+    ap.add_argument("--n", type=int, default=100, help="eval items per task")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task-param", action="append", default=[], metavar="TASK.PARAM=VALUE")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--drift-prompts", type=int, default=32)
+    ap.add_argument("--timing-repeats", type=int, default=5)
+    ap.add_argument("--rates", type=float, nargs="+", default=[1, 5, 25, 100, 200], help="link rates, Gbit/s")
+    ap.add_argument("--wire-frac", type=float, default=0.25, help="the adaptive policy's wire budget (rank_policy.py)")
+    ap.add_argument("--droid-k", type=int, default=None)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA, float32 on CPU")
     ap.add_argument("--out-dir", default=RESULTS_DIR)
     ap.add_argument("--name", default=None, help="result name (default scd_eval_<device>)")
+    ap.add_argument("--time-budget-s", type=float, default=0.0, help="skip the rank sweep's remaining levels past this")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke run)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.qa_per_corpus, args.ppl_windows, args.ppl_prefix, args.ppl_cont = 4, 1, 48, 16
-        args.grid_rk, args.grid_rv, args.grid_questions, args.max_new_tokens = "4,8", "8", 4, 6
+        args.n, args.drift_prompts, args.timing_repeats, args.batch_size = 3, 2, 1, 4
+    if min(args.n, args.batch_size, args.drift_prompts, args.timing_repeats) < 1 or min(args.rates) <= 0:
+        ap.error("--n, --batch-size, --drift-prompts, --timing-repeats >= 1; --rates > 0")
+    if not 0 < args.wire_frac < 1e6:
+        ap.error("--wire-frac must be > 0")
     return args
 
 
 def main(argv=None) -> str:
     args = parse_args(argv)
     import torch
+    from task_data import parse_task_params
     from tqdm import tqdm
 
-    from scd_harness import Harness
-    from scd_qa import build_qa, f1
-    from sgl_kvxfer.scd.calibrate import parse_consumer_arg
-    from sgl_kvxfer.scd.data import corpus_path, read_texts, token_chunks
+    from scd_harness import Harness, drift
+    from scd_plots import plot
+    from sgl_kvxfer import tasks
+    from sgl_kvxfer.scd.calib.calibrate import parse_consumer_arg
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "bfloat16": torch.bfloat16,
              "float32": torch.float32}[args.dtype]
     t0, wall = time.perf_counter(), {}
-    consumers = dict(parse_consumer_arg(c, args.producer) for c in args.consumer)
-    h = Harness(args.artifacts, args.producer, consumers, device, dtype, args.droid_k)
+    h = Harness(args.artifacts, args.producer, dict(parse_consumer_arg(c, args.producer) for c in args.consumer),
+                device, dtype, args.droid_k)
     wall["load"] = time.perf_counter() - t0
-    texts = {c: read_texts(corpus_path(c, "eval")) for c in ("code", "prose")}
-    items = build_qa(texts, args.qa_per_corpus, args.qa_seed)
-    prompts = h.qa_ids(items)
-
-    t = time.perf_counter()
-    bar = tqdm(total=len(prompts), desc="QA (all methods)", unit="q")
-    answers = h.answer(prompts, h.methods, args.max_new_tokens, args.batch_size, progress=bar.update)
-    bar.close()
-    qa = {}
-    for (cons, meth), outs in answers.items():
-        scores = [f1(o, it.answer) for o, it in zip(outs, items)]
-        by = {c: [s for s, it in zip(scores, items) if it.corpus == c] for c in texts}
-        qa.setdefault(cons, {})[meth] = {"f1": _mean(scores), **{f"f1_{c}": _mean(v) for c, v in by.items()},
-                                         "examples": [{"q": it.question, "answer": it.answer, "pred": o}
-                                                      for o, it in list(zip(outs, items))[:3]]}
-    wall["qa"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    windows = []
-    for c in texts:
-        windows += token_chunks(h.tokenizer, texts[c], args.ppl_prefix + args.ppl_cont, args.ppl_windows,
-                                seed=args.qa_seed, max_per_doc=1)
-    bar = tqdm(total=len(windows), desc="PPL / KL / TV", unit="window")
-    acc = h.score(windows, args.ppl_prefix, h.methods, max(1, args.batch_size // 2), progress=bar.update)
-    bar.close()
-    ppl = {}
-    for (cons, meth), a in acc.items():
-        n = max(1, a["tokens"])
-        ppl.setdefault(cons, {})[meth] = {"ppl": math.exp(a["nll_sum"] / n), "kl": a["kl_sum"] / n,
-                                          "tv": a["tv_sum"] / n, "tokens": a["tokens"]}
-    wall["ppl"] = time.perf_counter() - t
-
-    sub = grid_subset(len(items), args.grid_questions)
-    mean_f1 = {meth: _mean([qa[c][meth]["f1"] for c in qa]) for meth in h.methods}
-    # the same methods on the grid's question subset (the Pareto panel compares like with like)
-    sub_f1 = {meth: _mean([_mean([f1(answers[(c, meth)][i], items[i].answer) for i in sub]) for c in qa])
-              for meth in h.methods}
-    payload = {
-        "device": device_name(device), "torch_device": device, "dtype": str(dtype).replace("torch.", ""),
-        "params": vars(args), "artifacts": os.path.abspath(args.artifacts),
-        "manifest": {k: v for k, v in h.m.to_dict().items() if k not in ("producer", "consumers")},
-        "models": {"producer": h.m.producer.to_dict(), "consumers": [c.to_dict() for c in h.m.consumers]},
-        "protocol": "producer prefills prompt[:-1]; the method builds the consumer's prefix cache; the consumer "
-                    "runs prompt[-1] and decodes greedily (QA) / scores the continuation (PPL, KL/TV vs oracle)",
-        "qa_items": len(items), "qa_kinds": _count([f"{it.corpus}/{it.kind}" for it in items]),
-        "droidspeak_layers": list(h.droid_layers), "bytes_per_token": h.bytes_per_token(),
-        "f1_mean_over_consumers": mean_f1,
-        "scd_f1_vs_oracle": mean_f1["scd"] / mean_f1["oracle"] if mean_f1["oracle"] else None,
-        "qa": qa, "ppl": ppl, "rank_grid": [], "rank_grid_skipped": ["not run yet"],
-        "rank_grid_questions": len(sub), "f1_on_grid_subset": sub_f1,
-    }
+    tparams = parse_task_params(args.task_param)
+    ctasks = {n: [n] for n in h.consumers if n in tasks.task_names()}
+    for part in filter(None, args.consumer_tasks.split(",")):
+        n, _, ts = part.partition("=")
+        ctasks[n] = ts.split("+")
+    missing = [n for n in h.consumers if n not in ctasks]
+    if missing:
+        raise SystemExit(f"no task for consumers {missing}: pass --consumer-tasks NAME=TASK")
+    m = h.m
+    variants = [(meth, meth, None) for meth in h.methods]
+    sweep = [(f"{meth}@{a}:{b}", meth, (a, b)) for a, b in m.rank_levels for meth in ("scd", "reuse")
+             if meth != "reuse" or h.reuse_art]
+    payload = {"benchmark": "scd_eval", "device": device_name(device), "commit": git_commit(),
+               "dtype": str(dtype).replace("torch.", ""), "params": vars(args), "artifacts": os.path.abspath(args.artifacts),
+               "manifest": {k: v for k, v in m.to_dict().items() if k not in ("producer", "consumers")},
+               "models": {"producer": m.producer.to_dict(), "consumers": [c.to_dict() for c in m.consumers]},
+               "consumer_tasks": ctasks, "droidspeak_layers": list(h.droid_layers),
+               "levels": [list(x) for x in m.levels], "results": {}, "drift": {}, "timings": {}}
     name = args.name or f"scd_eval_{payload['device'].split(' (')[0].replace(' ', '_')}"
+    examples = {c: [ex for t in ts for ex in tasks.generate(t, "eval", args.n, args.seed, tokenizer=h.tokenizer,
+                                                             **tparams.get(t, {}))] for c, ts in ctasks.items()}
+    lengths = {c: [len(tasks.chat_prompt_ids(h.tokenizer, ex)) for ex in exs] for c, exs in examples.items()}
 
     def save():
+        payload["summary"] = summarize(payload, h, variants + sweep)
+        payload["adaptive"] = adaptive(payload, h, lengths, args)
         payload["wall_s"] = {k: round(v, 2) for k, v in {**wall, "total": time.perf_counter() - t0}.items()}
-        out = write_json(name, payload, args.out_dir)
-        plot(payload, out[:-5] + ".png")
-        return out
+        path = write_json(name, payload, args.out_dir)
+        plot(payload, path[:-5] + ".png")
+        return path
 
-    save()  # QA + PPL are on disk before the grid starts (a caller's timeout may cut the grid)
-    payload["rank_grid"], payload["rank_grid_skipped"] = rank_grid(h, args, items, prompts, f1, t0, sub)
-    wall["grid"] = time.perf_counter() - t - wall["ppl"]
+    t = time.perf_counter()
+    for cname, c in h.consumers.items():
+        exs = examples[cname]
+        bar = tqdm(total=len(exs), desc=f"{cname}: methods", unit="q")
+        payload["results"][cname] = compact(h.evaluate(c, exs, variants, args.batch_size, bar.update))
+        bar.close()
+        prompts = [tasks.chat_prompt_ids(h.tokenizer, ex) for ex in exs[:args.drift_prompts]]
+        payload["drift"][cname] = drift(h, c, prompts, min(args.batch_size, 8))  # full-vocab logits: small batches
+        mid = sorted(range(len(exs)), key=lambda i: lengths[cname][i])[len(exs) // 2]
+        payload["timings"][cname] = h.timings(c, tasks.chat_prompt_ids(h.tokenizer, exs[mid]), variants + sweep,
+                                              args.timing_repeats)
+    wall["methods"] = time.perf_counter() - t
+    save()  # the table is on disk before the sweep starts
+    t = time.perf_counter()
+    for cname, c in h.consumers.items():
+        for v in sweep:
+            if args.time_budget_s and time.perf_counter() - t0 > args.time_budget_s:
+                payload.setdefault("sweep_skipped", []).append(f"{cname}:{v[0]}")
+                continue
+            payload["results"][cname].update(compact(h.evaluate(c, examples[cname], [v], args.batch_size)))
+    wall["sweep"] = time.perf_counter() - t
     path = save()
-    print(f"F1 (mean over consumers): " + ", ".join(f"{k} {v:.3f}" for k, v in mean_f1.items()))
+    print("score (mean over consumers): " + ", ".join(f"{k} {v['score']:.3f}"
+                                                      for k, v in payload["summary"]["methods"].items()))
     print(f"wrote {path}")
     return path
 
 
-def grid_subset(n: int, k: int) -> list[int]:
-    """k of n question indices, evenly strided (the items are grouped by corpus)."""
-    k = max(1, min(k, n))
-    return [int(i * n / k) for i in range(k)]
-
-
-def rank_grid(h, args, items, prompts, f1, t0, sub):
-    """Full SCD (calibrated patch layers + aligners) with Reuse refitted at each (r_k, r_v)."""
-    from sgl_kvxfer.scd import ScdDecoder, ScdEncoder
-
-    if h.stats is None:
-        return [], ["no reuse_stats.safetensors (calibrate --save-stats)"]
-    grid, skipped = [], []
-    for rk in (int(x) for x in args.grid_rk.split(",")):
-        for rv in (int(x) for x in args.grid_rv.split(",")):
-            if time.perf_counter() - t0 > args.time_budget_s or rk > h.m.head_dim or rv > h.m.head_dim:
-                skipped.append(f"r_k={rk},r_v={rv}")
-                continue
-            art = h.refit(rk, rv)
-            enc = ScdEncoder(art)
-            decs = {c.name: ScdDecoder(art, c.name) for c in h.consumers}
-            res = h.answer([prompts[i] for i in sub], ["scd"], args.max_new_tokens, args.batch_size,
-                           variant=lambda c: (enc, decs[c.name]))
-            scores = [_mean([f1(o, items[i].answer) for o, i in zip(outs, sub)]) for outs in res.values()]
-            grid.append({"r_k": rk, "r_v": rv, "bytes_per_token": art.manifest.bytes_per_token, "f1": _mean(scores),
-                         "questions": len(sub)})
-    front, best = [], -1.0
-    for g in sorted(grid, key=lambda g: (g["bytes_per_token"], -g["f1"])):
-        if g["f1"] > best:
-            best = g["f1"]
-            front.append(g)
-    for g in grid:
-        g["pareto"] = g in front
-    return grid, skipped
-
-
-def plot(p: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    meths = list(p["f1_mean_over_consumers"])
-    cons = list(p["qa"])
-    w = 0.8 / max(1, len(cons))
-    for j, c in enumerate(cons):
-        a.bar([i + j * w for i in range(len(meths))], [p["qa"][c][m]["f1"] for m in meths], w, label=c)
-    a.set_xticks([i + w * (len(cons) - 1) / 2 for i in range(len(meths))], meths)
-    a.set_ylabel("extractive QA F1")
-    a.set_title(f"{p['qa_items']} questions, consumer = specialist", fontsize=9)
-    a.legend(fontsize=8)
-    if p["rank_grid"]:
-        g = p["rank_grid"]
-        b.scatter([x["bytes_per_token"] for x in g], [x["f1"] for x in g], c="gray", s=18, label="SCD (r_K, r_V) grid")
-        front = sorted((x for x in g if x["pareto"]), key=lambda x: x["bytes_per_token"])
-        b.plot([x["bytes_per_token"] for x in front], [x["f1"] for x in front], "o-", mfc="none", c="C0",
-               label="Pareto front")
-        for x in front:
-            b.annotate(f"({x['r_k']},{x['r_v']})", (x["bytes_per_token"], x["f1"]), fontsize=7)
-    bpt, f1m = p["bytes_per_token"], p["f1_on_grid_subset"]
-    for m in meths:
-        if m != "oracle":
-            b.scatter([bpt[m]], [f1m[m]], marker="x", s=40, label=m)
-    b.axhline(f1m["oracle"], ls="--", c="k", lw=1, label="oracle")
-    b.set_xscale("log")
-    b.set_xlabel("bytes transferred per token")
-    b.set_ylabel(f"F1 (mean over consumers), {p['rank_grid_questions']} questions")
-    b.legend(fontsize=7)
-    fig.suptitle(f"SCD on {p['device']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _mean(x):
-    x = list(x)
-    return sum(x) / len(x) if x else 0.0
-
-
-def _count(xs):
+def compact(res: dict) -> dict:
+    """Per variant: per-item headline scores, means of every metric, KL / top-1, rebuild time."""
     out = {}
-    for x in xs:
-        out[x] = out.get(x, 0) + 1
+    for label, o in res.items():
+        scores = [x for x in o["scores"] if x is not None]
+        metrics = {k: sum(x[k] for x in scores) / len(scores) for k in scores[0]} if scores else {}
+        out[label] = {"metrics": metrics, "item_scores": [next(iter(x.values())) for x in scores],
+                      "kl": o["kl_sum"] / max(1, o["tokens"]), "top1": o["top1_sum"] / max(1, o["tokens"]),
+                      "answer_tokens": o["tokens"],
+                      "rebuild_ms_per_1k_tokens": 1e6 * o["rebuild_s"] / max(1, o["prefix_tokens"]),
+                      "examples": o["preds"][:3]}
+    return out
+
+
+def _headline(r: dict) -> float:
+    return sum(r["item_scores"]) / len(r["item_scores"]) if r["item_scores"] else 0.0
+
+
+def summarize(p: dict, h, variants) -> dict:
+    meths = {}
+    for label, meth, level in variants:
+        rows = [r[label] for r in p["results"].values() if label in r]
+        if not rows:
+            continue
+        meths[label] = {"score": statistics.mean(_headline(r) for r in rows),
+                        "per_consumer": {c: _headline(r[label]) for c, r in p["results"].items() if label in r},
+                        "kl": statistics.mean(r["kl"] for r in rows), "top1": statistics.mean(r["top1"] for r in rows),
+                        "bytes_per_token": h.bytes_per_token(level)[meth],
+                        "rebuild_ms_per_1k_tokens": statistics.mean(r["rebuild_ms_per_1k_tokens"] for r in rows)}
+    raw = meths.get("raw", {}).get("bytes_per_token")
+    for v in meths.values():
+        v["bytes_vs_raw"] = v["bytes_per_token"] / raw if raw else None
+    points = sorted((v["bytes_per_token"], -v["score"], k) for k, v in meths.items() if k.startswith(("scd", "reuse")))
+    front, best = [], -1.0
+    for b, s, k in points:
+        if -s > best:
+            best = -s
+            front.append(k)
+    return {"methods": meths, "pareto_scd_reuse": front, "matched_bytes": matched(meths)}
+
+
+def matched(meths: dict) -> dict:
+    """At the bytes of int4 producer KV and at 1/8 of raw KV: the best SCD and Reuse-only
+    variant that sends no more, with its score against the oracle's."""
+    out = {}
+    oracle = meths.get("oracle", {}).get("score")
+    raw = meths.get("raw", {}).get("bytes_per_token")
+    caps = {"int4": meths.get("int4", {}).get("bytes_per_token"), "raw/8": raw / 8 if raw else None}
+    for cap_name, cap in caps.items():
+        if cap is None:
+            continue
+        row = {"bytes_per_token": cap}
+        for fam in ("scd", "reuse"):
+            cands = [(v["score"], k) for k, v in meths.items() if k.split("@")[0] == fam and v["bytes_per_token"] <= cap]
+            if cands:
+                score, label = max(cands)
+                row[fam] = {"variant": label, "score": score, "bytes_per_token": meths[label]["bytes_per_token"],
+                            "score_vs_oracle": score / oracle if oracle else None}
+        if cap_name == "int4":
+            row["int4_score"] = meths["int4"]["score"]
+        out[cap_name] = row
+    return out
+
+
+def adaptive(p: dict, h, lengths: dict, args) -> dict:
+    """Score and modelled TTFT per link rate: each fixed level, and the adaptive choice."""
+    from sgl_kvxfer.scd.rank_policy import choose_level, wire_seconds
+
+    m = h.m
+    labels = [f"scd@{a}:{b}" for a, b in m.rank_levels] + ["scd"]
+    bpt = [m.bytes_per_token_at(lv) for lv in m.levels]
+    out = {"levels": [list(x) for x in m.levels], "bytes_per_token": bpt, "wire_frac": args.wire_frac, "rates": {}}
+    if not all(all(lab in r for lab in labels) for r in p["results"].values()) or not p["timings"]:
+        return {**out, "skipped": "the sweep has not run every level"}
+    for rate in args.rates:
+        acc = {lab: {"score": [], "ttft_ms": []} for lab in [*labels, "adaptive", "oracle"]}
+        chosen = []
+        for cname, ns in lengths.items():
+            tm, res = p["timings"][cname], p["results"][cname]
+            for i, n in enumerate(ns):
+                scale = n / tm["tokens"]
+                prefill = tm["prefill_s"] * scale
+                ttft = [prefill + wire_seconds(b, n, rate) + tm["rebuild_s"][lab] * scale + tm["first_step_s"]
+                        for lab, b in zip(labels, bpt)]
+                for j, lab in enumerate(labels):
+                    acc[lab]["score"].append(res[lab]["item_scores"][i])
+                    acc[lab]["ttft_ms"].append(1e3 * ttft[j])
+                j = choose_level(bpt, n, rate, prefill, args.wire_frac)
+                chosen.append(j)
+                acc["adaptive"]["score"].append(res[labels[j]]["item_scores"][i])
+                acc["adaptive"]["ttft_ms"].append(1e3 * ttft[j])
+                acc["oracle"]["score"].append(res["oracle"]["item_scores"][i])
+                acc["oracle"]["ttft_ms"].append(1e3 * (tm["rebuild_s"]["oracle"] * scale + tm["first_step_s"]))
+        row = {lab: {"score": statistics.mean(a["score"]), "ttft_ms": statistics.mean(a["ttft_ms"])}
+               for lab, a in acc.items()}
+        row["adaptive"]["level_counts"] = {labels[k]: chosen.count(k) for k in sorted(set(chosen))}
+        best_ttft = min(row[lab]["ttft_ms"] for lab in labels)
+        best_score = max(row[lab]["score"] for lab in labels)
+        row["adaptive"]["ttft_vs_best_fixed"] = row["adaptive"]["ttft_ms"] / best_ttft
+        row["adaptive"]["score_minus_best_fixed"] = row["adaptive"]["score"] - best_score
+        out["rates"][f"{rate:g}"] = row
     return out
 
 

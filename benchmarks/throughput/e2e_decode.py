@@ -71,6 +71,8 @@ def engine_kwargs(args, plan: dict, budget: float, backend: str, batch: int) -> 
     if budget < 1.0:
         # the policy at the budget; int4 forced on (the probe decides int4 for real models only)
         kw.update(kv_tier_budget=budget, kv_tier_policy=args.kv_tier_policy, kv_int4="on")
+        if args.kv_tier_page_size:
+            kw["kv_tier_page_size"] = args.kv_tier_page_size
     return kw
 
 
@@ -271,6 +273,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--kv-tier-budgets", type=float, nargs="+", default=[1.0, 0.5, 0.25],
                    help="one engine per budget; 1.0 = untiered pool, < 1 = SpectrumKV tiers")
     p.add_argument("--kv-tier-policy", default="greedy")
+    p.add_argument("--kv-tier-page-size", type=int, default=None, help="the int stores' page (default: the engine's)")
     p.add_argument("--backends", nargs="+", default=["triton"], help="attention backends, one engine each")
     p.add_argument("--n1", type=int, default=16, help="decode tokens of the short generate call")
     p.add_argument("--n2", type=int, default=80, help="decode tokens of the long generate call")
@@ -285,11 +288,20 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
                    help="one more generate(n2) with synchronized timers: forward ms per decode step, graph "
                    "replays, time in SpectrumKV's hooks (row['breakdown'])")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each engine in a child process (its GPU memory is all back when it exits, "
+                   "so every point finds the card as empty as the first); default: on CUDA only")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--child-point", default=None, help=argparse.SUPPRESS)  # JSON: one point, in a child
     args = p.parse_args(argv)
+    if args.isolate is None:
+        args.isolate = args.device.startswith("cuda")
     if not all(0.0 < b <= 1.0 for b in args.kv_tier_budgets) or args.n2 <= args.n1:
         p.error("budgets must be in (0, 1] and --n2 > --n1")
+    if args.kv_tier_page_size is not None and (args.kv_tier_page_size < 16 or args.kv_tier_page_size & (
+            args.kv_tier_page_size - 1)):
+        p.error("--kv-tier-page-size must be a power of two >= 16")
     triton_interpreter_for(args.device)  # a CPU run's triton backend runs in Triton's interpreter
     signal.signal(signal.SIGINT, signal.default_int_handler)  # `timeout -s INT`: keep what ran
 
@@ -299,6 +311,8 @@ def main(argv: list[str] | None = None) -> str:
     preset = PRESETS[args.preset]
     arch = ModelArchConfig.from_hf_dict(preset)
     dtype = getattr(torch, args.dtype)
+    if args.child_point:
+        return run_child(args, preset, arch, dtype)
     dev = torch.device(args.device)
     device = device_name(args.device)
     copy_bw = copy_bandwidth_Bps(dev)
@@ -328,8 +342,12 @@ def main(argv: list[str] | None = None) -> str:
                           flush=True)
                     for budget in args.kv_tier_budgets:
                         for backend in args.backends:
-                            rows.append(run_point(args, model_dir, preset, arch, dtype, context, batch, budget,
-                                                  backend, {"copy": copy_bw, "sdpa": s["Bps"]}))
+                            bws = {"copy": copy_bw, "sdpa": s["Bps"]}
+                            if args.isolate:
+                                rows.append(run_isolated(args, argv, model_dir, context, batch, budget, backend, bws))
+                            else:
+                                rows.append(run_point(args, model_dir, preset, arch, dtype, context, batch, budget,
+                                                      backend, bws))
                             write_json(name, payload(True), args.out_dir)
         partial = False
     except KeyboardInterrupt:
@@ -343,9 +361,46 @@ def main(argv: list[str] | None = None) -> str:
     return path
 
 
+def run_isolated(args, argv, model_dir, context, batch, budget, backend, bandwidths) -> dict:
+    """run_point in a child process (this script with --child-point); its row comes back as JSON."""
+    import json
+    import subprocess
+
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        row_out = f.name
+    point = {"context": context, "batch": batch, "budget": budget, "backend": backend, "bandwidths": bandwidths,
+             "model_dir": model_dir, "row_out": row_out}
+    cmd = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
+           "--child-point", json.dumps(point)]
+    try:
+        proc = subprocess.run(cmd, check=False)
+        if proc.returncode != 0:
+            return {"context": context, "batch": batch, "kv_tier_budget": budget, "backend": backend,
+                    "error": f"child exited {proc.returncode}"}
+        with open(row_out) as f:
+            return json.load(f)
+    except KeyboardInterrupt:  # the child got the same SIGINT and wrote nothing: stop here
+        raise
+    finally:
+        if os.path.exists(row_out):
+            os.unlink(row_out)
+
+
+def run_child(args, preset, arch, dtype) -> str:
+    """The child side of run_isolated: one point, its row written where the parent reads it."""
+    import json
+
+    pt = json.loads(args.child_point)
+    row = run_point(args, pt["model_dir"], preset, arch, dtype, pt["context"], pt["batch"], pt["budget"],
+                    pt["backend"], pt["bandwidths"])
+    with open(pt["row_out"], "w") as f:
+        json.dump(row, f, default=str)
+    return pt["row_out"]
+
+
 def run_point(args, model_dir, preset, arch, dtype, context, batch, budget, backend, bandwidths) -> dict:
     """One engine at (batch, context, budget, backend), or the record of why it did not run."""
-    plan = plan_pool(arch, dtype, context, batch, budget, args.n2, args.kv_tier_policy)
+    plan = plan_pool(arch, dtype, context, batch, budget, args.n2, args.kv_tier_policy, args.kv_tier_page_size)
     plan["weight_bytes"] = weight_bytes_resident(arch, dtype)
     row = {"context": context, "batch": batch, "kv_tier_budget": budget, "backend": backend, "pool_plan": plan,
            "weight_bytes": plan["weight_bytes"], "weight_bytes_read_per_step": weight_bytes_read(arch, dtype)}

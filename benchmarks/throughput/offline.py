@@ -185,7 +185,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-TARGET_RATIO = {"cuda": 10, "cpu": 3}  # issue 2's throughput targets over HF, drawn on the plot
+TARGET_RATIO = {"cuda": 10, "cpu": 3}  # the ratios over HF the engine aims at, drawn on the plot as a reference
 
 
 def plot(path_png: str, payload: dict) -> None:

@@ -14,8 +14,9 @@ b < 1     TieredKVPool. `pool_tokens` (what --max-total-tokens sets) is an fp16-
           The smallest size is searched whose stores hold
             fp16  one whole request (prefill runs in the fp16 store until it is re-tiered) plus
                   every request's fp16 share, sinks, decode window (2R) and generated tokens
-            int8  every request's planned int8 share of context + n2, + INT_SLACK_PAGES partly
-                  used pages (the tails of its prefill and decode runs)
+            int8  every request's planned int8 share of context + n2, + INT_TAIL_PAGES partly
+                  used pages (the tail of its prefill run; its decode demotions share one page
+                  at a time: each run continues the previous run's last page)
             int4  likewise
           (a tier that is full falls back one tier up, engine-side). Radix-cached prompts
           then stay resident through the timed calls: nothing is evicted and re-prefilled.
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.roofline import ModelShape  # noqa: E402
 
 SLACK = 3 * 64  # tokens per request beyond context + n2: the recomputed token, page tails
-INT_SLACK_PAGES = 2  # partly used int pages a request may hold per tier (prefill run, decode run)
+INT_TAIL_PAGES = 2  # partly used int pages a request holds per tier (prefill run, decode runs)
 HEADROOM_BYTES = 6 * 2**30  # activations of a prefill chunk, CUDA graphs, the allocator's slack
 FP16_PAGE = 64  # the paged fp16 pool's page (triton backend)
 
@@ -62,14 +63,15 @@ def weight_bytes_resident(arch, dtype) -> int:
     return s.weight_bytes_per_forward(_elem(dtype)) + embed * _elem(dtype)
 
 
-def _tier_needs(arch, context: int, batch: int, n2: int, budget: float, policy: str):
+def _tier_needs(arch, context: int, batch: int, n2: int, budget: float, policy: str, page_size: int | None = None):
     """(need16, need8, need4, fractions, config) of the tiered pool for this workload."""
     from sgl_kvxfer.config import EngineConfig
     from sgl_kvxfer.spectrum.budget import KVLayout
     from sgl_kvxfer.spectrum.byte_budget import planned_fractions
     from sgl_kvxfer.spectrum.policies import create_tier_policy
 
-    cfg = EngineConfig(kv_tier_budget=budget, kv_tier_policy=policy, kv_int4="on")
+    cfg = EngineConfig(kv_tier_budget=budget, kv_tier_policy=policy, kv_int4="on",
+                       **({"kv_tier_page_size": page_size} if page_size else {}))
     group = cfg.resolved_group_size(arch.head_dim)
     f16, f8, f4, _ = planned_fractions(create_tier_policy(policy), budget,
                                        KVLayout(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, group),
@@ -77,12 +79,13 @@ def _tier_needs(arch, context: int, batch: int, n2: int, budget: float, policy: 
     req = context + n2 + SLACK
     page = cfg.kv_tier_page_size
     need16 = req + batch * (math.ceil(f16 * context) + cfg.kv_sink_tokens + 2 * cfg.kv_decode_recent + n2)
-    need8 = batch * (math.ceil(f8 * (context + n2)) + INT_SLACK_PAGES * page) if f8 > 0 else 0
-    need4 = batch * (math.ceil(f4 * (context + n2)) + INT_SLACK_PAGES * page) if f4 > 0 else 0
+    need8 = batch * (math.ceil(f8 * (context + n2)) + INT_TAIL_PAGES * page) if f8 > 0 else 0
+    need4 = batch * (math.ceil(f4 * (context + n2)) + INT_TAIL_PAGES * page) if f4 > 0 else 0
     return need16, need8, need4, (f16, f8, f4), cfg
 
 
-def plan_pool(arch, dtype, context: int, batch: int, budget: float, n2: int, policy: str = "greedy") -> dict:
+def plan_pool(arch, dtype, context: int, batch: int, budget: float, n2: int, policy: str = "greedy",
+              page_size: int | None = None) -> dict:
     full = full_bytes_per_token(arch, dtype)
     req = context + n2 + SLACK
     if budget >= 1.0:
@@ -91,7 +94,7 @@ def plan_pool(arch, dtype, context: int, batch: int, budget: float, n2: int, pol
                 "tokens_needed": batch * req, "stores": None, "request_bound": size}
     from sgl_kvxfer.mem_cache import tier_store_plan
 
-    need16, need8, need4, fractions, cfg = _tier_needs(arch, context, batch, n2, budget, policy)
+    need16, need8, need4, fractions, cfg = _tier_needs(arch, context, batch, n2, budget, policy, page_size)
 
     def ok(size: int):
         plan = tier_store_plan(cfg, arch, size, dtype, True)

@@ -18,10 +18,12 @@ script=$(ls benchmarks/{throughput,kernels,quality,pd}/"$name".py 2>/dev/null | 
 if [ -z "$script" ]; then echo "no benchmark script named '$name' under benchmarks/" >&2; exit 2; fi
 source scripts/gpu/env.sh || exit 1
 
-# The quality scripts read the eval prose (and the int4 probe its filler) from /work/shared/data,
-# which does not travel: carry a copy as .cache/data/prose_eval.jsonl.
-if [[ $script == benchmarks/quality/* && ! -f /work/shared/data/prose_eval.jsonl ]]; then
-  mkdir -p /work/shared/data && cp .cache/data/prose_eval.jsonl /work/shared/data/ || exit 1
+# The quality scripts read the eval prose (and the int4 probe its filler) from the shared data
+# beside the checkout, which does not travel: carry a copy as .cache/data/prose_eval.jsonl.
+if [ -f .cache/data/prose_eval.jsonl ]; then
+  export SGL_KVXFER_PROSE=$PWD/.cache/data/prose_eval.jsonl SGL_KVXFER_PROBE_PROSE=$PWD/.cache/data/prose_eval.jsonl
+elif [[ $script == benchmarks/quality/* ]]; then
+  echo "the quality benchmarks need the eval prose: carry .cache/data (scripts/gpu/README.md)" >&2; exit 2
 fi
 # bench_serving (the serving benchmark's client) needs SGLang's client stack: carry .whl_bench.
 if [ "$name" = serving ] && [ -d .whl_bench ]; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (carry .whl): the GPU-marked tests, with the log written to $OUT/gpu_tests.log.
 #   bash scripts/gpu/run_gpu_tests.sh                                  # every test file with a gpu mark
-#   bash scripts/gpu/run_gpu_tests.sh test/kernels/test_decode_attention.py -x   # files / pytest options
+#   bash scripts/gpu/run_gpu_tests.sh test/kernels/test_tiered_pool_decode.py -x  # files / pytest options
 # With no arguments it collects only the files that hold GPU tests, so the client packages the
 # other test modules import (sglang, openai, ...) need not travel. GPU tests use dummy weights.
 set -uo pipefail

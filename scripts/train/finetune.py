@@ -123,15 +123,16 @@ def load(args, device: str):
 
 
 def train(args, model, tok, device: str) -> dict:
-    from task_data import TaskStream
+    from task_data import Prefetcher, TaskStream
     from tqdm import tqdm
 
     stream = TaskStream(tok, args.mix_weights, args.task_params, args.seed, args.max_len)
+    batches = Prefetcher(stream, args.batch_size)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
                             fused=device.startswith("cuda"))
     cuda = device.startswith("cuda")
-    losses, tokens, t0 = [], 0, time.perf_counter()
+    losses, tokens, seen, t0 = [], 0, {}, time.perf_counter()
     bar = tqdm(total=args.steps, desc=f"finetune {args.method} {args.mix}", unit="step")
     model.train()
     for step in range(args.steps):
@@ -146,7 +147,9 @@ def train(args, model, tok, device: str) -> dict:
             g["lr"] = lr
         total = 0.0
         for _ in range(args.grad_accum):
-            ids, labels, mask, n_ans = stream.batch(args.batch_size)
+            ids, labels, mask, n_ans, names = batches.next()
+            for t in names:
+                seen[t] = seen.get(t, 0) + 1
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
                 loss = answer_loss(model, ids.to(device), mask.to(device), labels.to(device))
             (loss / args.grad_accum).backward()
@@ -159,10 +162,11 @@ def train(args, model, tok, device: str) -> dict:
         bar.update()
         bar.set_postfix(loss=f"{total:.3f}", lr=f"{lr:.2e}")
     bar.close()
+    batches.close()
     if cuda:
         torch.cuda.synchronize()
     return {"loss": losses, "steps_run": len(losses), "train_wall_s": round(time.perf_counter() - t0, 2),
-            "tokens_seen": tokens, "examples_per_task": stream.drawn, "skipped_too_long": stream.skipped}
+            "tokens_seen": tokens, "examples_per_task": seen, "skipped_too_long": stream.skipped}
 
 
 def answer_loss(model, ids, mask, labels):

@@ -25,7 +25,7 @@ class TaskStream:
         self.drawn = {t: 0 for t in mix}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    def example(self) -> tuple[list[int], int]:
+    def example(self) -> tuple[list[int], int, str]:
         names, weights = list(self.mix), list(self.mix.values())
         while True:
             t = self.rng.choices(names, weights)[0]
@@ -35,24 +35,56 @@ class TaskStream:
             ids, n_prompt = tasks.train_ids(self.tok, ex)
             if len(ids) <= self.max_len:
                 self.drawn[t] += 1
-                return ids, n_prompt
+                return ids, n_prompt, t
             self.skipped += 1
             if self.skipped > 1000 and sum(self.drawn.values()) == 0:
                 raise ValueError(f"every example exceeds --max-len {self.max_len} tokens")
 
-    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, list[str]]:
         """(input_ids [B, S], labels [B, S] with IGNORE outside answers, attention mask, answer
-        tokens), right-padded to the longest row."""
+        tokens, each row's task), right-padded to the longest row."""
         rows = [self.example() for _ in range(size)]
-        s = max(len(ids) for ids, _ in rows)
+        s = max(len(ids) for ids, _, _ in rows)
         ids = torch.full((size, s), self.pad_id, dtype=torch.long)
         labels = torch.full((size, s), IGNORE, dtype=torch.long)
         mask = torch.zeros(size, s, dtype=torch.long)
-        for i, (x, n) in enumerate(rows):
+        for i, (x, n, _) in enumerate(rows):
             ids[i, :len(x)] = torch.tensor(x)
             labels[i, n:len(x)] = torch.tensor(x[n:])
             mask[i, :len(x)] = 1
-        return ids, labels, mask, int((labels != IGNORE).sum())
+        return ids, labels, mask, int((labels != IGNORE).sum()), [t for _, _, t in rows]
+
+
+class Prefetcher:
+    """stream.batch(size) made ahead in a worker thread (tokenizing and counting context tokens
+    overlap the GPU step); the same batches in the same order as calling it directly."""
+
+    def __init__(self, stream: TaskStream, size: int, depth: int = 4):
+        import queue
+        import threading
+
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+
+        def work():
+            try:
+                while not self.stop.is_set():
+                    self.q.put(stream.batch(size))
+            except Exception as e:  # surfaced by next()
+                self.q.put(e)
+
+        threading.Thread(target=work, daemon=True, name="task-batches").start()
+
+    def next(self):
+        item = self.q.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.stop.set()
+        while not self.q.empty():
+            self.q.get_nowait()
 
 
 def parse_task_params(specs: list[str]) -> dict[str, dict]:

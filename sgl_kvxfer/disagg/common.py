@@ -33,13 +33,15 @@ class DisaggSettings:
     scd_artifacts: str | None = None  # SCD over PD (disagg/scd_*.py)
     scd_consumer: str | None = None
     scd_fanout: int = 1
+    scd_rank: str = "top"
+    scd_wire_frac: float = 0.25
 
     @classmethod
     def from_config(cls, cfg) -> "DisaggSettings":
         return cls(cfg.disaggregation_mode, cfg.disaggregation_bootstrap_port, cfg.disaggregation_transfer_backend,
                    cfg.kv_transfer_timeout, int(cfg.kv_transfer_buffer_mb) << 20, cfg.resolved_kv_transfer_stream,
                    cfg.kv_transfer_rate_gbps, cfg.kv_transfer_latency_ms, cfg.scd_artifacts, cfg.scd_consumer,
-                   cfg.scd_fanout)
+                   cfg.scd_fanout, cfg.scd_rank, cfg.scd_wire_frac)
 
 
 def block_checksums(payload: memoryview, block_bytes: int = BLOCK_BYTES) -> list[int]:

@@ -9,8 +9,11 @@ device). A write to a peer that is gone returns an error code, which becomes Tra
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
+import tempfile
 import threading
 
 from sgl_kvxfer.disagg.base import TransferEngine, TransferError
@@ -18,10 +21,35 @@ from sgl_kvxfer.disagg.base import TransferEngine, TransferError
 logger = logging.getLogger(__name__)
 
 
+# What Mooncake's glog writes on every engine start, none of it the user's concern: glog's notice
+# that it logs before InitGoogleLogging, and an ERROR line from the P2P handshake's metadata
+# lookup of this engine's own segment before it is published. Dropped from stderr during
+# `initialize` only; everything else it writes there passes through.
+_START_NOISE = ("Logging before InitGoogleLogging() is written to STDERR", "Local segment descriptor not found")
+
+
+@contextlib.contextmanager
+def _stderr_without(noise: tuple[str, ...]):
+    """Capture file descriptor 2 (glog writes there from C++) and write back every line that
+    contains none of `noise`."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            for line in capture.read().splitlines(keepends=True):
+                if not any(n.encode() in line for n in noise):
+                    os.write(2, line)
+
+
 def load_engine_class():
     """mooncake.engine.TransferEngine, or ImportError with what is missing and how to get it."""
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # glog; read when the library loads. What remains at
-    # ERROR is one benign "Local segment descriptor not found" line per engine start.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # glog; read when the library loads
     try:
         from mooncake.engine import TransferEngine as MooncakeEngine
     except ImportError as e:
@@ -37,7 +65,8 @@ class MooncakeTransferEngine(TransferEngine):
     def __init__(self, host: str):
         self._engine = load_engine_class()()
         self._lock = threading.Lock()
-        ret = self._engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
+        with _stderr_without(_START_NOISE):
+            ret = self._engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
         if ret != 0:
             raise RuntimeError(f"Mooncake transfer engine failed to initialize on {host} (code {ret})")
         self._session = f"{host}:{self._engine.get_rpc_port()}"

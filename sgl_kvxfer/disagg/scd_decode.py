@@ -42,7 +42,10 @@ class ScdDecodeRole(DecodeRole):
 
         self.decoder = ScdDecoder(self.artifacts, self.consumer, runner.device)
         self.projections = kv_projections(runner.model)
-        self.code_layout = CodeLayout.from_manifest(self.manifest)
+        self.code_layout = CodeLayout.from_manifest(self.manifest)  # the top level: the largest
+        # a segment's level is read from its bytes per token (distinct per level; scd_prefill.py)
+        self.layout_by_bpt = {lay.bytes_per_token: lay for lay in
+                              (CodeLayout.from_manifest(self.manifest, lv) for lv in self.manifest.levels)}
         self.patch_layers = frozenset(self.manifest.patch_layers)
         self.claim_info = ScdClaimInfo(self.manifest_id, self.consumer)
         super().__init__(scheduler, settings, host)
@@ -94,6 +97,12 @@ class ScdDecodeRole(DecodeRole):
             self._end(room, f"codes for positions [{seg.start}, {seg.end}) do not continue [0, {req.kv_len})")
             return False
         n = seg.end - seg.start
+        n_bytes, rem = divmod(seg.nbytes, max(1, n))
+        layout = self.layout_by_bpt.get(n_bytes) if not rem else None
+        if layout is None:
+            self._end(room, f"a code segment of {seg.nbytes} B for {n} positions matches no rank level of the "
+                            f"artifacts ({sorted(self.layout_by_bpt)} B per token)")
+            return False
         slots = self.kv.alloc([req], [n], [seg.start])
         if slots is None:
             return False  # no KV room yet: retried next poll (the prefill waits for the ack)
@@ -101,17 +110,20 @@ class ScdDecodeRole(DecodeRole):
         self.table.write(req.req_pool_idx, seg.start, slots)
         req.kv_len = seg.end
         try:
-            self.pool.write_external(slots, self._rebuild(payload, seg.start, seg.end))
+            self.pool.write_external(slots, self._rebuild(payload, seg.start, seg.end, layout))
         except (ValueError, RuntimeError) as e:
             self._end(room, f"rebuilding KV from codes failed: {type(e).__name__}: {e}")
             return False
         return True
 
-    def _rebuild(self, payload: torch.Tensor, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer (k post-RoPE, v) [end - start, Hkv, D] in the pool's dtype, from codes."""
+    def _rebuild(self, payload: torch.Tensor, start: int, end: int, layout: CodeLayout | None = None
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (k post-RoPE, v) [end - start, Hkv, D] in the pool's dtype, from codes at
+        `layout`'s level (default the top)."""
         dev, dtype = self.pool.device, self.pool.dtype
+        layout = layout or self.code_layout
         # one copy to the device (the staging bytes are free to reuse once it returns: acked next)
-        codes = unpack_codes(self.code_layout, payload[:self.code_layout.nbytes(end - start)].to(dev), end - start)
+        codes = unpack_codes(layout, payload[:layout.nbytes(end - start)].to(dev), end - start)
         positions = torch.arange(start, end, device=dev)
         out = []
         for layer in range(self.manifest.num_layers):

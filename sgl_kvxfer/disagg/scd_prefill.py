@@ -1,19 +1,30 @@
 """The SCD producer: a prefill role that ships a prompt's KV as low-rank codes, encoded once for
 every consumer that claims them (docs/pd_disaggregation.md, "SCD over PD").
 
-    on_new_request(req)    a room opens (or meets claims that came first); the request takes no
-                           cached prefix: every position's hidden states are needed
-    before_forward(b, fb)  installs the hidden-state capture (models/llama.py HIDDEN_CAPTURE):
-                           each Patch layer's input_layernorm output is encoded into zh as the
-                           forward runs
-    on_chunk(req, a, b)    positions [a, b) are computed: their codes (Reuse layers from the KV
-                           the pool holds, Patch layers from zh) become one segment in the send
-                           buffer, written to every consumer that claimed the room so far
-    on_prompt_done(req)    the last segment; the request's reply ends now and its KV is freed:
-                           the codes live on in the send buffer, under the room
+    on_new_request(req)    a room opens (or meets claims that came first) and picks its rank level;
+                           the request takes a cached prefix like any other (see the zh pool)
+    before_forward(b, fb)  installs the hidden-state capture (models/llama.py HIDDEN_CAPTURE) on
+                           every forward: each Patch layer's input_layernorm output is encoded
+                           into the zh pool at the token's KV slot as the forward runs
+    on_chunk(req, a, b)    positions [a, b) are computed: the codes of every position not sent yet
+                           (Reuse layers from the KV the pool holds, Patch layers from the zh
+                           pool) become one segment in the send buffer, written to every
+                           consumer that claimed the room so far
+    on_prompt_done(req)    the last segment; the request's reply ends now and its KV goes to the
+                           radix cache: the codes live on in the send buffer, under the room
+
+The zh pool: per Patch layer a [slots, r_h] tensor beside the KV pool, indexed by KV slot and
+written by every forward, so a slot's patch code lives exactly as long as its KV. A prompt whose
+prefix is in the radix cache (a shared document prefilled before) takes that prefix's KV and
+patch codes from the pools and computes only the rest: its codes are the same as a full prefill's.
 
 Codes cover positions [0, n - 1): a consumer computes the last prompt position itself (its
 first decode step), so the first token comes from its own model, not from the producer's.
+
+Rank level (artifacts with nested `rank_levels`): chosen per room when its request arrives,
+by --scd-rank (top, a fixed R_K:R_V, or auto: scd/rank_policy.py from the link rate and the
+expected prefill time); every segment of the room is at that level, and a consumer reads the
+level from the segment's bytes per token.
 
 A room serves up to --scd-fanout consumers (claims naming the same manifest id), each with its
 own ring, sequence numbers and acks; the segments are shared (encoded once, written N times).
@@ -33,12 +44,13 @@ from dataclasses import dataclass, field
 import torch
 
 from sgl_kvxfer.disagg.prefill import PrefillRole
-from sgl_kvxfer.disagg.scd_common import load_producer, route_info
+from sgl_kvxfer.disagg.scd_common import ScdSetupError, load_producer, route_info
 from sgl_kvxfer.disagg.sender import NoticeJob, WriteJob
 from sgl_kvxfer.disagg.staging import RingWriter
 from sgl_kvxfer.mem_cache.scd_payload import CodeLayout, pack_codes
 from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVSegment
 from sgl_kvxfer.models.llama import HIDDEN_CAPTURE
+from sgl_kvxfer.scd.rank_policy import LevelChooser
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +80,8 @@ class ScdRoom:
     room: int
     req: object = None
     limit: int = 0  # positions [0, limit) get codes: prompt length - 1
-    zh: dict = field(default_factory=dict)  # patch layer -> [prompt_len, r_h] codes, filled by the capture
+    level: int = -1  # index into manifest.levels the codes go at (-1: the top)
+    opened: float = field(default_factory=time.monotonic)
     encoded: int = 0
     segments: list = field(default_factory=list)
     prompt_done: bool = False
@@ -90,6 +103,13 @@ class ScdPrefillRole(PrefillRole):
 
         self.encoder = ScdEncoder(self.artifacts, runner.device)
         self.code_layout = CodeLayout.from_manifest(self.manifest)
+        self.levels = self.manifest.levels
+        self.layouts = [CodeLayout.from_manifest(self.manifest, lv) for lv in self.levels]
+        try:
+            self.chooser = LevelChooser(self.levels, [lay.bytes_per_token for lay in self.layouts],
+                                        settings.scd_rank, settings.scd_wire_frac)
+        except ValueError as e:
+            raise ScdSetupError(f"--scd-artifacts {settings.scd_artifacts}: {e}") from e
         self.patch_layers = frozenset(self.manifest.patch_layers)
         self.fanout = settings.scd_fanout
         self.closed: dict[int, tuple[str, float]] = {}  # room -> (why, forget after)
@@ -98,9 +118,15 @@ class ScdPrefillRole(PrefillRole):
         self.encoded = {"rooms": 0, "tokens": 0, "bytes": 0}  # prefills whose codes were encoded (once each)
         self.rooms_closed: Counter = Counter()  # why rooms closed ("served", "fan-out timed out", ...)
         super().__init__(scheduler, settings, host)
+        self.zh_pool = {layer: torch.zeros(self.pool.size + 1, self.manifest.r_h, dtype=self.manifest.code_dtype,
+                                           device=self.pool.device) for layer in self.patch_layers}
         logger.info("SCD producer: artifacts %s (id %s), %d B/token of codes vs %d B/token of KV, fan-out %d",
                     settings.scd_artifacts, self.manifest_id[:12], self.code_layout.bytes_per_token,
                     self.manifest.raw_kv_bytes_per_token(torch.finfo(self.pool.dtype).bits // 8), self.fanout)
+
+    def _paced_gbps(self) -> float | None:
+        rate = getattr(self.engine, "rate_bps", 0)
+        return rate / 1e9 if 0 < rate < float("inf") else None
 
     def _registration(self, host: str) -> dict:
         return {**super()._registration(host), "scd": route_info(self.manifest, self.manifest_id)}
@@ -109,7 +135,6 @@ class ScdPrefillRole(PrefillRole):
     def on_new_request(self, req) -> bool:
         if not self.transfers(req):
             return False
-        req.share_prefix = False
         room = self.rooms.get(req.bootstrap.room)
         if room is not None and room.req is not None:  # a stale room under a reused id
             self._close(room, "replaced by a new request")
@@ -118,28 +143,19 @@ class ScdPrefillRole(PrefillRole):
             self.closed.pop(req.bootstrap.room, None)
             room = self.rooms[req.bootstrap.room] = ScdRoom(req.bootstrap.room)
         n = len(req.origin_input_ids)
-        room.req, room.limit, room.progress = req, n - 1, time.monotonic()
-        dev, dt = self.pool.device, self.manifest.code_dtype
-        room.zh = {layer: torch.empty(n, self.manifest.r_h, dtype=dt, device=dev) for layer in self.patch_layers}
+        room.req, room.limit, room.progress, room.opened = req, n - 1, time.monotonic(), time.monotonic()
+        room.level = self.chooser.choose(n - 1, self._paced_gbps())
         return False
 
     def before_forward(self, batch, fb) -> None:
-        if not self.patch_layers:
-            return
-        spans, off = [], 0  # (first row in the batch, first position, tokens, room)
-        for s in batch.slices:
-            room = self._room_of(s.req)
-            if room is not None and room.closing is None:
-                spans.append((off, s.start, s.length, room))
-            off += s.length
-        if spans:
-            fb.extras[HIDDEN_CAPTURE] = functools.partial(self._capture, spans)
+        if self.patch_layers:
+            fb.extras[HIDDEN_CAPTURE] = functools.partial(self._capture, fb.out_cache_loc)
 
-    def _capture(self, spans, layer: int, hidden: torch.Tensor) -> None:
-        if layer not in self.patch_layers:
-            return
-        for off, start, length, room in spans:
-            room.zh[layer][start:start + length] = self.encoder.encode_patch(layer, hidden[off:off + length])
+    def _capture(self, slots: torch.Tensor, layer: int, hidden: torch.Tensor) -> None:
+        """hidden [T, hidden]: the batch's tokens, in the order of their KV slots `slots` [T]."""
+        if layer in self.patch_layers:
+            # NOTE: graph runners skip forwards that carry a capture: `slots` are real tokens'
+            self.zh_pool[layer][slots] = self.encoder.encode_patch(layer, hidden)
 
     def on_chunk(self, req, start: int, end: int) -> None:
         room = self._room_of(req)
@@ -154,7 +170,8 @@ class ScdPrefillRole(PrefillRole):
         if room.closing is None:
             self._encode(room, room.limit)
         room.prompt_done, room.prompt_done_at = True, time.monotonic()
-        room.first_token, room.zh, room.progress = req.output_ids[0], {}, time.monotonic()
+        self.chooser.observe_prefill(room.limit, room.prompt_done_at - room.opened)
+        room.first_token, room.progress = req.output_ids[0], time.monotonic()
         req.finish({"type": "length", "length": len(req.output_ids)})
         nbytes = sum(s.nbytes for s in room.segments)
         if room.closing is None:
@@ -163,6 +180,7 @@ class ScdPrefillRole(PrefillRole):
             self.encoded["bytes"] += nbytes
         req.extra_meta = {"kv_transfer": {"status": "failed: " + room.closing if room.closing else "encoded",
                                           "scd_manifest": self.manifest_id[:12], "bytes": nbytes,
+                                          "scd_level": list(self.levels[room.level]),
                                           "bytes_per_token": nbytes / max(1, room.limit), "fanout": self.fanout}}
         return False
 
@@ -190,6 +208,7 @@ class ScdPrefillRole(PrefillRole):
         return {**super().server_info(),
                 "scd": {"manifest_id": self.manifest_id, "fanout": self.fanout,
                         "bytes_per_token": self.code_layout.bytes_per_token, "encoded": dict(self.encoded),
+                        **self.chooser.info(),
                         "rooms_closed": dict(self.rooms_closed)}}
 
     # ------------------------------------------------------------------ encoding
@@ -207,17 +226,18 @@ class ScdPrefillRole(PrefillRole):
         slots = self.table.read(room.req.req_pool_idx, b, start=a)
         positions = torch.arange(a, b, device=slots.device)
         codes = {}
+        level, layout = self.levels[room.level], self.layouts[room.level]
         for layer in self.manifest.reuse_layers:
             k, v = self.pool.get_kv(layer, slots)
-            codes[(layer, "k")], codes[(layer, "v")] = self.encoder.encode_reuse(layer, k, v, positions)
+            codes[(layer, "k")], codes[(layer, "v")] = self.encoder.encode_reuse(layer, k, v, positions, level)
         for layer in self.patch_layers:
-            codes[(layer, "h")] = room.zh[layer][a:b]
-        nbytes = self.code_layout.nbytes(b - a)
+            codes[(layer, "h")] = self.zh_pool[layer][slots]
+        nbytes = layout.nbytes(b - a)
         off = self.send_alloc.alloc(nbytes)
         if off is None:
             self._close(room, f"send buffer full ({nbytes} B of codes do not fit --kv-transfer-buffer-mb)")
             return
-        pack_codes(self.code_layout, codes, self.buffer[off:off + nbytes])
+        pack_codes(layout, codes, self.buffer[off:off + nbytes])
         if self.buffer.device.type == "cpu" and positions.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the codes must be in host memory before a write
         room.segments.append(_Segment(a, b, off, nbytes))
@@ -314,6 +334,7 @@ class ScdPrefillRole(PrefillRole):
                     c.wire_bytes += res.nbytes
                     c.wire_seconds += res.write_seconds
                     self.stats.moved(res.nbytes)
+                    self.chooser.observe_write(res.nbytes, res.write_seconds)
         elif room is not None and room.notices:
             decode_id, kind = room.notices.popleft()
             c = room.consumers.get(decode_id)
@@ -370,4 +391,4 @@ class ScdPrefillRole(PrefillRole):
             for c in room.consumers.values():
                 self._consumer_ended(room, c, reason)
         if room.req is not None and not room.prompt_done:
-            room.req, room.zh = None, {}
+            room.req = None

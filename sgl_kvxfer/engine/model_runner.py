@@ -3,7 +3,8 @@
 Owns every tensor of the engine. The scheduler talks to it only through `forward(batch)` and
 the pool/allocator handles it exposes. Start-up order (scheduler/startup.py):
 
-    load_weights(config) -> LoadedModel      weights on the device, no KV memory yet
+    load_weights(config) -> LoadedModel      the memory check (check_memory), then the weights on
+                                             the device, no KV memory yet
     (tiered pool only) the int4 decision     it divides the pool's memory between the tiers
     ModelRunner(config, loaded, int4)        the KV pool, sized once, then the CUDA graphs
 """
@@ -20,7 +21,7 @@ import torch
 from sgl_kvxfer import env
 from sgl_kvxfer.config import EngineConfig
 from sgl_kvxfer.engine.cuda_graph_runner import create_cuda_graph_runner
-from sgl_kvxfer.engine.memory import kv_pool_tokens
+from sgl_kvxfer.engine.memory import kv_pool_tokens, plan_memory
 from sgl_kvxfer.engine.prefill_graph_runner import create_prefill_graph_runner
 from sgl_kvxfer.forward_batch import ForwardBatch
 from sgl_kvxfer.layers.attention import create_attention_backend
@@ -44,7 +45,8 @@ class LoadedModel:
     stored_layers: int | None  # FusedKV (config.json's fusedkv section): only the bottom layers store KV
 
 
-def load_weights(config: EngineConfig) -> LoadedModel:
+def load_weights(config: EngineConfig, max_running_requests: int | None = None,
+                 max_prefill_tokens: int = 16384) -> LoadedModel:
     from sgl_kvxfer.models.arch_config import ModelArchConfig
     from sgl_kvxfer.models.loader import load_model, resolve_dtype, resolve_model_path
 
@@ -53,13 +55,37 @@ def load_weights(config: EngineConfig) -> LoadedModel:
     model_dir = resolve_model_path(config.model_path)
     with open(os.path.join(model_dir, "config.json")) as f:
         hf_config = json.load(f)
-    dtype = resolve_dtype(config.dtype, ModelArchConfig.from_hf_dict(hf_config), device)
+    arch = ModelArchConfig.from_hf_dict(hf_config)
+    dtype = resolve_dtype(config.dtype, arch, device)
+    check_memory(config, arch, dtype, stored_layers(hf_config), max_running_requests, max_prefill_tokens)
     model, arch = load_model(model_dir, config.load_format, dtype, device, config.random_seed,
                              merge_lora=config.merge_lora)
     model.eval()
     if device == "cpu":
         _prepare_cpu(model, dtype)
     return LoadedModel(model_dir, hf_config, model, arch, dtype, stored_layers(hf_config))
+
+
+def check_memory(config: EngineConfig, arch, dtype: torch.dtype, stored: int | None,
+                 max_running_requests: int | None, max_prefill_tokens: int) -> None:
+    """Before any weight loads: the configuration must fit what the device has left
+    (engine/memory.py), else start-up stops with the numbers."""
+    from sgl_kvxfer.utils import cpu_isa
+
+    device = config.resolved_device
+    prepared = 0  # CPU bf16 linears get a prepared copy (_prepare_cpu): bf16 packed or fp32
+    if device == "cpu" and dtype == torch.bfloat16 and env.CPU_KERNELS.get_bool():
+        prepared = 2 if cpu_isa.onednn_bf16_linear() else 4
+    plan = plan_memory(device, arch, torch.finfo(dtype).bits // 8, kv_bytes_per_token(arch, stored, dtype),
+                       config.mem_fraction_static, config.max_total_tokens, max_prefill_tokens,
+                       max_running_requests, prepared)
+    logger.info("memory: needs %s", plan.describe())
+
+
+def kv_bytes_per_token(arch, stored: int | None, dtype: torch.dtype) -> float:
+    """K and V of every KV-storing layer (FusedKV: only the `stored` bottom layers)."""
+    layers = arch.num_hidden_layers if stored is None else stored
+    return 2.0 * layers * arch.num_key_value_heads * arch.head_dim * torch.finfo(dtype).bits / 8
 
 
 def stored_layers(hf_config: dict) -> int | None:
@@ -81,7 +107,7 @@ class ModelRunner:
                              "scheduler/startup.create_runner, or pass int4")
         self.config = config
         self.device = config.resolved_device
-        loaded = loaded or load_weights(config)
+        loaded = loaded or load_weights(config, max_running_requests, max_prefill_tokens)
         self.model_dir, self.hf_config, self.model = loaded.model_dir, loaded.hf_config, loaded.model
         self.arch, self.dtype, self.stored_layers = loaded.arch, loaded.dtype, loaded.stored_layers
         self.int4 = int4
@@ -127,9 +153,7 @@ class ModelRunner:
         self.model = None
 
     def _bytes_per_token_estimate(self) -> float:
-        a = self.arch
-        layers = a.num_hidden_layers if self.stored_layers is None else self.stored_layers
-        return 2.0 * layers * a.num_key_value_heads * a.head_dim * torch.finfo(self.dtype).bits / 8
+        return kv_bytes_per_token(self.arch, self.stored_layers, self.dtype)
 
     def server_info_extra(self) -> dict:
         """Model-variant facts for /get_server_info (FusedKV: the layer storage map and bytes)."""

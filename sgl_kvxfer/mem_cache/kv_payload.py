@@ -1,17 +1,19 @@
 """The transfer layer of the KV memory stack: a token range's KV as bytes on the wire, and back.
 
 A *segment* is prompt positions [start, end) of one request, each at a *wire tier* (fp16 = the
-model dtype, int8, int4, or dropped: no bytes). Its payload is, layer after layer, the
-gather-pack format of kernels/pack.py (token-exact, head-major streams):
+model dtype, int8, int4, or dropped: no bytes). Its payload is, layer after layer, each tier's
+streams in the tier codec's per-token format (kernels/tier_codec.py; token-exact, head-major):
 
     payload = layer 0 | layer 1 | ... | layer L-1            (L = layers the pool stores)
     layer   = fp16: K [Hkv, n16, D*eb] | V
               int8: K [Hkv, n8, D] | V | K scale [Hkv, n8, D/G*2] | K zero | V scale | V zero
-              int4: K [Hkv, n4, D/2] | V | K scale | K zero | V scale | V zero
+              int4: K [Hkv, n4, D/2] | V | K scale | K zero | V scale | V zero  (split halves)
     tokens of a tier appear in position order; `lens` = (n16, n8, n4)
+    bytes per layer = sum_t n_t * Hkv * 2 * payload_bytes(t, D, G, eb)
 
 so both sides need the same model dtype, layer count, kv heads, head dim and group size (the
-`KVLayoutInfo` of message/disagg.py), but not the same pool family, page size or slot ids.
+`KVLayoutInfo` of message/disagg.py), but not the same pool family, page size or slot ids: the
+wire carries tokens, not the stores' page-head blocks (TierPages.codes / put_codes convert).
 
     pack_segment(pool, slots, wire_tiers, out)   prefill: the pool's tokens -> bytes in `out`
     unpack_segment(pool, payload, lens, slots)   decode: bytes -> the slots it allocated
@@ -29,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvxfer.kernels import tier_codec as tc
-from sgl_kvxfer.kernels.pack import pack_layout
 from sgl_kvxfer.mem_cache.kv_pool import KVPool
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
@@ -53,9 +54,10 @@ def elem_bytes(pool: KVPool) -> int:
 
 def segment_layout(pool: KVPool, lens) -> SegmentLayout:
     lens = tuple(int(n) for n in lens)
-    lay = pack_layout(lens, pool.num_kv_heads, pool.head_dim, group_size(pool), elem_bytes(pool))
+    D, g, eb = pool.head_dim, group_size(pool), elem_bytes(pool)
+    per_layer = sum(n * pool.num_kv_heads * 2 * tc.payload_bytes(t, D, g, eb) for t, n in enumerate(lens))
     layers = sum(pool.stores_layer(i) for i in range(pool.num_layers))
-    return SegmentLayout(lens, lay.total_bytes, layers)
+    return SegmentLayout(lens, per_layer, layers)
 
 
 def group_size(pool: KVPool) -> int:
@@ -139,8 +141,7 @@ def pack_segment(pool: KVPool, slots: torch.Tensor, wire_tiers: torch.Tensor | N
 def _pack_stored_tiers(pool, groups, lay: SegmentLayout, out: torch.Tensor) -> None:
     """Every token travels at the tier the (tiered) pool holds it at, as stored: one gather per
     stream (fp16 rows; int tokens at (page, offset) of head-major pages) into a device stage,
-    then one copy out. NOTE: a torch path; kernels/pack.py's gather-pack kernel reads dense page
-    lists of one uniform page size, not the pool's fp16 rows + partly filled int pages."""
+    then one copy out (a torch path)."""
     on_gpu = groups[0][1].device.type == "cuda"
     stage = torch.empty(lay.total_bytes, dtype=torch.uint8, device=groups[0][1].device) if on_gpu else out
     pos = 0

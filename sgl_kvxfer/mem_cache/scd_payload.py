@@ -26,8 +26,9 @@ class CodeLayout:
     dtype: torch.dtype
 
     @classmethod
-    def from_manifest(cls, manifest) -> "CodeLayout":
-        return cls(tuple((int(l), k, tuple(s)) for l, k, s in manifest.code_layout()), manifest.code_dtype)
+    def from_manifest(cls, manifest, level: tuple[int, int] | None = None) -> "CodeLayout":
+        """The layout at a nested rank level (default the top)."""
+        return cls(tuple((int(l), k, tuple(s)) for l, k, s in manifest.code_layout(level)), manifest.code_dtype)
 
     @property
     def itemsize(self) -> int:

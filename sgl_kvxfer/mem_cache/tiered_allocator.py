@@ -6,6 +6,7 @@
     free(slots)                       routed to the owning store by id range; slot 0 is skipped;
                                       an int page returns to its free list when its last id goes
     retier(slots, tiers, make_room)   move fp16 tokens into their tier's store, free their old ids
+    retier_runs(runs, make_room)      the same for several runs (each on its own pages), one data move
     repack(slots, make_room)          relocate int tokens whose page a holder sees with a hole
 
 Int pages (PAGE = pool.page_size). `alloc_tier(t, n)` fills cdiv(n, PAGE) fresh pages densely, in
@@ -42,42 +43,64 @@ logger = logging.getLogger(__name__)
 
 
 class _IntPageList:
-    """Free pages and live counts of one int store; ids are store-relative (page * PAGE + offset),
-    all bookkeeping on the host."""
+    """Free pages, live counts and handed-out ends of one int store; ids are store-relative
+    (page * PAGE + offset), all bookkeeping on the host. end[p]: offsets [0, end[p]) of page p have
+    been handed out (an id is never handed out twice before its page is free again)."""
 
     def __init__(self, num_pages: int, page_size: int):
         self.page_size = page_size
         self.num_pages = num_pages
         self.live = torch.zeros(num_pages, dtype=torch.int64)
+        self.end = torch.zeros(num_pages, dtype=torch.int64)
         self._pages = LazyFreeList(0, num_pages - 1, "cpu")
 
     def available(self) -> int:
         return self._pages.available() * self.page_size
 
+    def appendable(self, page) -> int:
+        """Slots a holder of all of page's handed-out ids may still append to it (0 for None, a
+        free page, or one whose ids were partly freed: appending then could leave a hole)."""
+        if page is None or self.live[page] == 0 or self.live[page] != self.end[page]:
+            return 0
+        return self.page_size - int(self.end[page])
+
     def used(self) -> int:
         return int(self.live.sum())
 
-    def take(self, n: int) -> torch.Tensor:
-        """Up to n ids (CPU int64) on fresh pages, filled in order."""
+    def take(self, n: int, append_to=None) -> torch.Tensor:
+        """Up to n ids (CPU int64), filled in order: first the free tail of page `append_to`
+        (appendable() of it), then fresh pages."""
         P = self.page_size
+        head = torch.empty(0, dtype=torch.int64)
+        k = min(n, self.appendable(append_to))
+        if k:
+            e = int(self.end[append_to])
+            head = append_to * P + torch.arange(e, e + k)
+            self.live[append_to] += k
+            self.end[append_to] += k
+            n -= k
         n = min(n, self.available())
         if n == 0:
-            return torch.empty(0, dtype=torch.int64)
+            return head
         npg = -(-n // P)
         pages = self._pages.take(npg)
         self.live[pages] = P
         self.live[pages[-1]] = n - (npg - 1) * P
-        return (pages[:, None] * P + torch.arange(P)).reshape(-1)[:n]
+        self.end[pages] = self.live[pages]
+        return torch.cat([head, (pages[:, None] * P + torch.arange(P)).reshape(-1)[:n]])
 
     def give(self, ids: torch.Tensor) -> None:
         pages = ids // self.page_size
         self.live.index_add_(0, pages, torch.full_like(pages, -1))
         touched = pages.unique()
-        self._pages.give(touched[self.live[touched] == 0])
+        empty = touched[self.live[touched] == 0]
+        self.end[empty] = 0
+        self._pages.give(empty)
 
     def check(self, what: str) -> None:
         self._pages.check(what)
         assert not bool((self.live < 0).any()), f"{what}: negative live count (double free)"
+        assert not bool((self.live > self.end).any()), f"{what}: more live ids than handed out"
         free = torch.zeros(self.num_pages, dtype=torch.bool)
         self._pages._merge()
         free[self._pages._free] = True
@@ -103,11 +126,21 @@ class TieredSlotAllocator(TokenSlotAllocator):
         """Tokens a later alloc_tier can get: fp16 free slots, or whole free int pages."""
         return self.available_size() if tier == TIER_FP16 else self._stores[tier].available()
 
-    def alloc_tier(self, tier: int, n: int) -> torch.Tensor:
-        """Up to n global ids of an int store (fewer when it is short) on fresh pages, densely
-        in order: the caller must pass a run's tokens of this tier in position order."""
-        rel = self._stores[tier].take(n)
+    def alloc_tier(self, tier: int, n: int, append_to: int | None = None) -> torch.Tensor:
+        """Up to n global ids of an int store (fewer when it is short), densely in order: the caller
+        must pass a run's tokens of this tier in position order. append_to: a global id on a page
+        whose every handed-out id the caller holds (its previous run's last page): that page's free
+        tail is filled first, so the caller still holds a prefix [0, fill) of it."""
+        store = self._stores[tier]
+        page = None if append_to is None else int(self.pool.page_offset(tier, torch.tensor(append_to))[0])
+        rel = store.take(n, page)
         return (rel + self.pool.base(tier)).to(self.device)
+
+    def tail_room(self, tier: int, append_to: int | None) -> int:
+        """Slots alloc_tier(tier, n, append_to) can fill on append_to's page."""
+        if append_to is None:
+            return 0
+        return self._stores[tier].appendable(int(self.pool.page_offset(tier, torch.tensor(append_to))[0]))
 
     def free(self, slots: torch.Tensor) -> None:
         slots = slots.reshape(-1).to(self.device, torch.int64)
@@ -169,6 +202,33 @@ class TieredSlotAllocator(TokenSlotAllocator):
           what still does not fit falls back one tier up: int4 -> int8 -> stays fp16.
         The old ids of moved and dropped tokens are freed; the caller rewrites its row.
         """
+        return self.retier_runs([(slots, tiers)], make_room)[0]
+
+    def retier_runs(self, runs: list, make_room: Callable[[int, int], None] | None = None) -> list:
+        """retier for several runs [(slots, tiers[, tails]), ...] (e.g. every request a decode step
+        demotes): each run gets its own pages (the prefix-fill invariant is per holder), and the
+        data of all runs moves in ONE pool.move (one pass over the layers). tails {tier: global id}:
+        the run's holder holds every handed-out id of that id's page (its previous run's last
+        page of the tier): the run continues that page before taking fresh ones.
+        -> [(new ids, tiers got)]."""
+        out, src, dst, gone = [], [], [], []
+        for run in runs:
+            slots, tiers, tails = (*run, None)[:3]
+            new, target, moved, drop = self._plan_retier(slots, tiers, make_room, tails)
+            out.append((new, target))
+            src.append(slots[moved])
+            dst.append(new[moved])
+            gone.append(slots[moved | drop])
+        src, dst = torch.cat(src), torch.cat(dst)
+        if src.numel():
+            self.pool.move(src, dst)
+        self.free(torch.cat(gone))
+        return out
+
+    def _plan_retier(self, slots: torch.Tensor, tiers: torch.Tensor, make_room, tails=None):
+        """retier's id bookkeeping for one run, no data moved: (new ids, tiers got, moved mask,
+        dropped mask)."""
+        tails = tails or {}
         cur = self.pool.tier_of(slots)
         target = torch.where(cur == TIER_FP16, tiers.to(cur.device, torch.int8), cur)
         new = slots.clone()
@@ -176,19 +236,17 @@ class TieredSlotAllocator(TokenSlotAllocator):
             idx = ((target == tier) & (cur != tier)).nonzero().squeeze(1)  # ascending: position order
             if not idx.numel():
                 continue
-            short = idx.numel() - self.available_tier(tier)
+            tail = tails.get(tier)
+            short = idx.numel() - self.tail_room(tier, tail) - self.available_tier(tier)
             if short > 0 and make_room is not None:
                 make_room(tier, short)
-            got = self.alloc_tier(tier, idx.numel())
+            got = self.alloc_tier(tier, idx.numel(), tail)
             new[idx[: got.numel()]] = got.to(new.device)
             target[idx[got.numel():]] = tier - 1
         drop = (target == TIER_DROP) & (cur != TIER_DROP)
         new[drop] = 0
         moved = (new != slots) & (new != 0)
-        if bool(moved.any()):
-            self.pool.move(slots[moved], new[moved])
-        self.free(slots[moved | drop])
-        return new, target
+        return new, target, moved, drop
 
     def holed_pages(self, slots: torch.Tensor) -> torch.Tensor:
         """bool [m]: int ids of `slots` whose page this holder would see with a hole, i.e. not

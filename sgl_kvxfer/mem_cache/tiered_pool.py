@@ -11,10 +11,10 @@ Global slot ids (what req_to_token rows and radix nodes hold) cover three stores
     int id s       -> page (s - base(t)) // PAGE, offset (s - base(t)) % PAGE of store t
 
 Per layer, store t holds the codec's format (kernels/tier_codec.py, group size G), the int
-stores in kernels/paged_layout.py's head-major pages (its TierPages, PAGE = kv_tier_page_size):
-    fp16   k, v  [n16 + 2, Hkv, D]            model dtype (slot-granular: PAGE 1)
-    int8   k, v  [n8 / PAGE, Hkv, PAGE, D]    uint8    k/v scale, zero [n8 / PAGE, Hkv, PAGE, D / G] fp16
-    int4   k, v  [n4 / PAGE, Hkv, PAGE, D/2]  uint8    k/v scale, zero likewise
+stores as kernels/paged_layout.py's page-head blocks (its TierPages, PAGE = kv_tier_page_size):
+    fp16   k, v  [n16 + 2, Hkv, D]                  model dtype (slot-granular: PAGE 1)
+    int8   k, v  [n8 / PAGE, Hkv, BLOCK] uint8      per (page, kv head): codes (K token-major,
+    int4   k, v  [n4 / PAGE, Hkv, BLOCK] uint8      V dim-major), then PAGE scales, PAGE zeros (fp16)
 
 Invariants: a token's tier is a function of its slot id (`tier_of`); slot 0 in a request row
 is a dropped token (TIER_DROP), masked by attention (`drops_tokens`), never read as data.
@@ -29,15 +29,14 @@ from typing import Callable
 
 import torch
 
-from sgl_kvxfer.kernels.tier_codec import dequantize, payload_bytes, quantize
+from sgl_kvxfer.kernels.paged_layout import int_tier_pages
+from sgl_kvxfer.kernels.tier_codec import payload_bytes
 from sgl_kvxfer.mem_cache.kv_pool import KVPool
 from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 INT_TIERS = (TIER_INT8, TIER_INT4)
-_BITS = {TIER_INT8: 8, TIER_INT4: 4}
 DEFAULT_TIER_PAGE_SIZE = 64
-_STREAMS = ("k", "v", "k_scale", "k_zero", "v_scale", "v_zero")
 
 
 @dataclass
@@ -50,41 +49,6 @@ class SlotRoute:
     parts: list
 
 
-class _IntPages:
-    """One layer's int8 or int4 store: packed codes plus fp16 scale/zero per group, in pages."""
-
-    def __init__(self, tier: int, pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 group_size: int, device: str):
-        width = head_dim if tier == TIER_INT8 else head_dim // 2
-        shape = (pages, num_kv_heads, page_size, width)
-        sshape = (pages, num_kv_heads, page_size, head_dim // group_size)
-        self.k = torch.zeros(shape, dtype=torch.uint8, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.k_scale, self.k_zero, self.v_scale, self.v_zero = (
-            torch.zeros(sshape, dtype=torch.float16, device=device) for _ in range(4))
-
-    def tensors(self) -> tuple:
-        return tuple(getattr(self, s) for s in _STREAMS)
-
-    def write(self, page, off, k, v, bits, group_size):
-        # x[page, :, off] with index tensors page, off [n] addresses [n, Hkv, W]
-        self.k[page, :, off], self.k_scale[page, :, off], self.k_zero[page, :, off] = quantize(k, bits, group_size)
-        self.v[page, :, off], self.v_scale[page, :, off], self.v_zero[page, :, off] = quantize(v, bits, group_size)
-
-    def codes(self, page, off) -> tuple:
-        """The six streams of tokens (page, off) as [n, Hkv, W] (k, v, k_scale, k_zero, v_scale, v_zero)."""
-        return tuple(x[page, :, off] for x in self.tensors())
-
-    def put_codes(self, page, off, parts) -> None:
-        for x, src in zip(self.tensors(), parts):
-            x[page, :, off] = src
-
-    def read(self, page, off, bits, group_size, dtype):
-        kq, vq, ks, kz, vs, vz = self.codes(page, off)
-        return (dequantize(kq, ks, kz, bits, group_size, dtype),
-                dequantize(vq, vs, vz, bits, group_size, dtype))
-
-
 class TieredKVPool(KVPool):
     drops_tokens = True
     layout = "tiered"
@@ -93,8 +57,9 @@ class TieredKVPool(KVPool):
                  device: str, plan: TierStorePlan, group_size: int = 32,
                  page_size: int = DEFAULT_TIER_PAGE_SIZE):
         super().__init__(plan.total, num_layers, num_kv_heads, head_dim, dtype, device)
-        if group_size < 2 or head_dim % group_size:
-            raise ValueError(f"head_dim {head_dim} must be a multiple of kv_quant_group_size {group_size}")
+        if group_size < 2 or head_dim % group_size or (group_size != head_dim and (head_dim // 2) % group_size):
+            raise ValueError(f"kv_quant_group_size {group_size} must be head_dim ({head_dim}) or divide "
+                             f"head_dim / 2 (int4 packs channels j and j + head_dim / 2 in one byte)")
         if page_size < 1:
             raise ValueError(f"kv_tier_page_size must be >= 1, got {page_size}")
         self.memory_tokens = size  # fp16 tokens whose memory the stores share
@@ -106,6 +71,8 @@ class TieredKVPool(KVPool):
         self.scratch_slot = plan.n16 + 1  # CUDA-graph padding rows write here; never handed out
         self._alloc_int_stores(plan)
         self._occupancy: Callable[[], dict[int, int]] | None = None
+        # re-tiering quantizes with kernels/tier_store.py on CUDA (the torch codec elsewhere: same bytes)
+        self._fused_quantize = str(device).startswith("cuda")
 
     def _alloc_int_stores(self, plan: TierStorePlan) -> None:
         P = self.page_size
@@ -113,8 +80,8 @@ class TieredKVPool(KVPool):
         self.plan = plan
         self.size = plan.total
         counts = {TIER_INT8: plan.n8, TIER_INT4: plan.n4}
-        self.stores = {t: [_IntPages(t, counts[t] // P, P, self.num_kv_heads, self.head_dim, self.group_size,
-                                     self.device) for _ in range(self.num_layers)] for t in INT_TIERS}
+        self.stores = {t: [int_tier_pages(t, counts[t] // P, P, self.num_kv_heads, self.head_dim, self.group_size,
+                                          self.device) for _ in range(self.num_layers)] for t in INT_TIERS}
 
     # ------------------------------------------------------------------ slot id ranges
     def num_slots(self, tier: int) -> int:
@@ -187,7 +154,7 @@ class TieredKVPool(KVPool):
                 self.k16[layer_id][where] = kk.to(self.dtype)
                 self.v16[layer_id][where] = vv.to(self.dtype)
             else:
-                self.stores[tier][layer_id].write(*where, kk, vv, _BITS[tier], self.group_size)
+                self.stores[tier][layer_id].write(*where, kk, vv)
 
     def set_kv_fp16(self, layer_id, slots, k, v):
         """set_kv for ids known to be fp16 (new tokens): no host sync, CUDA-graph safe."""
@@ -208,7 +175,7 @@ class TieredKVPool(KVPool):
             if tier == TIER_FP16:
                 kk, vv = self.k16[layer_id].index_select(0, where), self.v16[layer_id].index_select(0, where)
             else:
-                kk, vv = self.stores[tier][layer_id].read(*where, _BITS[tier], self.group_size, self.dtype)
+                kk, vv = self.stores[tier][layer_id].read(*where, self.dtype)
             if pos is None:
                 return kk.view(out_shape), vv.view(out_shape)
             k.index_copy_(0, pos, kk)
@@ -225,7 +192,8 @@ class TieredKVPool(KVPool):
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy tokens src -> dst in every layer, quantizing into dst's store. Ids of the same
-        int tier on both sides copy their codes bit for bit (relocation, not requantization).
+        int tier on both sides copy their codes bit for bit (relocation, not requantization);
+        fp16 -> int on CUDA is one quantize-and-store launch per (layer, tier) (tier_store.py).
         Which store each id is in is worked out once, on the host; the layer loop runs no sync."""
         src, dst = src.reshape(-1).cpu(), dst.reshape(-1).cpu()
         ts, td = self.tier_of(src), self.tier_of(dst)
@@ -237,11 +205,25 @@ class TieredKVPool(KVPool):
                 relocate.append((tier, tuple(map(self._to_device, self.page_offset(tier, src[m]))),
                                  tuple(map(self._to_device, self.page_offset(tier, dst[m])))))
         rest = ~same
+        # fp16 -> int (every re-tiering): one quantize-and-store launch per (layer, tier) on CUDA
+        fused = []
+        if self._fused_quantize and bool(rest.any()):
+            down = rest & (ts == TIER_FP16) & (td != TIER_FP16)
+            for tier in INT_TIERS:
+                m = down & (td == tier)
+                if bool(m.any()):
+                    fused.append((tier, self._to_device(src[m]), *map(self._to_device, self.page_offset(tier, dst[m]))))
+            rest = rest & ~down
         requant = (self.route(src[rest]), self.route(dst[rest])) if bool(rest.any()) else None
+        if fused:
+            from sgl_kvxfer.kernels.tier_store import store_rows_quantized
         for layer_id in range(self.num_layers):
             for tier, s_where, d_where in relocate:
                 store = self.stores[tier][layer_id]
                 store.put_codes(*d_where, store.codes(*s_where))
+            for tier, rows, page, off in fused:
+                store_rows_quantized(self.k16[layer_id], self.v16[layer_id], rows, self.stores[tier][layer_id],
+                                     page, off)
             if requant is not None:
                 k, v = self.get_kv_routed(layer_id, requant[0])
                 self.set_kv_routed(layer_id, requant[1], k, v)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kvxfer.kernels.paged_layout import TieredBlockTables, TieredKVLayer, TierPages
+from sgl_kvxfer.kernels.paged_layout import TieredBlockTables, TieredKVLayer, TierPages, int_tier_pages
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
 from sgl_kvxfer.spectrum.tiers import TIER_FP16, TIER_INT4, TIER_INT8
 
@@ -63,14 +63,17 @@ def tier_block_tables(pool: TieredKVPool, slots: torch.Tensor, seq_lens: torch.T
 
 
 def tier_layer_view(pool: TieredKVPool, layer_id: int) -> TieredKVLayer:
-    """The layer's stores as TierPages (no copy): fp16 [n16 + 2, Hkv, 1, D], int stores
-    [pages, Hkv, PAGE, W]. An empty int store (e.g. no int8 at b = 0.25) is replaced by a
-    one-page zero placeholder: its counts are 0, it is never read."""
-    def placeholder(x):
-        return torch.zeros((1, *x.shape[1:]), dtype=x.dtype, device=x.device) if x.shape[0] == 0 else x
+    """The layer's stores as TierPages (no copy): fp16 [n16 + 2, Hkv, 1, D], int stores as their
+    page-head blocks. An empty int store (e.g. no int8 at b = 0.25) is replaced by a one-page zero
+    placeholder: its counts are 0, it is never read (TierPages.num_pages tells the backend)."""
+    def placeholder(t):
+        store = pool.stores[t][layer_id]
+        if store.num_pages:
+            return store
+        return int_tier_pages(t, 1, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.group_size, pool.device)
 
     fp16 = TierPages(TIER_FP16, pool.k16[layer_id][:, :, None, :], pool.v16[layer_id][:, :, None, :])
-    quant = [TierPages(t, *(placeholder(x) for x in pool.stores[t][layer_id].tensors())) for t in (TIER_INT8, TIER_INT4)]
+    quant = [placeholder(t) for t in (TIER_INT8, TIER_INT4)]
     layer = TieredKVLayer((fp16, *quant), pool.head_dim, pool.group_size)
     layer.check(uniform=False)
     return layer

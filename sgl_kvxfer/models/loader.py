@@ -60,11 +60,28 @@ def resolve_model_path(model_path: str | None, cache_dir: str | None = None) -> 
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "config.json")):
             return path
+        if os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise FileNotFoundError(
+                f"{model_path} is a LoRA adapter, not a model: serve its base model with the adapter merged, "
+                f"--model-path {_adapter_base(path)} --merge-lora {model_path}")
         raise FileNotFoundError(f"Model directory has no config.json: {model_path}")
     raise FileNotFoundError(
         f"Model path not found: {model_path} (sgl_kvxfer never downloads from the hub; pass a local "
         f"directory, a .gguf file, or 'smollm2-135m' for the embedded default)"
     )
+
+
+def _adapter_base(adapter_dir: str) -> str:
+    """The base model an adapter names (adapter_config.json) when that is a local dir, else a
+    placeholder for the user to fill in."""
+    import json
+
+    try:
+        with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+            base = json.load(f).get("base_model_name_or_path")
+    except (OSError, ValueError):
+        base = None
+    return base if isinstance(base, str) and os.path.isdir(base) else "<its base model dir>"
 
 
 def resolve_tokenizer_path(model_dir: str, tokenizer_path: str | None = None) -> str:

@@ -3,7 +3,9 @@ its low-rank codes. See sgl_kvxfer/scd/README.md.
 
     artifacts   ScdManifest, ScdArtifacts (load/save/check_pair), make_random_artifacts
     codec       ScdEncoder (producer), ScdDecoder (one consumer), regenerate_kv, kv_projections
-    calibrate   python -m sgl_kvxfer.scd.calibrate (paired prefills -> artifacts)
+    rank_policy the adaptive nested-rank choice of a producer
+    calib/      offline: python -m sgl_kvxfer.scd.calib (paired prefills -> artifacts); the
+                serving runtime never imports it
 """
 from sgl_kvxfer.scd.artifacts import ScdArtifacts, ScdManifest, ScdPairError, make_random_artifacts
 from sgl_kvxfer.scd.codec import KVProjection, ScdDecoder, ScdEncoder, kv_projections, regenerate_kv

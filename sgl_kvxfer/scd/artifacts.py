@@ -15,8 +15,13 @@ head_mode "joint" (one latent of H*r numbers per layer, fitted across the layer'
     producer   k_enc.l [H*D, H*r_k]      [H, D, r_k]     k_mu.l [H, D]  (v_* likewise)   (reuse l)
                h_enc.l [hidden, r_h]     h_mu.l [hidden]                                  (patch l)
     consumer   k_dec.l [H*r_k, H*D]      [H, r_k, D]     k_mu.l [H, D]  (v_* likewise)   (reuse l)
+               k_dec@r.l [H*r, H*D]      [H, r, D]       for each lower nested rank r of rank_levels
                a_scale.l [r_h]  a_lin_w.l [r_h, hidden]  a_lin_b.l [hidden]
                a_w1.l [r_h, m]  a_b1.l [m]  a_w2.l [m, hidden]  a_b2.l [hidden]              (patch l)
+
+Nested ranks (`rank_levels`): the code at a lower level (r_k', r_v') is the first H*r' columns
+(joint) or first r' per head of the top code, so the producer encodes once and any level's
+code is a prefix; each consumer holds one decoder per level (calib/fit.py).
 
 One producer, N consumers: every consumer decodes the SAME codes (one encoder per layer, fitted
 on the joint subspace of the producer and all consumers), so a prefill is encoded once.
@@ -69,6 +74,8 @@ class ScdManifest:
     # bytes as per-head codes, never a worse fit); "per_head": one latent per head
     head_mode: str = "joint"
     version: int = VERSION
+    # lower nested (r_k, r_v) levels a producer may send instead of the top (r_k, r_v); ascending
+    rank_levels: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         names = [c.name for c in self.consumers]
@@ -88,6 +95,13 @@ class ScdManifest:
             raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {self.head_mode!r}")
         if self.dtype not in CODE_DTYPES:
             raise ValueError(f"dtype must be one of {tuple(CODE_DTYPES)}, got {self.dtype!r}")
+        prev = (0, 0)
+        for a, b in self.rank_levels:
+            if not (1 <= a <= self.r_k and 1 <= b <= self.r_v) or (a, b) == (self.r_k, self.r_v) \
+                    or a < prev[0] or b < prev[1] or (a, b) == prev:
+                raise ValueError(f"rank_levels {self.rank_levels}: ascending (r_k, r_v) pairs below "
+                                 f"({self.r_k}, {self.r_v}), each rank at most the next one's")
+            prev = (a, b)
         if self.version != VERSION:
             raise ValueError(f"artifacts version {self.version}, this code reads version {VERSION}")
 
@@ -108,22 +122,33 @@ class ScdManifest:
             return "reuse"
         raise IndexError(f"layer {layer} out of range({self.num_layers})")
 
-    def code_layout(self) -> list[tuple[int, str, tuple[int, ...]]]:
+    @property
+    def levels(self) -> tuple[tuple[int, int], ...]:
+        """Every (r_k, r_v) a producer may send, ascending; the last is the top (r_k, r_v)."""
+        return (*self.rank_levels, (self.r_k, self.r_v))
+
+    def code_layout(self, level: tuple[int, int] | None = None) -> list[tuple[int, str, tuple[int, ...]]]:
         """Per token, in wire order: (layer, "k" | "v" | "h", per-token shape). Reuse layers send
-        k [H, r_k] and v [H, r_v]; patch layers send h [r_h]."""
+        k [H, r_k] and v [H, r_v] (at `level`, default the top); patch layers send h [r_h]."""
+        r_k, r_v = level or (self.r_k, self.r_v)
         out = []
         for layer in range(self.num_layers):
             if layer in self.patch_layers:
                 out.append((layer, "h", (self.r_h,)))
             else:
-                out += [(layer, "k", (self.num_kv_heads, self.r_k)), (layer, "v", (self.num_kv_heads, self.r_v))]
+                out += [(layer, "k", (self.num_kv_heads, r_k)), (layer, "v", (self.num_kv_heads, r_v))]
         return out
+
+    def bytes_per_token_at(self, level: tuple[int, int] | None = None) -> int:
+        """Bytes of codes per token (all layers) at `level` (default the top)."""
+        r_k, r_v = level or (self.r_k, self.r_v)
+        elems = len(self.reuse_layers) * self.num_kv_heads * (r_k + r_v) + len(self.patch_layers) * self.r_h
+        return elems * self.code_dtype.itemsize
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of codes per token (all layers)."""
-        elems = len(self.reuse_layers) * self.num_kv_heads * (self.r_k + self.r_v) + len(self.patch_layers) * self.r_h
-        return elems * self.code_dtype.itemsize
+        """Bytes of codes per token (all layers) at the top level."""
+        return self.bytes_per_token_at()
 
     def raw_kv_bytes_per_token(self, itemsize: int = 2) -> int:
         return self.num_layers * self.num_kv_heads * 2 * self.head_dim * itemsize
@@ -144,6 +169,7 @@ class ScdManifest:
         d["consumers"] = tuple(ModelIdentity.from_dict(c) for c in d["consumers"])
         for key in ("reuse_layers", "patch_layers"):
             d[key] = tuple(int(x) for x in d[key])
+        d["rank_levels"] = tuple((int(a), int(b)) for a, b in d.get("rank_levels", ()))
         return cls(**d)
 
 
@@ -193,7 +219,7 @@ class ScdArtifacts:
 
         path = os.path.join(art_dir, MANIFEST)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"no SCD manifest at {path} (run python -m sgl_kvxfer.scd.calibrate)")
+            raise FileNotFoundError(f"no SCD manifest at {path} (run python -m sgl_kvxfer.scd.calib)")
         with open(path) as f:
             manifest = ScdManifest.from_dict(json.load(f))
         names = manifest.consumer_names if consumers is None else tuple(consumers)
@@ -233,12 +259,12 @@ def _mismatch(side: str, got: ModelIdentity, expected: list[ModelIdentity]) -> s
     what = "architecture (config hash)" if all(got.config_hash != e.config_hash for e in expected) else "weights"
     return (f"SCD artifacts do not fit this {side}: its {what} differ. Got config {got.config_hash[:12]} "
             f"weights {got.weight_hash[:12]} ({got.source}); the artifacts were calibrated for {want}. "
-            f"Re-run python -m sgl_kvxfer.scd.calibrate for this pair.")
+            f"Re-run python -m sgl_kvxfer.scd.calib for this pair.")
 
 
 def make_random_artifacts(arch_config, consumers, r_k: int, r_v: int, r_h: int, patch_layers,
                           seed: int = 0, aligner_hidden: int = 64, dtype: str = "bfloat16",
-                          head_mode: str = "joint") -> ScdArtifacts:
+                          head_mode: str = "joint", rank_levels=()) -> ScdArtifacts:
     """Random artifacts of the right shapes for `arch_config` (a ModelArchConfig): for tests and
     timing-only benchmarks (e.g. the Llama-3-8B shape). Identities carry the real config hash and
     the wildcard weight hash, so any weights of that architecture pass `check_pair`.
@@ -254,8 +280,11 @@ def make_random_artifacts(arch_config, consumers, r_k: int, r_v: int, r_h: int, 
         num_layers=L, num_kv_heads=H, head_dim=D, hidden_size=hid, rope_theta=a.rope_theta,
         rope_scaling=a.rope_scaling, max_position_embeddings=a.max_position_embeddings,
         reuse_layers=tuple(x for x in range(L) if x not in patch), patch_layers=patch,
-        r_k=r_k, r_v=r_v, r_h=r_h, dtype=dtype, aligner_hidden=aligner_hidden, head_mode=head_mode)
+        r_k=r_k, r_v=r_v, r_h=r_h, dtype=dtype, aligner_hidden=aligner_hidden, head_mode=head_mode,
+        rank_levels=tuple((int(a), int(b)) for a, b in rank_levels))
     g = torch.Generator().manual_seed(seed)
+    nested = {"k": sorted({a for a, _ in manifest.rank_levels if a < r_k}),
+              "v": sorted({b for _, b in manifest.rank_levels if b < r_v})}
 
     def orth(rows, cols):  # orthonormal columns (rows >= cols) or rows
         q, _ = torch.linalg.qr(torch.randn(max(rows, cols), min(rows, cols), generator=g))
@@ -270,6 +299,9 @@ def make_random_artifacts(arch_config, consumers, r_k: int, r_v: int, r_h: int, 
             for n in names:
                 t[f"{n}/{kind}_dec.{layer}"] = orth(H * r, H * D) if joint else torch.stack([orth(r, D) for _ in range(H)])
                 t[f"{n}/{kind}_mu.{layer}"] = torch.zeros(H, D)
+                for lo in nested[kind]:
+                    t[f"{n}/{kind}_dec@{lo}.{layer}"] = (orth(H * lo, H * D) if joint else
+                                                        torch.stack([orth(lo, D) for _ in range(H)]))
     for layer in patch:
         t[f"producer/h_enc.{layer}"] = orth(hid, r_h)
         t[f"producer/h_mu.{layer}"] = torch.zeros(hid)

@@ -9,6 +9,9 @@ Consumer c:
     patch l:  h_hat = g_c(zh)  (MLP aligner), then k = RoPE(h_hat W_k_c^T), v = h_hat W_v_c^T
               with the consumer's OWN projections (`regenerate_kv`, `kv_projections`).
 
+Nested ranks: `encode_reuse(..., level=(r_k', r_v'))` sends the first columns of the top code;
+`decode_reuse` reads the level from the codes' width and uses that level's decoder.
+
 Shapes are token-major like the engine's KV pool: k, v [T, H, D]; positions LongTensor [T] (the
 absolute position of each token, as the engine rotated it). Codes are cast to the manifest's
 wire dtype; all arithmetic runs in float32.
@@ -47,14 +50,18 @@ class ScdEncoder:
         for layer in m.patch_layers:
             self.h_enc[layer], self.h_mu[layer] = _on(get(f"h_enc.{layer}"), device), _on(get(f"h_mu.{layer}"), device)
 
-    def encode_reuse(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k post-RoPE [T, H, D], v [T, H, D], positions [T] -> zk [T, H, r_k], zv [T, H, r_v]."""
+    def encode_reuse(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     level: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """k post-RoPE [T, H, D], v [T, H, D], positions [T] -> zk [T, H, r_k], zv [T, H, r_v] at
+        `level` (one of manifest.levels; default the top)."""
         if layer not in self.k_enc:
             raise ValueError(f"layer {layer} is a {self.manifest.layer_kind(layer)} layer, not reuse")
+        r_k, r_v = level or (self.manifest.r_k, self.manifest.r_v)
+        if (r_k, r_v) not in self.manifest.levels:
+            raise ValueError(f"rank level {(r_k, r_v)} is not one of the artifacts' {self.manifest.levels}")
         kc = self.rotary.derope(k, positions) - self.k_mu[layer]
-        zk = _project(kc, self.k_enc[layer], self.manifest.r_k)
-        zv = _project(v.float() - self.v_mu[layer], self.v_enc[layer], self.manifest.r_v)
+        zk = _project(kc, _prefix(self.k_enc[layer], r_k, self.manifest.num_kv_heads), r_k)
+        zv = _project(v.float() - self.v_mu[layer], _prefix(self.v_enc[layer], r_v, self.manifest.num_kv_heads), r_v)
         dt = self.manifest.code_dtype
         return zk.to(dt), zv.to(dt)
 
@@ -78,20 +85,30 @@ class ScdDecoder:
             return _on(artifacts.consumer_tensor(consumer, name), device)
 
         self.k_dec, self.k_mu, self.v_dec, self.v_mu, self.aligners = {}, {}, {}, {}, {}
-        for layer in m.reuse_layers:
-            self.k_dec[layer], self.k_mu[layer] = get(f"k_dec.{layer}"), get(f"k_mu.{layer}")
-            self.v_dec[layer], self.v_mu[layer] = get(f"v_dec.{layer}"), get(f"v_mu.{layer}")
+        lower_k = sorted({a for a, _ in m.rank_levels if a < m.r_k})
+        lower_v = sorted({b for _, b in m.rank_levels if b < m.r_v})
+        for layer in m.reuse_layers:  # decoders keyed (layer, rank)
+            self.k_dec[(layer, m.r_k)], self.k_mu[layer] = get(f"k_dec.{layer}"), get(f"k_mu.{layer}")
+            self.v_dec[(layer, m.r_v)], self.v_mu[layer] = get(f"v_dec.{layer}"), get(f"v_mu.{layer}")
+            for r in lower_k:
+                self.k_dec[(layer, r)] = get(f"k_dec@{r}.{layer}")
+            for r in lower_v:
+                self.v_dec[(layer, r)] = get(f"v_dec@{r}.{layer}")
         for layer in m.patch_layers:
             self.aligners[layer] = {n: get(f"a_{n}.{layer}") for n in ALIGNER_PARAMS}
 
     def decode_reuse(self, layer: int, zk: torch.Tensor, zv: torch.Tensor, positions: torch.Tensor,
                      out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """zk [T, H, r_k], zv [T, H, r_v], positions [T] -> (k post-RoPE [T, H, D], v [T, H, D])."""
-        if layer not in self.k_dec:
+        """zk [T, H, r_k], zv [T, H, r_v] at any level (read from their width), positions [T] ->
+        (k post-RoPE [T, H, D], v [T, H, D])."""
+        if layer not in self.k_mu:
             raise ValueError(f"layer {layer} is a {self.manifest.layer_kind(layer)} layer, not reuse")
+        kd, vd = self.k_dec.get((layer, zk.shape[-1])), self.v_dec.get((layer, zv.shape[-1]))
+        if kd is None or vd is None:
+            raise ValueError(f"codes of ranks ({zk.shape[-1]}, {zv.shape[-1]}) match no level of {self.manifest.levels}")
         d = self.manifest.head_dim
-        kc = _project(zk.float(), self.k_dec[layer], d) + self.k_mu[layer]
-        v = _project(zv.float(), self.v_dec[layer], d) + self.v_mu[layer]
+        kc = _project(zk.float(), kd, d) + self.k_mu[layer]
+        v = _project(zv.float(), vd, d) + self.v_mu[layer]
         return self.rotary.rope(kc, positions, out_dtype), v.to(out_dtype)
 
     def align_patch(self, layer: int, zh: torch.Tensor) -> torch.Tensor:
@@ -104,6 +121,12 @@ class ScdDecoder:
                          out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """align_patch, then the consumer's own K/V projection of layer `layer` (+RoPE)."""
         return regenerate_kv(self.align_patch(layer, zh), proj, positions, self.rotary, out_dtype)
+
+
+def _prefix(enc: torch.Tensor, r: int, heads: int) -> torch.Tensor:
+    """The encoder of the rank-r prefix code: joint [H*D, H*r_top] -> [H*D, H*r]; per_head
+    [H, D, r_top] -> [H, D, r]."""
+    return enc[:, :heads * r] if enc.dim() == 2 else enc[..., :r]
 
 
 def _project(x: torch.Tensor, w: torch.Tensor, out_per_head: int) -> torch.Tensor:

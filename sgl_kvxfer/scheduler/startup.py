@@ -17,7 +17,7 @@ def create_runner(cfg):
     from sgl_kvxfer.models.loader import load_tokenizer, resolve_tokenizer_path
     from sgl_kvxfer.scheduler.int4_probe import decide_int4
 
-    loaded = load_weights(cfg.engine)
+    loaded = load_weights(cfg.engine, cfg.max_running_requests, cfg.max_prefill_tokens)
     tokenizer_path = resolve_tokenizer_path(loaded.model_dir, cfg.engine.tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_path)
     int4 = decide_int4(cfg, loaded, tokenizer)

@@ -42,7 +42,7 @@ from sgl_kvxfer.spectrum.budget import KVLayout, assignment_bytes, fp16_bytes
 from sgl_kvxfer.spectrum.byte_budget import assign_tiers
 from sgl_kvxfer.spectrum.importance import ImportanceAccumulator, KVNormAccumulator, token_importance
 from sgl_kvxfer.spectrum.policies import create_tier_policy
-from sgl_kvxfer.spectrum.tiers import NUM_TIERS
+from sgl_kvxfer.spectrum.tiers import NUM_TIERS, TIER_INT4, TIER_INT8
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,9 @@ class EngineTiering:
         self.int4 = None  # probe.Int4Resolution once resolved
         self._acc: WeakKeyDictionary = WeakKeyDictionary()  # req -> ImportanceAccumulator
         self._tiered_len: WeakKeyDictionary = WeakKeyDictionary()  # req -> row prefix at final tiers
+        # req -> {int tier: the last id its decode demotion got}: the next run continues that page
+        # (decode tokens are private to the request until it finishes, so it holds the whole page)
+        self._tails: WeakKeyDictionary = WeakKeyDictionary()
         self.records: deque[TierRecord] = deque(maxlen=4096)
 
     # ------------------------------------------------------------------ settings
@@ -127,6 +130,7 @@ class EngineTiering:
             fb.extras["attn_observer"] = observe
 
     def after_forward(self, batch, chunked) -> None:
+        due = []  # decode: the runs this step demotes, all requests together
         for s in batch.slices:
             req = s.req
             if req.req_pool_idx is None:
@@ -135,12 +139,17 @@ class EngineTiering:
                 if req is not chunked:
                     self._tier_prefill(req)
             else:
-                self._demote_decode(req, final=req.finished)
+                run = self._decode_run(req, final=req.finished)
+                if run is not None:
+                    due.append(run)
+        if due:
+            self._demote_runs(due)
 
     def mark_tiered(self, req, n: int) -> None:
         """Positions [0, n) of req are final (PD decode: the prompt came tiered from the
         prefill); decode demotion starts after them."""
         self._tiered_len[req] = n
+        self._tails.pop(req, None)
 
     # ------------------------------------------------------------------ rules
     def _tier_prefill(self, req) -> None:
@@ -157,24 +166,72 @@ class EngineTiering:
         sinks = max(0, self.policy.sink_count(self.config.kv_sink_tokens) - start)
         self._retier(req, start, slots[start:], importance, sinks)
         self._tiered_len[req] = n
+        self._tails.pop(req, None)  # a re-prefilled (retracted) request starts fresh pages
 
-    def _demote_decode(self, req, final: bool) -> None:
+    def _decode_run(self, req, final: bool):
+        """(req, start, end) of the generated tokens due for demotion, or None."""
         done = self._tiered_len.get(req)
         recent = self.settings.decode_recent
         if done is None or self.policy.keep_drop:
-            return
+            return None
         end = req.kv_len - recent
         if end - done < (1 if final else recent):
-            return
-        slots = self.table.read(req.req_pool_idx, end, start=done).cpu()
-        self._retier(req, done, slots, self._norm_importance(slots), 0)
-        self._tiered_len[req] = end
+            return None
+        return req, done, end
+
+    def _demote_runs(self, runs: list) -> None:
+        """Decode demotion of every due request at once: one host copy of their slots, one KV-norm
+        pass over the layers for all of them, the tiers assigned per run (each run normalized on
+        its own, as a lone run would be), then one retier_runs: each run on its own pages (the
+        free tail of its previous run's last page first), one data move (fp16 -> int: one
+        quantize-and-store launch per layer and tier on CUDA)."""
+        rows = [self.table.read(req.req_pool_idx, end, start=start) for req, start, end in runs]
+        slots = torch.cat(rows).cpu()
+        joint = self._norm_importance(slots)  # normalized over every run's tokens
+        st, parts, pos = self.settings, [], 0
+        for (req, start, end), row in zip(runs, rows):
+            n = row.numel()
+            run_slots, imp = slots[pos:pos + n], joint[pos:pos + n]
+            pos += n
+            if len(runs) > 1:  # renormalized over the run alone (a lone run's scores are already)
+                imp = imp / imp.sum()
+            tiers = assign_tiers(self.policy, imp, st.budget, self.layout, st.unit, 0, st.int4_allowed,
+                                 self.config.random_seed)
+            parts.append((run_slots, tiers, self._live_tails(req)))
+        results = self.allocator.retier_runs(parts, self._make_room)
+        for (req, start, end), (run_slots, tiers, _), (new, got) in zip(runs, parts, results):
+            self._record(req, start, run_slots, tiers, new, got)
+            self._tiered_len[req] = end
+            tails = dict(self._tails.get(req) or {})
+            new_cpu, got_cpu = new.cpu(), got.cpu()
+            moved = new_cpu != run_slots
+            for t in (TIER_INT8, TIER_INT4):
+                idx = (moved & (got_cpu == t)).nonzero().squeeze(1)
+                if idx.numel():
+                    tails[t] = (int(new_cpu[idx[-1]]), start + int(idx[-1]))  # (id, row position)
+            self._tails[req] = tails
+
+    def _live_tails(self, req) -> dict | None:
+        """{tier: id} of the request's previous decode runs' last pages, each only if the row still
+        holds that id at its position (a request retracted and recomputed starts afresh)."""
+        tails = self._tails.get(req)
+        if not tails:
+            return None
+        out = {}
+        for t, (slot, pos) in tails.items():
+            if int(self.table.read(req.req_pool_idx, pos + 1, start=pos)[0]) == slot:
+                out[t] = slot
+        return out
 
     def _retier(self, req, start: int, slots: torch.Tensor, importance: torch.Tensor, sinks: int) -> None:
         st = self.settings
         tiers = assign_tiers(self.policy, importance, st.budget, self.layout, st.unit, sinks, st.int4_allowed,
                              self.config.random_seed)
         new, got = self.allocator.retier(slots, tiers, self._make_room)
+        self._record(req, start, slots, tiers, new, got)
+
+    def _record(self, req, start: int, slots, tiers, new, got) -> None:
+        """Rewrite the request's row at the new ids and keep the run's TierRecord."""
         self.table.write(req.req_pool_idx, start, new)
         got = got.cpu()
         ratio = assignment_bytes(got, self.layout) / fp16_bytes(got.numel(), self.layout)

@@ -74,7 +74,7 @@ def model_info(app) -> dict:
     model_path = args.engine.model_path or info.get("model_path")
     return {
         "model_path": model_path,
-        "served_model_name": args.served_model_name or model_path,
+        "served_model_name": args.resolved_served_model_name,
         "tokenizer_path": args.engine.tokenizer_path or info.get("tokenizer_path"),
         "is_generation": True,
         "preferred_sampling_params": None,

@@ -18,7 +18,37 @@ from dataclasses import dataclass
 import psutil
 import requests
 
-STARTUP_TIMEOUT = 600
+STARTUP_TIMEOUT = 600  # seconds on an idle machine; every wait here stretches with the load
+
+
+def load_factor() -> float:
+    """How many times slower than an idle machine this one runs now: the 1- or 5-minute load
+    average per core, whichever is higher, at least 1."""
+    try:
+        load = max(os.getloadavg()[:2])
+    except OSError:
+        return 1.0
+    return max(1.0, load / (os.cpu_count() or 1))
+
+
+def scaled(seconds: float) -> float:
+    """A timeout of `seconds` on an idle machine, stretched by the load now (for one request)."""
+    return seconds * load_factor()
+
+
+class Deadline:
+    """`seconds` of an idle machine from now, stretched by the highest load seen while waiting:
+    a wait that flakes only on a busy machine is a wait on the wrong clock."""
+
+    def __init__(self, seconds: float):
+        self.start, self.seconds, self.factor = time.monotonic(), seconds, load_factor()
+
+    def expired(self) -> bool:
+        self.factor = max(self.factor, load_factor())
+        return time.monotonic() - self.start > self.seconds * self.factor
+
+    def __str__(self) -> str:
+        return f"{self.seconds * self.factor:.0f} s ({self.seconds:.0f} s x load {self.factor:.1f})"
 
 
 def free_port() -> int:
@@ -102,8 +132,8 @@ def start_server(args: list[str], entry: list[str] | None = None, env: dict | No
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.time() + STARTUP_TIMEOUT
-    while time.time() < deadline:
+    deadline = Deadline(STARTUP_TIMEOUT)
+    while not deadline.expired():
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{handle.log()}")
         try:
@@ -112,8 +142,9 @@ def start_server(args: list[str], entry: list[str] | None = None, env: dict | No
         except requests.RequestException:
             pass
         time.sleep(0.5)
+    log = handle.log()  # read first: a clean stop deletes it
     handle.stop()
-    raise RuntimeError(f"server did not come up in {STARTUP_TIMEOUT}s:\n{handle.log()}")
+    raise RuntimeError(f"server did not come up in {deadline}:\n{log}")
 
 
 def _auth(args: list[str]) -> dict:
@@ -142,8 +173,8 @@ def start_router(prefills: list[tuple[str, int | None]], decodes: list[str], pol
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
     handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.time() + 120
-    while time.time() < deadline:
+    deadline = Deadline(120)
+    while not deadline.expired():
         if proc.poll() is not None:
             raise RuntimeError(f"router exited with {proc.returncode}:\n{handle.log()}")
         try:
@@ -153,4 +184,4 @@ def start_router(prefills: list[tuple[str, int | None]], decodes: list[str], pol
             pass
         time.sleep(0.5)
     handle.stop()
-    raise RuntimeError(f"router not ready in 120 s:\n{handle.log()}")
+    raise RuntimeError(f"router not ready in {deadline}:\n{handle.log()}")

@@ -23,6 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from common.report import command_line, write_json  # noqa: E402
 
+from sgl_kvxfer.testing.servers import scaled  # noqa: E402
+
 TINY_WORKLOAD = ["--model-preset", "tiny", "--device", "cpu", "--num-prompts", "4", "--input-len-min", "16",
                  "--input-len-max", "32", "--output-len", "4"]
 PROSE_DOCS = ("README.md", "docs/structures.md", "docs/http_api.md", "sgl_kvxfer/mem_cache/README.md",
@@ -35,7 +37,7 @@ def run_bench(script: str, args: list[str], tmp_path, timeout: float = 600) -> s
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, os.path.join("benchmarks", script), *args, "--out-dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(timeout))
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
     # temp model dirs, probe caches, bench_serving's files: removed by the script (server logs
     # of sgl_kvxfer.testing.servers and torch's inductor folder stay, as they do for the tests)
@@ -92,18 +94,19 @@ def test_write_json_records_device_commit_and_command(tmp_path):
 
 # ---------------------------------------------------------------------------- kernels
 def test_attention(tmp_path):
-    out = run_bench("kernels/attention.py", ["--device", "cpu", "--models", "smollm2", "--contexts", "128",
-                                             "--batches", "1", "--iters", "1"], tmp_path)
-    data = result(out, "attention_", ("results", "copy_bandwidth_Bps", "params", "filled_kernel"), png=True)
+    out = run_bench("kernels/attention.py", ["--device", "cpu", "--points", "smollm2:1:128", "--iters", "1"], tmp_path)
+    data = result(out, "attention_", ("results", "copy_bandwidth_Bps", "params", "served_configs"), png=True)
     row, = data["results"]
-    for v in ("sdpa_fp16", "paged_fp16", "filled_fp16", "filled_int8", "filled_int4", "filled_mix_b0.5"):
-        assert {"ms", "bytes", "speed_vs_sdpa", "pct_copy_bw", "pct_sdpa_bw"} <= set(row[v]), v
-    assert row["filled_int8"]["counts"] == [0, 128, 0] and "skipped" in row["flashinfer_fp16"]  # CUDA only
+    for v in ("sdpa", "fp16_pool", "tiered_fp16", "tiered_int8", "tiered_int4", "tiered_mix_b0.5"):
+        assert {"ms", "ms_min", "ms_max", "bytes", "GBps", "speed_vs_sdpa", "pct_sdpa_bw"} <= set(row[v]), v
+    assert row["tiered_int8"]["counts"] == [0, 128, 0] and row["tiered_int8"]["tiers"] == [1]
+    assert row["tiered_int8"]["max_abs_diff_vs_reference"] < 2e-2
+    assert "skipped" in row["flashinfer_fp16"] and "skipped" in row["flashinfer_fp8"]  # CUDA only
 
 
 def test_decode_plan(tmp_path):
     out = run_bench("kernels/decode_plan.py", ["--device", "cpu", "--batch", "2", "--ctx-min", "16", "--ctx-max",
-                                               "64", "--max-seq", "128", "--splits", "1", "2", "--empty-tiers", "0",
+                                               "64", "--max-seq", "128", "--splits", "1", "2",
                                                "--configs", "4:1", "--iters", "1"], tmp_path)
     data = result(out, "decode_plan_", ("rows", "best", "default_plan", "params"), png=True)
     assert len(data["rows"]) == 2 and all(r["max_abs_diff"] == 0 for r in data["rows"])
@@ -330,3 +333,24 @@ def test_scd_ttft(tmp_path):
     assert data["complete"] and row["consumer_ms"] > 0 and row["e2e_ms"] > 0
     # codes of 23 of the 24 positions: the manifest's bytes per token x 23 / 24
     assert row["bytes_per_token"] == pytest.approx(data["artifacts"]["bytes_per_token"] * 23 / 24)
+
+
+@pytest.mark.slow
+def test_scd_e2e(tmp_path):
+    pytest.importorskip("mooncake")
+    from sgl_kvxfer.models.presets import write_dummy_tokenizer, write_preset_config
+
+    model = write_dummy_tokenizer(write_preset_config("tiny", str(tmp_path / "tiny")), 512)
+    out = run_bench("pd/scd_e2e.py", [
+        "--prompt-tokens", "40", "--question-tokens", "8", "--fanouts", "1", "2", "--rates", "0", "25",
+        "--repeats", "1", "--vocab", "256",
+        "--server-args", f"--model-path {model} --load-format dummy --device cpu --max-total-tokens 1024 "
+                         "--log-level warning"], tmp_path, timeout=1800)
+    data = result(out, "scd_e2e", ("fanout", "shared", "summary", "artifacts", "params"), png=True)
+    assert data["complete"]
+    for n_fan in ("1", "2"):
+        r = data["fanout"][n_fan]["40"]
+        assert r["oracle"]["max_ms"] > 0 and r["scd@0"]["max_ms"] > 0 and r["scd@25"]["max_ms"] > 0
+        # codes of 39 of the 40 positions
+        assert r["scd@25"]["bytes_per_token"] == pytest.approx(data["artifacts"]["bytes_per_token"] * 39 / 40)
+    assert data["shared"]["40"]["oracle"]["mean_ms"] > 0 and data["shared"]["40"]["scd@25"]["mean_ms"] > 0

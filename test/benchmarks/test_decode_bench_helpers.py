@@ -3,13 +3,10 @@ the filled-kernel shim and config sweep (attention.py), and the workload pool si
 (benchmarks/throughput/pool_plan.py)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import sys
-import time
-import types
 
 import pytest
 import torch
@@ -20,7 +17,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks", "kernels"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks", "throughput"))
 
 from engine_layout import build_engine_layout, engine_tier_counts, planned_mix  # noqa: E402
-from sgl_kvxfer.kernels.decode_attention import decode_attention_tiered_reference  # noqa: E402
+from sgl_kvxfer.kernels.tiered_pool_decode import tiered_pool_decode_reference  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- engine_layout.py
@@ -40,7 +37,7 @@ def test_engine_layout_is_the_pools_own_view_and_tables():
     the allocator gave each request: attention over them equals attention over pool.get_kv."""
     B, Hq, Hkv, D = 2, 4, 2, 32
     counts = (5, 70, 3)
-    lay = build_engine_layout(B, counts, Hkv, D, torch.float16, "cpu", copies=2)
+    lay = build_engine_layout(B, counts, Hkv, D, torch.float16, "cpu", copies=2, page_size=64)
     assert lay.max_tokens == sum(counts) and len(lay.tables) == 2
     for t in lay.tables:
         assert t.filled and t.batch_size == B
@@ -54,7 +51,7 @@ def test_engine_layout_is_the_pools_own_view_and_tables():
     assert layer.page_size_of(0) == 1 and layer.page_size_of(1) == layer.page_size_of(2) == 64
     assert layer[1].k_scale.shape[-1] == 1 and layer.group_size == D  # one scale + zero per token-head
     q = torch.randn(B, Hq, D, dtype=torch.float16)
-    got = decode_attention_tiered_reference(q, layer, t).float()
+    got = tiered_pool_decode_reference(q, layer, t).float()
     pool = lay.pool
     for b in range(B):
         k, v = pool.get_kv(0, lay.slots[B + b, :sum(counts)])
@@ -67,59 +64,30 @@ def test_engine_layout_is_the_pools_own_view_and_tables():
 
 
 # ---------------------------------------------------------------------------- attention.py sweep
-@dataclasses.dataclass(frozen=True)
-class FakeConfig:
-    block_n: int = 64
-    slow: bool = False
-
-
-def fake_kernel_module(calls: list) -> types.ModuleType:
-    """A stand-in for kernels/filled_decode_attention.py: the reference, slowed down by `slow`
-    configs, recording every (plan, config) it gets."""
-    m = types.ModuleType("sgl_kvxfer.kernels.filled_decode_attention")
-
-    def plan_filled_decode(batch_size, num_kv_heads, max_tokens, device, config=None):
-        return ("plan", batch_size, num_kv_heads, max_tokens, config)
-
-    def decode_attention_filled(q, layer, tables, sm_scale=None, out=None, plan=None, config=None):
-        calls.append((plan, config))
-        if config is not None and config.slow:
-            time.sleep(0.02)
-        res = decode_attention_tiered_reference(q, layer, tables, sm_scale)
-        return out.copy_(res) if out is not None else res
-
-    m.FilledDecodeConfig, m.plan_filled_decode, m.decode_attention_filled = (
-        FakeConfig, plan_filled_decode, decode_attention_filled)
-    return m
-
-
-def test_sweep_times_every_config_and_measures_with_the_best(tmp_path, monkeypatch):
+def test_sweep_times_every_config_and_measures_with_the_best(tmp_path):
+    """The sweep times the served config and each --configs entry on every sweep variant, the
+    best per model (lowest geometric mean) measures the table, and its SERVED_CONFIGS line is
+    written out. On the interpreter the served config is INTERPRET_CONFIG (16-token tiles)."""
     import attention
 
-    import sgl_kvxfer.kernels
-
-    calls = []
-    fake = fake_kernel_module(calls)
-    monkeypatch.setitem(sys.modules, "sgl_kvxfer.kernels.filled_decode_attention", fake)
-    monkeypatch.setattr(sgl_kvxfer.kernels, "filled_decode_attention", fake, raising=False)  # if imported before
-    attention.main(["--device", "cpu", "--models", "smollm2", "--contexts", "64", "--batches", "1", "--iters", "1",
-                    "--variants", "sdpa_fp16", "filled_int8", "filled_mix_b0.5", "--sweep-configs",
-                    "--configs", json.dumps([{"block_n": 16, "slow": True}, {"block_n": 32}]),
+    attention.main(["--device", "cpu", "--points", "smollm2:1:64", "--iters", "1",
+                    "--variants", "sdpa", "tiered_int8", "tiered_mix_b0.5", "--sweep-configs",
+                    "--configs", json.dumps([{"tile8": 32, "tile16": 16, "int_page": 32}, {"qk_int8": True}]),
                     "--sweep-points", "smollm2:1:64", "--out-dir", str(tmp_path), "--name", "attn"])
     with open(tmp_path / "attn.json") as f:
         data = json.load(f)
-    assert data["filled_kernel"] == "decode_attention_filled" and not data["partial"]
+    assert not data["partial"]
     rows = data["sweep"]["rows"]
-    assert len(rows) == 2 * 3 and all("ms" in r and r["max_abs_diff_vs_default"] == 0 for r in rows)
-    assert {json.dumps(r["config"]) for r in rows} == {'"default"', '{"block_n": 16, "slow": true}',
-                                                       '{"block_n": 32}'}
-    assert all(b["config"] != {"block_n": 16, "slow": True} for b in data["sweep"]["best"])
+    assert len(rows) == 3 and all("ms" in r for r in rows)  # 3 configs x tiered_int8 (the only sweep variant run)
+    assert {json.dumps(r["config"]) for r in rows} == {'"served"', '{"tile8": 32, "tile16": 16, "int_page": 32}',
+                                                       '{"qk_int8": true}'}
+    assert [r["int_page"] for r in rows if r["config"] != "served" and "int_page" in r["config"]] == [32]
+    best, = data["sweep"]["best"]
+    assert best["model"] == "smollm2" and "(64, 3)" in best["served_configs_line"] or best["config"] == "served"
     row, = data["results"]
-    for v in ("filled_int8", "filled_mix_b0.5"):
-        assert row[v]["config"] != {"block_n": 16, "slow": True} and row[v]["planned"]
-        assert row[v]["max_abs_diff_vs_reference"] == 0 and "speed_vs_sdpa" in row[v]
-    plans = [p for p, c in calls if p is not None]
-    assert plans and all(p[3] == 64 for p in plans)  # planned for the table width L = ctx
+    for v in ("tiered_int8", "tiered_mix_b0.5"):
+        assert row[v]["config"] == best["config"] and row[v]["max_abs_diff_vs_reference"] < 3e-2
+        assert "speed_vs_sdpa" in row[v]
     assert os.path.exists(tmp_path / "attn.png")
 
 
@@ -160,3 +128,28 @@ def test_fits_records_bytes_needed(llama_arch):
     assert not ok and need == w + p["kv_pool_bytes"] + (6 << 30) and free == 80 << 30
     q = {**plan_pool(llama_arch, torch.bfloat16, 32768, 32, 0.25, 40), "weight_bytes": w}
     assert fits("cuda", q, 6 << 30, free=80 << 30)[0]  # a quarter budget fits where fp16 does not
+
+
+# ---------------------------------------------------------------------------- ncu_decode.py
+def test_ncu_raw_csv_summary():
+    """ncu's --csv --page raw output (header row, units row, one row per kernel) -> the figures the
+    report quotes, with the largest stall ratio as the top stall."""
+    from ncu_decode import parse_raw_csv, summarize
+
+    text = "\n".join([
+        "==PROF== Connected to process 1",
+        '"ID","Kernel Name","gpu__time_duration.sum","gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",'
+        '"sm__warps_active.avg.pct_of_peak_sustained_active","launch__registers_per_thread",'
+        '"smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",'
+        '"smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio"',
+        '"","","nsecond","%","%","register/thread","ratio","ratio"',
+        '"0","_int_tier_kernel","200,000","71.5","18.2","168","3.1","5.4"',
+        '"1","_int_tier_kernel","150000","64.0","22.0","128","1.0","0.5"',
+    ])
+    rows = parse_raw_csv(text)
+    assert len(rows) == 2
+    a, b = summarize(rows[0]), summarize(rows[1])
+    assert a["duration_us"] == 200.0 and a["dram_throughput_pct"] == 71.5 and a["achieved_occupancy_pct"] == 18.2
+    assert a["registers_per_thread"] == 168 and a["top_stalls"][0] == {"reason": "mio_throttle", "warps_per_issue": 5.4}
+    assert b["top_stalls"][0]["reason"] == "long_scoreboard"
+    assert parse_raw_csv("==ERROR== ERR_NVGPUCTRPERM") == []

@@ -9,6 +9,7 @@ answer from D (its local prefill), a fallback counted in /metrics, and no KV lef
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import json
 import re
 import subprocess
@@ -19,16 +20,26 @@ import time
 import pytest
 import requests
 
-from servers import ROOT, free_port, start_all, start_router, start_server, stop_all
+from servers import ROOT, Deadline, free_port, scaled, start_all, start_router, start_server, stop_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     __import__("importlib").util.find_spec("sglang_router") is None, reason="sglang-router is not installed")]
 
 COMMON = ["--max-total-tokens", "8192", "--chunked-prefill-size", "128", "--max-running-requests", "16",
           "--context-length", "2048", "--log-level", "warning", "--enable-metrics", "--kv-transfer-buffer-mb", "64"]
-TIMEOUT = "6"  # --kv-transfer-timeout of the module's servers, seconds
 ROOM_CORRUPT, ROOM_TRUNCATE, ROOM_DELAY, ROOM_ORPHAN = 9001, 9002, 9003, 9004
-FAULTS = f"corrupt@{ROOM_CORRUPT},truncate@{ROOM_TRUNCATE},delay:10@{ROOM_DELAY}"
+
+
+@functools.lru_cache(maxsize=1)
+def transfer_timeout() -> int:
+    """--kv-transfer-timeout of the module's servers: 6 s of an idle machine, stretched by the
+    load when the module starts (a busy machine must not turn a slow transfer into a fault)."""
+    return round(scaled(6))
+
+
+def faults() -> str:
+    """Faults armed on the module's prefill; the delayed room stalls well past the timeout."""
+    return f"corrupt@{ROOM_CORRUPT},truncate@{ROOM_TRUNCATE},delay:{2 * transfer_timeout()}@{ROOM_DELAY}"
 PROMPTS = [
     "The history of the Python programming language begins in the late 1980s, when Guido van Rossum " * 4,
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -41,7 +52,7 @@ def greedy(prompt, max_new=12, **extra):
 
 
 def pd_args(mode: str, bootstrap_port: int | None = None, *extra) -> list[str]:
-    args = [*COMMON, "--disaggregation-mode", mode, "--kv-transfer-timeout", TIMEOUT, *extra]
+    args = [*COMMON, "--disaggregation-mode", mode, "--kv-transfer-timeout", str(transfer_timeout()), *extra]
     if bootstrap_port is not None:
         args += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
     return args
@@ -50,7 +61,7 @@ def pd_args(mode: str, bootstrap_port: int | None = None, *extra) -> list[str]:
 @pytest.fixture(scope="module")
 def cluster():
     bp = free_port()
-    p, d, s = start_all([(pd_args("prefill", bp), {"SGL_KVXFER_KV_TRANSFER_FAULT": FAULTS}, "pd_prefill"),
+    p, d, s = start_all([(pd_args("prefill", bp), {"SGL_KVXFER_KV_TRANSFER_FAULT": faults()}, "pd_prefill"),
                          (pd_args("decode"), None, "pd_decode"), (COMMON, None, "pd_single")])
     try:
         router = start_router([(p.url, bp)], [d.url])
@@ -61,8 +72,10 @@ def cluster():
     stop_all(router, p, d, s)
 
 
+# NOTE: every wait below is in seconds of an idle machine, stretched by the load (servers.scaled,
+# servers.Deadline): these servers share 2 cores with whatever else runs.
 def post(url, body, timeout=120):
-    r = requests.post(url + "/generate", json=body, timeout=timeout)
+    r = requests.post(url + "/generate", json=body, timeout=scaled(timeout))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -71,13 +84,13 @@ def pd_direct(cluster, body, room, prefill=None):
     """What the router does: the same body to P and D at once, D's reply to the client."""
     body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster["bp"], "bootstrap_room": room}
     with cf.ThreadPoolExecutor(2) as pool:
-        fp = pool.submit(requests.post, (prefill or cluster["P"]).url + "/generate", json=body, timeout=120)
-        fd = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=120)
+        fp = pool.submit(requests.post, (prefill or cluster["P"]).url + "/generate", json=body, timeout=scaled(120))
+        fd = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=scaled(120))
         return fp.result(), fd.result()
 
 
 def server_info(handle):
-    return requests.get(handle.url + "/server_info", timeout=30).json()
+    return requests.get(handle.url + "/server_info", timeout=scaled(30)).json()
 
 
 def kv_state(handle):
@@ -89,20 +102,20 @@ def assert_nothing_leaked(*handles):
     """Once idle, a server's KV slots are all free or cached (flushing frees the cache), and its
     transfer buffer and rooms are empty."""
     for h in handles:
-        deadline = time.time() + 30
+        deadline = Deadline(30)
         while True:
-            flushed = requests.post(h.url + "/flush_cache", timeout=30).status_code == 200
+            flushed = requests.post(h.url + "/flush_cache", timeout=scaled(30)).status_code == 200
             st = server_info(h)["internal_states"][0]
             kv = st.get("kv_transfer", {})
             if flushed and st["kv_used_tokens"] == 0 and not kv.get("rooms_open") and not kv.get(
                     "send_buffer_used_bytes") and not kv.get("staging_used_bytes"):
                 break
-            assert time.time() < deadline, (h.url, st)
+            assert not deadline.expired(), (h.url, st, str(deadline))
             time.sleep(0.5)
 
 
 def metric(handle, name) -> float:
-    text = requests.get(handle.url + "/metrics", timeout=30).text
+    text = requests.get(handle.url + "/metrics", timeout=scaled(30)).text
     m = re.search(rf"^sglang:{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 
@@ -121,7 +134,8 @@ def test_router_generate_is_token_identical_to_a_single_server(cluster):
 
 
 def test_router_streams_cumulative_text(cluster):
-    r = requests.post(cluster["router"].url + "/generate", json=greedy(PROMPTS[0], stream=True), stream=True, timeout=120)
+    r = requests.post(cluster["router"].url + "/generate", json=greedy(PROMPTS[0], stream=True), stream=True,
+                      timeout=scaled(120))
     chunks = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
     assert chunks[-1] == "[DONE]"
     import json
@@ -133,8 +147,8 @@ def test_router_streams_cumulative_text(cluster):
 
 def test_router_chat_completions(cluster):
     body = {"model": "x", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0}
-    ours = requests.post(cluster["router"].url + "/v1/chat/completions", json=body, timeout=120).json()
-    ref = requests.post(cluster["S"].url + "/v1/chat/completions", json=body, timeout=120).json()
+    ours = requests.post(cluster["router"].url + "/v1/chat/completions", json=body, timeout=scaled(120)).json()
+    ref = requests.post(cluster["S"].url + "/v1/chat/completions", json=body, timeout=scaled(120)).json()
     assert ours["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
 
 
@@ -160,7 +174,8 @@ def test_bench_serving_through_the_router(cluster, tmp_path):
         "--dataset-name", "random-ids", "--random-input-len", "48", "--random-output-len", "6",
         "--random-range-ratio", "1.0", "--num-prompts", "12", "--request-rate", "inf", "--max-concurrency", "4",
         "--disable-tqdm")
-    proc = subprocess.run(cmd, cwd=str(tmp_path), env=bench_serving_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=bench_serving_env(), capture_output=True, text=True,
+                          timeout=scaled(900))
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, report[-3000:]
     assert re.search(r"Successful requests:\s+12\b", report), report[-3000:]
@@ -174,7 +189,7 @@ def test_info_routes_report_the_role(cluster):
 
 
 def test_missing_room_is_a_400_and_no_peer_computes_locally(cluster):
-    r = requests.post(cluster["D"].url + "/generate", json=greedy(PROMPTS[2]), timeout=60)
+    r = requests.post(cluster["D"].url + "/generate", json=greedy(PROMPTS[2]), timeout=scaled(60))
     assert r.status_code == 400 and "bootstrap room" in r.text
     local = post(cluster["D"].url, greedy(PROMPTS[2], bootstrap_host="2.2.2.2", bootstrap_room=1))
     assert local["output_ids"] == post(cluster["S"].url, greedy(PROMPTS[2]))["output_ids"]
@@ -185,7 +200,7 @@ def test_missing_room_is_a_400_and_no_peer_computes_locally(cluster):
 def test_decode_may_arrive_before_the_prefill(cluster):
     body = {**greedy(PROMPTS[2]), "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster["bp"], "bootstrap_room": 8101}
     with cf.ThreadPoolExecutor(1) as pool:
-        decode = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=120)
+        decode = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=scaled(120))
         time.sleep(1.5)  # D claims a room P has not seen yet
         assert post(cluster["P"].url, body)["meta_info"]["kv_transfer"]["status"] == "ok"
         out = decode.result().json()
@@ -212,7 +227,7 @@ def test_a_room_no_decode_claims_is_dropped(cluster):
             "bootstrap_room": ROOM_ORPHAN}
     start = time.time()
     out = post(cluster["P"].url, body)  # nobody claims: the reply ends after the timeout, 2xx
-    assert time.time() - start >= float(TIMEOUT) - 1
+    assert time.time() - start >= transfer_timeout() - 1
     assert out["meta_info"]["kv_transfer"]["status"].startswith("failed: no decode claimed")
     assert_nothing_leaked(cluster["P"])
 
@@ -223,11 +238,11 @@ def test_prefill_killed_mid_transfer(cluster):
     try:
         body = {**greedy(PROMPTS[0]), "bootstrap_host": "127.0.0.1", "bootstrap_port": bp, "bootstrap_room": 8201}
         with cf.ThreadPoolExecutor(2) as pool:
-            pool.submit(requests.post, p2.url + "/generate", json=body, timeout=60)
-            decode = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=120)
-            deadline = time.time() + 60
+            pool.submit(requests.post, p2.url + "/generate", json=body, timeout=scaled(60))
+            decode = pool.submit(requests.post, cluster["D"].url + "/generate", json=body, timeout=scaled(120))
+            deadline = Deadline(60)
             while server_info(p2)["internal_states"][0]["kv_transfer"]["rooms_open"] == 0:
-                assert time.time() < deadline
+                assert not deadline.expired(), str(deadline)
                 time.sleep(0.2)  # the room is open: P2's sender sleeps before its first write
             p2.proc.kill()
             out = decode.result().json()
@@ -305,7 +320,7 @@ def test_two_prefills_two_decodes_survive_a_killed_decode(cluster):
             t.start()
             time.sleep(0.3)
         for t in threads:
-            t.join(timeout=600)
+            t.join(timeout=scaled(600))
         assert not errors, errors
         assert len(results) == 12 and all(out == ref[p] for p, out in results)
     finally:

@@ -167,6 +167,20 @@ def test_auto_stream_is_int8_on_gpu_from_half_budget_and_end_otherwise():
         stream(0.5, "fast")
 
 
+def test_mooncake_start_writes_nothing_to_stderr():
+    """glog's pre-init notice and the handshake's own-segment lookup line are not the user's
+    concern: an engine start prints nothing (disagg/mooncake.py)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("mooncake.engine", exc_type=ImportError)
+    code = ("from sgl_kvxfer.disagg.mooncake import MooncakeTransferEngine; import sys; "
+            "e = MooncakeTransferEngine('127.0.0.1'); print(e.session_id()); print('stderr works', file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("127.0.0.1:"), out.stderr
+    assert out.stderr == "stderr works\n"
+
+
 # ---------------------------------------------------------------- peer liveness (disagg/peers.py)
 def test_peer_monitor_sees_a_peer_die_and_come_back():
     import socket

@@ -3,7 +3,7 @@ other weights (a tiny random Llama pair, test/scd/scd_tiny.py), Mooncake over lo
 the real `sglang_router` 0.3.2 in front of (P, D_a).
 
 Every consumer reply is checked against an in-process reference of the same pipeline
-(sgl_kvxfer/scd/forward.py: the producer's prefill of the prompt's first n - 1 tokens, encode,
+(sgl_kvxfer/scd/calib/forward.py: the producer's prefill of the prompt's first n - 1 tokens, encode,
 the consumer's decode, then the consumer's own forward of the last prompt token and greedy
 steps): first-token logprobs and greedy tokens. The consumer's own full prefill (the oracle)
 gives other logprobs, so the comparison can tell SCD from a local prefill.
@@ -21,7 +21,7 @@ import pytest
 import requests
 import torch
 
-from servers import ROOT, free_port, start_all, start_router, stop_all
+from servers import ROOT, Deadline, free_port, scaled, start_all, start_router, stop_all
 
 sys.path.insert(0, os.path.join(ROOT, "test", "scd"))
 from scd_tiny import TINY, perturbed, tiny_state, write_model  # noqa: E402
@@ -35,6 +35,7 @@ COMMON = ["--device", "cpu", "--max-total-tokens", "4096", "--chunked-prefill-si
           "--kv-transfer-timeout", TIMEOUT]
 ROOM_CORRUPT = 9301
 PATCH = [2]
+LEVELS = ((2, 2), (4, 4))  # nested levels below the top (8, 8)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,8 @@ def pair(tmp_path_factory):
     arch = ModelArchConfig.from_dir(dirs["producer"])
     out = {}
     for run, seed in (("arts", 0), ("other", 1)):
-        arts = make_random_artifacts(arch, ["a", "b"], 8, 8, 32, PATCH, seed=seed, dtype="float32")
+        arts = make_random_artifacts(arch, ["a", "b"], 8, 8, 32, PATCH, seed=seed, dtype="float32",
+                                     rank_levels=LEVELS)
         manifest = dataclasses.replace(arts.manifest, producer=identify(dirs["producer"], name="producer"),
                                        consumers=(identify(dirs["a"], name="a"), identify(dirs["b"], name="b")))
         out[run] = str(root / run)
@@ -67,18 +69,21 @@ def cluster(pair):
     def role(mode, model, arts, *extra):
         return [*COMMON, "--model-path", pair[model], "--disaggregation-mode", mode, "--scd-artifacts", pair[arts], *extra]
 
-    p, da, db, dx = start_all([
+    bp2 = free_port()
+    p, p2, da, db, dx = start_all([
         (role("prefill", "producer", "arts", "--disaggregation-bootstrap-port", str(bp), "--scd-fanout", "2"),
          {"SGL_KVXFER_KV_TRANSFER_FAULT": f"corrupt@{ROOM_CORRUPT}"}, "scd_prefill"),
+        (role("prefill", "producer", "arts", "--disaggregation-bootstrap-port", str(bp2), "--scd-rank", "2:2"),
+         None, "scd_prefill_level"),
         (role("decode", "a", "arts"), None, "scd_decode_a"), (role("decode", "b", "arts"), None, "scd_decode_b"),
         (role("decode", "a", "other"), None, "scd_decode_other")])
     try:
         router = start_router([(p.url, bp)], [da.url])
     except Exception:
-        stop_all(p, da, db, dx)
+        stop_all(p, p2, da, db, dx)
         raise
-    yield {"P": p, "a": da, "b": db, "other": dx, "router": router, "bp": bp, "pair": pair}
-    stop_all(router, p, da, db, dx)
+    yield {"P": p, "P2": p2, "bp2": bp2, "a": da, "b": db, "other": dx, "router": router, "bp": bp, "pair": pair}
+    stop_all(router, p, p2, da, db, dx)
 
 
 # ---------------------------------------------------------------- the in-process reference
@@ -88,14 +93,14 @@ def reference(pair):
     oracle(consumer, prompt) -> the consumer's own full-prefill first-token logprobs."""
     from sgl_kvxfer.models.loader import load_model
     from sgl_kvxfer.scd import ScdArtifacts, ScdDecoder, ScdEncoder, kv_projections
-    from sgl_kvxfer.scd.forward import KVCache, LlamaRunner, left_pad
+    from sgl_kvxfer.scd.calib.forward import KVCache, LlamaRunner, left_pad
 
     models = {k: load_model(pair[k], "auto", torch.float32, "cpu", 0)[0] for k in ("producer", "a", "b")}
     arts = ScdArtifacts.load(pair["arts"])
     enc = ScdEncoder(arts)
     layers = range(TINY["num_hidden_layers"])
 
-    def scd(consumer, prompt, steps):
+    def scd(consumer, prompt, steps, level=None):
         dec, mc = ScdDecoder(arts, consumer), models[consumer]
         projs = kv_projections(mc)
         ids, valid, pos = left_pad([prompt[:-1]])
@@ -105,7 +110,7 @@ def reference(pair):
             if layer in PATCH:
                 k, v = dec.regenerate_patch(layer, enc.encode_patch(layer, taps.h[layer][0]), p, projs[layer])
             else:
-                k, v = dec.decode_reuse(layer, *enc.encode_reuse(layer, taps.k[layer][0], taps.v[layer][0], p), p)
+                k, v = dec.decode_reuse(layer, *enc.encode_reuse(layer, taps.k[layer][0], taps.v[layer][0], p, level), p)
             ks.append(k[None])
             vs.append(v[None])
         cache, runner = KVCache(ks, vs, valid), LlamaRunner(mc)
@@ -138,8 +143,8 @@ def assert_matches(reply, ref_logprobs, ref_tokens):
     assert reply["output_ids"] == ref_tokens
 
 
-def post(url, payload, timeout=120):
-    r = requests.post(url + "/generate", json=payload, timeout=timeout)
+def post(url, payload, timeout=scaled(120)):
+    r = requests.post(url + "/generate", json=payload, timeout=scaled(timeout))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -148,13 +153,13 @@ def direct(cluster, payload, room, decodes):
     """What the router does, to P and each decode at once; returns (P's reply, decode replies)."""
     payload = {**payload, "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster["bp"], "bootstrap_room": room}
     with cf.ThreadPoolExecutor(1 + len(decodes)) as pool:
-        fp = pool.submit(requests.post, cluster["P"].url + "/generate", json=payload, timeout=120)
-        fds = [pool.submit(requests.post, cluster[d].url + "/generate", json=payload, timeout=120) for d in decodes]
+        fp = pool.submit(requests.post, cluster["P"].url + "/generate", json=payload, timeout=scaled(120))
+        fds = [pool.submit(requests.post, cluster[d].url + "/generate", json=payload, timeout=scaled(120)) for d in decodes]
         return fp.result(), [f.result() for f in fds]
 
 
 def transfer_state(handle):
-    return requests.get(handle.url + "/server_info", timeout=30).json()["internal_states"][0]
+    return requests.get(handle.url + "/server_info", timeout=scaled(30)).json()["internal_states"][0]
 
 
 def producer_counts(cluster) -> tuple[int, int]:
@@ -230,20 +235,43 @@ def test_corrupt_codes_fall_back_to_the_consumers_own_prefill(cluster, reference
     assert (got - oracle("a", prompt).topk(5).values).abs().max() < 2e-3
 
 
+def test_a_lower_rank_level_and_a_cached_prefix(cluster, reference):
+    """P2 sends codes at level 2:2 (--scd-rank): the consumer reads the level from the segment
+    and decodes as the in-process reference at that level. A second prompt sharing a prefix
+    with the first takes it from P2's radix cache (its patch codes from the zh pool) and still
+    decodes exactly as a full prefill's codes would."""
+    scd, _ = reference
+    first = prompt_ids(48, 7)
+    second = first[:40] + prompt_ids(9, 8)
+    for prompt, room in ((first, 9401), (second, 9402)):
+        payload = {**body(prompt), "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster["bp2"], "bootstrap_room": room}
+        with cf.ThreadPoolExecutor(2) as pool:
+            fp = pool.submit(requests.post, cluster["P2"].url + "/generate", json=payload, timeout=120)
+            reply = post(cluster["a"].url, payload)
+            rp = fp.result().json()
+        kv = reply["meta_info"]["kv_transfer"]
+        assert kv["status"] == "ok" and rp["meta_info"]["kv_transfer"]["scd_level"] == [2, 2]
+        assert kv["bytes"] == (3 * 2 * 4 + 32) * 4 * (len(prompt) - 1)
+        assert_matches(reply, *scd("a", prompt, 6, level=(2, 2)))
+    assert rp["meta_info"]["cached_tokens"] >= 32  # the second prompt's prefix came from the radix cache
+    levels = transfer_state(cluster["P2"])["kv_transfer"]["scd"]["level_counts"]
+    assert levels["2:2"] == 2 and levels["8:8"] == 0
+
+
 def test_unclaimed_rooms_close_and_nothing_leaks(cluster):
     """Every room above that got fewer than 2 consumers closes after the timeout; then no
     server holds KV, rooms, send-buffer or staging bytes."""
     time.sleep(float(TIMEOUT) + 1)
-    for name in ("P", "a", "b", "other"):
-        deadline = time.time() + 30
+    for name in ("P", "P2", "a", "b", "other"):
+        deadline = Deadline(30)
         while True:
-            requests.post(cluster[name].url + "/flush_cache", timeout=30)
+            requests.post(cluster[name].url + "/flush_cache", timeout=scaled(30))
             st = transfer_state(cluster[name])
             kv = st["kv_transfer"]
             if st["kv_used_tokens"] == 0 and not kv["rooms_open"] and not kv.get("send_buffer_used_bytes") \
                     and not kv.get("staging_used_bytes"):
                 break
-            assert time.time() < deadline, (name, st)
+            assert not deadline.expired(), (name, st, str(deadline))
             time.sleep(0.5)
     closed = transfer_state(cluster["P"])["kv_transfer"]["scd"]["rooms_closed"]
     assert closed.get("served", 0) >= 2 and closed.get("fan-out timed out", 0) >= 3, closed

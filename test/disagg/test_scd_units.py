@@ -107,6 +107,31 @@ def test_scd_flags_are_validated(tiny):
     with pytest.raises(ValueError, match="fp16-family"):
         SchedulerConfig(engine=EngineConfig(kv_tier_budget=0.5), disaggregation_mode="decode",
                         scd_artifacts=tiny.arts["a"])
+    for rank in ("auto", "top", "4:12"):
+        SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_rank=rank)
+    for rank in ("bottom", "4", "0:3", "4:-1", "4:12:1", "99999999:1", ""):
+        with pytest.raises(ValueError, match="--scd-rank"):
+            SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_rank=rank)
+    for frac in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--scd-wire-frac"):
+            SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_wire_frac=frac)
+    with pytest.raises(ValueError, match="prefill's"):
+        SchedulerConfig(disaggregation_mode="decode", scd_artifacts=tiny.arts["a"], scd_rank="auto")
+    with pytest.raises(ValueError, match="need --scd-artifacts"):
+        SchedulerConfig(disaggregation_mode="prefill", scd_rank="auto")
+
+
+def test_rank_policy():
+    from sgl_kvxfer.scd.rank_policy import choose_level
+
+    bpt = [1000, 2000, 4000]
+    assert choose_level(bpt, 1000, None, 0.1, 0.25) == 2  # no link rate: the top level
+    assert choose_level(bpt, 1000, 100.0, None, 0.25) == 2  # no prefill time yet: the top level
+    # 1000 tokens at 100 Gbit/s: 4000 B/token -> 0.32 ms; budget 0.25 x 10 ms = 2.5 ms
+    assert choose_level(bpt, 1000, 100.0, 0.01, 0.25) == 2
+    assert choose_level(bpt, 1000, 1.0, 0.01, 0.25) == 0  # 8 ms for the lowest: nothing fits, the lowest
+    assert choose_level(bpt, 1000, 8.0, 0.01, 0.25) == 1  # 2 ms / 4 ms
+    assert choose_level(bpt, 1000, float("nan"), 0.01, 0.25) == 2
 
 
 def test_manifest_id_names_the_calibration_run(tiny):
@@ -189,3 +214,22 @@ def test_decode_servers_refuse_a_prefill_of_the_other_kind_at_bootstrap(tiny):
     other = {**plain_info, "scd": {"manifest_id": manifest_id(tiny.arts["b"]), "consumers": ["c0", "c1"]}}
     assert not consumer._check_route(room, other) and "SCD artifacts differ" in consumer.rejected[-1]
     assert not role(ScdDecodeRole, manifest_id=mid, consumer="c9")._check_route(room, scd_info)
+
+
+def test_level_chooser():
+    from sgl_kvxfer.scd.rank_policy import LevelChooser
+
+    levels, bpt = ((2, 2), (4, 4), (8, 8)), [1000, 2000, 4000]
+    assert LevelChooser(levels, bpt, "top", 0.25).choose(100) == 2
+    assert LevelChooser(levels, bpt, "4:4", 0.25).choose(100) == 1
+    with pytest.raises(ValueError, match="hold levels"):
+        LevelChooser(levels, bpt, "3:3", 0.25)
+    auto = LevelChooser(levels, bpt, "auto", 0.25)
+    assert auto.choose(1000) == 2  # nothing measured yet: the top level
+    auto.observe_prefill(1000, 0.01)  # 100k tokens/s: 1000 tokens prefill in 10 ms
+    assert auto.choose(1000) == 2  # no link rate known yet
+    assert auto.choose(1000, paced_gbps=1.0) == 0 and auto.choose(1000, paced_gbps=8.0) == 1
+    auto.observe_write(1 << 20, (1 << 20) * 8 / 100e9)  # measured 100 Gbit/s
+    auto.observe_write(10, 1.0)  # a small write times latency: ignored
+    assert auto.link_gbps == pytest.approx(100.0) and auto.choose(1000) == 2
+    assert auto.info()["level_counts"] == {"2:2": 1, "4:4": 1, "8:8": 3}

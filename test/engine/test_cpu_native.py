@@ -12,8 +12,8 @@ import torch
 
 from sgl_kvxfer.kernels import cpu_ops
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain for the native CPU kernels")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("native_cpu_ops"),
+              pytest.mark.skipif(not cpu_ops.toolchain_found(), reason="no C++ toolchain for the native CPU kernels")]
 
 PROMPTS = ["The capital of France is a city with a long history. Its museums",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    ",

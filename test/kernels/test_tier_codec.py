@@ -47,7 +47,8 @@ def test_int4_nibble_order():
     x = torch.tensor([[1.0, 2.0, 0.0, 15.0, 3.0, 4.0, 5.0, 6.0]])
     q, s, z = tc.quantize(x, 4, 8)
     assert s.item() == 1.0 and z.item() == 0.0
-    assert q.tolist() == [[1 | (2 << 4), 0 | (15 << 4), 3 | (4 << 4), 5 | (6 << 4)]]
+    # split halves: byte j = channel j (low nibble) | channel j + 4 (high nibble)
+    assert q.tolist() == [[1 | (3 << 4), 2 | (4 << 4), 0 | (5 << 4), 15 | (6 << 4)]]
     assert tc.unpack_int4(q).tolist() == [[1, 2, 0, 15, 3, 4, 5, 6]]
 
 

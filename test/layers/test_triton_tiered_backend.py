@@ -5,7 +5,7 @@
    different lengths, GQA) against the torch backend reading the same pool.
 3. Engine: tiny dummy Llama in bf16, budget 0.5, triton vs torch at the same budget: extend
    (extend_attention_tiered over filled prefix tables, radix hits over int8/int4 prefixes
-   included) and decode (decode_attention_filled) against the torch backend's get_kv + SDPA.
+   included) and decode (tiered_pool_decode) against the torch backend's get_kv + SDPA.
 On CPU the kernel runs under TRITON_INTERPRET=1 (test/conftest.py); bf16 dots run in fp32 there.
 """
 import random
@@ -231,20 +231,20 @@ def test_engine_kernel_paths_wired_with_references(tiny_dir, monkeypatch):
     """The backend's kernel paths, with the kernels replaced by their torch references over the same arguments: prefix tables, qo_indptr, the new tokens at full precision
     and importance capture from pool.get_kv. Same tokens as the torch backend at budget 0.5."""
     from sgl_kvxfer import Engine
-    from sgl_kvxfer.kernels import extend_attention, filled_decode_attention
+    from sgl_kvxfer.kernels import extend_attention, tiered_pool_decode
 
     calls = {"decode": 0, "extend": 0}
 
     def decode_ref(q, layer, tables, sm_scale=None, out=None, **_):
         calls["decode"] += 1
         assert tables.filled and not layer.uniform_pages
-        return filled_decode_attention.decode_attention_filled_reference(q, layer, tables, sm_scale)
+        return tiered_pool_decode.tiered_pool_decode_reference(q, layer, tables, sm_scale)
 
     def extend_ref(q, k, v, qo_indptr, layer, tables, sm_scale=None, max_extend_len=None, **_):
         calls["extend"] += 1
         return extend_attention.extend_attention_tiered_reference(q, k, v, qo_indptr, layer, tables, sm_scale)
 
-    monkeypatch.setattr(filled_decode_attention, "decode_attention_filled", decode_ref)
+    monkeypatch.setattr(tiered_pool_decode, "tiered_pool_decode", decode_ref)
     monkeypatch.setattr(extend_attention, "extend_attention_tiered", extend_ref)
     rng = random.Random(7)
     stem = [rng.randrange(3, 256) for _ in range(50)]

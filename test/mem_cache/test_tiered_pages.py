@@ -58,6 +58,46 @@ def test_alloc_tier_fills_fresh_pages_in_order_and_frees_pages_when_empty():
     alloc.debug_check()
 
 
+def test_alloc_tier_appends_to_a_wholly_held_page_only():
+    """A run may continue the last page of its holder's previous run (its free tail first, then
+    fresh pages), so the holder still sees that page as [0, fill); a page whose ids were partly
+    freed, or that was freed and handed out again, takes no append."""
+    pool, alloc = make(n8=16, n4=8, page=4)
+    a = alloc.alloc_tier(TIER_INT8, 2)  # page p: slots 0, 1
+    b = alloc.alloc_tier(TIER_INT8, 3, append_to=int(a[-1]))  # p: 2, 3, then a fresh page q: 0
+    pa, oa = pool.page_offset(TIER_INT8, a)
+    pb, ob = pool.page_offset(TIER_INT8, b)
+    assert ob.tolist() == [2, 3, 0] and pb[0] == pb[1] == pa[0] and pb[2] != pa[0]
+    assert alloc.tail_room(TIER_INT8, int(b[-1])) == 3 and alloc.tail_room(TIER_INT8, int(a[0])) == 0  # p is full
+    alloc.free(b[2:])  # q empties and is free again: no append to a free page
+    assert alloc.tail_room(TIER_INT8, int(b[2])) == 0
+    e = alloc.alloc_tier(TIER_INT8, 3)  # page r: slots 0, 1, 2
+    assert alloc.tail_room(TIER_INT8, int(e[-1])) == 1
+    alloc.free(e[1:])  # r keeps slot 0 live but handed out 0..2: appending at 3 would leave a hole
+    assert alloc.tail_room(TIER_INT8, int(e[0])) == 0
+    assert alloc.alloc_tier(TIER_INT8, 1, append_to=int(e[0])).tolist() != [int(e[0]) + 3]
+    alloc.debug_check()
+
+
+def test_retier_runs_continue_pages_and_move_once(monkeypatch):
+    pool, alloc = make(n16=64, n8=32, n4=32, page=4)
+    moves = []
+    real = pool.move
+    monkeypatch.setattr(pool, "move", lambda s, d: (moves.append(len(s)), real(s, d)))
+    first = alloc.alloc(3)
+    new1, _ = alloc.retier(first, torch.full((3,), TIER_INT8, dtype=torch.int8))
+    runs = [(alloc.alloc(2), torch.full((2,), TIER_INT8, dtype=torch.int8), {TIER_INT8: int(new1[-1])}),
+            (alloc.alloc(5), torch.tensor([1, 2, 1, 2, 0], dtype=torch.int8))]
+    (n2, g2), (n3, g3) = alloc.retier_runs(runs)
+    assert moves == [3, 6]  # one move for both runs
+    p1, o1 = pool.page_offset(TIER_INT8, new1)
+    p2, o2 = pool.page_offset(TIER_INT8, n2)
+    assert o2.tolist() == [3, 0] and p2[0] == p1[0] and p2[1] != p1[0]  # continued, then a fresh page
+    p3, _ = pool.page_offset(TIER_INT8, n3[g3 == TIER_INT8])
+    assert not set(p3.tolist()) & set(p2.tolist() + p1.tolist())  # another holder: its own pages
+    alloc.debug_check()
+
+
 def test_double_free_of_an_int_id_is_caught():
     pool, alloc = make(page=4)
     a = alloc.alloc_tier(TIER_INT4, 3)
@@ -151,10 +191,30 @@ def test_prefix_fill_invariant_under_sharing_dedup_and_eviction(seed):
     pool, alloc = make(n16=160, n8=96, n4=96, page=4)
     kv = KVLifecycle(alloc, ReqToTokenPool(8, 64, "cpu"), use_radix=True)
     stems = [[rng.randrange(1, 50) for _ in range(rng.randrange(3, 14))] for _ in range(3)]
-    running = []
+    running, tails = [], {}
     for step in range(40):
         op = rng.random()
-        if op < 0.45 and len(running) < 5:  # admit and prefill a request; tier its private run
+        if 0.45 <= op < 0.55 and running:  # decode: new private tokens, demoted continuing their last pages
+            req = rng.choice(running)
+            k = rng.randrange(1, 6)
+            if req.kv_len + k > 60:
+                continue
+            slots = kv.alloc([req], [k], [req.kv_len])
+            if slots is None:
+                continue
+            req.fill_ids += [rng.randrange(1, 50) for _ in range(k)]
+            kv.req_to_token.write(req.req_pool_idx, req.kv_len, slots)
+            tag_kv(pool, slots, torch.tensor([_tag(req.fill_ids, p) for p in range(req.kv_len, req.kv_len + k)]))
+            tiers = torch.tensor([rng.choice([0, 1, 2]) for _ in range(k)], dtype=torch.int8)
+            (new, got), = alloc.retier_runs([(slots, tiers, tails.get(id(req)))], kv.make_room_tier)
+            kv.req_to_token.write(req.req_pool_idx, req.kv_len, new)
+            t = tails.setdefault(id(req), {})
+            for tier in (TIER_INT8, TIER_INT4):
+                ids = new[(new != slots) & (got == tier)]
+                if ids.numel():
+                    t[tier] = int(ids[-1])
+            req.kv_len += k
+        elif op < 0.45 and len(running) < 5:  # admit and prefill a request; tier its private run
             tokens = rng.choice(stems) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 12))]
             req = _req(tokens)
             assert kv.admit(req)
@@ -172,6 +232,7 @@ def test_prefix_fill_invariant_under_sharing_dedup_and_eviction(seed):
             running.append(req)
         elif op < 0.7 and running:  # a prompt done: share it (dedup against what others cached first)
             req = running.pop(rng.randrange(len(running)))
+            tails.pop(id(req), None)  # shared now: later runs start fresh pages (as after the engine's prefill)
             kv.cache(req, finished=rng.random() < 0.5)
             if req.req_pool_idx is not None:
                 running.append(req)

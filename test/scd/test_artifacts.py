@@ -55,3 +55,17 @@ def test_manifest_validation(tiny_pair):
     with pytest.raises(ValueError, match="unique"):
         dataclasses.replace(m, consumers=m.consumers[:1] * 2)
     assert [e[:2] for e in m.code_layout()[:3]] == [(0, "h"), (1, "k"), (1, "v")]
+
+
+def test_runtime_imports_no_offline_tooling():
+    """The serving runtime (server, scheduler, disagg, the SCD codec) never imports calibration,
+    the task suite or training code."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import sgl_kvxfer.launch_server, sgl_kvxfer.disagg.scd_prefill, sgl_kvxfer.disagg.scd_decode, "
+            "sgl_kvxfer.scheduler.scheduler, sgl_kvxfer.scd; "
+            "bad = [m for m in sys.modules if m.startswith(('sgl_kvxfer.scd.calib', 'sgl_kvxfer.tasks'))]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -8,9 +8,9 @@ import torch
 
 from sgl_kvxfer.models.loader import load_model
 from sgl_kvxfer.scd import ScdArtifacts, ScdDecoder, ScdEncoder, kv_projections
-from sgl_kvxfer.scd.calibrate import calibrate, parse_args
-from sgl_kvxfer.scd.forward import LlamaRunner
-from sgl_kvxfer.scd.methods import producer_state, scd_cache
+from sgl_kvxfer.scd.calib.calibrate import calibrate, parse_args
+from sgl_kvxfer.scd.calib.forward import LlamaRunner
+from sgl_kvxfer.scd.calib.methods import producer_state, scd_cache
 
 
 def synthetic_calib(tmp_path) -> list[str]:

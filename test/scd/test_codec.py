@@ -8,8 +8,8 @@ from sgl_kvxfer.models.loader import load_model
 from sgl_kvxfer.models.presets import PRESETS
 from sgl_kvxfer.scd import (ScdArtifacts, ScdDecoder, ScdEncoder, ScdManifest, kv_projections,
                             make_random_artifacts, regenerate_kv)
-from sgl_kvxfer.scd.build import ReuseMoments, fit_reuse
-from sgl_kvxfer.scd.forward import LlamaRunner, left_pad
+from sgl_kvxfer.scd.calib.build import ReuseMoments, fit_reuse
+from sgl_kvxfer.scd.calib.forward import LlamaRunner, left_pad
 from sgl_kvxfer.scd.identity import ModelIdentity
 from sgl_kvxfer.scd.rotary import KeyRotary
 
@@ -167,3 +167,48 @@ def test_random_artifacts_shapes_and_bytes(tmp_path):
     assert dec.align_patch(3, zh).shape == (t, 4096)
     with pytest.raises(ValueError, match="patch layer, not reuse"):
         enc.encode_reuse(3, torch.randn(t, 8, 128), torch.randn(t, 8, 128), pos)
+
+
+@pytest.mark.parametrize("head_mode", ["joint", "per_head"])
+def test_nested_levels_equal_separate_fits(tiny_pair, head_mode):
+    """A lower level's code is the top code's prefix (one encoder) and decodes exactly as a
+    separate fit at that rank; errors shrink as the level grows; the decoder reads the level
+    from the codes' width."""
+    import dataclasses
+
+    seqs = [list(range(100 + 7 * i, 160 + 9 * i)) for i in range(4)]
+    _, arch, taps, pos, valid = _capture(tiny_pair["producer"], seqs)
+    _, _, taps_b, _, _ = _capture(tiny_pair["b"], seqs)
+    rot = KeyRotary.from_arch(arch)
+    ks = [{l: t.k[l][valid] for l in t.k} for t in (taps, taps_b)]
+    vs = [{l: t.v[l][valid] for l in t.v} for t in (taps, taps_b)]
+    mom = ReuseMoments(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, 1, head_mode=head_mode)
+    for layer in range(arch.num_hidden_layers):
+        mom.update(layer, [rot.derope(k[layer], pos) for k in ks], [v[layer] for v in vs])
+    levels = ((2, 3), (4, 6))
+    tensors, _ = fit_reuse(mom, range(arch.num_hidden_layers), 8, 12, ["b"], 1e-4, levels)
+    man = dataclasses.replace(_manifest(arch, ["b"], 8, 12, head_mode=head_mode), rank_levels=levels)
+    art = ScdArtifacts(man, tensors)
+    enc, dec = ScdEncoder(art), ScdDecoder(art, "b")
+    assert man.levels == ((2, 3), (4, 6), (8, 12))
+    assert [man.bytes_per_token_at(lv) for lv in man.levels] == sorted({man.bytes_per_token_at(lv) for lv in man.levels})
+    layer = arch.num_hidden_layers - 1
+    errs = []
+    for r_k, r_v in man.levels:
+        zk, zv = enc.encode_reuse(layer, ks[0][layer], vs[0][layer], pos, (r_k, r_v))
+        assert zk.shape[-1] == r_k and zv.shape[-1] == r_v
+        k_hat, v_hat = dec.decode_reuse(layer, zk, zv, pos)
+        errs.append(float((k_hat - ks[1][layer]).norm() / ks[1][layer].norm()))
+        t_sep, _ = fit_reuse(mom, range(arch.num_hidden_layers), r_k, r_v, ["b"], 1e-4)
+        sep = ScdArtifacts(_manifest(arch, ["b"], r_k, r_v, head_mode=head_mode), t_sep)
+        zk2, zv2 = ScdEncoder(sep).encode_reuse(layer, ks[0][layer], vs[0][layer], pos)
+        k2, v2 = ScdDecoder(sep, "b").decode_reuse(layer, zk2, zv2, pos)
+        assert torch.allclose(k_hat, k2, atol=1e-4, rtol=1e-3) and torch.allclose(v_hat, v2, atol=1e-4, rtol=1e-3)
+    assert errs[0] > errs[1] > errs[2]
+    with pytest.raises(ValueError):
+        enc.encode_reuse(layer, ks[0][layer], vs[0][layer], pos, (3, 3))
+    with pytest.raises(ValueError):
+        dec.decode_reuse(layer, zk[..., :3], zv, pos)
+    with pytest.raises(ValueError):
+        dataclasses.replace(man, rank_levels=((4, 6), (2, 3)))
+    assert ScdManifest.from_dict(man.to_dict()) == man

@@ -7,7 +7,7 @@ import torch
 
 from sgl_kvxfer.models.loader import load_model
 from sgl_kvxfer.scd import identify
-from sgl_kvxfer.scd.forward import LlamaRunner, left_pad
+from sgl_kvxfer.scd.calib.forward import LlamaRunner, left_pad
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +77,20 @@ def test_bad_adapter_is_refused(tiny_pair, adapter, tmp_path):
     (bad / "adapter_model.safetensors").write_bytes(open(os.path.join(path, "adapter_model.safetensors"), "rb").read())
     with pytest.raises(ValueError, match="use_dora"):
         load_model(tiny_pair["producer"], "auto", torch.float32, "cpu", 0, merge_lora=str(bad))
+
+
+def test_model_path_on_an_adapter_points_to_merge_lora(tmp_path, tiny_pair):
+    import json
+
+    import pytest
+
+    from sgl_kvxfer.models.loader import resolve_model_path
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": tiny_pair["producer"], "r": 4}))
+    with pytest.raises(FileNotFoundError, match=f"--model-path {tiny_pair['producer']} --merge-lora {adapter}"):
+        resolve_model_path(str(adapter))
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "HuggingFaceTB/x", "r": 4}))
+    with pytest.raises(FileNotFoundError, match="LoRA adapter, not a model.*<its base model dir> --merge-lora"):
+        resolve_model_path(str(adapter))

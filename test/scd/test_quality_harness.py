@@ -1,7 +1,7 @@
-"""SCD quality harness: the QA generator is seeded and extractive; the split-inference protocol is
-exact where it must be (same model, full rank: SCD and raw reuse decode exactly as the oracle)."""
+"""SCD quality harness: the split-inference protocol is exact where it must be (same model, full
+rank: SCD, Reuse-only and raw reuse decode and score exactly as the oracle), and the rank
+levels' codes are what the table and the adaptive sweep read."""
 import os
-import random
 import sys
 
 import pytest
@@ -10,40 +10,14 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks", "quality"))
 
-from scd_qa import build_qa, f1  # noqa: E402
-
-
-def _docs(seed):
-    rng = random.Random(seed)
-    words = [f"tok{i}" for i in range(500)]
-    code = ["\n".join([f"name_{d}_{i} = value_{rng.randint(0, 999)}" if i % 3 == 0 else
-                       " ".join(rng.choice(words) for _ in range(12)) for i in range(80)]) for d in range(6)]
-    prose = ["\n".join(" ".join(rng.choice(words) for _ in range(14)) for _ in range(80)) for _ in range(6)]
-    return {"code": code, "prose": prose}
-
-
-def test_qa_generator_is_seeded_and_extractive():
-    texts = _docs(0)
-    a, b = build_qa(texts, 20, seed=1), build_qa(texts, 20, seed=1)
-    assert a == b and len(a) == 40
-    assert build_qa(texts, 20, seed=2) != a
-    assert {it.kind for it in a if it.corpus == "code"} == {"assignment", "next-words"}
-    for it in a:
-        assert it.answer in it.context or it.answer in " ".join(it.context.split())
-        assert it.question in it.prompt() and it.context in it.prompt()
-        assert f1(it.answer, it.answer) == 1.0
-    assert f1("tok1 tok2", "tok1 tok3") == pytest.approx(0.5) and f1("", "x") == 0.0
-    assert f1('"value_3"\nmore text', "value_3") == 1.0  # first line, quotes stripped
-
 
 def test_left_padded_batch_equals_single_rows(tiny_pair):
     from sgl_kvxfer.models.loader import load_model
-    from sgl_kvxfer.scd.forward import LlamaRunner, left_pad
+    from sgl_kvxfer.scd.calib.forward import LlamaRunner, left_pad
 
     model, _ = load_model(tiny_pair["a"], "auto", torch.float32, "cpu", 0)
     r = LlamaRunner(model)
     prompts = [list(range(100, 113)), list(range(300, 305))]
-    batch = []
     ids, valid, pos = left_pad([p[:-1] for p in prompts])
     cache, _ = r.prefill_cache(ids, pos, valid)
     batch = r.greedy(cache, torch.tensor([p[-1] for p in prompts]), torch.tensor([len(p) - 1 for p in prompts]), 5)
@@ -57,34 +31,59 @@ def test_left_padded_batch_equals_single_rows(tiny_pair):
 
 
 @pytest.mark.slow
-def test_harness_same_model_full_rank_is_exact(tiny_pair, tmp_path):
+def test_harness_same_model_full_rank_is_exact(tiny_pair, tmp_path, smollm2_path):
     """Consumer == producer and Reuse at full rank: every reuse-based method reproduces the
-    oracle's answers and distribution (KL ~ 0); int4 stays close, DroidSpeak is exact."""
+    oracle's answers and distribution (KL ~ 0, top-1 agreement 1); int8 / int4 stay close; the
+    lower rank levels are scored and cost fewer bytes."""
     from scd_harness import Harness
-    from sgl_kvxfer.scd.calibrate import calibrate, parse_args
-    from test_calibrate import synthetic_calib
+    from sgl_kvxfer import tasks
+    from sgl_kvxfer.scd.calib.calibrate import calibrate, parse_args
 
     out = str(tmp_path / "art")
     calibrate(parse_args(["--producer", tiny_pair["producer"], "--consumer", f"self={tiny_pair['producer']}",
-                          "--calib", *synthetic_calib(tmp_path), "--r-k", "16", "--r-v", "16", "--ridge", "1e-9",
-                          "--patch-budget", "0", "--out", out, "--prefix-len", "48", "--num-prefixes", "8",
-                          "--batch-size", "4", "--select-prompts", "2", "--select-prefix", "12", "--select-cont", "4",
-                          "--device", "cpu", "--save-stats", "--code-dtype", "float32"]))
+                          "--calib", "task:qa", "--r-k", "16", "--r-v", "16", "--rank-levels", "4:4,8:8",
+                          "--ridge", "1e-9", "--patch-budget", "0", "--out", out, "--num-prefixes", "16",
+                          "--batch-size", "8", "--select-prompts", "2", "--device", "cpu", "--save-stats",
+                          "--code-dtype", "float32"]))
     h = Harness(out, tiny_pair["producer"], {}, "cpu", torch.float32, droid_k=2)
-    # prompts from the calibration's vocabulary: a full-rank fit is exact on the span it saw
+    assert h.methods == ["oracle", "base", "raw", "int8", "int4", "reuse", "droidspeak", "scd"]
+    exs = tasks.generate("qa", "eval", 3, seed=0)
+    variants = [(m, m, None) for m in h.methods] + [("scd@4:4", "scd", (4, 4))]
+    res = h.evaluate(h.consumers["self"], exs, variants, batch=3)
+    for meth in ("base", "raw", "reuse", "droidspeak", "scd"):
+        assert res[meth]["preds"] == res["oracle"]["preds"], meth
+        assert res[meth]["kl_sum"] / res[meth]["tokens"] < 1e-5 and res[meth]["top1_sum"] == res[meth]["tokens"], meth
+    for meth in ("int8", "int4"):
+        assert 0 < res[meth]["kl_sum"] / res[meth]["tokens"] < 0.5, meth
+    assert res["int8"]["kl_sum"] < res["int4"]["kl_sum"]
+    assert res["scd@4:4"]["kl_sum"] > res["scd"]["kl_sum"]  # a lower level is a coarser code
+    assert all(s is not None for s in res["scd@4:4"]["scores"])
+    bpt = h.bytes_per_token()
+    assert bpt["raw"] == 4 * 2 * 2 * 16 * 2 and bpt["int4"] < bpt["int8"] < bpt["raw"]
+    assert h.bytes_per_token((4, 4))["scd"] == bpt["scd"] // 4
+    t = h.timings(h.consumers["self"], tasks.chat_prompt_ids(h.tokenizer, exs[0]), variants, repeats=1)
+    assert t["prefill_s"] > 0 and set(t["rebuild_s"]) == {v[0] for v in variants} - {"base"}
+
+
+@pytest.mark.slow
+def test_scd_eval_quick_writes_table_sweep_drift_and_adaptive(tiny_pair, tmp_path, smollm2_path):
     import json
 
-    text = json.loads(open(synthetic_calib(tmp_path)[0]).readline())["text"]
-    calib_ids = h.tokenizer(text, add_special_tokens=False)["input_ids"]
-    prompts = [calib_ids[10:31], calib_ids[200:211]]
-    ans = h.answer(prompts, h.methods, 4, batch=2)
-    assert set(h.methods) == {"oracle", "raw", "int4", "reuse", "droidspeak", "scd"}
-    for meth in ("raw", "reuse", "droidspeak", "scd"):
-        assert ans[("self", meth)] == ans[("self", "oracle")], meth
-    windows = [calib_ids[300:340], calib_ids[400:440]]
-    acc = h.score(windows, 30, h.methods, batch=2)
-    for meth in ("raw", "scd", "reuse", "droidspeak"):
-        assert acc[("self", meth)]["kl_sum"] / acc[("self", meth)]["tokens"] < 1e-5, meth
-    assert 0 < acc[("self", "int4")]["kl_sum"] / acc[("self", "int4")]["tokens"] < 0.5
-    bpt = h.bytes_per_token()
-    assert bpt["raw"] == 4 * 2 * 2 * 16 * 2 and bpt["int4"] < bpt["raw"] / 2
+    import scd_eval
+    from sgl_kvxfer.scd.calib.calibrate import calibrate, parse_args
+
+    out = str(tmp_path / "art")
+    calibrate(parse_args(["--producer", tiny_pair["producer"], "--consumer", f"qa={tiny_pair['a']}",
+                          "--consumer", f"code={tiny_pair['b']}", "--calib", "task:qa", "task:code", "--r-k", "8",
+                          "--r-v", "8", "--rank-levels", "2:2,4:4", "--r-h", "16", "--patch-budget", "1", "--pool", "2",
+                          "--out", out, "--num-prefixes", "6", "--batch-size", "3", "--select-prompts", "2",
+                          "--aligner-hidden", "8", "--aligner-steps", "20", "--device", "cpu", "--save-stats"]))
+    path = scd_eval.main(["--artifacts", out, "--quick", "--device", "cpu", "--out-dir", str(tmp_path / "res"),
+                          "--rates", "1", "100"])
+    p = json.load(open(path))
+    meths = p["summary"]["methods"]
+    assert {"oracle", "base", "raw", "int8", "int4", "reuse", "droidspeak", "scd", "scd@2:2", "reuse@4:4"} <= set(meths)
+    assert meths["scd@2:2"]["bytes_per_token"] < meths["scd@4:4"]["bytes_per_token"] < meths["scd"]["bytes_per_token"]
+    assert set(p["drift"]) == {"qa", "code"} and len(p["drift"]["qa"]["k_cos"]) == 4
+    assert set(p["adaptive"]["rates"]) == {"1", "100"} and "ttft_vs_best_fixed" in p["adaptive"]["rates"]["1"]["adaptive"]
+    assert "int4" in p["summary"]["matched_bytes"] and os.path.isfile(path[:-5] + ".png")

@@ -1,7 +1,7 @@
 """Patch-layer selection (paper Appendix A) on synthetic sensitivity profiles."""
 import pytest
 
-from sgl_kvxfer.scd.select import select_patch_layers
+from sgl_kvxfer.scd.calib.select import select_patch_layers
 
 
 def additive(weights):

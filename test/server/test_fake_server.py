@@ -180,3 +180,28 @@ def test_child_crash_takes_server_down():
         assert not workers[1].is_running() or workers[1].status() == "zombie"
     finally:
         assert handle.stop() == []
+
+
+def test_the_routers_grpc_probe_is_closed_quietly_and_bad_http_still_answered(fake_server):
+    """sglang-router probes each worker with an HTTP/2 (gRPC) preface: closed without uvicorn's
+    "Invalid HTTP request received." warning; a malformed HTTP/1.1 request still gets its 400
+    and its warning."""
+    import socket
+    from urllib.parse import urlparse
+
+    def log_count():
+        with open(fake_server.log_path, errors="replace") as f:
+            return f.read().count("Invalid HTTP request received.")
+
+    addr = (urlparse(fake_server.url).hostname, urlparse(fake_server.url).port)
+    before = log_count()
+    with socket.create_connection(addr, timeout=30) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        assert s.recv(100) == b""  # closed, no reply
+    with socket.create_connection(addr, timeout=30) as s:
+        s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 400")
+    deadline = time.time() + 10
+    while log_count() == before and time.time() < deadline:
+        time.sleep(0.1)
+    assert log_count() == before + 1  # the malformed request's warning only

@@ -4,7 +4,7 @@ the halved KV bytes per token."""
 import pytest
 import requests
 from fusedkv_helpers import write_model
-from servers import start_server
+from servers import scaled, start_server
 
 PROMPT = " ".join(f"t{i}" for i in (5, 17, 99, 3, 42, 8, 77, 64, 12, 31, 90, 4))
 ARGS = ["--load-format", "safetensors", "--max-total-tokens", "1024", "--chunked-prefill-size", "8",
@@ -24,11 +24,11 @@ def test_generate_matches_engine_and_reports_storage(fusedkv_server):
 
     model_dir, server = fusedkv_server
     params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-    r = requests.post(server.url + "/generate", json={"text": PROMPT, "sampling_params": params}, timeout=120)
+    r = requests.post(server.url + "/generate", json={"text": PROMPT, "sampling_params": params}, timeout=scaled(120))
     assert r.status_code == 200, r.text
     served = r.json()
     assert served["meta_info"]["prompt_tokens"] == 12 and len(served["output_ids"]) == 8
-    c = requests.post(server.url + "/v1/completions", timeout=120,
+    c = requests.post(server.url + "/v1/completions", timeout=scaled(120),
                       json={"model": "default", "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
     assert c.status_code == 200, c.text
     with Engine(model_dir, max_total_tokens=1024, chunked_prefill_size=8) as eng:
@@ -36,7 +36,7 @@ def test_generate_matches_engine_and_reports_storage(fusedkv_server):
     assert served["output_ids"] == offline["output_ids"]
     assert c.json()["choices"][0]["text"] == offline["text"]
 
-    info = requests.get(server.url + "/get_server_info", timeout=30).json()
+    info = requests.get(server.url + "/get_server_info", timeout=scaled(30)).json()
     state = info["internal_states"][0]
     fkv = state["fusedkv"]
     assert fkv["variant"] == "fusedkv" and fkv["storage_map"] == [True, True, False, False]

@@ -115,6 +115,18 @@ def test_flags():
             parse_server_args(bad)
 
 
+def test_served_model_name():
+    """SGLang's --served-model-name; without it the name is --model-path as given, or the
+    embedded default's name, never the cache folder the model was converted into."""
+    assert parse_server_args([]).resolved_served_model_name == "smollm2-135m"
+    assert parse_server_args(["--model-path", "/m/llama"]).resolved_served_model_name == "/m/llama"
+    named = parse_server_args(["--model-path", "/m/llama", "--served-model-name", "my-model"])
+    assert named.resolved_served_model_name == "my-model"
+    for bad in ("", " x", "x" * 257, "a\nb", "\x00"):
+        with pytest.raises(SystemExit):
+            parse_server_args(["--served-model-name", bad])
+
+
 def _finished(ids, finish, no_stop_trim=False, skip_special=True, spaces=True):
     return ReqOutput(rid="r", new_output_ids=ids, finish_reason=finish, prompt_tokens=1, completion_tokens=len(ids),
                      cached_tokens=0, skip_special_tokens=skip_special, spaces_between_special_tokens=spaces,
@@ -187,3 +199,27 @@ def test_byte_level_table_decodes_like_the_backend(tokenizer):
         got = [fast.decode(s, skip) for s in seqs]
         assert got == [backend.decode(s, skip_special_tokens=skip) for s in seqs]
     assert any("\ufffd" in g for g in got) and any(tokenizer.eos_token in g for g in got)
+
+
+def test_a_server_child_stopped_by_sigterm_leaks_no_semaphore(tmp_path):
+    """A child of the launcher that drew a tqdm bar (the first start's conversion) and is then
+    stopped by SIGTERM leaves no semaphore for the resource tracker to warn about."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import multiprocessing as mp, os, signal\n"
+        "from sgl_kvxfer.launch_server import _child_main\n"
+        "def work():\n"
+        "    from tqdm.auto import tqdm\n"
+        "    with tqdm(total=2, disable=False) as bar:\n"
+        "        bar.update(1)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "if __name__ == '__main__':\n"
+        "    p = mp.get_context('spawn').Process(target=_child_main, args=(work, (), os.getpid()))\n"
+        "    p.start(); p.join()\n"
+        "    print('exit', p.exitcode)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert "exit -15" in out.stdout, out.stdout + out.stderr
+    assert "leaked semaphore" not in out.stderr, out.stderr

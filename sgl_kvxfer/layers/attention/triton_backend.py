@@ -1,8 +1,9 @@
 """Triton attention backend: the paged kernels of `sgl_kvxfer.kernels` over PagedFp16KVPool.
 
-Each layer's pool buffers are viewed as the fp16 tier of a TieredKVLayer; the int8 / int4
-tiers are one-page placeholders with every request's count 0. Block tables come straight from
-the req-to-token rows, which the paged allocator keeps page-consistent:
+Decode runs kernels.paged_fp16_pool_decode on the pool's per-layer buffers. Extend runs
+kernels.extend_attention over each layer's buffers viewed as the fp16 tier of a TieredKVLayer
+(the int8 / int4 tiers one-page placeholders, every request's count 0). Block tables come
+straight from the req-to-token rows, which the paged allocator keeps page-consistent:
 
     row r:   pos 0 | .. | PAGE | .. | 2*PAGE | ..        slot(pos) = page(pos // PAGE) * PAGE + pos % PAGE
     table:   row[0] // PAGE, row[PAGE] // PAGE, ...     (one column per page start)
@@ -39,7 +40,7 @@ class _TritonPlan:
     tables: object  # kernels.paged_layout.TieredBlockTables
     qo_indptr: torch.Tensor | None  # extend: int32 [B + 1] offsets of each request's new tokens
     max_extend_len: int
-    split_plan: tuple | None = None  # decode: kernels.decode_attention.plan_splits for `tables`
+    split_plan: tuple | None = None  # decode: kernels.paged_fp16_pool_decode.plan_fp16_splits for `tables`
     even_splits: bool = False  # decode: each request spreads its own pages over the splits
     request_order: torch.Tensor | None = None  # decode: int32 [B], longest request first
     tiles: tuple | None = None  # graph extend: (tile_req, tile_blk), the kernel's tiled launch
@@ -61,12 +62,13 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"--attention-backend triton needs the paged fp16 KV pool with a power-of-two "
                              f"page size >= 16, got {type(kv_pool).__name__} with page size {self.page_size}")
         use_interpreter_on_cpu(str(kv_pool.device))  # normally on already (Engine / scheduler process)
-        from sgl_kvxfer.kernels.decode_attention import decode_attention_tiered, plan_splits
         from sgl_kvxfer.kernels.extend_attention import extend_attention_tiered
+        from sgl_kvxfer.kernels.paged_fp16_pool_decode import paged_fp16_pool_decode, plan_fp16_splits
         from sgl_kvxfer.kernels.paged_layout import TierPages, TieredKVLayer, allocate_tiered_layer
         from sgl_kvxfer.kernels.tier_codec import DEFAULT_GROUP_SIZE, TIER_FP16
 
-        self._decode, self._extend, self._plan_splits = decode_attention_tiered, extend_attention_tiered, plan_splits
+        self._decode, self._extend = paged_fp16_pool_decode, extend_attention_tiered
+        self._plan_splits = plan_fp16_splits
         group = min(DEFAULT_GROUP_SIZE, head_dim)
         empty = allocate_tiered_layer((1, 1, 1), self.page_size, num_kv_heads, head_dim, group,
                                       kv_pool.dtype, kv_pool.device, fill=0.0)
@@ -121,9 +123,9 @@ class TritonAttentionBackend(AttentionBackend):
 
         if not env.DECODE_LONGEST_FIRST.get_bool() or tables.batch_size < 2:
             return None
-        from sgl_kvxfer.kernels.decode_attention import longest_first_order
+        from sgl_kvxfer.kernels.paged_fp16_pool_decode import longest_first_order
 
-        return longest_first_order(tables)
+        return longest_first_order(tables.lens[0])
 
     def _tables(self, batch: ForwardBatch, lens: torch.Tensor, width: int):
         from sgl_kvxfer.kernels.paged_layout import TieredBlockTables
@@ -139,13 +141,10 @@ class TritonAttentionBackend(AttentionBackend):
         return TieredBlockTables((pages, none_pages, none_pages), (lens, none_lens, none_lens))
 
     def _split_plan(self, tables) -> tuple:
-        """plan_splits without split programs for the int8 / int4 tiers: here they are one-page
-        placeholders that never hold a token (each empty split program costs a launch slot
-        and a partial to merge; with one fp16 split the kernel then skips the merge)."""
-        pool, group = self.kv_pool, self.layers[0].group_size
-        pps, splits = self._plan_splits(tables, self.num_kv_heads, self.head_dim, group, pool.dtype.itemsize,
-                                        torch.device(pool.device))
-        return pps, (splits[0], 0, 0)
+        """(pages per split, splits) from the table width (with one split the kernel writes the
+        output itself and skips the merge)."""
+        return self._plan_splits(tables.tables[0].shape[1], tables.batch_size, self.num_kv_heads,
+                                 torch.device(self.kv_pool.device))
 
     def forward_qkv(self, qkv, cos, sin, layer_id, batch):
         """With the fused elementwise kernels on: RoPE, the K/V store into the paged pool and
@@ -170,9 +169,10 @@ class TritonAttentionBackend(AttentionBackend):
         plan = batch.attn_metadata
         q = q.contiguous()
         if batch.mode == ForwardMode.DECODE:
-            return self._decode(q, self.layers[layer_id], plan.tables, sm_scale=self.scale,
-                                split_plan=plan.split_plan, check=False, even_splits=plan.even_splits,
-                                request_order=plan.request_order)
+            pool = self.kv_pool
+            return self._decode(q, pool.k_buffer[layer_id], pool.v_buffer[layer_id], plan.tables.tables[0],
+                                plan.tables.lens[0], sm_scale=self.scale, split_plan=plan.split_plan, check=False,
+                                even_splits=plan.even_splits, request_order=plan.request_order)
         return self._extend(q, k.contiguous(), v.contiguous(), plan.qo_indptr, self.layers[layer_id],
                             plan.tables, sm_scale=self.scale, max_extend_len=plan.max_extend_len, check=False,
                             tiles=plan.tiles)

@@ -11,10 +11,10 @@ with per-tier page sizes, and each batch one set of FILLED block tables (mem_cac
                                         no host sync, so the engine replays it every step
     forward (per layer)                 store the new tokens (fp16 ids) -> kernel over the layer view
 
-Kernels: decode is kernels.filled_decode_attention.decode_attention_filled (split-K, folded
-scales, int4 on split nibbles; CUDA-graph capturable), extend is
-kernels.extend_attention.extend_attention_tiered; both read the tables as they are. SpectrumKV's
-importance capture (`attn_observer`) is fed on every extend path.
+Kernels: decode is kernels.tiered_pool_decode (one split-K launch per tier store that has pages,
+folded scales, int4 on split halves, the merge fused into the last split; CUDA-graph capturable),
+extend is kernels.extend_attention.extend_attention_tiered; both read the tables as they are.
+SpectrumKV's importance capture (`attn_observer`) is fed on every extend path.
 """
 from __future__ import annotations
 
@@ -27,23 +27,17 @@ from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
 from sgl_kvxfer.layers.attention.base import AttentionBackend
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
 from sgl_kvxfer.mem_cache.tiered_rows import tier_block_tables, tier_layer_view
+from sgl_kvxfer.spectrum.tiers import TIER_FP16, TIER_INT4, TIER_INT8
 from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
 
 logger = logging.getLogger(__name__)
-
-def tiered_decode(q, layer, tables, sm_scale: float, out=None, plan=None) -> torch.Tensor:
-    """Decode attention q [B, Hq, D] over a TieredKVLayer with (filled) tables -> [B, Hq, D]."""
-    from sgl_kvxfer.kernels.filled_decode_attention import decode_attention_filled
-
-    return decode_attention_filled(q, layer, tables, sm_scale=sm_scale, out=out, plan=plan, check=False)
-
 
 @dataclass
 class _TieredPlan:
     tables: object  # kernels.paged_layout.TieredBlockTables (filled): decode keys / extend prefixes
     qo_indptr: torch.Tensor | None = None  # extend: int32 [B + 1]
     max_extend_len: int = 1
-    decode_plan: object = None  # kernels.filled_decode_attention.FilledDecodePlan (decode)
+    decode_plan: object = None  # kernels.tiered_pool_decode.TieredDecodePlan (decode)
 
 
 class TritonTieredAttentionBackend(AttentionBackend):
@@ -64,7 +58,16 @@ class TritonTieredAttentionBackend(AttentionBackend):
             raise ValueError(f"--attention-backend triton over tiered KV needs --kv-tier-page-size a power of "
                              f"two >= 16, got {page}")
         use_interpreter_on_cpu(str(kv_pool.device))  # normally on already (Engine / scheduler process)
-        self._views, self._views_of = [], None
+        from sgl_kvxfer import env
+        from sgl_kvxfer.kernels.tiered_pool_decode import served_config, tiered_pool_decode
+
+        self._decode = tiered_pool_decode
+        try:
+            self._decode_config = served_config(head_dim, num_q_heads // num_kv_heads,
+                                                env.TIERED_DECODE_CONFIG.get())
+        except (TypeError, ValueError) as exc:  # a bad override names itself, not a traceback deep down
+            raise ValueError(f"{env.TIERED_DECODE_CONFIG.name}: {exc}") from exc
+        self._views, self._views_of, self._tiers = [], None, ()
 
     def _layers(self):
         # Built on first use, once: the pool's stores are allocated once (never resized).
@@ -72,6 +75,8 @@ class TritonTieredAttentionBackend(AttentionBackend):
             pool = self.kv_pool
             self._views = [tier_layer_view(pool, layer) for layer in range(pool.num_layers)]
             self._views_of = pool.stores
+            # decode launches only the stores that can hold a token (an empty one is a placeholder)
+            self._tiers = tuple(t for t in (TIER_FP16, TIER_INT8, TIER_INT4) if pool.num_slots(t) > 0)
         return self._views
 
     # ------------------------------------------------------------------ plans
@@ -105,17 +110,18 @@ class TritonTieredAttentionBackend(AttentionBackend):
                                           decode_plan=self._decode_plan(batch.req_pool_indices.shape[0], max_seq_len))
 
     def _decode_plan(self, batch_size: int, max_tokens: int):
-        from sgl_kvxfer.kernels.filled_decode_attention import plan_filled_decode
+        from sgl_kvxfer.kernels.tiered_pool_decode import plan_tiered_pool_decode
 
-        return plan_filled_decode(batch_size, self.num_kv_heads, max_tokens, self.kv_pool.device)
+        return plan_tiered_pool_decode(batch_size, self.num_kv_heads, max_tokens, self.kv_pool.device,
+                                       self._decode_config)
 
     # ------------------------------------------------------------------ run
     def forward(self, q, k, v, layer_id, batch):
         plan = batch.attn_metadata
         if batch.mode == ForwardMode.DECODE:
             self.kv_pool.set_kv_fp16(layer_id, batch.out_cache_loc, k, v)  # new tokens: fp16 ids
-            return tiered_decode(q.contiguous(), self._views[layer_id], plan.tables, self.scale,
-                                 plan=plan.decode_plan)
+            return self._decode(q.contiguous(), self._views[layer_id], plan.tables, sm_scale=self.scale,
+                                plan=plan.decode_plan, config=self._decode_config, tiers=self._tiers, check=False)
         return self._extend_kernel_path(q, k, v, layer_id, batch, plan)
 
     def _extend_kernel_path(self, q, k, v, layer_id, batch, plan):

@@ -1,0 +1,361 @@
+"""SCD end to end, the paper's way: one base-model (producer) prefill serving N specialists
+(consumers), TTFT including the producer's prefill, against each specialist prefilling the
+prompt itself.
+
+    python benchmarks/pd/scd_e2e.py [--prompt-tokens 8192] [--fanouts 1 2 4] [--rates 0 25 100 200]
+        [--repeats 5] [--server-args "..."] [--producer-gpu 0 --consumer-gpu 1]
+        [--transfer-backend mooncake] [--artifacts DIR | --ranks 12 20 128 --patch-count 6]
+
+Servers: N_max decode servers (specialist i: `--random-seed` 100 + i over dummy weights, SCD
+consumer c<i>) start once; a prefill server (the base) with --scd-fanout N starts for each N.
+No router: the client sends the same body, with one fresh bootstrap room, to the producer and
+to each of the N consumers at once (disagg/scd_fanout.py's no-router path). Scenarios:
+
+  fanout    a new document (random token ids) asked to N specialists. TTFT_i = from sending to
+            consumer i's first streamed chunk: the producer's prefill + its codes on the link +
+            consumer i's rebuild + its first step. Oracle: the same prompt sent to the N
+            specialists with no bootstrap (each prefills it itself, concurrently on its GPU).
+            Reported per N and link rate: median over repeats of the mean and of the max over
+            the N specialists (the max: when the last specialist answers).
+  shared    a document already in the producer's radix cache (a first request put it there),
+            asked with a new question by one specialist that has never seen it: the producer
+            computes only the question (its zh pool holds the document's patch codes), then
+            codes of the whole prompt go out. Oracle: the specialist prefills document + question.
+
+Link: the producer's in-engine pacing (`--kv-transfer-rate-gbps`, re-paced with POST
+/kv_transfer_link); rate 0 = unpaced (paced at 1e6 Gbit/s: no pacing delay). The transfer
+backend is `--transfer-backend` (passed to every server as --disaggregation-transfer-backend).
+
+GPU placement: `--producer-gpu G --consumer-gpu G` pass `--base-gpu-id G` to the servers when
+launch_server has that flag (`--gpu-placement flag`), else set CUDA_VISIBLE_DEVICES per server
+(`visible`); `auto` (default) picks flag when available. `--consumer-gpus` lists one GPU per
+consumer when they do not fit one card. Without --artifacts, random artifacts of the model's
+architecture with N_max consumers are made (timing only). Writes NAME.json and NAME.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common.report import device_name, git_commit, write_json  # noqa: E402
+
+from sgl_kvxfer.testing.servers import free_port, start_server, stop_all  # noqa: E402
+
+UNPACED_GBPS = 1e6
+MAX_NEW_TOKENS = 2
+QUIET_HEALTH = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[8192])
+    ap.add_argument("--question-tokens", type=int, default=32, help="the shared scenario's new question")
+    ap.add_argument("--fanouts", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--rates", type=float, nargs="+", default=[0, 25, 100, 200], help="Gbit/s; 0 = unpaced")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--server-args", default="--dtype bfloat16", help="arguments for every server")
+    ap.add_argument("--producer-args", default="", help="the prefill server's own arguments")
+    ap.add_argument("--consumer-args", default="", help="every decode server's own arguments")
+    ap.add_argument("--transfer-backend", default=None, help="--disaggregation-transfer-backend for every server")
+    ap.add_argument("--producer-gpu", type=int, default=None)
+    ap.add_argument("--consumer-gpu", type=int, default=None)
+    ap.add_argument("--consumer-gpus", type=int, nargs="+", default=None, help="one GPU per consumer (overrides --consumer-gpu)")
+    ap.add_argument("--gpu-placement", choices=("auto", "flag", "visible"), default="auto")
+    ap.add_argument("--artifacts", default=None, help="SCD artifacts dir (default: random ones, timing only)")
+    ap.add_argument("--ranks", type=int, nargs=3, default=[12, 20, 128], metavar=("R_K", "R_V", "R_H"))
+    ap.add_argument("--patch-count", type=int, default=6)
+    ap.add_argument("--skip-shared", action="store_true")
+    ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    ap.add_argument("--name", default="scd_e2e")
+    ap.add_argument("--out-dir", default=None)
+    args = ap.parse_args(argv)
+    if min(args.fanouts) < 1 or args.repeats < 1 or min(args.prompt_tokens) < 2 or min(args.rates) < 0:
+        ap.error("--fanouts >= 1, --repeats >= 1, --prompt-tokens >= 2, --rates >= 0")
+    if args.question_tokens < 1 or args.vocab < 202 or not args.timeout_s > 0:
+        ap.error("--question-tokens >= 1, --vocab >= 202, --timeout-s > 0")
+    n_max = max(args.fanouts)
+    if args.consumer_gpus is not None and len(args.consumer_gpus) != n_max:
+        ap.error(f"--consumer-gpus needs {n_max} entries (one per consumer)")
+    return args
+
+
+def ids_for(n: int, seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+
+def body(ids: list[int], **extra) -> dict:
+    return {"input_ids": ids, "stream": True, **extra,
+            "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
+
+
+def first_chunk(url: str, req: dict, t0: float, timeout: float) -> tuple[float, dict]:
+    """Seconds from t0 to the first streamed chunk of POST url/generate, and the last meta_info."""
+    first, meta = None, {}
+    with requests.post(url + "/generate", json=req, stream=True, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: {r.status_code} {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            first = first or time.perf_counter() - t0
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RuntimeError(f"{url}: {chunk['error']}")
+            meta = chunk.get("meta_info", meta)
+    if first is None:
+        raise RuntimeError(f"{url}: no streamed chunk")
+    return first, meta
+
+
+def scd_request(p: dict, consumers: list, ids: list[int], timeout: float) -> list[tuple[float, dict]]:
+    """One room: the body to the producer and to each consumer at once; each consumer's TTFT."""
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": p["bp"], "bootstrap_room": random.getrandbits(62)}
+    req = body(ids, **fields)
+    with ThreadPoolExecutor(len(consumers) + 1) as pool:
+        t0 = time.perf_counter()
+        fp = pool.submit(requests.post, p["h"].url + "/generate", json={**req, "stream": False}, timeout=timeout)
+        fs = [pool.submit(first_chunk, c.url, req, t0, timeout) for c in consumers]
+        out = [f.result() for f in fs]
+        r = fp.result()
+    if r.status_code != 200:
+        raise RuntimeError(f"producer: {r.status_code} {r.text[:300]}")
+    bad = [m.get("kv_transfer", {}).get("status") for _, m in out if m.get("kv_transfer", {}).get("status") != "ok"]
+    if bad:
+        raise RuntimeError(f"SCD transfers did not succeed: {bad}")
+    return out
+
+
+def oracle_request(consumers: list, ids: list[int], timeout: float) -> list[float]:
+    """Each consumer prefills the prompt itself (no bootstrap), all at once."""
+    req = body(ids, bootstrap_host="2.2.2.2", bootstrap_room=0)
+    with ThreadPoolExecutor(len(consumers)) as pool:
+        t0 = time.perf_counter()
+        return [f.result()[0] for f in [pool.submit(first_chunk, c.url, req, t0, timeout) for c in consumers]]
+
+
+def placement(args, gpu: int | None) -> tuple[list[str], dict]:
+    if gpu is None:
+        return [], {}
+    if args.gpu_placement == "flag":
+        return ["--base-gpu-id", str(gpu)], {}
+    return [], {"CUDA_VISIBLE_DEVICES": str(gpu)}
+
+
+def has_base_gpu_id_flag() -> bool:
+    out = subprocess.run([sys.executable, "-m", "sgl_kvxfer.launch_server", "--help"], capture_output=True, text=True,
+                         timeout=300)
+    return "--base-gpu-id" in out.stdout
+
+
+def make_artifacts(args, server_args: list[str], n: int, out_dir: str) -> str:
+    from sgl_kvxfer.models.arch_config import ModelArchConfig
+    from sgl_kvxfer.models.loader import resolve_model_path
+    from sgl_kvxfer.scd.artifacts import make_random_artifacts
+
+    path = next((server_args[i + 1] for i, a in enumerate(server_args) if a == "--model-path"), None)
+    arch = ModelArchConfig.from_dir(resolve_model_path(path))
+    L, k = arch.num_hidden_layers, min(args.patch_count, arch.num_hidden_layers)
+    patch = sorted({round(1 + i * (L - 2) / max(k - 1, 1)) for i in range(k)}) if k else []
+    r_k, r_v = (min(r, arch.head_dim) for r in args.ranks[:2])
+    make_random_artifacts(arch, n, r_k, r_v, min(args.ranks[2], arch.hidden_size), patch, seed=0).save(out_dir)
+    return out_dir
+
+
+def med(xs):
+    return statistics.median(xs) if xs else None
+
+
+def row(samples: list[list[float]]) -> dict:
+    """samples: per repeat, one TTFT per specialist (s) -> ms statistics."""
+    means, maxes = [1e3 * statistics.mean(s) for s in samples], [1e3 * max(s) for s in samples]
+    return {"mean_ms": med(means), "max_ms": med(maxes), "max_ms_spread": [min(maxes), max(maxes)],
+            "repeats": len(samples)}
+
+
+def main(argv=None) -> str:
+    args = parse_args(argv)
+    if args.gpu_placement == "auto":
+        args.gpu_placement = "flag" if (args.producer_gpu is not None and has_base_gpu_id_flag()) else "visible"
+    server_args = shlex.split(args.server_args)
+    if args.transfer_backend:
+        server_args += ["--disaggregation-transfer-backend", args.transfer_backend]
+    server_args = ["--kv-transfer-timeout", "120", *server_args]
+    n_max = max(args.fanouts)
+    gpus = args.consumer_gpus or [args.consumer_gpu] * n_max
+    model = next((server_args[i + 1] for i, a in enumerate(server_args) if a == "--model-path"), "smollm2-135m")
+    res = {"fanout": {}, "shared": {}}
+    start = time.time()
+
+    def emit(done: bool) -> str:
+        payload = {"benchmark": "scd_e2e", "device": device_name("cuda" if "cuda" in args.server_args else "cpu"),
+                   "commit": git_commit(), "model": model, "params": vars(args), "complete": done,
+                   "link": "in-engine pacing; rate 0 = unpaced", "seconds": round(time.time() - start, 1),
+                   "artifacts": manifest, **res, "summary": summarize(res)}
+        path = write_json(args.name, payload, args.out_dir)
+        plot(payload, path[:-5] + ".png")
+        return path
+
+    with tempfile.TemporaryDirectory(prefix="scd_e2e_") as tmp:
+        arts = args.artifacts or make_artifacts(args, server_args + shlex.split(args.producer_args), n_max,
+                                                os.path.join(tmp, "arts"))
+        with open(os.path.join(arts, "manifest.json")) as f:
+            m = json.load(f)
+        manifest = {"random": args.artifacts is None, "ranks": [m["r_k"], m["r_v"], m["r_h"]],
+                    "patch_layers": m["patch_layers"], "bytes_per_token": m["bytes_per_token"]}
+        names = [c["name"] for c in m["consumers"]][:n_max]
+        if len(names) < n_max:
+            raise SystemExit(f"{arts} has {len(names)} consumers, --fanouts needs {n_max}")
+        consumers = []
+        try:
+            with ThreadPoolExecutor(n_max) as pool:
+                futs = []
+                for i in range(n_max):
+                    flag, env = placement(args, gpus[i])
+                    a = [*server_args, *flag, *shlex.split(args.consumer_args), "--random-seed", str(100 + i),
+                         "--scd-artifacts", arts, "--scd-consumer", names[i], "--disaggregation-mode", "decode"]
+                    futs.append(pool.submit(start_server, a, env={**QUIET_HEALTH, **env}, name=f"scd_e2e_d{i}"))
+                errors = [f.exception() for f in futs if f.exception() is not None]
+                consumers = [f.result() for f in futs if f.exception() is None]
+                if errors:
+                    raise errors[0]
+            for n_fan in sorted(args.fanouts):
+                try:
+                    run_fanout(args, server_args, arts, consumers, n_fan, res)
+                except (RuntimeError, requests.RequestException) as e:  # the other N still run
+                    res.setdefault("errors", {})[str(n_fan)] = f"{type(e).__name__}: {str(e)[:2000]}"
+                    print(f"N={n_fan} failed: {e}", flush=True)
+                emit(False)
+        finally:
+            stop_all(*consumers)
+    path = emit(True)
+    print(json.dumps(res.get("summary", summarize(res)), indent=1))
+    print("wrote", path)
+    return path
+
+
+def run_fanout(args, server_args, arts, consumers, n_fan: int, res: dict) -> None:
+    bp = free_port()
+    flag, env = placement(args, args.producer_gpu)
+    a = [*server_args, *flag, *shlex.split(args.producer_args), "--scd-artifacts", arts, "--scd-fanout", str(n_fan),
+         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bp),
+         "--kv-transfer-rate-gbps", str(UNPACED_GBPS)]
+    p = {"h": start_server(a, env={**QUIET_HEALTH, **env}, name=f"scd_e2e_p{n_fan}"), "bp": bp}
+    cons = consumers[:n_fan]
+    seed = 1000 * n_fan
+    try:
+        for n in args.prompt_tokens:  # warm-up: kernels for these shapes, first-request costs
+            scd_request(p, cons, ids_for(n, -n, args.vocab), args.timeout_s)
+            oracle_request(cons, ids_for(n, -n - 1, args.vocab), args.timeout_s)
+        out = res["fanout"].setdefault(str(n_fan), {})
+        for n in args.prompt_tokens:
+            orc = [oracle_request(cons, ids_for(n, seed := seed + 1, args.vocab), args.timeout_s)
+                   for _ in range(args.repeats)]
+            out.setdefault(str(n), {})["oracle"] = row(orc)
+            print(f"N={n_fan} {n} tokens oracle: {out[str(n)]['oracle']}", flush=True)
+        for rate in args.rates:
+            requests.post(p["h"].url + "/kv_transfer_link", json={"rate_gbps": rate or UNPACED_GBPS},
+                          timeout=30).raise_for_status()
+            for n in args.prompt_tokens:
+                runs = [scd_request(p, cons, ids_for(n, seed := seed + 1, args.vocab), args.timeout_s)
+                        for _ in range(args.repeats)]
+                kv = [meta.get("kv_transfer", {}) for r in runs for _, meta in r]
+                out[str(n)][f"scd@{rate:g}"] = {**row([[t for t, _ in r] for r in runs]),
+                                                "bytes_per_token": med([k.get("bytes_per_token", 0) for k in kv]),
+                                                "wire_ms": med([k.get("wire_ms", 0) for k in kv]),
+                                                "link_gbps": med([k.get("link_gbps", 0) for k in kv])}
+                print(f"N={n_fan} {n} tokens {rate:g} Gbit/s: {out[str(n)][f'scd@{rate:g}']}", flush=True)
+        if n_fan == 1 and not args.skip_shared:
+            run_shared(args, p, cons[0], res)
+    finally:
+        stop_all(p["h"])
+
+
+def run_shared(args, p: dict, consumer, res: dict) -> None:
+    """The document enters the producer's radix cache with a first request; then new questions."""
+    for n in args.prompt_tokens:
+        doc = ids_for(n - args.question_tokens, 7 + n, args.vocab)
+        scd_request(p, [consumer], doc + ids_for(args.question_tokens, 1, args.vocab), args.timeout_s)
+        scd_request(p, [consumer], doc + ids_for(args.question_tokens, 2, args.vocab), args.timeout_s)  # warm
+        oracle_request([consumer], doc + ids_for(args.question_tokens, 3, args.vocab), args.timeout_s)
+        out = res["shared"].setdefault(str(n), {})
+        for rate in args.rates:
+            requests.post(p["h"].url + "/kv_transfer_link", json={"rate_gbps": rate or UNPACED_GBPS},
+                          timeout=30).raise_for_status()
+            runs = [scd_request(p, [consumer], doc + ids_for(args.question_tokens, 100 + 10 * rate + i, args.vocab),
+                                args.timeout_s) for i in range(args.repeats)]
+            out[f"scd@{rate:g}"] = row([[t for t, _ in r] for r in runs])
+        orc = [oracle_request([consumer], doc + ids_for(args.question_tokens, 50 + i, args.vocab), args.timeout_s)
+               for i in range(args.repeats)]
+        out["oracle"] = row(orc)
+        print(f"shared document, {n} tokens: {out}", flush=True)
+
+
+def summarize(res: dict) -> dict:
+    """Speed-up of SCD over each specialist's own prefill: oracle / SCD, on the max over the N
+    specialists (when the last one answers) and on their mean."""
+    out = {"fanout": {}, "shared": {}}
+    for n_fan, by_n in res["fanout"].items():
+        for n, r in by_n.items():
+            if "oracle" not in r:
+                continue
+            for key, v in r.items():
+                if key.startswith("scd@") and v["max_ms"]:
+                    out["fanout"][f"N={n_fan} {n} tokens {key}"] = {
+                        "speedup_max": r["oracle"]["max_ms"] / v["max_ms"], "speedup_mean": r["oracle"]["mean_ms"] / v["mean_ms"]}
+    for n, r in res["shared"].items():
+        for key, v in r.items():
+            if key.startswith("scd@") and "oracle" in r:
+                out["shared"][f"{n} tokens {key}"] = r["oracle"]["mean_ms"] / v["mean_ms"]
+    return out
+
+
+def plot(p: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    n = str(max(p["params"]["prompt_tokens"]))
+    for j, (n_fan, by_n) in enumerate(sorted(p["fanout"].items(), key=lambda x: int(x[0]))):
+        r = by_n.get(n, {})
+        keys = [k for k in r if k.startswith("scd@")]
+        xs = [float(k[4:]) or p["params"]["rates"][-1] * 4 for k in keys]
+        ax[0].plot(xs, [r[k]["max_ms"] for k in keys], "o-", c=f"C{j}", label=f"SCD, N={n_fan}")
+        if "oracle" in r:
+            ax[0].axhline(r["oracle"]["max_ms"], ls=":", c=f"C{j}", label=f"own prefill, N={n_fan}")
+    ax[0].set_xscale("log")
+    ax[0].set_xlabel("link rate (Gbit/s; rightmost: unpaced)")
+    ax[0].set_ylabel("TTFT of the last specialist (ms)")
+    ax[0].set_title(f"fan-out, {n}-token document, producer prefill included", fontsize=9)
+    ax[0].legend(fontsize=7)
+    r = p["shared"].get(n, {})
+    keys = [k for k in r if k.startswith("scd@")]
+    if keys:
+        ax[1].bar(keys + ["oracle"], [r[k]["mean_ms"] for k in keys] + [r.get("oracle", {}).get("mean_ms", 0)])
+    ax[1].set_ylabel("TTFT (ms)")
+    ax[1].set_title("document in the producer's radix cache, new question", fontsize=9)
+    fig.suptitle(f"SCD end to end: {os.path.basename(p['model'].rstrip('/'))}, {p['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

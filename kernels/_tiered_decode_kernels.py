@@ -1,0 +1,389 @@
+"""The jitted kernels of tiered_pool_decode.py (its module docstring describes them): one per tier
+family (fp16 rows / int8 and int4 page-head blocks), their shared epilogue with the fused merge,
+and the separate merge."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._split_k import NEG_BIG
+from ._tiles import _cvt_nibbles, _cvt_u8, _gpu_fence
+
+
+# ---------------------------------------------------------------------------------------------
+# shared pieces
+
+@triton.jit
+def _split_range(n_pages, split, n_split, PAGE: tl.constexpr, TILE: tl.constexpr):
+    """[lo, hi) virtual-slot range of this split: steps [s * n // S, (s + 1) * n // S)."""
+    steps = tl.cdiv(n_pages * PAGE, TILE)
+    lo = (split * steps) // n_split
+    hi = ((split + 1) * steps) // n_split
+    return lo * TILE, hi * TILE
+
+
+@triton.jit
+def _softmax_update(m_i, l_i, s):
+    """s [M, N] fp32 masked scores (log2 domain) -> (m_new, l_new, alpha, p)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
+
+
+@triton.jit
+def _page_of_step(bt_row_ptr, fill_row_ptr, n_tok, n_pages, l0, offs,
+                  PAGE: tl.constexpr, FILLED: tl.constexpr):
+    """PAGE >= TILE: the step's page (int64 scalar), its first slot and the slot mask [TILE]."""
+    j = l0 // PAGE
+    s0 = l0 % PAGE
+    if FILLED:
+        fill = tl.load(fill_row_ptr + j, mask=j < n_pages, other=0)
+    else:
+        fill = n_tok - j * PAGE
+    page = tl.load(bt_row_ptr + j, mask=fill > 0, other=0).to(tl.int64)
+    return page, s0, (s0 + offs) < fill
+
+
+@triton.jit
+def _merge_group(o_part_ptr, lse_part_ptr, out_ptr, b, kv_head, n_total,
+                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                 KV_GROUP: tl.constexpr, MERGE_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 MERGE_S: tl.constexpr):
+    """out rows (b, q heads of kv_head) = LSE-weighted sum of the n_total partials, MERGE_S at a
+    time (one pass, running max); empty partials (lse NEG_BIG) weigh 0 and are not read.
+    Partials are read through L2 (.cg): other programs of this launch wrote them."""
+    offs_h = tl.arange(0, MERGE_H)
+    offs_s = tl.arange(0, MERGE_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    hmask = offs_h < KV_GROUP
+    heads = kv_head * KV_GROUP + offs_h
+    lrow = lse_part_ptr + b * stride_lb + heads * stride_lh  # [H]
+    orow = o_part_ptr + b * stride_ob + heads * stride_oh
+    m = tl.full([MERGE_H], NEG_BIG, dtype=tl.float32)
+    l = tl.zeros([MERGE_H], dtype=tl.float32)
+    acc = tl.zeros([MERGE_H, HEAD_DIM], dtype=tl.float32)
+    for c in range(0, n_total, MERGE_S):
+        s = c + offs_s
+        lmask = hmask[:, None] & (s < n_total)[None, :]
+        lse = tl.load(lrow[:, None] + s[None, :], mask=lmask, other=NEG_BIG, cache_modifier=".cg")
+        live = lse > NEG_BIG * 0.5
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        w = tl.where(live, tl.exp2(lse - m_new[:, None]), 0.0)
+        o = tl.load(orow[:, None, None] + s[None, :, None] * stride_os + offs_d[None, None, :],
+                    mask=live[:, :, None], other=0.0, cache_modifier=".cg")
+        alpha = tl.exp2(m - m_new)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
+        l = l * alpha + tl.sum(w, 1)
+        m = m_new
+    res = acc / tl.where(l > 0, l, 1.0)[:, None]
+    optr = out_ptr + b * stride_outb + heads[:, None] * stride_outh + offs_d[None, :]
+    tl.store(optr, res.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+@triton.jit
+def _finish(acc_a, acc_b, m_i, l_i, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, b, kv_head, pid_bh,
+            split_id, n_total, offs_g, gmask,
+            stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+            KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HALVES: tl.constexpr, DIRECT: tl.constexpr,
+            FUSED_MERGE: tl.constexpr, FENCE: tl.constexpr, MERGE_H: tl.constexpr, MERGE_S: tl.constexpr):
+    """Epilogue of every tier kernel. acc_a [M, D] (HALVES 1) or the low / high halves acc_a,
+    acc_b [M, D/2] (HALVES 2: int4). DIRECT: normalized o in the model dtype, no partial.
+    Otherwise the fp32 partial (only when the split holds a token) and its lse, then, with
+    FUSED_MERGE, the (b, kv head)'s last program over all launches merges."""
+    W: tl.constexpr = HEAD_DIM // HALVES
+    offs_w = tl.arange(0, W)
+    heads = kv_head * KV_GROUP + offs_g
+    nonempty = l_i > 0
+    inv = 1.0 / tl.where(nonempty, l_i, 1.0)
+    if DIRECT:
+        optr = out_ptr + b * stride_outb + heads[:, None] * stride_outh + offs_w[None, :]
+        tl.store(optr, (acc_a * inv[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+        if HALVES == 2:
+            tl.store(optr + W, (acc_b * inv[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    else:
+        pmask = gmask & nonempty
+        optr = o_part_ptr + b * stride_ob + heads[:, None] * stride_oh + split_id * stride_os + offs_w[None, :]
+        tl.store(optr, acc_a * inv[:, None], mask=pmask[:, None])
+        if HALVES == 2:
+            tl.store(optr + W, acc_b * inv[:, None], mask=pmask[:, None])
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), NEG_BIG)
+        tl.store(lse_part_ptr + b * stride_lb + heads * stride_lh + split_id, lse, mask=gmask)
+        if FUSED_MERGE:
+            # NOTE: every thread's partial stores must be visible GPU-wide before the counter
+            # says so: a fence per thread, a CTA barrier, then one acq_rel atomic (thread 0).
+            if FENCE:
+                _gpu_fence(offs_g)
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + pid_bh, 1, sem="acq_rel")
+            if done == n_total - 1:
+                _merge_group(o_part_ptr, lse_part_ptr, out_ptr, b, kv_head, n_total,
+                             stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                             KV_GROUP, MERGE_H, HEAD_DIM, MERGE_S)
+                tl.store(cnt_ptr + pid_bh, 0)  # ready for the next launch (stream order)
+
+
+@triton.jit
+def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, n_total,
+                  stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                  NUM_KV_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, MERGE_H: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, MERGE_S: tl.constexpr):
+    pid = tl.program_id(0)
+    _merge_group(o_part_ptr, lse_part_ptr, out_ptr, pid // NUM_KV_HEADS, pid % NUM_KV_HEADS, n_total,
+                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+                 KV_GROUP, MERGE_H, HEAD_DIM, MERGE_S)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp16 tier
+
+@triton.jit
+def _fp16_tier_kernel(
+    q_ptr, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, k_ptr, v_ptr,
+    bt_ptr, fill_ptr, len_ptr, npg_ptr,
+    stride_qb, stride_qh, stride_bt, stride_f, stride_p, stride_h,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    split_base, n_total, qk_scale,
+    NUM_KV_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, TILE: tl.constexpr, FILLED: tl.constexpr, DOT_F32: tl.constexpr,
+    DIRECT: tl.constexpr, FUSED_MERGE: tl.constexpr, FENCE: tl.constexpr,
+    MERGE_H: tl.constexpr, MERGE_S: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // NUM_KV_HEADS
+    kv_head = pid_bh % NUM_KV_HEADS
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_t = tl.arange(0, TILE)
+    gmask = offs_g < KV_GROUP
+    q_rows = b * stride_qb + (kv_head * KV_GROUP + offs_g) * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    n_tok = tl.load(len_ptr + b)
+    if FILLED:
+        n_pages = tl.load(npg_ptr + b)
+    else:
+        n_pages = tl.cdiv(n_tok, PAGE)
+    lo, hi = _split_range(n_pages, split, tl.num_programs(1), PAGE, TILE)
+    bt_row = bt_ptr + b * stride_bt
+    fill_row = fill_ptr + b * stride_f
+    head_off = kv_head * stride_h
+    m_i = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    for l0 in tl.range(lo, hi, TILE):
+        if PAGE >= TILE:
+            page, s0, tm = _page_of_step(bt_row, fill_row, n_tok, n_pages, l0, offs_t, PAGE, FILLED)
+            rows = page * stride_p + head_off + (s0 + offs_t).to(tl.int64) * HEAD_DIM
+        else:  # TILE / PAGE pages a step, page id (and fill) per slot; PAGE 1: a row gather
+            l = l0 + offs_t
+            j = l // PAGE
+            s = l % PAGE
+            if FILLED:
+                fill = tl.load(fill_row + j, mask=j < n_pages, other=0)
+                tm = s < fill
+            else:
+                tm = l < n_tok
+            page = tl.load(bt_row + j, mask=tm, other=0).to(tl.int64)
+            rows = page * stride_p + head_off + s.to(tl.int64) * HEAD_DIM
+        rows = tl.multiple_of(rows, 8)
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=tm[:, None], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=tm[:, None], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s_qk = tl.dot(q, tl.trans(k)) * qk_scale
+        s_qk = tl.where(tm[None, :], s_qk, float("-inf"))
+        m_i, l_i, alpha, p = _softmax_update(m_i, l_i, s_qk)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    _finish(acc, acc, m_i, l_i, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, b, kv_head, pid_bh,
+            split_base + split, n_total, offs_g, gmask,
+            stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+            KV_GROUP, HEAD_DIM, 1, DIRECT, FUSED_MERGE, FENCE, MERGE_H, MERGE_S)
+
+
+# ---------------------------------------------------------------------------------------------
+# int8 / int4 tiers
+
+@triton.jit
+def _round_i8(x):
+    """Round half away from zero to int8 (|x| <= 127.5)."""
+    return tl.where(x >= 0, x + 0.5, x - 0.5).to(tl.int8)
+
+
+@triton.jit
+def _dequant_half(codes, sc_ptr, zr_ptr, srow, offs_c, tm, CH0: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """G < D: codes [TILE, W] (exact fp16 integers) of channels CH0 + c -> values in fp16, each
+    with the scale / zero of its group (srow [TILE]: the slot's first scale, fp16 index)."""
+    g = (CH0 + offs_c) // GROUP_SIZE
+    sc = tl.load(sc_ptr + srow[:, None] + g[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+    zr = tl.load(zr_ptr + srow[:, None] + g[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+    return (codes.to(tl.float32) * sc + zr).to(tl.float16)
+
+
+@triton.jit
+def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head, stride_p, stride_h,
+                    PAGE: tl.constexpr, TILE: tl.constexpr, W: tl.constexpr, NG: tl.constexpr,
+                    FILLED: tl.constexpr):
+    """One step's raw codes of an int tier: K [TILE, W], V [TILE, W] (read dim-major), the fp16
+    index of each slot's first scale [TILE] and the slot mask [TILE].
+
+        PAGE >= TILE   one page: a scalar page id, every stream one contiguous run
+        PAGE <  TILE   TILE / PAGE listed pages, their ids and fills loaded as a vector, each
+                       page's runs contiguous ([pages, PAGE, W] loads reshaped to [TILE, W])"""
+    SCALE0: tl.constexpr = PAGE * W // 2  # fp16 index of the scales inside a block
+    offs_c = tl.arange(0, W)
+    if PAGE >= TILE:
+        offs_t = tl.arange(0, TILE)
+        page, s0, tm = _page_of_step(bt_row, fill_row, n_tok, n_pages, l0, offs_t, PAGE, FILLED)
+        blk = tl.multiple_of(page * stride_p + kv_head * stride_h, 16)
+        slot = s0 + offs_t
+        kq = tl.load(k_ptr + blk + slot[:, None] * W + offs_c[None, :], mask=tm[:, None], other=0)
+        vq = tl.load(v_ptr + blk + offs_c[None, :] * PAGE + slot[:, None], mask=tm[:, None], other=0)
+        srow = blk // 2 + SCALE0 + slot * NG
+    else:
+        NP: tl.constexpr = TILE // PAGE
+        j = l0 // PAGE + tl.arange(0, NP)
+        offs_s = tl.arange(0, PAGE)
+        if FILLED:
+            fill = tl.load(fill_row + j, mask=j < n_pages, other=0)
+        else:
+            fill = n_tok - j * PAGE
+        page = tl.load(bt_row + j, mask=fill > 0, other=0).to(tl.int64)
+        blk = tl.multiple_of(page * stride_p + kv_head * stride_h, 16)
+        tm3 = offs_s[None, :] < fill[:, None]  # [NP, PAGE]
+        kq = tl.load(k_ptr + blk[:, None, None] + offs_s[None, :, None] * W + offs_c[None, None, :],
+                     mask=tm3[:, :, None], other=0)
+        vq = tl.load(v_ptr + blk[:, None, None] + offs_c[None, None, :] * PAGE + offs_s[None, :, None],
+                     mask=tm3[:, :, None], other=0)
+        kq = tl.reshape(kq, (TILE, W))
+        vq = tl.reshape(vq, (TILE, W))
+        tm = tl.reshape(tm3, (TILE,))
+        srow = tl.reshape(blk[:, None] // 2 + SCALE0 + offs_s[None, :] * NG, (TILE,))
+    return kq, vq, srow, tm
+
+
+@triton.jit
+def _int_tier_kernel(
+    q_ptr, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+    bt_ptr, fill_ptr, len_ptr, npg_ptr,
+    stride_qb, stride_qh, stride_bt, stride_f, stride_p, stride_h,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    split_base, n_total, qk_scale,
+    TIER: tl.constexpr, NUM_KV_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
+    FILLED: tl.constexpr, QK_INT8: tl.constexpr, FAST_CVT: tl.constexpr,
+    DIRECT: tl.constexpr, FUSED_MERGE: tl.constexpr, FENCE: tl.constexpr,
+    MERGE_H: tl.constexpr, MERGE_S: tl.constexpr,
+):
+    """TIER 1 (int8) or 2 (int4). Block of (page, kv head), bytes from k_ptr / v_ptr +
+    page * stride_p + kv_head * stride_h (module docstring of paged_layout.py):
+        K codes [PAGE, W] | scale [PAGE, NG] | zero [PAGE, NG]     (ks_ptr: the same bytes as fp16)
+        V codes [W, PAGE] | scale [PAGE, NG] | zero [PAGE, NG]"""
+    HALVES: tl.constexpr = TIER  # int8: one accumulator over D; int4: low and high halves
+    W: tl.constexpr = HEAD_DIM // HALVES
+    NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
+    FOLD: tl.constexpr = NG == 1
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // NUM_KV_HEADS
+    kv_head = pid_bh % NUM_KV_HEADS
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_c = tl.arange(0, W)
+    gmask = offs_g < KV_GROUP
+    q_rows = b * stride_qb + (kv_head * KV_GROUP + offs_g) * stride_qh
+    qa = tl.load(q_ptr + q_rows[:, None] + offs_c[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    q_sum = tl.sum(qa, 1)  # the zero-point term of every folded score
+    qb = qa
+    if HALVES == 2:
+        qb = tl.load(q_ptr + q_rows[:, None] + W + offs_c[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        q_sum += tl.sum(qb, 1)
+    qa16 = qa.to(tl.float16)
+    qb16 = qb.to(tl.float16)
+    if QK_INT8:
+        qmax = tl.max(tl.abs(qa), 1)
+        if HALVES == 2:
+            qmax = tl.maximum(qmax, tl.max(tl.abs(qb), 1))
+        q_sc = tl.where(qmax > 0, qmax / 127.0, 1.0)
+        qa8 = _round_i8(qa / q_sc[:, None])
+        qb8 = _round_i8(qb / q_sc[:, None])
+        q8_sum = tl.sum(qa8.to(tl.int32), 1).to(tl.float32)
+
+    n_tok = tl.load(len_ptr + b)
+    if FILLED:
+        n_pages = tl.load(npg_ptr + b)
+    else:
+        n_pages = tl.cdiv(n_tok, PAGE)
+    lo, hi = _split_range(n_pages, split, tl.num_programs(1), PAGE, TILE)
+    bt_row = bt_ptr + b * stride_bt
+    fill_row = fill_ptr + b * stride_f
+    m_i = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_G, W], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_G, W], dtype=tl.float32)
+    for l0 in tl.range(lo, hi, TILE):
+        kq, vq, srow, tm = _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
+                                           stride_p, stride_h, PAGE, TILE, W, NG, FILLED)
+        zrow = srow + PAGE * NG
+        if FOLD:
+            ks = tl.load(ks_ptr + srow, mask=tm, other=0.0).to(tl.float32)
+            kz = tl.load(ks_ptr + zrow, mask=tm, other=0.0).to(tl.float32)
+            vs = tl.load(vs_ptr + srow, mask=tm, other=0.0).to(tl.float32)
+            vz = tl.load(vs_ptr + zrow, mask=tm, other=0.0).to(tl.float32)
+            # ---- scores on raw codes
+            if QK_INT8:
+                if HALVES == 1:
+                    kc8 = (kq ^ 0x80).to(tl.int8, bitcast=True)  # codes - 128
+                    qi = tl.dot(qa8, tl.trans(kc8), out_dtype=tl.int32).to(tl.float32)
+                    qk = (qi + 128.0 * q8_sum[:, None]) * q_sc[:, None]
+                else:
+                    qi = tl.dot(qa8, tl.trans((kq & 15).to(tl.int8, bitcast=True)), out_dtype=tl.int32)
+                    qi += tl.dot(qb8, tl.trans((kq >> 4).to(tl.int8, bitcast=True)), out_dtype=tl.int32)
+                    qk = qi.to(tl.float32) * q_sc[:, None]
+            else:
+                if HALVES == 1:
+                    qk = tl.dot(qa16, tl.trans(_cvt_u8(kq, FAST_CVT)))
+                else:
+                    k_lo, k_hi = _cvt_nibbles(kq, FAST_CVT)
+                    qk = tl.dot(qa16, tl.trans(k_lo))
+                    qk = tl.dot(qb16, tl.trans(k_hi), qk)
+            s_qk = (qk * ks[None, :] + q_sum[:, None] * kz[None, :]) * qk_scale
+            s_qk = tl.where(tm[None, :], s_qk, float("-inf"))
+            m_i, l_i, alpha, p = _softmax_update(m_i, l_i, s_qk)
+            pw = (p * vs[None, :]).to(tl.float16)
+            zero = tl.sum(p * vz[None, :], 1)[:, None]
+            if HALVES == 1:
+                acc_a = tl.dot(pw, _cvt_u8(vq, FAST_CVT), acc_a * alpha[:, None]) + zero
+            else:
+                v_lo, v_hi = _cvt_nibbles(vq, FAST_CVT)
+                acc_a = tl.dot(pw, v_lo, acc_a * alpha[:, None]) + zero
+                acc_b = tl.dot(pw, v_hi, acc_b * alpha[:, None]) + zero
+        else:
+            # ---- G < D: per-element dequantization, plain dots
+            if HALVES == 1:
+                k = _dequant_half(_cvt_u8(kq, False), ks_ptr, ks_ptr + PAGE * NG, srow, offs_c, tm, 0, GROUP_SIZE)
+                qk = tl.dot(qa16, tl.trans(k))
+            else:
+                k_lo, k_hi = _cvt_nibbles(kq, False)
+                k_lo = _dequant_half(k_lo, ks_ptr, ks_ptr + PAGE * NG, srow, offs_c, tm, 0, GROUP_SIZE)
+                k_hi = _dequant_half(k_hi, ks_ptr, ks_ptr + PAGE * NG, srow, offs_c, tm, W, GROUP_SIZE)
+                qk = tl.dot(qa16, tl.trans(k_lo))
+                qk = tl.dot(qb16, tl.trans(k_hi), qk)
+            s_qk = tl.where(tm[None, :], qk * qk_scale, float("-inf"))
+            m_i, l_i, alpha, p = _softmax_update(m_i, l_i, s_qk)
+            p16 = p.to(tl.float16)
+            if HALVES == 1:
+                v = _dequant_half(_cvt_u8(vq, False), vs_ptr, vs_ptr + PAGE * NG, srow, offs_c, tm, 0, GROUP_SIZE)
+                acc_a = tl.dot(p16, v, acc_a * alpha[:, None])
+            else:
+                v_lo, v_hi = _cvt_nibbles(vq, False)
+                v_lo = _dequant_half(v_lo, vs_ptr, vs_ptr + PAGE * NG, srow, offs_c, tm, 0, GROUP_SIZE)
+                v_hi = _dequant_half(v_hi, vs_ptr, vs_ptr + PAGE * NG, srow, offs_c, tm, W, GROUP_SIZE)
+                acc_a = tl.dot(p16, v_lo, acc_a * alpha[:, None])
+                acc_b = tl.dot(p16, v_hi, acc_b * alpha[:, None])
+    _finish(acc_a, acc_b, m_i, l_i, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, b, kv_head, pid_bh,
+            split_base + split, n_total, offs_g, gmask,
+            stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+            KV_GROUP, HEAD_DIM, HALVES, DIRECT, FUSED_MERGE, FENCE, MERGE_H, MERGE_S)

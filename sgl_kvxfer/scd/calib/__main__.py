@@ -1,0 +1,3 @@
+from sgl_kvxfer.scd.calib.calibrate import main
+
+main()

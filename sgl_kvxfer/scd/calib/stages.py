@@ -1,0 +1,239 @@
+"""The stages of `calibrate` (see its docstring); each takes the CalibConfig and the loaded models."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from sgl_kvxfer.scd.calib import methods
+from sgl_kvxfer.scd.calib.aligner import train_aligner
+from sgl_kvxfer.scd.artifacts import CODE_DTYPES, ScdArtifacts, ScdManifest
+from sgl_kvxfer.scd.calib.build import ReuseMoments, fit_reuse, patch_tensors
+from sgl_kvxfer.scd.codec import ScdDecoder, ScdEncoder, kv_projections
+from sgl_kvxfer.scd.calib.fit import JointMoments, fit_joint
+from sgl_kvxfer.scd.calib.forward import LlamaRunner, left_pad
+from sgl_kvxfer.scd.identity import ModelIdentity, identify
+from sgl_kvxfer.scd.rotary import KeyRotary
+from sgl_kvxfer.scd.calib.select import select_patch_layers
+
+
+@dataclass
+class Models:
+    device: str
+    arch: object
+    tokenizer: object
+    producer: LlamaRunner
+    consumers: dict[str, LlamaRunner]
+    identities: dict[str, ModelIdentity]  # "producer" and each consumer name
+    projections: dict[str, list]  # consumer -> per-layer KVProjection
+
+
+def parse_consumer(spec: str, base: str) -> tuple[str, str, str | None]:
+    """NAME=PATH -> (name, model dir, adapter dir or None)."""
+    from sgl_kvxfer.models.loader import resolve_model_path
+
+    name, path = spec.split("=", 1)
+    path = os.path.abspath(os.path.expanduser(path))  # the manifest records it as the consumer's source
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return name, base, path
+    return name, resolve_model_path(path), None
+
+
+def load_models(cfg) -> Models:
+    from sgl_kvxfer.models.loader import load_model, load_tokenizer, resolve_model_path, resolve_tokenizer_path
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "float32": torch.float32}[cfg.dtype]
+    prod_dir = resolve_model_path(cfg.producer)
+    base = resolve_model_path(cfg.consumer_base) if cfg.consumer_base else prod_dir
+    model, arch = load_model(prod_dir, "auto", dtype, device, cfg.seed)
+    consumers, idents, projs = {}, {"producer": identify(prod_dir, name="producer")}, {}
+    for spec in cfg.consumers:
+        name, mdir, lora = parse_consumer(spec, base)
+        cm, carch = load_model(mdir, "auto", dtype, device, cfg.seed, merge_lora=lora)
+        if (carch.num_hidden_layers, carch.num_key_value_heads, carch.head_dim, carch.hidden_size) != (
+                arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, arch.hidden_size):
+            raise ValueError(f"consumer {name} ({mdir}) does not share the producer's architecture")
+        consumers[name] = LlamaRunner(cm)
+        idents[name] = identify(mdir, lora, name=name)
+        projs[name] = kv_projections(cm)
+    tok = load_tokenizer(resolve_tokenizer_path(prod_dir))
+    return Models(device, arch, tok, LlamaRunner(model), consumers, idents, projs)
+
+
+def calib_chunks(cfg, tokenizer):
+    """(fit sequences, selection (prefix, continuation) pairs): data.calib_data over cfg.calib."""
+    from sgl_kvxfer.scd.calib.data import calib_data
+
+    return calib_data(cfg.calib, tokenizer, cfg.num_prefixes, cfg.prefix_len, cfg.select_prompts, cfg.select_prefix,
+                      cfg.select_cont, cfg.seed)
+
+
+def _batches(seqs, bs, device):
+    """Left-padded batches of similar lengths: (ids, positions, valid) [B, S]."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    for i in range(0, len(order), bs):
+        ids, valid, pos = left_pad([seqs[j] for j in order[i:i + bs]], 0, device)
+        yield ids, pos, valid
+
+
+def collect_kv(cfg, env: Models, chunks) -> ReuseMoments:
+    a = env.arch
+    L, rot = a.num_hidden_layers, KeyRotary.from_arch(a)
+    moments = ReuseMoments(L, a.num_key_value_heads, a.head_dim, len(env.consumers), env.device, cfg.head_mode)
+    runners = [env.producer, *env.consumers.values()]
+    for ids, pos, valid in tqdm(list(_batches(chunks, cfg.batch_size, env.device)), desc="collect K/V", unit="batch"):
+        taps = [r.forward(ids, pos, valid, kv_layers=range(L)) for r in runners]
+        flat_pos = pos[valid]
+        for layer in range(L):
+            ks = [rot.derope(t.k[layer][valid], flat_pos) for t in taps]
+            vs = [t.v[layer][valid].float() for t in taps]
+            moments.update(layer, ks, vs)
+    return moments
+
+
+def manifest_for(cfg, env: Models, patch) -> ScdManifest:
+    a = env.arch
+    return ScdManifest(
+        producer=env.identities["producer"], consumers=tuple(env.identities[n] for n in env.consumers),
+        num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads, head_dim=a.head_dim,
+        hidden_size=a.hidden_size, rope_theta=a.rope_theta, rope_scaling=a.rope_scaling,
+        max_position_embeddings=a.max_position_embeddings,
+        reuse_layers=tuple(x for x in range(a.num_hidden_layers) if x not in patch), patch_layers=tuple(sorted(patch)),
+        r_k=cfg.r_k, r_v=cfg.r_v, r_h=cfg.r_h, dtype=cfg.code_dtype, aligner_hidden=cfg.aligner_hidden,
+        head_mode=cfg.head_mode, rank_levels=cfg.levels)
+
+
+def fit_reuse_all(cfg, env: Models, moments) -> tuple[ScdArtifacts, dict]:
+    """Reuse fits of EVERY layer (the all-Reuse baseline that selection starts from)."""
+    tensors, report = fit_reuse(moments, range(env.arch.num_hidden_layers), cfg.r_k, cfg.r_v,
+                                list(env.consumers), cfg.ridge, cfg.levels)
+    return ScdArtifacts(manifest_for(cfg, env, ()), {k: v.to(env.device) for k, v in tensors.items()}), report
+
+
+def selection_batch(pairs, device):
+    """(prefix ids, positions, valid) left-padded, continuation ids right-padded [B, C] with its
+    mask of scored targets [B, C - 1], and each row's continuation start position [B]."""
+    ids, valid, pos = left_pad([p for p, _ in pairs], 0, device)
+    c = max(len(x) for _, x in pairs)
+    cont = torch.zeros(len(pairs), c, dtype=torch.long)
+    mask = torch.zeros(len(pairs), c - 1, dtype=torch.bool)
+    for i, (_, x) in enumerate(pairs):
+        cont[i, :len(x)] = torch.tensor(x)
+        mask[i, :len(x) - 1] = True
+    start = valid.sum(1)
+    return ids, pos, valid, cont.to(device), mask.to(device), start
+
+
+def select_layers(cfg, env: Models, reuse_all: ScdArtifacts, pairs):
+    ids, pos, valid, cont, mask, start = selection_batch(pairs, env.device)
+    state = methods.producer_state(env.producer, ids, pos, valid)
+    enc = ScdEncoder(reuse_all)
+    oracle, reuse, heldout = {}, {}, {}
+    for name, runner in env.consumers.items():
+        oracle[name], _ = runner.prefill_cache(ids, pos, valid)
+        reuse[name] = methods.scd_cache(state, enc, ScdDecoder(reuse_all, name), env.projections[name], runner.dtype)
+        heldout[name] = {f"{m}_{kv}": [round(_rel(getattr(c, kv)[i][valid], getattr(oracle[name], kv)[i][valid]), 6)
+                                       for i in range(env.arch.num_hidden_layers)]
+                         for m, c in (("reuse", reuse[name]), ("raw", state.cache)) for kv in ("k", "v")}
+
+    def metric(base_of):
+        def F(s):
+            vals = []
+            for name, runner in env.consumers.items():
+                cache = methods.with_layers(base_of(name), oracle[name], s)
+                lp, tgt = methods.continuation_logprob(runner, cache, cont, start)
+                vals.append(float(lp.gather(-1, tgt[..., None])[..., 0][mask].mean()))
+            return sum(vals) / len(vals)
+        return F
+
+    bar = tqdm(desc="select (F evaluations)", unit="eval")
+    sel = select_patch_layers(metric(lambda n: reuse[n]), env.arch.num_hidden_layers, cfg.budget,
+                              cfg.pool or None, cfg.k_min, cfg.k_max, progress=lambda _: bar.update())
+    raw_F = metric(lambda n: state.cache)
+    raw0 = raw_F(())
+    droid = {layer: raw_F({layer}) - raw0 for layer in range(env.arch.num_hidden_layers)}
+    bar.update(env.arch.num_hidden_layers + 1)
+    bar.close()
+    sel.extra["F_raw_empty"] = raw0
+    sel.extra["F_oracle"] = metric(lambda n: oracle[n])(())
+    return sel, droid, heldout
+
+
+def _rel(x, ref) -> float:
+    return float((x.float() - ref.float()).pow(2).sum() / ref.float().pow(2).sum().clamp(min=1e-30))
+
+
+def collect_h(cfg, env: Models, chunks, patch):
+    """Per patch layer: joint moments of [h_A h_B1 ...] over all tokens, and a random subset of
+    at most aligner_tokens rows of each model's h (for the aligners)."""
+    n_models = 1 + len(env.consumers)
+    runners = [env.producer, *env.consumers.values()]
+    batches = list(_batches(chunks, cfg.batch_size, env.device))
+    per_batch = -(-cfg.aligner_tokens // len(batches))
+    g = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    moments = {layer: JointMoments(1, env.arch.hidden_size, n_models, env.device) for layer in patch}
+    samples = {layer: [[] for _ in range(n_models)] for layer in patch}
+    for ids, pos, valid in tqdm(batches, desc="collect h_norm", unit="batch"):
+        taps = [r.forward(ids, pos, valid, h_layers=patch, end=max(patch) + 1) for r in runners]
+        n = int(valid.sum())
+        keep = torch.randperm(n, generator=g)[:per_batch].to(env.device)
+        for layer in patch:
+            hs = [t.h[layer][valid] for t in taps]
+            moments[layer].update(torch.cat(hs, -1)[None])
+            for i, h in enumerate(hs):
+                samples[layer][i].append(h[keep])
+    return moments, {layer: [torch.cat(s) for s in per] for layer, per in samples.items()}
+
+
+def fit_patch(cfg, env: Models, h_data, patch):
+    moments, samples = h_data
+    out, report = {}, {}
+    names = list(env.consumers)
+    code_dt = CODE_DTYPES[cfg.code_dtype]
+    bar = tqdm(total=len(patch) * len(names), desc="train aligners", unit="aligner")
+    for layer in patch:
+        fit = fit_joint(moments[layer], cfg.r_h, cfg.ridge)
+        h_a = samples[layer][0].float()
+        z = ((h_a - fit.mu_a[0].to(h_a.device)) @ fit.enc[0].to(h_a.device)).to(code_dt).float()
+        aligners = {}
+        for i, name in enumerate(names):
+            proj = env.projections[name][layer]
+            w_kv = torch.cat([proj.w_k, proj.w_v]).float()
+            params, rep = train_aligner(z, samples[layer][1 + i].float(), fit.dec[i][0].to(z.device),
+                                        fit.mu_b[i][0].to(z.device), cfg.aligner_hidden, cfg.aligner_steps,
+                                        cfg.aligner_lr, w_kv=w_kv, aux=cfg.aligner_aux, seed=cfg.seed + layer,
+                                        patience=cfg.aligner_patience, time_budget_s=cfg.aligner_time_s)
+            aligners[name] = params
+            report.setdefault(name, {})[str(layer)] = {**rep, "h_fit_rel_err": round(float(fit.rel_err[i][0]), 6)}
+            bar.update()
+        out.update(patch_tensors(layer, fit, aligners))
+    bar.close()
+    return out, report
+
+
+def assemble(cfg, env: Models, reuse_all: ScdArtifacts, patch, patch_t) -> ScdArtifacts:
+    keep = {k: v for k, v in reuse_all.tensors.items() if int(k.rsplit(".", 1)[1]) not in patch}
+    return ScdArtifacts(manifest_for(cfg, env, patch), {**keep, **patch_t})
+
+
+def provenance(device: str) -> dict:
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(0)
+    else:
+        import platform
+
+        name = f"{platform.processor() or 'cpu'} ({os.cpu_count()} cores)"
+    commit = os.environ.get("SGL_KVXFER_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
+                                             cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {"device": name, "commit": commit, "command": " ".join(["python -m sgl_kvxfer.scd.calib", *sys.argv[1:]])}

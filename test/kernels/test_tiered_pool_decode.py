@@ -1,0 +1,235 @@
+"""tiered_pool_decode (the decode over the engine's TieredKVPool) vs its torch reference.
+
+Filled and dense tables, per-tier page sizes (the engine's fp16 rows at PAGE 1 beside int8 / int4
+page-head blocks), partial and empty pages anywhere in a table, pages larger than the tile, odd
+lengths, GQA 1 / 3 / 4, head dims 32 / 64 / 128, folded scales (G = D) and per-group dequantization
+(G < D), splits 1-5 with the fused and the separate merge, tier subsets, empty requests, bf16,
+int8 tensor cores for q . K. CPU: Triton interpreter at tiny shapes; GPU (-m gpu): real shapes."""
+import pytest
+import torch
+
+from sgl_kvxfer.kernels.testing import TIER_ATOL, build_random_cache, build_random_paged_cache, exact_attention
+from sgl_kvxfer.kernels.tiered_pool_decode import (
+    DEFAULT_CONFIG, INTERPRET_CONFIG, TieredDecodeConfig, TieredDecodePlan, plan_tiered_pool_decode, served_config,
+    tiered_pool_decode, tiered_pool_decode_reference, with_config,
+)
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+BASE = DEFAULT_CONFIG if GPU else INTERPRET_CONFIG
+
+
+def _plan(splits, B, Hkv, fused=True):
+    return TieredDecodePlan(splits, torch.zeros(B * Hkv, dtype=torch.int32, device=DEV) if fused else None)
+
+
+def _run(lens, Hq, Hkv, D, G, pages, dtype=torch.float16, filled=True, splits=None, fused=True, config=None,
+         tiers=(0, 1, 2), seed=0):
+    layer, tables = build_random_paged_cache(lens, Hkv, D, G, pages, dtype, DEV, seed=seed, filled=filled)
+    g = torch.Generator().manual_seed(seed + 7)
+    q = torch.randn(len(lens), Hq, D, generator=g).to(dtype).to(DEV)
+    plan = None if splits is None else _plan(splits, len(lens), Hkv, fused)
+    out = torch.full_like(q, float("nan"))  # every row must be written, padding rows too
+    got = tiered_pool_decode(q, layer, tables, out=out, plan=plan, config=config or BASE, tiers=tiers)
+    assert got.data_ptr() == out.data_ptr()
+    if plan is not None and plan.counters is not None:
+        assert bool((plan.counters == 0).all()), "the merging programs reset their counters"
+    ref = tiered_pool_decode_reference(q, layer, tables)
+    for b, lb in enumerate(lens):
+        if sum(lb[t] for t in tiers) == 0:
+            assert bool((got[b] == 0).all()), "a request with no token must give exactly 0"
+    return got.float(), ref.float()
+
+
+def _close(got, ref, dtype=torch.float16, tol=None):
+    # folded scales skip the reference's fp16 rounding of each dequantized element, and P is
+    # rounded to fp16 before P @ V: a few fp16 ulps of an O(1) output
+    tol = tol or (2e-2 if dtype == torch.float16 else 4e-2)
+    err = (got - ref).abs().max().item()
+    assert err <= tol, f"max err {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("G", [64, 16])
+@pytest.mark.parametrize("pages", [(1, 16, 16), (1, 32, 16), (16, 16, 64)])
+def test_mixed_tiers_filled(G, pages):
+    lens = [(5, 40, 23), (0, 17, 50), (30, 0, 0), (3, 9, 1)]
+    _close(*_run(lens, 8, 2, 64, G, pages, splits=2))
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("fused", [True, False])
+def test_splits_and_merges(splits, fused):
+    lens = [(21, 70, 45), (2, 3, 90), (0, 0, 0)]
+    _close(*_run(lens, 4, 1, 32, 32, (1, 16, 32), splits=splits, fused=fused))
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(2, 2), (9, 3), (8, 2)])  # GQA 1, 3, 4
+def test_gqa_ratios(Hq, Hkv):
+    _close(*_run([(13, 31, 17), (1, 0, 33)], Hq, Hkv, 64, 64, (1, 16, 16), splits=2))
+
+
+def test_head_dim_128_and_odd_lengths():
+    _close(*_run([(7, 33, 19), (1, 1, 1)], 4, 1, 128, 128, (1, 16, 16), splits=2))
+
+
+def test_dense_tables_and_page_boundaries():
+    # lengths on, one past and one short of page boundaries, dense form
+    lens = [(16, 32, 16), (17, 33, 15), (15, 31, 17)]
+    _close(*_run(lens, 4, 2, 32, 32, (16, 16, 16), filled=False, splits=3))
+
+
+@pytest.mark.parametrize("tile", [16, 32])
+def test_pages_larger_than_the_tile(tile):
+    cfg = with_config(BASE, tile8=tile, tile4=tile, tile16=tile)
+    _close(*_run([(40, 100, 70), (3, 64, 1)], 4, 2, 32, 32, (64, 64, 64), splits=2, config=cfg))
+
+
+@pytest.mark.parametrize("tile", [32, 64])
+@pytest.mark.parametrize("filled", [True, False])
+def test_steps_over_several_pages(tile, filled):
+    """Int pages smaller than the tile: tile / PAGE listed pages a step, each with its own fill."""
+    cfg = with_config(BASE, tile8=tile, tile4=tile, tile16=tile)
+    _close(*_run([(9, 100, 70), (3, 33, 1), (0, 16, 48)], 4, 2, 32, 32, (1, 16, 16), filled=filled, splits=2,
+                 config=cfg))
+
+
+@pytest.mark.parametrize("tiers", [(1,), (2,), (0,), (1, 2), (0, 2)])
+def test_tier_subsets_and_direct_write(tiers):
+    """Only the listed tiers are read; the others hold no token. One tier, one split: the kernel
+    writes o itself (no partial, no merge)."""
+    lens = [tuple(n if t in tiers else 0 for t, n in enumerate(l)) for l in [(9, 40, 37), (0, 0, 0), (3, 1, 2)]]
+    for splits in (1, 3):
+        _close(*_run(lens, 4, 2, 32, 32, (1, 16, 16), splits=splits, tiers=tiers))
+
+
+def test_empty_tiers_and_requests():
+    for lens in ([(0, 40, 0), (0, 0, 0)], [(0, 0, 37), (0, 0, 0)], [(0, 0, 0)]):
+        _close(*_run(lens, 4, 2, 32, 32, (1, 16, 16), splits=3))
+
+
+@pytest.mark.parametrize("G", [32, 8])
+def test_bf16(G):
+    _close(*_run([(9, 40, 23), (2, 0, 17)], 6, 2, 32, G, (1, 16, 16), dtype=torch.bfloat16, splits=2),
+           torch.bfloat16)
+
+
+def test_qk_int8():
+    """q quantized per head to int8 for q . K on int8 tensor cores: within q's rounding."""
+    cfg = with_config(BASE, qk_int8=True)
+    _close(*_run([(7, 33, 20), (16, 16, 16)], 8, 2, 64, 64, (1, 16, 32), splits=2, config=cfg), tol=3e-2)
+
+
+def test_matches_exact_attention_on_the_originals():
+    """What the tiers cost: the kernel against attention over the unquantized K/V."""
+    for mix, lens in (("int8", [(0, 40, 0), (0, 3, 0)]), ("int4", [(0, 0, 33), (0, 0, 16)]),
+                      ("fp16", [(37, 0, 0), (5, 0, 0)]), ("mixed", [(17, 5, 40), (1, 33, 2)])):
+        layer, tables, (k, v) = build_random_cache(lens, 2, 32, 32, 16, device=DEV, seed=len(lens))
+        q = torch.randn(len(lens), 4, 32, generator=torch.Generator().manual_seed(3)).half().to(DEV)
+        o = tiered_pool_decode(q, layer, tables, plan=_plan(2, len(lens), 2), config=BASE)
+        err = (o.float() - exact_attention(q, k, v, lens, 2)).abs().max().item()
+        assert err < TIER_ATOL[mix], (mix, err)
+
+
+def test_plan_and_config():
+    plan = plan_tiered_pool_decode(1, 8, 32768, "cpu", with_config(DEFAULT_CONFIG, split_waves=2))
+    assert plan.num_splits == 1  # 4 "SMs" on CPU: 8 programs per wave of 2 per SM -> 1
+    assert plan_tiered_pool_decode(1, 3, 32768, "cpu", with_config(DEFAULT_CONFIG, split_waves=2)).num_splits == 2
+    plan = plan_tiered_pool_decode(1, 1, 100000, "cpu", with_config(DEFAULT_CONFIG, split_waves=4))
+    assert plan.num_splits == 16 and plan.counters.shape == (1,)
+    assert plan_tiered_pool_decode(1, 1, 1000, "cpu", DEFAULT_CONFIG).num_splits == 1  # < 2 x min_split_tokens
+    assert plan_tiered_pool_decode(2, 1, 9000, "cpu", with_config(DEFAULT_CONFIG, fused_merge=False)).counters is None
+    for bad in (dict(tile8=24), dict(tile4=8), dict(warps16=3), dict(stages8=0), dict(split_waves=0),
+                dict(min_split_tokens=0)):
+        with pytest.raises(ValueError):
+            TieredDecodeConfig(**bad)
+    assert DEFAULT_CONFIG.launch(1) == (DEFAULT_CONFIG.tile8, DEFAULT_CONFIG.warps8, DEFAULT_CONFIG.stages8)
+
+
+def test_served_config_override(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert served_config(128, 4, '{"tile8": 128, "qk_int8": true}') == with_config(DEFAULT_CONFIG, tile8=128,
+                                                                                   qk_int8=True)
+    assert served_config(128, 4) == DEFAULT_CONFIG
+    for bad in ("[1]", '{"tile8": 100}', '{"nope": 1}', "{"):
+        with pytest.raises((TypeError, ValueError)):
+            served_config(128, 4, bad)
+
+
+# ---- GPU: real shapes, every tier alone and mixed, both dtypes, the sweep's knobs
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq,Hkv,D", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("mix", ["fp16", "int8", "int4", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_real_shapes_gpu(Hq, Hkv, D, mix, dtype):
+    base = [3000, 9000, 50, 4100]
+    lens = {"fp16": [(n, 0, 0) for n in base], "int8": [(0, n, 0) for n in base],
+            "int4": [(0, 0, n) for n in base],
+            "mixed": [(64, 2 * n // 3, n - 2 * n // 3) for n in base]}[mix]
+    tiers = {"fp16": (0,), "int8": (1,), "int4": (2,), "mixed": (0, 1, 2)}[mix]
+    for splits in (None, 7):
+        _close(*_run(lens, Hq, Hkv, D, D, (1, 256, 256), dtype=dtype, splits=splits, tiers=tiers), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [dict(qk_int8=True), dict(fast_cvt=False), dict(fused_merge=False),
+                                   dict(tile8=128, tile4=128, stages8=3), dict(tile8=512, tile4=512, warps8=4),
+                                   dict(tile16=128, warps16=8, stages16=2), dict(G=32)])
+def test_knobs_gpu(knobs):
+    knobs = dict(knobs)
+    G = knobs.pop("G", 128)
+    cfg = with_config(DEFAULT_CONFIG, **knobs)
+    lens = [(64, 6000, 700), (300, 0, 4000), (0, 0, 0), (1, 1, 1)]
+    tol = 3e-2 if knobs.get("qk_int8") else None
+    _close(*_run(lens, 32, 8, 128, G, (1, 512, 512), splits=9, config=cfg), tol=tol)
+
+
+@pytest.mark.gpu
+def test_fast_conversion_is_exact_gpu():
+    """PRMT / LOP3 conversions equal the portable ones on every byte value."""
+    import triton
+    import triton.language as tl
+
+    from sgl_kvxfer.kernels._tiles import _cvt_nibbles, _cvt_u8
+
+    @triton.jit
+    def conv(x_ptr, y_ptr, N: tl.constexpr, FAST: tl.constexpr):
+        o = tl.arange(0, N)
+        x = tl.load(x_ptr + o)
+        lo, hi = _cvt_nibbles(x, FAST)
+        tl.store(y_ptr + o, _cvt_u8(x, FAST))
+        tl.store(y_ptr + N + o, lo)
+        tl.store(y_ptr + 2 * N + o, hi)
+
+    x = torch.arange(256, dtype=torch.uint8, device="cuda").repeat(4)
+    ys = []
+    for fast in (False, True):
+        y = torch.empty(3 * x.numel(), dtype=torch.float16, device="cuda")
+        conv[(1,)](x, y, N=x.numel(), FAST=fast)
+        ys.append(y)
+    assert torch.equal(ys[0], ys[1])
+    xf = x.float()
+    assert torch.equal(ys[0][:1024].float(), xf)
+    assert torch.equal(ys[0][1024:2048].float(), (x & 15).float())
+    assert torch.equal(ys[0][2048:].float(), (x >> 4).float())
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_gpu():
+    """Captured once, replayed over new K/V contents: the counters stay consistent."""
+    layer, tables = build_random_paged_cache([(64, 3000, 900), (10, 20, 3000)], 8, 128, 128, (1, 256, 256),
+                                             torch.float16, "cuda", seed=3)
+    q = torch.randn(2, 32, 128, device="cuda", dtype=torch.float16)
+    plan = _plan(11, 2, 8)
+    out = torch.empty_like(q)
+    tiered_pool_decode(q, layer, tables, out=out, plan=plan)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        tiered_pool_decode(q, layer, tables, out=out, plan=plan)
+    for _ in range(3):
+        q.normal_()
+        g.replay()
+        torch.cuda.synchronize()
+        _close(out.float(), tiered_pool_decode_reference(q, layer, tables).float())
+    assert bool((plan.counters == 0).all())
