@@ -17,6 +17,11 @@ Each variant's engine gets one pool sized for its largest point that fits the de
 pool + headroom <= free memory); a point that does not fit a variant is recorded as skipped, with
 the bytes it needs (FusedKV and Lite hold twice vanilla's tokens in the same bytes).
 
+The JSON, fusedkv_serve_<preset>_<device>[_<variants>].json (the suffix when --variants is not all
+three), is written after every variant; SIGINT writes what finished, the interrupted variant's
+measured points included (`complete` false, `partial` true). `vs_vanilla` compares complete
+variants only. Log lines carry the seconds since start.
+
     python benchmarks/fusedkv/serve_bench.py --preset llama-3-8b --points 1x8192 16x8192 64x8192 \\
         1x32768 16x32768 64x32768 --prompt-lens 8192 32768        # GPU (scripts/gpu/fusedkv_all.sh)
     python benchmarks/fusedkv/serve_bench.py --smoke               # CPU smoke run, into a temp dir
@@ -97,7 +102,17 @@ def plan_variant(args, arch, variant: str) -> tuple[list, list, int]:
     return run, skipped, pool
 
 
-def run_variant(args, variant: str, model_dir: str, arch, vocab: int, copy_bw: float) -> dict:
+T0 = time.perf_counter()
+
+
+def stamp() -> str:
+    """Seconds since the script started, for the log: where a stage's time goes."""
+    return f"[{time.perf_counter() - T0:6.1f} s]"
+
+
+def run_variant(args, variant: str, model_dir: str, arch, vocab: int, copy_bw: float, row: dict) -> dict:
+    """Measure one variant into `row` (filled in place: an interrupted variant keeps its finished
+    points; `complete` is set last)."""
     from sgl_kvxfer import Engine
     from sgl_kvxfer.mem_cache.pool_bytes import allocated_bytes
 
@@ -113,7 +128,7 @@ def run_variant(args, variant: str, model_dir: str, arch, vocab: int, copy_bw: f
         kw["cuda_graph_max_bs"] = max_b
     t0 = time.perf_counter()
     engine = Engine(model_dir, **kw)
-    row = {"variant": variant, "engine_kwargs": kw, "engine_start_s": time.perf_counter() - t0}
+    row.update(variant=variant, engine_kwargs=kw, engine_start_s=time.perf_counter() - t0, complete=False)
     try:
         runner, pool = engine.runner, engine.runner.kv_pool
         row.update(pool_tokens=pool.size, pool_allocated_bytes=allocated_bytes(pool),
@@ -121,12 +136,16 @@ def run_variant(args, variant: str, model_dir: str, arch, vocab: int, copy_bw: f
                    pool_bytes_per_token_allocated=allocated_bytes(pool) / pool.size,
                    reconstruction_path=getattr(runner.attn_backend, "path", None),
                    cuda_graphs=runner.graph_runner is not None)
-        print(f"{variant}: pool {row['pool_allocated_bytes'] / 2**30:.2f} GiB for {pool.size} tokens "
+        print(f"{stamp()} {variant}: pool {row['pool_allocated_bytes'] / 2**30:.2f} GiB for {pool.size} tokens "
               f"({row['kv_bytes_per_token']:.0f} B/token), start {row['engine_start_s']:.1f} s", flush=True)
         row["ttft"] = measure_ttft(engine, args.prompt_lens, args.ttft_repeats, vocab)
+        print(f"{stamp()}   TTFT " + ", ".join(f"{L}: {t['ttft_s'] * 1e3:.1f} ms" for L, t in row["ttft"].items()),
+              flush=True)
         if variant == "fusedkv" and args.ablate_skip:
             runner.model.skip_prefill_rows = False
             row["ttft_no_skip"] = measure_ttft(engine, args.prompt_lens, args.ttft_repeats, vocab)
+            print(f"{stamp()}   TTFT, top half over every token: " + ", ".join(
+                f"{L}: {t['ttft_s'] * 1e3:.1f} ms" for L, t in row["ttft_no_skip"].items()), flush=True)
             runner.model.skip_prefill_rows = True
         row["tpot"] = list(skipped)
         for batch, ctx in points:
@@ -140,13 +159,11 @@ def run_variant(args, variant: str, model_dir: str, arch, vocab: int, copy_bw: f
             row["tpot"].append(point)
             s = point["step_spread_s"]
             tp = "unmeasurable (noise > decode)" if point["tpot_s"] is None else f"{point['tpot_s'] * 1e3:.2f} ms"
-            print(f"  TPOT b{batch} ctx {ctx}: {tp} (min {s['min'] * 1e3:.2f}, max {s['max'] * 1e3:.2f}, n={s['n']}); "
+            print(f"{stamp()}   TPOT b{batch} ctx {ctx}: {tp} (min {s['min'] * 1e3:.2f}, max {s['max'] * 1e3:.2f}, n={s['n']}); "
                   f"bytes allow >= {point['min_step_s'] * 1e3:.2f} ms"
                   + ("  FASTER THAN ITS BYTES ALLOW" if point["faster_than_bytes_allow"] else "")
                   + ("  (unstable)" if point["unstable"] else ""), flush=True)
-        for length, t in row["ttft"].items():
-            extra = f" (no skip {row['ttft_no_skip'][length]['ttft_s'] * 1e3:.1f} ms)" if "ttft_no_skip" in row else ""
-            print(f"  TTFT {length}: {t['ttft_s'] * 1e3:.1f} ms{extra}", flush=True)
+        row["complete"] = True
     finally:
         engine.shutdown()
         del engine
@@ -158,6 +175,7 @@ def run_variant(args, variant: str, model_dir: str, arch, vocab: int, copy_bw: f
 
 def ratios(rows: dict[str, dict]) -> dict:
     """Each variant vs vanilla (same length / same point), with the targets it meets."""
+    rows = {v: r for v, r in rows.items() if r.get("complete")}
     base, out = rows.get("vanilla"), {}
     if base is None:
         return out
@@ -265,26 +283,46 @@ def main(argv: list[str] | None = None) -> str:
     device = device_name(args.device)
     copy_bw = copy_bandwidth_Bps(torch.device(args.device))
     print(f"{device}: copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write)", flush=True)
-    rows = {}
-    with tempfile.TemporaryDirectory(prefix="fusedkv_serve_") as root:
-        for variant in args.variants:
-            rows[variant] = run_variant(args, variant, write_variant(args.preset, variant, root), arch, vocab, copy_bw)
+    tag = "cpu" if args.device == "cpu" else device.split(" (")[0].replace(" ", "_")
+    if list(args.variants) != list(VARIANTS):  # a subset never overwrites the file of all three
+        tag += "_" + "_".join(args.variants)
+    rows, path = {}, None
+
+    def save(partial: bool) -> str:
+        # after every variant: a stage cut off by its timeout keeps the variants (and points) done
+        rel = ratios(rows)
+        flagged = [(v, p["batch"], p["context"]) for v, r in rows.items() for p in r.get("tpot", [])
+                   if p.get("faster_than_bytes_allow")]
+        payload = {"benchmark": "fusedkv_serve", "device": device, "commit": git_commit(), "torch": torch.__version__,
+                   "params": {k: v for k, v in vars(args).items()}, "copy_bandwidth_Bps": copy_bw, "targets": TARGETS,
+                   "partial": partial, "rows": rows, "vs_vanilla": rel, "faster_than_bytes_allow": flagged}
+        return write_json(f"fusedkv_serve_{args.preset}_{tag}", payload, args.out_dir)
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="fusedkv_serve_") as root:
+            for variant in args.variants:
+                rows[variant] = {"variant": variant}
+                run_variant(args, variant, write_variant(args.preset, variant, root), arch, vocab, copy_bw,
+                            rows[variant])
+                path = save(partial=variant != args.variants[-1])
+    except KeyboardInterrupt:
+        print(f"{stamp()} interrupted: writing the variants and points that finished", flush=True)
+        path = save(partial=True)
     rel = ratios(rows)
     for v, r in rel.items():
         print(f"{v} vs vanilla: pool {r['pool_bytes_per_token']:.3f}x, TTFT " +
               ", ".join(f"{L}: {x:.2f}x" for L, x in r["ttft"].items()) +
               ", TPOT " + ", ".join(f"{k}: {x:.2f}x" for k, x in r["tpot"].items()) + f"; meets {r['meets']}")
-    flagged = [(v, p["batch"], p["context"]) for v, r in rows.items() for p in r["tpot"] if p.get("faster_than_bytes_allow")]
+    flagged = [(v, p["batch"], p["context"]) for v, r in rows.items() for p in r.get("tpot", [])
+               if p.get("faster_than_bytes_allow")]
     if flagged:
         print(f"WARNING: faster than their bytes allow (a timing error, not a speed-up): {flagged}", flush=True)
-    payload = {"benchmark": "fusedkv_serve", "device": device, "commit": git_commit(), "torch": torch.__version__,
-               "params": {k: v for k, v in vars(args).items()}, "copy_bandwidth_Bps": copy_bw, "targets": TARGETS,
-               "rows": rows, "vs_vanilla": rel, "faster_than_bytes_allow": flagged}
-    tag = "cpu" if args.device == "cpu" else device.split(" (")[0].replace(" ", "_")
-    path = write_json(f"fusedkv_serve_{args.preset}_{tag}", payload, args.out_dir)
+    if path is None:
+        path = save(partial=True)
     print("wrote", path)
+    rows = {v: r for v, r in rows.items() if r.get("complete")}
     title = f"vanilla / FusedKV / FusedKV-Lite, {args.preset} shape, dummy weights, {args.dtype}, {device}"
-    if plot(path[:-5] + ".png", title, rows):
+    if rows and plot(path[:-5] + ".png", title, rows):
         print("wrote", path[:-5] + ".png")
     return path
 

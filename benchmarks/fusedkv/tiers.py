@@ -3,7 +3,7 @@ FusedKV model and the vanilla model it was converted from, through the engine.
 
 FusedKV stores the bottom half of the layers' KV; SpectrumKV stores those tokens at fp16 / int8
 / int4 within a byte budget b. The two compose: at b = 0.5 the resident KV is about half of
-FusedKV's fp16 pool, a quarter of the vanilla model's (issue 21's target: 0.25x).
+FusedKV's fp16 pool, a quarter of the vanilla model's (the target: 0.25x).
 
 Protocol (benchmarks/quality/ppl_sweep.py's compressed prefix): per window of the eval text,
 request 1 prefills `--context` tokens (max_new_tokens=0; the scheduler tiers them at b and the
@@ -29,6 +29,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -109,10 +110,12 @@ def score(engine, wins: list[list[int]], context: int, tag: str) -> dict:
             "kv_tier_slots": extra.get("kv_tier_slots")}
 
 
-def run(args, base_dir: str, fkv_dir: str) -> dict:
+def run(args, base_dir: str, fkv_dir: str, on_row) -> dict:
+    """Every (model, budget) row; on_row(result so far) after each (a stage cut off by its timeout
+    keeps the rows that finished)."""
     from sgl_kvxfer import Engine
 
-    rows, wins, vanilla_fp16 = [], None, None
+    rows, wins = [], None
     for name, model_dir in (("vanilla", base_dir), ("fusedkv", fkv_dir)):
         for budget in args.budgets:
             # a tiered pool stages new tokens in an fp16 store of ~1/4 of its memory: room for
@@ -123,8 +126,11 @@ def run(args, base_dir: str, fkv_dir: str) -> dict:
                       chunked_prefill_size=args.context)
             if args.attention_backend:
                 kw["attention_backend"] = args.attention_backend
+            if args.device != "cpu":  # decode graphs for the timed batch only: each engine captures its own
+                kw["cuda_graph_max_bs"] = max(1, args.decode_batch)
             if budget < 1.0:
                 kw.update(kv_tier_budget=budget, kv_int4=args.kv_int4, kv_tier_policy=args.kv_tier_policy)
+            t0 = time.perf_counter()
             with Engine(model_dir, **kw) as engine:
                 if wins is None:
                     wins = windows(engine.tokenizer, args.eval_data, args.context + args.continuation, args.windows,
@@ -136,29 +142,37 @@ def run(args, base_dir: str, fkv_dir: str) -> dict:
                     engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1})
                     r["decode"] = {"batch": args.decode_batch, "context": args.decode_context,
                                    **measure_tpot(engine, prompts, args.n1, args.n2, args.repeats)}
-            if name == "vanilla" and budget == 1.0:
-                vanilla_fp16 = r["kv_bytes_per_token"]
+            r["row_s"] = time.perf_counter() - t0
             rows.append({"model": name, "kv_tier_budget": budget, **r})
             tpot = (r.get("decode") or {}).get("tpot_s")
             print(f"{name} b={budget:g}: PPL {r['ppl']:.3f}, {r['kv_bytes_per_token']:.0f} B/token"
-                  + (f", TPOT {tpot * 1e3:.2f} ms at batch {args.decode_batch} x {args.decode_context}" if tpot else ""),
-                  flush=True)
+                  + (f", TPOT {tpot * 1e3:.2f} ms at batch {args.decode_batch} x {args.decode_context}" if tpot else "")
+                  + f" ({r['row_s']:.1f} s)", flush=True)
+            on_row(derive(rows, len(wins)))
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+    return derive(rows, len(wins))
+
+
+def derive(rows: list[dict], n_windows: int) -> dict:
+    """Ratios of every row against the vanilla model at b = 1.0 (in place) and the result."""
+    vanilla_fp16 = next((r["kv_bytes_per_token"] for r in rows if r["model"] == "vanilla" and r["kv_tier_budget"] == 1.0),
+                        None)
     if vanilla_fp16 is None:  # no b = 1.0 run: the FusedKV engine reports what the vanilla pool takes
-        vanilla_fp16 = next(r["kv_vanilla_bytes_per_token"] for r in rows if r["kv_vanilla_bytes_per_token"])
+        vanilla_fp16 = next((r["kv_vanilla_bytes_per_token"] for r in rows if r["kv_vanilla_bytes_per_token"]), None)
     base_ppl = {r["kv_tier_budget"]: r["ppl"] for r in rows if r["model"] == "vanilla"}
     base_tpot = next(((r.get("decode") or {}).get("tpot_s") for r in rows
                       if r["model"] == "vanilla" and r["kv_tier_budget"] == 1.0), None)
     for r in rows:
-        r["resident_vs_vanilla_fp16"] = r["kv_bytes_per_token"] / vanilla_fp16
+        if vanilla_fp16:
+            r["resident_vs_vanilla_fp16"] = r["kv_bytes_per_token"] / vanilla_fp16
         if 1.0 in base_ppl:
             r["ppl_vs_vanilla_fp16_pct"] = 100 * (r["ppl"] - base_ppl[1.0]) / base_ppl[1.0]
         tpot = (r.get("decode") or {}).get("tpot_s")
         if tpot and base_tpot:
             r["tpot_vs_vanilla_fp16"] = tpot / base_tpot
-    return {"rows": rows, "vanilla_fp16_bytes_per_token": vanilla_fp16, "windows": len(wins)}
+    return {"rows": rows, "vanilla_fp16_bytes_per_token": vanilla_fp16, "windows": n_windows}
 
 
 def plot(path_png: str, title: str, rows: list[dict]) -> bool:
@@ -220,22 +234,32 @@ def main(argv: list[str] | None = None) -> str:
     from common.report import triton_interpreter_for
 
     triton_interpreter_for(args.device)
-    with tempfile.TemporaryDirectory(prefix="fusedkv_tiers_") as root:
-        base, fkv = args.base_model, args.fusedkv_model
-        if "@tiny" in (base, fkv):
-            base, fkv = tiny_models(root)
-        result = run(args, base, fkv)
     device = device_name(args.device)
-    payload = {"benchmark": "fusedkv_tiers", "device": device, "commit": git_commit(), "params": vars(args),
-               "target_resident_vs_vanilla_fp16_at_b05": 0.25, **result}
     tag = "cpu" if args.device == "cpu" else device.split(" (")[0].replace(" ", "_")
     name = "tiny" if args.smoke else os.path.basename(os.path.normpath(args.fusedkv_model))
-    path = write_json(f"fusedkv_tiers_{name}_{tag}", payload, args.out_dir)
+    state = {"result": {"rows": []}, "path": None}
+
+    def save(result: dict, partial: bool = True) -> None:
+        state["result"] = result
+        payload = {"benchmark": "fusedkv_tiers", "device": device, "commit": git_commit(), "params": vars(args),
+                   "target_resident_vs_vanilla_fp16_at_b05": 0.25, "partial": partial, **result}
+        state["path"] = write_json(f"fusedkv_tiers_{name}_{tag}", payload, args.out_dir)
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="fusedkv_tiers_") as root:
+            base, fkv = args.base_model, args.fusedkv_model
+            if "@tiny" in (base, fkv):
+                base, fkv = tiny_models(root)
+            save(run(args, base, fkv, save), partial=False)
+    except KeyboardInterrupt:
+        print("interrupted: writing the rows that finished", flush=True)
+        save(state["result"])
+    path = state["path"]
     print("wrote", path)
-    if plot(path[:-5] + ".png", f"FusedKV x SpectrumKV tiers, {name}, {device}", result["rows"]):
+    rows = [r for r in state["result"]["rows"] if "resident_vs_vanilla_fp16" in r]
+    if rows and plot(path[:-5] + ".png", f"FusedKV x SpectrumKV tiers, {name}, {device}", rows):
         print("wrote", path[:-5] + ".png")
     return path
-
 
 if __name__ == "__main__":
     main()

@@ -8,12 +8,16 @@ Every run is sgl_kvxfer/fusedkv/scratch.py's `train_run` (equal parameters withi
 equal KV bytes for every sharing layout, the same tokens in the same order). A run name is a
 layout, or fusedkv with options: `fusedkv[init=lite]` (fusion weights start as Lite),
 `fusedkv[fusion_lr=x30]` (their learning rate 30x the rest). `--workers` processes share the
-device, each training its share of the grid (seed-major, so a cut-off run keeps whole seeds); they
-first time a few steps together, and the parent sets one step count for every run so that the grid
-fits --time-budget-s. Output: fusedkv_scratch_<preset>_<device>.json (every run's curves and
-final losses, the per-layout mean / std / min / max over seeds, the comparisons) and a PNG of the
-validation curves (mean, min-max band) and the final losses per seed. Written after every run, so
-an interrupted grid keeps what finished.
+device, each training its share of the grid (seed-major, so a cut-off run keeps whole seeds); once
+all have loaded the data they time a few training steps and a warm evaluation together, and the
+parent sets one step count for every run so that the grid fits --time-budget-s: the preset's
+`steps`, or fewer, never under `--min-steps` (the preset's `min_steps`). `plan` in the JSON holds
+the inputs; `budget_capped` says the count is under the preset's. Output:
+fusedkv_scratch_<preset>_<device>.json (every run's curves and final losses, the per-layout
+mean / std / min / max over seeds, the comparisons) and a PNG of the validation curves (mean,
+min-max band) and the final losses per seed. Written after every run, so an interrupted grid keeps
+what finished. `audit` lists what is wrong with the step counts (a run of <= 1 step, under the
+floor, or under the preset's count without `budget_capped`); a non-empty audit exits with status 3.
 """
 from __future__ import annotations
 
@@ -34,30 +38,35 @@ DEFAULT_RUNS = ("vanilla", "fusedkv", "lite", "cla2", "yoco")
 
 
 def load_data(args):
-    """(vocab, train windows, eval subset, {domain: eval windows}) for the preset."""
+    """(vocab, train windows, eval subset, {domain: eval windows}) for the preset. A token folder
+    (meta.json with vocab_size) needs no tokenizer unless --tokenizer names one: the GPU machine
+    runs the grid without any model directory."""
     import torch
 
-    from sgl_kvxfer.fusedkv.data import Tokenized, chunks, mixed_chunks, resolve_data_dir
+    from sgl_kvxfer.fusedkv.data import Tokenized, chunks, is_token_folder, mixed_chunks, resolve_data_dir
     from sgl_kvxfer.fusedkv.scratch import PRESETS
-    from sgl_kvxfer.models.loader import resolve_model_path
 
     p = PRESETS[args.preset]
-    tok_dir = resolve_model_path(args.tokenizer)
-    data = Tokenized(resolve_data_dir(args.data_dir), tok_dir)
-    with open(os.path.join(tok_dir, "config.json")) as f:
-        vocab = int(json.load(f)["vocab_size"])
+    data_dir = resolve_data_dir(args.data_dir)
+    if args.tokenizer is None and is_token_folder(data_dir):
+        data = Tokenized(data_dir, None)
+    else:
+        from sgl_kvxfer.models.loader import resolve_model_path
+
+        data = Tokenized(data_dir, resolve_model_path(args.tokenizer))
     cap = 64 if args.preset == "toy" else None
     train = mixed_chunks(data.split("train"), p["seq"], cap)
     doms = {d: chunks(t, p["seq"], 8 if args.preset == "toy" else None) for d, t in data.split("eval").items()}
     full = torch.cat(list(doms.values()))
     g = torch.Generator().manual_seed(1)
     sub = full[torch.randperm(full.shape[0], generator=g)[: p["eval_windows"]]]
-    return vocab, train, sub, doms
+    return data.vocab_size, train, sub, doms
 
 
 def worker(args) -> None:
-    """Probe together with the other workers, read the step count, train the assigned runs.
-    Talks JSON lines: out {"probe": ...} then {"result": ...} per run; in {"steps": n}."""
+    """Load the data, wait for every worker, probe together, read the step count, train the
+    assigned runs. Talks JSON lines: out {"ready": ...}, {"probe": ...}, then {"result": ...} per
+    run; in {"go": true}, then {"steps": n}."""
     import torch
 
     from sgl_kvxfer.fusedkv.scratch import PRESETS, RunSpec, autocast_for, build, evaluate, probe_step_s, train_run
@@ -66,10 +75,14 @@ def worker(args) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
     p = PRESETS[args.preset]
     vocab, train, sub, doms = load_data(args)
+    print(json.dumps({"ready": {"vocab": vocab, "train_windows": train.shape[0]}}), flush=True)
+    json.loads(sys.stdin.readline())  # {"go": true}: every worker probes at once, as they will train
     step_s = probe_step_s(p, vocab, train, args.device)
-    t0 = time.perf_counter()
     m = build(RunSpec("vanilla"), p, vocab).to(args.device)
-    evaluate(m, sub, p["batch"], args.device, autocast_for(args.device))
+    autocast = autocast_for(args.device)
+    evaluate(m, sub, p["batch"], args.device, autocast)  # untimed: the first eval pays kernel selection
+    t0 = time.perf_counter()
+    evaluate(m, sub, p["batch"], args.device, autocast)
     eval_sub_s = time.perf_counter() - t0
     del m
     print(json.dumps({"probe": {"step_s": step_s, "eval_sub_s": eval_sub_s,
@@ -80,17 +93,45 @@ def worker(args) -> None:
         print(json.dumps({"result": r}), flush=True)
 
 
-def plan_steps(probes: list[dict], p: dict, runs_per_worker: int, budget_s: float, elapsed_s: float) -> int:
-    """One step count for every run: the preset's, or fewer so the slowest worker's share fits."""
+def plan_steps(probes: list[dict], p: dict, runs_per_worker: int, budget_s: float, elapsed_s: float,
+               min_steps: int) -> dict:
+    """One step count for every run: the preset's, or fewer so the slowest worker's share fits the
+    budget, never fewer than min_steps (a grid of barely trained models compares nothing; past the
+    budget the stage's timeout keeps the runs that finished). Returns the plan with its inputs."""
     step_s = max(q["step_s"] for q in probes)
     eval_sub = max(q["eval_sub_s"] for q in probes)
     full = eval_sub * max(q["eval_full_windows"] for q in probes) / p["eval_windows"]
     per_run_fixed = (p["eval_points"] + 1) * eval_sub + full + 1.0  # evals + build
+    plan = {"planned_steps": p["steps"], "min_steps": min_steps, "step_s": step_s, "per_run_fixed_s": per_run_fixed,
+            "runs_per_worker": runs_per_worker, "budget_s": budget_s, "elapsed_at_plan_s": elapsed_s}
     if not budget_s:
-        return p["steps"]
-    left = budget_s - elapsed_s
-    afford = int((left / runs_per_worker - per_run_fixed) / step_s)
-    return max(1, min(p["steps"], afford))
+        return plan | {"steps": p["steps"], "afforded_steps": None, "budget_capped": False, "over_budget": False}
+    afford = int(((budget_s - elapsed_s) / runs_per_worker - per_run_fixed) / step_s)
+    steps = max(min(min_steps, p["steps"]), min(p["steps"], afford))
+    return plan | {"steps": steps, "afforded_steps": afford, "budget_capped": steps < p["steps"],
+                   "over_budget": afford < steps,
+                   "expected_s": elapsed_s + runs_per_worker * (per_run_fixed + steps * step_s)}
+
+
+def audit_steps(res: dict) -> list[str]:
+    """What is wrong with the grid's step counts: a run that trained a different count than the
+    plan, fewer steps than the preset without the plan saying it was capped, or a count that is
+    no training at all (<= 1 step, or under the floor). Empty when all is well."""
+    bad = []
+    steps, planned = res.get("steps"), res.get("planned_steps")
+    if steps is None:
+        return ["no step plan"]
+    if steps <= 1:
+        bad.append(f"{steps} step(s) per run: nothing was trained")
+    if steps < min(res.get("min_steps", 0), planned):
+        bad.append(f"{steps} steps, under the floor of {res['min_steps']}")
+    if steps < planned and not res.get("budget_capped"):
+        bad.append(f"{steps} of {planned} planned steps without budget_capped")
+    for r in res["results"]:
+        ran = len(r["train_loss"])
+        if r["steps"] != steps or ran != steps or (r["val_steps"] and r["val_steps"][-1] != steps):
+            bad.append(f"{r['name']} seed {r['spec']['seed']}: trained {ran} steps, {steps} planned")
+    return bad
 
 
 def summarize(results: list[dict]) -> dict:
@@ -187,6 +228,7 @@ def parent(args) -> str:
            "tokens_per_step": p["batch"] * p["seq"], "results": [], "partial": True}
 
     def save() -> str:
+        res["audit"] = audit_steps(res)
         res["summary"] = summarize(res["results"]) if res["results"] else {}
         res["comparisons"] = comparisons(res["summary"])
         path = write_json(name, res, args.out_dir)
@@ -202,14 +244,31 @@ def parent(args) -> str:
 
     path = None
     try:
+        ready = [read(q) for q in procs]
+        if any(q is None or "ready" not in q for q in ready):
+            raise RuntimeError(f"a worker failed before its probe: {ready}")
+        for q in procs:
+            q.stdin.write(json.dumps({"go": True}) + "\n")
+            q.stdin.flush()
         probes = [read(q) for q in procs]
         if any(q is None or "probe" not in q for q in probes):
-            raise RuntimeError(f"a worker failed before its probe: {probes}")
+            raise RuntimeError(f"a worker failed in its probe: {probes}")
         probes = [q["probe"] for q in probes]
-        steps = plan_steps(probes, p, max(len(s) for s in shares), args.time_budget_s, time.perf_counter() - t_start)
-        res.update(probes=probes, steps=steps, planned_steps=p["steps"], budget_capped=steps < p["steps"])
-        print(f"{len(grid)} runs on {w} workers, {steps} steps each (preset {p['steps']}); "
-              f"probe {max(q['step_s'] for q in probes) * 1e3:.0f} ms/step", flush=True)
+        plan = plan_steps(probes, p, max(len(s) for s in shares), args.time_budget_s,
+                          time.perf_counter() - t_start, args.min_steps or p["min_steps"])
+        steps = plan["steps"]
+        res.update(probes=probes, plan=plan, steps=steps, planned_steps=p["steps"], min_steps=plan["min_steps"],
+                   budget_capped=plan["budget_capped"])
+        print(f"[{time.perf_counter() - t_start:6.1f} s] {len(grid)} runs on {w} workers, {steps} steps each "
+              f"(preset {p['steps']}, floor {plan['min_steps']}); probe {plan['step_s'] * 1e3:.0f} ms/step, "
+              f"evals {plan['per_run_fixed_s']:.1f} s per run"
+              + (f"; expected {plan['expected_s']:.0f} s of the {args.time_budget_s:g} s budget"
+                 if args.time_budget_s else ""), flush=True)
+        if plan["budget_capped"]:
+            print(f"budget capped: {steps} of the preset's {p['steps']} steps", flush=True)
+        if plan["over_budget"]:
+            print(f"WARNING: the budget affords {plan['afforded_steps']} steps per run; running the floor of "
+                  f"{steps} (the stage's timeout keeps the runs that finish)", flush=True)
         for q in procs:
             q.stdin.write(json.dumps({"steps": steps}) + "\n")
             q.stdin.flush()
@@ -222,7 +281,8 @@ def parent(args) -> str:
                     continue
                 r = msg["result"]
                 res["results"].append(r)
-                print(f"{r['name']} seed {r['spec']['seed']}: final val {r['final_val_loss']:.4f} "
+                print(f"[{time.perf_counter() - t_start:6.1f} s] {r['name']} seed {r['spec']['seed']}: "
+                      f"{r['steps']} steps, final val {r['final_val_loss']:.4f} "
                       f"{ {d: round(x, 4) for d, x in r['final_val_loss_by_domain'].items()} }, {r['train_s']:.1f} s",
                       flush=True)
                 path = save()
@@ -244,6 +304,9 @@ def parent(args) -> str:
               f"n={len(s['seeds'])})", flush=True)
     print(json.dumps(res["comparisons"]), flush=True)
     print("wrote", path, flush=True)
+    if res["audit"]:
+        print("STEP AUDIT FAILED: " + "; ".join(res["audit"]), file=sys.stderr, flush=True)
+        sys.exit(3)
     return path
 
 
@@ -256,6 +319,8 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--workers", type=int, default=1, help="processes sharing the device")
     ap.add_argument("--time-budget-s", type=float, default=0.0, help="the whole grid (0: the preset's steps)")
+    ap.add_argument("--min-steps", type=int, default=0, help="the budget never cuts a run below this "
+                    "(0: the preset's min_steps)")
     ap.add_argument("--data-dir", default=None, help="token or jsonl folder (default: $SGL_KVXFER_FUSEDKV_DATA)")
     ap.add_argument("--tokenizer", default=None, help="model dir whose tokenizer and vocab the models use "
                     "(default: the embedded SmolLM2)")
@@ -268,8 +333,8 @@ def main(argv=None):
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not 1 <= args.workers <= 16 or not 0 <= args.time_budget_s < 1e6:
-        ap.error("--workers in [1, 16], --time-budget-s in [0, 1e6)")
+    if not 1 <= args.workers <= 16 or not 0 <= args.time_budget_s < 1e6 or not 0 <= args.min_steps <= 10**6:
+        ap.error("--workers in [1, 16], --time-budget-s in [0, 1e6), --min-steps in [0, 1e6]")
     if args.worker:
         signal.signal(signal.SIGINT, lambda *a: sys.exit(130))
         return worker(args)

@@ -38,13 +38,16 @@ def retrofit(r: dict) -> list[str]:
 
 
 def scratch(r: dict) -> list[str]:
-    out = [f"**From scratch** (`{r['_file']}`, {r['device']}, {r['steps']} steps x {r['tokens_per_step']} tokens, "
+    cap = f", budget-capped from {r.get('planned_steps')}" if r.get("budget_capped") else ""
+    out = [f"**From scratch** (`{r['_file']}`, {r['device']}, {r['steps']} steps{cap} x {r['tokens_per_step']} tokens, "
            f"{r['workers']} workers)", "", "| run | final val loss mean | std | min..max | seeds | params |",
            "|---|---|---|---|---|---|"]
     for n, s in r["summary"].items():
         out.append(f"| {n} | {s['mean']:.4f} | {s['std']:.4f} | {s['min']:.4f}..{s['max']:.4f} | {len(s['seeds'])} | "
                    f"{s['params_total']:,} |")
     out.append(f"- comparisons: {json.dumps(r['comparisons'])}")
+    if r.get("audit"):
+        out.append(f"- STEP AUDIT FAILED: {r['audit']} (not a result)")
     return out
 
 
@@ -60,10 +63,13 @@ def tiers(r: dict) -> list[str]:
 
 
 def serve(r: dict) -> list[str]:
-    out = [f"**Serving** (`{r['_file']}`, {r['device']}, copy {r['copy_bandwidth_Bps'] / 1e9:.0f} GB/s)", "",
+    out = [f"**Serving** (`{r['_file']}`, {r['device']}, copy {r['copy_bandwidth_Bps'] / 1e9:.0f} GB/s"
+           + (", partial" if r.get("partial") else "") + ")", "",
            "| variant | point | TPOT ms | min..max | bytes allow >= ms | flag |", "|---|---|---|---|---|---|"]
     for v, row in r["rows"].items():
-        for p in row["tpot"]:
+        if not row.get("complete", True):
+            out.append(f"| {v} | incomplete: {len(row.get('tpot', []))} points | | | | |")
+        for p in row.get("tpot", []):
             if "skipped" in p:
                 out.append(f"| {v} | {p['batch']}x{p['context']} | skipped: {p['skipped']} | | | |")
                 continue

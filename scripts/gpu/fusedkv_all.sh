@@ -1,28 +1,52 @@
 #!/usr/bin/env bash
-# On the GPU machine (one H100): every FusedKV measurement in one call, each stage under
-# `timeout -s INT` (a stage that runs out keeps what it measured; a failed stage does not stop the
-# next). Results into $OUT: the five JSONs, fusedkv_results.tar.gz (JSONs + PNGs) and the log.
-#   1. retrofit   python -m sgl_kvxfer.fusedkv.convert on SmolLM2-135M-Instruct (1.25 minutes of
-#                 training), the PPL-vs-GPU-minutes curve, task-suite scores of both models through
-#                 the engine; the converted model stays in /tmp for the tiers stage
-#   2. scratch    scripts/fusedkv/compare_scratch.py: vanilla / fusedkv / lite / cla2 / yoco and two
-#                 fusedkv ablations (fusion weights starting as Lite; their learning rate x30), 3 seeds
-#   3. tiers      benchmarks/fusedkv/tiers.py: the converted model and the original at b = 1.0 / 0.5
-#                 (PPL, resident bytes, decode TPOT)
-#   4. serve      benchmarks/fusedkv/serve_bench.py, Llama-3-8B shape: pool, TTFT, warm TPOT with spread
-#   5. capacity   benchmarks/fusedkv/capacity.py: 32k-token requests at the memory limit
+# On the GPU machine (one H100): the FusedKV measurements, each stage under `timeout -s INT` (a
+# stage that runs out keeps what it measured; a failed stage does not stop the next). Results into
+# $OUT: the stages' JSONs, fusedkv_results.tar.gz (JSONs + PNGs) and fusedkv_all.log.
+#   retrofit  python -m sgl_kvxfer.fusedkv.convert on SmolLM2-135M-Instruct (1.25 minutes of
+#             training), the PPL-vs-GPU-minutes curve, task-suite scores of both models through the
+#             engine; the converted model stays in /tmp for tiers                       (135 s)
+#   scratch   scripts/fusedkv/compare_scratch.py: vanilla / fusedkv / lite / cla2 / yoco and two
+#             fusedkv ablations (fusion weights starting as Lite; their learning rate x30), 3 seeds
+#             on 3 workers, steps sized to a 150 s budget (floor 200 steps)             (175 s)
+#   tiers     benchmarks/fusedkv/tiers.py: the converted model and the original at b = 1.0 / 0.5
+#             (PPL, resident bytes, decode TPOT); needs retrofit's model                 (150 s)
+#   serve     benchmarks/fusedkv/serve_bench.py, Llama-3-8B shape: pool, TTFT, warm TPOT with
+#             spread, for $SERVE_VARIANTS (default vanilla fusedkv lite)                 (180 s)
+#   capacity  benchmarks/fusedkv/capacity.py: 32k-token requests at the memory limit      (160 s)
+# Usage: bash scripts/gpu/fusedkv_all.sh [stage | all | rerun | STAGE...]
+#   stage     join the staged GGUF halves and convert the model into /tmp/models (~30 s)
+#   all       every stage in the order above (~13.5 min: more than one call; run it as the calls below)
+#   rerun     scratch, then serve with vanilla and lite only (~5 min; no model needed)
+#   curve     retrofit with 3.75 training minutes (the PPL-vs-GPU-minutes curve; T_RETROFIT 320 s),
+#             then scratch (~8.5 min in all; fits one call on a GPU shared with other jobs)
+#   STAGE...  the named stages, in the order given
 # Calls (the model: the coordinator's stage_weights.sh call parks the GGUF's first half; `stage`
 # joins the second half and converts it; one call cannot carry both .carry_b and the rest):
 #   run carry [.carry_a]                 bash scripts/gpu/stage_weights.sh
-#   run carry [.carry_b, .whl_gguf]      bash scripts/gpu/fusedkv_all.sh stage          (~30 s)
-#   run carry [.whl, .cache/fusedkv]     SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/fusedkv_all.sh   (~9 min)
+#   run carry [.carry_b, .whl_gguf]      bash scripts/gpu/fusedkv_all.sh stage                   (~30 s)
+#   run carry [.whl, .cache/fusedkv]     SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/fusedkv_all.sh retrofit tiers  (~5 min)
+#   run carry [.whl, .cache/fusedkv]     SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/fusedkv_all.sh rerun           (~5 min)
+#   run carry [.whl]                     SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/fusedkv_all.sh serve capacity  (~6 min)
+#   run carry [.whl, .cache/fusedkv]     SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/fusedkv_all.sh curve           (~8.5 min)
 # (.whl_gguf: scripts/gpu/prepare_fusedkv_carry.sh; .cache/fusedkv: python -m sgl_kvxfer.fusedkv.data.)
-# Without the converted model in /tmp/models the retrofit and tiers stages are skipped (logged).
+# Without the converted model in /tmp/models, retrofit and tiers are skipped (logged). Exit status 1
+# when a stage failed or scratch trained <= 1 step per run.
 # CPU rehearsal (tiny shapes, the embedded SmolLM2, a few minutes):
-#   DEVICE=cpu OUT=/tmp/x bash scripts/gpu/fusedkv_all.sh
+#   DEVICE=cpu OUT=/tmp/x bash scripts/gpu/fusedkv_all.sh [rerun | STAGE...]
 set -uo pipefail
 mode=${1:-all}
-case $mode in all|stage) ;; *) sed -n '2,22p' "$0"; exit 2 ;; esac
+case $mode in
+  stage) ;;
+  all) stages="retrofit scratch tiers serve capacity" ;;
+  rerun) stages="scratch serve"; SERVE_VARIANTS=${SERVE_VARIANTS:-vanilla lite} ;;
+  curve) stages="retrofit scratch" ;;
+  retrofit|scratch|tiers|serve|capacity)
+    stages="$*"
+    for s in $stages; do
+      case $s in retrofit|scratch|tiers|serve|capacity) ;; *) echo "unknown stage $s" >&2; exit 2 ;; esac
+    done ;;
+  *) sed -n '2,34p' "$0"; exit 2 ;;
+esac
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5
 DEVICE=${DEVICE:-cuda}
 mkdir -p "$OUT"
@@ -38,15 +62,20 @@ print(d if is_converted(d) else convert_gguf('/tmp/m/smollm2.gguf', d))" 2>&1 | 
   exit "${PIPESTATUS[0]}"
 fi
 
+SERVE_VARIANTS=${SERVE_VARIANTS:-vanilla fusedkv lite}
 if [ "$DEVICE" = cuda ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD SGL_KVXFER_MODEL_CACHE=/tmp/models HF_HUB_OFFLINE=1
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  T_RETROFIT=${T_RETROFIT:-135} T_SCRATCH=${T_SCRATCH:-65} T_TIERS=${T_TIERS:-55} T_SERVE=${T_SERVE:-115}
+  T_RETROFIT=${T_RETROFIT:-135} T_SCRATCH=${T_SCRATCH:-175} T_TIERS=${T_TIERS:-150} T_SERVE=${T_SERVE:-180}
   T_CAPACITY=${T_CAPACITY:-160}
-  RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min 1.25 --tasks qa,kv,code --task-n 30}
-  SCRATCH_ARGS=${SCRATCH_ARGS:---preset small --seeds 0 1 2 --workers 3 --time-budget-s 48}
-  TIERS_ARGS=${TIERS_ARGS:---budgets 1.0 0.5 --windows 32 --decode-batch 8 --decode-context 2048}
+  [ "$mode" = rerun ] && T_SERVE=${T_SERVE_RERUN:-145}  # two variants
+  RETROFIT_MIN=1.25
+  # the longer curve: 225 s of training, ~95 s for start-up, evaluations, the task suite and saving
+  [ "$mode" = curve ] && RETROFIT_MIN=3.75 T_RETROFIT=${T_RETROFIT_CURVE:-320}
+  RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min $RETROFIT_MIN --tasks qa,kv,code --task-n 30}
+  SCRATCH_ARGS=${SCRATCH_ARGS:---preset small --seeds 0 1 2 --workers 3 --time-budget-s 150}
+  TIERS_ARGS=${TIERS_ARGS:---budgets 1.0 0.5 --windows 16 --decode-batch 8 --decode-context 2048}
   SERVE_ARGS=${SERVE_ARGS:---preset llama-3-8b --points 1x8192 16x8192 1x32768 --prompt-lens 8192 32768 --ttft-repeats 3}
   CAPACITY_ARGS=${CAPACITY_ARGS:---preset llama-3-8b --context 32768}
 else
@@ -54,48 +83,78 @@ else
   T_RETROFIT=${T_RETROFIT:-900} T_SCRATCH=${T_SCRATCH:-900} T_TIERS=${T_TIERS:-900} T_SERVE=${T_SERVE:-900}
   T_CAPACITY=${T_CAPACITY:-900}
   RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min 0.3 --seq 32 --batch 2 --eval-windows 2 --calib-windows 4 --tasks qa --task-n 2 --dtype float32}
-  SCRATCH_ARGS=${SCRATCH_ARGS:---preset toy --seeds 0 1 --workers 2}
+  # a time budget, as on the GPU: the rehearsal goes through the step plan
+  SCRATCH_ARGS=${SCRATCH_ARGS:---preset toy --seeds 0 1 --workers 2 --time-budget-s 600}
   TIERS_ARGS=${TIERS_ARGS:---budgets 1.0 0.5 --windows 2 --context 32 --continuation 8 --decode-batch 1 --decode-context 16 --n1 1 --n2 2 --dtype float32}
   SERVE_ARGS=${SERVE_ARGS:---smoke}
   CAPACITY_ARGS=${CAPACITY_ARGS:---smoke}
 fi
 DATA=${DATA:-.cache/fusedkv}
-if [ ! -f "$DATA/meta.json" ]; then echo "no $DATA: python -m sgl_kvxfer.fusedkv.data --data-dir DIR --out $DATA" >&2; exit 2; fi
-MODEL=$(python3 -c "from sgl_kvxfer.models.loader import resolve_model_path; print(resolve_model_path(None))" 2>/dev/null)
+has() { [[ " $stages " == *" $1 "* ]]; }
+if { has retrofit || has scratch || has tiers; } && [ ! -f "$DATA/meta.json" ]; then
+  echo "no $DATA: python -m sgl_kvxfer.fusedkv.data --data-dir DIR --out $DATA" >&2; exit 2
+fi
+MODEL=
+if has retrofit || has tiers; then
+  MODEL=$(python3 -c "from sgl_kvxfer.models.loader import resolve_model_path; print(resolve_model_path(None))" 2>/dev/null)
+fi
 work=$(mktemp -d /tmp/fusedkv_all.XXXX)
 fkv_model=$work/smollm2-135m-fusedkv
 log=$OUT/fusedkv_all.log
+failed=()
 stage_run() {  # name timeout command...: run under timeout -s INT, log, report the exit status
-  local name=$1 t=$2; shift 2
+  local name=$1 t=$2 rc; shift 2
   echo "== $name ($(date +%T), timeout ${t}s): $*" | tee -a "$log"
   timeout -s INT -k 15 "$t" "$@" 2>&1 | tee -a "$log"
-  echo "== $name exit ${PIPESTATUS[0]} ($(date +%T))" | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  echo "== $name exit $rc ($(date +%T))" | tee -a "$log"
+  [ "$rc" = 0 ] || failed+=("$name:$rc")
+}
+check_scratch() {  # the grid must have trained: > 1 step per run, and the audit clean
+  python3 - "$work" <<'EOF' 2>&1 | tee -a "$log"
+import glob, json, sys
+paths = glob.glob(sys.argv[1] + "/fusedkv_scratch_*.json")
+assert paths, "scratch wrote no JSON"
+r = json.load(open(paths[0]))
+assert r.get("steps", 0) > 1 and not r.get("audit"), f"scratch: steps {r.get('steps')}, audit {r.get('audit')}"
+print(f"scratch check: {r['steps']} steps per run (preset {r['planned_steps']}, budget_capped {r['budget_capped']}), "
+      f"{len(r['results'])} runs")
+EOF
+  [ "${PIPESTATUS[0]}" = 0 ] || failed+=("scratch-check")
 }
 
-if [ -n "$MODEL" ] && [ -f "$MODEL/config.json" ]; then
-  # shellcheck disable=SC2086  # *_ARGS are word lists
-  stage_run retrofit "$T_RETROFIT" python3 -m sgl_kvxfer.fusedkv.convert --model "$MODEL" --variant fusedkv \
-      --out "$fkv_model" --train-data "$DATA" --device "$DEVICE" --report "$work/fusedkv_retrofit.json" $RETROFIT_ARGS
-else
-  echo "== retrofit skipped: no converted SmolLM2 (run the stage call first)" | tee -a "$log"
-fi
-# shellcheck disable=SC2086
-stage_run scratch "$T_SCRATCH" python3 scripts/fusedkv/compare_scratch.py --data-dir "$DATA" --device "$DEVICE" \
-    --runs vanilla fusedkv lite cla2 yoco "fusedkv[init=lite]" "fusedkv[fusion_lr=x30]" --out-dir "$work" $SCRATCH_ARGS
-if [ -f "$fkv_model/config.json" ]; then
-  # shellcheck disable=SC2086
-  stage_run tiers "$T_TIERS" python3 benchmarks/fusedkv/tiers.py --fusedkv-model "$fkv_model" --base-model "$MODEL" \
-      --eval-tokens "$DATA/prose_eval.u16.xz" --device "$DEVICE" --out-dir "$work" $TIERS_ARGS
-else
-  echo "== tiers skipped: no converted model" | tee -a "$log"
-fi
-# shellcheck disable=SC2086
-stage_run serve "$T_SERVE" python3 benchmarks/fusedkv/serve_bench.py --device "$DEVICE" --out-dir "$work" $SERVE_ARGS
-# shellcheck disable=SC2086
-stage_run capacity "$T_CAPACITY" python3 benchmarks/fusedkv/capacity.py --device "$DEVICE" --out-dir "$work" $CAPACITY_ARGS
+# shellcheck disable=SC2086  # *_ARGS and SERVE_VARIANTS are word lists
+for s in $stages; do
+  case $s in
+    retrofit)
+      if [ -n "$MODEL" ] && [ -f "$MODEL/config.json" ]; then
+        stage_run retrofit "$T_RETROFIT" python3 -m sgl_kvxfer.fusedkv.convert --model "$MODEL" --variant fusedkv \
+            --out "$fkv_model" --train-data "$DATA" --device "$DEVICE" --report "$work/fusedkv_retrofit.json" $RETROFIT_ARGS
+      else
+        echo "== retrofit skipped: no converted SmolLM2 (run the stage call first)" | tee -a "$log"
+      fi ;;
+    scratch)
+      stage_run scratch "$T_SCRATCH" python3 scripts/fusedkv/compare_scratch.py --data-dir "$DATA" --device "$DEVICE" \
+          --runs vanilla fusedkv lite cla2 yoco "fusedkv[init=lite]" "fusedkv[fusion_lr=x30]" --out-dir "$work" $SCRATCH_ARGS
+      check_scratch ;;
+    tiers)
+      if [ -f "$fkv_model/config.json" ]; then
+        stage_run tiers "$T_TIERS" python3 benchmarks/fusedkv/tiers.py --fusedkv-model "$fkv_model" --base-model "$MODEL" \
+            --eval-tokens "$DATA/prose_eval.u16.xz" --device "$DEVICE" --out-dir "$work" $TIERS_ARGS
+      else
+        echo "== tiers skipped: no converted model (tiers runs after retrofit in the same call)" | tee -a "$log"
+      fi ;;
+    serve)
+      stage_run serve "$T_SERVE" python3 benchmarks/fusedkv/serve_bench.py --device "$DEVICE" --out-dir "$work" \
+          --variants $SERVE_VARIANTS $SERVE_ARGS ;;
+    capacity)
+      stage_run capacity "$T_CAPACITY" python3 benchmarks/fusedkv/capacity.py --device "$DEVICE" --out-dir "$work" $CAPACITY_ARGS ;;
+  esac
+done
 
-echo "== done ($(date +%T))" | tee -a "$log"
+echo "== done ($(date +%T))${failed[*]:+; failed: ${failed[*]}}" | tee -a "$log"
 cp "$work"/*.json "$OUT"/ 2>/dev/null
 (cd "$work" && tar -czf "$OUT/fusedkv_results.tar.gz" ./*.json ./*.png 2>/dev/null)
 rm -rf "$work"
 ls -la "$OUT"
+[ ${#failed[@]} = 0 ]

@@ -59,21 +59,43 @@ def _files(data_dir: str) -> dict[tuple[str, str], str]:
     return out
 
 
-class Tokenized:
-    """One folder's documents as token arrays, tokenized with one model's tokenizer."""
+def _meta(data_dir: str) -> dict:
+    path = os.path.join(data_dir, "meta.json")
+    return json.load(open(path)) if os.path.isfile(path) else {}
 
-    def __init__(self, data_dir: str, model_dir: str):
+
+def is_token_folder(data_dir: str) -> bool:
+    """True when every data file is a token file and meta.json gives the vocabulary size: such a
+    folder serves from-scratch training without any tokenizer (the ids are used as they are)."""
+    files = _files(data_dir)
+    return bool(files) and all(n.endswith(".xz") for n in files.values()) and "vocab_size" in _meta(data_dir)
+
+
+class Tokenized:
+    """One folder's documents as token arrays, tokenized with one model's tokenizer; model_dir None
+    reads a token folder (is_token_folder) as it is, with meta.json's vocabulary size."""
+
+    def __init__(self, data_dir: str, model_dir: str | None):
         from tokenizers import Tokenizer
 
         self.data_dir, self.model_dir = data_dir, model_dir
         self.files = _files(data_dir)
         if not self.files:
             raise SystemExit(f"{data_dir}: no {{domain}}_{{train,calib,eval}}.jsonl or token files")
+        if model_dir is None:
+            if not is_token_folder(data_dir):
+                raise SystemExit(f"{data_dir}: without a tokenizer, every file must be a token file and "
+                                 f"meta.json must give vocab_size")
+            meta = _meta(data_dir)
+            self.sha, self._tok, self.eot_id = meta.get("tokenizer_sha256"), None, meta.get("eot_id")
+            self.vocab_size = int(meta["vocab_size"])
+            return
+        with open(os.path.join(model_dir, "config.json")) as f:
+            self.vocab_size = int(json.load(f)["vocab_size"])
         self.sha = tokenizer_sha256(model_dir)
         self._tok = None
         if any(n.endswith(".xz") for n in self.files.values()):
-            meta = os.path.join(data_dir, "meta.json")
-            got = json.load(open(meta)).get("tokenizer_sha256") if os.path.isfile(meta) else None
+            got = _meta(data_dir).get("tokenizer_sha256")
             if got != self.sha:
                 raise SystemExit(f"{data_dir}: its token files were made with another tokenizer than {model_dir}'s "
                                  f"(meta.json tokenizer_sha256 {got}); pass the jsonl folder instead")

@@ -27,12 +27,14 @@ from sgl_kvxfer.models.fusedkv_math import INITS
 
 DATA_SEED = 0
 PRESETS = {
-    # ~19M parameters (6.6M without the tied embedding), MHA 4 x 64: seconds a run on an H100
+    # ~19M parameters (6.4M without the tied embedding), MHA 4 x 64: on an H100 shared by three
+    # workers, ~50 ms a step each (the 49152-way logits dominate), ~20 s a run. min_steps: the
+    # fewest a time budget may cut a run to (compare_scratch.plan_steps)
     "small": dict(hidden=256, layers=8, heads=4, kv_heads=4, head_dim=64, inter=704, seq=512, batch=32,
-                  steps=400, lr=2e-3, eval_points=10, eval_windows=32),
+                  steps=400, min_steps=200, lr=2e-3, eval_points=10, eval_windows=32),
     # CPU rehearsal (seconds): the pipeline, not the result
     "toy": dict(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, inter=128, seq=64, batch=4, steps=8,
-                lr=3e-3, eval_points=2, eval_windows=4),
+                min_steps=4, lr=3e-3, eval_points=2, eval_windows=4),
 }
 
 

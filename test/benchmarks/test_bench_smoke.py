@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -242,6 +243,7 @@ def test_fusedkv_serve_bench(tmp_path):
     data = result(out, "fusedkv_serve_tiny_cpu", ("rows", "params", "targets", "vs_vanilla", "copy_bandwidth_Bps"),
                   png=True)
     assert sorted(data["rows"]) == ["fusedkv", "lite", "vanilla"]
+    assert not data["partial"] and all(r["complete"] for r in data["rows"].values())
     assert data["vs_vanilla"]["fusedkv"]["pool_bytes_per_token"] == data["vs_vanilla"]["lite"]["pool_bytes_per_token"] == 0.5
     assert "ttft_no_skip" in data["rows"]["fusedkv"]
     for row in data["rows"].values():
@@ -267,9 +269,32 @@ def test_fusedkv_serve_smoke_writes_to_a_temp_dir(tmp_path):
     assert wrote and all(w.startswith(str(tmp_path)) for w in wrote) and results() == before
 
 
+@pytest.mark.slow
+def test_fusedkv_serve_interrupted_keeps_the_finished_variants(tmp_path):
+    """SIGINT (the stage's `timeout -s INT`) after the first variant's JSON is written: the script
+    exits 0 with that variant complete in a JSON marked partial."""
+    out = tmp_path / "out"
+    env = {**os.environ, "TMPDIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "benchmarks/fusedkv/serve_bench.py", "--smoke", "--variants", "vanilla",
+                             "lite", "--out-dir", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # the vanilla row is saved before lite's engine line is printed
+        lines.append(line)
+        if line.split("] ", 1)[-1].startswith("lite: pool"):
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, ("".join(lines) + rest)[-4000:]
+    data = json.load(open(out / "fusedkv_serve_tiny_cpu_vanilla_lite.json"))
+    assert data["partial"] and data["rows"]["vanilla"]["complete"] and not data["rows"]["lite"]["complete"]
+    assert data["vs_vanilla"] == {}
+
+
 def test_fusedkv_tiers(tmp_path):
     out = run_bench("fusedkv/tiers.py", ["--smoke"], tmp_path)
     data = result(out, "fusedkv_tiers_tiny_cpu", ("rows", "params", "vanilla_fp16_bytes_per_token"), png=True)
+    assert not data["partial"] and all(r["row_s"] > 0 for r in data["rows"])
     got = {(r["model"], r["kv_tier_budget"]): r for r in data["rows"]}
     assert sorted(got) == [("fusedkv", 0.5), ("fusedkv", 1.0), ("vanilla", 0.5), ("vanilla", 1.0)]
     assert all(r["full_prefix_hits"] for r in data["rows"])

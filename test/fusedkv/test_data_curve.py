@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from sgl_kvxfer.fusedkv.curve import extrapolate, fit_power_law
-from sgl_kvxfer.fusedkv.data import Tokenized, chunks, prepare, resolve_data_dir
+from sgl_kvxfer.fusedkv.data import Tokenized, chunks, is_token_folder, prepare, resolve_data_dir
 
 
 def test_jsonl_and_token_folders_give_the_same_tokens(tmp_path, tiny_model, text_data):
@@ -21,6 +21,17 @@ def test_jsonl_and_token_folders_give_the_same_tokens(tmp_path, tiny_model, text
     for d in ("code", "prose"):
         a, b = raw.tokens(d, "train"), tok.tokens(d, "train")
         assert b.dtype == np.uint16 and np.array_equal(a, b) and a[-1] == 0
+
+
+def test_token_folder_reads_without_a_tokenizer(tmp_path, tiny_model, text_data):
+    """From-scratch training on a machine with no model dir: meta.json gives the vocabulary."""
+    prepare(text_data, str(tmp_path / "tok"), tiny_model)
+    assert is_token_folder(str(tmp_path / "tok")) and not is_token_folder(text_data)
+    bare, ref = Tokenized(str(tmp_path / "tok"), None), Tokenized(str(tmp_path / "tok"), tiny_model)
+    assert bare.vocab_size == ref.vocab_size == 49152 and bare.eot_id == ref.eot_id
+    assert np.array_equal(bare.tokens("code", "eval"), ref.tokens("code", "eval"))
+    with pytest.raises(SystemExit, match="every file must be a token file"):
+        Tokenized(text_data, None)
 
 
 def test_token_files_of_another_tokenizer_are_refused(tmp_path, tiny_model, text_data):
