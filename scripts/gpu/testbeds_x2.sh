@@ -3,10 +3,10 @@
 # the GGUF halves are staged (stage_weights.sh / .carry_a1 + .carry_a2, see scripts/gpu/README.md):
 #   GPU 1  scripts/gpu/scd_quality.sh         SCD specialists, calibration, quality table
 #   GPU 0  scripts/gpu/spectrum_retrieval.sh  SpectrumKV retrieval model, tier table, cold tier
-#   GPU 0  scripts/gpu/fusedkv_all.sh $FUSEDKV_STAGES (default: retrofit)
+#   GPU 0  scripts/gpu/fusedkv_all.sh $FUSEDKV_STAGES (default: retrofit scratch)
 # Each part writes into its own folder; the folders come back as one tarball each (the call returns
 # at most 8 files): scd.tar.gz, spectrum.tar.gz, fusedkv.tar.gz, plus testbeds.log. Every part runs
-# under its own limits and the whole under WALL seconds (default 420); a part cut short keeps what
+# under its own limits and the whole under WALL seconds (default 400); a part cut short keeps what
 # it wrote. Parts share a GPU and the host's cores, so their wall times are not speed results.
 #
 #   run kind nvidia-h100-x2, carry [.carry_b, .whl, .cache/data, .cache/fusedkv]
@@ -16,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 DEVICE=${DEVICE:-cuda}
 export OUT=${OUT:-/tmp/out}
-WALL=${WALL:-420}
+WALL=${WALL:-400}
 PARTS=${PARTS:-scd spectrum fusedkv}
 mkdir -p "$OUT"
 W=$(mktemp -d "${TMPDIR:-/tmp}/testbeds.XXXXXX")
@@ -45,8 +45,8 @@ for p in $PARTS; do
     scd)      # the three specialists train side by side; WALL: the eval's end (scd_quality.sh)
               run_part scd 1 env PARALLEL_TRAIN=1 T_TRAIN_EACH="${SCD_TRAIN_S:-100}" \
                 WALL=$(( WALL - ($(date +%s) - T0) - 20 )) bash scripts/gpu/scd_quality.sh ;;
-    spectrum) run_part spectrum 0 bash scripts/gpu/spectrum_retrieval.sh ;;
-    fusedkv)  run_part fusedkv 0 bash scripts/gpu/fusedkv_all.sh ${FUSEDKV_STAGES:-retrofit} ;;
+    spectrum) run_part spectrum 0 env T_TOTAL=$(( WALL - ($(date +%s) - T0) - 20 )) bash scripts/gpu/spectrum_retrieval.sh ;;
+    fusedkv)  run_part fusedkv 0 bash scripts/gpu/fusedkv_all.sh ${FUSEDKV_STAGES:-retrofit scratch} ;;
     *) say "unknown part $p"; continue ;;
   esac
   pids+=($!)

@@ -26,4 +26,4 @@ def test_torch_only_kernel_modules_do_not_warn():
 
 
 def test_a_jit_kernel_imported_early_warns_with_its_module():
-    assert "sgl_kvxfer.kernels.store" in _run("import sgl_kvxfer.kernels.store")
+    assert "sgl_kvxfer.kernels.tier_store" in _run("import sgl_kvxfer.kernels.tier_store")
