@@ -236,7 +236,9 @@ def test_disconnect_aborts_and_frees_kv(live_server):
 
 def test_64_concurrent_streams_match_non_stream(live_server):
     prompts = [f"Write item number {i} of a shopping list:" for i in range(64)]
-    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    # 64 at once is the point (every stream in one running batch); a few tokens each cover
+    # streaming and its agreement with the non-stream batch
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     reference = gen(live_server.url, {"text": prompts, "sampling_params": params}).json()
 
     async def one(session, prompt):
@@ -256,7 +258,7 @@ def test_64_concurrent_streams_match_non_stream(live_server):
             return await asyncio.gather(*(one(session, p) for p in prompts))
 
     streamed = asyncio.run(run_all())
-    assert all(s["meta_info"]["completion_tokens"] == 12 for s in streamed)
+    assert all(s["meta_info"]["completion_tokens"] == 6 for s in streamed)
     mismatched = [i for i, (s, ref) in enumerate(zip(streamed, reference)) if s["text"] != ref["text"]]
     assert not mismatched, [(streamed[i]["text"], reference[i]["text"]) for i in mismatched[:3]]
 
