@@ -284,7 +284,7 @@ def run_group(spec: dict) -> dict:
                     raise RuntimeError(f"server exited with {proc.returncode}: {cmd}")
                 if _answers(_port(cmd), _ready_path(cmd)):
                     waiting.remove((cmd, proc))
-            time.sleep(1)
+            time.sleep(0.2)
         if waiting:
             raise RuntimeError(f"not ready in {deadline}: {[c for c, _ in waiting]}")
         for b in spec["blocks"]:

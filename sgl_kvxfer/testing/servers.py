@@ -147,7 +147,7 @@ def start_server(args: list[str], entry: list[str] | None = None, env: dict | No
                 return handle
         except requests.RequestException:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)  # a refused connect costs little; tests start many servers
     log = handle.log()  # read first: a clean stop deletes it
     handle.stop()
     raise RuntimeError(f"server did not come up in {deadline}:\n{log}")
@@ -190,6 +190,6 @@ def start_router(prefills: list[tuple[str, int | None]], decodes: list[str], pol
                 return handle
         except requests.RequestException:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     handle.stop()
     raise RuntimeError(f"router not ready in {deadline}:\n{handle.log()}")
