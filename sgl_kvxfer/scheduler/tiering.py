@@ -152,7 +152,11 @@ class EngineTiering:
 
         formats, alloc = plan_store_formats(policy, st.budget, st.unit, self.base_layout, self.config.kv_sink_tokens,
                                             st.int4_allowed, self._profile(st))
-        if formats != self.pool.formats:
+        # FusedKV pools hold only the stored layers: uniform formats compare by value, not by count
+        same = formats == self.pool.formats or (
+            formats.is_uniform and self.pool.formats.is_uniform
+            and set(formats.int8) == set(self.pool.formats.int8) and set(formats.int4) == set(self.pool.formats.int4))
+        if not same:
             raise ValueError(f"tier settings {st} need int store formats {formats.describe()}, the pool was built "
                              f"with {self.pool.formats.describe()}: the formats are fixed at start-up (start an "
                              f"engine with --kv-tier-policy / --kv-tier-budget / --kv-layer-budget for them)")

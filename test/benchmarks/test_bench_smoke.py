@@ -233,7 +233,7 @@ def test_ttft_vs_bandwidth(tmp_path, smollm2_path):
         "--prompts", "64", "--budgets", "1.0", "--rates", "10", "--variant-rates",
         "--server-args", f"--model-path {smollm2_path} --device cpu --dtype float32 --max-total-tokens 4096 "
                          "--kv-int4 on"], tmp_path)
-    data = result(out, "ttft_vs_bandwidth", ("single", "pd", "ratios", "params"), png=True)
+    data = result(out, "ttft_vs_bandwidth", ("reference", "pd", "ratios", "params"), png=True)
     pd_row = data["pd"]["b=1.0 end 10"]["64"]
     assert pd_row["ttft_ms"] > 0 and pd_row["bytes"] > 0
 
