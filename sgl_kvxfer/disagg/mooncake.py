@@ -70,7 +70,10 @@ def _prepare_environment() -> None:
 # that it logs before InitGoogleLogging, and an ERROR line from the P2P handshake's metadata
 # lookup of this engine's own segment before it is published. Dropped from stderr during
 # `initialize` only; everything else it writes there passes through.
-_START_NOISE = ("Logging before InitGoogleLogging() is written to STDERR", "Local segment descriptor not found")
+# The CUDA build adds two lines of its own at start (seen with 0.3.14 on an H200 host): the
+# allocator it picked for RDMA buffers and that metrics reporting is off.
+_START_NOISE = ("Logging before InitGoogleLogging() is written to STDERR", "Local segment descriptor not found",
+                "-aligned malloc/free for protocol", "Metrics reporting is disabled")
 
 
 @contextlib.contextmanager
