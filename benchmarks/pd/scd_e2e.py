@@ -55,7 +55,7 @@ from common.report import device_name, git_commit, write_json  # noqa: E402
 
 from sgl_kvxfer.testing.servers import free_port, start_server, stop_all  # noqa: E402
 
-UNPACED_GBPS = 0  # 0: the transfer engine does not pace
+UNPACED_GBPS = 1e5  # paced far above any link (100 Tbit/s): a shaped link the benchmark can re-pace; the flag takes < 1e6
 MAX_NEW_TOKENS = 2
 QUIET_HEALTH = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
 
