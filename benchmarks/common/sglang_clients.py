@@ -21,6 +21,8 @@ def bench_serving_env(base: dict | None = None) -> dict:
     and no raw API_KEY (bench_serving would send it without "Bearer")."""
     env = dict(os.environ if base is None else base)
     env["HF_HUB_OFFLINE"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (STUB_DIR, env.get("PYTHONPATH")) if p)
+    from sgl_kvxfer.env import BENCH_SITE
+
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH_SITE.get(), STUB_DIR, env.get("PYTHONPATH")) if p)
     env.pop("API_KEY", None)
     return env

@@ -45,8 +45,17 @@ LOG="$OUT/pd_x2.log"
 if [ "$DEVICE" = cuda ]; then
   source scripts/gpu/env.sh || exit 1
   export LD_LIBRARY_PATH=/tmp/pdlibs/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH  # libnl (libibverbs1 links it)
+  # huggingface_hub 2.x, which bench_serving imports, breaks the machine's transformers (it wants < 2):
+  # it goes into a folder that only bench_serving's processes see (SGL_KVXFER_BENCH_SITE)
+  hub=(.carry_pdx2_b/huggingface_hub-*.whl); rest=()
+  for w in .carry_pdx2_b/*.whl; do case $w in */huggingface_hub-*) ;; *) rest+=("$w") ;; esac; done
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .carry_pdx2_b/*.whl || exit 1
+      "${rest[@]}" || exit 1
+  if [ -f "${hub[0]}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_bench \
+        "${hub[@]}" || exit 1
+    export SGL_KVXFER_BENCH_SITE=/tmp/site_bench
+  fi
   [ -d /tmp/site/sglang ] || python3 -c "import zipfile, sys; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/site')" \
       .carry_pdx2_b/sglang_0.5.23_py.zip || exit 1
   export MC_INTRANODE_NVLINK=true  # Mooncake's intra-node NVLink transport (both servers on this host)
