@@ -26,3 +26,28 @@ def bench_serving_env(base: dict | None = None) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH_SITE.get(), STUB_DIR, env.get("PYTHONPATH")) if p)
     env.pop("API_KEY", None)
     return env
+
+
+def first_chunk(url: str, req: dict, t0: float, timeout: float) -> tuple[float, dict]:
+    """Seconds from t0 to the first streamed chunk of POST url/generate, and the last meta_info.
+    An HTTP error, an error event or a stream without chunks raises RuntimeError."""
+    import json
+    import time
+
+    import requests
+
+    first, meta = None, {}
+    with requests.post(url + "/generate", json=req, stream=True, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: {r.status_code} {r.text[:500]}")
+        for line in r.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            first = first or time.perf_counter() - t0
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RuntimeError(f"{url}: {chunk['error']}")
+            meta = chunk.get("meta_info", meta)
+    if first is None:
+        raise RuntimeError(f"{url}: no streamed chunk")
+    return first, meta

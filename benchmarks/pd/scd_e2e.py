@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common.report import device_name, git_commit, write_json  # noqa: E402
+from common.sglang_clients import first_chunk  # noqa: E402
 
 from sgl_kvxfer.testing.servers import free_port, start_server, stop_all  # noqa: E402
 
@@ -102,25 +103,6 @@ def ids_for(n: int, seed: int, vocab: int) -> list[int]:
 def body(ids: list[int], **extra) -> dict:
     return {"input_ids": ids, "stream": True, **extra,
             "sampling_params": {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0, "ignore_eos": True}}
-
-
-def first_chunk(url: str, req: dict, t0: float, timeout: float) -> tuple[float, dict]:
-    """Seconds from t0 to the first streamed chunk of POST url/generate, and the last meta_info."""
-    first, meta = None, {}
-    with requests.post(url + "/generate", json=req, stream=True, timeout=timeout) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}: {r.status_code} {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            first = first or time.perf_counter() - t0
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise RuntimeError(f"{url}: {chunk['error']}")
-            meta = chunk.get("meta_info", meta)
-    if first is None:
-        raise RuntimeError(f"{url}: no streamed chunk")
-    return first, meta
 
 
 def scd_request(p: dict, consumers: list, ids: list[int], timeout: float) -> list[tuple[float, dict]]:

@@ -51,6 +51,7 @@ import requests
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.report import device_name, git_commit, write_json  # noqa: E402
+from common.sglang_clients import first_chunk  # noqa: E402
 
 from sgl_kvxfer.testing.servers import free_port, start_router, start_server, stop_all  # noqa: E402
 
@@ -67,22 +68,7 @@ def prompt_ids(length: int, seed: int, vocab: int) -> list[int]:
 def stream_ttft(url: str, body: dict) -> tuple[float, dict]:
     """Seconds from posting a streamed /generate `body` to its first chunk, and the last chunk's
     meta_info."""
-    start = time.perf_counter()
-    first, meta = None, {}
-    with requests.post(url + "/generate", json=body, stream=True, timeout=1800) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}: {r.status_code} {r.text[:500]}")
-        for line in r.iter_lines():
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            first = first or time.perf_counter() - start
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise RuntimeError(f"request failed: {chunk['error']}")
-            meta = chunk.get("meta_info", meta)
-    if first is None:
-        raise RuntimeError("no streamed chunk came back")
-    return first, meta
+    return first_chunk(url, body, time.perf_counter(), 1800)
 
 
 def ttft(url: str, ids: list[int], extra: dict | None = None) -> tuple[float, dict]:

@@ -28,14 +28,7 @@ def test_store_matches_codec(tier, D, G, dtype):
         assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
         return
     # compiled: scales and zeros exact; a code may differ by one at a .5 rounding boundary
-    a, b = got.codes(page, off), want.codes(page, off)
-    for x, y in zip(a[2:], b[2:]):
-        assert torch.equal(x, y)
-    for x, y in zip(a[:2], b[:2]):
-        if tier == 2:
-            x, y = torch.cat([x & 15, x >> 4], -1), torch.cat([y & 15, y >> 4], -1)
-        d = (x.int() - y.int()).abs()
-        assert int(d.max()) <= 1 and float((d > 0).float().mean()) < 0.01
+    _assert_codes_close(got, want, page, off, tier, max_flip_frac=0.01)
 
 
 def test_store_empty_and_checks():
@@ -99,6 +92,12 @@ def test_store_real_shapes_gpu(tier, D):
     got, want = (int_tier_pages(tier, 12, 256, H, D, D, "cuda") for _ in range(2))
     store_rows_quantized(k, v, src, got, page, off)
     store_rows_quantized_reference(k, v, src, want, page, off)
+    _assert_codes_close(got, want, page, off, tier, max_flip_frac=1e-3)
+
+
+def _assert_codes_close(got, want, page, off, tier, max_flip_frac):
+    """Scales and zeros exact; a code may differ by one at a .5 rounding boundary, in at most
+    `max_flip_frac` of the codes (int4: compared per nibble)."""
     a, b = got.codes(page, off), want.codes(page, off)
     for x, y in zip(a[2:], b[2:]):
         assert torch.equal(x, y)
@@ -106,4 +105,4 @@ def test_store_real_shapes_gpu(tier, D):
         if tier == 2:
             x, y = torch.cat([x & 15, x >> 4], -1), torch.cat([y & 15, y >> 4], -1)
         d = (x.int() - y.int()).abs()
-        assert int(d.max()) <= 1 and float((d > 0).float().mean()) < 1e-3
+        assert int(d.max()) <= 1 and float((d > 0).float().mean()) < max_flip_frac
