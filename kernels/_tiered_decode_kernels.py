@@ -34,14 +34,19 @@ def _softmax_update(m_i, l_i, s):
 @triton.jit
 def _page_of_step(bt_row_ptr, fill_row_ptr, n_tok, n_pages, l0, offs,
                   PAGE: tl.constexpr, FILLED: tl.constexpr):
-    """PAGE >= TILE: the step's page (int64 scalar), its first slot and the slot mask [TILE]."""
+    """PAGE >= TILE: the step's page (int64 scalar), its first slot and the slot mask [TILE].
+
+    NOTE: the page id and the fill load side by side, neither waits on the other (a scalar load is
+    never software-pipelined, so each step pays their latency once, not twice). Every step of a
+    split's range lies in a listed page: PAGE is a multiple of TILE, so the range ends at
+    n_pages * PAGE and j < n_pages."""
     j = l0 // PAGE
     s0 = l0 % PAGE
+    page = tl.load(bt_row_ptr + j).to(tl.int64)
     if FILLED:
-        fill = tl.load(fill_row_ptr + j, mask=j < n_pages, other=0)
+        fill = tl.load(fill_row_ptr + j)
     else:
         fill = n_tok - j * PAGE
-    page = tl.load(bt_row_ptr + j, mask=fill > 0, other=0).to(tl.int64)
     return page, s0, (s0 + offs) < fill
 
 
@@ -181,16 +186,24 @@ def _fp16_tier_kernel(
             l = l0 + offs_t
             j = l // PAGE
             s = l % PAGE
+            listed = j < n_pages
+            # NOTE: page ids and fills load side by side (no load waits on a loaded value but the
+            # rows on their page ids), so the software pipeline prefetches both a stage ahead
+            page = tl.load(bt_row + j, mask=listed, other=0).to(tl.int64)
             if FILLED:
-                fill = tl.load(fill_row + j, mask=j < n_pages, other=0)
+                fill = tl.load(fill_row + j, mask=listed, other=0)
                 tm = s < fill
             else:
                 tm = l < n_tok
-            page = tl.load(bt_row + j, mask=tm, other=0).to(tl.int64)
             rows = page * stride_p + head_off + s.to(tl.int64) * HEAD_DIM
         rows = tl.multiple_of(rows, 8)
-        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=tm[:, None], other=0.0)
-        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=tm[:, None], other=0.0)
+        # NOTE: rows load unmasked (a slot past the request's pages reads page 0, which the launcher
+        # checks exists): a mask made of loaded fills would hold the loads back a stage. A masked
+        # slot's bytes may be anything, NaN included: its score is set to -inf below and its V row
+        # to 0, so it adds nothing.
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :])
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :])
+        v = tl.where(tm[:, None], v, 0.0).to(v_ptr.dtype.element_ty)
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -236,7 +249,7 @@ def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
     cp.async pipeline). Every address stays inside the store: a step's slots lie in a listed page,
     and a slot past the request's pages reads page 0 (the store holds >= 1 page: the launcher
     checks). Codes of masked slots are finite integers whatever the bytes; their scores are set
-    to -inf and their scales and zeros load as 0, so they add nothing.
+    to -inf and their V scales and zeros to 0, so they add nothing.
 
         PAGE >= TILE   one page: a scalar page id, every stream one contiguous run
         PAGE <  TILE   TILE / PAGE listed pages, their ids and fills loaded as a vector, each
@@ -259,7 +272,7 @@ def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
             fill = tl.load(fill_row + j, mask=j < n_pages, other=0)
         else:
             fill = n_tok - j * PAGE
-        page = tl.load(bt_row + j, mask=fill > 0, other=0).to(tl.int64)
+        page = tl.load(bt_row + j, mask=j < n_pages, other=0).to(tl.int64)  # not behind the fills
         blk = tl.multiple_of(page * stride_p + kv_head * stride_h, 16)
         tm3 = offs_s[None, :] < fill[:, None]  # [NP, PAGE]
         kq = tl.load(k_ptr + blk[:, None, None] + offs_s[None, :, None] * W + offs_c[None, None, :])
@@ -340,10 +353,14 @@ def _int_tier_kernel(
                                            stride_p, stride_h, PAGE, TILE, W, NG, FILLED)
         zrow = srow + PAGE * NG
         if FOLD:
-            ks = tl.load(ks_ptr + srow, mask=tm, other=0.0).to(tl.float32)
-            kz = tl.load(ks_ptr + zrow, mask=tm, other=0.0).to(tl.float32)
-            vs = tl.load(vs_ptr + srow, mask=tm, other=0.0).to(tl.float32)
-            vz = tl.load(vs_ptr + zrow, mask=tm, other=0.0).to(tl.float32)
+            # NOTE: unmasked, like the codes: a slot mask along the scales' contiguous axis would
+            # make each a 2-byte load outside the cp.async pipeline (the pipeliner skips loads
+            # under 4 bytes), paid in full every step. A masked slot's K scale / zero only reach
+            # its score (set to -inf); its V scale / zero are zeroed here (garbage may be NaN).
+            ks = tl.load(ks_ptr + srow).to(tl.float32)
+            kz = tl.load(ks_ptr + zrow).to(tl.float32)
+            vs = tl.where(tm, tl.load(vs_ptr + srow).to(tl.float32), 0.0)
+            vz = tl.where(tm, tl.load(vs_ptr + zrow).to(tl.float32), 0.0)
             # ---- scores on raw codes
             if QK_INT8:
                 if HALVES == 1:

@@ -203,10 +203,10 @@ def _check(q, layer: TieredKVLayer, tables: TieredBlockTables, tiers) -> None:
     for t in tiers:
         p = layer.page_size_of(t)
         assert p >= 1 and p & (p - 1) == 0, f"tier {t}: page size {p} must be a power of two"
+        # every tier's kernel reads K / V unmasked, page 0 for slots past a request's pages
+        assert layer[t].k.shape[0] >= 1, f"tier {t}: a launched store needs >= 1 page"
         if t != TIER_FP16:
             assert p >= 16 and D >= 32, f"tier {t}: int pages need PAGE >= 16 and head_dim >= 32 ({p}, {D})"
-            # the kernel reads codes unmasked, page 0 for slots past a request's pages
-            assert layer[t].k.shape[0] >= 1, f"tier {t}: a launched int store needs >= 1 page"
     tables.check(layer.page_size)
     assert tables.batch_size == B, (tables.batch_size, B)
 
