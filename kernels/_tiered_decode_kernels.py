@@ -33,7 +33,7 @@ def _softmax_update(m_i, l_i, s):
 
 @triton.jit
 def _page_of_step(bt_row_ptr, fill_row_ptr, n_tok, n_pages, l0, offs,
-                  PAGE: tl.constexpr, FILLED: tl.constexpr):
+                  PAGE: tl.constexpr, TILE: tl.constexpr, FILLED: tl.constexpr):
     """PAGE >= TILE: the step's page (int64 scalar), its first slot and the slot mask [TILE].
 
     NOTE: the page id and the fill load side by side, neither waits on the other (a scalar load is
@@ -41,7 +41,10 @@ def _page_of_step(bt_row_ptr, fill_row_ptr, n_tok, n_pages, l0, offs,
     split's range lies in a listed page: PAGE is a multiple of TILE, so the range ends at
     n_pages * PAGE and j < n_pages."""
     j = l0 // PAGE
-    s0 = l0 % PAGE
+    # NOTE: l0 is a multiple of TILE and PAGE of TILE, so s0 is too. Triton cannot prove it, and
+    # without the hint the dim-major V codes and the scales (contiguous along the slots) look
+    # byte-aligned: too narrow for cp.async, so Triton 3.6 loads them synchronously every step.
+    s0 = tl.multiple_of(l0 % PAGE, TILE)
     page = tl.load(bt_row_ptr + j).to(tl.int64)
     if FILLED:
         fill = tl.load(fill_row_ptr + j)
@@ -180,7 +183,7 @@ def _fp16_tier_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     for l0 in tl.range(lo, hi, TILE):
         if PAGE >= TILE:
-            page, s0, tm = _page_of_step(bt_row, fill_row, n_tok, n_pages, l0, offs_t, PAGE, FILLED)
+            page, s0, tm = _page_of_step(bt_row, fill_row, n_tok, n_pages, l0, offs_t, PAGE, TILE, FILLED)
             rows = page * stride_p + head_off + (s0 + offs_t).to(tl.int64) * HEAD_DIM
         else:  # TILE / PAGE pages a step, page id (and fill) per slot; PAGE 1: a row gather
             l = l0 + offs_t
@@ -258,7 +261,7 @@ def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
     offs_c = tl.arange(0, W)
     if PAGE >= TILE:
         offs_t = tl.arange(0, TILE)
-        page, s0, tm = _page_of_step(bt_row, fill_row, n_tok, n_pages, l0, offs_t, PAGE, FILLED)
+        page, s0, tm = _page_of_step(bt_row, fill_row, n_tok, n_pages, l0, offs_t, PAGE, TILE, FILLED)
         blk = tl.multiple_of(page * stride_p + kv_head * stride_h, 16)
         slot = s0 + offs_t
         kq = tl.load(k_ptr + blk + slot[:, None] * W + offs_c[None, :])
@@ -357,10 +360,14 @@ def _int_tier_kernel(
             # make each a 2-byte load outside the cp.async pipeline (the pipeliner skips loads
             # under 4 bytes), paid in full every step. A masked slot's K scale / zero only reach
             # its score (set to -inf); its V scale / zero are zeroed here (garbage may be NaN).
+            # V's scale and zero load as one [TILE, 2] tensor: the software pipeliner prefetches only
+            # loads that feed a tl.dot operand, and the zero alone feeds none (the zero-point sum)
             ks = tl.load(ks_ptr + srow).to(tl.float32)
             kz = tl.load(ks_ptr + zrow).to(tl.float32)
-            vs = tl.where(tm, tl.load(vs_ptr + srow).to(tl.float32), 0.0)
-            vz = tl.where(tm, tl.load(vs_ptr + zrow).to(tl.float32), 0.0)
+            vsz = tl.load(vs_ptr + srow[:, None] + tl.arange(0, 2)[None, :] * (PAGE * NG)).to(tl.float32)
+            vs, vz = tl.split(vsz)
+            vs = tl.where(tm, vs, 0.0)
+            vz = tl.where(tm, vz, 0.0)
             # ---- scores on raw codes
             if QK_INT8:
                 if HALVES == 1:
