@@ -200,13 +200,16 @@ def _fp16_tier_kernel(
                 tm = l < n_tok
             rows = page * stride_p + head_off + s.to(tl.int64) * HEAD_DIM
         rows = tl.multiple_of(rows, 8)
-        # NOTE: rows load unmasked (a slot past the request's pages reads page 0, which the launcher
-        # checks exists): a mask made of loaded fills would hold the loads back a stage. A masked
-        # slot's bytes may be anything, NaN included: its score is set to -inf below and its V row
-        # to 0, so it adds nothing.
-        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :])
-        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :])
-        v = tl.where(tm[:, None], v, 0.0).to(v_ptr.dtype.element_ty)
+        # NOTE: no load waits on a loaded fill (it would hold the rows back a pipeline stage): the
+        # rows of listed pages load whole, the fills only mask the scores. So every slot of a
+        # listed page must hold finite values (0 * NaN in P @ V would poison the row): the
+        # engine's fp16 store is zero-initialized and written with finite K / V only.
+        if PAGE >= TILE:  # the step lies in a listed page
+            k = tl.load(k_ptr + rows[:, None] + offs_d[None, :])
+            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :])
+        else:
+            k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=listed[:, None], other=0.0)
+            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=listed[:, None], other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -244,7 +247,9 @@ def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
                     PAGE: tl.constexpr, TILE: tl.constexpr, W: tl.constexpr, NG: tl.constexpr,
                     FILLED: tl.constexpr):
     """One step's raw codes of an int tier: K [TILE, W], V [TILE, W] (read dim-major), the fp16
-    index of each slot's first scale [TILE] and the slot mask [TILE].
+    index of each slot's first scale as [R, C] = [1, TILE] (PAGE >= TILE) or [TILE / PAGE, PAGE]
+    (one row per page: scales load per page-run, contiguous and 16-byte aligned, then reshape to
+    [TILE]; one flat [TILE] index would lose that alignment to the reshape) and the slot mask [TILE].
 
     NOTE: the codes are loaded without a mask. A slot mask varies along V's contiguous axis (the
     slots of a dim-major page), and with it Triton loads V one byte per instruction (PAGE 256, 8
@@ -266,7 +271,7 @@ def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
         slot = s0 + offs_t
         kq = tl.load(k_ptr + blk + slot[:, None] * W + offs_c[None, :])
         vq = tl.load(v_ptr + blk + offs_c[None, :] * PAGE + slot[:, None])
-        srow = blk // 2 + SCALE0 + slot * NG
+        srow = (blk // 2 + SCALE0 + slot * NG)[None, :]
     else:
         NP: tl.constexpr = TILE // PAGE
         j = l0 // PAGE + tl.arange(0, NP)
@@ -283,7 +288,7 @@ def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
         kq = tl.reshape(kq, (TILE, W))
         vq = tl.reshape(vq, (TILE, W))
         tm = tl.reshape(tm3, (TILE,))
-        srow = tl.reshape(blk[:, None] // 2 + SCALE0 + offs_s[None, :] * NG, (TILE,))
+        srow = blk[:, None] // 2 + SCALE0 + offs_s[None, :] * NG
     return kq, vq, srow, tm
 
 
@@ -352,9 +357,8 @@ def _int_tier_kernel(
     acc_a = tl.zeros([BLOCK_G, W], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_G, W], dtype=tl.float32)
     for l0 in tl.range(lo, hi, TILE):
-        kq, vq, srow, tm = _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
-                                           stride_p, stride_h, PAGE, TILE, W, NG, FILLED)
-        zrow = srow + PAGE * NG
+        kq, vq, srow2, tm = _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
+                                            stride_p, stride_h, PAGE, TILE, W, NG, FILLED)
         if FOLD:
             # NOTE: unmasked, like the codes: a slot mask along the scales' contiguous axis would
             # make each a 2-byte load outside the cp.async pipeline (the pipeliner skips loads
@@ -362,10 +366,10 @@ def _int_tier_kernel(
             # its score (set to -inf); its V scale / zero are zeroed here (garbage may be NaN).
             # V's scale and zero load as one [TILE, 2] tensor: the software pipeliner prefetches only
             # loads that feed a tl.dot operand, and the zero alone feeds none (the zero-point sum)
-            ks = tl.load(ks_ptr + srow).to(tl.float32)
-            kz = tl.load(ks_ptr + zrow).to(tl.float32)
-            vsz = tl.load(vs_ptr + srow[:, None] + tl.arange(0, 2)[None, :] * (PAGE * NG)).to(tl.float32)
-            vs, vz = tl.split(vsz)
+            ks = tl.reshape(tl.load(ks_ptr + srow2), (TILE,)).to(tl.float32)
+            kz = tl.reshape(tl.load(ks_ptr + srow2 + PAGE * NG), (TILE,)).to(tl.float32)
+            vsz = tl.load(vs_ptr + srow2[:, :, None] + tl.arange(0, 2)[None, None, :] * (PAGE * NG))
+            vs, vz = tl.split(tl.reshape(vsz, (TILE, 2)).to(tl.float32))
             vs = tl.where(tm, vs, 0.0)
             vz = tl.where(tm, vz, 0.0)
             # ---- scores on raw codes
@@ -398,6 +402,7 @@ def _int_tier_kernel(
                 acc_b = tl.dot(pw, v_hi, acc_b * alpha[:, None]) + zero
         else:
             # ---- G < D: per-element dequantization, plain dots
+            srow = tl.reshape(srow2, (TILE,))
             if HALVES == 1:
                 k = _dequant_half(_cvt_u8(kq, False), ks_ptr, ks_ptr + PAGE * NG, srow, offs_c, tm, 0, GROUP_SIZE)
                 qk = tl.dot(qa16, tl.trans(k))

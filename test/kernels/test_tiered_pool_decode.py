@@ -126,28 +126,28 @@ def test_qk_int8():
 
 
 def _poison_dead_slots(layer, tables):
-    """NaN into every fp16 value and every int scale / zero that no request reads: the kernels load
-    K / V rows, codes and scales unmasked and must drop what lies past the fills. A slot is live
-    when some request lists its page with a fill past it (filled tables)."""
+    """NaN where the kernels read but must not use (they load codes, scales and K / V rows without
+    the fill masks): every int scale / zero of a slot no request reads (past a page's fill, pages no
+    request lists), and every fp16 value of a page no request lists. The fp16 tier's contract is
+    narrower: every slot of a listed page holds finite values (its V rows meet P @ V whole)."""
     for t in (0, 1, 2):
         tp, P = layer[t], layer.page_size_of(t)
         live = torch.zeros(tp.k.shape[0], P, dtype=torch.bool)
         bt, fl, npg = (x.cpu() for x in (tables.tables[t], tables.fills[t], tables.num_pages[t]))
         for b in range(bt.shape[0]):
             for j in range(int(npg[b])):
-                live[int(bt[b, j]), :int(fl[b, j])] = True
+                live[int(bt[b, j]), :max(int(fl[b, j]), P if t == 0 else 0)] = True
         dead = (~live).to(tp.k.device)
         views = (tp.k, tp.v) if t == 0 else (tp.k_scale, tp.k_zero, tp.v_scale, tp.v_zero)
         for x in views:  # [pages, Hkv, PAGE, X]: write through the slot-major view
             x.permute(0, 2, 1, 3)[dead] = float("nan")
-        assert bool(dead.any()), "the layout must have dead slots to poison"
+        assert bool(dead.any()), f"tier {t}: the layout must have dead slots to poison"
 
 
 @pytest.mark.parametrize("pages,tile", [((1, 16, 16), 16), ((1, 16, 16), 32), ((16, 32, 16), 16)])
 def test_dead_slots_may_hold_nan(pages, tile):
-    """Slots past a page's fill, unlisted pages and the page-0 reads past a request's pages may
-    hold anything (NaN included) without changing the output: steps of one page and of several,
-    the fp16 rows' gather and fp16 pages."""
+    """What the kernels read but must not use may hold NaN (_poison_dead_slots) without changing the
+    output: steps of one page and of several, the fp16 rows' gather and fp16 pages."""
     cfg = with_config(BASE, tile8=tile, tile4=tile, tile16=tile)
     lens = [(5, 40, 23), (0, 17, 50), (30, 0, 0), (3, 9, 1)]
     layer, tables = build_random_paged_cache(lens, 2, 64, 64, pages, torch.float16, DEV, seed=5)
