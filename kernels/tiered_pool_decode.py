@@ -65,19 +65,23 @@ from .tier_codec import TIER_FP16, TIER_INT4, TIER_INT8, TIERS
 @dataclass(frozen=True)
 class TieredDecodeConfig:
     """Launch knobs, per tier (16 / 8 / 4): tile = tokens per loop step (power of two >= 16; several
-    pages a step when PAGE < tile), warps and software-pipeline stages. qk_int8: q . K on int8 tensor
+    pages a step when PAGE < tile), warps and software-pipeline stages. Stages: every tier's codes
+    or rows load behind a loaded page id, and Triton's pipeliner splits its stages between the two
+    levels: 3 stages prefetch one step ahead, 5 two (2 keeps the page ids out of the pipeline).
+    The defaults hold one 256-token int step (4 warps, ~200 registers: two programs per SM) or
+    one 128-row fp16 step (8 warps) in flight per program. qk_int8: q . K on int8 tensor
     cores (int tiers, G = D). fast_cvt: PRMT / LOP3 code conversion (GPU). split_waves: stage-1
     programs per SM the planner aims for; min_split_tokens: no split gets fewer context tokens.
     fused_merge: the last split program merges (no merge launch)."""
 
-    tile16: int = 64
+    tile16: int = 128
     tile8: int = 256
     tile4: int = 256
-    warps16: int = 4
-    warps8: int = 8
+    warps16: int = 8
+    warps8: int = 4
     warps4: int = 4
     stages16: int = 3
-    stages8: int = 2
+    stages8: int = 3
     stages4: int = 3
     qk_int8: bool = False
     fast_cvt: bool = True
