@@ -18,12 +18,18 @@
 # under E2E_MIN (200 s): an engine point (16k x 8) takes one to two minutes, so the matrix is a call
 # of its own on the same warm machine (it finds the sweep's choice in $OUT):
 #   E2E_CONTEXTS="16384 32768" E2E_BUDGETS="0.5 0.25" bash scripts/gpu/lowbit.sh e2e
-# A short check of the decode kernels (two test files, three attention points, one sweep entry;
-# ends within T_TOTAL 145 s):
-#   T_TOTAL=145 T_TESTS=70 T_ATTN=70 T_SWEEP=15 TEST_FILES="test/kernels/test_tiered_pool_decode.py
-#   test/kernels/test_tier_store.py" TEST_K="knobs or pool_move or store_real or graph" ATTN_POINTS="llama3-8b:8:32768
-#   llama3-8b:1:32768 smollm2:8:32768" SWEEP_POINTS=llama3-8b:8:32768 CONFIGS='[{"int_page": 256, "qk_int8": true}]'
+# A short check of the decode kernels (their GPU tests, three attention points after a sweep of
+# the served config and six others at the same points; ends within T_TOTAL 145 s):
+#   T_TOTAL=145 T_TESTS=50 T_ATTN=85 T_SWEEP=45 TEST_FILES=test/kernels/test_tiered_pool_decode.py
+#   TEST_K="real_shapes and mixed or knobs0 or knobs3 or knobs5 or graph or fast_conversion"
+#   ATTN_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768"
+#   SWEEP_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768" CONFIGS="$SHORT_CONFIGS"
 #   bash scripts/gpu/lowbit.sh tests attention
+# with SHORT_CONFIGS='[{"int_page": 256}, {"warps8": 8, "stages8": 2, "tile16": 64, "warps16": 4},
+#   {"stages8": 5, "stages4": 5, "stages16": 5}, {"int_page": 256, "qk_int8": true}, {"split_waves": 4},
+#   {"tile16": 64, "warps16": 4, "stages16": 5, "tile8": 128, "stages8": 5, "tile4": 128, "stages4": 5}]'
+# (one int page a step; the former defaults; two steps prefetched; int8 tensor cores for q.K; more
+# splits; smaller steps two ahead)
 # Knobs: TEST_FILES (the test files), TEST_K (pytest -k), CONFIGS (JSON list for the sweep), ATTN_POINTS, SWEEP_POINTS, E2E_CONTEXTS, E2E_BATCHES,
 # E2E_BUDGETS, E2E_N1 / E2E_N2 (decode window; demotion runs every 64 steps past 128, so n2 = 272 times
 # three of them), E2E_REPEATS, E2E_PAGE (--kv-tier-page-size), TIERED_DECODE_CONFIG (JSON: the config
@@ -116,17 +122,17 @@ for s in $STAGES; do
         [ -f "$WORK/lowbit_fi_jit_$m.log" ] && { tail -4 "$WORK/lowbit_fi_jit_$m.log" >> "$LOG"; rm -f "$WORK/lowbit_fi_jit_$m.log"; }
       done
       # the sweep: 256-token pages (one page a step) against four 64-token pages a step, int8 tensor
-      # cores for q.K, stages, int4 steps of 512 (int page 512; int8 keeps 256-token steps: 512 x 2
-      # stages would not fit shared memory), the fp16 tier's tile / warps, splits per SM, the
-      # separate merge, the portable code conversion
+      # cores for q.K, two steps prefetched (5 stages: the pipeliner gives half of them to the page
+      # ids), int4 steps of 512 (int page 512), the former defaults (8 int8 warps, 2 stages; 64
+      # fp16 rows a step at 4 warps), splits per SM, the separate merge, the portable conversion
       default_configs='[{"int_page": 256},
         {"qk_int8": true},
         {"int_page": 256, "qk_int8": true},
-        {"stages4": 4, "warps8": 4},
-        {"int_page": 512, "tile4": 512, "warps4": 8, "stages4": 2},
-        {"tile16": 128, "warps16": 8, "stages16": 2},
-        {"split_waves": 1},
-        {"tile16": 32, "stages16": 4},
+        {"stages8": 5, "stages4": 5, "stages16": 5},
+        {"int_page": 512, "tile4": 512, "warps4": 8, "stages4": 3},
+        {"warps8": 8, "stages8": 2, "tile16": 64, "warps16": 4},
+        {"tile16": 64, "warps16": 4, "stages16": 5, "tile8": 128, "stages8": 5, "tile4": 128, "stages4": 5},
+        {"split_waves": 4},
         {"split_waves": 4, "fused_merge": false},
         {"fast_cvt": false}]'
       if [ "$DEVICE" = cuda ]; then
