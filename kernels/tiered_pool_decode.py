@@ -44,6 +44,11 @@ the zero-point term uses the same rounded q, so the result is attention of q~ = 
 (qk_int8_rounded_q; s = max|q| / 127 per head) over the tiers;
 fast_cvt: codes -> fp16 with byte-permute / LOP3 instructions (GPU only; bit-identical to the
 portable conversion).
+No load of a step waits on a loaded fill (Triton's pipeliner could not prefetch it): page ids and
+fills load side by side, int codes and scales and the fp16 rows of listed pages load unmasked,
+and the fills cut masked slots at the scores (int V scales / zeros there are set to 0).
+Hazard: every slot of a listed fp16 page must hold finite values (a NaN there meets P @ V with
+p = 0); the engine's fp16 store is zero-initialized and written with finite K / V only.
 Attention over a set is order-free (K is post-RoPE), so tiers, pages and splits combine exactly.
 The jitted kernels live in _tiered_decode_kernels.py.
 """
