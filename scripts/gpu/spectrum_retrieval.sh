@@ -18,8 +18,8 @@
 # $OUT (7 files): retrieval_tiers_*.json/.png, layer_profile_*.json, cold_tier_decode_*.json,
 # train_log.json, loss.png, spectrum_logs.tar.gz; PACK=1: all of them in one $OUT/spectrum.tar.gz.
 # Shares a machine: OUT may be any folder (a subfolder of the call's $OUT), WORK defaults to a fresh
-# mktemp folder, item building uses WORKERS (6) processes, and every engine has an explicit KV
-# pool (--max-total-tokens 200000: about 4.6 GB each for SmolLM2-135M; two live at a time) so it
+# mktemp folder, item building uses WORKERS (8) processes, and every engine has an explicit KV
+# pool (--max-total-tokens 400000: about 9.2 GB each for SmolLM2-135M; two live at a time) so it
 # takes no share of GPU memory another process holds; peak about 25 GB (the decode stage: the
 # Llama-3-8B dummy weights, 16 GB, and its tiered pool for 16k x 8).
 #
@@ -67,7 +67,7 @@ if [ "$DEVICE" = cuda ]; then
   # the methods in the order they matter to the table (a run cut short keeps the first ones whole)
   EVAL_ARGS=${EVAL_ARGS:-"--backend triton --depths 11 --trials-per-depth 3 --long-trials-per-depth 4
     --val-trials 16 --val-budgets 0.2 --lambdas 0 3e-4 1e-3 --cold-thresholds 0.01 0.05 --ppl-windows 2
-    --profile-samples 8 --max-new-tokens 8 --max-total-tokens 200000
+    --profile-samples 8 --max-new-tokens 8 --max-total-tokens 400000
     --methods spectrumkv random-tier spectrumkv-torch per-layer cold-tier uniform-int4 kivi uniform-int8
     pdtrim sws balanced adaptive-2tier greedy"}
   DECODE_ARGS=${DECODE_ARGS:-"--preset llama-3-8b --context 16384 --batch 8 --kv-tier-budget 0.2 --n1 16
@@ -100,9 +100,10 @@ fi
 
 if want train; then
   say "train: kv retrieval, the first $SHORT_FRAC of $ITEMS items at $SHORT_CTX tokens, then $TRAIN_CTX; $TRAIN_S s"
+  t_train=$(left "$T_TRAIN")  # TRAIN_S is cut so that the weights are saved within it
   # shellcheck disable=SC2086
-  timeout -s INT "$(left "$T_TRAIN")" python3 scripts/gpu/spectrum_train.py --workers "$WORKERS" --items "$ITEMS" \
-      --short-context "$SHORT_CTX" --short-fraction "$SHORT_FRAC" -- \
+  timeout -s INT "$t_train" python3 scripts/gpu/spectrum_train.py --workers "$WORKERS" --items "$ITEMS" \
+      --short-context "$SHORT_CTX" --short-fraction "$SHORT_FRAC" --finish-within "$t_train" -- \
       --model "$BASE" --mix kv=1 --task-param kv.context_tokens="$TRAIN_CTX" --out "$MODEL" \
       --time-limit-s "$TRAIN_S" --max-len $((TRAIN_CTX + 256)) --eval-n 0 --device "$DEVICE" $TRAIN_ARGS \
       2>&1 | grep -v "it/s\]$" | tee "$work/train.log"

@@ -17,6 +17,10 @@ one at the switch), so little of a batch is padding.
 
     python scripts/gpu/spectrum_train.py --items 2400 --short-context 4000 --short-fraction 0.35 -- \
         --mix kv=1 --task-param kv.context_tokens=8000 ...
+
+`--finish-within S`: finetune.py's --time-limit-s is cut to what is left of S seconds (from this
+script's start) after the items are made, less 30 s for loading and saving the model, so a run
+under `timeout S` still saves its weights when making the items took longer than planned.
 """
 from __future__ import annotations
 
@@ -76,6 +80,8 @@ def main(argv=None) -> None:
                     help="curriculum: the first --short-fraction of the items made ahead at this many context "
                          "tokens (0: none)")
     ap.add_argument("--short-fraction", type=float, default=0.0)
+    ap.add_argument("--finish-within", type=float, default=0.0,
+                    help="cut --time-limit-s so that the run ends within this many seconds (0: no cut)")
     own = ap.parse_args(argv[:split])
     rest = argv[split + 1:]
     if own.workers < 1 or own.items < 0:
@@ -84,6 +90,9 @@ def main(argv=None) -> None:
         ap.error("--short-fraction must be in [0, 1]")
     if own.short_context and not 16 <= own.short_context <= 1 << 20:
         ap.error("--short-context must be 0 (none) or in [16, 1048576]")
+    if not (math.isfinite(own.finish_within) and 0.0 <= own.finish_within <= 1e6):
+        ap.error("--finish-within must be in [0, 1e6] seconds")
+    t_start = time.time()
     import finetune
 
     from sgl_kvxfer import tasks
@@ -107,6 +116,12 @@ def main(argv=None) -> None:
         return made(task, split, n, seed, tokenizer, start, **params)
 
     tasks.generate = generate  # task_data.TaskStream calls tasks.generate(...) per item
+    if own.finish_within:
+        left = max(10.0, own.finish_within - (time.time() - t_start) - 30.0)
+        if not args.time_limit_s or left < args.time_limit_s:
+            print(f"--time-limit-s {args.time_limit_s:g} -> {left:.0f} s (--finish-within {own.finish_within:g})",
+                  flush=True)
+            rest = [*rest, "--time-limit-s", f"{left:.1f}"]  # argparse: the last value wins
     finetune.main(rest)
 
 

@@ -105,3 +105,6 @@ def test_train_wrapper_curriculum_makes_the_first_items_short(tiny):
            "--mix", "kv=1", "--out", "/nonexistent"]
     bad = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--short-fraction must be in [0, 1]" in bad.stderr
+    cmd[2:4] = ["--finish-within", "-5"]
+    bad = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--finish-within must be in [0, 1e6]" in bad.stderr
