@@ -108,6 +108,9 @@ if want train; then
       --time-limit-s "$TRAIN_S" --max-len $((TRAIN_CTX + 256)) --eval-n 0 --device "$DEVICE" $TRAIN_ARGS \
       2>&1 | grep -v "it/s\]$" | tee "$work/train.log"
 fi
+res=$OUT; [ "${PACK:-0}" = 1 ] && res=$work/pack  # results written as they come
+mkdir -p "$res"
+cp "$MODEL/train_log.json" "$MODEL/loss.png" "$res"/ 2>/dev/null
 if [ ! -f "$MODEL/config.json" ]; then
   echo "no fine-tuned model at $MODEL: the evaluation runs on the base model"
   MODEL=$BASE
@@ -116,12 +119,10 @@ fi
 if want eval; then
   say "eval: retrieval table on $MODEL"
   t_eval=$(left "$T_EVAL")
-  # results straight into $OUT (PACK: its pack folder), so a run cut short has them; no new point starts
-  # after --time-budget-s, 30 s before the stage's limit (a point takes seconds to tens of seconds)
-  res=$OUT; [ "${PACK:-0}" = 1 ] && res=$work/pack
-  mkdir -p "$res"
+  # results straight into $res, so a run cut short has them; no new point starts after
+  # --time-budget-s, 30 s before the stage's limit (a point takes seconds to tens of seconds)
   # shellcheck disable=SC2086
-  timeout -s INT "$t_eval" python3 benchmarks/quality/retrieval_tiers.py --model "$MODEL" --device "$DEVICE" \
+  timeout -s INT -k 10 "$t_eval" python3 benchmarks/quality/retrieval_tiers.py --model "$MODEL" --device "$DEVICE" \
       --context "$EVAL_CTX" --long-context "$LONG_CTX" --out-dir "$res" "${PROSE[@]}" $EVAL_ARGS \
       --time-budget-s $(( t_eval > 60 ? t_eval - 30 : t_eval / 2 )) 2>&1 | tee "$work/eval.log"
   for j in "$res"/retrieval_tiers_*.json; do  # a run cut short wrote its JSON after its last plot
