@@ -28,7 +28,16 @@ Stages, in order (the JSON is rewritten after every point, so a run cut short ke
 
 Methods: fp16, uniform-int8, uniform-int4, kivi, pdtrim, sws, random-tier, balanced,
 adaptive-2tier, greedy (lambda 0), spectrumkv (greedy, tuned lambda), per-layer (spectrumkv with
---kv-layer-budget profile), cold-tier (spectrumkv with --kv-cold-tier at the tuned threshold).
+--kv-layer-budget profile), cold-tier (spectrumkv with --kv-cold-tier at the tuned threshold),
+spectrumkv-torch (spectrumkv on the torch backend: per-layer's uniform control under --backend triton).
+
+Backend (--backend): every engine runs on it (torch by default), except the methods whose per-layer
+int formats only the torch kernels read (kivi, per-layer, and spectrumkv-torch by definition); each
+row records its backend. A triton engine runs without CUDA graphs (a point decodes a few steps: a
+capture per engine start would cost more than it saves). A method whose settings (engine flags,
+backend, lambda, cold tier) equal an earlier row's at the same budget is not run again: the row
+repeats that measurement and names it in `same_as` (greedy when the tuned lambda is 0,
+spectrumkv-torch under --backend torch).
 """
 from __future__ import annotations
 
@@ -40,14 +49,19 @@ import time
 from _harness import add_common_args, device_tag, load_for_plot, metadata, run_then_plot, save_plot, tier_stats, write
 
 METHODS = ("uniform-int8", "uniform-int4", "kivi", "pdtrim", "sws", "random-tier", "balanced", "adaptive-2tier",
-           "greedy", "spectrumkv", "per-layer", "cold-tier")
+           "greedy", "spectrumkv", "spectrumkv-torch", "per-layer", "cold-tier")
+TORCH_ONLY = ("kivi", "per-layer", "spectrumkv-torch")  # per-layer int formats: the torch kernels read them
+
+
+def method_backend(method: str, backend: str) -> str:
+    return "torch" if method in TORCH_ONLY else backend
 
 
 def method_settings(method: str, lam: float, profile: str | None) -> tuple[dict, float, bool]:
     """(engine flags that fix the pool, recency lambda, cold tier on) of a table method."""
     if method == "greedy":
         return {"kv_tier_policy": "greedy"}, 0.0, False
-    if method == "spectrumkv":
+    if method in ("spectrumkv", "spectrumkv-torch"):
         return {"kv_tier_policy": "greedy"}, lam, False
     if method == "per-layer":
         return {"kv_tier_policy": "greedy", "kv_layer_budget": "profile", "kv_layer_profile": profile}, lam, False
@@ -95,30 +109,35 @@ class Run:
         from sgl_kvxfer import Engine
 
         self.args, self.t0 = args, time.time()
-        self.kw = {"dtype": args.dtype, "device": args.device, "attention_backend": "torch"}
+        self.kw = {"dtype": args.dtype, "device": args.device}
         if args.max_total_tokens:
             self.kw["max_total_tokens"] = args.max_total_tokens
-        self.base = Engine(args.model, **self.kw)
+        self.base = Engine(args.model, **self.kw, **self.backend_kw(args.backend))
         self.tiered, self.key = None, None  # the tiered engine of the current point and its flags
+        self.started_s = 0.0  # the last engine start's seconds
         self.profile = None  # the layer profile's JSON: the cold tier probes its most int4-sensitive layers
         self.tok = self.base.tokenizer
         self.max_new = args.max_new_tokens
         self.rows, self.payload = [], {"engine_starts": []}
         self.name = f"retrieval_tiers_{device_tag(self.base)}{'_quick' if args.quick else ''}"
 
-    def engine(self, flags: dict, budget: float, cold: bool):
+    @staticmethod
+    def backend_kw(backend: str) -> dict:
+        return {"attention_backend": backend, **({"disable_cuda_graph": True} if backend == "triton" else {})}
+
+    def engine(self, flags: dict, budget: float, cold: bool, backend: str):
         """The tiered engine for these flags at `budget` (started here, the previous one shut down)."""
         from sgl_kvxfer import Engine
 
         args = self.args
-        key = (tuple(sorted(flags.items())), budget, cold)
+        key = (tuple(sorted(flags.items())), budget, cold, backend)
         if key == self.key:
             return self.tiered
         if self.tiered is not None:
             self.tiered.shutdown()
             self.tiered = None
         t = time.time()
-        kw = {**self.kw, **flags, "kv_tier_budget": budget, "kv_budget_unit": "bytes", "kv_int4": "on",
+        kw = {**self.kw, **self.backend_kw(backend), **flags, "kv_tier_budget": budget, "kv_budget_unit": "bytes", "kv_int4": "on",
               "kv_tier_staging": 0.4}
         if args.kv_quant_group_size:
             kw["kv_quant_group_size"] = args.kv_quant_group_size
@@ -132,6 +151,7 @@ class Run:
         if cold:
             self.payload["probe_layers"] = self.tiered.scheduler.tiering.cold.layers
         self.payload["engine_starts"].append(round(time.time() - t, 2))
+        self.started_s = time.time() - t
         return self.tiered
 
     def save(self, done: bool = False) -> str:
@@ -143,7 +163,8 @@ class Run:
 
     def point(self, trials, method: str, budget: float, lam: float, profile, threshold: float, tag: str) -> dict:
         flags, lam, cold = method_settings(method, lam, profile)
-        engine = self.engine(flags, budget, cold)
+        self.started_s = 0.0
+        engine = self.engine(flags, budget, cold, method_backend(method, self.args.backend))
         tiering = engine.scheduler.tiering
         tiering.configure(recency_lambda=lam)  # same formats: allowed at runtime
         manager = tiering.cold
@@ -168,7 +189,7 @@ class Run:
         else:
             method, budget, lam, profile = point
             flags, lam, cold = method_settings(method, lam, profile)
-            engine = self.engine(flags, budget, cold)
+            engine = self.engine(flags, budget, cold, method_backend(method, self.args.backend))
             engine.scheduler.tiering.configure(recency_lambda=lam)
         engine.flush_cache()
         nll, count, _, resident = score(engine, windows, self.args.ppl_context, tag)
@@ -189,8 +210,8 @@ def validate(run: Run, val, args) -> tuple[float, float]:
                           f"val-l{entry['lambda']}-{b}")
             entry["accuracy"].append(100.0 * sum(r["ok"]) / len(r["ok"]))
             print(f"validation lambda {entry['lambda']:g} at b={b}: {entry['accuracy'][-1]:.1f}%", flush=True)
-        run.payload["lambda_sweep"] = sweep
-        run.save()
+            run.payload["lambda_sweep"] = sweep
+            run.save()
     best = max(sweep, key=lambda s: (sum(s["accuracy"]), -s["lambda"]))["lambda"]
     thr_sweep = []
     for thr in args.cold_thresholds:
@@ -199,7 +220,8 @@ def validate(run: Run, val, args) -> tuple[float, float]:
         thr_sweep.append({"threshold": thr, "budget": b, "accuracy": 100.0 * sum(r["ok"]) / len(r["ok"]),
                           "promoted_tokens": r["cold"]["promoted_tokens"]})
         print(f"validation threshold {thr:g}: {thr_sweep[-1]}", flush=True)
-    run.payload["threshold_sweep"] = thr_sweep
+        run.payload["threshold_sweep"] = thr_sweep
+        run.save()
     threshold = max(thr_sweep, key=lambda s: (s["accuracy"], s["threshold"]))["threshold"]
     run.payload.update(chosen_lambda=best, chosen_threshold=threshold)
     run.save()
@@ -257,15 +279,18 @@ def run(args) -> str:
     r.payload.update(metadata(args, r.base, {"depths": depths, "methods": args.methods}))
     r.payload["prompt_tokens"] = sum(len(t["ids"]) for t in trials) / len(trials)
     # 1. fp16 ceilings
+    t = time.time()
     ok, texts, _ = run_trials(r.base, trials, "fp16", r.max_new)
+    t_trials = time.time() - t
     fp16 = {"accuracy": 100.0 * sum(ok) / len(ok), "by_depth": by_depth(ok, depths, args.trials_per_depth),
-            "ok": ok, "answers": texts[:8]}
-    long = build_trials(r.tok, args.task, "eval", args.long_context, depths, max(1, args.trials_per_depth // 2),
+            "ok": ok, "answers": texts[:8], "trials": len(ok), "trials_s": round(t_trials, 2)}
+    long_per_depth = args.long_trials_per_depth or max(1, args.trials_per_depth // 2)
+    long = build_trials(r.tok, args.task, "eval", args.long_context, depths, long_per_depth,
                         args.seed + 1, params) if args.long_context else []
     if long:
         ok_l, _, _ = run_trials(r.base, long, "fp16-long", r.max_new)
         fp16["long_context"] = {"context": args.long_context, "accuracy": 100.0 * sum(ok_l) / len(ok_l),
-                                "trials": len(ok_l)}
+                                "trials": len(ok_l), "by_depth": by_depth(ok_l, depths, long_per_depth)}
     r.payload["fp16"] = fp16
     print(f"fp16: {fp16['accuracy']:.1f}% at {args.context}" +
           (f", {fp16['long_context']['accuracy']:.1f}% at {args.long_context}" if long else ""), flush=True)
@@ -281,26 +306,45 @@ def run(args) -> str:
     profile = layer_profile(r, val, args) if "per-layer" in args.methods or "cold-tier" in args.methods else None
     r.profile = profile
     lam, threshold = validate(r, val, args)
-    # 4. the table: the headline budget first
-    for b in args.budgets:
-        for method in args.methods:
+    # 4. the table, method by method in --methods order (a run cut short has whole rows of the heatmap)
+    done = {}  # (budget, a method's settings) -> its row
+    for i, method in enumerate(args.methods):
+        for b in args.budgets:
+            flags, m_lam, cold = method_settings(method, lam, profile)
+            backend = method_backend(method, args.backend)
+            key = (b, tuple(sorted(flags.items())), m_lam, cold, backend)
+            same = done.get(key)
+            if same is not None:
+                r.rows.append({**same, "method": method, "same_as": same["method"], "wall_s": 0.0})
+                print(f"b={b:.2f} {method:15s} = {same['method']} (same settings)", flush=True)
+                r.save()
+                continue
             if r.out_of_time():
                 r.rows.append({"method": method, "budget": b, "skipped": "time budget"})
                 continue
             t = time.time()
             res = r.point(trials, method, b, lam, profile, threshold, f"{method}-{b}")
-            row = {"method": method, "budget": b, "accuracy": 100.0 * sum(res["ok"]) / len(res["ok"]),
+            t_trials = time.time() - t
+            row = {"method": method, "budget": b, "backend": backend, "lambda": m_lam,
+                   "accuracy": 100.0 * sum(res["ok"]) / len(res["ok"]), "trials": len(res["ok"]),
                    "by_depth": by_depth(res["ok"], depths, args.trials_per_depth),
-                   **{k: v for k, v in res.items() if k not in ("texts",)}, "answers": res["texts"][:4]}
+                   **{k: v for k, v in res.items() if k not in ("texts",)}, "answers": res["texts"][:4],
+                   "engine_start_s": round(r.started_s, 2), "trials_s": round(t_trials - r.started_s, 2)}
             if windows and method != "cold-tier":  # the cold tier acts in decode; PPL scores prefill logits
+                t_ppl = time.time()
                 row.update(r.ppl(windows, f"{method}-{b}-ppl", (method, b, lam, profile)))
                 row["delta_ppl_pct"] = 100.0 * (row["ppl"] - fp16["ppl"]) / fp16["ppl"]
+                row["ppl_s"] = round(time.time() - t_ppl, 2)
             row["wall_s"] = time.time() - t
+            done[key] = row
             r.rows.append(row)
             print(f"b={b:.2f} {method:15s} acc {row['accuracy']:5.1f}%  bytes {row['byte_ratio']:.3f}  "
                   f"ppl {row.get('ppl', float('nan')):.3f}  fallback {row['fallback_tokens']}  "
                   f"{'cold ' + str(row['cold']) if row['cold'] else ''} ({row['wall_s']:.0f}s)", flush=True)
             r.save()
+        if i % 4 == 3 and any("accuracy" in x for x in r.rows):  # the heatmaps so far, now and then
+            r.payload["summary"] = summarize(r.payload, args.budgets)
+            plot(r.save())
     r.payload["summary"] = summarize(r.payload, args.budgets)
     path = r.save(done=True)
     r.close()
@@ -315,13 +359,15 @@ def summarize(payload: dict, budgets) -> dict:
     acc = lambda m, b: rows[(m, b)]["accuracy"] if (m, b) in rows else None  # noqa: E731
     out = {"fp16_accuracy": fp16}
     for b in budgets:
-        spectrum = [acc(m, b) for m in ("greedy", "spectrumkv", "balanced", "adaptive-2tier") if acc(m, b) is not None]
+        spectrum = [acc(m, b) for m in ("greedy", "spectrumkv", "spectrumkv-torch", "balanced", "adaptive-2tier") if acc(m, b) is not None]
         best = max(spectrum) if spectrum else None
         rand = acc("random-tier", b)
+        # per-layer runs on torch: its uniform control is spectrumkv on the same backend
+        control = "spectrumkv-torch" if acc("spectrumkv-torch", b) is not None else "spectrumkv"
         s = {"best_spectrumkv": best, "fp16_minus_best": None if best is None else fp16 - best,
              "best_minus_random": None if best is None or rand is None else best - rand,
-             "per_layer_minus_spectrumkv": None if acc("per-layer", b) is None or acc("spectrumkv", b) is None
-             else acc("per-layer", b) - acc("spectrumkv", b)}
+             "per_layer_minus_spectrumkv": None if acc("per-layer", b) is None or acc(control, b) is None
+             else acc("per-layer", b) - acc(control, b), "per_layer_control": control}
         if (m := rows.get(("per-layer", b))) and "delta_ppl_pct" in m:
             s["per_layer_delta_ppl_pct"] = m["delta_ppl_pct"]
         cold, base = acc("cold-tier", b), acc("spectrumkv", b)
@@ -381,6 +427,11 @@ def main():
                          "must fit the model's context length")
     ap.add_argument("--depths", type=int, default=11)
     ap.add_argument("--trials-per-depth", type=int, default=4)
+    ap.add_argument("--long-trials-per-depth", type=int, default=0,
+                    help="fp16 trials per depth at --long-context (0: half of --trials-per-depth, at least 1)")
+    ap.add_argument("--backend", default="torch", choices=("torch", "triton"),
+                    help="attention backend of every engine but the torch-only methods (kivi, per-layer, "
+                         "spectrumkv-torch)")
     ap.add_argument("--val-trials", type=int, default=32)
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.3, 0.2, 0.5])
     ap.add_argument("--val-budgets", type=float, nargs="+", default=[0.3, 0.2])
@@ -403,6 +454,8 @@ def main():
     if args.plot_only is None:
         if args.model is None:
             ap.error("--model: the fine-tuned retrieval model dir (scripts/gpu/spectrum_retrieval.sh trains one)")
+        if args.long_trials_per_depth < 0:
+            ap.error("--long-trials-per-depth must be >= 0")
         for name in ("context", "depths", "trials_per_depth", "val_trials", "max_new_tokens", "profile_samples",
                      "profile_batch", "promote_interval", "promote_layers"):
             if getattr(args, name) < 1:

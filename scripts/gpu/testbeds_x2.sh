@@ -2,7 +2,8 @@
 # The three fine-tuned test beds side by side in ONE call on a two-GPU host (nvidia-h100-x2), after
 # the GGUF halves are staged (stage_weights.sh / .carry_a1 + .carry_a2, see scripts/gpu/README.md):
 #   GPU 1  scripts/gpu/scd_quality.sh         SCD specialists, calibration, quality table
-#   GPU 0  scripts/gpu/spectrum_retrieval.sh  SpectrumKV retrieval model, tier table, cold tier
+#   GPU 0  scripts/gpu/spectrum_retrieval.sh $SPECTRUM_STAGES (default: train eval) SpectrumKV retrieval
+#                                             model and its tier table (+ tests, decode: the cold tier)
 #   GPU 0  scripts/gpu/fusedkv_all.sh $FUSEDKV_STAGES (default: retrofit scratch)
 # Each part writes into its own folder; the folders come back as one tarball each (the call returns
 # at most 8 files): scd.tar.gz, spectrum.tar.gz, fusedkv.tar.gz, plus testbeds.log. Every part runs
@@ -45,7 +46,9 @@ for p in $PARTS; do
     scd)      # the three specialists train side by side; WALL: the eval's end (scd_quality.sh)
               run_part scd 1 env PARALLEL_TRAIN=1 T_TRAIN_EACH="${SCD_TRAIN_S:-100}" \
                 WALL=$(( WALL - ($(date +%s) - T0) - 20 )) bash scripts/gpu/scd_quality.sh ;;
-    spectrum) run_part spectrum 0 env T_TOTAL=$(( WALL - ($(date +%s) - T0) - 20 )) bash scripts/gpu/spectrum_retrieval.sh ;;
+    spectrum) # shellcheck disable=SC2086
+              run_part spectrum 0 env T_TOTAL=$(( WALL - ($(date +%s) - T0) - 20 )) bash scripts/gpu/spectrum_retrieval.sh \
+                ${SPECTRUM_STAGES:-train eval} ;;
     fusedkv)  run_part fusedkv 0 bash scripts/gpu/fusedkv_all.sh ${FUSEDKV_STAGES:-retrofit scratch} ;;
     *) say "unknown part $p"; continue ;;
   esac

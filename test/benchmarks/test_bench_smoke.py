@@ -377,11 +377,20 @@ def test_retrieval_tiers(tmp_path):
                                                     "float32", "--context", "160", "--long-context", "0",
                                                     "--budgets", "0.3", "--val-budgets", "0.3",
                                                     "--methods", "greedy", "per-layer", "kivi", "cold-tier",
+                                                    "spectrumkv-torch",
                                                     "--ppl-context", "96", "--ppl-chunk", "16", "--profile-batch", "2"],
                     tmp_path, timeout=1800)
     data = result(out, "retrieval_tiers_", ("fp16", "rows", "lambda_sweep", "threshold_sweep", "layer_profile",
                                             "summary", "chosen_lambda", "chosen_threshold"), png=True)
-    assert data["complete"] and {r["method"] for r in data["rows"]} == {"greedy", "per-layer", "kivi", "cold-tier"}
+    assert data["complete"] and {r["method"] for r in data["rows"]} == {"greedy", "per-layer", "kivi", "cold-tier",
+                                                                        "spectrumkv-torch"}
     for row in data["rows"]:
         assert len(row["by_depth"]) == len(data["params"]["depths"]) and row["byte_ratio"] <= 0.3 + 1e-6
+        assert row["backend"] == "torch" and row["trials"] == len(data["params"]["depths"])
+    # every accuracy ties at this size, so lambda 0 is chosen: spectrumkv-torch's settings are greedy's
+    assert data["chosen_lambda"] == 0
+    same = [r for r in data["rows"] if r["method"] == "spectrumkv-torch"][0]
+    assert same["same_as"] == "greedy" and same["by_depth"] == [r for r in data["rows"] if r["method"] == "greedy"][0][
+        "by_depth"]
+    assert all("same_as" not in r and r["trials_s"] >= 0 for r in data["rows"] if r["method"] != "spectrumkv-torch")
     assert any(n.startswith("layer_profile_") for n in os.listdir(out))

@@ -85,3 +85,26 @@ def test_train_wrapper_serves_the_items_finetune_would_make(tiny):
     tok = load_tokenizer(tiny)
     for i in range(3):
         assert cache[("kv", i)] == tasks.generate("kv", "train", 1, 3, tokenizer=tok, start=i, **params["kv"])[0]
+
+
+def test_train_wrapper_curriculum_makes_the_first_items_short(tiny):
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
+    import spectrum_train
+
+    from sgl_kvxfer import tasks
+    from sgl_kvxfer.models.loader import load_tokenizer
+
+    params = {"kv": {"context_tokens": 160}}
+    cache = spectrum_train.prefetch(tiny, {"kv": 1.0}, params, 3, 4, 1, short=(64, 0.5))
+    tok = load_tokenizer(tiny)
+    for i in range(4):
+        ctx = 64 if i < 2 else 160
+        assert cache[("kv", i)] == tasks.generate("kv", "train", 1, 3, tokenizer=tok, start=i, context_tokens=ctx)[0]
+    assert cache[("kv", 0)].meta["context_tokens"] == 64 and cache[("kv", 3)].meta["context_tokens"] == 160
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "gpu", "spectrum_train.py"), "--short-fraction", "nan", "--",
+           "--mix", "kv=1", "--out", "/nonexistent"]
+    bad = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--short-fraction must be in [0, 1]" in bad.stderr
+    cmd[2:4] = ["--finish-within", "-5"]
+    bad = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--finish-within must be in [0, 1e6]" in bad.stderr
