@@ -12,6 +12,9 @@ SCD patch count), SCD; then SCD and Reuse-only at every lower nested rank level 
 artifacts (calibrate --rank-levels: the rank sweep). Per method: task score, KL and top-1
 agreement against the oracle on the gold answer tokens, bytes per token, rebuild time.
 
+The JSON is rewritten after each consumer's methods and after the sweep; SIGINT (`timeout -s
+INT`) writes what finished, marked "interrupted", and exits 130.
+
 Adaptive codes: per eval item and link rate, TTFT = the producer's prefill + wire time of the
 level's bytes + the level's rebuild + the consumer's first step, from batch-1 timings measured
 here (scaled by prompt length); the adaptive policy (sgl_kvxfer/scd/rank_policy.py) picks a
@@ -114,27 +117,34 @@ def main(argv=None) -> str:
         plot(payload, path[:-5] + ".png")
         return path
 
-    t = time.perf_counter()
-    for cname, c in h.consumers.items():
-        exs = examples[cname]
-        bar = tqdm(total=len(exs), desc=f"{cname}: methods", unit="q")
-        payload["results"][cname] = compact(h.evaluate(c, exs, variants, args.batch_size, bar.update))
-        bar.close()
-        prompts = [tasks.chat_prompt_ids(h.tokenizer, ex) for ex in exs[:args.drift_prompts]]
-        payload["drift"][cname] = drift(h, c, prompts, min(args.batch_size, 8))  # full-vocab logits: small batches
-        mid = sorted(range(len(exs)), key=lambda i: lengths[cname][i])[len(exs) // 2]
-        payload["timings"][cname] = h.timings(c, tasks.chat_prompt_ids(h.tokenizer, exs[mid]), variants + sweep,
-                                              args.timing_repeats)
-    wall["methods"] = time.perf_counter() - t
-    save()  # the table is on disk before the sweep starts
-    t = time.perf_counter()
-    for cname, c in h.consumers.items():
-        for v in sweep:
+    try:
+        t = time.perf_counter()
+        for cname, c in h.consumers.items():
+            exs = examples[cname]
+            bar = tqdm(total=len(exs), desc=f"{cname}: methods", unit="q")
+            payload["results"][cname] = compact(h.evaluate(c, exs, variants, args.batch_size, bar.update))
+            bar.close()
+            prompts = [tasks.chat_prompt_ids(h.tokenizer, ex) for ex in exs[:args.drift_prompts]]
+            payload["drift"][cname] = drift(h, c, prompts, min(args.batch_size, 8))  # full-vocab logits: small batches
+            mid = sorted(range(len(exs)), key=lambda i: lengths[cname][i])[len(exs) // 2]
+            payload["timings"][cname] = h.timings(c, tasks.chat_prompt_ids(h.tokenizer, exs[mid]), variants + sweep,
+                                                  args.timing_repeats)
+            wall["methods"] = time.perf_counter() - t
+            save()  # each consumer's rows are on disk before the next starts, the table before the sweep
+        t = time.perf_counter()
+        for v in sweep:  # level by level over every consumer: a level cut short is never half-averaged
             if args.time_budget_s and time.perf_counter() - t0 > args.time_budget_s:
-                payload.setdefault("sweep_skipped", []).append(f"{cname}:{v[0]}")
+                payload.setdefault("sweep_skipped", []).append(v[0])
                 continue
-            payload["results"][cname].update(compact(h.evaluate(c, examples[cname], [v], args.batch_size)))
-    wall["sweep"] = time.perf_counter() - t
+            rows = {cname: compact(h.evaluate(c, examples[cname], [v], args.batch_size))
+                    for cname, c in h.consumers.items()}
+            for cname, r in rows.items():
+                payload["results"][cname].update(r)
+            wall["sweep"] = time.perf_counter() - t
+    except KeyboardInterrupt:  # `timeout -s INT`: keep what finished
+        payload["interrupted"] = True
+        print(f"interrupted: wrote what finished to {save()}", flush=True)
+        raise SystemExit(130)
     path = save()
     print("score (mean over consumers): " + ", ".join(f"{k} {v['score']:.3f}"
                                                       for k, v in payload["summary"]["methods"].items()))

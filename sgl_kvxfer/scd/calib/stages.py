@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -191,7 +192,21 @@ def collect_h(cfg, env: Models, chunks, patch):
     return moments, {layer: [torch.cat(s) for s in per] for layer, per in samples.items()}
 
 
-def fit_patch(cfg, env: Models, h_data, patch):
+SAVE_MARGIN_S = 10.0  # kept free before a deadline: writing the artifacts and the report
+
+
+def aligner_time(cfg, deadline: float | None, left: int) -> float:
+    """Seconds for the next aligner: its share of the time before `deadline` (time.perf_counter
+    clock) among the `left` still to train, capped by --aligner-time-s; 0 = no limit. At least
+    one held-out check's worth (1 s) so every aligner ends no worse than its linear start."""
+    cap = cfg.aligner_time_s
+    if deadline is None:
+        return cap
+    share = max(1.0, (deadline - SAVE_MARGIN_S - time.perf_counter()) / max(1, left))
+    return min(cap, share) if cap else share
+
+
+def fit_patch(cfg, env: Models, h_data, patch, deadline: float | None = None):
     moments, samples = h_data
     out, report = {}, {}
     names = list(env.consumers)
@@ -208,7 +223,8 @@ def fit_patch(cfg, env: Models, h_data, patch):
             params, rep = train_aligner(z, samples[layer][1 + i].float(), fit.dec[i][0].to(z.device),
                                         fit.mu_b[i][0].to(z.device), cfg.aligner_hidden, cfg.aligner_steps,
                                         cfg.aligner_lr, w_kv=w_kv, aux=cfg.aligner_aux, seed=cfg.seed + layer,
-                                        patience=cfg.aligner_patience, time_budget_s=cfg.aligner_time_s)
+                                        patience=cfg.aligner_patience,
+                                        time_budget_s=aligner_time(cfg, deadline, len(patch) * len(names) - bar.n))
             aligners[name] = params
             report.setdefault(name, {})[str(layer)] = {**rep, "h_fit_rel_err": round(float(fit.rel_err[i][0]), 6)}
             bar.update()
