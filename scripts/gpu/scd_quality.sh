@@ -81,7 +81,8 @@ if [ "${PARALLEL_TRAIN:-0}" = 1 ]; then
   for s in $SPECIALISTS; do grep -v "it/s\]$" "$W/train_$s.log" | tail -n 15; done
 fi
 # calibration takes what the eval's minimum leaves (its own --time-budget-s ends it 15 s before
-# the hard limit); the eval takes the rest, its rank sweep stops starting levels 30 s before its end
+# the hard limit); the eval takes the rest: its rank sweep starts a consumer only when the time its
+# methods took says it ends 30 s before the limit
 T_CAL=$(( $(left) - T_EVAL_MIN )); [ $T_CAL -lt 60 ] && T_CAL=60
 stage calibrate $T_CAL python3 -m sgl_kvxfer.scd.calib --producer "$BASE" $CONSUMERS \
   --calib task:qa task:kv task:code --out "$W/artifacts" --save-stats --time-budget-s $(( T_CAL - 15 )) $CALIB
