@@ -35,10 +35,11 @@ if [ "$DEVICE" = cuda ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
   BASE=smollm2-135m
   TRAIN="--method full --steps 3000 --time-limit-s ${T_TRAIN_EACH:-65} --batch-size 32 --lr 2e-4 --warmup 30 --eval-n 50 --device cuda"
-  # the aligners share what calibration's earlier stages leave of --time-budget-s (at most 10 s each)
+  # the patch layers share what calibration's earlier stages leave of --time-budget-s (at most 20 s per
+  # layer, its three aligners trained side by side)
   CALIB="--r-k 16 --r-v 48 --rank-levels 2:6,4:12,8:24 --r-h 96 --patch-budget auto --k-min 2 --k-max 6
          --num-prefixes 384 --batch-size 32 --select-prompts 48 --aligner-hidden 512 --aligner-steps 4000
-         --aligner-patience 4 --aligner-time-s 10 --aligner-tokens 65536 --storage-dtype float16 --device cuda"
+         --aligner-patience 4 --aligner-time-s 20 --aligner-tokens 65536 --storage-dtype float16 --device cuda"
   EVAL="--n 100 --batch-size 50 --device cuda"
   T_TRAIN=$(( ${T_TRAIN_EACH:-65} + 40 )); WALL=${WALL:-530}
   T_EVAL_MIN=${T_EVAL_MIN:-170}  # the table's methods for 3 x 100 items, drift and timings, then the sweep

@@ -18,8 +18,9 @@ A consumer is NAME=PATH: a model dir, or a peft LoRA adapter dir merged onto --c
               over RAW producer K/V (the DroidSpeak baseline's selection).
   collect_h   second paired pass: input_layernorm outputs at the selected layers
   fit_patch   joint H subspace + ridge encoder, then per consumer an MLP aligner (Adam, early
-              stopping on a held-out split); with --time-budget-s the aligners still to train
-              share the time left before it, less a margin for saving
+              stopping on a held-out split; a layer's consumers train side by side); with
+              --time-budget-s the layers still to train share the time left before it, less
+              a margin for saving
   save        manifest.json, producer.safetensors, consumer_<name>.safetensors
 """
 from __future__ import annotations
@@ -62,7 +63,7 @@ class CalibConfig:
     aligner_hidden: int = 512
     aligner_steps: int = 5000  # a cap: training stops when the held-out loss stops improving
     aligner_patience: int = 4  # held-out checks (every 50 steps) without improvement before stopping
-    aligner_time_s: float = 0.0  # per aligner (0: none)
+    aligner_time_s: float = 0.0  # per patch layer, its consumers' aligners together (0: none)
     time_budget_s: float = 0.0  # the whole run (0: none): the aligners share what the stages before leave
     aligner_lr: float = 1e-3
     aligner_tokens: int = 65536
