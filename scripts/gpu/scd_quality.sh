@@ -9,8 +9,10 @@
 #   CPU rehearsal (tiny random base, the same stages at toy sizes):
 #                DEVICE=cpu OUT=<dir> bash scripts/gpu/scd_quality.sh
 #
-# Time shares (WALL, from the start): training T_TRAIN_EACH + 40 s; calibration what is left minus
-# T_EVAL_MIN (its aligners share what its earlier stages leave); the eval the rest.
+# Time shares of WALL (default 480 s from the start): on a GPU the three specialists train side by
+# side (PARALLEL_TRAIN=1), T_TRAIN_EACH (100) s each plus 40 s of loading and held-out scoring;
+# calibration what is left minus T_EVAL_MIN (170 s; its aligners share what its earlier stages
+# leave); the eval the rest. testbeds_x2.sh passes WALL = its own WALL less its set-up, less 20 s.
 #
 # Back in $OUT (6 files): specialists.tar (train_log.json + loss.png per specialist, no weights),
 # calibration.json, scd_eval_<device>.json / .png, stages.json (wall time and exit code per stage),
@@ -34,14 +36,14 @@ if [ "$DEVICE" = cuda ]; then
   # the host's cores are shared (three trainings here, other parts beside): no 16-thread pools each
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
   BASE=smollm2-135m
-  TRAIN="--method full --steps 3000 --time-limit-s ${T_TRAIN_EACH:-65} --batch-size 32 --lr 2e-4 --warmup 30 --eval-n 50 --device cuda"
+  TRAIN="--method full --steps 3000 --time-limit-s ${T_TRAIN_EACH:-100} --batch-size 32 --lr 2e-4 --warmup 30 --eval-n 50 --device cuda"
   # the patch layers share what calibration's earlier stages leave of --time-budget-s (at most 20 s per
   # layer, its three aligners trained side by side)
   CALIB="--r-k 16 --r-v 48 --rank-levels 2:6,4:12,8:24 --r-h 96 --patch-budget auto --k-min 2 --k-max 6
          --num-prefixes 384 --batch-size 32 --select-prompts 48 --aligner-hidden 512 --aligner-steps 4000
          --aligner-patience 4 --aligner-time-s 20 --aligner-tokens 65536 --storage-dtype float16 --device cuda"
   EVAL="--n 100 --batch-size 50 --device cuda"
-  T_TRAIN=$(( ${T_TRAIN_EACH:-65} + 40 )); WALL=${WALL:-530}
+  T_TRAIN=$(( ${T_TRAIN_EACH:-100} + 40 )); WALL=${WALL:-480}; PARALLEL_TRAIN=${PARALLEL_TRAIN:-1}
   T_EVAL_MIN=${T_EVAL_MIN:-170}  # the table's methods for 3 x 100 items, drift and timings, then the sweep
 else
   BASE=$W/base
@@ -99,6 +101,10 @@ for path in sys.argv[1:]:
         per = " ".join(f"{c}={x:.3f}" for c, x in v["per_consumer"].items())
         print(f"[table] {k:12s} score {v['score']:.3f} ({per}) KL {v['kl']:.4f} top1 {v['top1']:.3f} "
               f"{v['bytes_per_token']} B/token rebuild {v['rebuild_ms_per_1k_tokens']:.2f} ms/1k")
+    if "oracle" in s and "raw" in s:  # the suite discriminates when raw producer KV loses points
+        for c, o in s["oracle"]["per_consumer"].items():
+            print(f"[table] {c}: oracle {o:.3f}, base {s.get('base', {}).get('per_consumer', {}).get(c, float('nan')):.3f}, "
+                  f"raw producer KV loses {100 * (o - s['raw']['per_consumer'][c]):.1f} points")
 PY
 echo "  \"device\": \"$DEVICE\"}" >> "$W/stages.json"
 
