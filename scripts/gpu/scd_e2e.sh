@@ -42,8 +42,9 @@ assert build_has_cuda(), installed_build()" 2>&1 | tail -3; then
   PRESET=llama-3-8b VOCAB=128256
   ARGS=(--prompt-tokens ${PROMPTS:-8192} --fanouts ${FANOUTS:-4 1 2} --rates 0 25 100 200 --repeats ${REPEATS:-5}
         --producer-gpu 0 --consumer-gpu 1 --gpu-placement flag --transfer-backend "$BACKEND")
-  # 4 decode servers share GPU1: 15 GiB of weights, a 1.05 GiB pool and a 256 MB transfer buffer each
-  SERVER="--load-format dummy --dtype bfloat16 --device cuda --mem-fraction-static 0.95 --max-total-tokens 8600 --chunked-prefill-size 2048 --disable-cuda-graph --kv-transfer-buffer-mb 256 --log-level warning"
+  # 4 decode servers share GPU1: 15 GiB of weights, a 1.05 GiB pool and a 512 MB transfer buffer each
+  # (8k tokens of codes at ranks 12 / 20 / 128 with 6 patch layers: 14,848 B/token, 122 MB)
+  SERVER="--load-format dummy --dtype bfloat16 --device cuda --mem-fraction-static 0.95 --max-total-tokens 8600 --chunked-prefill-size 2048 --disable-cuda-graph --kv-transfer-buffer-mb 512 --log-level warning"
   NAME=scd_e2e_llama-3-8b_$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[1])")_x2
   T_TOTAL=${T_TOTAL:-285}
 else
