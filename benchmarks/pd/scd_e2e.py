@@ -7,7 +7,8 @@ prompt itself.
         [--transfer-backend mooncake] [--artifacts DIR | --ranks 12 20 128 --patch-count 6]
 
 Servers: N_max decode servers (specialist i: `--random-seed` 100 + i over dummy weights, SCD
-consumer c<i>) start once; a prefill server (the base) with --scd-fanout N starts for each N.
+consumer c<i>) start once; a prefill server (the base) with --scd-fanout N starts for each N, in
+the order --fanouts lists them.
 No router: the client sends the same body, with one fresh bootstrap room, to the producer and
 to each of the N consumers at once (disagg/scd_fanout.py's no-router path). Scenarios:
 
@@ -216,7 +217,7 @@ def main(argv=None) -> str:
                 consumers = [f.result() for f in futs if f.exception() is None]
                 if errors:
                     raise errors[0]
-            for n_fan in sorted(args.fanouts):
+            for n_fan in args.fanouts:  # in the order given: a run cut short keeps the first
                 try:
                     run_fanout(args, server_args, arts, consumers, n_fan, res)
                 except (RuntimeError, requests.RequestException) as e:  # the other N still run

@@ -9,8 +9,12 @@ task named like the consumer) by every method of benchmarks/quality/scd_harness.
 own prefill), base (the producer answering itself), raw producer KV, int8 / int4 producer KV,
 Reuse-only, DroidSpeak (raw KV, the k layers most sensitive to raw reuse recomputed; k = the
 SCD patch count), SCD; then SCD and Reuse-only at every lower nested rank level of the
-artifacts (calibrate --rank-levels: the rank sweep). Per method: task score, KL and top-1
+artifacts (calibrate --rank-levels: the rank sweep, one consumer at a time, each started only
+when the time its methods took says it ends within --time-budget-s). Per method: task score, KL and top-1
 agreement against the oracle on the gold answer tokens, bytes per token, rebuild time.
+
+The JSON is rewritten after each consumer's methods and each consumer's sweep; SIGINT (`timeout -s
+INT`) writes what finished, marked "interrupted", and exits 130.
 
 Adaptive codes: per eval item and link rate, TTFT = the producer's prefill + wire time of the
 level's bytes + the level's rebuild + the consumer's first step, from batch-1 timings measured
@@ -114,27 +118,36 @@ def main(argv=None) -> str:
         plot(payload, path[:-5] + ".png")
         return path
 
-    t = time.perf_counter()
-    for cname, c in h.consumers.items():
-        exs = examples[cname]
-        bar = tqdm(total=len(exs), desc=f"{cname}: methods", unit="q")
-        payload["results"][cname] = compact(h.evaluate(c, exs, variants, args.batch_size, bar.update))
-        bar.close()
-        prompts = [tasks.chat_prompt_ids(h.tokenizer, ex) for ex in exs[:args.drift_prompts]]
-        payload["drift"][cname] = drift(h, c, prompts, min(args.batch_size, 8))  # full-vocab logits: small batches
-        mid = sorted(range(len(exs)), key=lambda i: lengths[cname][i])[len(exs) // 2]
-        payload["timings"][cname] = h.timings(c, tasks.chat_prompt_ids(h.tokenizer, exs[mid]), variants + sweep,
-                                              args.timing_repeats)
-    wall["methods"] = time.perf_counter() - t
-    save()  # the table is on disk before the sweep starts
-    t = time.perf_counter()
-    for cname, c in h.consumers.items():
-        for v in sweep:
-            if args.time_budget_s and time.perf_counter() - t0 > args.time_budget_s:
-                payload.setdefault("sweep_skipped", []).append(f"{cname}:{v[0]}")
+    try:
+        t = time.perf_counter()
+        for cname, c in h.consumers.items():
+            exs = examples[cname]
+            bar = tqdm(total=len(exs), desc=f"{cname}: methods", unit="q")
+            payload["results"][cname] = compact(h.evaluate(c, exs, variants, args.batch_size, bar.update))
+            bar.close()
+            prompts = [tasks.chat_prompt_ids(h.tokenizer, ex) for ex in exs[:args.drift_prompts]]
+            payload["drift"][cname] = drift(h, c, prompts, min(args.batch_size, 8))  # full-vocab logits: small batches
+            mid = sorted(range(len(exs)), key=lambda i: lengths[cname][i])[len(exs) // 2]
+            payload["timings"][cname] = h.timings(c, tasks.chat_prompt_ids(h.tokenizer, exs[mid]), variants + sweep,
+                                                  args.timing_repeats)
+            wall["methods"] = time.perf_counter() - t
+            save()  # each consumer's rows are on disk before the next starts, the table before the sweep
+        t = time.perf_counter()
+        per_consumer = wall["methods"] / max(1, len(h.consumers))
+        for cname, c in h.consumers.items():  # every level at once, with the oracle again for KL / top-1
+            est = per_consumer * (len(sweep) + 1) / len(variants)
+            if args.time_budget_s and time.perf_counter() - t0 + est > args.time_budget_s:
+                payload.setdefault("sweep_skipped", []).append(cname)
                 continue
-            payload["results"][cname].update(compact(h.evaluate(c, examples[cname], [v], args.batch_size)))
-    wall["sweep"] = time.perf_counter() - t
+            rows = compact(h.evaluate(c, examples[cname], [("oracle", "oracle", None)] + sweep, args.batch_size))
+            rows.pop("oracle")  # the table's oracle row stays the one measured with the methods
+            payload["results"][cname].update(rows)
+            wall["sweep"] = time.perf_counter() - t
+            save()
+    except KeyboardInterrupt:  # `timeout -s INT`: keep what finished
+        payload["interrupted"] = True
+        print(f"interrupted: wrote what finished to {save()}", flush=True)
+        raise SystemExit(130)
     path = save()
     print("score (mean over consumers): " + ", ".join(f"{k} {v['score']:.3f}"
                                                       for k, v in payload["summary"]["methods"].items()))
@@ -161,10 +174,11 @@ def _headline(r: dict) -> float:
 
 
 def summarize(p: dict, h, variants) -> dict:
+    """Means over consumers; a variant missing for some consumer (a sweep cut short) is left out."""
     meths = {}
     for label, meth, level in variants:
         rows = [r[label] for r in p["results"].values() if label in r]
-        if not rows:
+        if not rows or len(rows) < len(p["results"]):
             continue
         meths[label] = {"score": statistics.mean(_headline(r) for r in rows),
                         "per_consumer": {c: _headline(r[label]) for c, r in p["results"].items() if label in r},

@@ -84,7 +84,9 @@ class Harness:
 
         from sgl_kvxfer.scd.calib.build import ReuseMoments
 
-        return ReuseMoments.from_state(load_file(path), self.m.num_kv_heads, self.m.head_mode)
+        # on the device: the refits' eigendecompositions run where the moments are (fit.py)
+        return ReuseMoments.from_state(load_file(path, device=str(self.device)), self.m.num_kv_heads,
+                                       self.m.head_mode)
 
     def refit(self, all_layers: bool = False) -> ScdArtifacts:
         """Reuse refitted from the saved moments at the artifacts' levels; all_layers: Reuse-only

@@ -9,6 +9,11 @@
 #   CPU rehearsal (tiny random base, the same stages at toy sizes):
 #                DEVICE=cpu OUT=<dir> bash scripts/gpu/scd_quality.sh
 #
+# Time shares of WALL (default 480 s from the start): on a GPU the three specialists train side by
+# side (PARALLEL_TRAIN=1), T_TRAIN_EACH (100) s each plus 40 s of loading and held-out scoring;
+# calibration what is left minus T_EVAL_MIN (170 s; its aligners share what its earlier stages
+# leave); the eval the rest. testbeds_x2.sh passes WALL = its own WALL less its set-up, less 20 s.
+#
 # Back in $OUT (6 files): specialists.tar (train_log.json + loss.png per specialist, no weights),
 # calibration.json, scd_eval_<device>.json / .png, stages.json (wall time and exit code per stage),
 # scd_quality.log. Every stage runs under `timeout -s INT`; a failed stage does not stop the next.
@@ -28,13 +33,18 @@ W=$(mktemp -d "${TMPDIR:-/tmp}/scd_quality.XXXXXX")
 trap 'rm -rf "$W"' EXIT
 SPECIALISTS="qa kv code"
 if [ "$DEVICE" = cuda ]; then
+  # the host's cores are shared (three trainings here, other parts beside): no 16-thread pools each
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
   BASE=smollm2-135m
-  TRAIN="--method full --steps 3000 --time-limit-s ${T_TRAIN_EACH:-65} --batch-size 32 --lr 2e-4 --warmup 30 --eval-n 50 --device cuda"
+  TRAIN="--method full --steps 3000 --time-limit-s ${T_TRAIN_EACH:-100} --batch-size 32 --lr 2e-4 --warmup 30 --eval-n 50 --device cuda"
+  # the patch layers share what calibration's earlier stages leave of --time-budget-s (at most 20 s per
+  # layer, its three aligners trained side by side)
   CALIB="--r-k 16 --r-v 48 --rank-levels 2:6,4:12,8:24 --r-h 96 --patch-budget auto --k-min 2 --k-max 6
          --num-prefixes 384 --batch-size 32 --select-prompts 48 --aligner-hidden 512 --aligner-steps 4000
-         --aligner-patience 4 --aligner-time-s 6 --aligner-tokens 65536 --storage-dtype float16 --device cuda"
+         --aligner-patience 4 --aligner-time-s 20 --aligner-tokens 65536 --storage-dtype float16 --device cuda"
   EVAL="--n 100 --batch-size 50 --device cuda"
-  T_TRAIN=$(( ${T_TRAIN_EACH:-65} + 40 )); T_CAL=150; WALL=${WALL:-530}
+  T_TRAIN=$(( ${T_TRAIN_EACH:-100} + 40 )); WALL=${WALL:-480}; PARALLEL_TRAIN=${PARALLEL_TRAIN:-1}
+  T_EVAL_MIN=${T_EVAL_MIN:-170}  # the table's methods for 3 x 100 items, drift and timings, then the sweep
 else
   BASE=$W/base
   python3 scripts/train/make_tiny_model.py --out "$BASE" --layers 4 --hidden 32 --heads 2 --kv-heads 1 --intermediate 64 || exit 1
@@ -42,9 +52,9 @@ else
   CALIB="--r-k 8 --r-v 8 --rank-levels 2:2,4:4 --r-h 16 --patch-budget 1 --pool 2 --num-prefixes 6 --batch-size 3
          --select-prompts 3 --aligner-hidden 16 --aligner-steps 20 --aligner-tokens 256 --device cpu"
   EVAL="--quick --device cpu"
-  T_TRAIN=900; T_CAL=1200; WALL=5400
+  T_TRAIN=900; WALL=5400; T_EVAL_MIN=1200  # toy sizes on a slow shared CPU: no device budget to keep
 fi
-
+left() { echo $(( WALL - ($(date +%s) - T0) )); }
 echo "{" > "$W/stages.json"
 stage() {  # stage NAME TIMEOUT_S CMD...: run, time, record
   local name=$1 limit=$2; shift 2
@@ -73,12 +83,29 @@ if [ "${PARALLEL_TRAIN:-0}" = 1 ]; then
   wait "${train_pids[@]}"  # not a bare wait: that also waits for the log's tee, which never ends
   for s in $SPECIALISTS; do grep -v "it/s\]$" "$W/train_$s.log" | tail -n 15; done
 fi
+# calibration takes what the eval's minimum leaves (its own --time-budget-s ends it 15 s before
+# the hard limit); the eval takes the rest: its rank sweep starts a consumer only when the time its
+# methods took says it ends 30 s before the limit
+T_CAL=$(( $(left) - T_EVAL_MIN )); [ $T_CAL -lt 60 ] && T_CAL=60
 stage calibrate $T_CAL python3 -m sgl_kvxfer.scd.calib --producer "$BASE" $CONSUMERS \
-  --calib task:qa task:kv task:code --out "$W/artifacts" --save-stats $CALIB
-T_EVAL=$(( WALL - ($(date +%s) - T0) )); [ $T_EVAL -lt 60 ] && T_EVAL=60
-# the rank sweep stops starting levels 30 s before the eval's timeout (the table comes first)
+  --calib task:qa task:kv task:code --out "$W/artifacts" --save-stats --time-budget-s $(( T_CAL - 15 )) $CALIB
+T_EVAL=$(( $(left) )); [ $T_EVAL -lt 60 ] && T_EVAL=60
 stage eval $T_EVAL python3 benchmarks/quality/scd_eval.py --artifacts "$W/artifacts" --out-dir "$W/results" \
   --time-budget-s $(( T_EVAL - 30 )) $EVAL
+# the headline rows in the log: each method's score per specialist (base = the producer alone)
+python3 - "$W"/results/scd_eval_*.json <<'PY' 2>/dev/null
+import json, sys
+for path in sys.argv[1:]:
+    s = json.load(open(path))["summary"]["methods"]
+    for k, v in s.items():
+        per = " ".join(f"{c}={x:.3f}" for c, x in v["per_consumer"].items())
+        print(f"[table] {k:12s} score {v['score']:.3f} ({per}) KL {v['kl']:.4f} top1 {v['top1']:.3f} "
+              f"{v['bytes_per_token']} B/token rebuild {v['rebuild_ms_per_1k_tokens']:.2f} ms/1k")
+    if "oracle" in s and "raw" in s:  # the suite discriminates when raw producer KV loses points
+        for c, o in s["oracle"]["per_consumer"].items():
+            print(f"[table] {c}: oracle {o:.3f}, base {s.get('base', {}).get('per_consumer', {}).get(c, float('nan')):.3f}, "
+                  f"raw producer KV loses {100 * (o - s['raw']['per_consumer'][c]):.1f} points")
+PY
 echo "  \"device\": \"$DEVICE\"}" >> "$W/stages.json"
 
 cp "$W/stages.json" "$OUT/stages.json"

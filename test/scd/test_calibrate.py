@@ -64,3 +64,26 @@ def test_calibrate_tiny_pair_end_to_end(tiny_pair, tmp_path):
             rel = (rebuilt.k[layer] - oracle.k[layer]).norm() / oracle.k[layer].norm()
             raw = (state.cache.k[layer] - oracle.k[layer]).norm() / oracle.k[layer].norm()
             assert rel < 1.0 and rebuilt.k[layer].shape == oracle.k[layer].shape, (name, layer, rel, raw)
+
+
+def test_aligners_share_the_time_budget(monkeypatch):
+    """--time-budget-s: each aligner gets its share of what is left before the deadline (less the
+    save margin), capped by --aligner-time-s, never less than 1 s; bad budgets are refused."""
+    import time
+
+    import pytest
+
+    from sgl_kvxfer.scd.calib import stages
+    from sgl_kvxfer.scd.calib.calibrate import CalibConfig
+
+    now = 1000.0
+    monkeypatch.setattr(time, "perf_counter", lambda: now)
+    cfg = CalibConfig(consumers=("a=x",), aligner_time_s=0.0)
+    assert stages.aligner_time(cfg, None, 5) == 0.0  # no deadline, no cap: no limit
+    deadline = now + stages.SAVE_MARGIN_S + 60
+    assert stages.aligner_time(cfg, deadline, 6) == pytest.approx(10.0)
+    assert stages.aligner_time(CalibConfig(consumers=("a=x",), aligner_time_s=4.0), deadline, 6) == 4.0
+    assert stages.aligner_time(cfg, now, 3) == 1.0  # past the deadline: one held-out check's worth
+    for bad in ("nan", "-1", "inf"):
+        with pytest.raises(ValueError):
+            parse_args(["--consumer", "a=x", "--time-budget-s", bad])

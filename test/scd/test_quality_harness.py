@@ -84,6 +84,10 @@ def test_scd_eval_quick_writes_table_sweep_drift_and_adaptive(tiny_pair, tmp_pat
     meths = p["summary"]["methods"]
     assert {"oracle", "base", "raw", "int8", "int4", "reuse", "droidspeak", "scd", "scd@2:2", "reuse@4:4"} <= set(meths)
     assert meths["scd@2:2"]["bytes_per_token"] < meths["scd@4:4"]["bytes_per_token"] < meths["scd"]["bytes_per_token"]
+    # the sweep's levels are scored against the oracle too (answer tokens counted, top-1 in [0, 1])
+    for c in ("qa", "code"):
+        assert p["results"][c]["scd@2:2"]["answer_tokens"] == p["results"][c]["scd"]["answer_tokens"] > 0
+    assert 0 < meths["scd@4:4"]["top1"] <= 1
     assert set(p["drift"]) == {"qa", "code"} and len(p["drift"]["qa"]["k_cos"]) == 4
     assert set(p["adaptive"]["rates"]) == {"1", "100"} and "ttft_vs_best_fixed" in p["adaptive"]["rates"]["1"]["adaptive"]
     assert "int4" in p["summary"]["matched_bytes"] and os.path.isfile(path[:-5] + ".png")

@@ -18,7 +18,9 @@ A consumer is NAME=PATH: a model dir, or a peft LoRA adapter dir merged onto --c
               over RAW producer K/V (the DroidSpeak baseline's selection).
   collect_h   second paired pass: input_layernorm outputs at the selected layers
   fit_patch   joint H subspace + ridge encoder, then per consumer an MLP aligner (Adam, early
-              stopping on a held-out split)
+              stopping on a held-out split; a layer's consumers train side by side); with
+              --time-budget-s the layers still to train share the time left before it, less
+              a margin for saving
   save        manifest.json, producer.safetensors, consumer_<name>.safetensors
 """
 from __future__ import annotations
@@ -61,7 +63,8 @@ class CalibConfig:
     aligner_hidden: int = 512
     aligner_steps: int = 5000  # a cap: training stops when the held-out loss stops improving
     aligner_patience: int = 4  # held-out checks (every 50 steps) without improvement before stopping
-    aligner_time_s: float = 0.0  # per aligner (0: none)
+    aligner_time_s: float = 0.0  # per patch layer, its consumers' aligners together (0: none)
+    time_budget_s: float = 0.0  # the whole run (0: none): the aligners share what the stages before leave
     aligner_lr: float = 1e-3
     aligner_tokens: int = 65536
     aligner_aux: float = 1.0
@@ -94,8 +97,8 @@ class CalibConfig:
         chain = [*levels, (self.r_k, self.r_v)]
         if any(not (1 <= a <= c and 1 <= b <= d) or (a, b) == (c, d) for (a, b), (c, d) in zip(chain, chain[1:])):
             raise ValueError(f"--rank-levels {self.rank_levels!r}: ascending pairs below (--r-k, --r-v)")
-        if self.aligner_patience < 0 or not self.aligner_time_s >= 0:
-            raise ValueError("--aligner-patience and --aligner-time-s must be >= 0")
+        if self.aligner_patience < 0 or not 0 <= self.aligner_time_s < 1e9 or not 0 <= self.time_budget_s < 1e9:
+            raise ValueError("--aligner-patience, --aligner-time-s and --time-budget-s must be >= 0 and finite")
         if self.code_dtype not in ("bfloat16", "float16", "float32") or self.storage_dtype not in (
                 "bfloat16", "float16", "float32"):
             raise ValueError("code_dtype / storage_dtype: bfloat16, float16 or float32")

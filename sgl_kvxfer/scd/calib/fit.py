@@ -18,6 +18,12 @@ so the rank-r' encoder is the first r' columns of the rank-r one: a code at rank
 of the code at rank r. The decoder of a lower rank is refitted from the codes it receives
 (`levels`): a producer encodes once at the top rank and may send any prefix. lam = ridge * mean
 eigenvalue of the Gram it regularizes (scale-free).
+
+Where it runs: the eigendecompositions and solves run in float64 on the moments' device (or
+`device`): cuSOLVER on a GPU, where a few hundred M x M problems take seconds; LAPACK on a CPU,
+which a host shared with other jobs can slow by orders of magnitude (thread oversubscription).
+Eigenvector signs are canonical (each direction's largest-magnitude entry positive), so both
+give the same encoder, not one up to column signs.
 """
 from __future__ import annotations
 
@@ -83,16 +89,25 @@ def _ridge_solve(gram: torch.Tensor, rhs: torch.Tensor, ridge: float) -> torch.T
     return torch.linalg.solve(gram + lam[:, None, None] * eye, rhs)
 
 
-def fit_joint(moments: JointMoments, rank: int, ridge: float = 1e-4, levels=()) -> JointFit:
+def _canonical_signs(v: torch.Tensor) -> torch.Tensor:
+    """v [G, M, r] with each column's largest-magnitude entry made positive (LAPACK and cuSOLVER
+    may return any sign per eigenvector)."""
+    peak = v.gather(-2, v.abs().argmax(-2, keepdim=True))  # [G, 1, r]
+    return v * torch.where(peak < 0, -1.0, 1.0).to(v.dtype)
+
+
+def fit_joint(moments: JointMoments, rank: int, ridge: float = 1e-4, levels=(), device=None) -> JointFit:
     """Fit encoder / decoders of rank `rank` for every group, and decoders of each lower rank in
-    `levels` for the first columns of the same encoder (see the module docstring)."""
+    `levels` for the first columns of the same encoder (see the module docstring). Runs on
+    `device` (default: the moments' device); the fit's tensors are on that device."""
     mu, cov = moments.mean_cov()
-    mu, cov = mu.cpu(), cov.cpu()  # small float64 eigenproblems: LAPACK
+    dev = torch.device(device) if device is not None else cov.device
+    mu, cov = mu.to(dev), cov.to(dev)
     d, blocks = moments.width, moments.blocks
     if not 1 <= rank <= d:
         raise ValueError(f"rank must be in [1, {d}], got {rank}")
     evals, evecs = torch.linalg.eigh(cov)  # ascending
-    v_r = evecs[..., -rank:].flip(-1)  # [G, M, r]
+    v_r = _canonical_signs(evecs[..., -rank:].flip(-1))  # [G, M, r]
     # NOTE: directions of (numerically) zero variance carry no signal but, with a small ridge, get
     # decoder rows that amplify float32 code noise ~1/lam: zero them (an exact zero code + row).
     live = evals[..., -rank:].flip(-1) > NULL_TOL * evals[..., -1:].clamp(min=1e-300)

@@ -4,13 +4,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from sgl_kvxfer.scd.calib import methods
-from sgl_kvxfer.scd.calib.aligner import train_aligner
+from sgl_kvxfer.scd.calib.aligner import train_aligners
 from sgl_kvxfer.scd.artifacts import CODE_DTYPES, ScdArtifacts, ScdManifest
 from sgl_kvxfer.scd.calib.build import ReuseMoments, fit_reuse, patch_tensors
 from sgl_kvxfer.scd.codec import ScdDecoder, ScdEncoder, kv_projections
@@ -191,27 +192,43 @@ def collect_h(cfg, env: Models, chunks, patch):
     return moments, {layer: [torch.cat(s) for s in per] for layer, per in samples.items()}
 
 
-def fit_patch(cfg, env: Models, h_data, patch):
+SAVE_MARGIN_S = 10.0  # kept free before a deadline: writing the artifacts and the report
+
+
+def aligner_time(cfg, deadline: float | None, left: int) -> float:
+    """Seconds for the next patch layer's aligners (every consumer's, trained side by side): its
+    share of the time before `deadline` (time.perf_counter clock) among the `left` layers still
+    to train, capped by --aligner-time-s; 0 = no limit. At least 1 s, a held-out check's worth
+    (the best check is kept: an aligner never ends worse than its linear start)."""
+    cap = cfg.aligner_time_s
+    if deadline is None:
+        return cap
+    share = max(1.0, (deadline - SAVE_MARGIN_S - time.perf_counter()) / max(1, left))
+    return min(cap, share) if cap else share
+
+
+def fit_patch(cfg, env: Models, h_data, patch, deadline: float | None = None):
     moments, samples = h_data
     out, report = {}, {}
     names = list(env.consumers)
     code_dt = CODE_DTYPES[cfg.code_dtype]
-    bar = tqdm(total=len(patch) * len(names), desc="train aligners", unit="aligner")
-    for layer in patch:
+    bar = tqdm(total=len(patch), desc="train aligners (all consumers per layer)", unit="layer")
+    for j, layer in enumerate(patch):
         fit = fit_joint(moments[layer], cfg.r_h, cfg.ridge)
         h_a = samples[layer][0].float()
         z = ((h_a - fit.mu_a[0].to(h_a.device)) @ fit.enc[0].to(h_a.device)).to(code_dt).float()
+        w_kvs = [torch.cat([env.projections[n][layer].w_k, env.projections[n][layer].w_v]).float() for n in names]
+        trained = train_aligners(z, [samples[layer][1 + i].float() for i in range(len(names))],
+                                 [fit.dec[i][0].to(z.device) for i in range(len(names))],
+                                 [fit.mu_b[i][0].to(z.device) for i in range(len(names))], cfg.aligner_hidden,
+                                 cfg.aligner_steps, cfg.aligner_lr, w_kvs=w_kvs, aux=cfg.aligner_aux,
+                                 seed=cfg.seed + layer, patience=cfg.aligner_patience,
+                                 time_budget_s=aligner_time(cfg, deadline, len(patch) - j))
         aligners = {}
-        for i, name in enumerate(names):
-            proj = env.projections[name][layer]
-            w_kv = torch.cat([proj.w_k, proj.w_v]).float()
-            params, rep = train_aligner(z, samples[layer][1 + i].float(), fit.dec[i][0].to(z.device),
-                                        fit.mu_b[i][0].to(z.device), cfg.aligner_hidden, cfg.aligner_steps,
-                                        cfg.aligner_lr, w_kv=w_kv, aux=cfg.aligner_aux, seed=cfg.seed + layer,
-                                        patience=cfg.aligner_patience, time_budget_s=cfg.aligner_time_s)
+        for i, (name, (params, rep)) in enumerate(zip(names, trained)):
             aligners[name] = params
             report.setdefault(name, {})[str(layer)] = {**rep, "h_fit_rel_err": round(float(fit.rel_err[i][0]), 6)}
-            bar.update()
+        bar.update()
         out.update(patch_tensors(layer, fit, aligners))
     bar.close()
     return out, report

@@ -1,0 +1,47 @@
+"""Patch aligners: several consumers trained side by side equal each trained alone, and the
+parameters they return are codec.apply_aligner's."""
+import torch
+
+from sgl_kvxfer.scd.calib.aligner import train_aligners
+from sgl_kvxfer.scd.codec import ALIGNER_PARAMS, apply_aligner
+
+
+def _data(consumers=2, n=3000, r_h=6, hidden=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, r_h, generator=g)
+    targets, lin_ws, lin_bs, w_kvs = [], [], [], []
+    for _ in range(consumers):
+        w = torch.randn(r_h, hidden, generator=g)
+        targets.append(torch.relu(z @ w) + 0.01 * torch.randn(n, hidden, generator=g))
+        lin_w = torch.linalg.lstsq(z, targets[-1]).solution  # the linear start, as the joint fit gives it
+        lin_ws.append(lin_w)
+        lin_bs.append(targets[-1].mean(0) - z.mean(0) @ lin_w)
+        w_kvs.append(torch.randn(4, hidden, generator=g))
+    return z, targets, lin_ws, lin_bs, w_kvs
+
+
+def test_side_by_side_equals_alone():
+    z, targets, lin_ws, lin_bs, w_kvs = _data()
+    kw = dict(width=16, steps=200, lr=1e-2, batch=256, aux=1.0, seed=3, eval_every=20, patience=3)
+    together = train_aligners(z, targets, lin_ws, lin_bs, w_kvs=w_kvs, **kw)
+    for i in range(2):
+        (alone_p, alone_r), = train_aligners(z, [targets[i]], [lin_ws[i]], [lin_bs[i]], w_kvs=[w_kvs[i]], **kw)
+        p, r = together[i]
+        assert set(p) == set(ALIGNER_PARAMS)
+        assert r["best_step"] == alone_r["best_step"] and r["stopped"] == alone_r["stopped"]
+        assert r["steps_run"] == alone_r["steps_run"]
+        for k in ALIGNER_PARAMS:
+            assert torch.allclose(p[k], alone_p[k], atol=1e-5, rtol=1e-4), k
+        # the trained aligner, run by the serving codec, beats its linear start on held-out rows
+        assert r["val_loss_best"] < r["val_loss_linear"]
+        err = (apply_aligner(p, z) - targets[i]).pow(2).mean()
+        lin = (z @ lin_ws[i] + lin_bs[i] - targets[i]).pow(2).mean()
+        assert err < lin
+
+
+def test_time_budget_stops_every_consumer():
+    z, targets, lin_ws, lin_bs, _ = _data(consumers=3)
+    out = train_aligners(z, targets, lin_ws, lin_bs, width=8, steps=100000, eval_every=5, patience=0,
+                         time_budget_s=0.2)
+    assert [r["stopped"] for _, r in out] == ["time"] * 3
+    assert all(0 < r["steps_run"] < 100000 for _, r in out)
