@@ -6,7 +6,8 @@ Triton's interpreter, dummy-weight presets (`tiny`) or the embedded SmolLM2. It 
 status, that the result JSON records device, commit and command plus the script's own keys, and
 the PNG where the script draws one. The numbers are not checked: these runs only show that the
 scripts still work. Every temp file of a script goes under the test's tmp_path, and a script
-must remove the temp folders it makes.
+must remove the temp folders it makes. The two that take minutes on 2 cores are marked `heavy`
+(CI's default run leaves them out; `-m heavy` runs them).
 """
 from __future__ import annotations
 
@@ -348,6 +349,7 @@ def test_scd_ttft(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # minutes on 2 cores; CI runs -m "not heavy" (README, Tests)
 def test_scd_e2e(tmp_path):
     pytest.importorskip("mooncake")
     from sgl_kvxfer.models.presets import write_dummy_tokenizer, write_preset_config
@@ -381,6 +383,7 @@ def test_cold_tier_decode(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # minutes on 2 cores; CI runs -m "not heavy" (README, Tests)
 def test_retrieval_tiers(tmp_path):
     from tiny_models import tiny_task_model
 
