@@ -397,6 +397,7 @@ def _kill_tree(handle):
             pass
 
 
+@pytest.mark.heavy  # minutes on 2 cores; CI runs -m "not heavy" (README, Tests)
 @pytest.mark.timeout(1800)  # 8 long local prefills on a loaded shared CPU
 def test_prefill_killed_under_load_every_request_ends(cluster):
     """2 prefills + 1 decode behind the real router, 8 requests of ~1.4k tokens in flight, one
@@ -454,6 +455,7 @@ def test_prefill_killed_under_load_every_request_ends(cluster):
         stop_all(router, p2, d)
 
 
+@pytest.mark.heavy  # minutes on 2 cores; CI runs -m "not heavy" (README, Tests)
 @pytest.mark.timeout(1800)
 def test_decode_killed_its_rooms_end_fast_on_the_prefill(cluster):
     """A decode SIGKILLed with claimed rooms: the prefill sees the decode die within DETECT_S and
