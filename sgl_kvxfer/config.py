@@ -40,6 +40,8 @@ CLI_HELP = {
                 "from the link rate; sgl_kvxfer/scd/rank_policy.py)",
     "scd_wire_frac": "SCD prefill, --scd-rank auto: the highest level whose codes cross the link within this "
                      "fraction of the prefill's own time (default 0.25)",
+    "kv_claim_timeout": "PD prefill: seconds from a request's arrival within which a decode must register for "
+                        "its room, else the room ends naming the decode (default 5; at most --kv-transfer-timeout)",
     "shutdown_grace_period_secs": "on SIGTERM / Ctrl-C: seconds in-flight requests may run on before they end "
                                   "with a 503 (default 20); new requests get 503 at once; a second signal stops",
 }
@@ -286,6 +288,12 @@ class SchedulerConfig:
     # a link rate / latency paced in the engine (0: unpaced; benchmarks/pd/shaped_link.py
     # checks the achieved rate against the setting).
     kv_transfer_timeout: float = 30.0
+    # prefill: seconds from a request's arrival within which a decode must register for its room
+    # (KVRegister, sent by a live decode as soon as it has the request); a room none registered
+    # for ends then, naming the decode side: the decode died or never got the request. Capped at
+    # kv_transfer_timeout (claim_deadline_s); a too-short value costs a local prefill on a slow
+    # decode, never a wrong answer.
+    kv_claim_timeout: float = 5.0
     kv_transfer_buffer_mb: int = 1024
     kv_transfer_stream: str = "auto"
     kv_transfer_rate_gbps: float = 0.0
@@ -325,8 +333,11 @@ class SchedulerConfig:
                              f"(nixl, ascend and mori are not implemented), got {self.disaggregation_transfer_backend!r}")
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             raise ValueError(f"disaggregation_bootstrap_port must be in 1..65535, got {self.disaggregation_bootstrap_port}")
-        if self.kv_transfer_timeout <= 0 or self.kv_transfer_buffer_mb < 1:
-            raise ValueError("kv_transfer_timeout must be > 0 and kv_transfer_buffer_mb >= 1")
+        if not 0 < self.kv_transfer_timeout <= 86400 or self.kv_transfer_buffer_mb < 1:  # NaN fails too
+            raise ValueError("kv_transfer_timeout must be in (0, 86400] and kv_transfer_buffer_mb >= 1, got "
+                             f"{self.kv_transfer_timeout} and {self.kv_transfer_buffer_mb}")
+        if not 0 < self.kv_claim_timeout <= 86400:
+            raise ValueError(f"kv_claim_timeout must be in (0, 86400] seconds, got {self.kv_claim_timeout}")
         if self.kv_transfer_stream not in KV_TRANSFER_STREAM_CHOICES:
             raise ValueError(f"kv_transfer_stream must be one of {KV_TRANSFER_STREAM_CHOICES}, got {self.kv_transfer_stream!r}")
         if not (0 <= self.kv_transfer_rate_gbps < 1e6 and 0 <= self.kv_transfer_latency_ms < 1e6):

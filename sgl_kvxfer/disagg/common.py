@@ -35,6 +35,13 @@ class DisaggSettings:
     ib_device: str | None = None  # --disaggregation-ib-device (disagg/mooncake.py)
     gpu_id: int = 0  # --base-gpu-id: picks this GPU's HCAs from an ib-device mapping
     trace: bool = False  # --enable-pd-trace (disagg/trace.py)
+    claim_timeout_s: float = 5.0  # --kv-claim-timeout (prefill.py)
+
+    @property
+    def claim_deadline_s(self) -> float:
+        """Seconds a prefill room may wait for a decode to register: a room without progress
+        fails at timeout_s anyway."""
+        return min(self.claim_timeout_s, self.timeout_s)
 
     @classmethod
     def from_config(cls, cfg) -> "DisaggSettings":
@@ -42,7 +49,7 @@ class DisaggSettings:
                    cfg.kv_transfer_timeout, int(cfg.kv_transfer_buffer_mb) << 20, cfg.resolved_kv_transfer_stream,
                    cfg.kv_transfer_rate_gbps, cfg.kv_transfer_latency_ms, cfg.scd_artifacts, cfg.scd_consumer,
                    cfg.scd_fanout, cfg.scd_rank, cfg.scd_wire_frac, cfg.disaggregation_ib_device,
-                   cfg.engine.base_gpu_id, cfg.enable_pd_trace)
+                   cfg.engine.base_gpu_id, cfg.enable_pd_trace, cfg.kv_claim_timeout)
 
 
 # ---------------------------------------------------------------- bootstrap server client

@@ -4,8 +4,9 @@ A request with a bootstrap room (and a real peer) does not enter the waiting que
 a room here (disagg/base.py has the states):
 
     BOOTSTRAPPING      find the prefill (its bootstrap server, in a worker thread; retried until
-                       the timeout: D may come before P registered), take a staging region and
-                       a request row, send KVClaim
+                       the timeout: D may come before P registered), send KVRegister (the prefill
+                       watches this decode from now on), take a staging region and a request
+                       row (they may wait on the load), send KVClaim
     WAITING_FOR_INPUT  \\ each KVSegment: verify its block checksums in the staging region,
     TRANSFERRING       / allocate slots (a tiered pool: in each token's tier store), unpack, ack
     SUCCESS            KVDone with every segment in: the request joins the running batch with
@@ -42,7 +43,8 @@ from sgl_kvxfer.disagg.staging import StagingAllocator
 from sgl_kvxfer.disagg.trace import PhaseTrace, render
 from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.mem_cache.kv_payload import unpack_segment
-from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVSegment
+from sgl_kvxfer.message.disagg import (KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVRegister,
+                                      KVSegment)
 from sgl_kvxfer.message.queue import PullQueue, PushQueue
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
@@ -249,6 +251,9 @@ class DecodeRole(PDRole):
                 return
             self.routes[self._peer(room.req.bootstrap)] = info
             room.endpoint = f"tcp://{info['rank_ip']}:{info['rank_port']}"
+            # before staging is free: the prefill now knows this decode holds the room and
+            # watches it (a decode that dies before claiming fails the room in seconds)
+            self._push(room.endpoint, KVRegister(room.room, self.decode_id))
         if not room.endpoint:
             return
         n = len(room.req.origin_input_ids)

@@ -2,7 +2,7 @@
 the end of --kv-transfer-timeout.
 
 Each role watches the peers it has open rooms with (decode: the prefill's bootstrap server;
-prefill: a decode's KV inbox once it claimed a room). Every PROBE_INTERVAL_S a worker thread
+prefill: a decode's KV inbox once it registered for a room). Every PROBE_INTERVAL_S a worker thread
 opens a TCP connection to each such peer and closes it (nothing is sent: the bootstrap server
 and the ZMQ inbox both accept and drop it). A refused or timed-out connection is a failure;
 MAX_FAILURES in a row make the peer dead, and the role fails that peer's rooms at once (the

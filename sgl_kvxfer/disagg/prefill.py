@@ -27,9 +27,17 @@ What travels, by `--kv-tier-budget` b and `--kv-transfer-stream`:
                        tier is more precise than the one they streamed at (TIER_KEEP for the
                        rest): the decode holds max(streamed, final) precision per token
 
-A request finishes (its HTTP reply ends) once KVDone is out, or when its room fails (no claim in
-`--kv-transfer-timeout`, a write error, a stalled ring, a cancel): the decode then prefills
+A request finishes (its HTTP reply ends) once KVDone is out, or when its room fails (a write
+error, a stalled ring, a cancel, no claim in `--kv-transfer-timeout`): the decode then prefills
 locally. Either way the request's KV goes to the radix cache as usual; nothing leaks.
+
+Which decode holds a room is known from its KVRegister (sent when the decode gets the request,
+before it has staging to claim with). From then on the room fails as soon as that decode is
+seen dead (peers.py); a room no decode registered for within `--kv-claim-timeout` of the
+request's arrival fails then: its decode died before registering, or was dead when the router
+dispatched. Both name the decode side. A decode that registers or claims a room that already
+failed here gets KVFailed at once (it prefills locally), so a claim deadline that is too short
+for a slow decode costs time, never an answer.
 """
 from __future__ import annotations
 
@@ -54,7 +62,8 @@ from sgl_kvxfer.disagg.staging import RingWriter, StagingAllocator
 from sgl_kvxfer.disagg.trace import PhaseTrace
 from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.mem_cache.kv_payload import pack_segment, segment_layout, tier_counts, wire_tier_of
-from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVSegment
+from sgl_kvxfer.message.disagg import (KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVRegister,
+                                      KVSegment)
 from sgl_kvxfer.message.queue import PullQueue, WakeChannel
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_INT8
 
@@ -83,6 +92,7 @@ class PrefillRoom:
     room: int
     req: object = None
     claim: KVClaim | None = None
+    decode: str | None = None  # the reply endpoint of the decode that registered or claimed it
     ring: RingWriter | None = None
     state: KVPoll = KVPoll.BOOTSTRAPPING
     pending: deque = field(default_factory=deque)
@@ -117,6 +127,8 @@ class PrefillRole(PDRole):
         self.host = host
         self.stats = TransferStats()
         self.rooms: dict[int, PrefillRoom] = {}
+        self.ended: dict[int, tuple[str, float]] = {}  # failed room -> (reason, forget at): a late
+        # register or claim for it is answered with KVFailed (insertion order is expiry order)
         self.fake = settings.backend == "fake"
         self.stream = settings.stream
 
@@ -197,6 +209,7 @@ class PrefillRole(PDRole):
                 room = self.rooms[req.bootstrap.room] = PrefillRoom(req.bootstrap.room)
             room.req, room.stream = req, self.stream
             room.created = room.progress = time.monotonic()
+            self.ended.pop(room.room, None)  # a reused id starts afresh
             if self.settings.trace:
                 room.trace = PhaseTrace()
                 room.trace.add("arrival", time.time(), time.time())
@@ -278,18 +291,23 @@ class PrefillRole(PDRole):
         self.check_peers(now)
         for room in list(self.rooms.values()):
             self._service_room(room, now)
+        while self.ended and next(iter(self.ended.values()))[1] <= now:
+            del self.ended[next(iter(self.ended))]
 
     # ------------------------------------------------------------------ peer liveness (role.py)
+    def _decode_of(self, room) -> str | None:
+        """The decode a live room depends on (None: none registered yet, or the room failed)."""
+        # NOTE: an SCD room (scd_prefill.py) has consumers, not one decode: not watched here
+        decode = getattr(room, "decode", None)
+        return decode if decode and room.error is None else None
+
     def watched_peers(self) -> dict:
-        """The KV inboxes of decodes that claimed open rooms."""
-        # NOTE: an SCD room (scd_prefill.py) has consumers, not one claim: not watched here
-        return {endpoint_peer(c.reply_to): c.reply_to
-                for c in (getattr(r, "claim", None) for r in self.rooms.values()) if c}
+        """The KV inboxes of decodes that registered for or claimed open rooms."""
+        return {endpoint_peer(d): d for d in map(self._decode_of, self.rooms.values()) if d}
 
     def on_peer_dead(self, peer, reason: str) -> None:
-        """A decode that claimed rooms and died: its rooms end now, naming it."""
-        for room in [r for r in self.rooms.values()
-                     if getattr(r, "claim", None) and endpoint_peer(r.claim.reply_to) == peer]:
+        """A decode that registered for rooms and died: its rooms end now, naming it."""
+        for room in [r for r in self.rooms.values() if (d := self._decode_of(r)) and endpoint_peer(d) == peer]:
             room.claim = None  # nothing more goes to it
             self._fail(room, reason)
 
@@ -315,7 +333,16 @@ class PrefillRole(PDRole):
 
     def _on_message(self, msg) -> None:
         room = self.rooms.get(msg.room)
-        if isinstance(msg, KVClaim):
+        if isinstance(msg, (KVRegister, KVClaim)):
+            failed = room.error if room is not None else self.ended.get(msg.room, ("",))[0]
+            if failed:  # late for a room that failed here: the decode prefills locally now
+                self.sender.submit(NoticeJob(msg.room, msg.decode_id, KVFailed(msg.room, failed)))
+                return
+        if isinstance(msg, KVRegister):
+            if room is None:  # the decode came first: the request follows (or the room orphans)
+                room = self.rooms[msg.room] = PrefillRoom(msg.room)
+            room.decode, room.progress = room.decode or msg.decode_id, time.monotonic()
+        elif isinstance(msg, KVClaim):
             if msg.layout != self.layout:
                 self.sender.submit(NoticeJob(msg.room, msg.reply_to, KVFailed(
                     msg.room, f"incompatible KV layout: prefill {self.layout}, decode {msg.layout}")))
@@ -323,6 +350,7 @@ class PrefillRole(PDRole):
             if room is None:  # the claim came first: the request follows (or the room orphans)
                 room = self.rooms[msg.room] = PrefillRoom(msg.room)
             room.claim, room.ring, room.progress = msg, RingWriter(msg.region_bytes), time.monotonic()
+            room.decode = msg.reply_to
             if room.prompt_done and room.state == KVPoll.BOOTSTRAPPING:
                 room.state = KVPoll.TRANSFERRING
             elif room.state == KVPoll.BOOTSTRAPPING:
@@ -464,7 +492,11 @@ class PrefillRole(PDRole):
     def _check_deadline(self, room: PrefillRoom, now: float) -> None:
         if room.error or room.state == KVPoll.SUCCESS or room.done_queued:
             return
-        if now - room.progress > self.settings.timeout_s:
+        deadline = self.settings.claim_deadline_s
+        if room.decode is None and room.req is not None and now - room.created > deadline:
+            self._fail(room, f"decode unreachable: no decode registered for the room within {deadline:g} s of "
+                             "the request's arrival (the decode died or never got the request)")
+        elif now - room.progress > self.settings.timeout_s:
             if room.req is None:  # an orphan claim: its request never came
                 self._fail(room, "no request for the room")
             elif room.claim is None:
@@ -476,6 +508,7 @@ class PrefillRole(PDRole):
         if room.error is None:
             room.error = reason
             room.state = KVPoll.FAILED
+            self.ended[room.room] = (reason, time.monotonic() + self.settings.timeout_s)
             self.sender.cancelled.add(room.room)  # its queued writes must not start
             self.stats.outcome("failed:" + reason.split(":")[0])
             logger.warning("PD room %d failed: %s", room.room, reason)

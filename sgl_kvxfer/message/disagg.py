@@ -3,7 +3,7 @@
 Travels over ZMQ PUSH/PULL on tcp:// between the scheduler processes of a prefill server and a
 decode server (the KV bytes themselves go through the transfer engine, never through ZMQ):
 
-    decode KV manager ──KVClaim / KVAck / KVCancel──▶ prefill KV manager   (destination "kv_prefill")
+    decode KV manager ──KVRegister / KVClaim / KVAck / KVCancel──▶ prefill KV manager   (destination "kv_prefill")
     prefill KV manager ──KVSegment / KVDone / KVFailed──▶ decode KV manager (destination "kv_decode")
 
 One room is one request's KV: `bootstrap_room` from the router. A decode server claims a room by
@@ -39,6 +39,15 @@ class ScdClaimInfo(msgspec.Struct, frozen=True):
 
 
 # ---------------------------------------------------------------- to the prefill KV manager
+class KVRegister(msgspec.Struct, tag=True):
+    """The decode holds the request of `room` and will claim it once it has staging and a
+    request row (which may wait on its load). Sent as soon as the decode knows the prefill's
+    endpoint: from then on the prefill watches that decode's liveness for the room, and a room
+    no decode registered for within --kv-claim-timeout ends (the decode died or never got it)."""
+    room: int
+    decode_id: str  # the decode KV manager's reply endpoint (tcp://), as in its later KVClaim
+
+
 class KVClaim(msgspec.Struct, tag=True):
     room: int
     decode_id: str  # the claiming decode KV manager (its reply endpoint)
@@ -112,5 +121,5 @@ class KVFailed(msgspec.Struct, tag=True):
     reason: str
 
 
-ToKVPrefill = KVClaim | KVAck | KVCancel
+ToKVPrefill = KVRegister | KVClaim | KVAck | KVCancel
 ToKVDecode = KVSegment | KVDone | KVFailed

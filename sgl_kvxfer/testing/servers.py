@@ -160,14 +160,16 @@ def _auth(args: list[str]) -> dict:
 
 
 def start_router(prefills: list[tuple[str, int | None]], decodes: list[str], policy: str = "random",
-                 name: str = "router", workers: list[str] | None = None) -> ServerHandle:
+                 name: str = "router", workers: list[str] | None = None,
+                 health_check_interval_secs: int = 1) -> ServerHandle:
     """The real `sglang_router.launch_router --pd-disaggregation` in front of PD workers (or, with
-    `workers`, in front of plain servers), with health checks every 1 s; returns once /readiness
-    answers 200 (a healthy prefill and decode, or a healthy worker)."""
+    `workers`, in front of plain servers), with health checks every `health_check_interval_secs`
+    (the router's own default is 60); returns once /readiness answers 200 (a healthy prefill and
+    decode, or a healthy worker)."""
     port = free_port()
     mode = ["--worker-urls", *workers] if workers else ["--pd-disaggregation"]
     cmd = [sys.executable, "-m", "sglang_router.launch_router", *mode, "--host", "127.0.0.1",
-           "--port", str(port), "--policy", policy, "--health-check-interval-secs", "1",
+           "--port", str(port), "--policy", policy, "--health-check-interval-secs", str(health_check_interval_secs),
            # a long timeout: a busy CPU worker may take seconds to answer /health (a killed one
            # refuses at once); "unhealthy" would open the router's circuit and fail requests
            "--health-check-timeout-secs", "20",

@@ -1,6 +1,7 @@
 """PD roles without servers: the hooks the Scheduler calls (disagg/role.py) on a tiny CPU engine,
 per-chunk tiers for the chunk streams, the upgrade pass, the phase trace, the link route's
-validation, Mooncake's settings (HCA filter, environment) and the loop's wake channel."""
+validation, Mooncake's settings (HCA filter, environment), the loop's wake channel and the
+prefill's view of its decodes (registration, claim deadline, a registered decode's death)."""
 from __future__ import annotations
 
 import threading
@@ -274,9 +275,18 @@ def test_pd_flags_are_validated():
     assert ok.engine.base_gpu_id == 1 and ok.scheduler.enable_pd_trace
     for bad in (dict(base_gpu_id=-1), dict(disaggregation_ib_device='{"0": "mlx5_0"}', base_gpu_id=1),
                 dict(kv_transfer_rate_gbps=float("nan")), dict(kv_transfer_latency_ms=float("inf")),
-                dict(kv_transfer_stream="fast"), dict(disaggregation_transfer_backend="nixl")):
+                dict(kv_transfer_stream="fast"), dict(disaggregation_transfer_backend="nixl"),
+                dict(kv_transfer_timeout=float("nan")), dict(kv_claim_timeout=float("nan")),
+                dict(kv_claim_timeout=float("inf")), dict(kv_claim_timeout=0), dict(kv_claim_timeout=-1),
+                dict(kv_claim_timeout=1e9)):
         with pytest.raises(ValueError):
             ServerArgs.from_flat(**bad)
+    from sgl_kvxfer.server.flags import parse_server_args
+
+    assert parse_server_args(["--kv-claim-timeout", "2.5"]).scheduler.kv_claim_timeout == 2.5
+    for bad in ("nan", "inf", "0", "-3", "1e9", "soon"):
+        with pytest.raises(SystemExit):  # argparse's error, naming the flag
+            parse_server_args(["--kv-claim-timeout", bad])
     assert ServerArgs.from_flat(disaggregation_transfer_backend="mooncake_tcp").scheduler.disaggregation_transfer_backend \
         == "mooncake_tcp"
 
@@ -317,3 +327,68 @@ def test_a_gpu_transfer_asked_of_the_host_memory_build_names_the_cuda_build(monk
         assert not engine.gpu_memory and engine.describe()["build"] == mooncake.NON_CUDA_DIST
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------- the prefill's view of its decodes
+class _Sender:
+    def __init__(self):
+        self.jobs, self.cancelled = [], set()
+
+    def submit(self, job):
+        self.jobs.append(job)
+
+
+class _Req:
+    finished = False
+
+
+def _prefill_role(claim_timeout=2.0, timeout=30.0):
+    from sgl_kvxfer.disagg.common import DisaggSettings, TransferStats
+    from sgl_kvxfer.disagg.prefill import PrefillRole
+
+    role = object.__new__(PrefillRole)
+    role.settings = DisaggSettings("prefill", 8998, "mooncake", timeout, 1 << 20, "end", 0.0, 0.0,
+                                   claim_timeout_s=claim_timeout)
+    role.stats, role.rooms, role.ended, role.sender = TransferStats(), {}, {}, _Sender()
+    return role
+
+
+def test_a_room_no_decode_registers_for_ends_at_the_claim_deadline_naming_the_decode():
+    from sgl_kvxfer.disagg.prefill import PrefillRoom
+    from sgl_kvxfer.message.disagg import KVFailed, KVRegister
+
+    role = _prefill_role(claim_timeout=2.0)
+    room = role.rooms[5] = PrefillRoom(5, req=_Req())
+    role._check_deadline(room, room.created + 1.9)
+    assert room.error is None and role.watched_peers() == {}  # nothing to watch yet
+    role._check_deadline(room, room.created + 2.1)
+    assert room.error.startswith("decode unreachable: no decode registered for the room within 2 s")
+    assert role.stats.rooms == {"failed:decode unreachable": 1}  # counted once, however often polled
+    role._check_deadline(room, room.created + 9)
+    assert role.stats.rooms == {"failed:decode unreachable": 1}
+    # a slow decode that registers afterwards is told at once (it prefills locally), not at its timeout
+    role.rooms.pop(5)
+    role._on_message(KVRegister(5, "tcp://d:7"))
+    (job,) = role.sender.jobs
+    assert job.reply_to == "tcp://d:7" and isinstance(job.msg, KVFailed) and "decode unreachable" in job.msg.reason
+    assert 5 not in role.rooms
+    # the claim deadline never exceeds --kv-transfer-timeout
+    assert _prefill_role(claim_timeout=60, timeout=10).settings.claim_deadline_s == 10
+
+
+def test_a_registered_decode_is_watched_and_its_death_ends_its_rooms():
+    from sgl_kvxfer.disagg.prefill import PrefillRoom
+    from sgl_kvxfer.message.disagg import KVRegister
+
+    role = _prefill_role(claim_timeout=2.0)
+    role._on_message(KVRegister(6, "tcp://10.0.0.2:4000"))  # the decode came first
+    role.rooms[6].req = _Req()
+    other = role.rooms[7] = PrefillRoom(7, req=_Req())
+    role._on_message(KVRegister(7, "tcp://10.0.0.3:4000"))
+    assert role.watched_peers() == {("10.0.0.2", 4000): "tcp://10.0.0.2:4000", ("10.0.0.3", 4000): "tcp://10.0.0.3:4000"}
+    room = role.rooms[6]
+    role._check_deadline(room, room.created + 5)  # registered: the claim deadline does not apply
+    assert room.error is None
+    role.on_peer_dead(("10.0.0.2", 4000), "decode unreachable: tcp://10.0.0.2:4000 (2 failed probes)")
+    assert room.error == "decode unreachable: tcp://10.0.0.2:4000 (2 failed probes)" and other.error is None
+    assert role.watched_peers() == {("10.0.0.3", 4000): "tcp://10.0.0.3:4000"}  # a failed room watches nothing

@@ -52,7 +52,10 @@ def greedy(prompt, max_new=12, **extra):
 
 
 def pd_args(mode: str, bootstrap_port: int | None = None, *extra) -> list[str]:
-    args = [*COMMON, "--disaggregation-mode", mode, "--kv-transfer-timeout", str(transfer_timeout()), *extra]
+    # the claim deadline as long as the (load-scaled) transfer timeout: a decode slowed by the
+    # shared machine registers late without turning a transfer into a fallback
+    args = [*COMMON, "--disaggregation-mode", mode, "--kv-transfer-timeout", str(transfer_timeout()),
+            "--kv-claim-timeout", str(transfer_timeout()), *extra]
     if bootstrap_port is not None:
         args += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
     return args
@@ -234,13 +237,14 @@ def test_faulty_transfer_falls_back_to_a_local_prefill(cluster, room, reason):
     assert_nothing_leaked(cluster["P"], cluster["D"])
 
 
-def test_a_room_no_decode_claims_is_dropped(cluster):
+def test_a_room_no_decode_registers_for_is_dropped(cluster):
     body = {**greedy(PROMPTS[2]), "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster["bp"],
             "bootstrap_room": ROOM_ORPHAN}
     start = time.time()
-    out = post(cluster["P"].url, body)  # nobody claims: the reply ends after the timeout, 2xx
-    assert time.time() - start >= transfer_timeout() - 1
-    assert out["meta_info"]["kv_transfer"]["status"].startswith("failed: no decode claimed")
+    out = post(cluster["P"].url, body)  # no decode: the reply ends at the claim deadline, 2xx
+    assert time.time() - start >= transfer_timeout() - 1  # the module's --kv-claim-timeout
+    assert out["meta_info"]["kv_transfer"]["status"].startswith(
+        "failed: decode unreachable: no decode registered for the room")
     assert_nothing_leaked(cluster["P"])
 
 
@@ -361,10 +365,9 @@ PATIENT = "300"  # --kv-transfer-timeout of the servers below: a room fails fast
 # the PATIENT timeout that is the bound without the probes
 DETECT_S = 45.0
 ROOMS_END_S = 60  # after the death is seen, the dead peer's claimed rooms end within this
-# --kv-transfer-timeout of the prefill whose decode is killed: a room that decode never claimed
-# ends only at this timeout (nothing tells the prefill which decode would have claimed it), and
-# its client waits for it. Above DETECT_S + ROOMS_END_S, so the claimed rooms' own timeout
-# cannot beat the probe inside the test's window; below PATIENT, so the clients are not held 300 s.
+# --kv-transfer-timeout of the prefill whose decode is killed: above DETECT_S + ROOMS_END_S, so
+# the rooms' own timeout cannot beat the probe inside the test's window (the decode registered
+# every room on arrival, claimed or not, so the probe ends them all); below PATIENT.
 UNCLAIMED_S = "120"
 
 
@@ -459,9 +462,9 @@ def test_prefill_killed_under_load_every_request_ends(cluster):
 @pytest.mark.timeout(1800)
 def test_decode_killed_its_rooms_end_fast_on_the_prefill(cluster):
     """A decode SIGKILLed with claimed rooms: the prefill sees the decode die within DETECT_S and
-    ends those rooms at once naming it (not after --kv-transfer-timeout); every client's request
-    ends with an error naming the decode (the router's 5xx), those of rooms it never claimed at
-    the prefill's timeout."""
+    ends its rooms at once naming it (not after --kv-transfer-timeout), those it had registered
+    for but not claimed yet too; every client's request ends with an error naming the decode
+    (the router's 5xx)."""
     bp = free_port()
     assert float(UNCLAIMED_S) > DETECT_S + ROOMS_END_S
     p, d2 = start_all([([*pd_args("prefill", bp), "--kv-transfer-timeout", UNCLAIMED_S], None, "pd_prefill_patient"),
@@ -490,8 +493,7 @@ def test_decode_killed_its_rooms_end_fast_on_the_prefill(cluster):
         seen = _wait(lambda: metric(p, "kv_transfer_peer_failures_total") > before, 120,
                      "the prefill never saw the decode die")
         assert seen - killed < DETECT_S, f"decode death seen after {seen - killed:.1f} s"
-        # the rooms it had claimed end now, by the probe (a room it never claimed waits for
-        # --kv-transfer-timeout and is counted as "failed:no decode claimed the room")
+        # the rooms it had registered for (claimed or not) end now, by the probe
         _wait(lambda: _kv(p).get("rooms", {}).get("failed:decode unreachable", 0) > 0, ROOMS_END_S,
               "the prefill kept the dead decode's claimed rooms")
         for t in threads:
@@ -501,3 +503,78 @@ def test_decode_killed_its_rooms_end_fast_on_the_prefill(cluster):
             assert "ecode" in text, text  # the router names the decode it lost
     finally:
         stop_all(router, p, d2)
+
+
+# ---------------------------------------------------------------- a decode dead before it registers
+ROUTER_ATTEMPTS = 5  # sglang-router 0.3.2: --retry-max-retries 5 counts every attempt (its
+# --disable-retries sets it to 1); each attempt opens a new room on the same dead decode
+NEVER = "3600"  # --kv-transfer-timeout of the prefill below: only the claim deadline can end its rooms
+
+
+@pytest.mark.timeout(1800)
+def test_a_decode_dead_before_it_registers_fails_fast_naming_the_decode():
+    """The decode is SIGKILLed; the real router, whose health checks run at its default interval
+    (60 s), still sends it requests. The decode's connection is refused at once, but the router
+    answers only once the prefill's reply has ended: the prefill ends each room that no decode
+    registered for at --kv-claim-timeout (not at --kv-transfer-timeout), so each attempt takes
+    the claim deadline (plus the short prompt's prefill and a scheduler step), and the client gets
+    the router's 502 naming the decode within ROUTER_ATTEMPTS of them. Each room is counted once
+    on the prefill, and its KV held by no request returns to zero."""
+    claim = round(scaled(3))
+    bp = free_port()
+    p, d = start_all([([*pd_args("prefill", bp), "--kv-transfer-timeout", NEVER, "--kv-claim-timeout", str(claim)],
+                       None, "pd_prefill_claim"), (pd_args("decode"), None, "pd_decode_dies")])
+    routers = []
+    try:
+        # one router per request: the router's circuit breaker (10 failures) counts the retries
+        # of both, and once open it answers "No available prefill workers" whatever failed
+        routers = [start_router([(p.url, bp)], [d.url], name=f"router_claim_{i}", health_check_interval_secs=60)
+                   for i in range(2)]
+        post(routers[0].url, greedy(PROMPTS[2]))  # the pair works
+        _kill_tree(d)
+        d.proc.wait(30)
+        failed = _kv(p)["rooms"].get("failed:decode unreachable", 0)
+        aborted = _kv(p)["rooms"].get("failed:aborted", 0)
+        before = {k: metric(p, k) for k in ("kv_transfer_rooms_failed_total", "kv_transfer_peer_failures_total",
+                                            "num_aborted_requests_total")}
+        # the claim deadline, plus the prompt's prefill and one scheduler step on this machine now
+        per_attempt = claim + scaled(10)
+        bound = ROUTER_ATTEMPTS * per_attempt
+        assert bound < float(NEVER)
+
+        t = time.time()
+        r = requests.post(routers[0].url + "/generate", json=greedy(PROMPTS[2]), timeout=bound + 60)
+        took = time.time() - t
+        print(f"non-streaming: {r.status_code} after {took:.1f} s (--kv-claim-timeout {claim} s, bound "
+              f"{bound:.0f} s): {r.text}")
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["code"] == "decode_server_error" and err["message"].startswith("Decode server error"), err
+        assert took < bound, f"the client waited {took:.1f} s (bound {bound:.0f} s)"
+        rooms = _kv(p)["rooms"].get("failed:decode unreachable", 0) - failed
+        assert 1 <= rooms <= ROUTER_ATTEMPTS  # one room per attempt that reached the prefill
+        assert metric(p, "kv_transfer_rooms_failed_total") - before["kv_transfer_rooms_failed_total"] == rooms
+        assert metric(p, "kv_transfer_peer_failures_total") == before["kv_transfer_peer_failures_total"]
+
+        # streaming: the prefill's SSE headers come at once, so the router answers as soon as the
+        # decode's connection is refused; it drops the prefill's stream, which aborts the room
+        t = time.time()
+        r = requests.post(routers[1].url + "/generate", json=greedy(PROMPTS[2], stream=True), timeout=bound + 60)
+        took = time.time() - t
+        print(f"streaming: {r.status_code} after {took:.1f} s: {r.headers.get('content-type')} {r.text}")
+        assert r.status_code == 502, r.text
+        err = r.json()["error"]
+        assert err["code"] == "decode_server_error" and err["message"].startswith("Decode server error"), err
+        assert took < bound
+        # each attempt's room ends once, as an abort (the router dropped the prefill's stream)
+        _wait(lambda: _kv(p)["rooms"].get("failed:aborted", 0) > aborted, scaled(60), "no room aborted")
+        rooms = _kv(p)["rooms"].get("failed:aborted", 0) - aborted
+        assert 1 <= rooms <= ROUTER_ATTEMPTS
+        _wait(lambda: metric(p, "num_aborted_requests_total") - before["num_aborted_requests_total"] == rooms,
+              scaled(60), "aborted requests not counted once each")
+        _wait(lambda: requests.post(p.url + "/flush_cache", timeout=60).status_code == 200
+              and _kv(p).get("rooms_open") == 0 and _kv_used(p) == 0 and not _kv(p).get("send_buffer_used_bytes"),
+              scaled(120), "KV or rooms left on the prefill")
+        print("prefill rooms:", _kv(p)["rooms"])
+    finally:
+        stop_all(*routers, p, d)

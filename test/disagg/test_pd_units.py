@@ -14,7 +14,7 @@ from sgl_kvxfer.disagg.common import Fault
 from sgl_kvxfer.disagg.shaped import ShapedTransferEngine
 from sgl_kvxfer.disagg.staging import ALIGN, RingWriter, StagingAllocator
 from sgl_kvxfer.message import decode, encode
-from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVSegment
+from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVRegister, KVSegment
 from sgl_kvxfer.tokenizer.generate_input import RequestError, parse_bootstrap, parse_generate_request
 
 
@@ -43,7 +43,7 @@ def test_ring_blocks_until_acked_and_wraps():
 
 def test_control_messages_round_trip_by_destination():
     layout = KVLayoutInfo("float16", 30, 3, 64, 32)
-    to_prefill = [KVClaim(7, "tcp://d:1", "tcp://d:1", "d:2", 1 << 40, 4096, 100, layout), KVAck(7, "tcp://d:1", 3),
+    to_prefill = [KVRegister(7, "tcp://d:1"), KVClaim(7, "tcp://d:1", "tcp://d:1", "d:2", 1 << 40, 4096, 100, layout), KVAck(7, "tcp://d:1", 3),
                   KVCancel(7, "tcp://d:1", "aborted")]
     to_decode = [KVSegment(7, 0, 0, 64, bytes([0, 1, 2]), (1, 1, 1), 0, 123, 4 << 20, [1, 2], replaces=True),
                  KVDone(7, 1, 42, 16, 123, [-0.5, 42], None, None), KVFailed(7, "no decode claimed the room")]
