@@ -192,11 +192,15 @@ class Scheduler:
         if self.inflight is not None:
             return self._step_overlapped()
         batch = self._prefill_batch()
+        applied = False
         if batch is None:
+            applied = self.pending_prefill is not None
             self._apply_prefill()  # decode needs the prefilled requests running, with their first token
             batch = self._decode_batch()
         if batch is None:
-            return False
+            # applying a prefill is work: its outputs and what the role does next with the request
+            # (a PD prefill packs its KV) must not wait out the event loop's idle sleep
+            return applied
         loc = self._out_cache_loc
         self._current = (batch, loc)  # slots allocated, not yet in the requests' kv_len: _recover
         fb = prepare_batch(batch, loc, self.runner.req_to_token.table, self.runner.device)
