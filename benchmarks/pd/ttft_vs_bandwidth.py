@@ -15,11 +15,13 @@ while the pair has measured for less than `--more-seconds` (so later budgets kee
 At each point POST /kv_transfer_link sets the prefill's pacing and stream, then the prompt
 (random token ids, so nothing hits a radix cache) goes through the router `--repeats` times
 (`--repeats-long` from `--long-prompt` tokens up), streamed: TTFT is the time to the first
-streamed chunk. The decode's `meta_info.kv_transfer`
-gives the bytes on the wire, `wire_ms` (the link's busy time: summed write times), `tail_ms`
+streamed chunk. The decode's `meta_info.kv_transfer` gives the bytes on the wire, `wire_ms` (the link's busy time: summed write times), `tail_ms`
 (prompt done -> last write: the transfer the prefill's compute did not hide) and, with
-`--trace`, the request's phase trace (sgl_kvxfer/disagg/trace.py). Streams other than `end` run
-at `--variant-rates` only (all rates when it is omitted).
+`--trace`, the phase trace (sgl_kvxfer/disagg/trace.py) of `--trace-repeats` more requests sent
+after the timed ones with the prefill's trace switched on (POST /kv_transfer_link): a traced
+chunk waits for its kernels, so the timed requests run untraced; the traced ones' TTFTs are
+kept apart (`traced_ttft_ms`). Streams other than `end` run at `--variant-rates` only (all
+rates when it is omitted).
 
 The reference at each budget is a server computing the prompt alone: `--reference single`
 starts a non-disaggregated server (server + prefill args); `--reference prefill` asks the PD
@@ -129,8 +131,22 @@ def trace_summary(traces: list[dict]) -> dict:
             "example": traces[len(traces) // 2]}
 
 
-def measure(url: str, n: int, repeats: int, vocab: int, label: str, extra: dict | None = None) -> dict:
+def _prefill_traced(trace: dict) -> bool:
+    return any(name.startswith("p.") for name in trace["by_phase_ms"])
+
+
+def measure(url: str, n: int, repeats: int, vocab: int, label: str, extra: dict | None = None,
+            trace_repeats: int = 0, prefill_url: str | None = None, link: tuple | None = None) -> dict:
+    """`repeats` requests of n tokens; their TTFT, and the transfer's medians when KV moved.
+    With `trace_repeats` (PD through the router, `link` = (rate, stream, latency)): the timed
+    requests run with the prefill's trace off (a traced chunk waits for its kernels), then
+    `trace_repeats` traced requests give the row's phase trace and `traced_ttft_ms`."""
+    if trace_repeats:
+        set_link(prefill_url, *link, trace=False)
     runs = [ttft(url, prompt_ids(n, next(_PROMPT_SEEDS), vocab), extra) for _ in range(repeats)]
+    if trace_repeats:
+        set_link(prefill_url, *link, trace=True)
+        traced = [ttft(url, prompt_ids(n, next(_PROMPT_SEEDS), vocab), extra) for _ in range(trace_repeats)]
     times = [1e3 * t for t, _ in runs]
     row = {"ttft_ms": statistics.median(times), "ttft_min_ms": min(times), "ttft_max_ms": max(times),
            "runs_ms": times}
@@ -140,9 +156,14 @@ def measure(url: str, n: int, repeats: int, vocab: int, label: str, extra: dict 
             raise RuntimeError(f"{label}, {n} tokens: a transfer fell back: {transfer}")
         for key in ("bytes", "bytes_per_token", "wire_ms", "tail_ms", "link_gbps"):
             row[key] = statistics.median(t[key] for t in transfer)
-        traces = [t["trace"] for t in transfer if "trace" in t]
-        if traces:
+        if trace_repeats:
+            if any(_prefill_traced(t["trace"]) for t in transfer if "trace" in t):
+                raise RuntimeError(f"{label}: the prefill traced requests sent with its trace off")
+            traces = [m.get("kv_transfer", {}).get("trace") for _, m in traced]
+            if not all(t and _prefill_traced(t) for t in traces):
+                raise RuntimeError(f"{label}: a request sent with the prefill's trace on has no prefill spans")
             row["trace"] = trace_summary(traces)
+            row["traced_ttft_ms"] = [1e3 * t for t, _ in traced]
     extra_s = "".join(f", {k} {row[k]:.1f}" for k in ("wire_ms", "tail_ms", "link_gbps") if k in row)
     if "trace" in row:
         extra_s += f", unaccounted {row['trace']['unaccounted_ms']:.1f} ms"
@@ -159,9 +180,11 @@ def rate_name(rate: float) -> str:
     return "unpaced" if rate == 0 else f"{rate:g}"
 
 
-def set_link(url: str, rate: float, stream: str, latency_ms: float) -> None:
-    r = requests.post(url + "/kv_transfer_link", json={"rate_gbps": rate, "latency_ms": latency_ms, "stream": stream},
-                      timeout=30)
+def set_link(url: str, rate: float, stream: str, latency_ms: float, trace: bool | None = None) -> None:
+    body = {"rate_gbps": rate, "latency_ms": latency_ms, "stream": stream}
+    if trace is not None:
+        body["trace"] = trace
+    r = requests.post(url + "/kv_transfer_link", json=body, timeout=30)
     if r.status_code != 200:
         raise RuntimeError(f"POST /kv_transfer_link: {r.status_code} {r.text}")
 
@@ -198,6 +221,18 @@ def run_single(server_args: list[str], budget: float, args) -> dict:
         stop_all(s)
 
 
+def extra_stop(args, clock, pairs_after: int, pairs: dict, measuring_from: float | None) -> str | None:
+    """Why the pair's next extra point must not start (None: it may)."""
+    if measuring_from is not None and time.time() - measuring_from >= args.more_seconds:
+        return f"--more-seconds {args.more_seconds:g} spent"
+    if args.deadline_s:
+        per_pair = 1.5 * max(t["core_done_s"] - t["start_s"] for t in pairs.values() if "core_done_s" in t)
+        margin = 15.0  # a point in progress and the pair's stop
+        if clock() + pairs_after * per_pair + margin > args.deadline_s:
+            return f"--deadline-s {args.deadline_s:g}: {pairs_after} pairs to come at ~{per_pair:.0f} s each"
+    return None
+
+
 class Clock:
     """Seconds since the benchmark started, for the log and the JSON's `timing`."""
 
@@ -208,11 +243,13 @@ class Clock:
         return round(time.time() - self.t0, 1)
 
 
-def run_budget(server_args: list[str], budget: float, args, res: dict, save, clock: Clock) -> None:
+def run_budget(server_args: list[str], budget: float, args, res: dict, save, clock: Clock, pairs_after: int = 0) -> None:
     """One prefill / decode pair and router for the budget; its reference, then every point
     through the router, re-paced and re-streamed in place (POST /kv_transfer_link). The JSON is
-    rewritten after every point; extra points run while the pair has measured for less than
-    `--more-seconds`."""
+    rewritten after every point. Extra points start only while the pair has measured for less
+    than `--more-seconds` and, with `--deadline-s`, while the `pairs_after` budgets still to come
+    fit before the deadline (each costed at 1.5x the slowest pair so far up to its core grid's
+    end: later pairs run more streams)."""
     key = str(budget)
     timing = res["timing"].setdefault(f"b={budget}", {"start_s": clock()})
     if args.reference == "single":
@@ -241,11 +278,13 @@ def run_budget(server_args: list[str], budget: float, args, res: dict, save, clo
         points = budget_points(budget, args)
         measuring_from = None
         for extra, n, rate, stream in points:
-            if extra and measuring_from is not None and time.time() - measuring_from >= args.more_seconds:
-                timing["skipped"] = [[m, rate_name(r), s] for e, m, r, s in points[points.index((extra, n, rate, stream)):]]
-                print(f"[{clock()} s] b={budget}: --more-seconds {args.more_seconds:g} spent; "
-                      f"{len(timing['skipped'])} extra points skipped", flush=True)
-                break
+            if extra:
+                timing.setdefault("core_done_s", clock())
+                why = extra_stop(args, clock, pairs_after, res["timing"], measuring_from)
+                if why:
+                    timing["skipped"] = [[m, rate_name(r), s] for e, m, r, s in points[points.index((extra, n, rate, stream)):]]
+                    print(f"[{clock()} s] b={budget}: {why}; {len(timing['skipped'])} extra points skipped", flush=True)
+                    break
             if n not in warmed:  # the prompt length's first use: kernel compiles stay out of the numbers
                 if args.reference == "prefill":
                     warm_up(p.url, [n], args.vocab, NO_PEER)
@@ -259,7 +298,9 @@ def run_budget(server_args: list[str], budget: float, args, res: dict, save, clo
             measuring_from = measuring_from or time.time()
             set_link(p.url, rate, stream, args.latency_ms)
             name = f"b={budget} {stream} {rate_name(rate)}"
-            res["pd"].setdefault(name, {})[str(n)] = measure(router, n, repeats_for(n, args), args.vocab, f"PD {name}")
+            res["pd"].setdefault(name, {})[str(n)] = measure(
+                router, n, repeats_for(n, args), args.vocab, f"PD {name}", trace_repeats=args.trace_repeats if args.trace else 0,
+                prefill_url=p.url, link=(rate, stream, args.latency_ms))
             save()
     finally:
         stop_all(*reversed(handles))
@@ -358,6 +399,9 @@ def main() -> None:
     ap.add_argument("--more-rates", type=float, nargs="*", default=[], help="extra link rates (likewise)")
     ap.add_argument("--more-seconds", type=float, default=float("inf"),
                     help="per budget: extra points start only while the pair has measured for less than this")
+    ap.add_argument("--deadline-s", type=float, default=0.0,
+                    help="seconds from the start the whole run must fit (e.g. its timeout): extra points "
+                         "start only while the budgets still to come fit before it (0: no deadline)")
     ap.add_argument("--latency-ms", type=float, default=0.0, help="one-way link latency per write")
     ap.add_argument("--repeats", type=int, default=1, help="requests per point (median, min and max reported)")
     ap.add_argument("--repeats-long", type=int, default=None, help="requests per point from --long-prompt tokens up")
@@ -369,7 +413,10 @@ def main() -> None:
                     help="single: a non-disaggregated server; prefill: the PD prefill server with no peer")
     ap.add_argument("--peer-copy", action="store_true", help="also time a plain GPU0 -> GPU1 copy")
     ap.add_argument("--peer-copy-mib", type=int, default=512)
-    ap.add_argument("--trace", action="store_true", help="PD servers with --enable-pd-trace; rows get phase traces")
+    ap.add_argument("--trace", action="store_true",
+                    help="PD servers with --enable-pd-trace: the timed requests run untraced, then "
+                         "--trace-repeats traced ones give each row its phase trace")
+    ap.add_argument("--trace-repeats", type=int, default=1, help="traced requests per point (with --trace)")
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     ap.add_argument("--name", default="ttft_vs_bandwidth", help="result file name (without extension)")
     ap.add_argument("--out-dir", default=None, help="where the JSON and PNG go (default benchmarks/results)")
@@ -379,8 +426,10 @@ def main() -> None:
     rates, prompts = args.rates + args.more_rates, args.prompts + args.more_prompts
     if not all(0 <= r < 1e6 for r in rates) or min(prompts) < 1 or args.repeats < 1 or (args.repeats_long or 1) < 1:
         ap.error("--rates must be in [0, 1e6) Gbit/s (0: unpaced); --prompts and --repeats positive")
-    if not args.more_seconds >= 0:
-        ap.error("--more-seconds must be >= 0")
+    if not 1 <= args.trace_repeats <= 100:
+        ap.error("--trace-repeats must be in [1, 100]")
+    if not args.more_seconds >= 0 or not 0 <= args.deadline_s < float("inf"):
+        ap.error("--more-seconds and --deadline-s must be >= 0 (--deadline-s finite)")
     if not all(0 < b <= 1 for b in args.budgets):
         ap.error("--budgets must be in (0, 1]")
     args.repeats_long = args.repeats_long or args.repeats
@@ -406,8 +455,8 @@ def main() -> None:
         return write_json(args.name, payload, args.out_dir)
 
     try:
-        for b in args.budgets:  # in the order given (1.0 first keeps every ratio's base if a later budget is cut)
-            run_budget(server_args, b, args, res, save, clock)
+        for i, b in enumerate(args.budgets):  # in the order given (1.0 first: every ratio's base)
+            run_budget(server_args, b, args, res, save, clock, pairs_after=len(args.budgets) - 1 - i)
             plot(payload, save()[:-5] + ".png")
     except KeyboardInterrupt:  # `timeout -s INT`: what was measured stays, plotted
         print(f"[{clock()} s] interrupted; the JSON keeps every point measured", flush=True)

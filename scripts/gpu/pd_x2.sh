@@ -18,8 +18,9 @@
 #   BUDGETS="1.0 0.5 0.3"  one server pair each, in this order (1.0 first: every ratio's base)
 #   PROMPTS="8192" RATES="10 0"        the core grid, measured at every budget (0: unpaced, NVLink)
 #   STREAMS="end chunk-upgrade" VARIANT_RATES="10 0"  b < 1 streams; those other than end at these rates
-#   MORE_PROMPTS="2048 32768" MORE_RATES="25 100 200" MORE_S=20  extra points after the core grid,
-#                              started while the pair has measured for less than MORE_S seconds
+#   MORE_PROMPTS="2048 32768" MORE_RATES="25 100 200" MORE_S=60  extra points after the core grid,
+#                              started while the pair has measured for less than MORE_S seconds and
+#                              the budgets still to come fit in T_TTFT (ttft_vs_bandwidth --deadline-s)
 #   REPEATS=5 REPEATS_LONG=1   warm requests per point (REPEATS_LONG from 16k tokens up)
 #   GOODPUT_RATES="2 4 8"      goodput's request rates
 # $OUT gets ttft_vs_bandwidth_*.{json,png}, goodput_*.{json,png}, gpu_tests.log, pd_x2.log (7 files).
@@ -77,7 +78,7 @@ assert build_has_cuda(), installed_build()" 2>&1 | tail -3 | tee "$OUT/pd_x2.log
   SERVER="$COMMON --max-total-tokens 100000 --kv-tier-staging 0.4 --kv-int4 on --attention-backend triton \
 --disable-cuda-graph --kv-transfer-buffer-mb 4096"
   : "${PROMPTS=8192}" "${RATES=10 0}" "${VARIANT_RATES=10 0}" "${MORE_PROMPTS=2048 32768}" "${MORE_RATES=25 100 200}"
-  : "${MORE_S=20}" "${REPEATS=5}" "${REPEATS_LONG=1}" "${GOODPUT_RATES=2 4 8}"
+  : "${MORE_S=60}" "${REPEATS=5}" "${REPEATS_LONG=1}" "${GOODPUT_RATES=2 4 8}"
   # goodput: a PD and a co-located server on each GPU (one setup serves at a time), 120k tokens each
   GOODPUT_SERVER="${COMMON/--mem-fraction-static 0.7/--mem-fraction-static 0.9} --max-total-tokens 120000 --cuda-graph-max-bs 64"
   GOODPUT=(--input-len 4096 --output-len 192 --seconds-per-rate 3)
@@ -117,7 +118,7 @@ t(w('$PRESET', '$MODEL'), $VOCAB)" || exit 1
   echo "== ttft_vs_bandwidth ($(date +%T), ${T_TTFT} s)"
   timeout -s INT "$T_TTFT" python3 benchmarks/pd/ttft_vs_bandwidth.py --budgets "${BUDGETS[@]}" \
       --prompts "${PROMPTS[@]}" --rates "${RATES[@]}" --more-prompts "${MORE_PROMPTS[@]}" --more-rates "${MORE_RATES[@]}" \
-      --more-seconds "$MORE_S" --streams "${STREAMS[@]}" --variant-rates "${VARIANT_RATES[@]}" --repeats "$REPEATS" \
+      --more-seconds "$MORE_S" --deadline-s "$T_TTFT" --streams "${STREAMS[@]}" --variant-rates "${VARIANT_RATES[@]}" --repeats "$REPEATS" \
       --repeats-long "$REPEATS_LONG" --long-prompt 16384 --reference prefill --trace --peer-copy --vocab $((VOCAB - 256)) \
       --server-args "$SERVER" --prefill-args "--base-gpu-id 0" --decode-args "--base-gpu-id 1" \
       --name "$TTFT_NAME" --out-dir "$OUT"
