@@ -94,11 +94,5 @@ FUSEDKV_DATA = EnvVar(
     "folder of {domain}_{train,calib,eval}.jsonl (or their token files) for FusedKV conversion and "
     "training when no --train-data / --data-dir is given (sgl_kvxfer/fusedkv/data.py)")
 
-BENCH_SITE = EnvVar(
-    "SGL_KVXFER_BENCH_SITE", None,
-    "a folder put first on the path of bench_serving's processes only (benchmarks/common/sglang_clients.py): "
-    "packages it needs that the server's must not see (scripts/gpu/pd_x2.sh)")
-
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, KERNEL_CACHE, CPU_ISA,
-       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, KV_BUFFER, SCD_DATA, TIERED_DECODE_CONFIG, FUSEDKV_DATA,
-       BENCH_SITE)
+       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, KV_BUFFER, SCD_DATA, TIERED_DECODE_CONFIG, FUSEDKV_DATA)

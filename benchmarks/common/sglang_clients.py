@@ -1,8 +1,10 @@
 """How our tests and benchmarks run SGLang's own `sglang.bench_serving` client.
 
-It runs in this project's environment (installed by the README's install command) with one
-addition: `torchvision_stub/` first on its PYTHONPATH (see that module for why). Nothing else
-of bench_serving is changed.
+It runs in this project's environment (installed by the README's install command) with two
+changes: `torchvision_stub/` first on its PYTHONPATH (see that module for why), and no GPU in
+sight (CUDA_VISIBLE_DEVICES empty): bench_serving is an HTTP client, and on a CUDA machine
+sglang's modules it imports (sglang.srt's quantization configs) import `sgl_kernel`, a compiled
+package the client does not need. Nothing else of bench_serving is changed.
 """
 from __future__ import annotations
 
@@ -17,13 +19,12 @@ def bench_serving_command(*args: str) -> list[str]:
 
 
 def bench_serving_env(base: dict | None = None) -> dict:
-    """The environment for a bench_serving subprocess: offline hub, the stub first on the path,
-    and no raw API_KEY (bench_serving would send it without "Bearer")."""
+    """The environment for a bench_serving subprocess: offline hub, no GPU, the stub first on the
+    path, and no raw API_KEY (bench_serving would send it without "Bearer")."""
     env = dict(os.environ if base is None else base)
     env["HF_HUB_OFFLINE"] = "1"
-    from sgl_kvxfer.env import BENCH_SITE
-
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH_SITE.get(), STUB_DIR, env.get("PYTHONPATH")) if p)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # sglang's is_cuda() is False: none of its sgl_kernel imports run
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (STUB_DIR, env.get("PYTHONPATH")) if p)
     env.pop("API_KEY", None)
     return env
 

@@ -3,19 +3,25 @@ and transfer stream.
 
     python benchmarks/pd/ttft_vs_bandwidth.py [--prompts 2000 4000 8000] [--budgets 1.0 0.5 0.3]
         [--rates 1 10 25 100] [--streams end chunk-upgrade] [--variant-rates 10] [--repeats 1]
-        [--server-args "..."] [--prefill-args "..."] [--decode-args "..."] [--reference single|prefill]
+        [--more-prompts 2000] [--more-rates 200] [--more-seconds 60] [--server-args "..."] [--prefill-args "..."] [--decode-args "..."] [--reference single|prefill]
         [--peer-copy] [--trace] [--out-dir DIR]
 
-For each budget b one prefill / decode pair starts behind `sglang_router.launch_router
---pd-disaggregation`. For each stream (b = 1.0: chunks at the model dtype; b < 1: `--streams`,
-see sgl_kvxfer/disagg/prefill.py) and link rate R (0: unpaced), POST /kv_transfer_link sets the
-prefill's pacing and stream, then each prompt (random token ids, so nothing hits a radix cache)
-goes through the router `--repeats` times (`--repeats-long` from `--long-prompt` tokens up),
-streamed: TTFT is the time to the first streamed chunk. The decode's `meta_info.kv_transfer`
-gives the bytes on the wire, `wire_ms` (the link's busy time: summed write times), `tail_ms`
+For each budget b, in the order given, one prefill / decode pair starts behind
+`sglang_router.launch_router --pd-disaggregation`. Its points (prompt, link rate R (0: unpaced),
+stream: b = 1.0 sends chunks at the model dtype; b < 1 `--streams`, see
+sgl_kvxfer/disagg/prefill.py) run prompt by prompt in the order given: first the core grid
+(`--prompts` x `--rates`), then the points `--more-prompts` / `--more-rates` add, started only
+while the pair has measured for less than `--more-seconds` (so later budgets keep their turn).
+At each point POST /kv_transfer_link sets the prefill's pacing and stream, then the prompt
+(random token ids, so nothing hits a radix cache) goes through the router `--repeats` times
+(`--repeats-long` from `--long-prompt` tokens up), streamed: TTFT is the time to the first
+streamed chunk. The decode's `meta_info.kv_transfer` gives the bytes on the wire, `wire_ms` (the link's busy time: summed write times), `tail_ms`
 (prompt done -> last write: the transfer the prefill's compute did not hide) and, with
-`--trace`, the request's phase trace (sgl_kvxfer/disagg/trace.py). Streams other than `end` run
-at `--variant-rates` only (all rates when it is omitted).
+`--trace`, the phase trace (sgl_kvxfer/disagg/trace.py) of `--trace-repeats` more requests sent
+after the timed ones with the prefill's trace switched on (POST /kv_transfer_link): a traced
+chunk waits for its kernels, so the timed requests run untraced; the traced ones' TTFTs are
+kept apart (`traced_ttft_ms`). Streams other than `end` run at `--variant-rates` only (all
+rates when it is omitted).
 
 The reference at each budget is a server computing the prompt alone: `--reference single`
 starts a non-disaggregated server (server + prefill args); `--reference prefill` asks the PD
@@ -31,7 +37,8 @@ the largest uncovered stretch of any traced request.
 `--server-args` go to every server (default: the embedded SmolLM2 in bf16 on CPU, int4 tier on
 without the start-up probe); `--prefill-args` / `--decode-args` to one role (e.g. `--base-gpu-id
 0` / `--base-gpu-id 1`: the pair on two GPUs). Each server first serves one prompt of every
-length, so kernel compiles stay out of the numbers. The JSON is rewritten after every budget.
+length, so kernel compiles stay out of the numbers. The JSON is rewritten after every point (with
+`timing`: when each pair was up, warm and stopped); an interrupt (SIGINT) keeps it and plots it.
 """
 from __future__ import annotations
 
@@ -124,8 +131,22 @@ def trace_summary(traces: list[dict]) -> dict:
             "example": traces[len(traces) // 2]}
 
 
-def measure(url: str, n: int, repeats: int, vocab: int, label: str, extra: dict | None = None) -> dict:
+def _prefill_traced(trace: dict) -> bool:
+    return any(name.startswith("p.") for name in trace["by_phase_ms"])
+
+
+def measure(url: str, n: int, repeats: int, vocab: int, label: str, extra: dict | None = None,
+            trace_repeats: int = 0, prefill_url: str | None = None, link: tuple | None = None) -> dict:
+    """`repeats` requests of n tokens; their TTFT, and the transfer's medians when KV moved.
+    With `trace_repeats` (PD through the router, `link` = (rate, stream, latency)): the timed
+    requests run with the prefill's trace off (a traced chunk waits for its kernels), then
+    `trace_repeats` traced requests give the row's phase trace and `traced_ttft_ms`."""
+    if trace_repeats:
+        set_link(prefill_url, *link, trace=False)
     runs = [ttft(url, prompt_ids(n, next(_PROMPT_SEEDS), vocab), extra) for _ in range(repeats)]
+    if trace_repeats:
+        set_link(prefill_url, *link, trace=True)
+        traced = [ttft(url, prompt_ids(n, next(_PROMPT_SEEDS), vocab), extra) for _ in range(trace_repeats)]
     times = [1e3 * t for t, _ in runs]
     row = {"ttft_ms": statistics.median(times), "ttft_min_ms": min(times), "ttft_max_ms": max(times),
            "runs_ms": times}
@@ -135,9 +156,14 @@ def measure(url: str, n: int, repeats: int, vocab: int, label: str, extra: dict 
             raise RuntimeError(f"{label}, {n} tokens: a transfer fell back: {transfer}")
         for key in ("bytes", "bytes_per_token", "wire_ms", "tail_ms", "link_gbps"):
             row[key] = statistics.median(t[key] for t in transfer)
-        traces = [t["trace"] for t in transfer if "trace" in t]
-        if traces:
+        if trace_repeats:
+            if any(_prefill_traced(t["trace"]) for t in transfer if "trace" in t):
+                raise RuntimeError(f"{label}: the prefill traced requests sent with its trace off")
+            traces = [m.get("kv_transfer", {}).get("trace") for _, m in traced]
+            if not all(t and _prefill_traced(t) for t in traces):
+                raise RuntimeError(f"{label}: a request sent with the prefill's trace on has no prefill spans")
             row["trace"] = trace_summary(traces)
+            row["traced_ttft_ms"] = [1e3 * t for t, _ in traced]
     extra_s = "".join(f", {k} {row[k]:.1f}" for k in ("wire_ms", "tail_ms", "link_gbps") if k in row)
     if "trace" in row:
         extra_s += f", unaccounted {row['trace']['unaccounted_ms']:.1f} ms"
@@ -150,44 +176,88 @@ def repeats_for(n: int, args) -> int:
     return args.repeats_long if n >= args.long_prompt else args.repeats
 
 
-def measure_all(url: str, args, label: str, extra: dict | None = None) -> dict:
-    return {str(n): measure(url, n, repeats_for(n, args), args.vocab, label, extra) for n in args.prompts}
-
-
 def rate_name(rate: float) -> str:
     return "unpaced" if rate == 0 else f"{rate:g}"
 
 
-def set_link(url: str, rate: float, stream: str, latency_ms: float) -> None:
-    r = requests.post(url + "/kv_transfer_link", json={"rate_gbps": rate, "latency_ms": latency_ms, "stream": stream},
-                      timeout=30)
+def set_link(url: str, rate: float, stream: str, latency_ms: float, trace: bool | None = None) -> None:
+    body = {"rate_gbps": rate, "latency_ms": latency_ms, "stream": stream}
+    if trace is not None:
+        body["trace"] = trace
+    r = requests.post(url + "/kv_transfer_link", json=body, timeout=30)
     if r.status_code != 200:
         raise RuntimeError(f"POST /kv_transfer_link: {r.status_code} {r.text}")
 
 
-def run_reference(server_args: list[str], budget: float, args, prefill=None) -> dict:
-    """The budget's reference: the prompt computed by one server alone."""
-    tier = ["--kv-tier-budget", str(budget)]
-    if prefill is not None:  # the PD prefill server, asked with no peer
-        warm_up(prefill.url, args.prompts, args.vocab, NO_PEER)
-        return measure_all(prefill.url, args, f"reference b={budget} (prefill, no peer)", NO_PEER)
-    s = start_server(server_args + tier + args.prefill_args, name="bench_single")
+def budget_points(budget: float, args) -> list[tuple[bool, int, float, str]]:
+    """The budget's points as (extra, prompt, rate, stream), in measuring order: the core grid
+    (`--prompts` x `--rates`) first, prompt by prompt in the order given, then the extra points
+    (`--more-prompts` / `--more-rates` widen the grid) the same way. Streams other than `end`
+    run at `--variant-rates` only (every rate when it is omitted); b = 1.0 has `end` only."""
+    streams = ["end"] if budget >= 1.0 else args.streams
+    points, seen = [], set()
+    grids = [(False, args.prompts, args.rates),
+             (True, args.prompts + args.more_prompts, args.rates + args.more_rates)]
+    for extra, prompts, rates in grids:
+        for n in dict.fromkeys(prompts):
+            for rate in dict.fromkeys(rates):
+                for stream in streams:
+                    if stream != "end" and args.variant_rates is not None and rate not in args.variant_rates:
+                        continue
+                    if (n, rate, stream) not in seen:
+                        seen.add((n, rate, stream))
+                        points.append((extra, n, rate, stream))
+    return points
+
+
+def run_single(server_args: list[str], budget: float, args) -> dict:
+    """`--reference single`: a non-disaggregated server computes every prompt length alone."""
+    s = start_server(server_args + ["--kv-tier-budget", str(budget)] + args.prefill_args, name="bench_single")
     try:
-        warm_up(s.url, args.prompts, args.vocab)
-        return measure_all(s.url, args, f"single b={budget}")
+        prompts = list(dict.fromkeys(args.prompts + args.more_prompts))
+        warm_up(s.url, prompts, args.vocab)
+        return {str(n): measure(s.url, n, repeats_for(n, args), args.vocab, f"single b={budget}") for n in prompts}
     finally:
         stop_all(s)
 
 
-def run_budget(server_args: list[str], budget: float, args, res: dict, save) -> None:
-    """One prefill / decode pair and router for the budget; its reference, then every (stream,
-    rate) through the router, re-paced and re-streamed in place (POST /kv_transfer_link)."""
+def extra_stop(args, clock, pairs_after: int, pairs: dict, measuring_from: float | None) -> str | None:
+    """Why the pair's next extra point must not start (None: it may)."""
+    if measuring_from is not None and time.time() - measuring_from >= args.more_seconds:
+        return f"--more-seconds {args.more_seconds:g} spent"
+    if args.deadline_s:
+        per_pair = 1.5 * max(t["core_done_s"] - t["start_s"] for t in pairs.values() if "core_done_s" in t)
+        margin = 15.0  # a point in progress and the pair's stop
+        if clock() + pairs_after * per_pair + margin > args.deadline_s:
+            return f"--deadline-s {args.deadline_s:g}: {pairs_after} pairs to come at ~{per_pair:.0f} s each"
+    return None
+
+
+class Clock:
+    """Seconds since the benchmark started, for the log and the JSON's `timing`."""
+
+    def __init__(self):
+        self.t0 = time.time()
+
+    def __call__(self) -> float:
+        return round(time.time() - self.t0, 1)
+
+
+def run_budget(server_args: list[str], budget: float, args, res: dict, save, clock: Clock, pairs_after: int = 0) -> None:
+    """One prefill / decode pair and router for the budget; its reference, then every point
+    through the router, re-paced and re-streamed in place (POST /kv_transfer_link). The JSON is
+    rewritten after every point. Extra points start only while the pair has measured for less
+    than `--more-seconds` and, with `--deadline-s`, while the `pairs_after` budgets still to come
+    fit before the deadline (each costed at 1.5x the slowest pair so far up to its core grid's
+    end: later pairs run more streams)."""
+    key = str(budget)
+    timing = res["timing"].setdefault(f"b={budget}", {"start_s": clock()})
     if args.reference == "single":
-        res["reference"][str(budget)] = run_reference(server_args, budget, args)
+        res["reference"][key] = run_single(server_args, budget, args)
         save()
     bp = free_port()
     tier = ["--kv-tier-budget", str(budget)] + (["--enable-pd-trace"] if args.trace else [])
-    paced = max([r for r in args.rates if r > 0], default=100.0)  # a shaped engine; rate 0 unpaces it
+    paced = max([r for r in args.rates + args.more_rates if r > 0], default=100.0)  # a shaped engine; 0 unpaces it
     prefill_args = server_args + tier + args.prefill_args + [
         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bp),
         "--kv-transfer-rate-gbps", str(paced), "--kv-transfer-latency-ms", str(args.latency_ms)]
@@ -201,21 +271,41 @@ def run_budget(server_args: list[str], budget: float, args, res: dict, save) -> 
                 handles.append(f.result())
         p, d = handles
         handles.append(start_router([(p.url, bp)], [d.url], name="bench_router"))
-        if args.reference == "prefill":
-            res["reference"][str(budget)] = run_reference(server_args, budget, args, prefill=p)
+        timing["up_s"] = clock()
+        print(f"[{clock()} s] b={budget}: prefill, decode and router up", flush=True)
+        router = handles[2].url
+        warmed: set[int] = set()
+        points = budget_points(budget, args)
+        measuring_from = None
+        for extra, n, rate, stream in points:
+            if extra:
+                timing.setdefault("core_done_s", clock())
+                why = extra_stop(args, clock, pairs_after, res["timing"], measuring_from)
+                if why:
+                    timing["skipped"] = [[m, rate_name(r), s] for e, m, r, s in points[points.index((extra, n, rate, stream)):]]
+                    print(f"[{clock()} s] b={budget}: {why}; {len(timing['skipped'])} extra points skipped", flush=True)
+                    break
+            if n not in warmed:  # the prompt length's first use: kernel compiles stay out of the numbers
+                if args.reference == "prefill":
+                    warm_up(p.url, [n], args.vocab, NO_PEER)
+                    res["reference"].setdefault(key, {})[str(n)] = measure(
+                        p.url, n, repeats_for(n, args), args.vocab, f"reference b={budget} (prefill, no peer)", NO_PEER)
+                    save()
+                set_link(p.url, 0.0, stream, args.latency_ms)
+                warm_up(router, [n], args.vocab)
+                warmed.add(n)
+                timing.setdefault("warm_s", clock())
+            measuring_from = measuring_from or time.time()
+            set_link(p.url, rate, stream, args.latency_ms)
+            name = f"b={budget} {stream} {rate_name(rate)}"
+            res["pd"].setdefault(name, {})[str(n)] = measure(
+                router, n, repeats_for(n, args), args.vocab, f"PD {name}", trace_repeats=args.trace_repeats if args.trace else 0,
+                prefill_url=p.url, link=(rate, stream, args.latency_ms))
             save()
-        streams = ["end"] if budget >= 1.0 else args.streams
-        set_link(p.url, 0.0, streams[0], args.latency_ms)
-        warm_up(handles[2].url, args.prompts, args.vocab)
-        for stream in streams:
-            rates = args.rates if stream == "end" or args.variant_rates is None else args.variant_rates
-            for rate in rates:
-                set_link(p.url, rate, stream, args.latency_ms)
-                name = f"b={budget} {stream} {rate_name(rate)}"
-                res["pd"][name] = measure_all(handles[2].url, args, f"PD {name}")
-                save()
     finally:
         stop_all(*reversed(handles))
+        timing["end_s"] = clock()
+        save()
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -261,10 +351,9 @@ def plot(payload: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    p = payload["params"]
     rates = sorted({name.split()[2] for name in payload["pd"]}, key=lambda r: float("inf") if r == "unpaced" else float(r))
     x = {r: i for i, r in enumerate(rates)}
-    prompts = [str(n) for n in p["prompts"]]
+    prompts = [str(n) for n in sorted({int(n) for rows in payload["pd"].values() for n in rows})]
     colors = {b: f"C{i}" for i, b in enumerate(sorted({name.split()[0][2:] for name in payload["pd"]}, reverse=True))}
     styles = {"end": "o-", "int8": "s--", "chunk": "^--", "chunk-upgrade": "v--"}
     fig, axes = plt.subplots(len(prompts), 3, figsize=(16, 3.6 * len(prompts)), squeeze=False)
@@ -305,6 +394,14 @@ def main() -> None:
                     choices=["end", "int8", "chunk", "chunk-upgrade"], help="--kv-transfer-stream values at b < 1")
     ap.add_argument("--variant-rates", type=float, nargs="*", default=[10],
                     help="rates where streams other than end run (omit the values for every rate)")
+    ap.add_argument("--more-prompts", type=int, nargs="*", default=[],
+                    help="extra prompt lengths, measured after the core grid while --more-seconds lasts")
+    ap.add_argument("--more-rates", type=float, nargs="*", default=[], help="extra link rates (likewise)")
+    ap.add_argument("--more-seconds", type=float, default=float("inf"),
+                    help="per budget: extra points start only while the pair has measured for less than this")
+    ap.add_argument("--deadline-s", type=float, default=0.0,
+                    help="seconds from the start the whole run must fit (e.g. its timeout): extra points "
+                         "start only while the budgets still to come fit before it (0: no deadline)")
     ap.add_argument("--latency-ms", type=float, default=0.0, help="one-way link latency per write")
     ap.add_argument("--repeats", type=int, default=1, help="requests per point (median, min and max reported)")
     ap.add_argument("--repeats-long", type=int, default=None, help="requests per point from --long-prompt tokens up")
@@ -316,26 +413,34 @@ def main() -> None:
                     help="single: a non-disaggregated server; prefill: the PD prefill server with no peer")
     ap.add_argument("--peer-copy", action="store_true", help="also time a plain GPU0 -> GPU1 copy")
     ap.add_argument("--peer-copy-mib", type=int, default=512)
-    ap.add_argument("--trace", action="store_true", help="PD servers with --enable-pd-trace; rows get phase traces")
+    ap.add_argument("--trace", action="store_true",
+                    help="PD servers with --enable-pd-trace: the timed requests run untraced, then "
+                         "--trace-repeats traced ones give each row its phase trace")
+    ap.add_argument("--trace-repeats", type=int, default=1, help="traced requests per point (with --trace)")
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     ap.add_argument("--name", default="ttft_vs_bandwidth", help="result file name (without extension)")
     ap.add_argument("--out-dir", default=None, help="where the JSON and PNG go (default benchmarks/results)")
     args = ap.parse_args()
     if 1.0 not in args.budgets:
         ap.error("--budgets must include 1.0 (the raw baseline every ratio is taken against)")
-    if min(args.rates) < 0 or min(args.prompts) < 1 or args.repeats < 1 or (args.repeats_long or 1) < 1:
-        ap.error("--rates must be >= 0 (0: unpaced); --prompts and --repeats positive")
+    rates, prompts = args.rates + args.more_rates, args.prompts + args.more_prompts
+    if not all(0 <= r < 1e6 for r in rates) or min(prompts) < 1 or args.repeats < 1 or (args.repeats_long or 1) < 1:
+        ap.error("--rates must be in [0, 1e6) Gbit/s (0: unpaced); --prompts and --repeats positive")
+    if not 1 <= args.trace_repeats <= 100:
+        ap.error("--trace-repeats must be in [1, 100]")
+    if not args.more_seconds >= 0 or not 0 <= args.deadline_s < float("inf"):
+        ap.error("--more-seconds and --deadline-s must be >= 0 (--deadline-s finite)")
     if not all(0 < b <= 1 for b in args.budgets):
         ap.error("--budgets must be in (0, 1]")
     args.repeats_long = args.repeats_long or args.repeats
     args.variant_rates = args.variant_rates or None  # `--variant-rates` with no values: every rate
-    args.budgets = sorted(args.budgets, reverse=True)  # b = 1.0 first: every ratio's base
     server_args = shlex.split(args.server_args)
     args.prefill_args, args.decode_args = shlex.split(args.prefill_args), shlex.split(args.decode_args)
     model = next((server_args[i + 1] for i, a in enumerate(server_args) if a == "--model-path"), "smollm2-135m-instruct")
     device = "cuda" if "cuda" in args.server_args else "cpu"
-    res = {"reference": {}, "pd": {}}
-    start = time.time()
+    res = {"reference": {}, "pd": {}, "timing": {}}
+    clock = Clock()
+    start = clock.t0
     payload = {"benchmark": "ttft_vs_bandwidth", "device": device_name(device), "commit": git_commit(),
                "model": model, "params": vars(args), "reference_kind": args.reference,
                "link": "Mooncake transfer engine between the two servers, paced in the engine at each set rate "
@@ -349,9 +454,16 @@ def main() -> None:
         payload["ratios"] = summarize(res, args)
         return write_json(args.name, payload, args.out_dir)
 
-    for b in args.budgets:
-        run_budget(server_args, b, args, res, save)
-        plot(payload, save()[:-5] + ".png")
+    try:
+        for i, b in enumerate(args.budgets):  # in the order given (1.0 first: every ratio's base)
+            run_budget(server_args, b, args, res, save, clock, pairs_after=len(args.budgets) - 1 - i)
+            plot(payload, save()[:-5] + ".png")
+    except KeyboardInterrupt:  # `timeout -s INT`: what was measured stays, plotted
+        print(f"[{clock()} s] interrupted; the JSON keeps every point measured", flush=True)
+        if res["pd"]:
+            plot(payload, save()[:-5] + ".png")
+        print(json.dumps(payload["ratios"], indent=1, default=str))
+        sys.exit(130)
     payload["complete"] = True
     path = write_json(args.name, {**payload, "seconds": time.time() - start}, args.out_dir)
     print(json.dumps(payload["ratios"], indent=1, default=str))

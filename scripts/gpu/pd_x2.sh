@@ -8,13 +8,21 @@
 #
 # stage (about 1 min): Mooncake's engine, sglang-router and rdma-core's libraries into /tmp/site and
 #   /tmp/pdlibs, then a 2-process GPU0 -> GPU1 write through sgl_kvxfer's engine (the GPU test).
-# run (at most 9 min: stages end by T_TOTAL, 530 s from the start; each under `timeout -s INT`,
-#   results rewritten as they come, so a stage cut short keeps what it measured):
-#   tests    (T_TESTS, 50 s)   the GPU-marked tests of the PD transfer path
-#   ttft     (T_TTFT, 300 s)   benchmarks/pd/ttft_vs_bandwidth.py at the Llama-3-8B shape: budgets
-#                              1.0 / 0.5 / 0.3, prompts 2k / 8k / 32k, unpaced and paced links,
-#                              streams end / chunk-upgrade, a GPU0 -> GPU1 copy, phase traces
-#   goodput  (T_GOODPUT, 170 s) benchmarks/pd/goodput.py: 1 prefill + 1 decode vs 2 co-located
+# run (stages end by T_TOTAL, 530 s from the start; each under `timeout -s INT`, results rewritten
+#   after every point, so a stage cut short keeps what it measured):
+#   tests    (T_TESTS, 50 s; 0 skips)  the GPU-marked tests of the PD transfer path
+#   ttft     (T_TTFT, 300 s)   benchmarks/pd/ttft_vs_bandwidth.py at the Llama-3-8B shape, one
+#                              prefill / decode pair per budget, phase traces, a GPU0 -> GPU1 copy
+#   goodput  (T_GOODPUT, 170 s; 0 skips) benchmarks/pd/goodput.py: 1 prefill + 1 decode vs 2 co-located
+# Which points the ttft stage measures, in order (environment; device defaults shown):
+#   BUDGETS="1.0 0.5 0.3"  one server pair each, in this order (1.0 first: every ratio's base)
+#   PROMPTS="8192" RATES="10 0"        the core grid, measured at every budget (0: unpaced, NVLink)
+#   STREAMS="end chunk-upgrade" VARIANT_RATES="10 0"  b < 1 streams; those other than end at these rates
+#   MORE_PROMPTS="2048 32768" MORE_RATES="25 100 200" MORE_S=60  extra points after the core grid,
+#                              started while the pair has measured for less than MORE_S seconds and
+#                              the budgets still to come fit in T_TTFT (ttft_vs_bandwidth --deadline-s)
+#   REPEATS=5 REPEATS_LONG=1   warm requests per point (REPEATS_LONG from 16k tokens up)
+#   GOODPUT_RATES="2 4 8"      goodput's request rates
 # $OUT gets ttft_vs_bandwidth_*.{json,png}, goodput_*.{json,png}, gpu_tests.log, pd_x2.log (7 files).
 # CPU rehearsal at toy size: DEVICE=cpu OUT=/tmp/x bash scripts/gpu/pd_x2.sh
 set -uo pipefail
@@ -45,17 +53,12 @@ LOG="$OUT/pd_x2.log"
 if [ "$DEVICE" = cuda ]; then
   source scripts/gpu/env.sh || exit 1
   export LD_LIBRARY_PATH=/tmp/pdlibs/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH  # libnl (libibverbs1 links it)
-  # huggingface_hub 2.x, which bench_serving imports, breaks the machine's transformers (it wants < 2):
-  # it goes into a folder that only bench_serving's processes see (SGL_KVXFER_BENCH_SITE)
-  hub=(.carry_pdx2_b/huggingface_hub-*.whl); rest=()
+  # huggingface_hub 2.x is not installed: the machine's transformers wants < 2, and bench_serving
+  # imports transformers too (the machine's hub serves both)
+  rest=()
   for w in .carry_pdx2_b/*.whl; do case $w in */huggingface_hub-*) ;; *) rest+=("$w") ;; esac; done
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "${rest[@]}" || exit 1
-  if [ -f "${hub[0]}" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_bench \
-        "${hub[@]}" || exit 1
-    export SGL_KVXFER_BENCH_SITE=/tmp/site_bench
-  fi
   [ -d /tmp/site/sglang ] || python3 -c "import zipfile, sys; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/site')" \
       .carry_pdx2_b/sglang_0.5.23_py.zip || exit 1
   export MC_INTRANODE_NVLINK=true  # Mooncake's intra-node NVLink transport (both servers on this host)
@@ -74,11 +77,11 @@ assert build_has_cuda(), installed_build()" 2>&1 | tail -3 | tee "$OUT/pd_x2.log
   # TTFT: 32k prompts fit the tiered pool's fp16 staging store (0.4 of 100k tokens); no decode graphs
   SERVER="$COMMON --max-total-tokens 100000 --kv-tier-staging 0.4 --kv-int4 on --attention-backend triton \
 --disable-cuda-graph --kv-transfer-buffer-mb 4096"
-  # the target points first (10 Gbit/s, NVLink unpaced): a stage cut short keeps them
-  PROMPTS=(2048 8192 32768) RATES=(10 0 25 100 200) VARIANT_RATES=(10 0) REPEATS=5 REPEATS_LONG=1
+  : "${PROMPTS=8192}" "${RATES=10 0}" "${VARIANT_RATES=10 0}" "${MORE_PROMPTS=2048 32768}" "${MORE_RATES=25 100 200}"
+  : "${MORE_S=60}" "${REPEATS=5}" "${REPEATS_LONG=1}" "${GOODPUT_RATES=2 4 8}"
   # goodput: a PD and a co-located server on each GPU (one setup serves at a time), 120k tokens each
   GOODPUT_SERVER="${COMMON/--mem-fraction-static 0.7/--mem-fraction-static 0.9} --max-total-tokens 120000 --cuda-graph-max-bs 64"
-  GOODPUT=(--rates 2 4 8 --input-len 4096 --output-len 192 --seconds-per-rate 3)
+  GOODPUT=(--input-len 4096 --output-len 192 --seconds-per-rate 3)
   TTFT_NAME=ttft_vs_bandwidth_llama-3-8b_${GPU}_x2 GOODPUT_NAME=goodput_llama-3-8b_${GPU}_x2
   T_TESTS=${T_TESTS:-50} T_TTFT=${T_TTFT:-300} T_GOODPUT=${T_GOODPUT:-170} T_TOTAL=${T_TOTAL:-530}
   TESTS=(test/disagg/test_gpu_transfer.py test/disagg/test_pd_units.py)
@@ -87,32 +90,45 @@ else  # the CPU rehearsal: the same stages on the tiny preset, two CPU servers p
   MODEL=/tmp/pdx2_tiny VOCAB=512 PRESET=tiny
   SERVER="--model-path $MODEL --load-format dummy --device cpu --max-total-tokens 8192 --chunked-prefill-size 64 \
 --kv-int4 on --log-level warning --kv-transfer-buffer-mb 16"
-  PROMPTS=(64 256) RATES=(0 10) VARIANT_RATES=(10) REPEATS=1 REPEATS_LONG=1
+  : "${PROMPTS=64}" "${RATES=10 0}" "${VARIANT_RATES=10}" "${MORE_PROMPTS=256}" "${MORE_RATES=25}"
+  : "${MORE_S=600}" "${REPEATS=1}" "${REPEATS_LONG=1}" "${GOODPUT_RATES=1}"
   GOODPUT_SERVER="--model-path $MODEL --load-format dummy --device cpu --max-total-tokens 8192 --log-level warning"
-  GOODPUT=(--rates 1 --input-len 64 --output-len 8 --min-prompts 3 --seconds-per-rate 1)
+  GOODPUT=(--input-len 64 --output-len 8 --min-prompts 3 --seconds-per-rate 1)
   TTFT_NAME=ttft_vs_bandwidth_tiny_cpu GOODPUT_NAME=goodput_tiny_cpu
   T_TESTS=${T_TESTS:-600} T_TTFT=${T_TTFT:-2400} T_GOODPUT=${T_GOODPUT:-1800} T_TOTAL=${T_TOTAL:-4800}
   TESTS=(test/disagg/test_pd_units.py)
 fi
+: "${BUDGETS=1.0 0.5 0.3}" "${STREAMS=end chunk-upgrade}"
+# word lists (an empty MORE_* list: no extra points)
+read -ra BUDGETS <<< "$BUDGETS"; read -ra PROMPTS <<< "$PROMPTS"; read -ra RATES <<< "$RATES"
+read -ra STREAMS <<< "$STREAMS"; read -ra VARIANT_RATES <<< "$VARIANT_RATES"; read -ra GOODPUT_RATES <<< "$GOODPUT_RATES"
+read -ra MORE_PROMPTS <<< "$MORE_PROMPTS"; read -ra MORE_RATES <<< "$MORE_RATES"
 python3 -c "
 from sgl_kvxfer.models.presets import write_preset_config as w, write_dummy_tokenizer as t
 t(w('$PRESET', '$MODEL'), $VOCAB)" || exit 1
 {
-  echo "== tests ($(date +%T))"
-  timeout -s INT "$T_TESTS" python3 -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}" 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+  echo "== $(date +%T): budgets ${BUDGETS[*]}; prompts ${PROMPTS[*]} (+ ${MORE_PROMPTS[*]:-none}); rates ${RATES[*]} (+ ${MORE_RATES[*]:-none}); streams ${STREAMS[*]} at ${VARIANT_RATES[*]}"
+  if [ "$T_TESTS" -gt 0 ]; then
+    echo "== tests ($(date +%T))"
+    timeout -s INT "$T_TESTS" python3 -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}" 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+  fi
   # the call ends by T_TOTAL s: ttft leaves goodput its T_GOODPUT, goodput takes what is left
   left() { echo $(( T_TOTAL - (SECONDS - START) )); }
   T_TTFT=$(( $(left) - T_GOODPUT < T_TTFT ? $(left) - T_GOODPUT : T_TTFT )); [ "$T_TTFT" -ge 1 ] || T_TTFT=1  # 0: no limit
   echo "== ttft_vs_bandwidth ($(date +%T), ${T_TTFT} s)"
-  timeout -s INT "$T_TTFT" python3 benchmarks/pd/ttft_vs_bandwidth.py --prompts "${PROMPTS[@]}" --budgets 1.0 0.5 0.3 \
-      --rates "${RATES[@]}" --streams end chunk-upgrade --variant-rates "${VARIANT_RATES[@]}" --repeats $REPEATS \
-      --repeats-long $REPEATS_LONG --long-prompt 16384 --reference prefill --trace --peer-copy --vocab $((VOCAB - 256)) \
+  timeout -s INT "$T_TTFT" python3 benchmarks/pd/ttft_vs_bandwidth.py --budgets "${BUDGETS[@]}" \
+      --prompts "${PROMPTS[@]}" --rates "${RATES[@]}" --more-prompts "${MORE_PROMPTS[@]}" --more-rates "${MORE_RATES[@]}" \
+      --more-seconds "$MORE_S" --deadline-s "$T_TTFT" --streams "${STREAMS[@]}" --variant-rates "${VARIANT_RATES[@]}" --repeats "$REPEATS" \
+      --repeats-long "$REPEATS_LONG" --long-prompt 16384 --reference prefill --trace --peer-copy --vocab $((VOCAB - 256)) \
       --server-args "$SERVER" --prefill-args "--base-gpu-id 0" --decode-args "--base-gpu-id 1" \
       --name "$TTFT_NAME" --out-dir "$OUT"
-  T_GOODPUT=$(( $(left) < T_GOODPUT ? $(left) : T_GOODPUT )); [ "$T_GOODPUT" -ge 1 ] || T_GOODPUT=1
-  echo "== goodput ($(date +%T), ${T_GOODPUT} s)"
-  timeout -s INT "$T_GOODPUT" python3 benchmarks/pd/goodput.py --tokenizer "$MODEL" --server-args "$GOODPUT_SERVER" \
-      "${GOODPUT[@]}" --gpu-args "--base-gpu-id 0" "--base-gpu-id 1" --name "$GOODPUT_NAME" --out-dir "$OUT"
+  if [ "$T_GOODPUT" -gt 0 ]; then
+    T_GOODPUT=$(( $(left) < T_GOODPUT ? $(left) : T_GOODPUT )); [ "$T_GOODPUT" -ge 1 ] || T_GOODPUT=1
+    echo "== goodput ($(date +%T), ${T_GOODPUT} s)"
+    timeout -s INT "$T_GOODPUT" python3 benchmarks/pd/goodput.py --tokenizer "$MODEL" --server-args "$GOODPUT_SERVER" \
+        --rates "${GOODPUT_RATES[@]}" "${GOODPUT[@]}" --gpu-args "--base-gpu-id 0" "--base-gpu-id 1" \
+        --name "$GOODPUT_NAME" --out-dir "$OUT"
+  fi
   echo "== done ($(date +%T))"
 } 2>&1 | tee -a "$LOG"
 ls -la "$OUT"

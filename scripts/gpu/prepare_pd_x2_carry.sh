@@ -15,7 +15,9 @@
 #   .carry_pdx2_b/  (call 2, with .whl, about 25 MB)
 #     sglang_0.5.23_py.zip         sglang 0.5.23's Python sources, for `python -m sglang.bench_serving`
 #                                  (the wheel is 39 MB; bench_serving imports none of its compiled parts)
-#     *.whl                        bench_serving's other imports (those of prepare_carry.sh's .whl_bench)
+#     *.whl                        bench_serving's other imports (those of prepare_carry.sh's .whl_bench
+#                                  but huggingface_hub 2.x: the GPU machine's transformers wants < 2,
+#                                  and bench_serving imports transformers, so its hub serves both)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 A=.carry_pdx2_a B=.carry_pdx2_b
@@ -30,7 +32,7 @@ get "$T" mooncake-transfer-engine-cuda13==0.3.14 sglang==0.5.23
 get "$A" sglang-router==0.3.2 setproctitle==1.3.8 orjson==3.13.0 xxhash==4.1.0
 get "$B" apache-tvm-ffi==0.1.15.post2 compressed-tensors==0.20.0 datasets==5.2.0 dill==0.4.1 \
     multiprocess==0.70.19 ipython==9.18.1 traitlets==5.16.1 loguru==0.7.3 orjson==3.13.0 pybase64==1.5.1 \
-    huggingface_hub==2.4.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
+    httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
 (cd "$A/deb" && apt-get download -q libibverbs1 ibverbs-providers libnl-3-200 libnl-route-3-200 libnuma1 >/dev/null)
 
 python3 - "$T" "$A" "$B" <<'EOF'

@@ -131,6 +131,7 @@ class PrefillRole(PDRole):
         # register or claim for it is answered with KVFailed (insertion order is expiry order)
         self.fake = settings.backend == "fake"
         self.stream = settings.stream
+        self.trace_on = settings.trace  # rooms opened from now on get a phase trace (/kv_transfer_link switches it)
 
     def start(self, ctx) -> None:
         super().start(ctx)
@@ -210,7 +211,7 @@ class PrefillRole(PDRole):
             room.req, room.stream = req, self.stream
             room.created = room.progress = time.monotonic()
             self.ended.pop(room.room, None)  # a reused id starts afresh
-            if self.settings.trace:
+            if self.trace_on:
                 room.trace = PhaseTrace()
                 room.trace.add("arrival", time.time(), time.time())
             if self.tiered and room.stream in CHUNK_STREAMS:
@@ -538,24 +539,31 @@ class PrefillRole(PDRole):
             req.extra_meta["kv_transfer"]["trace"] = room.trace.spans
         self.ctx.retire(req)
 
-    def set_link(self, rate_gbps: float, latency_ms: float, stream: str | None = None) -> tuple[bool, str]:
+    def set_link(self, rate_gbps: float, latency_ms: float, stream: str | None = None,
+                 trace: bool | None = None) -> tuple[bool, str]:
         """Re-pace the shaped link (the server was started with --kv-transfer-rate-gbps; rate 0:
-        unpaced) and, with `stream`, switch --kv-transfer-stream for rooms opened from now on.
-        An unshaped link takes rate 0 and latency 0 only (a stream switch)."""
+        unpaced) and, with `stream`, switch --kv-transfer-stream for rooms opened from now on;
+        with `trace`, trace those rooms or not (--enable-pd-trace servers: a traced chunk waits
+        for its kernels, so untraced requests give the undisturbed timing). An unshaped link
+        takes rate 0 and latency 0 only (a stream or trace switch)."""
         if self.fake:
             return False, "the fake transfer backend moves no KV"
         if not (0 <= rate_gbps <= 1e6 and 0 <= latency_ms <= 1e6):  # NaN fails every comparison
             return False, "rate_gbps must be in [0, 1e6] (0: unpaced) and latency_ms in [0, 1e6]"
         if stream is not None and stream not in STREAMS:
             return False, f"stream must be one of {STREAMS}, got {stream!r}"
+        if trace and not self.settings.trace:
+            return False, "tracing needs a server started with --enable-pd-trace"
         shaped = isinstance(self.engine, ShapedTransferEngine)
         if not shaped and (rate_gbps or latency_ms):
             return False, "the KV link is not shaped: start the prefill server with --kv-transfer-rate-gbps"
         if shaped:
             self.engine.set_link(rate_gbps, latency_ms)
         self.stream = stream or self.stream
-        logger.info("KV link re-paced: %g Gbit/s, %g ms, stream %s", rate_gbps, latency_ms, self.stream)
-        return True, f"KV link: {rate_gbps:g} Gbit/s, {latency_ms:g} ms, stream {self.stream}"
+        self.trace_on = self.trace_on if trace is None else trace
+        logger.info("KV link re-paced: %g Gbit/s, %g ms, stream %s, trace %s", rate_gbps, latency_ms, self.stream,
+                    self.trace_on)
+        return True, f"KV link: {rate_gbps:g} Gbit/s, {latency_ms:g} ms, stream {self.stream}, trace {self.trace_on}"
 
     def close(self) -> None:
         super().close()

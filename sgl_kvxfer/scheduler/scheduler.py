@@ -90,7 +90,7 @@ class Scheduler:
         if isinstance(msg, GetInternalStateReq):
             return self.internal_state()
         if isinstance(msg, SetKVLinkReq):
-            return SetKVLinkResult(*self.role.set_link(msg.rate_gbps, msg.latency_ms, msg.stream))
+            return SetKVLinkResult(*self.role.set_link(msg.rate_gbps, msg.latency_ms, msg.stream, msg.trace))
         raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
@@ -192,11 +192,15 @@ class Scheduler:
         if self.inflight is not None:
             return self._step_overlapped()
         batch = self._prefill_batch()
+        applied = False
         if batch is None:
+            applied = self.pending_prefill is not None
             self._apply_prefill()  # decode needs the prefilled requests running, with their first token
             batch = self._decode_batch()
         if batch is None:
-            return False
+            # applying a prefill is work: its outputs and what the role does next with the request
+            # (a PD prefill packs its KV) must not wait out the event loop's idle sleep
+            return applied
         loc = self._out_cache_loc
         self._current = (batch, loc)  # slots allocated, not yet in the requests' kv_len: _recover
         fb = prepare_batch(batch, loc, self.runner.req_to_token.table, self.runner.device)

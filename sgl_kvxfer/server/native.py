@@ -147,7 +147,8 @@ async def flush_cache(request: Request, timeout: float = 0.0):
 @router.post("/kv_transfer_link")
 async def kv_transfer_link(request: Request):
     """Re-pace a prefill server's shaped KV link: {"rate_gbps": float (0: unpaced), "latency_ms":
-    float, "stream": str (optional: --kv-transfer-stream for rooms opened from now on)}.
+    float, "stream": str (optional: --kv-transfer-stream for rooms opened from now on), "trace":
+    bool (optional: trace rooms opened from now on; a server started with --enable-pd-trace)}.
     Ours, not SGLang's: benchmarks sweep link rates and streams on one server pair (benchmarks/pd/)."""
     body, err = await read_json_body(request)
     if err is not None:
@@ -158,10 +159,13 @@ async def kv_transfer_link(request: Request):
         stream = body.get("stream")
         if stream is not None and not isinstance(stream, str):
             raise TypeError("stream")
+        trace = body.get("trace")
+        if trace is not None and not isinstance(trace, bool):
+            raise TypeError("trace")
     except (TypeError, KeyError, AttributeError, RequestError):
         return openai_error("body must be {\"rate_gbps\": float, \"latency_ms\": float (finite), "
-                            "\"stream\": str}", 400)
-    result = await _tm(request).set_kv_link(rate, latency, stream)
+                            "\"stream\": str, \"trace\": bool}", 400)
+    result = await _tm(request).set_kv_link(rate, latency, stream, trace)
     return PlainTextResponse(result.message, status_code=200 if result.success else 400)
 
 

@@ -199,13 +199,21 @@ def test_the_link_route_rejects_bad_values():
         def write(self, peer, src, dst, n):
             pass
 
+    from types import SimpleNamespace
+
     role = object.__new__(PrefillRole)
     role.fake, role.stream, role.engine = False, "end", ShapedTransferEngine(Engine(), 10.0)
+    role.settings, role.trace_on = SimpleNamespace(trace=False), False
     for rate, lat, stream in ((float("nan"), 0, None), (-1, 0, None), (1, float("inf"), None), (1e9, 0, None),
                               (1, 0, "fast")):
         ok, msg = role.set_link(rate, lat, stream)
         assert not ok and msg, (rate, lat, stream)
     assert role.set_link(0, 0, "chunk")[0] and role.stream == "chunk" and role.engine.rate_bps == float("inf")
+    assert not role.set_link(0, 0, None, True)[0] and not role.trace_on  # started without --enable-pd-trace
+    role.settings.trace = role.trace_on = True
+    assert role.set_link(0, 0, None, False)[0] and not role.trace_on and role.stream == "chunk"
+    assert role.set_link(0, 0)[0] and not role.trace_on  # no trace given: unchanged
+    assert role.set_link(0, 0, None, True)[0] and role.trace_on
     role.engine = Engine()  # not shaped: a stream switch only
     assert not role.set_link(5, 0)[0] and role.set_link(0, 0, "end")[0] and role.stream == "end"
 

@@ -133,6 +133,25 @@ def test_prefill_overlap_across_batches_and_chunks(smollm2_path, page_size):
         _assert_no_leak(engine)
 
 
+def test_applying_a_pending_prefill_counts_as_work(smollm2_path):
+    """A step that only applies a pending prefill (its request then has no decode step: finished
+    by its first token here, waiting for its KV to leave on a PD prefill server) reports work, so
+    the event loop goes round at once instead of sleeping on its sockets before the next poll."""
+    from sgl_kvxfer import Engine
+
+    sp = SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0, "ignore_eos": True})
+    with Engine(smollm2_path, device="cpu", max_total_tokens=2000) as engine:
+        sched = engine.scheduler
+        sched.overlap = True
+        sched.handle(TokenizedGenerateReq(rid="p", input_ids=engine.tokenizer.encode(PROMPTS[0]), sampling=sp))
+        while sched.pending_prefill is None:
+            assert sched.step()
+        assert sched.step() is True and sched.pending_prefill is None  # applied: the request is done
+        assert [o.finish_reason["type"] for o in sched.take_outputs() if o.finish_reason] == ["length"]
+        assert sched.step() is False  # now idle
+        _assert_no_leak(engine)
+
+
 @pytest.mark.gpu
 def test_overlap_on_cuda_graphs(smollm2_path):
     """CUDA, bf16, CUDA graphs: with fixed lengths both modes run the same batch shapes, so the
