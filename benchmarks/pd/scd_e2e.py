@@ -316,14 +316,17 @@ def plot(p: dict, path: str) -> None:
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
     n = str(max(p["params"]["prompt_tokens"]))
+    plotted = False  # a log axis with no positive point raises: a run whose SCD rows all failed plots linear
     for j, (n_fan, by_n) in enumerate(sorted(p["fanout"].items(), key=lambda x: int(x[0]))):
         r = by_n.get(n, {})
         keys = [k for k in r if k.startswith("scd@")]
         xs = [float(k[4:]) or p["params"]["rates"][-1] * 4 for k in keys]
         ax[0].plot(xs, [r[k]["max_ms"] for k in keys], "o-", c=f"C{j}", label=f"SCD, N={n_fan}")
+        plotted = plotted or any(x > 0 for x in xs)
         if "oracle" in r:
             ax[0].axhline(r["oracle"]["max_ms"], ls=":", c=f"C{j}", label=f"own prefill, N={n_fan}")
-    ax[0].set_xscale("log")
+    if plotted:
+        ax[0].set_xscale("log")
     ax[0].set_xlabel("link rate (Gbit/s; rightmost: unpaced)")
     ax[0].set_ylabel("TTFT of the last specialist (ms)")
     ax[0].set_title(f"fan-out, {n}-token document, producer prefill included", fontsize=9)

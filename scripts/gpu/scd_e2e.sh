@@ -62,4 +62,8 @@ t(w('$PRESET', '$MODEL'), $VOCAB)" || exit 1
 T=$(( T_TOTAL - SECONDS - 5 )); [ $T -lt 30 ] && T=30  # SECONDS: since this script started
 timeout -s INT -k 15 "$T" python3 benchmarks/pd/scd_e2e.py "${ARGS[@]}" --vocab $((VOCAB - 256)) --name "$NAME" \
     --out-dir "$OUT" --server-args "--model-path $MODEL $SERVER" 2>&1 | tee "$OUT/scd_e2e.log"
+# the logs of servers that exited badly (the benchmark keeps them in the temp dir): their tails come back
+for f in "${TMPDIR:-/tmp}"/sgl_kvxfer_scd_e2e_*.log; do
+  [ -f "$f" ] && { echo "== $f"; tail -n 60 "$f" | cut -c1-400; }
+done > "$OUT/server_logs.txt" 2>&1
 ls -la "$OUT"
