@@ -41,7 +41,8 @@ assert build_has_cuda(), installed_build()" 2>&1 | tail -3; then
   fi
   PRESET=llama-3-8b VOCAB=128256
   ARGS=(--prompt-tokens ${PROMPTS:-8192} --fanouts ${FANOUTS:-4 1 2} --rates 0 25 100 200 --repeats ${REPEATS:-5}
-        --producer-gpu 0 --consumer-gpu 1 --gpu-placement flag --transfer-backend "$BACKEND")
+        --producer-gpu 0 --consumer-gpu 1 --gpu-placement flag --transfer-backend "$BACKEND"
+        --producer-args "${PRODUCER_ARGS:---max-total-tokens 40000}")
   # 4 decode servers share GPU1: 15 GiB of weights, a 1.05 GiB pool and a 512 MB transfer buffer each
   # (8k tokens of codes at ranks 12 / 20 / 128 with 6 patch layers: 14,848 B/token, 122 MB)
   SERVER="--load-format dummy --dtype bfloat16 --device cuda --mem-fraction-static 0.95 --max-total-tokens 8600 --chunked-prefill-size 2048 --disable-cuda-graph --kv-transfer-buffer-mb 512 --log-level warning"
