@@ -35,6 +35,13 @@ class KVPool(ABC):
         self.dtype = dtype
         self.device = device
 
+    @property
+    def id_end(self) -> int:
+        """One past the largest slot id this pool stores: the row count a side table indexed by
+        slot (an SCD producer's patch codes) needs. Slot-granular: 1 .. size. Families whose
+        allocator hands out ids past `size` (pages, tier stores) override it."""
+        return self.size + 1
+
     @abstractmethod
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [n, Hkv, D] (model dtype, K already rotated) at `slots` [n]."""
