@@ -28,7 +28,7 @@ class KVPool(ABC):
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str):
-        self.size = size  # usable slots 1..size; slot 0 is padding
+        self.size = size  # usable slots (ids 1..size when slot-granular; paged ids: id_end); slot 0 is padding
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
