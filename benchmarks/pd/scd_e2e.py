@@ -31,7 +31,8 @@ GPU placement: `--producer-gpu G --consumer-gpu G` pass `--base-gpu-id G` to the
 launch_server has that flag (`--gpu-placement flag`), else set CUDA_VISIBLE_DEVICES per server
 (`visible`); `auto` (default) picks flag when available. `--consumer-gpus` lists one GPU per
 consumer when they do not fit one card. Without --artifacts, random artifacts of the model's
-architecture with N_max consumers are made (timing only). Writes NAME.json and NAME.png.
+architecture with N_max consumers are made (timing only). Writes NAME.json and NAME.png; exits 1
+when some fan-out failed (NAME.json's `errors` says why; the other fan-outs still ran).
 """
 from __future__ import annotations
 
@@ -344,4 +345,8 @@ def plot(p: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with open(main()) as f:
+        failed = json.load(f).get("errors")
+    if failed:  # the rows that ran are written; the exit status tells a failed fan-out from a clean run
+        print(f"failed fan-outs: {failed}", file=sys.stderr)
+        sys.exit(1)

@@ -13,7 +13,7 @@ every consumer that claims them (docs/pd_disaggregation.md, "SCD over PD").
     on_prompt_done(req)    the last segment; the request's reply ends now and its KV goes to the
                            radix cache: the codes live on in the send buffer, under the room
 
-The zh pool: per Patch layer a [slots, r_h] tensor beside the KV pool, indexed by KV slot and
+The zh pool: per Patch layer a [pool.id_end, r_h] tensor beside the KV pool, indexed by KV slot and
 written by every forward, so a slot's patch code lives exactly as long as its KV. A prompt whose
 prefix is in the radix cache (a shared document prefilled before) takes that prefix's KV and
 patch codes from the pools and computes only the rest: its codes are the same as a full prefill's.
@@ -123,7 +123,10 @@ class ScdPrefillRole(PrefillRole):
             raise ScdSetupError(f"--scd-artifacts {settings.scd_artifacts}: {e}") from e
         self.patch_layers = frozenset(self.manifest.patch_layers)
         super().start(ctx)
-        self.zh_pool = {layer: torch.zeros(self.pool.size + 1, self.manifest.r_h, dtype=self.manifest.code_dtype,
+        # NOTE: rows for every slot id the pool stores (pool.id_end), not pool.size + 1: a paged
+        # allocator's last page ends at slot size + PAGE - 1. An index past the table is an
+        # IndexError on the CPU but a device-side assert on a GPU, reported at a later sync
+        self.zh_pool = {layer: torch.zeros(self.pool.id_end, self.manifest.r_h, dtype=self.manifest.code_dtype,
                                            device=self.pool.device) for layer in self.patch_layers}
         logger.info("SCD producer: artifacts %s (id %s), %d B/token of codes vs %d B/token of KV, fan-out %d",
                     settings.scd_artifacts, self.manifest_id[:12], self.code_layout.bytes_per_token,

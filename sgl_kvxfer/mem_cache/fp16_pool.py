@@ -29,6 +29,11 @@ class Fp16KVPool(KVPool):
             advise_hugepages(buf)  # CPU: before the first touch (host_pages.py)
             buf[:page_size].zero_()
 
+    @property
+    def id_end(self) -> int:
+        """A paged allocator's last page ends at slot size + P - 1: every buffer row."""
+        return self.size + self.page_size
+
     def set_kv(self, layer_id, slots, k, v):
         self.k_buffer[layer_id][slots] = k.to(self.dtype)
         self.v_buffer[layer_id][slots] = v.to(self.dtype)

@@ -28,12 +28,19 @@ class KVPool(ABC):
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str):
-        self.size = size  # usable slots 1..size; slot 0 is padding
+        self.size = size  # usable slots (ids 1..size when slot-granular; paged ids: id_end); slot 0 is padding
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = device
+
+    @property
+    def id_end(self) -> int:
+        """One past the largest slot id this pool stores: the row count a side table indexed by
+        slot (an SCD producer's patch codes) needs. Slot-granular: 1 .. size. Families whose
+        allocator hands out ids past `size` (pages, tier stores) override it."""
+        return self.size + 1
 
     @abstractmethod
     def set_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -41,6 +41,10 @@ class LayerMappedKVPool(KVPool):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    @property
+    def id_end(self) -> int:
+        return self.inner.id_end
+
     def stores_layer(self, layer_id: int) -> bool:
         return 0 <= layer_id < self.num_stored
 

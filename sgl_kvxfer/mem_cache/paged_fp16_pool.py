@@ -38,6 +38,12 @@ class PagedFp16KVPool(KVPool):
         for buf in self.k_buffer + self.v_buffer:
             buf[0].zero_()
 
+    @property
+    def id_end(self) -> int:
+        """Pages 1 .. num_pages hand out slots up to (num_pages + 1) * PAGE - 1, past `size`;
+        the scratch page is covered too."""
+        return (self.num_pages + 2) * self.page_size
+
     def set_kv(self, layer_id, slots, k, v):
         page, off = slots // self.page_size, slots % self.page_size
         # Advanced indices split by a slice: the indexed view is [n, Hkv, D], like k and v.

@@ -89,6 +89,53 @@ def test_hidden_capture_sees_each_input_layernorm_output_and_changes_nothing(tin
     assert all(torch.equal(captured[i], seen[i]) for i in captured)
 
 
+def _pool_families():
+    """(name, pool, allocator) of every non-tiered family the engine builds: slot-granular, the
+    CPU backend's paged slots, the Triton backend's head-major pages, a FusedKV layer map."""
+    from sgl_kvxfer.mem_cache.allocator import TokenSlotAllocator
+    from sgl_kvxfer.mem_cache.fp16_pool import Fp16KVPool
+    from sgl_kvxfer.mem_cache.layer_mapped_pool import LayerMappedKVPool
+    from sgl_kvxfer.mem_cache.paged_allocator import PagedTokenSlotAllocator
+    from sgl_kvxfer.mem_cache.paged_fp16_pool import PagedFp16KVPool
+
+    dims = (2, 2, 32, torch.float32, "cpu")
+    token = Fp16KVPool(100, *dims)
+    cpu_paged = Fp16KVPool(128, *dims, page_size=16)
+    triton = PagedFp16KVPool(256, *dims, page_size=64)
+    mapped = LayerMappedKVPool(PagedFp16KVPool(128, 1, 2, 32, torch.float32, "cpu", page_size=64), 2)
+    return [("token", token, TokenSlotAllocator(token.size)),
+            ("cpu paged", cpu_paged, PagedTokenSlotAllocator(cpu_paged.size, 16)),
+            ("triton paged", triton, PagedTokenSlotAllocator(triton.size, 64)),
+            ("layer mapped", mapped, PagedTokenSlotAllocator(mapped.size, 64))]
+
+
+@pytest.mark.parametrize("family", range(4))
+def test_every_slot_an_allocator_hands_out_is_below_the_pools_id_end(family):
+    name, pool, alloc = _pool_families()[family]
+    slots = alloc.alloc(pool.size)
+    assert slots is not None and alloc.available_size() == 0, name
+    assert int(slots.min()) >= 1 and int(slots.max()) < pool.id_end, name
+
+
+@pytest.mark.parametrize("family", range(4))
+def test_producer_patch_codes_cover_every_slot_of_a_full_pool(tiny, family):
+    """The zh pool is indexed by KV slot: a paged pool's last page holds slots past pool.size
+    (on a GPU an index past the table is a device-side assert, not an IndexError)."""
+    from sgl_kvxfer.disagg.common import DisaggSettings
+    from sgl_kvxfer.disagg.scd_prefill import ScdPrefillRole
+
+    name, pool, alloc = _pool_families()[family]
+    runner = types.SimpleNamespace(**vars(fake_runner(tiny.arch)), kv_pool=pool)
+    ctx = types.SimpleNamespace(runner=runner, pool=pool, table=None, tiering=None)
+    role = ScdPrefillRole(DisaggSettings("prefill", 0, "fake", 5.0, 1 << 20, "end", 0.0, 0.0,
+                                         scd_artifacts=tiny.arts["a"]), "127.0.0.1")
+    role.start(ctx)  # the fake backend: no sender, no buffers; the zh pool is built
+    slots = alloc.alloc(pool.size)  # every slot, the last page's included
+    hidden = torch.randn(slots.numel(), tiny.arch.hidden_size)
+    role._capture(slots, 1, hidden)
+    assert torch.equal(role.zh_pool[1][slots], role.encoder.encode_patch(1, hidden)), name
+
+
 # ---------------------------------------------------------------- config and start-up checks
 def test_scd_flags_are_validated(tiny):
     SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_fanout=3)
