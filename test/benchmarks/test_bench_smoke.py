@@ -283,7 +283,13 @@ def test_fusedkv_serve_interrupted_keeps_the_finished_variants(tmp_path, monkeyp
     monkeypatch.setattr(bench, "run_variant", run_variant)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     before = results()
-    bench.main(["--smoke", "--variants", "vanilla", "lite"])
+    # the script relies on Python's default SIGINT handler; an earlier test in this process (a
+    # server's shutdown hook) may have installed another one
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        bench.main(["--smoke", "--variants", "vanilla", "lite"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     text = capsys.readouterr().out
     assert "interrupted: writing" in text, text[-4000:]
     wrote = [line.split(" ", 1)[1] for line in text.splitlines() if line.startswith("wrote ")]
