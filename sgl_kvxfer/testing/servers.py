@@ -131,7 +131,17 @@ def stop_all(*handles) -> None:
 def start_server(args: list[str], entry: list[str] | None = None, env: dict | None = None, name: str = "server",
                  cwd: str | None = None) -> ServerHandle:
     """`entry` replaces `-m sgl_kvxfer.launch_server` (e.g. [script path]); returns once
-    /v1/models answers."""
+    /v1/models answers. A free port can be taken by another process between free_port() and the
+    server's bind: a server that exits on 'address already in use' is started again on a new port."""
+    for attempt in range(3):
+        handle = _start_once(args, entry, env, name, cwd)
+        if handle is not None:
+            return handle
+    raise RuntimeError(f"{name}: its port was taken before it could bind, three times")
+
+
+def _start_once(args, entry, env, name, cwd) -> ServerHandle | None:
+    """The server's handle once it answers; None if its HTTP port was taken before it bound."""
     port = free_port()
     cmd = [sys.executable, *(entry or ["-m", "sgl_kvxfer.launch_server"]), "--port", str(port), *args]
     log_path = os.path.join(tempfile.gettempdir(), f"sgl_kvxfer_{name}_{port}.log")
@@ -141,7 +151,11 @@ def start_server(args: list[str], entry: list[str] | None = None, env: dict | No
     deadline = Deadline(STARTUP_TIMEOUT)
     while not deadline.expired():
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{handle.log()}")
+            log = handle.log()
+            if f"('127.0.0.1', {port}): address already in use" in log:
+                os.remove(log_path)
+                return None
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log}")
         try:
             if requests.get(handle.url + "/v1/models", timeout=2, headers=_auth(args)).status_code == 200:
                 return handle

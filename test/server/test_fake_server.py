@@ -205,3 +205,31 @@ def test_the_routers_grpc_probe_is_closed_quietly_and_bad_http_still_answered(fa
     while log_count() == before and time.time() < deadline:
         time.sleep(0.1)
     assert log_count() == before + 1  # the malformed request's warning only
+
+
+def test_a_server_whose_port_was_taken_starts_on_another(monkeypatch):
+    """free_port() cannot reserve its port: another process may bind it before the server does.
+    start_server sees the bind error and starts the server again on a new port."""
+    import socket
+
+    import sgl_kvxfer.testing.servers as servers_mod
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    real_free_port, calls = servers_mod.free_port, []
+
+    def free_port_taken_first():
+        calls.append(1)
+        return taken.getsockname()[1] if len(calls) == 1 else real_free_port()
+
+    monkeypatch.setattr(servers_mod, "free_port", free_port_taken_first)
+    try:
+        handle = start_server(["--log-level", "warning"], fake=True, name="fake_port_taken")
+        try:
+            assert len(calls) == 2 and not handle.url.endswith(f":{taken.getsockname()[1]}")
+            assert requests.get(handle.url + "/v1/models", timeout=10).status_code == 200
+        finally:
+            handle.stop()
+    finally:
+        taken.close()
