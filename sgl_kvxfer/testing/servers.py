@@ -133,7 +133,7 @@ def start_server(args: list[str], entry: list[str] | None = None, env: dict | No
     """`entry` replaces `-m sgl_kvxfer.launch_server` (e.g. [script path]); returns once
     /v1/models answers. A free port can be taken by another process between free_port() and the
     server's bind: a server that exits on 'address already in use' is started again on a new port."""
-    for attempt in range(3):
+    for _ in range(3):
         handle = _start_once(args, entry, env, name, cwd)
         if handle is not None:
             return handle

@@ -294,7 +294,7 @@ def test_fusedkv_serve_interrupted_keeps_the_finished_variants(tmp_path, monkeyp
     assert "interrupted: writing" in text, text[-4000:]
     wrote = [line.split(" ", 1)[1] for line in text.splitlines() if line.startswith("wrote ")]
     assert wrote and all(w.startswith(str(tmp_path)) for w in wrote) and results() == before
-    data = json.load(open(wrote[-1] if wrote[-1].endswith(".json") else wrote[-2]))
+    data = json.load(open(next(w for w in wrote if w.endswith(".json"))))
     assert all(w.rsplit(".", 1)[0].endswith("fusedkv_serve_tiny_cpu_vanilla_lite") for w in wrote)
     assert data["partial"] and data["rows"]["vanilla"]["complete"] and not data["rows"].get("lite", {}).get("complete")
     assert data["vs_vanilla"] == {}
