@@ -5,6 +5,7 @@ prompt itself.
     python benchmarks/pd/scd_e2e.py [--prompt-tokens 8192] [--fanouts 1 2 4] [--rates 0 25 100 200]
         [--repeats 5] [--server-args "..."] [--producer-gpu 0 --consumer-gpu 1]
         [--transfer-backend mooncake] [--artifacts DIR | --ranks 12 20 128 --patch-count 6]
+        [--rank-levels 4:8 8:12] [--rank-modes auto 4:8 8:12 top]
 
 Servers: N_max decode servers (specialist i: `--random-seed` 100 + i over dummy weights, SCD
 consumer c<i>) start once; a prefill server (the base) with --scd-fanout N starts for each N, in
@@ -81,6 +82,11 @@ def parse_args(argv=None):
     ap.add_argument("--artifacts", default=None, help="SCD artifacts dir (default: random ones, timing only)")
     ap.add_argument("--ranks", type=int, nargs=3, default=[12, 20, 128], metavar=("R_K", "R_V", "R_H"))
     ap.add_argument("--patch-count", type=int, default=6)
+    ap.add_argument("--rank-levels", nargs="*", default=["4:8", "8:12"], metavar="R_K:R_V",
+                    help="random artifacts' nested levels below --ranks' top (ascending)")
+    ap.add_argument("--rank-modes", nargs="*", default=[], metavar="MODE",
+                    help="--scd-rank of one producer each (auto, top, R_K:R_V), compared at N=1 after the fan-outs")
+    ap.add_argument("--rank-repeats", type=int, default=3)
     ap.add_argument("--skip-shared", action="store_true")
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per request")
@@ -89,8 +95,14 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if min(args.fanouts) < 1 or args.repeats < 1 or min(args.prompt_tokens) < 2 or min(args.rates) < 0:
         ap.error("--fanouts >= 1, --repeats >= 1, --prompt-tokens >= 2, --rates >= 0")
-    if args.question_tokens < 1 or args.vocab < 202 or not args.timeout_s > 0:
-        ap.error("--question-tokens >= 1, --vocab >= 202, --timeout-s > 0")
+    if args.question_tokens < 1 or args.vocab < 202 or not args.timeout_s > 0 or args.rank_repeats < 1:
+        ap.error("--question-tokens >= 1, --vocab >= 202, --timeout-s > 0, --rank-repeats >= 1")
+    try:
+        args.rank_levels = [tuple(int(x) for x in lv.split(":")) for lv in args.rank_levels]
+    except ValueError:
+        ap.error(f"--rank-levels: R_K:R_V pairs, got {args.rank_levels}")
+    if any(len(lv) != 2 or min(lv) < 1 for lv in args.rank_levels):
+        ap.error(f"--rank-levels: R_K:R_V pairs of positive ranks, got {args.rank_levels}")
     n_max = max(args.fanouts)
     if args.consumer_gpus is not None and len(args.consumer_gpus) != n_max:
         ap.error(f"--consumer-gpus needs {n_max} entries (one per consumer)")
@@ -157,7 +169,9 @@ def make_artifacts(args, server_args: list[str], n: int, out_dir: str) -> str:
     L, k = arch.num_hidden_layers, min(args.patch_count, arch.num_hidden_layers)
     patch = sorted({round(1 + i * (L - 2) / max(k - 1, 1)) for i in range(k)}) if k else []
     r_k, r_v = (min(r, arch.head_dim) for r in args.ranks[:2])
-    make_random_artifacts(arch, n, r_k, r_v, min(args.ranks[2], arch.hidden_size), patch, seed=0).save(out_dir)
+    levels = [(a, b) for a, b in args.rank_levels if a <= r_k and b <= r_v and (a, b) != (r_k, r_v)]
+    make_random_artifacts(arch, n, r_k, r_v, min(args.ranks[2], arch.hidden_size), patch, seed=0,
+                          rank_levels=levels).save(out_dir)
     return out_dir
 
 
@@ -183,7 +197,7 @@ def main(argv=None) -> str:
     n_max = max(args.fanouts)
     gpus = args.consumer_gpus or [args.consumer_gpu] * n_max
     model = next((server_args[i + 1] for i, a in enumerate(server_args) if a == "--model-path"), "smollm2-135m")
-    res = {"fanout": {}, "shared": {}}
+    res = {"fanout": {}, "shared": {}, "ranks": {}}
     start = time.time()
 
     def emit(done: bool) -> str:
@@ -201,6 +215,7 @@ def main(argv=None) -> str:
         with open(os.path.join(arts, "manifest.json")) as f:
             m = json.load(f)
         manifest = {"random": args.artifacts is None, "ranks": [m["r_k"], m["r_v"], m["r_h"]],
+                    "rank_levels": m.get("rank_levels", []),
                     "patch_layers": m["patch_layers"], "bytes_per_token": m["bytes_per_token"]}
         names = [c["name"] for c in m["consumers"]][:n_max]
         if len(names) < n_max:
@@ -225,6 +240,12 @@ def main(argv=None) -> str:
                     res.setdefault("errors", {})[str(n_fan)] = f"{type(e).__name__}: {str(e)[:2000]}"
                     print(f"N={n_fan} failed: {e}", flush=True)
                 emit(False)
+            if args.rank_modes:
+                try:
+                    run_ranks(args, server_args, arts, consumers[0], res, lambda: emit(False))
+                except (RuntimeError, requests.RequestException) as e:
+                    res.setdefault("errors", {})["ranks"] = f"{type(e).__name__}: {str(e)[:2000]}"
+                    print(f"rank modes failed: {e}", flush=True)
         finally:
             stop_all(*consumers)
     path = emit(True)
@@ -233,13 +254,18 @@ def main(argv=None) -> str:
     return path
 
 
+def producer_args(args, server_args, arts, n_fan: int, bp: int, rank: str = "top") -> list[str]:
+    flag, _ = placement(args, args.producer_gpu)
+    return [*server_args, *flag, *shlex.split(args.producer_args), "--scd-artifacts", arts, "--scd-fanout", str(n_fan),
+            "--scd-rank", rank, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bp),
+            "--kv-transfer-rate-gbps", str(UNPACED_GBPS)]
+
+
 def run_fanout(args, server_args, arts, consumers, n_fan: int, res: dict) -> None:
     bp = free_port()
-    flag, env = placement(args, args.producer_gpu)
-    a = [*server_args, *flag, *shlex.split(args.producer_args), "--scd-artifacts", arts, "--scd-fanout", str(n_fan),
-         "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bp),
-         "--kv-transfer-rate-gbps", str(UNPACED_GBPS)]
-    p = {"h": start_server(a, env={**QUIET_HEALTH, **env}, name=f"scd_e2e_p{n_fan}"), "bp": bp}
+    _, env = placement(args, args.producer_gpu)
+    p = {"h": start_server(producer_args(args, server_args, arts, n_fan, bp), env={**QUIET_HEALTH, **env},
+                           name=f"scd_e2e_p{n_fan}"), "bp": bp}
     cons = consumers[:n_fan]
     seed = 1000 * n_fan
     try:
@@ -290,10 +316,57 @@ def run_shared(args, p: dict, consumer, res: dict) -> None:
         print(f"shared document, {n} tokens: {out}", flush=True)
 
 
+def run_ranks(args, server_args, arts, consumer, res: dict, emit) -> None:
+    """One producer per --scd-rank mode, all up at once on the producer GPU; N = 1. At each rate
+    the modes take turns (new documents each), so drift over the run weighs on all alike."""
+    _, env = placement(args, args.producer_gpu)
+    ps = {}
+    try:
+        with ThreadPoolExecutor(len(args.rank_modes)) as pool:
+            futs = {}
+            for mode in args.rank_modes:
+                bp = free_port()
+                futs[mode] = (pool.submit(start_server, producer_args(args, server_args, arts, 1, bp, mode),
+                                          env={**QUIET_HEALTH, **env}, name=f"scd_e2e_r{mode.replace(':', '_')}"), bp)
+            for mode, (f, bp) in futs.items():
+                if f.exception() is None:
+                    ps[mode] = {"h": f.result(), "bp": bp}
+            failed = next((f.exception() for f, _ in futs.values() if f.exception() is not None), None)
+            if failed is not None:
+                raise RuntimeError(f"a rank-mode producer did not start: {failed}")
+        n = max(args.prompt_tokens)
+        seed = 900_000
+        for mode, p in ps.items():  # warm-up, and auto's first prefill-speed observation
+            for _ in range(2):
+                scd_request(p, [consumer], ids_for(n, seed := seed + 1, args.vocab), args.timeout_s)
+        out = res["ranks"].setdefault(str(n), {})
+        for rate in args.rates:
+            runs = {mode: [] for mode in ps}
+            for mode, p in ps.items():
+                requests.post(p["h"].url + "/kv_transfer_link", json={"rate_gbps": rate or UNPACED_GBPS},
+                              timeout=30).raise_for_status()
+            for _ in range(args.rank_repeats):
+                for mode, p in ps.items():
+                    runs[mode].append(scd_request(p, [consumer], ids_for(n, seed := seed + 1, args.vocab), args.timeout_s))
+            for mode, rs in runs.items():
+                kv = [meta.get("kv_transfer", {}) for r in rs for _, meta in r]
+                out.setdefault(mode, {})[f"scd@{rate:g}"] = {
+                    **row([[t for t, _ in r] for r in rs]),
+                    "bytes_per_token": med([k.get("bytes_per_token", 0) for k in kv]),
+                    "wire_ms": med([k.get("wire_ms", 0) for k in kv])}
+                print(f"rank {mode}, {n} tokens, {rate:g} Gbit/s: {out[mode][f'scd@{rate:g}']}", flush=True)
+            emit()
+        for mode, p in ps.items():
+            info = requests.get(p["h"].url + "/server_info", timeout=30).json().get("internal_states") or [{}]
+            out.setdefault(mode, {})["level_counts"] = info[0].get("kv_transfer", {}).get("scd", {}).get("level_counts")
+    finally:
+        stop_all(*[p["h"] for p in ps.values()])
+
+
 def summarize(res: dict) -> dict:
     """Speed-up of SCD over each specialist's own prefill: oracle / SCD, on the max over the N
     specialists (when the last one answers) and on their mean."""
-    out = {"fanout": {}, "shared": {}}
+    out = {"fanout": {}, "shared": {}, "ranks": {}}
     for n_fan, by_n in res["fanout"].items():
         for n, r in by_n.items():
             if "oracle" not in r:
@@ -306,6 +379,14 @@ def summarize(res: dict) -> dict:
         for key, v in r.items():
             if key.startswith("scd@") and "oracle" in r:
                 out["shared"][f"{n} tokens {key}"] = r["oracle"]["mean_ms"] / v["mean_ms"]
+    for n, by_mode in res.get("ranks", {}).items():  # auto's TTFT over the best fixed mode's, per rate
+        fixed = {m: r for m, r in by_mode.items() if m != "auto"}
+        for key, v in by_mode.get("auto", {}).items():
+            if not key.startswith("scd@"):
+                continue
+            best = min((r[key]["mean_ms"] for r in fixed.values() if key in r), default=None)
+            if best:
+                out["ranks"][f"{n} tokens {key}"] = {"auto_over_best_fixed": v["mean_ms"] / best}
     return out
 
 
@@ -315,13 +396,13 @@ def plot(p: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, ax = plt.subplots(1, 3, figsize=(17, 4.2))
     n = str(max(p["params"]["prompt_tokens"]))
     plotted = False  # a log axis with no positive point raises: a run whose SCD rows all failed plots linear
     for j, (n_fan, by_n) in enumerate(sorted(p["fanout"].items(), key=lambda x: int(x[0]))):
         r = by_n.get(n, {})
         keys = [k for k in r if k.startswith("scd@")]
-        xs = [float(k[4:]) or p["params"]["rates"][-1] * 4 for k in keys]
+        xs = [float(k[4:]) or max(p["params"]["rates"]) * 4 for k in keys]
         ax[0].plot(xs, [r[k]["max_ms"] for k in keys], "o-", c=f"C{j}", label=f"SCD, N={n_fan}")
         plotted = plotted or any(x > 0 for x in xs)
         if "oracle" in r:
@@ -338,6 +419,19 @@ def plot(p: dict, path: str) -> None:
         ax[1].bar(keys + ["oracle"], [r[k]["mean_ms"] for k in keys] + [r.get("oracle", {}).get("mean_ms", 0)])
     ax[1].set_ylabel("TTFT (ms)")
     ax[1].set_title("document in the producer's radix cache, new question", fontsize=9)
+    by_mode = p.get("ranks", {}).get(n, {})
+    for j, (mode, r) in enumerate(by_mode.items()):
+        keys = [k for k in r if k.startswith("scd@")]
+        xs = [float(k[4:]) or max(p["params"]["rates"]) * 4 for k in keys]
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        ax[2].plot([xs[i] for i in order], [r[keys[i]]["mean_ms"] for i in order], "o-" if mode == "auto" else "s--",
+                   c=f"C{j}", label=f"--scd-rank {mode}")
+    if by_mode:
+        ax[2].set_xscale("log")
+        ax[2].legend(fontsize=7)
+    ax[2].set_xlabel("link rate (Gbit/s; rightmost: unpaced)")
+    ax[2].set_ylabel("TTFT (ms)")
+    ax[2].set_title("adaptive rank vs fixed nested levels, N=1", fontsize=9)
     fig.suptitle(f"SCD end to end: {os.path.basename(p['model'].rstrip('/'))}, {p['device']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

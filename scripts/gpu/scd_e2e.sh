@@ -3,8 +3,9 @@
 # GPU0, N = 4 / 1 / 2 specialists (in that order: the N=4 target first) decode on GPU1, Llama-3-8B
 # shape with dummy weights and random SCD artifacts (timing only), 8k-token documents; TTFT
 # includes the producer's prefill; fan-out vs each specialist prefilling itself, and (with N=1) a
-# document already in the producer's radix cache. Link: unpaced and paced 25 / 100 / 200 Gbit/s
-# in the engine. Transfer: Mooncake's CUDA build writing GPU memory to GPU memory over NVLink
+# document already in the producer's radix cache; then the bandwidth-adaptive rank (--scd-rank
+# auto) against each fixed nested level (4:8, 8:12, 12:20), N=1, one producer per mode started
+# at once. Link: paced 200 / 100 / 25 Gbit/s (200 first) and unpaced, in the engine. Transfer: Mooncake's CUDA build writing GPU memory to GPU memory over NVLink
 # (MC_INTRANODE_NVLINK), staged by pd_x2.sh's stage call on the same warm machine:
 #
 #   run kind nvidia-h100-x2, carry [.carry_pdx2_a]  bash scripts/gpu/pd_x2.sh stage
@@ -15,8 +16,11 @@
 #   CPU rehearsal (tiny preset, N = 2 / 1): DEVICE=cpu OUT=<dir> bash scripts/gpu/scd_e2e.sh
 #
 # Back in $OUT: scd_e2e_<shape>.json / .png (rewritten after each N: a run cut short keeps what
-# finished), scd_e2e.log. Expected wall time on H100 x2: about 4 minutes (4 decode servers start
-# once, one prefill server per N; 27 requests per N, 28 for the shared document).
+# finished, and after each rate of the rank stage), scd_e2e.log, server_logs.txt. Expected wall time
+# on H100 x2: the fan-outs and the shared document about 3.5 minutes (4 decode servers start once,
+# one prefill server per N; 27 requests per N, 28 for the shared document); the rank stage, last,
+# about 1 more minute (4 prefill servers at once, 8 + 4 x 4 x 3 requests): T_TOTAL 285 may cut it
+# short (its finished rates are kept); T_TOTAL=360 leaves it room.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
@@ -40,7 +44,8 @@ assert build_has_cuda(), installed_build()" 2>&1 | tail -3; then
     fi
   fi
   PRESET=llama-3-8b VOCAB=128256
-  ARGS=(--prompt-tokens ${PROMPTS:-8192} --fanouts ${FANOUTS:-4 1 2} --rates 0 25 100 200 --repeats ${REPEATS:-5}
+  ARGS=(--prompt-tokens ${PROMPTS:-8192} --fanouts ${FANOUTS:-4 1 2} --rates 200 100 25 0 --repeats ${REPEATS:-5}
+        --rank-modes ${RANK_MODES:-auto 4:8 8:12 12:20}
         --producer-gpu 0 --consumer-gpu 1 --gpu-placement flag --transfer-backend "$BACKEND"
         --producer-args "${PRODUCER_ARGS:---max-total-tokens 40000}")
   # 4 decode servers share GPU1: 15 GiB of weights, a 1.05 GiB pool and a 512 MB transfer buffer each
@@ -50,9 +55,13 @@ assert build_has_cuda(), installed_build()" 2>&1 | tail -3; then
   T_TOTAL=${T_TOTAL:-285}
 else
   PRESET=tiny VOCAB=512
-  ARGS=(--prompt-tokens 64 --fanouts ${FANOUTS:-2 1} --rates 0 25 --repeats 2 --question-tokens 8
-        --transfer-backend "${TRANSFER_BACKEND:-mooncake}")
-  SERVER="--load-format dummy --device cpu --max-total-tokens 2048 --kv-transfer-buffer-mb 16 --log-level warning"
+  # the GPU run's pool family (head-major pages of 64, PagedFp16KVPool) on the torch backend, and a
+  # producer pool of 10 pages: its radix cache evicts and its last page (slots past the pool's
+  # size) is handed out within the first requests, as 8k prompts do to the GPU producer's 40000
+  ARGS=(--prompt-tokens 200 --fanouts ${FANOUTS:-2 1} --rates 25 0 --repeats 2 --question-tokens 8
+        --rank-modes ${RANK_MODES:-auto 4:8 top} --rank-repeats 2
+        --transfer-backend "${TRANSFER_BACKEND:-mooncake}" --producer-args "--max-total-tokens 640")
+  SERVER="--load-format dummy --device cpu --attention-backend torch --page-size 64 --max-total-tokens 2048 --kv-transfer-buffer-mb 16 --log-level warning"
   NAME=scd_e2e_tiny_cpu
   T_TOTAL=${T_TOTAL:-1500}
 fi

@@ -353,9 +353,12 @@ def test_scd_e2e(tmp_path):
     model = write_dummy_tokenizer(write_preset_config("tiny", str(tmp_path / "tiny")), 512)
     out = run_bench("pd/scd_e2e.py", [
         "--prompt-tokens", "40", "--question-tokens", "8", "--fanouts", "1", "2", "--rates", "0", "25",
-        "--repeats", "1", "--vocab", "256",
-        "--server-args", f"--model-path {model} --load-format dummy --device cpu --max-total-tokens 1024 "
-                         "--log-level warning"], tmp_path, timeout=1800)
+        "--repeats", "1", "--vocab", "256", "--rank-modes", "auto", "4:8", "--rank-repeats", "1",
+        # the GPU run's pool family (head-major pages of 64) and a producer pool of 4 pages: its
+        # radix cache evicts and its last page (slots past the pool's size) gets handed out
+        "--producer-args", "--max-total-tokens 256",
+        "--server-args", f"--model-path {model} --load-format dummy --device cpu --attention-backend torch "
+                         "--page-size 64 --max-total-tokens 1024 --log-level warning"], tmp_path, timeout=1800)
     data = result(out, "scd_e2e", ("fanout", "shared", "summary", "artifacts", "params"), png=True)
     assert data["complete"]
     for n_fan in ("1", "2"):
@@ -364,6 +367,11 @@ def test_scd_e2e(tmp_path):
         # codes of 39 of the 40 positions
         assert r["scd@25"]["bytes_per_token"] == pytest.approx(data["artifacts"]["bytes_per_token"] * 39 / 40)
     assert data["shared"]["40"]["oracle"]["mean_ms"] > 0 and data["shared"]["40"]["scd@25"]["mean_ms"] > 0
+    ranks = data["ranks"]["40"]
+    assert ranks["auto"]["scd@25"]["mean_ms"] > 0 and ranks["4:8"]["scd@0"]["mean_ms"] > 0
+    # the fixed 4:8 level sends fewer bytes than the top level the fan-outs used
+    assert ranks["4:8"]["scd@25"]["bytes_per_token"] < data["fanout"]["1"]["40"]["scd@25"]["bytes_per_token"]
+    assert sum(ranks["auto"]["level_counts"].values()) == 2 + 2  # warm-up and one request per rate
 # ---------------------------------------------------------------------------- SpectrumKV retrieval test bed
 def test_cold_tier_decode(tmp_path):
     out = run_bench("throughput/cold_tier_decode.py", ["--preset", "tiny", "--context", "96", "--batch", "2",
