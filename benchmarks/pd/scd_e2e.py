@@ -87,6 +87,8 @@ def parse_args(argv=None):
     ap.add_argument("--rank-modes", nargs="*", default=[], metavar="MODE",
                     help="--scd-rank of one producer each (auto, top, R_K:R_V), compared at N=1 after the fan-outs")
     ap.add_argument("--rank-repeats", type=int, default=3)
+    ap.add_argument("--rank-producer-args", default="",
+                    help="the rank stage's prefill servers' own arguments, after --producer-args (they share one GPU)")
     ap.add_argument("--skip-shared", action="store_true")
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per request")
@@ -254,9 +256,10 @@ def main(argv=None) -> str:
     return path
 
 
-def producer_args(args, server_args, arts, n_fan: int, bp: int, rank: str = "top") -> list[str]:
+def producer_args(args, server_args, arts, n_fan: int, bp: int, rank: str = "top", extra: str = "") -> list[str]:
     flag, _ = placement(args, args.producer_gpu)
-    return [*server_args, *flag, *shlex.split(args.producer_args), "--scd-artifacts", arts, "--scd-fanout", str(n_fan),
+    return [*server_args, *flag, *shlex.split(args.producer_args), *shlex.split(extra), "--scd-artifacts", arts,
+            "--scd-fanout", str(n_fan),
             "--scd-rank", rank, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bp),
             "--kv-transfer-rate-gbps", str(UNPACED_GBPS)]
 
@@ -326,7 +329,7 @@ def run_ranks(args, server_args, arts, consumer, res: dict, emit) -> None:
             futs = {}
             for mode in args.rank_modes:
                 bp = free_port()
-                futs[mode] = (pool.submit(start_server, producer_args(args, server_args, arts, 1, bp, mode),
+                futs[mode] = (pool.submit(start_server, producer_args(args, server_args, arts, 1, bp, mode, args.rank_producer_args),
                                           env={**QUIET_HEALTH, **env}, name=f"scd_e2e_r{mode.replace(':', '_')}"), bp)
             for mode, (f, bp) in futs.items():
                 if f.exception() is None:

@@ -4,8 +4,8 @@
 # shape with dummy weights and random SCD artifacts (timing only), 8k-token documents; TTFT
 # includes the producer's prefill; fan-out vs each specialist prefilling itself, and (with N=1) a
 # document already in the producer's radix cache; then the bandwidth-adaptive rank (--scd-rank
-# auto) against each fixed nested level (4:8, 8:12, 12:20), N=1, one producer per mode started
-# at once. Link: paced 200 / 100 / 25 Gbit/s (200 first) and unpaced, in the engine. Transfer: Mooncake's CUDA build writing GPU memory to GPU memory over NVLink
+# auto) against the lowest and the top fixed nested level (4:8, 12:20), N=1, one producer per mode
+# started at once on GPU0 (3 x 8B weights and 20000-token pools fit an H100). Link: paced 200 / 100 / 25 Gbit/s (200 first) and unpaced, in the engine. Transfer: Mooncake's CUDA build writing GPU memory to GPU memory over NVLink
 # (MC_INTRANODE_NVLINK), staged by pd_x2.sh's stage call on the same warm machine:
 #
 #   run kind nvidia-h100-x2, carry [.carry_pdx2_a]  bash scripts/gpu/pd_x2.sh stage
@@ -19,7 +19,7 @@
 # finished, and after each rate of the rank stage), scd_e2e.log, server_logs.txt. Expected wall time
 # on H100 x2: the fan-outs and the shared document about 3.5 minutes (4 decode servers start once,
 # one prefill server per N; 27 requests per N, 28 for the shared document); the rank stage, last,
-# about 1 more minute (4 prefill servers at once, 8 + 4 x 4 x 3 requests): T_TOTAL 285 may cut it
+# about 1 more minute (3 prefill servers at once, 6 + 4 x 3 x 3 requests): T_TOTAL 285 may cut it
 # short (its finished rates are kept); T_TOTAL=360 leaves it room.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -45,7 +45,7 @@ assert build_has_cuda(), installed_build()" 2>&1 | tail -3; then
   fi
   PRESET=llama-3-8b VOCAB=128256
   ARGS=(--prompt-tokens ${PROMPTS:-8192} --fanouts ${FANOUTS:-4 1 2} --rates 200 100 25 0 --repeats ${REPEATS:-5}
-        --rank-modes ${RANK_MODES:-auto 4:8 8:12 12:20}
+        --rank-modes ${RANK_MODES:-auto 4:8 12:20} --rank-producer-args "--max-total-tokens 20000"
         --producer-gpu 0 --consumer-gpu 1 --gpu-placement flag --transfer-backend "$BACKEND"
         --producer-args "${PRODUCER_ARGS:---max-total-tokens 40000}")
   # 4 decode servers share GPU1: 15 GiB of weights, a 1.05 GiB pool and a 512 MB transfer buffer each
