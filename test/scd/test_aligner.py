@@ -1,5 +1,6 @@
 """Patch aligners: several consumers trained side by side equal each trained alone, and the
 parameters they return are codec.apply_aligner's."""
+import pytest
 import torch
 
 from sgl_kvxfer.scd.calib.aligner import train_aligners
@@ -45,3 +46,12 @@ def test_time_budget_stops_every_consumer():
                          time_budget_s=0.2)
     assert [r["stopped"] for _, r in out] == ["time"] * 3
     assert all(0 < r["steps_run"] < 100000 for _, r in out)
+    # the cosine follows the clock too: a run the time budget ends has annealed its rate (to 0.05
+    # of the start at the end), though it ran a sliver of its step cap
+    assert all(r["lr_last"] < 0.1 for _, r in out)
+
+
+def test_step_cap_anneals_without_a_time_budget():
+    z, targets, lin_ws, lin_bs, _ = _data(consumers=1, n=500)
+    (_, r), = train_aligners(z, targets, lin_ws, lin_bs, width=8, steps=40, eval_every=10, patience=0)
+    assert r["stopped"] == "max_steps" and r["lr_last"] == pytest.approx(0.05)

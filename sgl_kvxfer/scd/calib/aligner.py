@@ -2,8 +2,9 @@
 
 g(z) = u W_lin + b_lin + gelu(u W1 + b1) W2 + b2 with u = z / scale (codec.apply_aligner, the
 same function serves training and inference). The linear part starts at the closed-form ridge
-decoder of the joint H fit and W2 starts at zero, so training (Adam, cosine LR) starts from the
-linear solution. Loss (normalized MSE, the paper's L2 on H, plus an optional auxiliary term
+decoder of the joint H fit and W2 starts at zero, so training (Adam, cosine LR over the steps or,
+with a time budget, over whichever of steps and time runs out first) starts from the linear
+solution. Loss (normalized MSE, the paper's L2 on H, plus an optional auxiliary term
 on what the consumer actually uses, its own K/V projections of h):
 
     |g(z) - h_B|^2 / var(h_B)  +  aux * |(g(z) - h_B) W_kv^T|^2 / var(h_B W_kv^T)
@@ -86,7 +87,16 @@ def train_aligners(z: torch.Tensor, targets: list[torch.Tensor], lin_ws: list[to
 
     train_keys = [k for k in p if k != "scale"]
     opt = torch.optim.Adam([p[k] for k in train_keys], lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * s / max(1, steps))))
+
+    def set_lr(s: int) -> None:
+        """Cosine from lr to 0.05 lr over the run: its progress is the larger of steps done and,
+        with a time budget, time spent (a run the clock ends still anneals, whatever the GPU's speed)."""
+        frac = s / max(1, steps)
+        if time_budget_s:
+            frac = max(frac, (time.perf_counter() - t0) / time_budget_s)
+        for group in opt.param_groups:
+            group["lr"] = lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
     start = val_loss()
     best = list(start)
     best_p = {k: v.detach().clone() for k, v in p.items()}
@@ -98,7 +108,7 @@ def train_aligners(z: torch.Tensor, targets: list[torch.Tensor], lin_ws: list[to
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        sched.step()
+        set_lr(step)
         if step % eval_every == 0 or step == steps:
             cur = val_loss()
             for i in range(n_c):
@@ -123,6 +133,7 @@ def train_aligners(z: torch.Tensor, targets: list[torch.Tensor], lin_ws: list[to
         params = {k: best_p[k] if k == "scale" else best_p[k][i].clone() for k in ("scale", *train_keys)}
         report = {"val_loss_linear": round(start[i], 6), "val_loss_best": round(best[i], 6),
                   "best_step": best_step[i], "steps_run": steps_run[i] if steps else 0,
-                  "stopped": stopped[i] or "max_steps", "train_tokens": int(tr.numel()), "val_tokens": int(n_val)}
+                  "stopped": stopped[i] or "max_steps", "train_tokens": int(tr.numel()), "val_tokens": int(n_val),
+                  "lr_last": opt.param_groups[0]["lr"] / lr}
         out.append((params, report))
     return out
