@@ -237,7 +237,7 @@ def main(argv=None) -> str:
                     raise errors[0]
             for n_fan in args.fanouts:  # in the order given: a run cut short keeps the first
                 try:
-                    run_fanout(args, server_args, arts, consumers, n_fan, res)
+                    run_fanout(args, server_args, arts, consumers, n_fan, res, lambda: emit(False))
                 except (RuntimeError, requests.RequestException) as e:  # the other N still run
                     res.setdefault("errors", {})[str(n_fan)] = f"{type(e).__name__}: {str(e)[:2000]}"
                     print(f"N={n_fan} failed: {e}", flush=True)
@@ -264,7 +264,9 @@ def producer_args(args, server_args, arts, n_fan: int, bp: int, rank: str = "top
             "--kv-transfer-rate-gbps", str(UNPACED_GBPS)]
 
 
-def run_fanout(args, server_args, arts, consumers, n_fan: int, res: dict) -> None:
+def run_fanout(args, server_args, arts, consumers, n_fan: int, res: dict, emit=lambda: None) -> None:
+    """emit(): rewrites the JSON, after the shared document and after each link rate (a run cut
+    short keeps what finished)."""
     bp = free_port()
     _, env = placement(args, args.producer_gpu)
     p = {"h": start_server(producer_args(args, server_args, arts, n_fan, bp), env={**QUIET_HEALTH, **env},
@@ -275,6 +277,9 @@ def run_fanout(args, server_args, arts, consumers, n_fan: int, res: dict) -> Non
         for n in args.prompt_tokens:  # warm-up: kernels for these shapes, first-request costs
             scd_request(p, cons, ids_for(n, -n, args.vocab), args.timeout_s)
             oracle_request(cons, ids_for(n, -n - 1, args.vocab), args.timeout_s)
+        if n_fan == 1 and not args.skip_shared:  # before the fan-out rows: a run cut short keeps it
+            run_shared(args, p, cons[0], res)
+            emit()
         out = res["fanout"].setdefault(str(n_fan), {})
         for n in args.prompt_tokens:
             orc = [oracle_request(cons, ids_for(n, seed := seed + 1, args.vocab), args.timeout_s)
@@ -293,8 +298,7 @@ def run_fanout(args, server_args, arts, consumers, n_fan: int, res: dict) -> Non
                                                 "wire_ms": med([k.get("wire_ms", 0) for k in kv]),
                                                 "link_gbps": med([k.get("link_gbps", 0) for k in kv])}
                 print(f"N={n_fan} {n} tokens {rate:g} Gbit/s: {out[str(n)][f'scd@{rate:g}']}", flush=True)
-        if n_fan == 1 and not args.skip_shared:
-            run_shared(args, p, cons[0], res)
+            emit()
     finally:
         stop_all(p["h"])
 

@@ -5,8 +5,10 @@
 # includes the producer's prefill; fan-out vs each specialist prefilling itself, and (with N=1) a
 # document already in the producer's radix cache; then the bandwidth-adaptive rank (--scd-rank
 # auto) against the lowest and the top fixed nested level (4:8, 12:20), N=1, one producer per mode
-# started at once on GPU0 (3 x 8B weights and 20000-token pools fit an H100). Link: paced 200 / 100 / 25 Gbit/s (200 first) and unpaced, in the engine. Transfer: Mooncake's CUDA build writing GPU memory to GPU memory over NVLink
-# (MC_INTRANODE_NVLINK), staged by pd_x2.sh's stage call on the same warm machine:
+# started at once on GPU0 (3 x 8B weights and 20000-token pools fit an H100). Link: paced 200 /
+# 100 / 25 Gbit/s (200 first) and unpaced, in the engine. Transfer: Mooncake's CUDA build writing
+# GPU memory to GPU memory over NVLink (MC_INTRANODE_NVLINK), staged by pd_x2.sh's stage call on
+# the same warm machine:
 #
 #   run kind nvidia-h100-x2, carry [.carry_pdx2_a]  bash scripts/gpu/pd_x2.sh stage
 #   run kind nvidia-h100-x2, carry [.whl]           SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/scd_e2e.sh
@@ -15,8 +17,8 @@
 #   when the carried .whl holds Mooncake's non-CUDA build); T_TOTAL (default 285 s) bounds the call.
 #   CPU rehearsal (tiny preset, N = 2 / 1): DEVICE=cpu OUT=<dir> bash scripts/gpu/scd_e2e.sh
 #
-# Back in $OUT: scd_e2e_<shape>.json / .png (rewritten after each N: a run cut short keeps what
-# finished, and after each rate of the rank stage), scd_e2e.log, server_logs.txt. Expected wall time
+# Back in $OUT: scd_e2e_<shape>.json / .png (rewritten after each link rate and after the shared
+# document: a run cut short keeps what finished), scd_e2e.log, server_logs.txt. Expected wall time
 # on H100 x2: the fan-outs and the shared document about 3.5 minutes (4 decode servers start once,
 # one prefill server per N; 27 requests per N, 28 for the shared document); the rank stage, last,
 # about 1 more minute (3 prefill servers at once, 6 + 4 x 3 x 3 requests): T_TOTAL 285 may cut it
