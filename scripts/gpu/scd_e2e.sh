@@ -61,7 +61,7 @@ else
   # producer pool of 10 pages: its radix cache evicts and its last page (slots past the pool's
   # size) is handed out within the first requests, as 8k prompts do to the GPU producer's 40000
   ARGS=(--prompt-tokens 200 --fanouts ${FANOUTS:-2 1} --rates 25 0 --repeats 2 --question-tokens 8
-        --rank-modes ${RANK_MODES:-auto 4:8 top} --rank-repeats 2
+        --rank-modes ${RANK_MODES:-auto 4:8 top} --rank-repeats 2 --rank-producer-args "--max-total-tokens 640"
         --transfer-backend "${TRANSFER_BACKEND:-mooncake}" --producer-args "--max-total-tokens 640")
   SERVER="--load-format dummy --device cpu --attention-backend torch --page-size 64 --max-total-tokens 2048 --kv-transfer-buffer-mb 16 --log-level warning"
   NAME=scd_e2e_tiny_cpu

@@ -356,7 +356,7 @@ def test_scd_e2e(tmp_path):
         "--repeats", "1", "--vocab", "256", "--rank-modes", "auto", "4:8", "--rank-repeats", "1",
         # the GPU run's pool family (head-major pages of 64) and a producer pool of 4 pages: its
         # radix cache evicts and its last page (slots past the pool's size) gets handed out
-        "--producer-args", "--max-total-tokens 256",
+        "--producer-args", "--max-total-tokens 256", "--rank-producer-args", "--max-total-tokens 512",
         "--server-args", f"--model-path {model} --load-format dummy --device cpu --attention-backend torch "
                          "--page-size 64 --max-total-tokens 1024 --log-level warning"], tmp_path, timeout=1800)
     data = result(out, "scd_e2e", ("fanout", "shared", "summary", "artifacts", "params"), png=True)
