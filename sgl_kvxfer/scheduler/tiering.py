@@ -69,6 +69,7 @@ class TierRecord:
     asked: tuple[int, ...]
     got: tuple[int, ...]
     byte_ratio: float  # payload incl. scales / fp16 payload of the run (dropped tokens: 0 bytes)
+    tier_map: torch.Tensor | None = None  # int8 [end - start] tiers got, kept only with keep_tier_maps
 
 
 def _counts(tiers: torch.Tensor) -> tuple[int, ...]:
@@ -102,6 +103,8 @@ class EngineTiering:
         # (decode tokens are private to the request until it finishes, so it holds the whole page)
         self._tails: WeakKeyDictionary = WeakKeyDictionary()
         self.records: deque[TierRecord] = deque(maxlen=4096)
+        # offline tools set this to read which tokens got which tier (one byte per token per record)
+        self.keep_tier_maps = False
         self.cold = None
         if config.kv_cold_tier:
             from sgl_kvxfer.scheduler.cold_tier import ColdTier
@@ -325,7 +328,8 @@ class EngineTiering:
         self.table.write(req.req_pool_idx, start, new)
         got = got.cpu()
         ratio = assignment_bytes(got, self.layout) / fp16_bytes(got.numel(), self.layout)
-        self.records.append(TierRecord(req.rid, start, start + slots.numel(), _counts(tiers), _counts(got), ratio))
+        self.records.append(TierRecord(req.rid, start, start + slots.numel(), _counts(tiers), _counts(got), ratio,
+                                       got.to(torch.int8) if self.keep_tier_maps else None))
 
     def _make_room(self, tier: int, count: int) -> None:
         """A tier store is short: evict LRU cache leaves until `count` more of its tokens are
