@@ -14,7 +14,13 @@ threshold share the engine; one tiered engine lives at a time.
 
 Trials: the task suite's (`sgl_kvxfer/tasks`, default `kv`: key-value lines, one key asked)
 eval split at `--context` tokens, the asked line at `--depths` evenly spaced depths,
-`--trials-per-depth` items each, under the chat template; greedy decoding; exact match.
+`--trials-per-depth` items each, under the chat template; greedy decoding; exact match; the same
+items for every method, so two rows compare trial by trial (the summary counts the trials only the
+best SpectrumKV row or only random tiers answers). Every row has a 95% Wilson interval and, for kv
+items, the lowest tier any token of each trial's asked line got at prefill (`needle_tier`, with
+the accuracy within each tier): whether a policy kept the fact it is asked about.
+`--resume JSON` continues an earlier call's results (same trials): its fp16 ceilings, profile,
+lambda and threshold are reused and its measured points skipped, so one table may take two calls.
 Stages, in order (the JSON is rewritten after every point, so a run cut short keeps what ran):
 
     1. fp16 accuracy at --context and --long-context (the test bed's own ceiling)
@@ -27,7 +33,8 @@ Stages, in order (the JSON is rewritten after every point, so a run cut short ke
        PPL on prose windows (ppl_sweep.py's protocol), byte ratio, tier mix, cold-tier counters
 
 Methods: fp16, uniform-int8, uniform-int4, kivi, pdtrim, sws, random-tier, balanced,
-adaptive-2tier, greedy (lambda 0), spectrumkv (greedy, tuned lambda), per-layer (spectrumkv with
+adaptive-2tier, greedy (lambda 0), spectrumkv (greedy, tuned lambda), spectrumkv-max (spectrumkv
+ranking by the per-head max of the window's attention, --kv-importance attn-max), per-layer (spectrumkv with
 --kv-layer-budget profile), cold-tier (spectrumkv with --kv-cold-tier at the tuned threshold),
 spectrumkv-torch (spectrumkv on the torch backend: per-layer's uniform control under --backend triton).
 
@@ -50,7 +57,7 @@ from _harness import (add_common_args, device_tag, git_commit, load_for_plot, me
                       tier_stats, write)
 
 METHODS = ("uniform-int8", "uniform-int4", "kivi", "pdtrim", "sws", "random-tier", "balanced", "adaptive-2tier",
-           "greedy", "spectrumkv", "spectrumkv-torch", "per-layer", "cold-tier")
+           "greedy", "spectrumkv", "spectrumkv-max", "spectrumkv-torch", "per-layer", "cold-tier")
 TORCH_ONLY = ("kivi", "per-layer", "spectrumkv-torch")  # per-layer int formats: the torch kernels read them
 
 
@@ -64,6 +71,8 @@ def method_settings(method: str, lam: float, profile: str | None) -> tuple[dict,
         return {"kv_tier_policy": "greedy"}, 0.0, False
     if method in ("spectrumkv", "spectrumkv-torch"):
         return {"kv_tier_policy": "greedy"}, lam, False
+    if method == "spectrumkv-max":  # importance: the per-head max of the window's attention
+        return {"kv_tier_policy": "greedy", "kv_importance": "attn-max"}, lam, False
     if method == "per-layer":
         return {"kv_tier_policy": "greedy", "kv_layer_budget": "profile", "kv_layer_profile": profile}, lam, False
     if method == "cold-tier":
@@ -475,7 +484,8 @@ def summarize(payload: dict, budgets) -> dict:
     acc = lambda m, b: rows[(m, b)]["accuracy"] if (m, b) in rows else None  # noqa: E731
     out = {"fp16_accuracy": fp16}
     for b in budgets:
-        names = [m for m in ("greedy", "spectrumkv", "spectrumkv-torch", "balanced", "adaptive-2tier") if acc(m, b) is not None]
+        names = [m for m in ("greedy", "spectrumkv", "spectrumkv-max", "spectrumkv-torch", "balanced", "adaptive-2tier")
+                 if acc(m, b) is not None]
         best_m = max(names, key=lambda m: acc(m, b)) if names else None
         best = acc(best_m, b) if best_m else None
         rand = acc("random-tier", b)

@@ -99,7 +99,7 @@ TASK_TRAIN=(--task-param kv.value_digits="$KV_VALUE_DIGITS" --task-param kv.near
 TASK_EVAL=(--task-param value_digits="$KV_VALUE_DIGITS" --task-param near_keys="$KV_NEAR_KEYS")
 # methods in the order they matter to the table (a run cut short keeps the first ones whole):
 # the b=0.3 comparison, the per-layer budgets and their uniform control, the cold tier, then the rest
-EVAL_A=${EVAL_A:-"spectrumkv random-tier uniform-int4 spectrumkv-torch per-layer cold-tier"}
+EVAL_A=${EVAL_A:-"spectrumkv spectrumkv-max random-tier uniform-int4 spectrumkv-torch per-layer cold-tier"}
 METHODS=${METHODS:-"$EVAL_A kivi uniform-int8 pdtrim sws balanced adaptive-2tier greedy"}
 MODEL=$work/model
 PROSE=()  # the eval prose for the PPL column (else the probe's fallback filler: stdlib docstrings)
