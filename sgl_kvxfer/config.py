@@ -20,7 +20,7 @@ from typing import Any
 DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "gguf", "dummy")
 KV_INT4_CHOICES = ("auto", "on", "off")
-KV_IMPORTANCE_CHOICES = ("attn", "norm")
+KV_IMPORTANCE_CHOICES = ("attn", "attn-max", "norm")
 KV_BUDGET_UNIT_CHOICES = ("bytes", "cost")
 KV_TRANSFER_STREAM_CHOICES = ("auto", "end", "int8", "chunk", "chunk-upgrade")
 AUTO_INT8_STREAM_MIN_BUDGET = 0.5  # --kv-transfer-stream auto: int8 stream on a GPU at budgets >= this

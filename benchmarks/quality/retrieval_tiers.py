@@ -14,7 +14,13 @@ threshold share the engine; one tiered engine lives at a time.
 
 Trials: the task suite's (`sgl_kvxfer/tasks`, default `kv`: key-value lines, one key asked)
 eval split at `--context` tokens, the asked line at `--depths` evenly spaced depths,
-`--trials-per-depth` items each, under the chat template; greedy decoding; exact match.
+`--trials-per-depth` items each, under the chat template; greedy decoding; exact match; the same
+items for every method, so two rows compare trial by trial (the summary counts the trials only the
+best SpectrumKV row or only random tiers answers). Every row has a 95% Wilson interval and, for kv
+items, the lowest tier any token of each trial's asked line got at prefill (`needle_tier`, with
+the accuracy within each tier): whether a policy kept the fact it is asked about.
+`--resume JSON` continues an earlier call's results (same trials): its fp16 ceilings, profile,
+lambda and threshold are reused and its measured points skipped, so one table may take two calls.
 Stages, in order (the JSON is rewritten after every point, so a run cut short keeps what ran):
 
     1. fp16 accuracy at --context and --long-context (the test bed's own ceiling)
@@ -27,7 +33,8 @@ Stages, in order (the JSON is rewritten after every point, so a run cut short ke
        PPL on prose windows (ppl_sweep.py's protocol), byte ratio, tier mix, cold-tier counters
 
 Methods: fp16, uniform-int8, uniform-int4, kivi, pdtrim, sws, random-tier, balanced,
-adaptive-2tier, greedy (lambda 0), spectrumkv (greedy, tuned lambda), per-layer (spectrumkv with
+adaptive-2tier, greedy (lambda 0), spectrumkv (greedy, tuned lambda), spectrumkv-max (spectrumkv
+ranking by the per-head max of the window's attention, --kv-importance attn-max), per-layer (spectrumkv with
 --kv-layer-budget profile), cold-tier (spectrumkv with --kv-cold-tier at the tuned threshold),
 spectrumkv-torch (spectrumkv on the torch backend: per-layer's uniform control under --backend triton).
 
@@ -46,10 +53,11 @@ import math
 import os
 import time
 
-from _harness import add_common_args, device_tag, load_for_plot, metadata, run_then_plot, save_plot, tier_stats, write
+from _harness import (add_common_args, device_tag, git_commit, load_for_plot, metadata, run_then_plot, save_plot,
+                      tier_stats, write)
 
 METHODS = ("uniform-int8", "uniform-int4", "kivi", "pdtrim", "sws", "random-tier", "balanced", "adaptive-2tier",
-           "greedy", "spectrumkv", "spectrumkv-torch", "per-layer", "cold-tier")
+           "greedy", "spectrumkv", "spectrumkv-max", "spectrumkv-torch", "per-layer", "cold-tier")
 TORCH_ONLY = ("kivi", "per-layer", "spectrumkv-torch")  # per-layer int formats: the torch kernels read them
 
 
@@ -63,6 +71,8 @@ def method_settings(method: str, lam: float, profile: str | None) -> tuple[dict,
         return {"kv_tier_policy": "greedy"}, 0.0, False
     if method in ("spectrumkv", "spectrumkv-torch"):
         return {"kv_tier_policy": "greedy"}, lam, False
+    if method == "spectrumkv-max":  # importance: the per-head max of the window's attention
+        return {"kv_tier_policy": "greedy", "kv_importance": "attn-max"}, lam, False
     if method == "per-layer":
         return {"kv_tier_policy": "greedy", "kv_layer_budget": "profile", "kv_layer_profile": profile}, lam, False
     if method == "cold-tier":
@@ -80,8 +90,65 @@ def build_trials(tok, task: str, split: str, context: int, depths, per_depth: in
     for i, depth in enumerate(depths):
         for ex in tasks.generate(task, split, per_depth, seed=seed * 1000 + i, tokenizer=tok, context_tokens=context,
                                  depth=depth, **params):
-            trials.append({"example": ex, "depth": depth, "ids": tasks.chat_prompt_ids(tok, ex)})
+            ids = tasks.chat_prompt_ids(tok, ex)
+            trials.append({"example": ex, "depth": depth, "ids": ids, "span": needle_span(tok, ids, ex)})
     return trials
+
+
+def needle_span(tok, ids: list[int], ex) -> tuple[int, int] | None:
+    """Token positions [lo, hi) of the asked "KEY: VALUE" line of a kv item (None for other tasks
+    or when the line cannot be found in the decoded pieces)."""
+    if ex.task != "kv":
+        return None
+    line = f"{ex.question.split('key ')[-1].rstrip('?')}: {ex.answer}"
+    ends, n = [], 0
+    pieces = [tok.decode([i]) for i in ids]
+    for p in pieces:
+        n += len(p)
+        ends.append(n)
+    at = "".join(pieces).find(line)
+    if at < 0:
+        return None
+    lo = next(i for i, e in enumerate(ends) if e > at)
+    hi = next(i for i, e in enumerate(ends) if e >= at + len(line)) + 1
+    return lo, hi
+
+
+def needle_tiers(records, trials, tag: str) -> list[int | None]:
+    """Per trial, the lowest precision (highest tier id) any token of its asked line got at prefill."""
+    maps: dict[str, list] = {}
+    for r in records:
+        if r.tier_map is not None and r.rid.startswith(tag + "-"):
+            maps.setdefault(r.rid, []).append(r)
+    out = []
+    for i, t in enumerate(trials):
+        span, worst = t.get("span"), None
+        for r in maps.get(f"{tag}-{i}", []) if span else []:
+            lo, hi = max(span[0], r.start), min(span[1], r.end)
+            if lo < hi:
+                w = int(r.tier_map[lo - r.start:hi - r.start].max())
+                worst = w if worst is None else max(worst, w)
+        out.append(worst)
+    return out
+
+
+def needle_summary(worst: list, ok: list[bool]) -> dict:
+    """Trials by the needle's worst tier (fp16, int8, int4, drop) and the accuracy within each."""
+    counts, acc = [0] * 4, [None] * 4
+    for t in range(4):
+        hits = [o for w, o in zip(worst, ok) if w == t]
+        counts[t] = len(hits)
+        acc[t] = 100.0 * sum(hits) / len(hits) if hits else None
+    return {"needle_tier_counts": counts, "acc_by_needle_tier": acc}
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> list[float]:
+    """95% Wilson interval of k successes in n trials, in percent."""
+    if n == 0:
+        return [0.0, 100.0]
+    p = k / n
+    mid, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [100.0 * max(0.0, mid - half), 100.0 * min(1.0, mid + half)]
 
 
 def run_trials(engine, trials, tag: str, max_new: int):
@@ -171,9 +238,11 @@ class Run:
         if manager is not None:
             manager.threshold = threshold
         before = dict(manager.stats) if manager is not None else None
+        tiering.keep_tier_maps = True
         ok, texts, rids = run_trials(engine, trials, tag, self.max_new)
         info = engine.get_server_info()["extra"]
         stats = tier_stats(tiering.records, rids)
+        stats["needle_tier"] = needle_tiers(tiering.records, trials, tag)
         delta = {k: manager.stats[k] - before[k] for k in ("promotions", "promoted_tokens", "promoted_bytes_h2d",
                                                            "scoring_passes", "landed", "deferred", "no_room")} \
             if cold else None
@@ -259,6 +328,47 @@ def layer_profile(run: Run, val, args) -> str:
     return path
 
 
+def load_resume(args) -> dict:
+    """The earlier call's payload, refused unless its trials are the ones this call builds."""
+    import json
+
+    with open(args.resume) as f:
+        prev = json.load(f)
+    same = ("task", "task_param", "context", "long_context", "depths", "trials_per_depth", "seed", "val_trials",
+            "max_new_tokens", "backend", "ppl_windows", "ppl_context", "ppl_chunk")
+    now = vars(args)
+    diff = [k for k in same if k != "depths" and prev["params"].get(k) != now.get(k)]
+    if len(prev["params"]["depths"]) != args.depths:
+        diff.append("depths")
+    if diff or "chosen_lambda" not in prev or "fp16" not in prev:
+        raise SystemExit(f"--resume {args.resume}: differs in {diff} or has no validation / fp16 stage")
+    return prev
+
+
+def fp16_stage(r, trials, depths, windows, args, params) -> dict:
+    """Stage 1: fp16 accuracy at --context and --long-context, fp16 PPL."""
+    t = time.time()
+    ok, texts, _ = run_trials(r.base, trials, "fp16", r.max_new)
+    t_trials = time.time() - t
+    fp16 = {"accuracy": 100.0 * sum(ok) / len(ok), "by_depth": by_depth(ok, depths, args.trials_per_depth),
+            "ci95": wilson(sum(ok), len(ok)), "ok": ok, "answers": texts[:8], "trials": len(ok),
+            "trials_s": round(t_trials, 2)}
+    long_per_depth = args.long_trials_per_depth or max(1, args.trials_per_depth // 2)
+    long = build_trials(r.tok, args.task, "eval", args.long_context, depths, long_per_depth,
+                        args.seed + 1, params) if args.long_context else []
+    if long:
+        ok_l, _, _ = run_trials(r.base, long, "fp16-long", r.max_new)
+        fp16["long_context"] = {"context": args.long_context, "accuracy": 100.0 * sum(ok_l) / len(ok_l),
+                                "trials": len(ok_l), "by_depth": by_depth(ok_l, depths, long_per_depth)}
+    r.payload["fp16"] = fp16
+    print(f"fp16: {fp16['accuracy']:.1f}% at {args.context}" +
+          (f", {fp16['long_context']['accuracy']:.1f}% at {args.long_context}" if long else ""), flush=True)
+    if windows:
+        fp16.update(r.ppl(windows, "fp16-ppl", None))
+    r.save()
+    return fp16
+
+
 def run(args) -> str:
     from sgl_kvxfer.spectrum.niah import load_filler_texts
 
@@ -276,40 +386,48 @@ def run(args) -> str:
     params = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in params.items()}
     trials = build_trials(r.tok, args.task, "eval", args.context, depths, args.trials_per_depth, args.seed, params)
     val = build_trials(r.tok, args.task, "calib", args.context, [None], args.val_trials, args.seed, params)
-    r.payload.update(metadata(args, r.base, {"depths": depths, "methods": args.methods}))
+    prev = load_resume(args) if args.resume else None
+    if prev is None:
+        r.payload.update(metadata(args, r.base, {"depths": depths, "methods": args.methods}))
+    else:  # continue the earlier call's JSON: same trials, its fp16 ceilings, profile, lambda, threshold
+        r.payload.update(prev)
+        # "command" becomes this call's (the last writer); the calls before it stay in earlier_calls
+        r.payload.setdefault("earlier_calls", []).append({"command": r.payload.pop("command", None),
+                                                    "commit": r.payload.get("commit")})
+        r.payload.update(commit=git_commit(), started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        r.payload["params"]["methods"] = list(dict.fromkeys(prev["params"]["methods"] + args.methods))
+        r.rows = [x for x in prev["rows"] if "accuracy" in x]
     r.payload["prompt_tokens"] = sum(len(t["ids"]) for t in trials) / len(trials)
-    # 1. fp16 ceilings
-    t = time.time()
-    ok, texts, _ = run_trials(r.base, trials, "fp16", r.max_new)
-    t_trials = time.time() - t
-    fp16 = {"accuracy": 100.0 * sum(ok) / len(ok), "by_depth": by_depth(ok, depths, args.trials_per_depth),
-            "ok": ok, "answers": texts[:8], "trials": len(ok), "trials_s": round(t_trials, 2)}
-    long_per_depth = args.long_trials_per_depth or max(1, args.trials_per_depth // 2)
-    long = build_trials(r.tok, args.task, "eval", args.long_context, depths, long_per_depth,
-                        args.seed + 1, params) if args.long_context else []
-    if long:
-        ok_l, _, _ = run_trials(r.base, long, "fp16-long", r.max_new)
-        fp16["long_context"] = {"context": args.long_context, "accuracy": 100.0 * sum(ok_l) / len(ok_l),
-                                "trials": len(ok_l), "by_depth": by_depth(ok_l, depths, long_per_depth)}
-    r.payload["fp16"] = fp16
-    print(f"fp16: {fp16['accuracy']:.1f}% at {args.context}" +
-          (f", {fp16['long_context']['accuracy']:.1f}% at {args.long_context}" if long else ""), flush=True)
+    r.payload["needle_spans_found"] = sum(t["span"] is not None for t in trials)
     windows = []
     if args.ppl_windows:
         from ppl_sweep import eval_windows
 
         texts = load_filler_texts(args.prose if os.path.exists(args.prose) else None)
         windows = eval_windows(r.tok, texts, args.ppl_context, args.ppl_chunk, args.ppl_windows, 2)
-        r.payload["fp16"].update(r.ppl(windows, "fp16-ppl", None))
-    r.save()
-    # 2. validation, 3. profile
-    profile = layer_profile(r, val, args) if "per-layer" in args.methods or "cold-tier" in args.methods else None
-    r.profile = profile
-    lam, threshold = validate(r, val, args)
+    if prev is None:
+        fp16 = fp16_stage(r, trials, depths, windows, args, params)
+        # 2. the profile, 3. validation
+        profile = layer_profile(r, val, args) if "per-layer" in args.methods or "cold-tier" in args.methods else None
+        r.profile = profile
+        lam, threshold = validate(r, val, args)
+    else:
+        fp16, lam, threshold = prev["fp16"], prev["chosen_lambda"], prev["chosen_threshold"]
+        lp = prev.get("layer_profile")
+        profile = os.path.join(os.path.dirname(os.path.abspath(args.resume)), lp["path"]) if lp else None
+        r.profile = profile
+        print(f"resuming {args.resume}: {len(r.rows)} rows, lambda {lam:g}, threshold {threshold:g}", flush=True)
     # 4. the table, method by method in --methods order (a run cut short has whole rows of the heatmap)
     done = {}  # (budget, a method's settings) -> its row
+    earlier = {(x["method"], x["budget"]) for x in r.rows}
+    for x in r.rows:
+        if "same_as" not in x:
+            flags, m_lam, cold = method_settings(x["method"], lam, profile)
+            done[(x["budget"], tuple(sorted(flags.items())), m_lam, cold, x["backend"])] = x
     for i, method in enumerate(args.methods):
         for b in args.budgets:
+            if (method, b) in earlier:
+                continue
             flags, m_lam, cold = method_settings(method, lam, profile)
             backend = method_backend(method, args.backend)
             key = (b, tuple(sorted(flags.items())), m_lam, cold, backend)
@@ -328,6 +446,7 @@ def run(args) -> str:
             row = {"method": method, "budget": b, "backend": backend, "lambda": m_lam,
                    "accuracy": 100.0 * sum(res["ok"]) / len(res["ok"]), "trials": len(res["ok"]),
                    "by_depth": by_depth(res["ok"], depths, args.trials_per_depth),
+                   "ci95": wilson(sum(res["ok"]), len(res["ok"])), **needle_summary(res["needle_tier"], res["ok"]),
                    **{k: v for k, v in res.items() if k not in ("texts",)}, "answers": res["texts"][:4],
                    "engine_start_s": round(r.started_s, 2), "trials_s": round(t_trials - r.started_s, 2)}
             if windows and method != "cold-tier":  # the cold tier acts in decode; PPL scores prefill logits
@@ -340,16 +459,22 @@ def run(args) -> str:
             r.rows.append(row)
             print(f"b={b:.2f} {method:15s} acc {row['accuracy']:5.1f}%  bytes {row['byte_ratio']:.3f}  "
                   f"ppl {row.get('ppl', float('nan')):.3f}  fallback {row['fallback_tokens']}  "
+                  f"needle tiers {row['needle_tier_counts']}  "
                   f"{'cold ' + str(row['cold']) if row['cold'] else ''} ({row['wall_s']:.0f}s)", flush=True)
             r.save()
         if i % 4 == 3 and any("accuracy" in x for x in r.rows):  # the heatmaps so far, now and then
-            r.payload["summary"] = summarize(r.payload, args.budgets)
+            r.payload["summary"] = summarize(r.payload, row_budgets(r.rows))
             plot(r.save())
-    r.payload["summary"] = summarize(r.payload, args.budgets)
+    r.payload["summary"] = summarize(r.payload, row_budgets(r.rows))
     path = r.save(done=True)
     r.close()
     print("wrote", path)
     return path
+
+
+def row_budgets(rows) -> list[float]:
+    """The budgets of the measured rows, in the order they first ran (every call of a resumed run)."""
+    return list(dict.fromkeys(x["budget"] for x in rows if "accuracy" in x))
 
 
 def summarize(payload: dict, budgets) -> dict:
@@ -359,15 +484,20 @@ def summarize(payload: dict, budgets) -> dict:
     acc = lambda m, b: rows[(m, b)]["accuracy"] if (m, b) in rows else None  # noqa: E731
     out = {"fp16_accuracy": fp16}
     for b in budgets:
-        spectrum = [acc(m, b) for m in ("greedy", "spectrumkv", "spectrumkv-torch", "balanced", "adaptive-2tier") if acc(m, b) is not None]
-        best = max(spectrum) if spectrum else None
+        names = [m for m in ("greedy", "spectrumkv", "spectrumkv-max", "spectrumkv-torch", "balanced", "adaptive-2tier")
+                 if acc(m, b) is not None]
+        best_m = max(names, key=lambda m: acc(m, b)) if names else None
+        best = acc(best_m, b) if best_m else None
         rand = acc("random-tier", b)
         # per-layer runs on torch: its uniform control is spectrumkv on the same backend
         control = "spectrumkv-torch" if acc("spectrumkv-torch", b) is not None else "spectrumkv"
         s = {"best_spectrumkv": best, "fp16_minus_best": None if best is None else fp16 - best,
              "best_minus_random": None if best is None or rand is None else best - rand,
              "per_layer_minus_spectrumkv": None if acc("per-layer", b) is None or acc(control, b) is None
-             else acc("per-layer", b) - acc(control, b), "per_layer_control": control}
+             else acc("per-layer", b) - acc(control, b), "per_layer_control": control, "best_method": best_m}
+        if best_m and rand is not None:  # paired (same items): trials only one of the two answers
+            pairs = list(zip(rows[(best_m, b)]["ok"], rows[("random-tier", b)]["ok"]))
+            s["best_vs_random_discordant"] = [sum(a and not c for a, c in pairs), sum(c and not a for a, c in pairs)]
         if (m := rows.get(("per-layer", b))) and "delta_ppl_pct" in m:
             s["per_layer_delta_ppl_pct"] = m["delta_ppl_pct"]
         cold, base = acc("cold-tier", b), acc("spectrumkv", b)
@@ -450,6 +580,9 @@ def main():
     ap.add_argument("--ppl-chunk", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-budget-s", type=float, default=0.0, help="stop starting table points after this long")
+    ap.add_argument("--resume", default=None, metavar="JSON",
+                    help="continue this earlier results JSON (same trials): skip its fp16, profile and validation "
+                         "stages and its measured rows, run the rest of --methods x --budgets into it")
     args = ap.parse_args()
     if args.plot_only is None:
         if args.model is None:

@@ -1,42 +1,50 @@
 #!/usr/bin/env bash
-# SpectrumKV's retrieval test bed in one GPU call (at most T_TOTAL = 520 s, about 8.5 min, alone or
-# beside another script on one H100), results in $OUT. Stages (arguments, in this order; default
-# `all` = tests train eval decode):
+# SpectrumKV's retrieval test bed, results in $OUT. Stages (arguments, in this order; default
+# `all` = tests train eval resume decode, which needs more than one call's 560 s):
 #   tests   (CUDA only) test/spectrum/test_cold_tier.py, whose GPU test runs the side-stream promotion
-#   train   SmolLM2-135M-Instruct fully fine-tuned on the task suite's key-value retrieval: the first
+#   train   SmolLM2-135M-Instruct fully fine-tuned on the task suite's key-value retrieval (10-digit
+#           values, 3 near-duplicate keys one character away from the asked one): the first
 #           SHORT_FRAC of the items at SHORT_CTX tokens, then TRAIN_CTX (scripts/train/finetune.py
 #           through scripts/gpu/spectrum_train.py); SmolLM2-135M has 8192 positions (RoPE theta
-#           1e5), so 8000-token prompts need no RoPE scaling; the weights stay in /tmp, never in the repo
+#           1e5), so 8000-token prompts need no RoPE scaling; the weights stay in $WORK, never in the repo
 #   eval    benchmarks/quality/retrieval_tiers.py on it: fp16 at EVAL_CTX and LONG_CTX, the per-layer
-#           profile, lambda and threshold by validation, then the table method by method at
-#           b = 0.3, 0.2, 0.5 (triton attention; kivi, per-layer and their spectrumkv control on
-#           torch), heatmaps; the JSON is rewritten after every point, in $OUT as it runs
+#           profile, lambda and threshold by validation, then the first methods (EVAL_A) at b = 0.3
+#           and 0.2; the JSON is rewritten after every point, in $OUT as it runs
+#   resume  the same JSON continued (--resume: the same trials, fp16 ceilings, profile, lambda and
+#           threshold): every method at b = 0.3 and 0.2, then every method at b = 0.5, the points
+#           already measured skipped; methods in the order they matter to the table
 #   decode  benchmarks/throughput/cold_tier_decode.py: the cold tier's decode cost at the
 #           Llama-3-8B shape (dummy weights), 16k x 8, b = 0.2, triton backend, CUDA graphs
-# Each stage runs under `timeout -s INT` (tests 60, T_TRAIN / T_EVAL / T_DECODE: 250 / 240 / 100 s,
-# each cut to what is left of T_TOTAL) and keeps what it measured.
+# Each stage runs under `timeout -s INT` (tests 60, T_TRAIN / T_EVAL / T_DECODE: 250 / 240 / 100 s;
+# resume: what is left but T_DECODE; each cut to what is left of T_TOTAL = 520 s) and keeps what it
+# measured. Trials: 11 depths x 6 = 66 items a point, the same items for every method (the summary
+# counts the trials only one of best SpectrumKV / random answers; every row has a 95% Wilson interval
+# and the tier each trial's asked line got).
 # $OUT (7 files): retrieval_tiers_*.json/.png, layer_profile_*.json, cold_tier_decode_*.json,
 # train_log.json, loss.png, spectrum_logs.tar.gz; PACK=1: all of them in one $OUT/spectrum.tar.gz.
 # Shares a machine: OUT may be any folder (a subfolder of the call's $OUT), WORK defaults to a fresh
-# mktemp folder, item building uses WORKERS (8) processes, and every engine has an explicit KV
-# pool (--max-total-tokens 400000: about 9.2 GB each for SmolLM2-135M; two live at a time) so it
-# takes no share of GPU memory another process holds; peak about 25 GB (the decode stage: the
-# Llama-3-8B dummy weights, 16 GB, and its tiered pool for 16k x 8).
+# mktemp folder (two calls that continue one run name the same WORK), item building uses WORKERS
+# (8) processes, and every engine has an explicit KV pool (--max-total-tokens 400000: about 9.2 GB
+# each for SmolLM2-135M; two live at a time) so it takes no share of GPU memory another process
+# holds; peak about 25 GB (the decode stage: the Llama-3-8B dummy weights, 16 GB, and its tiered
+# pool for 16k x 8).
 #
-# GPU, two calls on one warm machine (scripts/gpu/README.md):
+# GPU, three calls on one warm machine (scripts/gpu/README.md), the last two back to back:
 #   run carry [.carry_a]                      bash scripts/gpu/stage_weights.sh
-#   run carry [.carry_b, .whl, .cache/data]   SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/spectrum_retrieval.sh [STAGE...]
+#   run carry [.carry_b, .whl, .cache/data]   WORK=/tmp/spectrum_work bash scripts/gpu/spectrum_retrieval.sh tests train eval
+#   run carry [.carry_b, .whl, .cache/data]   WORK=/tmp/spectrum_work bash scripts/gpu/spectrum_retrieval.sh resume decode
 # beside scd_quality.sh on one H100 (env.sh once first, then each script in its own OUT subfolder):
-#   source scripts/gpu/env.sh; PACK=1 OUT=$OUT/spec bash scripts/gpu/spectrum_retrieval.sh &
+#   source scripts/gpu/env.sh; WORK=/tmp/spectrum_work PACK=1 OUT=$OUT/spec bash scripts/gpu/spectrum_retrieval.sh tests train eval &
 #   OUT=$OUT/scd bash scripts/gpu/scd_quality.sh; wait
 # CPU rehearsal (a random tiny Llama with SmolLM2's tokenizer, tiny contexts, minutes):
-#   DEVICE=cpu OUT=/tmp/x bash scripts/gpu/spectrum_retrieval.sh
+#   DEVICE=cpu WORK=/tmp/x_work OUT=/tmp/x bash scripts/gpu/spectrum_retrieval.sh train eval
+#   DEVICE=cpu WORK=/tmp/x_work OUT=/tmp/x bash scripts/gpu/spectrum_retrieval.sh resume decode
 set -uo pipefail
 stages=" ${*:-all} "
 for s in $stages; do
-  case $s in all|tests|train|eval|decode) ;; *) sed -n '2,33p' "$0"; exit 2 ;; esac
+  case $s in all|tests|train|eval|resume|decode) ;; *) sed -n '2,45p' "$0"; exit 2 ;; esac
 done
-[ "$stages" = " all " ] && stages=" tests train eval decode "
+[ "$stages" = " all " ] && stages=" tests train eval resume decode "
 want() { [[ $stages == *" $1 "* ]]; }
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
@@ -46,7 +54,7 @@ work=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/spectrum_run.XXXXXX")}
 mkdir -p "$work"
 say() { echo "== $* ($(date +%T))"; }
 T0=$(date +%s)
-T_TOTAL=${T_TOTAL:-520}
+T_TOTAL=${T_TOTAL:-$([ "$DEVICE" = cuda ] && echo 520 || echo 3600)}
 left() {  # left CAP: CAP seconds, or what is left of T_TOTAL less 15 s for copying out (at least 1)
   local l=$(( T_TOTAL - ($(date +%s) - T0) - 15 ))
   [ "$l" -lt "$1" ] || l=$1
@@ -64,12 +72,9 @@ if [ "$DEVICE" = cuda ]; then
   SHORT_CTX=${SHORT_CTX:-4000} SHORT_FRAC=${SHORT_FRAC:-0.3}
   TRAIN_ARGS=${TRAIN_ARGS:-"--batch-size 2 --grad-accum 4 --lr 3e-4 --warmup 20 --steps 3000"}
   EVAL_CTX=${EVAL_CTX:-4096} LONG_CTX=${LONG_CTX:-8000}
-  # the methods in the order they matter to the table (a run cut short keeps the first ones whole)
-  EVAL_ARGS=${EVAL_ARGS:-"--backend triton --depths 11 --trials-per-depth 3 --long-trials-per-depth 4
-    --val-trials 16 --val-budgets 0.2 --lambdas 0 3e-4 1e-3 --cold-thresholds 0.01 0.05 --ppl-windows 2
-    --profile-samples 8 --max-new-tokens 8 --max-total-tokens 400000
-    --methods spectrumkv random-tier spectrumkv-torch per-layer cold-tier uniform-int4 kivi uniform-int8
-    pdtrim sws balanced adaptive-2tier greedy"}
+  EVAL_ARGS=${EVAL_ARGS:-"--backend triton --depths 11 --trials-per-depth 6 --long-trials-per-depth 4
+    --val-trials 16 --val-budgets 0.3 0.2 --lambdas 0 3e-4 1e-3 --cold-thresholds 0.01 0.05 --ppl-windows 2
+    --profile-samples 8 --max-new-tokens 14 --max-total-tokens 400000"}
   DECODE_ARGS=${DECODE_ARGS:-"--preset llama-3-8b --context 16384 --batch 8 --kv-tier-budget 0.2 --n1 16
     --n2 80 --repeats 5 --intervals 16 4"}
 else
@@ -83,11 +88,19 @@ else
   SHORT_CTX=${SHORT_CTX:-128} SHORT_FRAC=${SHORT_FRAC:-0.5}
   TRAIN_ARGS=${TRAIN_ARGS:-"--batch-size 2 --grad-accum 1 --lr 1e-3 --warmup 2 --steps 3"}
   EVAL_CTX=${EVAL_CTX:-256} LONG_CTX=${LONG_CTX:-384}
-  EVAL_ARGS=${EVAL_ARGS:-"--quick --budgets 0.3 0.2 --ppl-context 128 --ppl-chunk 16 --profile-batch 2
+  EVAL_ARGS=${EVAL_ARGS:-"--quick --ppl-context 128 --ppl-chunk 16 --profile-batch 2 --max-new-tokens 14
     --cold-thresholds 0.02 0.1"}
   DECODE_ARGS=${DECODE_ARGS:-"--preset tiny --context 128 --batch 2 --n1 2 --n2 10 --repeats 2 --backend torch
     --forced-threshold 0.001"}
 fi
+# the test bed: the task's parameters for training and evaluation alike
+KV_VALUE_DIGITS=${KV_VALUE_DIGITS:-10} KV_NEAR_KEYS=${KV_NEAR_KEYS:-3}
+TASK_TRAIN=(--task-param kv.value_digits="$KV_VALUE_DIGITS" --task-param kv.near_keys="$KV_NEAR_KEYS")
+TASK_EVAL=(--task-param value_digits="$KV_VALUE_DIGITS" --task-param near_keys="$KV_NEAR_KEYS")
+# methods in the order they matter to the table (a run cut short keeps the first ones whole):
+# the b=0.3 comparison, the per-layer budgets and their uniform control, the cold tier, then the rest
+EVAL_A=${EVAL_A:-"spectrumkv spectrumkv-max random-tier uniform-int4 spectrumkv-torch per-layer cold-tier"}
+METHODS=${METHODS:-"$EVAL_A kivi uniform-int8 pdtrim sws balanced adaptive-2tier greedy"}
 MODEL=$work/model
 PROSE=()  # the eval prose for the PPL column (else the probe's fallback filler: stdlib docstrings)
 [ -f .cache/data/prose_eval.jsonl ] && PROSE=(--prose .cache/data/prose_eval.jsonl)
@@ -104,11 +117,13 @@ if want train; then
   # shellcheck disable=SC2086
   timeout -s INT "$t_train" python3 scripts/gpu/spectrum_train.py --workers "$WORKERS" --items "$ITEMS" \
       --short-context "$SHORT_CTX" --short-fraction "$SHORT_FRAC" --finish-within "$t_train" -- \
-      --model "$BASE" --mix kv=1 --task-param kv.context_tokens="$TRAIN_CTX" --out "$MODEL" \
+      --model "$BASE" --mix kv=1 --task-param kv.context_tokens="$TRAIN_CTX" "${TASK_TRAIN[@]}" --out "$MODEL" \
       --time-limit-s "$TRAIN_S" --max-len $((TRAIN_CTX + 256)) --eval-n 0 --device "$DEVICE" $TRAIN_ARGS \
       2>&1 | grep -v "it/s\]$" | tee "$work/train.log"
 fi
-res=$OUT; [ "${PACK:-0}" = 1 ] && res=$work/pack  # results written as they come
+# results written as they come into $work/res (a later call with the same WORK continues them),
+# copied to $OUT at the end
+res=$work/res
 mkdir -p "$res"
 cp "$MODEL/train_log.json" "$MODEL/loss.png" "$res"/ 2>/dev/null
 if [ ! -f "$MODEL/config.json" ]; then
@@ -116,18 +131,43 @@ if [ ! -f "$MODEL/config.json" ]; then
   MODEL=$BASE
 fi
 
-if want eval; then
-  say "eval: retrieval table on $MODEL"
-  t_eval=$(left "$T_EVAL")
-  # results straight into $res, so a run cut short has them; no new point starts after
-  # --time-budget-s, 30 s before the stage's limit (a point takes seconds to tens of seconds)
-  # shellcheck disable=SC2086
-  timeout -s INT -k 10 "$t_eval" python3 benchmarks/quality/retrieval_tiers.py --model "$MODEL" --device "$DEVICE" \
-      --context "$EVAL_CTX" --long-context "$LONG_CTX" --out-dir "$res" "${PROSE[@]}" $EVAL_ARGS \
-      --time-budget-s $(( t_eval > 60 ? t_eval - 30 : t_eval / 2 )) 2>&1 | tee "$work/eval.log"
-  for j in "$res"/retrieval_tiers_*.json; do  # a run cut short wrote its JSON after its last plot
+replot() {  # a run cut short wrote its JSON after its last plot
+  for j in "$res"/retrieval_tiers_*.json; do
     [ -f "$j" ] && [ "$j" -nt "${j%.json}.png" ] && timeout 60 python3 benchmarks/quality/retrieval_tiers.py --plot-only "$j"
   done
+}
+table() {  # table SECONDS LOG ARGS...: retrieval_tiers.py into $res; no new point after SECONDS - 30
+  local t=$1 log=$2; shift 2
+  # shellcheck disable=SC2086
+  timeout -s INT -k 10 "$t" python3 benchmarks/quality/retrieval_tiers.py --model "$MODEL" --device "$DEVICE" \
+      --context "$EVAL_CTX" --long-context "$LONG_CTX" --out-dir "$res" "${PROSE[@]}" "${TASK_EVAL[@]}" $EVAL_ARGS \
+      --time-budget-s $(( t > 60 ? t - 30 : t / 2 )) "$@" 2>&1 | tee -a "$work/$log"
+}
+
+if want eval; then
+  say "eval: retrieval table on $MODEL (fp16, profile, validation, then $EVAL_A at b = 0.3, 0.2)"
+  # shellcheck disable=SC2086
+  table "$(left "$T_EVAL")" eval.log --budgets 0.3 0.2 --methods $EVAL_A
+  replot
+fi
+
+if want resume; then
+  json=$(ls "$res"/retrieval_tiers_*.json 2>/dev/null | grep -v _quick_ | head -1)
+  [ -n "$json" ] || json=$(ls "$res"/retrieval_tiers_*.json 2>/dev/null | head -1)
+  if [ -z "$json" ]; then
+    echo "resume: no retrieval_tiers JSON in $res (run the eval stage first, with the same WORK)"
+  else
+    reserve=0; want decode && reserve=$T_DECODE  # the decode stage keeps its share
+    t_end=$(( T0 + T_TOTAL - 15 - reserve ))
+    for budgets in "0.3 0.2" "0.5"; do
+      t=$(( t_end - $(date +%s) ))
+      [ "$t" -ge 60 ] || break
+      say "resume: $json, every method at b = $budgets ($t s)"
+      # shellcheck disable=SC2086
+      table "$t" resume.log --resume "$json" --budgets $budgets --methods $METHODS
+    done
+    replot
+  fi
 fi
 
 if want decode; then
@@ -138,11 +178,9 @@ if want decode; then
 fi
 
 say "done after $(( $(date +%s) - T0 )) s"
-dest=$OUT
-[ "${PACK:-0}" = 1 ] && dest=$work/pack && mkdir -p "$dest"
-cp "$work"/cold_tier_decode_*.json "$dest"/ 2>/dev/null
-cp "$MODEL/train_log.json" "$MODEL/loss.png" "$dest"/ 2>/dev/null
-tar -czf "$dest/spectrum_logs.tar.gz" -C "$work" $(cd "$work" && ls ./*.log 2>/dev/null)
-[ "${PACK:-0}" = 1 ] && tar -czf "$OUT/spectrum.tar.gz" -C "$dest" .
+cp "$work"/cold_tier_decode_*.json "$res"/ 2>/dev/null
+cp "$MODEL/train_log.json" "$MODEL/loss.png" "$res"/ 2>/dev/null
+tar -czf "$res/spectrum_logs.tar.gz" -C "$work" $(cd "$work" && ls ./*.log 2>/dev/null)
+if [ "${PACK:-0}" = 1 ]; then tar -czf "$OUT/spectrum.tar.gz" -C "$res" .; else cp "$res"/* "$OUT"/; fi
 ls -la "$OUT"
 [ -n "${WORK:-}" ] || [ "$DEVICE" = cuda ] || rm -rf "$work"  # a CPU rehearsal leaves nothing in /tmp

@@ -69,6 +69,7 @@ class TierRecord:
     asked: tuple[int, ...]
     got: tuple[int, ...]
     byte_ratio: float  # payload incl. scales / fp16 payload of the run (dropped tokens: 0 bytes)
+    tier_map: torch.Tensor | None = None  # int8 [end - start] tiers got, kept only with keep_tier_maps
 
 
 def _counts(tiers: torch.Tensor) -> tuple[int, ...]:
@@ -102,6 +103,8 @@ class EngineTiering:
         # (decode tokens are private to the request until it finishes, so it holds the whole page)
         self._tails: WeakKeyDictionary = WeakKeyDictionary()
         self.records: deque[TierRecord] = deque(maxlen=4096)
+        # offline tools set this to read which tokens got which tier (one byte per token per record)
+        self.keep_tier_maps = False
         self.cold = None
         if config.kv_cold_tier:
             from sgl_kvxfer.scheduler.cold_tier import ColdTier
@@ -169,14 +172,15 @@ class EngineTiering:
             if self.cold is not None:  # copies done since the last step land before this one reads its rows
                 self.cold.land()
             return
-        if self.config.kv_importance != "attn":
+        if not self.config.kv_importance.startswith("attn"):
             return
+        head_max = self.config.kv_importance == "attn-max"
         observed, dev, window = {}, fb.input_ids.device, self.config.kv_importance_window
         for i, s in enumerate(batch.slices):
             n, end = s.req.seq_len, s.start + s.length
             acc = self._acc.get(s.req)
             if acc is None or acc.num_tokens != n:
-                acc = self._acc[s.req] = ImportanceAccumulator(n, window, dev)
+                acc = self._acc[s.req] = ImportanceAccumulator(n, window, dev, head_max=head_max)
             accs = [acc] if end > acc.window_start else []  # this chunk holds window queries
             if s.req in self._chunk_acc and end < n:  # a streamed chunk: its own window ranks it
                 self._chunk_acc[s.req] = ImportanceAccumulator(end, window, dev, fused_heads=True)
@@ -225,7 +229,7 @@ class EngineTiering:
         chunk's window attention (KV norms where none was observed). The pool is unchanged: the
         prompt's final tiers still come from the whole prompt at its end."""
         acc, self._chunk_acc[req] = self._chunk_acc.get(req), None
-        if self.config.kv_importance == "attn" and acc is not None and acc.has_data and acc.num_tokens == end:
+        if self.config.kv_importance.startswith("attn") and acc is not None and acc.has_data and acc.num_tokens == end:
             importance = token_importance(acc.scores().cpu(), self.config.kv_recency_lambda)[start:]
         else:
             slots = self.table.read(req.req_pool_idx, end, start=start).cpu()
@@ -248,7 +252,7 @@ class EngineTiering:
         if n <= start:
             return
         slots = self.table.read(req.req_pool_idx, n).cpu()  # ids on the host: retier's routing runs no sync
-        if self.config.kv_importance == "attn" and acc is not None and acc.has_data and acc.num_tokens == n:
+        if self.config.kv_importance.startswith("attn") and acc is not None and acc.has_data and acc.num_tokens == n:
             attn = acc.scores().cpu()
         else:  # norm mode, or a backend that feeds no observer
             attn = self._norm_importance(slots)
@@ -325,7 +329,8 @@ class EngineTiering:
         self.table.write(req.req_pool_idx, start, new)
         got = got.cpu()
         ratio = assignment_bytes(got, self.layout) / fp16_bytes(got.numel(), self.layout)
-        self.records.append(TierRecord(req.rid, start, start + slots.numel(), _counts(tiers), _counts(got), ratio))
+        self.records.append(TierRecord(req.rid, start, start + slots.numel(), _counts(tiers), _counts(got), ratio,
+                                       got.to(torch.int8) if self.keep_tier_maps else None))
 
     def _make_room(self, tier: int, count: int) -> None:
         """A tier store is short: evict LRU cache leaves until `count` more of its tokens are

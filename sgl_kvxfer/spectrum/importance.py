@@ -16,6 +16,13 @@ divided by the number of rows. The paper says only "an observed or approximated 
 importance statistic" aggregated "over layers, heads, and ... observations"; the window stands in
 for the decode queries, which do not exist yet when the prefill worker ranks tokens.
 
+Per-head max (`head_max=True`, --kv-importance attn-max): per layer, each query head's mean
+probability over the window rows of one add_layer call, the maximum over heads, averaged over
+layers and normalized to sum 1. The mean above lets the many sink / local heads outvote the few
+heads that read one far fact (a retrieval head puts most of its window mass on the asked line,
+the mean spreads that over all heads); the maximum keeps what any head reads. A window split over
+two prefill chunks adds two such maxima for a layer (each over its own rows).
+
 KV-norm fallback (`norm_importance`): mean over layers and kv heads of ||k_j|| (averaged with
 ||v_j|| when values are given), normalized to sum 1. Used when attention probabilities are
 unavailable (fused kernels) or unreliable, as in the paper's Qwen decay sweep.
@@ -76,12 +83,14 @@ class ImportanceAccumulator:
     thread-safe (one accumulator per request, fed by the forward thread).
     """
 
-    def __init__(self, num_tokens: int, window: int | None = DEFAULT_WINDOW, device=None, fused_heads: bool = False):
+    def __init__(self, num_tokens: int, window: int | None = DEFAULT_WINDOW, device=None, fused_heads: bool = False,
+                 head_max: bool = False):
         if num_tokens < 1 or (window is not None and window < 1):
             raise ValueError(f"need num_tokens >= 1 and window >= 1 or None, got {num_tokens}, {window}")
         # fused_heads: every head in one product per layer (Hkv times fewer kernel launches); the
         # same sums in another order, so a ranking may differ at near-ties
         self.fused_heads = fused_heads
+        self.head_max = head_max
         self.num_tokens = num_tokens
         self.window = window
         self.window_start = 0 if window is None else max(0, num_tokens - window)
@@ -117,6 +126,15 @@ class ImportanceAccumulator:
         visible = key_pos[None, :] <= pos[:, None]                      # [W', T]
         if sliding_window is not None:
             visible &= key_pos[None, :] > pos[:, None] - sliding_window
+        if self.head_max:  # per query head: the window rows' mean; then the max over heads
+            logits = torch.einsum("whgd,thd->whgt", q.view(q.shape[0], hkv, hq // hkv, d), k.float()) * scale
+            if logit_softcap is not None:
+                logits = logit_softcap * torch.tanh(logits / logit_softcap)
+            logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
+            per_head = torch.softmax(logits, dim=-1).mean(dim=0).reshape(hq, t)  # [Hq, T]
+            self._mass[:t] += per_head.max(dim=0).values.to(self._mass.device)
+            self.num_rows += 1
+            return
         if self.fused_heads:  # [W', Hkv, G, D] x [T, Hkv, D] -> [W', Hkv, G, T]
             logits = torch.einsum("whgd,thd->whgt", q.view(q.shape[0], hkv, hq // hkv, d), k.float()) * scale
             if logit_softcap is not None:
@@ -144,7 +162,7 @@ class ImportanceAccumulator:
         """A [num_tokens] float32, summing to 1 (mean probability over all accumulated rows)."""
         if not self.has_data:
             raise RuntimeError("ImportanceAccumulator.scores() before any windowed query was added")
-        return self._mass / self.num_rows
+        return _normalize(self._mass) if self.head_max else self._mass / self.num_rows
 
 
 class KVNormAccumulator:

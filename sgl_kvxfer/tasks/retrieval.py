@@ -4,7 +4,9 @@ Both fill a context of about `context_tokens` tokens (counted with the tokenizer
 `generate`, else estimated) and place the asked fact at relative `depth` in [0, 1] (0: first
 line, 1: last; None draws it uniformly).
 
-  kv      lines "KEY: VALUE" (random 8-character keys, 6-digit values); asks one key's value.
+  kv      lines "KEY: VALUE" (random 8-character keys, `value_digits`-digit values, 6 by default);
+          asks one key's value. `near_keys` of the other lines have keys one character away from the
+          asked key (at random depths), so the lookup must match the asked key exactly.
   needle  filler prose with "The secret number of NAME is DIGITS." sentences: the asked one at
           `depth`, `distractors` others (other names) at random depths. hops=2 asks a name whose
           sentence says it "has the same secret number as" a second name, whose number is
@@ -37,24 +39,31 @@ def _slot(depth, n: int, rng: random.Random) -> int:
 class KeyValue(Task):
     name = "kv"
     metrics = ("em",)
-    defaults = {"context_tokens": 512, "depth": None}
-    max_answer_tokens = 8
+    defaults = {"context_tokens": 512, "depth": None, "value_digits": 6, "near_keys": 0}
+    max_answer_tokens = 14  # value_digits <= 12 digit tokens and the end of turn
 
-    def make(self, rng, uid, count, context_tokens=512, depth=None) -> Example:
+    def make(self, rng, uid, count, context_tokens=512, depth=None, value_digits=6, near_keys=0) -> Example:
         _check(context_tokens, depth)
+        if not (isinstance(value_digits, int) and 4 <= value_digits <= 12) or \
+                not (isinstance(near_keys, int) and 0 <= near_keys <= 16):
+            raise ValueError(f"kv: value_digits in [4, 12] and near_keys in [0, 16], got {value_digits}, {near_keys}")
         head = "Below is a list of keys and their values.\n\n"
         budget = context_tokens - count(head) - 24  # the question and instruction
         taken: set = set()
         lines, used = [], 0
         while True:
-            line = f"{words.distinct(rng, words.key_id, 1, taken)[0]}: {words.digits(rng, 6)}"
+            line = f"{words.distinct(rng, words.key_id, 1, taken)[0]}: {words.digits(rng, value_digits)}"
             cost = count(line + "\n")
             if lines and used + cost > budget:
                 break
             lines.append(line)
             used += cost
-        # the asked line moves to the slot at `depth`
+        # the asked line moves to the slot at `depth`; near keys replace the keys of other lines
+        # (same line lengths up to tokenization), each one character away from the asked key
         asked = lines.pop(rng.randrange(len(lines)))
+        key = asked.split(": ")[0]
+        for i in rng.sample(range(len(lines)), min(near_keys, len(lines))):
+            lines[i] = f"{words.distinct(rng, lambda r: words.near_key(r, key), 1, taken)[0]}: {lines[i].split(': ')[1]}"
         at = _slot(depth, len(lines), rng)
         lines.insert(at, asked)
         key, value = asked.split(": ")

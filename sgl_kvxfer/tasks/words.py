@@ -53,6 +53,13 @@ def key_id(rng: random.Random) -> str:
     return "".join(rng.choice(alnum) for _ in range(3)) + "-" + "".join(rng.choice(alnum) for _ in range(4))
 
 
+def near_key(rng: random.Random, key: str) -> str:
+    """`key` (a key_id) with one letter or digit replaced by another: a near-duplicate key."""
+    alnum = string.ascii_lowercase + string.digits
+    i = rng.choice([j for j, c in enumerate(key) if c != "-"])
+    return key[:i] + rng.choice(alnum.replace(key[i], "")) + key[i + 1:]
+
+
 _SUBJECTS = ("The committee", "A traveller", "The old library", "Every spring the valley", "The river",
              "A quiet village", "The market", "The workshop", "Her neighbour", "The northern road",
              "A small boat", "The council", "The gardener", "A passing merchant", "The harbour")

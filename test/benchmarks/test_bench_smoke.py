@@ -413,3 +413,21 @@ def test_retrieval_tiers(tmp_path):
         "by_depth"]
     assert all("same_as" not in r and r["trials_s"] >= 0 for r in data["rows"] if r["method"] != "spectrumkv-torch")
     assert any(n.startswith("layer_profile_") for n in os.listdir(out))
+    for row in data["rows"]:  # kv items: every trial's asked line found and its tier read
+        assert sum(row["needle_tier_counts"]) == row["trials"] and row["ci95"][0] <= row["accuracy"] <= row["ci95"][1]
+    # a second call continues the JSON: only the new points run, the same trials, lambda and profile
+    first = [n for n in os.listdir(out) if n.startswith("retrieval_tiers_") and n.endswith(".json")][0]
+    (tmp_path / "resumed").mkdir()
+    out2 = run_bench("quality/retrieval_tiers.py", ["--quick", "--model", model, "--device", "cpu", "--dtype",
+                                                    "float32", "--context", "160", "--long-context", "0",
+                                                    "--budgets", "0.3", "0.2", "--val-budgets", "0.3",
+                                                    "--methods", "greedy", "random-tier",
+                                                    "--ppl-context", "96", "--ppl-chunk", "16", "--profile-batch", "2",
+                                                    "--resume", os.path.join(out, first)],
+                     tmp_path / "resumed", timeout=1800)
+    data2 = result(out2, "retrieval_tiers_", ("fp16", "rows", "summary", "earlier_calls"), png=True)
+    got = [(r["method"], r["budget"]) for r in data2["rows"]]
+    assert sorted(got) == sorted({(m, 0.3) for m in ("greedy", "per-layer", "kivi", "cold-tier", "spectrumkv-torch")}
+                                 | {("greedy", 0.2), ("random-tier", 0.3), ("random-tier", 0.2)})
+    assert data2["fp16"] == data["fp16"] and data2["chosen_lambda"] == data["chosen_lambda"]
+    assert set(data2["summary"]) >= {"0.3", "0.2"} and "best_vs_random_discordant" in data2["summary"]["0.3"]

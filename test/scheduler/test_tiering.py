@@ -77,6 +77,22 @@ def test_b05_shrinks_resident_kv_and_stays_close(base, tiered, prose):
     assert out_t["meta_info"]["completion_tokens"] == 8 and out_t["output_ids"][:4] == out_b["output_ids"][:4]
 
 
+def test_tier_maps_only_on_request(tiered, prose):
+    tiering = tiered.scheduler.tiering
+    tiered.flush_cache()
+    tiered.generate(input_ids=prose[:200], sampling_params=SHORT)
+    assert [r for r in tiering.records if r.start == 0][-1].tier_map is None  # off by default
+    tiering.keep_tier_maps = True
+    try:
+        tiered.flush_cache()
+        tiered.generate(input_ids=prose[:300], sampling_params=SHORT)
+    finally:
+        tiering.keep_tier_maps = False
+    first = [r for r in tiering.records if r.start == 0][-1]
+    assert first.tier_map.numel() == first.end - first.start == 300
+    assert torch.bincount(first.tier_map.long(), minlength=4).tolist() == list(first.got)
+
+
 def test_radix_hit_reuses_tiered_prefix(tiered, prose):
     tiering, tree = tiered.scheduler.tiering, tiered.scheduler.kv.tree
     tiered.flush_cache()

@@ -49,6 +49,51 @@ def test_accumulator_matches_brute_force(window, hkv):
     assert a.sum().item() == pytest.approx(1.0, abs=1e-5)
 
 
+def brute_force_head_max(qs, ks, window):
+    """Loop reference of head_max: per layer, max over query heads of the window rows' mean row."""
+    n = ks[0].shape[0]
+    start = 0 if window is None else max(0, n - window)
+    total = torch.zeros(n, dtype=torch.float64)
+    for q, k in zip(qs, ks):
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        per_head = torch.zeros(hq, n, dtype=torch.float64)
+        for h in range(hq):
+            kh = h // (hq // hkv)
+            for i in range(start, n):
+                z = (k[: i + 1, kh].double() @ q[i, h].double()) / math.sqrt(d)
+                per_head[h, : i + 1] += torch.softmax(z, 0) / (n - start)
+        total += per_head.max(0).values
+    return (total / total.sum()).float()
+
+
+@pytest.mark.parametrize("window", [1, 3, None])
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_head_max_matches_brute_force(window, hkv):
+    qs, ks = make(hkv=hkv)
+    acc = ImportanceAccumulator(9, window, head_max=True)
+    for q, k in zip(qs, ks):
+        acc.add_layer(q, k, torch.arange(9))
+    assert torch.allclose(acc.scores(), brute_force_head_max(qs, ks, window), atol=1e-5)
+
+
+def test_head_max_finds_what_one_head_reads():
+    """One head of eight puts its window mass on key 5, the others on the sink (key 0) and the
+    last keys: the mean ranks key 5 below the local keys, the per-head max ranks it with the sink."""
+    n, hq, d = 16, 8, 4
+    q = torch.zeros(n, hq, d)
+    k = torch.zeros(n, 1, d)
+    k[0, 0, 0] = k[5, 0, 1] = 1.0
+    k[12:, 0, 2] = 1.0
+    q[:, 0, 1] = 30.0                      # the "retrieval" head: key 5
+    q[:, 1:4, 0] = 30.0                    # sink heads
+    q[:, 4:, 2] = 30.0                     # local heads (keys 12..15)
+    mean, head_max = ImportanceAccumulator(n, 2), ImportanceAccumulator(n, 2, head_max=True)
+    mean.add_layer(q, k)
+    head_max.add_layer(q, k)
+    assert set(ranking_order(head_max.scores())[:2].tolist()) == {0, 5}
+    assert ranking_order(mean.scores()).tolist().index(5) == 4  # after the sink and keys 12..14
+
+
 def test_accumulator_chunked_prefill_and_default_positions():
     qs, ks = make(n=10)
     whole = ImportanceAccumulator(10, 4)

@@ -73,6 +73,21 @@ def test_depth(task):
             assert abs(where / len(ex.context) - depth) < 0.1
 
 
+def test_kv_near_keys_and_long_values():
+    for ex in tasks.generate("kv", "eval", 4, seed=1, context_tokens=1500, value_digits=10, near_keys=3):
+        key = ex.question.split("key ")[-1].rstrip("?")
+        lines = ex.context.split("\n")[2:]
+        assert f"{key}: {ex.answer}" in lines and len(ex.answer) == 10 and ex.answer.isdigit()
+        keys = [line.split(": ")[0] for line in lines]
+        assert len(set(keys)) == len(keys)  # every key distinct, the asked one included
+        near = [k for k in keys if k != key and sum(a != b for a, b in zip(k, key)) == 1 and len(k) == len(key)]
+        assert len(near) == 3
+    # the defaults make the same items as before the knobs existed (6 digits, no near keys)
+    ex = tasks.generate("kv", "eval", 1, seed=0, context_tokens=600)[0]
+    assert ex == tasks.generate("kv", "eval", 1, seed=0, context_tokens=600, value_digits=6, near_keys=0)[0]
+    assert len(ex.answer) == 6
+
+
 def test_two_hop_needle_needs_both_facts():
     ex = tasks.generate("needle", "eval", 1, seed=0, hops=2, depth=0.5)[0]
     asked = ex.question.split("of ")[-1].rstrip("?")
@@ -83,7 +98,9 @@ def test_two_hop_needle_needs_both_facts():
 
 @pytest.mark.parametrize("task,params", [
     ("kv", {"context_tokens": 10}), ("kv", {"context_tokens": 10 ** 9}), ("kv", {"depth": 1.5}),
-    ("kv", {"depth": float("nan")}), ("needle", {"hops": 3}), ("qa", {"entities": 1}), ("qa", {"entities": 2.5}),
+    ("kv", {"depth": float("nan")}),
+    ("kv", {"value_digits": 3}), ("kv", {"value_digits": 13}), ("kv", {"near_keys": -1}), ("kv", {"near_keys": 17}),
+    ("kv", {"value_digits": 6.5}), ("needle", {"hops": 3}), ("qa", {"entities": 1}), ("qa", {"entities": 2.5}),
     ("code", {"helpers": "4"}), ("qa", {"colour": 1}),
 ])
 def test_bad_parameters_are_refused(task, params):
