@@ -75,7 +75,11 @@ class TieredDecodeConfig:
     levels: 3 stages prefetch one step ahead, 5 two (2 keeps the page ids out of the pipeline).
     The defaults hold one 256-token int step (4 warps, ~200 registers: two programs per SM) or
     one 128-row fp16 step (8 warps) in flight per program. qk_int8: q . K on int8 tensor
-    cores (int tiers, G = D). fast_cvt: PRMT / LOP3 code conversion (GPU). split_waves: stage-1
+    cores (int tiers, G = D). fast_cvt: PRMT / LOP3 code conversion (GPU). dot_cvt (int tiers,
+    G = D): codes converted after they reach the dot operand layout (K read transposed, one-result
+    conversions), so the shared-memory round trip carries codes, not fp16 values. sub_cvt (with
+    dot_cvt): codes become exact fp16 subnormals c * 2^-24 (one PRMT per two int8 codes, no bias
+    subtraction), the factor taken out by exact power-of-two multiplies. split_waves: stage-1
     programs per SM the planner aims for; min_split_tokens: no split gets fewer context tokens.
     fused_merge: the last split program merges (no merge launch)."""
 
@@ -90,6 +94,8 @@ class TieredDecodeConfig:
     stages4: int = 3
     qk_int8: bool = False
     fast_cvt: bool = True
+    dot_cvt: bool = False
+    sub_cvt: bool = False
     split_waves: float = 2.0
     min_split_tokens: int = 512
     fused_merge: bool = True
@@ -291,7 +297,8 @@ def tiered_pool_decode(
             packable = tile * (D // halves) >= 8 * 32 * warps
             kw = dict(TIER=t, GROUP_SIZE=layer.group_size, PAGE=PAGE,
                       QK_INT8=config.qk_int8 and layer.group_size == D and D // halves >= 32,
-                      FAST_CVT=config.fast_cvt and not interp and packable, **common)
+                      FAST_CVT=config.fast_cvt and not interp and packable, DOT_CVT=config.dot_cvt,
+                      SUB_CVT=config.sub_cvt and config.dot_cvt, **common)
         _launch(kernel, (B * Hkv, S), args, kw, t, tile, warps, stages)
     if not direct and not fused:
         _merge_kernel[(B * Hkv,)](
