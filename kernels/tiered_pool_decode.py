@@ -81,7 +81,9 @@ class TieredDecodeConfig:
     dot_cvt): codes become exact fp16 subnormals c * 2^-24 (one PRMT per two int8 codes, no bias
     subtraction), the factor taken out by exact power-of-two multiplies. split_waves: stage-1
     programs per SM the planner aims for; min_split_tokens: no split gets fewer context tokens.
-    fused_merge: the last split program merges (no merge launch)."""
+    fused_merge: the last split program merges (no merge launch). min_steps: a split whose
+    tokens fill fewer steps than this runs half the tile with half the warps (at least 4), down to
+    a 64-token tile (short splits, e.g. batch 1, keep more steps in the pipeline; 0: off)."""
 
     tile16: int = 128
     tile8: int = 256
@@ -99,6 +101,7 @@ class TieredDecodeConfig:
     split_waves: float = 2.0
     min_split_tokens: int = 512
     fused_merge: bool = True
+    min_steps: int = 0
 
     def __post_init__(self):
         for name in ("tile16", "tile8", "tile4"):
@@ -111,13 +114,20 @@ class TieredDecodeConfig:
         for name in ("stages16", "stages8", "stages4"):
             if not 1 <= getattr(self, name) <= 6:
                 raise ValueError(f"TieredDecodeConfig.{name} must be in [1, 6]")
+        if not 0 <= self.min_steps <= 1024:
+            raise ValueError(f"TieredDecodeConfig.min_steps must be in [0, 1024], got {self.min_steps}")
         if not self.split_waves > 0 or self.min_split_tokens < 1:
             raise ValueError(f"bad split_waves / min_split_tokens: {self.split_waves} / {self.min_split_tokens}")
 
-    def launch(self, tier: int) -> tuple[int, int, int]:
-        """(tile, num_warps, num_stages) of a tier."""
+    def launch(self, tier: int, split_tokens: Optional[int] = None) -> tuple[int, int, int]:
+        """(tile, num_warps, num_stages) of a tier; split_tokens (a host number: the widest
+        request's tokens of this tier over the split count) applies min_steps."""
         sfx = {TIER_FP16: "16", TIER_INT8: "8", TIER_INT4: "4"}[tier]
-        return getattr(self, "tile" + sfx), getattr(self, "warps" + sfx), getattr(self, "stages" + sfx)
+        tile, warps, stages = getattr(self, "tile" + sfx), getattr(self, "warps" + sfx), getattr(self, "stages" + sfx)
+        if self.min_steps and split_tokens is not None:
+            while tile > 64 and split_tokens < self.min_steps * tile:
+                tile, warps = tile // 2, max(min(4, warps), warps // 2)
+        return tile, warps, stages
 
 
 DEFAULT_CONFIG = TieredDecodeConfig()
@@ -280,7 +290,7 @@ def tiered_pool_decode(
     npg = tables.num_pages if tables.filled else ln
     for i, t in enumerate(tiers):
         tp, PAGE = layer[t], layer.page_size_of(t)
-        tile, warps, stages = config.launch(t)
+        tile, warps, stages = config.launch(t, int(bt[t].shape[1]) * PAGE // S)
         args = (q, o_part, lse_part, out, cnt)
         tail = (bt[t], fills[t], ln[t], npg[t],
                 q.stride(0), q.stride(1), bt[t].stride(0), fills[t].stride(0), tp.k.stride(0), tp.k.stride(1),

@@ -173,7 +173,8 @@ def tiered_timing(B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, entry=None,
                counts=layout.counts, tiers=tiers, splits=plan.num_splits, int_page=layout.layer.page_size_of(1),
                config=entry if entry is not None else "served", config_fields=str(cfg))
     def asked(t):
-        tile, warps, stages = cfg.launch(t)
+        split_tokens = int(layout.tables[0].tables[t].shape[1]) * layout.layer.page_size_of(t) // plan.num_splits
+        tile, warps, stages = cfg.launch(t, split_tokens)
         return {"tile": tile, "warps": warps, "stages": stages}
 
     ran_other = [f for f in fallbacks() if f["tier"] in tiers and f["head_dim"] == D and f["asked"] == asked(f["tier"])]
