@@ -19,13 +19,13 @@
 # of its own on the same warm machine (it finds the sweep's choice in $OUT):
 #   E2E_CONTEXTS="16384 32768" E2E_BUDGETS="0.5 0.25" bash scripts/gpu/lowbit.sh e2e
 # The check of the decode kernels in one call of <= 300 s (GPU tests of the real shapes and the
-# conversion knobs, the sweep of the default configs below at the three target points, five
+# conversion knobs, the sweep of the default configs below at the three target points, four
 # attention points, ncu of the int8 / int4 / fp16 kernels, then the engine points that fit the rest;
 # e2e_decode writes its JSON after every point, so the 16k points come back first):
-#   T_TOTAL=290 T_TESTS=45 T_ATTN=115 T_SWEEP=55 T_NCU=25 E2E_MIN=60
+#   T_TOTAL=265 T_TESTS=40 T_ATTN=120 T_SWEEP=65 T_NCU=20 E2E_MIN=45
 #   TEST_FILES=test/kernels/test_tiered_pool_decode.py
 #   TEST_K="real_shapes and mixed or knobs0 or knobs7 or knobs8 or knobs9 or one_result or fast_conversion or graph"
-#   ATTN_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768 llama3-8b:8:16384 llama3-8b:1:131072"
+#   ATTN_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768 llama3-8b:8:16384"
 #   SWEEP_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768"
 #   E2E_CONTEXTS="16384 32768" E2E_BUDGETS="0.5 0.25" bash scripts/gpu/lowbit.sh tests attention ncu e2e
 # Knobs: TEST_FILES (the test files), TEST_K (pytest -k), CONFIGS (JSON list for the sweep), ATTN_POINTS, SWEEP_POINTS,
@@ -120,19 +120,21 @@ for s in $STAGES; do
       for m in llama3-8b smollm2; do
         [ -f "$WORK/lowbit_fi_jit_$m.log" ] && { tail -4 "$WORK/lowbit_fi_jit_$m.log" >> "$LOG"; rm -f "$WORK/lowbit_fi_jit_$m.log"; }
       done
-      # the sweep (served config first, then in this order; --sweep-budget-s cuts the tail): the
-      # codes converted in the dot operand layout as subnormals, the same with the bias conversion,
-      # short splits on half tiles (min_steps: batch 1), the fp16 tier at 4 warps (128 and 64-row
-      # steps, the latter 3 ahead), 256-token int pages alone (the former best), int8 tensor cores
-      # for q.K; every entry but the last two on 256-token int pages
+      # the sweep (served config first, then in this order; --sweep-budget-s cuts the tail), all but
+      # the served one on 256-token int pages: the codes converted in the dot operand layout as
+      # subnormals; the same at three programs per SM (128-token int steps: <= 168 registers at
+      # D 128; the fp16 tier at 4 warps); three per SM at the default steps (D 64 fits at 256);
+      # half tiles for short splits (batch 1); the bias conversion; 256-token pages alone (the
+      # former best); 64-row fp16 steps at 4 warps three ahead; int8 tensor cores for q.K
       default_configs='[{"int_page": 256, "dot_cvt": true, "sub_cvt": true},
-        {"int_page": 256, "dot_cvt": true},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "tile8": 128, "tile4": 128, "tile16": 128, "warps16": 4,
+         "split_waves": 3},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "warps16": 4, "split_waves": 3},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8},
-        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "tile16": 128, "warps16": 4},
-        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "tile16": 64, "warps16": 4, "stages16": 4},
+        {"int_page": 256, "dot_cvt": true},
         {"int_page": 256},
-        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "qk_int8": true},
-        {"dot_cvt": true, "sub_cvt": true}]'
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "tile16": 64, "warps16": 4, "stages16": 4},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "qk_int8": true}]'
       if [ "$DEVICE" = cuda ]; then
         args=(--points ${ATTN_POINTS:-llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768 llama3-8b:8:16384
               llama3-8b:8:131072 llama3-8b:32:32768 llama3-8b:1:16384 llama3-8b:8:65536 llama3-8b:1:131072
