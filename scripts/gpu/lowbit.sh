@@ -149,7 +149,10 @@ for s in $STAGES; do
       stage attention "$(lim "${T_ATTN:-270}")" "$OUT/attention.log" "$PY" benchmarks/kernels/attention.py \
         --out-dir "$OUT" "${args[@]}" --sweep-configs --configs "${CONFIGS:-$default_configs}"
       # a later call on this warm machine (the e2e call) serves the sweep's choice from here
-      for f in "$OUT"/attention_*.json; do [ -f "$f" ] && cp "$f" $WORK/lowbit_attention.json; done
+      # (the device machine's /tmp outlives the call while the machine stays warm; never on the CPU)
+      for f in "$OUT"/attention_*.json; do
+        [ -f "$f" ] && cp "$f" $WORK/lowbit_attention.json && { [ "$DEVICE" != cuda ] || cp "$f" /tmp/lowbit_sweep.json; }
+      done
       ;;
     ncu)
       if [ "$DEVICE" != cuda ]; then say "== ncu: CUDA only"; continue; fi
@@ -176,6 +179,7 @@ except Exception:
       [ -n "${E2E_PAGE:-}" ] && page=(--kv-tier-page-size "$E2E_PAGE")
       attn=$(ls "$OUT"/attention_*.json 2>/dev/null | head -1)
       [ -z "$attn" ] && [ -f $WORK/lowbit_attention.json ] && attn=$WORK/lowbit_attention.json
+      [ -z "$attn" ] && [ "$DEVICE" = cuda ] && [ -f /tmp/lowbit_sweep.json ] && attn=/tmp/lowbit_sweep.json
       if [ -z "${TIERED_DECODE_CONFIG:-}" ] && [ -z "${E2E_PAGE:-}" ] && [ -n "$attn" ]; then
         # serve the attention sweep's best Llama-3-8B config (its int page included) in the engine
         read -r cfg pg < <($PY -c "
