@@ -22,9 +22,9 @@
 # conversion knobs, the sweep of the default configs below at the three target points, four
 # attention points, ncu of the int8 / int4 / fp16 kernels, then the engine points that fit the rest;
 # e2e_decode writes its JSON after every point, so the 16k points come back first):
-#   T_TOTAL=265 T_TESTS=40 T_ATTN=120 T_SWEEP=65 T_NCU=20 E2E_MIN=45
+#   T_TOTAL=265 T_TESTS=45 T_ATTN=100 T_SWEEP=50 T_NCU=20 E2E_MIN=45
 #   TEST_FILES=test/kernels/test_tiered_pool_decode.py
-#   TEST_K="real_shapes and mixed or knobs0 or knobs7 or knobs8 or knobs9 or one_result or fast_conversion or graph"
+#   TEST_K="real_shapes and mixed and dtype0 or knobs0 or knobs7 or knobs8 or knobs9 or one_result or fast_conversion or graph"
 #   ATTN_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768 llama3-8b:8:16384"
 #   SWEEP_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768"
 #   E2E_CONTEXTS="16384 32768" E2E_BUDGETS="0.5 0.25" bash scripts/gpu/lowbit.sh tests attention ncu e2e
