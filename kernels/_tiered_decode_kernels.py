@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ._split_k import NEG_BIG
-from ._tiles import _cvt_nibbles, _cvt_u8, _gpu_fence
+from ._tiles import _cvt_hi16_one, _cvt_lo_one, _cvt_nibbles, _cvt_u8, _cvt_u8_one, _gpu_fence
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,8 +245,9 @@ def _dequant_half(codes, sc_ptr, zr_ptr, srow, offs_c, tm, CH0: tl.constexpr, GR
 @triton.jit
 def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head, stride_p, stride_h,
                     PAGE: tl.constexpr, TILE: tl.constexpr, W: tl.constexpr, NG: tl.constexpr,
-                    FILLED: tl.constexpr):
-    """One step's raw codes of an int tier: K [TILE, W], V [TILE, W] (read dim-major), the fp16
+                    FILLED: tl.constexpr, KT: tl.constexpr):
+    """One step's raw codes of an int tier: K [TILE, W] (KT: [W, TILE], the B operand of q . K
+    read transposed by address, no tl.trans), V [TILE, W] (read dim-major), the fp16
     index of each slot's first scale as [R, C] = [1, TILE] (PAGE >= TILE) or [TILE / PAGE, PAGE]
     (one row per page: scales load per page-run, contiguous and 16-byte aligned, then reshape to
     [TILE]; one flat [TILE] index would lose that alignment to the reshape) and the slot mask [TILE].
@@ -269,7 +270,10 @@ def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
         page, s0, tm = _page_of_step(bt_row, fill_row, n_tok, n_pages, l0, offs_t, PAGE, TILE, FILLED)
         blk = tl.multiple_of(page * stride_p + kv_head * stride_h, 16)
         slot = s0 + offs_t
-        kq = tl.load(k_ptr + blk + slot[:, None] * W + offs_c[None, :])
+        if KT:
+            kq = tl.load(k_ptr + blk + slot[None, :] * W + offs_c[:, None])
+        else:
+            kq = tl.load(k_ptr + blk + slot[:, None] * W + offs_c[None, :])
         vq = tl.load(v_ptr + blk + offs_c[None, :] * PAGE + slot[:, None])
         srow = (blk // 2 + SCALE0 + slot * NG)[None, :]
     else:
@@ -283,9 +287,13 @@ def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
         page = tl.load(bt_row + j, mask=j < n_pages, other=0).to(tl.int64)  # not behind the fills
         blk = tl.multiple_of(page * stride_p + kv_head * stride_h, 16)
         tm3 = offs_s[None, :] < fill[:, None]  # [NP, PAGE]
-        kq = tl.load(k_ptr + blk[:, None, None] + offs_s[None, :, None] * W + offs_c[None, None, :])
+        if KT:
+            kq = tl.load(k_ptr + blk[None, :, None] + offs_s[None, None, :] * W + offs_c[:, None, None])
+            kq = tl.reshape(kq, (W, TILE))
+        else:
+            kq = tl.load(k_ptr + blk[:, None, None] + offs_s[None, :, None] * W + offs_c[None, None, :])
+            kq = tl.reshape(kq, (TILE, W))
         vq = tl.load(v_ptr + blk[:, None, None] + offs_c[None, None, :] * PAGE + offs_s[None, :, None])
-        kq = tl.reshape(kq, (TILE, W))
         vq = tl.reshape(vq, (TILE, W))
         tm = tl.reshape(tm3, (TILE,))
         srow = blk[:, None] // 2 + SCALE0 + offs_s[None, :] * NG
@@ -301,7 +309,8 @@ def _int_tier_kernel(
     split_base, n_total, qk_scale,
     TIER: tl.constexpr, NUM_KV_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr,
-    FILLED: tl.constexpr, QK_INT8: tl.constexpr, FAST_CVT: tl.constexpr,
+    FILLED: tl.constexpr, QK_INT8: tl.constexpr, FAST_CVT: tl.constexpr, DOT_CVT: tl.constexpr,
+    SUB_CVT: tl.constexpr,
     DIRECT: tl.constexpr, FUSED_MERGE: tl.constexpr, FENCE: tl.constexpr,
     MERGE_H: tl.constexpr, MERGE_S: tl.constexpr,
 ):
@@ -313,6 +322,17 @@ def _int_tier_kernel(
     W: tl.constexpr = HEAD_DIM // HALVES
     NG: tl.constexpr = HEAD_DIM // GROUP_SIZE
     FOLD: tl.constexpr = NG == 1
+    # DOT_CVT (FOLD, fp16 q . K): K read [W, TILE] and every conversion a one-result op, so the
+    # codes enter the dot operand layout before they become fp16 (see _tiles.py); int4 high nibbles
+    # convert as 16 * hi (no shift): their dots carry a factor 16 that is taken out exactly (a
+    # power of two) from q . K at once and from the high accumulator at the end
+    # SUB_CVT (with DOT_CVT): codes convert to c * 2^-24, exact fp16 subnormals (no bias to
+    # subtract; tensor cores take fp16 subnormals as they are): every such dot carries a factor
+    # U = 2^-24, taken out exactly by a power-of-two multiply (scores: folded into the K scale)
+    KT: tl.constexpr = DOT_CVT and FOLD and not QK_INT8
+    SUBK: tl.constexpr = SUB_CVT and KT
+    SUBV: tl.constexpr = SUB_CVT and DOT_CVT and FOLD
+    U_V: tl.constexpr = 5.9604644775390625e-08 if SUBV else 1.0
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // NUM_KV_HEADS
@@ -358,7 +378,7 @@ def _int_tier_kernel(
     acc_b = tl.zeros([BLOCK_G, W], dtype=tl.float32)
     for l0 in tl.range(lo, hi, TILE):
         kq, vq, srow2, tm = _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
-                                            stride_p, stride_h, PAGE, TILE, W, NG, FILLED)
+                                            stride_p, stride_h, PAGE, TILE, W, NG, FILLED, KT)
         if FOLD:
             # NOTE: unmasked, like the codes: a slot mask along the scales' contiguous axis would
             # make each a 2-byte load outside the cp.async pipeline (the pipeliner skips loads
@@ -382,6 +402,14 @@ def _int_tier_kernel(
                     qi = tl.dot(qa8, tl.trans((kq & 15).to(tl.int8, bitcast=True)), out_dtype=tl.int32)
                     qi += tl.dot(qb8, tl.trans((kq >> 4).to(tl.int8, bitcast=True)), out_dtype=tl.int32)
                     qk = qi.to(tl.float32) * q_sc[:, None]
+            elif KT:
+                if HALVES == 1:
+                    qk = tl.dot(qa16, _cvt_u8_one(kq, FAST_CVT, SUBK))
+                else:
+                    qk = tl.dot(qb16, _cvt_hi16_one(kq, FAST_CVT, SUBK)) * 0.0625
+                    qk = tl.dot(qa16, _cvt_lo_one(kq, FAST_CVT, SUBK), qk)
+                if SUBK:
+                    qk = qk * 16777216.0  # 2^24: exact
             else:
                 if HALVES == 1:
                     qk = tl.dot(qa16, tl.trans(_cvt_u8(kq, FAST_CVT)))
@@ -394,7 +422,14 @@ def _int_tier_kernel(
             m_i, l_i, alpha, p = _softmax_update(m_i, l_i, s_qk)
             pw = (p * vs[None, :]).to(tl.float16)
             zero = tl.sum(p * vz[None, :], 1)[:, None]
-            if HALVES == 1:
+            if DOT_CVT:
+                # acc_a in units of U_V, acc_b in units of 16 * U_V (taken out after the loop)
+                if HALVES == 1:
+                    acc_a = tl.dot(pw, _cvt_u8_one(vq, FAST_CVT, SUBV), acc_a * alpha[:, None]) + zero * U_V
+                else:
+                    acc_a = tl.dot(pw, _cvt_lo_one(vq, FAST_CVT, SUBV), acc_a * alpha[:, None]) + zero * U_V
+                    acc_b = tl.dot(pw, _cvt_hi16_one(vq, FAST_CVT, SUBV), acc_b * alpha[:, None]) + zero * (16.0 * U_V)
+            elif HALVES == 1:
                 acc_a = tl.dot(pw, _cvt_u8(vq, FAST_CVT), acc_a * alpha[:, None]) + zero
             else:
                 v_lo, v_hi = _cvt_nibbles(vq, FAST_CVT)
@@ -424,6 +459,10 @@ def _int_tier_kernel(
                 v_hi = _dequant_half(v_hi, vs_ptr, vs_ptr + PAGE * NG, srow, offs_c, tm, W, GROUP_SIZE)
                 acc_a = tl.dot(p16, v_lo, acc_a * alpha[:, None])
                 acc_b = tl.dot(p16, v_hi, acc_b * alpha[:, None])
+    if SUBV:
+        acc_a = acc_a * 16777216.0  # 2^24
+    if DOT_CVT and FOLD and HALVES == 2:
+        acc_b = acc_b * (0.0625 / U_V)  # the high accumulator held 16 * U_V * ((p * vs) @ hi + zero)
     _finish(acc_a, acc_b, m_i, l_i, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, b, kv_head, pid_bh,
             split_base + split, n_total, offs_g, gmask,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,

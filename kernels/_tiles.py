@@ -116,6 +116,118 @@ def _cvt_nibbles(c, FAST: tl.constexpr):
         return _u8_to_f16(c & 15), _u8_to_f16(c >> 4)
 
 
+# Single-result conversions (codes -> exact fp16 values, the 1024 bias removed inside the asm): a
+# pure one-input one-result inline asm lets Triton move the layout conversion into the dot operand
+# ahead of it, so the 8-bit codes, not their fp16 values, go through shared memory (1 byte per
+# int8 code, half a byte per int4 code, against 2 bytes per fp16 value).
+
+@triton.jit
+def _u8x4_exact_asm(x):
+    """4 bytes -> the 4 codes as exact fp16 (2 PRMT + 2 HSUB2)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 c, b; mov.b32 c, 0x64646464; mov.b32 b, 0x64006400;"
+        " prmt.b32 $0, $2, c, 0x5150; prmt.b32 $1, $2, c, 0x5352;"
+        " sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _lo_nibbles_exact_asm(x):
+    """4 bytes -> their low nibbles as exact fp16 (2 PRMT + 2 LOP3 + 2 HSUB2)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 z, b; mov.b32 z, 0; mov.b32 b, 0x64006400;"
+        " prmt.b32 $0, $2, z, 0x5150; prmt.b32 $1, $2, z, 0x5352;"
+        " lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xEA; lop3.b32 $1, $1, 0x000F000F, 0x64006400, 0xEA;"
+        " sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _hi_nibbles16_exact_asm(x):
+    """4 bytes -> 16 * their high nibbles as exact fp16 (the nibble masked in place, no shift)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 z, b; mov.b32 z, 0; mov.b32 b, 0x64006400;"
+        " prmt.b32 $0, $2, z, 0x5150; prmt.b32 $1, $2, z, 0x5352;"
+        " lop3.b32 $0, $0, 0x00F000F0, 0x64006400, 0xEA; lop3.b32 $1, $1, 0x00F000F0, 0x64006400, 0xEA;"
+        " sub.f16x2 $0, $0, b; sub.f16x2 $1, $1, b; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _u8x4_subnormal_asm(x):
+    """4 bytes -> c * 2^-24 as fp16 each (the byte under a zero high byte: an exact subnormal)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x5150; prmt.b32 $1, $2, z, 0x5352; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _nibbles_subnormal_asm(x, MASK: tl.constexpr):
+    """4 bytes -> (byte & MASK) * 2^-24 as fp16 each (MASK 0x0F: low nibbles; 0xF0: 16 * high)."""
+    if MASK == 15:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x5150; prmt.b32 $1, $2, z, 0x5352;"
+            " and.b32 $0, $0, 0x000F000F; and.b32 $1, $1, 0x000F000F; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 z; mov.b32 z, 0; prmt.b32 $0, $2, z, 0x5150; prmt.b32 $1, $2, z, 0x5352;"
+            " and.b32 $0, $0, 0x00F000F0; and.b32 $1, $1, 0x00F000F0; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _u8_subnormal(c):
+    """uint8 0..255 -> c * 2^-24 as fp16 (portable)."""
+    return c.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _cvt_u8_one(c, FAST: tl.constexpr, SUB: tl.constexpr):
+    """uint8 codes -> c * U as fp16, one result: U = 1 (SUB False) or 2^-24 (SUB: a subnormal,
+    no bias to subtract). FAST: PRMT asm (GPU only)."""
+    if SUB:
+        if FAST:
+            return _u8x4_subnormal_asm(c)
+        else:
+            return _u8_subnormal(c)
+    else:
+        if FAST:
+            return _u8x4_exact_asm(c)
+        else:
+            return _u8_to_f16(c)
+
+
+@triton.jit
+def _cvt_lo_one(c, FAST: tl.constexpr, SUB: tl.constexpr):
+    """uint8 bytes -> low nibbles * U as fp16, one result (U as in _cvt_u8_one)."""
+    if SUB:
+        if FAST:
+            return _nibbles_subnormal_asm(c, 15)
+        else:
+            return _u8_subnormal(c & 15)
+    else:
+        if FAST:
+            return _lo_nibbles_exact_asm(c)
+        else:
+            return _u8_to_f16(c & 15)
+
+
+@triton.jit
+def _cvt_hi16_one(c, FAST: tl.constexpr, SUB: tl.constexpr):
+    """uint8 bytes -> 16 * high nibbles * U as fp16, one result (U as in _cvt_u8_one)."""
+    if SUB:
+        if FAST:
+            return _nibbles_subnormal_asm(c, 240)
+        else:
+            return _u8_subnormal(c & 0xF0)
+    else:
+        if FAST:
+            return _hi_nibbles16_exact_asm(c)
+        else:
+            return _u8_to_f16(c & 0xF0)
+
+
 @triton.jit
 def _gpu_fence(x):
     """fence.acq_rel.gpu in every thread that holds an element of x (GPU only): orders this

@@ -75,9 +75,15 @@ class TieredDecodeConfig:
     levels: 3 stages prefetch one step ahead, 5 two (2 keeps the page ids out of the pipeline).
     The defaults hold one 256-token int step (4 warps, ~200 registers: two programs per SM) or
     one 128-row fp16 step (8 warps) in flight per program. qk_int8: q . K on int8 tensor
-    cores (int tiers, G = D). fast_cvt: PRMT / LOP3 code conversion (GPU). split_waves: stage-1
+    cores (int tiers, G = D). fast_cvt: PRMT / LOP3 code conversion (GPU). dot_cvt (int tiers,
+    G = D): codes converted after they reach the dot operand layout (K read transposed, one-result
+    conversions), so the shared-memory round trip carries codes, not fp16 values. sub_cvt (with
+    dot_cvt): codes become exact fp16 subnormals c * 2^-24 (one PRMT per two int8 codes, no bias
+    subtraction), the factor taken out by exact power-of-two multiplies. split_waves: stage-1
     programs per SM the planner aims for; min_split_tokens: no split gets fewer context tokens.
-    fused_merge: the last split program merges (no merge launch)."""
+    fused_merge: the last split program merges (no merge launch). min_steps: a split whose
+    tokens fill fewer steps than this runs half the tile with half the warps (at least 4), down to
+    a 64-token tile (short splits, e.g. batch 1, keep more steps in the pipeline; 0: off)."""
 
     tile16: int = 128
     tile8: int = 256
@@ -90,9 +96,12 @@ class TieredDecodeConfig:
     stages4: int = 3
     qk_int8: bool = False
     fast_cvt: bool = True
+    dot_cvt: bool = False
+    sub_cvt: bool = False
     split_waves: float = 2.0
     min_split_tokens: int = 512
     fused_merge: bool = True
+    min_steps: int = 0
 
     def __post_init__(self):
         for name in ("tile16", "tile8", "tile4"):
@@ -105,13 +114,20 @@ class TieredDecodeConfig:
         for name in ("stages16", "stages8", "stages4"):
             if not 1 <= getattr(self, name) <= 6:
                 raise ValueError(f"TieredDecodeConfig.{name} must be in [1, 6]")
+        if not 0 <= self.min_steps <= 1024:
+            raise ValueError(f"TieredDecodeConfig.min_steps must be in [0, 1024], got {self.min_steps}")
         if not self.split_waves > 0 or self.min_split_tokens < 1:
             raise ValueError(f"bad split_waves / min_split_tokens: {self.split_waves} / {self.min_split_tokens}")
 
-    def launch(self, tier: int) -> tuple[int, int, int]:
-        """(tile, num_warps, num_stages) of a tier."""
+    def launch(self, tier: int, split_tokens: Optional[int] = None) -> tuple[int, int, int]:
+        """(tile, num_warps, num_stages) of a tier; split_tokens (a host number: the widest
+        request's tokens of this tier over the split count) applies min_steps."""
         sfx = {TIER_FP16: "16", TIER_INT8: "8", TIER_INT4: "4"}[tier]
-        return getattr(self, "tile" + sfx), getattr(self, "warps" + sfx), getattr(self, "stages" + sfx)
+        tile, warps, stages = getattr(self, "tile" + sfx), getattr(self, "warps" + sfx), getattr(self, "stages" + sfx)
+        if self.min_steps and split_tokens is not None:
+            while tile > 64 and split_tokens < self.min_steps * tile:
+                tile, warps = tile // 2, max(min(4, warps), warps // 2)
+        return tile, warps, stages
 
 
 DEFAULT_CONFIG = TieredDecodeConfig()
@@ -274,7 +290,7 @@ def tiered_pool_decode(
     npg = tables.num_pages if tables.filled else ln
     for i, t in enumerate(tiers):
         tp, PAGE = layer[t], layer.page_size_of(t)
-        tile, warps, stages = config.launch(t)
+        tile, warps, stages = config.launch(t, int(bt[t].shape[1]) * PAGE // S)
         args = (q, o_part, lse_part, out, cnt)
         tail = (bt[t], fills[t], ln[t], npg[t],
                 q.stride(0), q.stride(1), bt[t].stride(0), fills[t].stride(0), tp.k.stride(0), tp.k.stride(1),
@@ -291,7 +307,8 @@ def tiered_pool_decode(
             packable = tile * (D // halves) >= 8 * 32 * warps
             kw = dict(TIER=t, GROUP_SIZE=layer.group_size, PAGE=PAGE,
                       QK_INT8=config.qk_int8 and layer.group_size == D and D // halves >= 32,
-                      FAST_CVT=config.fast_cvt and not interp and packable, **common)
+                      FAST_CVT=config.fast_cvt and not interp and packable, DOT_CVT=config.dot_cvt,
+                      SUB_CVT=config.sub_cvt and config.dot_cvt, **common)
         _launch(kernel, (B * Hkv, S), args, kw, t, tile, warps, stages)
     if not direct and not fused:
         _merge_kernel[(B * Hkv,)](

@@ -30,7 +30,9 @@ payload with scales and zeros, q read, o written; GB/s = bytes / median; speed =
 --sweep-configs: before the measurement, the served config of the tiered decode and every
 --configs entry (TieredDecodeConfig fields; "int_page" sets the layout's int page size) are timed
 at --sweep-points on the fp16 / int8 / int4 layouts; the config with the lowest geometric-mean
-time over a model's points is its best (JSON sweep.best, with the SERVED_CONFIGS line to paste
+time over a model's points, among the configs whose every output matches the served config's on
+the same cache (within 5% of its largest magnitude; rows that do not are marked "wrong"), is its
+best (JSON sweep.best, with the SERVED_CONFIGS line to paste
 into kernels/tiered_pool_decode.py) and the measurement runs every tiered variant with it.
 Configs run one after another; none starts after --sweep-budget-s.
 """
@@ -153,7 +155,8 @@ def split_config(d: dict | None):
     return TieredDecodeConfig(**d), page
 
 
-def tiered_timing(B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, entry=None, layout=None) -> dict:
+def tiered_timing(B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, entry=None, layout=None,
+                  check_served=False) -> dict:
     from sgl_kvxfer.kernels.tiered_pool_decode import (fallbacks, plan_tiered_pool_decode, served_config,
                                                        tiered_pool_decode, tiered_pool_decode_reference)
 
@@ -170,7 +173,8 @@ def tiered_timing(B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, entry=None,
                counts=layout.counts, tiers=tiers, splits=plan.num_splits, int_page=layout.layer.page_size_of(1),
                config=entry if entry is not None else "served", config_fields=str(cfg))
     def asked(t):
-        tile, warps, stages = cfg.launch(t)
+        split_tokens = int(layout.tables[0].tables[t].shape[1]) * layout.layer.page_size_of(t) // plan.num_splits
+        tile, warps, stages = cfg.launch(t, split_tokens)
         return {"tile": tile, "warps": warps, "stages": stages}
 
     ran_other = [f for f in fallbacks() if f["tier"] in tiers and f["head_dim"] == D and f["asked"] == asked(f["tier"])]
@@ -180,7 +184,21 @@ def tiered_timing(B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, entry=None,
         ref = tiered_pool_decode_reference(q, layout.layer, layout.tables[0])
         got = tiered_pool_decode(q, layout.layer, layout.tables[0], plan=plan, config=cfg, tiers=tiers)
         res["max_abs_diff_vs_reference"] = float((got.float() - ref.float()).abs().max())
+    if check_served:  # the sweep: this config's output against the served config's, same cache
+        served = served_config(D, Hq // Hkv)
+        t0 = layout.tables[0]
+        got = tiered_pool_decode(q, layout.layer, t0, plan=plan, config=cfg, tiers=tiers).float()
+        want = tiered_pool_decode(q, layout.layer, t0, config=served, tiers=tiers).float()
+        res["max_abs_diff_vs_served"] = float((got - want).abs().max())
+        res["max_abs_served"] = float(want.abs().max())
     return res
+
+
+def agrees_with_served(row: dict) -> bool:
+    """A sweep row whose output matches the served config's (finite, within 5% of the output's
+    largest magnitude): rounding differs between configs (qk_int8 rounds q), wrong results do not."""
+    d, m = row.get("max_abs_diff_vs_served"), row.get("max_abs_served")
+    return d is None or (math.isfinite(d) and d <= 0.05 * m + 1e-4)
 
 
 # ---------------------------------------------------------------------------------------- run
@@ -251,8 +269,13 @@ def sweep(args, env, rows: list) -> dict:
                        "config": entry if entry is not None else "served"}
                 try:
                     r = tiered_timing(B, ctx, Hq, Hkv, D, q, v[len("tiered_"):], dev, args.iters, env["max_bytes"],
-                                      entry)
+                                      entry, check_served=entry is not None)
                     row.update({k: r[k] for k in ("ms", "ms_min", "ms_max", "bytes", "splits", "int_page")})
+                    for k in ("max_abs_diff_vs_served", "max_abs_served"):
+                        if k in r:
+                            row[k] = r[k]
+                    if not agrees_with_served(row):
+                        row["wrong"] = True  # never a sweep's best
                     if "fallbacks" in r:
                         row["fallbacks"] = r["fallbacks"]
                     row["GBps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
@@ -268,8 +291,9 @@ def sweep(args, env, rows: list) -> dict:
         keys = {(r["batch"], r["context"], r["variant"]) for r in sel if r["config"] == "served" and "ms" in r}
         scores = {}
         for i, entry in enumerate(entries):
-            ms = [r["ms"] for r in sel if r["config"] == (entry if entry is not None else "served") and "ms" in r]
-            if keys and len(ms) == len(keys):
+            mine = [r for r in sel if r["config"] == (entry if entry is not None else "served")]
+            ms = [r["ms"] for r in mine if "ms" in r]
+            if keys and len(ms) == len(keys) and not any(r.get("wrong") for r in mine):
                 scores[i] = math.exp(sum(math.log(m) for m in ms) / len(ms))
         if scores:
             best[model] = entries[min(scores, key=scores.get)]

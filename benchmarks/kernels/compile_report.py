@@ -14,7 +14,9 @@ Triton: what the pipeliner does depends on its version, so compare with the GPU 
 In the TTGIR of the decode loop (the first scf.for of the kernel): `prefetched` counts the
 async copies (cp.async into shared memory, issued stages ahead), `synchronous` the tt.load ops (a
 global load the loop waits on each step). Registers and spill stack come from cuobjdump of the
-cubin (bundled with Triton).
+cubin (bundled with Triton); `loop_sass` is the SASS of the loop body (the backward branch's range
+with the most HMMA): instructions per warp per step and the conversion / shared-memory / math
+opcodes among them.
 """
 from __future__ import annotations
 
@@ -62,6 +64,41 @@ def _loop_body(ttgir: str) -> str:
     return "\n".join(lines[start:end + 1])
 
 
+LOOP_OPS = ("HMMA", "IMMA", "PRMT", "LOP3", "SHF", "HADD2", "I2F", "FFMA", "FMUL", "FADD", "MUFU", "IMAD",
+            "LDGSTS", "LDG", "LDS", "LDSM", "STS", "BAR")
+
+
+def _loop_sass(cubin: bytes) -> dict:
+    """Opcode counts of the decode loop's body in SASS (the backward branch range with most HMMA)."""
+    import collections
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)\S*\s*(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    best = None
+    for addr, op, args in ins:
+        target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            body = [x for x in ins if int(target.group(1), 16) <= x[0] <= addr]
+            hmma = sum(1 for x in body if x[1] in ("HMMA", "IMMA"))
+            if best is None or hmma > best[0]:
+                best = (hmma, body)
+    if best is None:
+        return {}
+    ops = collections.Counter(x[1] for x in best[1])
+    return {"instructions": len(best[1]), **{k: ops[k] for k in LOOP_OPS if ops[k]}}
+
+
 def _resources(cubin: bytes) -> dict:
     import triton
 
@@ -96,14 +133,16 @@ def compile_tier(tier: str, config, head_dim: int, kv_group: int, int_page: int,
         halves = 1 if t == 1 else 2
         packable = tile * (head_dim // halves) >= 8 * 32 * warps
         consts = dict(TIER=t, GROUP_SIZE=head_dim, PAGE=page, QK_INT8=config.qk_int8 and head_dim // halves >= 32,
-                      FAST_CVT=config.fast_cvt and packable, **common)
+                      FAST_CVT=config.fast_cvt and packable, DOT_CVT=config.dot_cvt,
+                      SUB_CVT=config.sub_cvt and config.dot_cvt, **common)
     sig, attrs = _signature(fn, consts, t != 0, qt)
     kernel = triton_compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", arch, 32),
                             options=dict(num_warps=warps, num_stages=stages))
     body = _loop_body(kernel.asm["ttgir"])
     return {"tier": tier, "page": page, "tile": tile, "warps": warps, "stages": stages,
             **_resources(kernel.asm["cubin"]), "shared_bytes": kernel.metadata.shared,
-            "prefetched": body.count("ttg.async_copy_global_to_local"), "synchronous": len(re.findall(r"\btt\.load\b", body))}
+            "prefetched": body.count("ttg.async_copy_global_to_local"), "synchronous": len(re.findall(r"\btt\.load\b", body)),
+            "loop_sass": _loop_sass(kernel.asm["cubin"])}
 
 
 def main(argv=None) -> None:

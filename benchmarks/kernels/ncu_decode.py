@@ -1,5 +1,5 @@
 """Nsight Compute figures of the tiered pool's decode kernels at one point (default Llama-3-8B heads,
-batch 8, 32k): DRAM throughput (% of peak), achieved occupancy, registers, shared memory and the
+batch 8, 32k): DRAM throughput (% of peak), achieved occupancy, issue slots busy, registers, shared memory and the
 top warp stall reason of each tier's kernel, from one ncu run.
 
     python benchmarks/kernels/ncu_decode.py --out-dir DIR [--point llama3-8b:8:32768]
@@ -7,7 +7,7 @@ top warp stall reason of each tier's kernel, from one ncu run.
     python benchmarks/kernels/ncu_decode.py --target ...      # what ncu profiles (one warm-up, then the launches)
 
 The layouts are attention.py's (engine_layout.py: the engine's TieredKVPool, its int page). ncu
-sections SpeedOfLight, Occupancy, LaunchStats and WarpStateStats, raw page as CSV; the stall
+sections SpeedOfLight, Occupancy, LaunchStats, WarpStateStats and ComputeWorkloadAnalysis, raw page as CSV; the stall
 reason is the largest `smsp__average_warp*issue_stalled_*` ratio ncu reports. Needs `ncu` on
 PATH and permission to read the GPU's counters; otherwise the JSON says why.
 """
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 KERNELS = {"fp16": "_fp16_tier_kernel", "int8": "_int_tier_kernel", "int4": "_int_tier_kernel"}
-SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats")
+SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "ComputeWorkloadAnalysis")
 
 
 def target(args) -> None:
@@ -93,6 +93,9 @@ def summarize(kernel: dict) -> dict:
         "dram_throughput_pct": first("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
                                      "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
         "achieved_occupancy_pct": first("sm__warps_active.avg.pct_of_peak_sustained_active"),
+        # issue slots busy: near 100% the loop is bound by its instruction count, not by the bytes
+        "issue_slots_busy_pct": first("sm__inst_issued.avg.pct_of_peak_sustained_active",
+                                      "sm__instruction_throughput.avg.pct_of_peak_sustained_active"),
         "theoretical_occupancy_pct": first("sm__maximum_warps_per_active_cycle_pct"),
         "registers_per_thread": first("launch__registers_per_thread"),
         "shared_mem_per_block_bytes": first("launch__shared_mem_per_block"),

@@ -18,19 +18,18 @@
 # under E2E_MIN (200 s): an engine point (16k x 8) takes one to two minutes, so the matrix is a call
 # of its own on the same warm machine (it finds the sweep's choice in $OUT):
 #   E2E_CONTEXTS="16384 32768" E2E_BUDGETS="0.5 0.25" bash scripts/gpu/lowbit.sh e2e
-# A short check of the decode kernels (their GPU tests, three attention points after a sweep of
-# the served config and six others at the same points; ends within T_TOTAL 145 s):
-#   T_TOTAL=145 T_TESTS=50 T_ATTN=85 T_SWEEP=45 TEST_FILES=test/kernels/test_tiered_pool_decode.py
-#   TEST_K="real_shapes and mixed or knobs0 or knobs3 or knobs5 or graph or fast_conversion"
-#   ATTN_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768"
-#   SWEEP_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768" CONFIGS="$SHORT_CONFIGS"
-#   bash scripts/gpu/lowbit.sh tests attention
-# with SHORT_CONFIGS='[{"int_page": 256}, {"warps8": 8, "stages8": 2, "tile16": 64, "warps16": 4},
-#   {"stages8": 5, "stages4": 5, "stages16": 5}, {"int_page": 256, "qk_int8": true}, {"split_waves": 4},
-#   {"tile16": 64, "warps16": 4, "stages16": 5, "tile8": 128, "stages8": 5, "tile4": 128, "stages4": 5}]'
-# (one int page a step; the former defaults; two steps prefetched; int8 tensor cores for q.K; more
-# splits; smaller steps two ahead)
-# Knobs: TEST_FILES (the test files), TEST_K (pytest -k), CONFIGS (JSON list for the sweep), ATTN_POINTS, SWEEP_POINTS, E2E_CONTEXTS, E2E_BATCHES,
+# The check of the decode kernels in one call of <= 300 s (GPU tests of the real shapes and the
+# conversion knobs, the sweep of the default configs below at the three target points, four
+# attention points, ncu of the int8 / int4 / fp16 kernels, then the engine points that fit the rest;
+# e2e_decode writes its JSON after every point, so the 16k points come back first):
+#   T_TOTAL=265 T_TESTS=45 T_ATTN=100 T_SWEEP=50 T_NCU=20 E2E_MIN=45
+#   TEST_FILES=test/kernels/test_tiered_pool_decode.py
+#   TEST_K="real_shapes and mixed and dtype0 or knobs0 or knobs7 or knobs8 or knobs9 or one_result or fast_conversion or graph"
+#   ATTN_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768 llama3-8b:8:16384"
+#   SWEEP_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768"
+#   E2E_CONTEXTS="16384 32768" E2E_BUDGETS="0.5 0.25" bash scripts/gpu/lowbit.sh tests attention ncu e2e
+# Knobs: TEST_FILES (the test files), TEST_K (pytest -k), CONFIGS (JSON list for the sweep), ATTN_POINTS, SWEEP_POINTS,
+# NCU_POINT (default llama3-8b:8:32768), E2E_CONTEXTS, E2E_BATCHES,
 # E2E_BUDGETS, E2E_N1 / E2E_N2 (decode window; demotion runs every 64 steps past 128, so n2 = 272 times
 # three of them), E2E_REPEATS, E2E_PAGE (--kv-tier-page-size), TIERED_DECODE_CONFIG (JSON: the config
 # the engine serves, env SGL_KVXFER_TIERED_DECODE_CONFIG). Without the last two the e2e stage takes the
@@ -121,20 +120,21 @@ for s in $STAGES; do
       for m in llama3-8b smollm2; do
         [ -f "$WORK/lowbit_fi_jit_$m.log" ] && { tail -4 "$WORK/lowbit_fi_jit_$m.log" >> "$LOG"; rm -f "$WORK/lowbit_fi_jit_$m.log"; }
       done
-      # the sweep: 256-token pages (one page a step) against four 64-token pages a step, int8 tensor
-      # cores for q.K, two steps prefetched (5 stages: the pipeliner gives half of them to the page
-      # ids), int4 steps of 512 (int page 512), the former defaults (8 int8 warps, 2 stages; 64
-      # fp16 rows a step at 4 warps), splits per SM, the separate merge, the portable conversion
-      default_configs='[{"int_page": 256},
-        {"qk_int8": true},
-        {"int_page": 256, "qk_int8": true},
-        {"stages8": 5, "stages4": 5, "stages16": 5},
-        {"int_page": 512, "tile4": 512, "warps4": 8, "stages4": 3},
-        {"warps8": 8, "stages8": 2, "tile16": 64, "warps16": 4},
-        {"tile16": 64, "warps16": 4, "stages16": 5, "tile8": 128, "stages8": 5, "tile4": 128, "stages4": 5},
-        {"split_waves": 4},
-        {"split_waves": 4, "fused_merge": false},
-        {"fast_cvt": false}]'
+      # the sweep (served config first, then in this order; --sweep-budget-s cuts the tail), all but
+      # the served one on 256-token int pages: the codes converted in the dot operand layout as
+      # subnormals; the same at three programs per SM (128-token int steps: <= 168 registers at
+      # D 128; the fp16 tier at 4 warps); three per SM at the default steps (D 64 fits at 256);
+      # half tiles for short splits (batch 1); the bias conversion; 256-token pages alone (the
+      # former best); 64-row fp16 steps at 4 warps three ahead; int8 tensor cores for q.K
+      default_configs='[{"int_page": 256, "dot_cvt": true, "sub_cvt": true},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "tile8": 128, "tile4": 128, "tile16": 128, "warps16": 4,
+         "split_waves": 3},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "warps16": 4, "split_waves": 3},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8},
+        {"int_page": 256, "dot_cvt": true},
+        {"int_page": 256},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "tile16": 64, "warps16": 4, "stages16": 4},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "qk_int8": true}]'
       if [ "$DEVICE" = cuda ]; then
         args=(--points ${ATTN_POINTS:-llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768 llama3-8b:8:16384
               llama3-8b:8:131072 llama3-8b:32:32768 llama3-8b:1:16384 llama3-8b:8:65536 llama3-8b:1:131072
@@ -143,12 +143,16 @@ for s in $STAGES; do
               --sweep-budget-s "${T_SWEEP:-75}" --iters 10)
       else
         args=(--device cpu --points smollm2:1:64 --iters 1 --sweep-points smollm2:1:64)
-        default_configs='[{"qk_int8": true}, {"int_page": 32, "tile8": 32, "tile4": 32}]'
+        default_configs='[{"qk_int8": true}, {"int_page": 32, "tile8": 32, "tile4": 32}, {"dot_cvt": true, "sub_cvt": true},
+          {"dot_cvt": true, "min_steps": 8}]'
       fi
       stage attention "$(lim "${T_ATTN:-270}")" "$OUT/attention.log" "$PY" benchmarks/kernels/attention.py \
         --out-dir "$OUT" "${args[@]}" --sweep-configs --configs "${CONFIGS:-$default_configs}"
       # a later call on this warm machine (the e2e call) serves the sweep's choice from here
-      for f in "$OUT"/attention_*.json; do [ -f "$f" ] && cp "$f" $WORK/lowbit_attention.json; done
+      # (the device machine's /tmp outlives the call while the machine stays warm; never on the CPU)
+      for f in "$OUT"/attention_*.json; do
+        [ -f "$f" ] && cp "$f" $WORK/lowbit_attention.json && { [ "$DEVICE" != cuda ] || cp "$f" /tmp/lowbit_sweep.json; }
+      done
       ;;
     ncu)
       if [ "$DEVICE" != cuda ]; then say "== ncu: CUDA only"; continue; fi
@@ -167,7 +171,7 @@ try:
 except Exception:
     print('')" "$(ls "$OUT"/attention_*.json 2>/dev/null | head -1)" 2>/dev/null)
       stage ncu "$(lim "${T_NCU:-60}")" $WORK/lowbit_ncu.log "$PY" benchmarks/kernels/ncu_decode.py --out-dir "$OUT" \
-        --variants int8 int4 fp16 --timeout "$(( $(lim "${T_NCU:-60}") - 5 ))" ${best:+--config "$best"}
+        --point "${NCU_POINT:-llama3-8b:8:32768}" --variants int8 int4 fp16 --timeout "$(( $(lim "${T_NCU:-60}") - 5 ))" ${best:+--config "$best"}
       rm -f $WORK/lowbit_ncu.log
       ;;
     e2e)
@@ -175,6 +179,7 @@ except Exception:
       [ -n "${E2E_PAGE:-}" ] && page=(--kv-tier-page-size "$E2E_PAGE")
       attn=$(ls "$OUT"/attention_*.json 2>/dev/null | head -1)
       [ -z "$attn" ] && [ -f $WORK/lowbit_attention.json ] && attn=$WORK/lowbit_attention.json
+      [ -z "$attn" ] && [ "$DEVICE" = cuda ] && [ -f /tmp/lowbit_sweep.json ] && attn=/tmp/lowbit_sweep.json
       if [ -z "${TIERED_DECODE_CONFIG:-}" ] && [ -z "${E2E_PAGE:-}" ] && [ -n "$attn" ]; then
         # serve the attention sweep's best Llama-3-8B config (its int page included) in the engine
         read -r cfg pg < <($PY -c "

@@ -32,3 +32,22 @@ def test_bad_flags_are_refused():
         r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernels", "compile_report.py"), *bad],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and "error" in r.stderr, (bad, r.stderr[-300:])
+
+
+@pytest.mark.slow
+def test_conversion_knobs_shorten_the_int_loops(tmp_path):
+    """dot_cvt + sub_cvt: the int loops keep every load prefetched and no spill, and their SASS
+    body is shorter than the default conversion's (no bias subtraction, no nibble shift)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    rows = {}
+    for name, cfg in (("base", "{}"), ("knobs", '{"dot_cvt": true, "sub_cvt": true}')):
+        out = tmp_path / f"{name}.json"
+        subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "kernels", "compile_report.py"),
+                        "--int-page", "256", "--tiers", "int8", "int4", "--config", cfg, "--json", str(out)],
+                       check=True, env=env, cwd=ROOT, timeout=600, capture_output=True)
+        rows[name] = {r["tier"]: r for r in json.loads(out.read_text())["rows"]}
+    for tier in ("int8", "int4"):
+        base, knobs = rows["base"][tier], rows["knobs"][tier]
+        assert knobs["synchronous"] == 0 and knobs["spill_stack_bytes"] == 0, knobs
+        assert knobs["loop_sass"]["instructions"] < base["loop_sass"]["instructions"], (base, knobs)
+        assert knobs["loop_sass"].get("HADD2", 0) < base["loop_sass"].get("HADD2", 0), (base, knobs)

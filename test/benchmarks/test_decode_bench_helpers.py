@@ -82,6 +82,9 @@ def test_sweep_times_every_config_and_measures_with_the_best(tmp_path):
     assert {json.dumps(r["config"]) for r in rows} == {'"served"', '{"tile8": 32, "tile16": 16, "int_page": 32}',
                                                        '{"qk_int8": true}'}
     assert [r["int_page"] for r in rows if r["config"] != "served" and "int_page" in r["config"]] == [32]
+    for r in rows:  # every config but the served one is checked against it on the same cache
+        assert (r["config"] == "served") == ("max_abs_diff_vs_served" not in r)
+        assert not r.get("wrong"), r
     best, = data["sweep"]["best"]
     assert best["model"] == "smollm2" and "(64, 3)" in best["served_configs_line"] or best["config"] == "served"
     row, = data["results"]
@@ -89,6 +92,16 @@ def test_sweep_times_every_config_and_measures_with_the_best(tmp_path):
         assert row[v]["config"] == best["config"] and row[v]["max_abs_diff_vs_reference"] < 3e-2
         assert "speed_vs_sdpa" in row[v]
     assert os.path.exists(tmp_path / "attn.png")
+
+
+def test_a_config_whose_output_departs_is_wrong():
+    import attention
+
+    ok = attention.agrees_with_served
+    assert ok({}) and ok({"max_abs_diff_vs_served": 0.001, "max_abs_served": 0.5})
+    assert not ok({"max_abs_diff_vs_served": 0.2, "max_abs_served": 0.5})
+    assert not ok({"max_abs_diff_vs_served": float("nan"), "max_abs_served": 0.5})
+    assert not ok({"max_abs_diff_vs_served": float("inf"), "max_abs_served": 0.5})
 
 
 # ---------------------------------------------------------------------------- pool_plan.py

@@ -96,6 +96,19 @@ def test_steps_over_several_pages(tile, filled):
                  config=cfg))
 
 
+@pytest.mark.parametrize("knobs", [dict(dot_cvt=True), dict(dot_cvt=True, sub_cvt=True),
+                                   dict(dot_cvt=True, sub_cvt=True, qk_int8=True)])
+@pytest.mark.parametrize("tile", [16, 32])
+def test_codes_converted_in_the_dot_layout(knobs, tile):
+    """dot_cvt (K read transposed, int4 high nibbles as 16 * hi) and sub_cvt (codes as fp16
+    subnormals c * 2^-24): the factors taken out again give the same attention, with one page a
+    step and with several (tile 32 over 16-token pages)."""
+    cfg = with_config(BASE, tile8=tile, tile4=tile, tile16=tile, **knobs)
+    lens = [(9, 100, 70), (3, 33, 1), (0, 16, 48)]
+    _close(*_run(lens, 4, 2, 32, 32, (1, 16, 16), splits=2, config=cfg))
+    _close(*_run([(5, 40, 23), (30, 0, 0)], 8, 2, 64, 64, (1, 16, 16), splits=1, config=cfg))
+
+
 @pytest.mark.parametrize("tiers", [(1,), (2,), (0,), (1, 2), (0, 2)])
 def test_tier_subsets_and_direct_write(tiers):
     """Only the listed tiers are read; the others hold no token. One tier, one split: the kernel
@@ -185,6 +198,25 @@ def test_plan_and_config():
     assert DEFAULT_CONFIG.launch(1) == (DEFAULT_CONFIG.tile8, DEFAULT_CONFIG.warps8, DEFAULT_CONFIG.stages8)
 
 
+def test_min_steps_halves_short_splits():
+    cfg = with_config(DEFAULT_CONFIG, tile16=128, warps16=8, tile4=256, warps4=4, min_steps=8)
+    assert cfg.launch(0) == (128, 8, cfg.stages16)  # no split size: as configured
+    assert cfg.launch(0, 8192) == (128, 8, cfg.stages16)  # 64 steps
+    assert cfg.launch(0, 993) == (64, 4, cfg.stages16)  # 7.8 steps of 128 -> 15.5 of 64
+    assert cfg.launch(2, 993) == (64, 4, cfg.stages4)  # 256 -> 128 -> 64, never below 64 or 4 warps
+    assert cfg.launch(2, 10) == (64, 4, cfg.stages4)
+    assert with_config(cfg, min_steps=0).launch(0, 10) == (128, 8, cfg.stages16)
+    with pytest.raises(ValueError):
+        with_config(cfg, min_steps=-1)
+
+
+def test_min_steps_launch_matches_the_reference():
+    """A launch whose tiles min_steps halves (tiles 128 -> 64 over 64-token pages)."""
+    cfg = with_config(BASE, tile16=128, tile8=128, tile4=128, min_steps=4, stages16=1, stages8=1, stages4=1)
+    assert cfg.launch(1, 128) == (64, 4, 1)
+    _close(*_run([(40, 100, 70), (3, 64, 1)], 4, 2, 32, 32, (64, 64, 64), splits=2, config=cfg))
+
+
 def test_served_config_override(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert served_config(128, 4, '{"tile8": 128, "qk_int8": true}') == with_config(DEFAULT_CONFIG, tile8=128,
@@ -214,7 +246,9 @@ def test_real_shapes_gpu(Hq, Hkv, D, mix, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", [dict(qk_int8=True), dict(fast_cvt=False), dict(fused_merge=False),
                                    dict(tile8=128, tile4=128, stages8=3), dict(tile8=512, tile4=512, warps8=4),
-                                   dict(tile16=128, warps16=8, stages16=2), dict(G=32)])
+                                   dict(tile16=128, warps16=8, stages16=2), dict(G=32),
+                                   dict(dot_cvt=True), dict(dot_cvt=True, sub_cvt=True),
+                                   dict(dot_cvt=True, sub_cvt=True, tile8=128, tile4=128)])
 def test_knobs_gpu(knobs):
     knobs = dict(knobs)
     G = knobs.pop("G", 128)
@@ -251,6 +285,38 @@ def test_fast_conversion_is_exact_gpu():
     assert torch.equal(ys[0][:1024].float(), xf)
     assert torch.equal(ys[0][1024:2048].float(), (x & 15).float())
     assert torch.equal(ys[0][2048:].float(), (x >> 4).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sub", [False, True])
+def test_one_result_conversions_are_exact_gpu(sub):
+    """The one-result PRMT / LOP3 conversions equal the portable ones on every byte value:
+    c, lo, 16 * hi, each times 2^-24 with sub (fp16 subnormals)."""
+    import triton
+    import triton.language as tl
+
+    from sgl_kvxfer.kernels._tiles import _cvt_hi16_one, _cvt_lo_one, _cvt_u8_one
+
+    @triton.jit
+    def conv(x_ptr, y_ptr, N: tl.constexpr, FAST: tl.constexpr, SUB: tl.constexpr):
+        o = tl.arange(0, N)
+        x = tl.load(x_ptr + o)
+        tl.store(y_ptr + o, _cvt_u8_one(x, FAST, SUB))
+        tl.store(y_ptr + N + o, _cvt_lo_one(x, FAST, SUB))
+        tl.store(y_ptr + 2 * N + o, _cvt_hi16_one(x, FAST, SUB))
+
+    x = torch.arange(256, dtype=torch.uint8, device="cuda").repeat(4)
+    ys = []
+    for fast in (False, True):
+        y = torch.empty(3 * x.numel(), dtype=torch.float16, device="cuda")
+        conv[(1,)](x, y, N=x.numel(), FAST=fast, SUB=sub)
+        ys.append(y)
+    assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16))
+    u = 2.0 ** -24 if sub else 1.0
+    n = x.numel()
+    assert torch.equal(ys[0][:n].float(), x.float() * u)
+    assert torch.equal(ys[0][n:2 * n].float(), (x & 15).float() * u)
+    assert torch.equal(ys[0][2 * n:].float(), (x & 0xF0).float() * u)
 
 
 @pytest.mark.gpu
