@@ -21,7 +21,7 @@ import msgspec
 import torch
 
 from sgl_kvxfer.disagg.base import TransferEngine, TransferError
-from sgl_kvxfer.disagg.buffers import BLOCK_BYTES, block_checksums
+from sgl_kvxfer.disagg.buffers import BLOCK_BYTES, block_checksums, wsum64_values
 from sgl_kvxfer.disagg.common import Fault
 from sgl_kvxfer.message.disagg import KVDone, KVSegment
 from sgl_kvxfer.message.queue import PushQueue
@@ -40,6 +40,10 @@ class WriteJob:
     segment: KVSegment  # checksums filled in here unless `checksums` is given
     checksums: list[int] | None = None  # computed already (GPU buffers: wsum64 on the device)
     checksum_kind: str = "xxh3"
+    # CUDA: the pack (and wsum64_async's copy of `sums`) was launched, not waited for; this
+    # thread waits for the event before it reads the payload or the sums
+    ready: object | None = None
+    sums: torch.Tensor | None = None  # wsum64_async's host tensor: the checksums once `ready`
 
 
 @dataclass
@@ -119,6 +123,10 @@ class SenderThread:
     def _write(self, job: WriteJob) -> SendResult:
         payload = job.payload
         nbytes = payload.numel()
+        if job.ready is not None:
+            job.ready.synchronize()
+        if job.checksums is None and job.sums is not None:
+            job.checksums = wsum64_values(job.sums)
         if job.checksums is None:
             job.checksums, job.checksum_kind = block_checksums(payload, "xxh3", BLOCK_BYTES), "xxh3"
         job.segment.checksums, job.segment.checksum_kind = job.checksums, job.checksum_kind

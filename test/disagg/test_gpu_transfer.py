@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from sgl_kvxfer.disagg.buffers import TransferBuffer, first_bad_block, wsum64
+from sgl_kvxfer.disagg.buffers import TransferBuffer, first_bad_block, wsum64, wsum64_async, wsum64_values
 
 pytestmark = pytest.mark.gpu
 
@@ -22,6 +22,19 @@ def test_wsum64_on_the_gpu_equals_the_cpu():
     bad = data.cuda()
     bad[(4 << 20) + 17] ^= 0x40
     assert first_bad_block(bad, wsum64(data), "wsum64", 4 << 20) == 1
+
+
+def test_wsum64_async_equals_wsum64_once_its_event_completes():
+    """The pack's checksums launched without a host wait: the sender thread reads them after
+    the event (a payload still being written by queued kernels when it is launched)."""
+    data = torch.randint(0, 256, ((4 << 20) * 2 + 333,), dtype=torch.uint8)
+    dev = torch.zeros_like(data, device="cuda")
+    torch.cuda._sleep(50_000_000)  # queued work ahead of the copy: nothing may read early
+    dev.copy_(data.cuda(non_blocking=True))
+    host, done = wsum64_async(dev)
+    assert done is not None and host.device.type == "cpu"
+    done.synchronize()
+    assert wsum64_values(host) == wsum64(data)
 
 
 def test_transfer_buffer_lives_on_the_gpu_with_a_gpu_engine(monkeypatch):
