@@ -319,6 +319,9 @@ def unpack_segment(pool: KVPool, payload: torch.Tensor, lens, slots_by_tier: tup
     # once per tier, not per layer (each check reads device ids back to the host)
     direct = {t: pool.page_offset(t, slots_by_tier[t]) for t in (TIER_INT8, TIER_INT4)
               if tiered and lay.lens[t] and bool((pool.tier_of(slots_by_tier[t]) == t).all())}
+    # where each fp16-tier token goes, worked out once (a tiered pool's set_kv would split the
+    # ids on the device, a host sync per layer)
+    route16 = pool.route(slots_by_tier[TIER_FP16]) if tiered and lay.lens[TIER_FP16] else None
     pos = 0
     for layer in range(pool.num_layers):
         if not pool.stores_layer(layer):
@@ -330,7 +333,10 @@ def unpack_segment(pool: KVPool, payload: torch.Tensor, lens, slots_by_tier: tup
             assert slots.numel() == n, (tier, slots.numel(), n)
             if tier == TIER_FP16:
                 (k, v), pos = _read_streams(payload, pos, n, H, [(D, dtype), (D, dtype)])
-                pool.set_kv(layer, slots, k.to(pool.device), v.to(pool.device))
+                if route16 is not None:
+                    pool.set_kv_routed(layer, route16, k.to(pool.device), v.to(pool.device))
+                else:
+                    pool.set_kv(layer, slots, k.to(pool.device), v.to(pool.device))
                 continue
             width = D if tier == TIER_INT8 else D // 2
             parts, pos = _read_streams(payload, pos, n, H, [(width, torch.uint8)] * 2 + [(gs, torch.float16)] * 4)
