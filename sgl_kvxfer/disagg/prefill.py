@@ -113,7 +113,7 @@ class PrefillRoom:
     # position went out at (-1: not yet)
     trace: PhaseTrace | None = None  # --enable-pd-trace
     stream: str = "end"  # --kv-transfer-stream when its request arrived
-    launched: float = 0.0  # time.time() its current chunk was launched
+    launched: dict = field(default_factory=dict)  # chunk end -> time.time() that chunk was launched
     forward_end: float = 0.0  # time.time() its last chunk's forward ended
 
 
@@ -179,7 +179,9 @@ class PrefillRole(PDRole):
                 if room is not None and room.trace is not None:
                     if not room.launched:
                         room.trace.add("queue", room.trace.start_of("arrival"), now)
-                    room.launched = now
+                    # keyed by the chunk's end: with overlapped prefill the next chunk is
+                    # launched before this one's after_forward reads its start
+                    room.launched[s.start + s.length] = now
 
     def after_forward(self, batch) -> None:
         """The trace's chunk end; on a GPU it waits for the chunk's kernels (trace runs only)."""
@@ -190,7 +192,8 @@ class PrefillRole(PDRole):
             torch.cuda.synchronize()
         now = time.time()
         for s, room in rooms:
-            room.trace.add(f"prefill[{s.start}:{s.start + s.length}]", room.launched, now)
+            end = s.start + s.length
+            room.trace.add(f"prefill[{s.start}:{end}]", room.launched.pop(end, now), now)
             room.forward_end = now
 
     def wake_sockets(self) -> list:
