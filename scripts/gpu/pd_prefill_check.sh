@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# The tiered PD prefill path on ONE GPU, one call of at most T_TOTAL (145) s:
+# The tiered PD prefill path on ONE GPU, one call of at most T_TOTAL (150) s:
 #
-#   run kind nvidia-h100-x1, carry [.whl]                  bash scripts/gpu/pd_prefill_check.sh
-#   run kind nvidia-h100-x1, carry [.whl, .carry_pdx2_a]   bash scripts/gpu/pd_prefill_check.sh   (+ stage pd)
+#   run kind nvidia-h100-x1, carry [.whl, .carry_pdx2_a]   bash scripts/gpu/pd_prefill_check.sh
 #
-# stages (each under `timeout -s INT`, its JSON rewritten after every point, partial results kept):
-#   prefill (T_PREFILL, 80 s)  benchmarks/pd/tiered_prefill.py: a server alone per budget
-#                              (BUDGETS "1.0 0.5 0.3"), 8192-token prompts, REPEATS (5) warm runs:
-#                              the tiered prefill vs the fp16 one (no transfer, needs .whl only)
-#   pd      (the rest)         only where Mooncake and sglang-router import (carry .carry_pdx2_a):
-#                              benchmarks/pd/ttft_vs_bandwidth.py at b = PD_BUDGET (0.5), streams
-#                              end and chunk at PD_RATES (10 Gbit/s), prefill and decode both on
-#                              GPU 0, KV through pinned host memory over Mooncake TCP, one traced
-#                              request per point (the phase trace: tier, pack, unpack per chunk)
+# With Mooncake and sglang-router importable (carry .carry_pdx2_a: installed here as pd_x2.sh's
+# stage does): benchmarks/pd/ttft_vs_bandwidth.py, one prefill / decode pair per budget
+# (BUDGETS "1.0 0.5"; 1.0 first, every ratio's base), both on GPU 0, KV through pinned host
+# memory over Mooncake TCP; per budget the prefill server alone (`--reference prefill`: the
+# tiered prefill vs the fp16 one), then PD at PD_RATES (10 Gbit/s) with the streams end and
+# chunk (b < 1), REPEATS (5) warm runs each and one traced request (phase trace: chunk tiers,
+# pack, wire, unpack); `--deadline-s` stops starting points in time.
+# With .whl alone (no PD): benchmarks/pd/tiered_prefill.py, a server alone per budget
+# (BUDGETS "1.0 0.5 0.3"), the tiered prefill vs the fp16 one.
 # Llama-3-8B shape, dummy bf16 weights, triton attention, chunked prefill 2048 (the default),
-# --kv-int4 on --kv-tier-staging 0.4; each server --mem-fraction-static 0.3 (two share the GPU).
-# $OUT: tiered_prefill_*.json, ttft_vs_bandwidth_*_x1.{json,png}, pd_prefill_check.log.
+# --kv-int4 on --kv-tier-staging 0.4, --mem-fraction-static 0.3 per server (two share the GPU).
+# Each stage under `timeout -s INT`, its JSON rewritten after every point (partial results kept).
+# $OUT: ttft_vs_bandwidth_*_x1.{json,png} or tiered_prefill_*.json, pd_prefill_check.log.
 # CPU rehearsal at toy size: DEVICE=cpu OUT=/tmp/x bash scripts/gpu/pd_prefill_check.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -24,7 +24,7 @@ START=$SECONDS
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 LOG="$OUT/pd_prefill_check.log"
-: "${BUDGETS=1.0 0.5 0.3}" "${PD_BUDGET=0.5}" "${PD_RATES=10}" "${T_TOTAL=145}" "${T_PREFILL=80}"
+: "${PD_RATES=10}" "${T_TOTAL=150}"
 if [ "$DEVICE" = cuda ]; then
   source scripts/gpu/env.sh || exit 1
   A=.carry_pdx2_a
@@ -53,17 +53,14 @@ fi
 python3 -c "
 from sgl_kvxfer.models.presets import write_preset_config as w, write_dummy_tokenizer as t
 t(w('$PRESET', '$MODEL'), $VOCAB)" || exit 1
-read -ra BUDGETS <<< "$BUDGETS"; read -ra PD_RATES <<< "$PD_RATES"
+read -ra PD_RATES <<< "$PD_RATES"
 left() { echo $(( T_TOTAL - (SECONDS - START) )); }
 {
-  echo "== prefill alone ($(date +%T), ${T_PREFILL} s): budgets ${BUDGETS[*]}, ${PROMPT}-token prompts, $REPEATS runs"
-  timeout -s INT "$T_PREFILL" python3 benchmarks/pd/tiered_prefill.py --budgets "${BUDGETS[@]}" --prompt "$PROMPT" \
-      --repeats "$REPEATS" --vocab $((VOCAB - 256)) --device "$DEVICE" --server-args "$SERVER" \
-      --name "tiered_prefill_${PRESET}_${GPU}" --out-dir "$OUT"
   if python3 -c "import mooncake.engine, sglang_router" 2>/dev/null; then
+    : "${BUDGETS=1.0 0.5}"; read -ra BUDGETS <<< "$BUDGETS"
     T_PD=$(left); [ "$T_PD" -ge 1 ] || T_PD=1
-    echo "== PD on one GPU ($(date +%T), ${T_PD} s): b=$PD_BUDGET, streams end chunk at ${PD_RATES[*]} Gbit/s, traced"
-    timeout -s INT "$T_PD" python3 benchmarks/pd/ttft_vs_bandwidth.py --budgets "$PD_BUDGET" --prompts "$PROMPT" \
+    echo "== PD on one GPU ($(date +%T), ${T_PD} s): budgets ${BUDGETS[*]}, ${PROMPT}-token prompts, streams end chunk at ${PD_RATES[*]} Gbit/s, traced"
+    timeout -s INT "$T_PD" python3 benchmarks/pd/ttft_vs_bandwidth.py --budgets "${BUDGETS[@]}" --prompts "$PROMPT" \
         --rates "${PD_RATES[@]}" --streams end chunk --variant-rates "${PD_RATES[@]}" --repeats "$REPEATS" \
         --deadline-s "$T_PD" --reference prefill --trace --vocab $((VOCAB - 256)) --server-args "$PD_SERVER" \
         --prefill-args "--base-gpu-id 0" --decode-args "--base-gpu-id 0" \
@@ -74,14 +71,22 @@ try:
     res = json.load(open(sys.argv[1]))
 except (OSError, ValueError) as e:
     sys.exit(f"no PD result: {e}")
+for name, rows in res.get("reference", {}).items():
+    print(f"prefill alone {name}: {json.dumps(rows)[:300]}")
 for name, rows in res.get("pd", {}).items():  # the traced request's phases: name, start, duration (ms)
     for n, r in rows.items():
         ph = ((r.get("trace") or {}).get("example") or {}).get("phases") or []
         print(f"{name} {n} tokens: TTFT {r.get('ttft_ms', float('nan')):.1f} ms")
         print("   " + " ".join(f"{p[0]}:{p[2]:.1f}" for p in ph))
+print("ratios:", json.dumps(res.get("ratios"))[:1500])
 EOF
   else
-    echo "== PD skipped: Mooncake or sglang-router is not importable (carry .carry_pdx2_a for it)"
+    : "${BUDGETS=1.0 0.5 0.3}"; read -ra BUDGETS <<< "$BUDGETS"
+    T_PRE=$(left); [ "$T_PRE" -ge 1 ] || T_PRE=1
+    echo "== no Mooncake / sglang-router (carry .carry_pdx2_a for PD): prefill alone ($(date +%T), ${T_PRE} s): budgets ${BUDGETS[*]}"
+    timeout -s INT "$T_PRE" python3 benchmarks/pd/tiered_prefill.py --budgets "${BUDGETS[@]}" --prompt "$PROMPT" \
+        --repeats "$REPEATS" --vocab $((VOCAB - 256)) --device "$DEVICE" --server-args "$SERVER" \
+        --name "tiered_prefill_${PRESET}_${GPU}" --out-dir "$OUT"
   fi
   echo "== done ($(date +%T))"
 } 2>&1 | tee -a "$LOG"
