@@ -177,7 +177,7 @@ class PrefillRole(PDRole):
             for s in batch.slices:
                 room = self._room_of(s.req)
                 if room is not None and room.trace is not None:
-                    if not room.launched:
+                    if room.trace.start_of("queue") is None:  # its first chunk
                         room.trace.add("queue", room.trace.start_of("arrival"), now)
                     # keyed by the chunk's end: with overlapped prefill the next chunk is
                     # launched before this one's after_forward reads its start
