@@ -383,6 +383,8 @@ class PrefillRole(PDRole):
             room.wire_seconds += res.write_seconds
             self.stats.moved(res.nbytes)
             if room.trace is not None:
+                if res.ready_wait is not None:  # the sender waiting for the pack's kernels
+                    room.trace.add(f"pack_wait[{res.seq}]", *res.ready_wait)
                 room.trace.add(f"wire[{res.seq}]", res.write_start, res.write_end)
         elif room.done_queued and room.error is None:  # KVDone is out
             room.state = KVPoll.SUCCESS

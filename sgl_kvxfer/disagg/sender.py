@@ -62,6 +62,8 @@ class SendResult:
     write_seconds: float = 0.0  # the engine write alone (the link's busy time), not checksumming
     write_start: float = 0.0  # time.time() of the write's start and end (the phase trace)
     write_end: float = 0.0
+    ready_wait: tuple[float, float] | None = None  # time.time() span this thread waited for the
+    # pack's kernels (WriteJob.ready), the phase trace's pack_wait[s]
 
 
 class SenderThread:
@@ -123,8 +125,11 @@ class SenderThread:
     def _write(self, job: WriteJob) -> SendResult:
         payload = job.payload
         nbytes = payload.numel()
+        waited = None
         if job.ready is not None:
+            t = time.time()
             job.ready.synchronize()
+            waited = (t, time.time())
         if job.checksums is None and job.sums is not None:
             job.checksums = wsum64_values(job.sums)
         if job.checksums is None:
@@ -136,7 +141,7 @@ class SenderThread:
         if fault.kind == "delay":
             time.sleep(fault.arg)
         if job.room in self.cancelled:  # the decode gave the region up: never write into it
-            return SendResult(job.room, job.seq, "room cancelled before its write")
+            return SendResult(job.room, job.seq, "room cancelled before its write", ready_wait=waited)
         elif fault.kind == "corrupt" and nbytes:
             payload[nbytes // 2] ^= 0xFF  # after checksumming: the wire carries a flipped byte
             if payload.is_cuda:
@@ -148,10 +153,10 @@ class SenderThread:
             if sent:
                 self.engine.write(job.peer, payload.data_ptr(), job.dst_addr, sent)
         except TransferError as e:
-            return SendResult(job.room, job.seq, str(e))
+            return SendResult(job.room, job.seq, str(e), ready_wait=waited)
         write_seconds = time.perf_counter() - write_start
         self._push(job.reply_to, job.segment)
-        return SendResult(job.room, job.seq, None, sent, write_seconds, wall_start, wall_start + write_seconds)
+        return SendResult(job.room, job.seq, None, sent, write_seconds, wall_start, wall_start + write_seconds, waited)
 
     def close(self) -> None:
         self.jobs.put(None)

@@ -12,7 +12,8 @@ both sides into its reply's `meta_info.kv_transfer.trace`:
                             kernels do, and those of a chunk launched after it)
              chunk_tier[a:b]  tiers chosen for a streamed chunk (`--kv-transfer-stream chunk`)
              tier           the last chunk's end -> the prompt is tiered and cached
-             pack[s]        segment s: gather-pack + checksum (+ the copy out)
+             pack[s]        segment s: the gather-pack and checksum launched (on CPU: done)
+             pack_wait[s]   segment s, CUDA: the sender thread waiting for those kernels
              wire[s]        segment s: the engine's write
              notice         KVDone on its way
     decode   bootstrap      arrival -> the claim is sent (bootstrap lookup, staging, request row)
