@@ -141,7 +141,7 @@ def pack_segment(pool: KVPool, slots: torch.Tensor, wire_tiers: torch.Tensor | N
         return lay
     layers = [i for i in range(pool.num_layers) if pool.stores_layer(i)]
     # a GPU pool packs on the device, then one copy into a host `out` (not one per stream)
-    staged = torch.device(pool.device).type == "cuda" and out.device != torch.device(pool.device)
+    staged = torch.device(pool.device).type == "cuda" and out.device.type != "cuda"
     dst = torch.empty(lay.total_bytes, dtype=torch.uint8, device=pool.device) if staged else out[:lay.total_bytes]
     by_layer = dst.view(len(layers), lay.layer_bytes)
     flat = slots.cpu()
