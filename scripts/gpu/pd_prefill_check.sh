@@ -14,8 +14,8 @@
 # (BUDGETS "1.0 0.5 0.3"), the tiered prefill vs the fp16 one.
 # Llama-3-8B shape, dummy bf16 weights, triton attention, chunked prefill 2048 (the default),
 # --kv-int4 on --kv-tier-staging 0.4, --mem-fraction-static 0.3 per server (two share the GPU).
-# First (CUDA) the GPU tests of the pack and its checksums (test_gpu_transfer.py, -k "wsum64 or
-# pack_segment", 40 s at most). Each stage under `timeout -s INT`, its JSON rewritten after every point (partial results kept).
+# Beside the servers' start (CUDA), the GPU tests of the pack and its checksums
+# (test_gpu_transfer.py -k "wsum64 or pack_segment", 60 s at most; their summary in the log). Each stage under `timeout -s INT`, its JSON rewritten after every point (partial results kept).
 # $OUT: ttft_vs_bandwidth_*_x1.{json,png} or tiered_prefill_*.json, pd_prefill_check.log.
 # CPU rehearsal at toy size: DEVICE=cpu OUT=/tmp/x bash scripts/gpu/pd_prefill_check.sh
 set -uo pipefail
@@ -57,10 +57,11 @@ t(w('$PRESET', '$MODEL'), $VOCAB)" || exit 1
 read -ra PD_RATES <<< "$PD_RATES"
 left() { echo $(( T_TOTAL - (SECONDS - START) )); }
 {
-  if [ "$DEVICE" = cuda ]; then  # the CUDA tests of the pack and its asynchronous checksums (~10 s)
-    echo "== GPU tests ($(date +%T))"
-    timeout -s INT 40 python3 -m pytest -q -rs -p no:cacheprovider test/disagg/test_gpu_transfer.py \
-        -k "wsum64 or pack_segment" 2>&1 | tail -6
+  if [ "$DEVICE" = cuda ]; then  # the CUDA tests of the pack and its checksums, beside the servers' start
+    echo "== GPU tests in the background ($(date +%T))"
+    timeout -s INT 60 python3 -m pytest -q -rs -p no:cacheprovider test/disagg/test_gpu_transfer.py \
+        -k "wsum64 or pack_segment" > /tmp/pd_prefill_check_tests.log 2>&1 &
+    TESTS_PID=$!
   fi
   if python3 -c "import mooncake.engine, sglang_router" 2>/dev/null; then
     : "${BUDGETS=1.0 0.5}"; read -ra BUDGETS <<< "$BUDGETS"
@@ -93,6 +94,11 @@ EOF
     timeout -s INT "$T_PRE" python3 benchmarks/pd/tiered_prefill.py --budgets "${BUDGETS[@]}" --prompt "$PROMPT" \
         --repeats "$REPEATS" --vocab $((VOCAB - 256)) --device "$DEVICE" --server-args "$SERVER" \
         --name "tiered_prefill_${PRESET}_${GPU}" --out-dir "$OUT"
+  fi
+  if [ -n "${TESTS_PID:-}" ]; then
+    wait "$TESTS_PID"
+    echo "== GPU tests: test/disagg/test_gpu_transfer.py -k 'wsum64 or pack_segment'"
+    tail -6 /tmp/pd_prefill_check_tests.log
   fi
   echo "== done ($(date +%T))"
 } 2>&1 | tee -a "$LOG"
