@@ -15,7 +15,8 @@
 # Llama-3-8B shape, dummy bf16 weights, triton attention, chunked prefill 2048 (the default),
 # --kv-int4 on --kv-tier-staging 0.4, --mem-fraction-static 0.3 per server (two share the GPU).
 # Beside the servers' start (CUDA), the GPU tests of the pack and its checksums
-# (test_gpu_transfer.py -k "wsum64 or pack_segment", 60 s at most; their summary in the log). Each stage under `timeout -s INT`, its JSON rewritten after every point (partial results kept).
+# (test_gpu_transfer.py -k "wsum64 or pack_segment", 60 s at most; their summary in the log).
+# Each stage under `timeout -s INT`, its JSON rewritten after every point (partial results kept).
 # $OUT: ttft_vs_bandwidth_*_x1.{json,png} or tiered_prefill_*.json, pd_prefill_check.log.
 # CPU rehearsal at toy size: DEVICE=cpu OUT=/tmp/x bash scripts/gpu/pd_prefill_check.sh
 set -uo pipefail
