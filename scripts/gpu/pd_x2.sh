@@ -22,7 +22,8 @@
 #                              started while the pair has measured for less than MORE_S seconds and
 #                              the budgets still to come fit in T_TTFT (ttft_vs_bandwidth --deadline-s)
 #   REPEATS=5 REPEATS_LONG=1   warm requests per point (REPEATS_LONG from 16k tokens up)
-#   GOODPUT_RATES="2 4 8"      goodput's request rates
+#   GOODPUT_RATES="4 8 16"     goodput's request rates (2 s of arrivals each, at least 8 requests,
+#                              128-token outputs: the three rates and both setups fit T_GOODPUT)
 # $OUT gets ttft_vs_bandwidth_*.{json,png}, goodput_*.{json,png}, gpu_tests.log, pd_x2.log (7 files).
 # CPU rehearsal at toy size: DEVICE=cpu OUT=/tmp/x bash scripts/gpu/pd_x2.sh
 set -uo pipefail
@@ -78,10 +79,10 @@ assert build_has_cuda(), installed_build()" 2>&1 | tail -3 | tee "$OUT/pd_x2.log
   SERVER="$COMMON --max-total-tokens 100000 --kv-tier-staging 0.4 --kv-int4 on --attention-backend triton \
 --disable-cuda-graph --kv-transfer-buffer-mb 4096"
   : "${PROMPTS=8192}" "${RATES=10 0}" "${VARIANT_RATES=10 0}" "${MORE_PROMPTS=2048 32768}" "${MORE_RATES=25 100 200}"
-  : "${MORE_S=60}" "${REPEATS=5}" "${REPEATS_LONG=1}" "${GOODPUT_RATES=2 4 8}"
+  : "${MORE_S=60}" "${REPEATS=5}" "${REPEATS_LONG=1}" "${GOODPUT_RATES=4 8 16}"
   # goodput: a PD and a co-located server on each GPU (one setup serves at a time), 120k tokens each
   GOODPUT_SERVER="${COMMON/--mem-fraction-static 0.7/--mem-fraction-static 0.9} --max-total-tokens 120000 --cuda-graph-max-bs 64"
-  GOODPUT=(--input-len 4096 --output-len 192 --seconds-per-rate 3)
+  GOODPUT=(--input-len 4096 --output-len 128 --seconds-per-rate 2)
   TTFT_NAME=ttft_vs_bandwidth_llama-3-8b_${GPU}_x2 GOODPUT_NAME=goodput_llama-3-8b_${GPU}_x2
   T_TESTS=${T_TESTS:-50} T_TTFT=${T_TTFT:-300} T_GOODPUT=${T_GOODPUT:-170} T_TOTAL=${T_TOTAL:-530}
   TESTS=(test/disagg/test_gpu_transfer.py test/disagg/test_pd_units.py)

@@ -52,9 +52,35 @@ def wsum64(payload: torch.Tensor, block_bytes: int = BLOCK_BYTES) -> list[int]:
     """wsum64 of each block of `payload` (uint8, any device, starting 8-byte aligned); values
     as unsigned 64-bit ints."""
     assert payload.dtype == torch.uint8 and payload.dim() == 1 and block_bytes == BLOCK_BYTES
-    n = payload.numel()
-    if n == 0:
+    if payload.numel() == 0:
         return []
+    return wsum64_values(_wsum64_tensor(payload))
+
+
+def wsum64_async(payload: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+    """wsum64 launched without waiting: (the sums as an int64 tensor on the host, a CUDA event
+    recorded after their copy, or None off CUDA). The host tensor is valid once the event has
+    completed: the sender thread waits for it, so the scheduler thread never blocks on a pack.
+    wsum64_values turns it into wsum64's list."""
+    assert payload.dtype == torch.uint8 and payload.dim() == 1
+    if payload.numel() == 0:
+        return torch.empty(0, dtype=torch.int64), None
+    sums = _wsum64_tensor(payload)
+    if not sums.is_cuda:
+        return sums, None
+    host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+    host.copy_(sums, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def wsum64_values(sums: torch.Tensor) -> list[int]:
+    return [v & 0xFFFFFFFFFFFFFFFF for v in sums.tolist()]
+
+
+def _wsum64_tensor(payload: torch.Tensor) -> torch.Tensor:
+    n = payload.numel()
     nwords = n // 8
     m = _multipliers(payload.device)
     words = payload[:nwords * 8].view(torch.int64)
@@ -72,7 +98,7 @@ def wsum64(payload: torch.Tensor, block_bytes: int = BLOCK_BYTES) -> list[int]:
             pad[:tail] = payload[nwords * 8:]
             last = last + pad.view(torch.int64) * m[rest.numel()]
         sums.append(last)
-    return [v & 0xFFFFFFFFFFFFFFFF for v in torch.cat(sums).tolist()]
+    return torch.cat(sums)
 
 
 def xxh3_blocks(payload: torch.Tensor, block_bytes: int = BLOCK_BYTES) -> list[int]:

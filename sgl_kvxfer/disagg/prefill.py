@@ -52,7 +52,7 @@ import torch
 from sgl_kvxfer import env
 from sgl_kvxfer.disagg import create_transfer_engine
 from sgl_kvxfer.disagg.base import KVPoll
-from sgl_kvxfer.disagg.buffers import TransferBuffer, wsum64
+from sgl_kvxfer.disagg.buffers import TransferBuffer, wsum64_async
 from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, Fault, TransferStats, register_prefill_rank
 from sgl_kvxfer.disagg.peers import PeerMonitor, endpoint_peer
 from sgl_kvxfer.disagg.role import PDRole
@@ -113,7 +113,7 @@ class PrefillRoom:
     # position went out at (-1: not yet)
     trace: PhaseTrace | None = None  # --enable-pd-trace
     stream: str = "end"  # --kv-transfer-stream when its request arrived
-    launched: float = 0.0  # time.time() its current chunk was launched
+    launched: dict = field(default_factory=dict)  # chunk end -> time.time() that chunk was launched
     forward_end: float = 0.0  # time.time() its last chunk's forward ended
 
 
@@ -177,9 +177,11 @@ class PrefillRole(PDRole):
             for s in batch.slices:
                 room = self._room_of(s.req)
                 if room is not None and room.trace is not None:
-                    if not room.launched:
+                    if room.trace.start_of("queue") is None:  # its first chunk
                         room.trace.add("queue", room.trace.start_of("arrival"), now)
-                    room.launched = now
+                    # keyed by the chunk's end: with overlapped prefill the next chunk is
+                    # launched before this one's after_forward reads its start
+                    room.launched[s.start + s.length] = now
 
     def after_forward(self, batch) -> None:
         """The trace's chunk end; on a GPU it waits for the chunk's kernels (trace runs only)."""
@@ -190,7 +192,8 @@ class PrefillRole(PDRole):
             torch.cuda.synchronize()
         now = time.time()
         for s, room in rooms:
-            room.trace.add(f"prefill[{s.start}:{s.start + s.length}]", room.launched, now)
+            end = s.start + s.length
+            room.trace.add(f"prefill[{s.start}:{end}]", room.launched.pop(end, now), now)
             room.forward_end = now
 
     def wake_sockets(self) -> list:
@@ -380,6 +383,8 @@ class PrefillRole(PDRole):
             room.wire_seconds += res.write_seconds
             self.stats.moved(res.nbytes)
             if room.trace is not None:
+                if res.ready_wait is not None:  # the sender waiting for the pack's kernels
+                    room.trace.add(f"pack_wait[{res.seq}]", *res.ready_wait)
                 room.trace.add(f"wire[{res.seq}]", res.write_start, res.write_end)
         elif room.done_queued and room.error is None:  # KVDone is out
             room.state = KVPoll.SUCCESS
@@ -427,7 +432,9 @@ class PrefillRole(PDRole):
         rng = room.pending[0]
         req = room.req
         t0 = time.time()
-        slots = self.table.read(req.req_pool_idx, rng.end, start=rng.start).clone()
+        # the range's slot ids on the host: the one read-back of a pack (tiers, the live cut
+        # and pack_segment's routing below all run on these, with no further host sync)
+        slots = self.table.read(req.req_pool_idx, rng.end, start=rng.start).cpu()
         tiers = self._segment_tiers(room, rng, slots)
         if rng.kind == "upgrade" and bool((tiers == TIER_KEEP).all()):
             room.pending.popleft()  # no token's tier rose: nothing to resend
@@ -450,13 +457,16 @@ class PrefillRole(PDRole):
             room.ring.ack(seq)  # undo the placement; retry next poll
             return False
         payload = self.buffer[src:src + lay.total_bytes]
-        pack_segment(self.pool, slots[live.to(slots.device)], tiers[live], payload)
-        if self.buffer.on_device:  # summed where the bytes are; tolist() waits for the pack
-            sums = wsum64(payload)
-        else:
-            sums = None  # the sender thread computes xxh3 of the host bytes
-            if torch.cuda.is_available():
-                torch.cuda.current_stream().synchronize()
+        pack_segment(self.pool, slots[live], tiers[live], payload)
+        # nothing here waits for the pack: on CUDA the sender thread waits for `ready` (recorded
+        # after the pack and, for a device buffer, the checksums summed where the bytes are)
+        # before it reads the bytes; a host buffer gets its xxh3 there
+        ready, host_sums = None, None
+        if self.buffer.on_device:
+            host_sums, ready = wsum64_async(payload)
+        elif torch.cuda.is_available():
+            ready = torch.cuda.Event()
+            ready.record()
         if rng.kind == "chunk":
             if room.sent_tiers is None:
                 room.sent_tiers = torch.full((len(req.origin_input_ids),), -1, dtype=torch.int16)
@@ -471,7 +481,8 @@ class PrefillRole(PDRole):
             room.trace.add(f"pack[{seq}]", t0)
         c = room.claim
         self.sender.submit(WriteJob(room.room, seq, payload, c.session, c.region_addr + dst, c.reply_to, segment,
-                                    sums, self.buffer.checksum_kind))
+                                    None, self.buffer.checksum_kind if self.buffer.on_device else "xxh3",
+                                    ready, host_sums))
         return True
 
     def _queue_done(self, room: PrefillRoom) -> None:

@@ -21,7 +21,7 @@ import msgspec
 import torch
 
 from sgl_kvxfer.disagg.base import TransferEngine, TransferError
-from sgl_kvxfer.disagg.buffers import BLOCK_BYTES, block_checksums
+from sgl_kvxfer.disagg.buffers import BLOCK_BYTES, block_checksums, wsum64_values
 from sgl_kvxfer.disagg.common import Fault
 from sgl_kvxfer.message.disagg import KVDone, KVSegment
 from sgl_kvxfer.message.queue import PushQueue
@@ -40,6 +40,10 @@ class WriteJob:
     segment: KVSegment  # checksums filled in here unless `checksums` is given
     checksums: list[int] | None = None  # computed already (GPU buffers: wsum64 on the device)
     checksum_kind: str = "xxh3"
+    # CUDA: the pack (and wsum64_async's copy of `sums`) was launched, not waited for; this
+    # thread waits for the event before it reads the payload or the sums
+    ready: object | None = None
+    sums: torch.Tensor | None = None  # wsum64_async's host tensor: the checksums once `ready`
 
 
 @dataclass
@@ -58,6 +62,8 @@ class SendResult:
     write_seconds: float = 0.0  # the engine write alone (the link's busy time), not checksumming
     write_start: float = 0.0  # time.time() of the write's start and end (the phase trace)
     write_end: float = 0.0
+    ready_wait: tuple[float, float] | None = None  # time.time() span this thread waited for the
+    # pack's kernels (WriteJob.ready), the phase trace's pack_wait[s]
 
 
 class SenderThread:
@@ -119,6 +125,13 @@ class SenderThread:
     def _write(self, job: WriteJob) -> SendResult:
         payload = job.payload
         nbytes = payload.numel()
+        waited = None
+        if job.ready is not None:
+            t = time.time()
+            job.ready.synchronize()
+            waited = (t, time.time())
+        if job.checksums is None and job.sums is not None:
+            job.checksums = wsum64_values(job.sums)
         if job.checksums is None:
             job.checksums, job.checksum_kind = block_checksums(payload, "xxh3", BLOCK_BYTES), "xxh3"
         job.segment.checksums, job.segment.checksum_kind = job.checksums, job.checksum_kind
@@ -128,7 +141,7 @@ class SenderThread:
         if fault.kind == "delay":
             time.sleep(fault.arg)
         if job.room in self.cancelled:  # the decode gave the region up: never write into it
-            return SendResult(job.room, job.seq, "room cancelled before its write")
+            return SendResult(job.room, job.seq, "room cancelled before its write", ready_wait=waited)
         elif fault.kind == "corrupt" and nbytes:
             payload[nbytes // 2] ^= 0xFF  # after checksumming: the wire carries a flipped byte
             if payload.is_cuda:
@@ -140,10 +153,10 @@ class SenderThread:
             if sent:
                 self.engine.write(job.peer, payload.data_ptr(), job.dst_addr, sent)
         except TransferError as e:
-            return SendResult(job.room, job.seq, str(e))
+            return SendResult(job.room, job.seq, str(e), ready_wait=waited)
         write_seconds = time.perf_counter() - write_start
         self._push(job.reply_to, job.segment)
-        return SendResult(job.room, job.seq, None, sent, write_seconds, wall_start, wall_start + write_seconds)
+        return SendResult(job.room, job.seq, None, sent, write_seconds, wall_start, wall_start + write_seconds, waited)
 
     def close(self) -> None:
         self.jobs.put(None)

@@ -6,11 +6,14 @@ are as close as the hosts' clocks). The prefill sends its spans with KVDone; the
 both sides into its reply's `meta_info.kv_transfer.trace`:
 
     prefill  queue          arrival -> its first chunk is launched
-             prefill[a:b]   one chunk's forward, positions [a, b) (synchronized: a GPU chunk
-                            ends when its kernels do)
+             prefill[a:b]   one chunk's forward, positions [a, b): from its own launch (with
+                            overlapped prefill the next chunk launches before this one's span
+                            is closed) to a device synchronize (a GPU chunk ends when its
+                            kernels do, and those of a chunk launched after it)
              chunk_tier[a:b]  tiers chosen for a streamed chunk (`--kv-transfer-stream chunk`)
              tier           the last chunk's end -> the prompt is tiered and cached
-             pack[s]        segment s: gather-pack + checksum (+ the copy out)
+             pack[s]        segment s: the gather-pack and checksum launched (on CPU: done)
+             pack_wait[s]   segment s, CUDA: the sender thread waiting for those kernels
              wire[s]        segment s: the engine's write
              notice         KVDone on its way
     decode   bootstrap      arrival -> the claim is sent (bootstrap lookup, staging, request row)

@@ -112,8 +112,132 @@ def _read_as(pool, layer: int, slots: torch.Tensor, tier: int) -> tuple:
     return kq, vq, ks, kz, vs, vz
 
 
+# pack_segment quantizes the layers of a tier in groups of at most this many model-dtype
+# elements (K and V together): bounded scratch (~10 float32 temporaries of it) for long segments;
+# on the host a group stays about cache-sized (one launch per op matters only on a GPU)
+_QUANT_GROUP_ELEMS = 1 << 24
+_QUANT_GROUP_ELEMS_HOST = 1 << 18
+
+
 def pack_segment(pool: KVPool, slots: torch.Tensor, wire_tiers: torch.Tensor | None, out: torch.Tensor) -> SegmentLayout:
     """Pack the tokens at `slots` [n] (position order) at `wire_tiers` [n] (None: all at the
+    model dtype; TIER_DROP tokens send nothing) into `out` (uint8, >= total bytes); the bytes
+    of pack_segment_reference.
+
+    Which token goes which way (stored codes, or read at the model dtype and quantized) is
+    decided once on the host (one copy of `slots` back), so the layer loop runs no host sync.
+    Per tier: one gather per stored layer and stream, the quantization of all layers' K and V
+    in one codec call (per layer group of _QUANT_GROUP_ELEMS), and one strided copy per stream
+    and layer group straight into `out`'s head-major layout (no staging buffer).
+
+    NOTE: copies into `out` are non-blocking; on CUDA synchronize before `out`'s bytes leave."""
+    slots = slots.reshape(-1)
+    if wire_tiers is None:
+        wire_tiers = torch.zeros(slots.numel(), dtype=torch.int8)
+    wire_tiers = wire_tiers.to(torch.int8).cpu()
+    lay = segment_layout(pool, tier_counts(wire_tiers))
+    assert out.dtype == torch.uint8 and out.numel() >= lay.total_bytes, (out.dtype, out.numel(), lay.total_bytes)
+    if lay.total_bytes == 0:
+        return lay
+    layers = [i for i in range(pool.num_layers) if pool.stores_layer(i)]
+    # a GPU pool packs on the device, then one copy into a host `out` (not one per stream)
+    staged = torch.device(pool.device).type == "cuda" and out.device.type != "cuda"
+    dst = torch.empty(lay.total_bytes, dtype=torch.uint8, device=pool.device) if staged else out[:lay.total_bytes]
+    by_layer = dst.view(len(layers), lay.layer_bytes)
+    flat = slots.cpu()
+    tiered = getattr(pool, "layout", "") == "tiered"
+    held_all = pool.tier_of(flat) if tiered else None
+    H, D, g, eb = pool.num_kv_heads, pool.head_dim, group_size(pool), elem_bytes(pool)
+    off = 0
+    for tier in (TIER_FP16, TIER_INT8, TIER_INT4):
+        ids = flat[wire_tiers == tier]
+        n = ids.numel()
+        if n == 0:
+            continue
+        # (byte width, dtype) of each stream, in pack order
+        if tier == TIER_FP16:
+            widths = [(D * eb, pool.dtype)] * 2
+        else:
+            w = D if tier == TIER_INT8 else D // 2
+            widths = [(w, torch.uint8)] * 2 + [((D // g) * 2, torch.float16)] * 4
+        dests, pos = [], off
+        for wb, _ in widths:
+            dests.append(by_layer[:, pos:pos + H * n * wb].view(len(layers), H, n, wb))
+            pos += H * n * wb
+        held = (held_all[wire_tiers == tier] == tier) if (tiered and tier != TIER_FP16) else torch.zeros(n, dtype=torch.bool)
+        _pack_tier(pool, layers, tier, ids, held, widths, dests)
+        off = pos
+    assert off == lay.layer_bytes, (off, lay.layer_bytes)
+    if staged:
+        out[:lay.total_bytes].copy_(dst, non_blocking=True)
+    return lay
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    """[..., n, H, W] of any dtype -> [..., H, n, W * itemsize] uint8 (a view, head-major order)."""
+    return x.view(torch.uint8).transpose(-3, -2)
+
+
+def _pack_tier(pool, layers: list, tier: int, ids: torch.Tensor, held: torch.Tensor, widths, dests) -> None:
+    """One wire tier's streams of tokens `ids` (host) into `dests` (one [L, H, n, wb] uint8 view
+    per stream): stored codes for the `held` ones, the others read at the model dtype and
+    quantized (fp16: copied)."""
+    n, dev = ids.numel(), pool.device
+    to_dev = pool._to_device if hasattr(pool, "_to_device") else (lambda x: x.to(dev))
+    stored = held.nonzero().squeeze(1)
+    read = (~held).nonzero().squeeze(1)
+    mixed = 0 < stored.numel() < n
+    if stored.numel():
+        where = tuple(map(to_dev, pool.page_offset(tier, ids[stored])))
+        at = to_dev(stored)
+        for li, layer in enumerate(layers):
+            parts = pool.stores[tier][layer].codes(*where)  # = pool.stored_codes(layer, tier, ids[stored])
+            for dest, x in zip(dests, parts):
+                if mixed:  # the stored rows at their positions; the read rows follow below
+                    dest[li].index_copy_(1, at, _bytes(x))
+                else:
+                    dest[li].copy_(_bytes(x), non_blocking=True)
+    if not read.numel():
+        return
+    rows = ids[read]
+    route = pool.route(rows) if hasattr(pool, "route") else None
+    rows_dev = None if route is not None else rows.to(dev)
+    m = rows.numel()
+    per_layer = 2 * m * pool.num_kv_heads * pool.head_dim
+    cap = _QUANT_GROUP_ELEMS if torch.device(dev).type == "cuda" else min(_QUANT_GROUP_ELEMS, _QUANT_GROUP_ELEMS_HOST)
+    step = max(1, cap // per_layer)
+    at = to_dev(read) if mixed else None
+    if tier == TIER_FP16:  # model dtype: each layer's rows copied as they are, no scratch
+        for li, layer in enumerate(layers):
+            kv = pool.get_kv_routed(layer, route) if route is not None else pool.get_kv(layer, rows_dev)
+            for dest, x in zip(dests, kv):
+                x = _bytes(x.reshape(m, pool.num_kv_heads, pool.head_dim))
+                if mixed:
+                    dest[li].index_copy_(1, at, x)
+                else:
+                    dest[li].copy_(x, non_blocking=True)
+        return
+    for l0 in range(0, len(layers), step):
+        group = layers[l0:l0 + step]
+        kv = torch.empty((2, len(group), m, pool.num_kv_heads, pool.head_dim), dtype=pool.dtype, device=dev)
+        for j, layer in enumerate(group):
+            k, v = (pool.get_kv_routed(layer, route) if route is not None else pool.get_kv(layer, rows_dev))
+            kv[0, j].copy_(k.reshape(m, pool.num_kv_heads, pool.head_dim))
+            kv[1, j].copy_(v.reshape(m, pool.num_kv_heads, pool.head_dim))
+        q, sc, zr = tc.quantize(kv, _BITS[tier], group_size(pool))
+        parts = (q[0], q[1], sc[0], zr[0], sc[1], zr[1])
+        for dest, x in zip(dests, parts):
+            d = dest[l0:l0 + len(group)]
+            if mixed:
+                d.index_copy_(2, at, _bytes(x))
+            else:
+                d.copy_(_bytes(x), non_blocking=True)
+
+
+def pack_segment_reference(pool: KVPool, slots: torch.Tensor, wire_tiers: torch.Tensor | None,
+                           out: torch.Tensor) -> SegmentLayout:
+    """The torch reference of pack_segment, layer by layer and stream by stream (same bytes).
+    Pack the tokens at `slots` [n] (position order) at `wire_tiers` [n] (None: all at the
     model dtype; TIER_DROP tokens send nothing) into `out` (uint8, >= total bytes).
 
     NOTE: copies into `out` are non-blocking; on CUDA synchronize before `out`'s bytes leave."""
@@ -195,6 +319,9 @@ def unpack_segment(pool: KVPool, payload: torch.Tensor, lens, slots_by_tier: tup
     # once per tier, not per layer (each check reads device ids back to the host)
     direct = {t: pool.page_offset(t, slots_by_tier[t]) for t in (TIER_INT8, TIER_INT4)
               if tiered and lay.lens[t] and bool((pool.tier_of(slots_by_tier[t]) == t).all())}
+    # where each fp16-tier token goes, worked out once (a tiered pool's set_kv would split the
+    # ids on the device, a host sync per layer)
+    route16 = pool.route(slots_by_tier[TIER_FP16]) if tiered and lay.lens[TIER_FP16] else None
     pos = 0
     for layer in range(pool.num_layers):
         if not pool.stores_layer(layer):
@@ -206,7 +333,10 @@ def unpack_segment(pool: KVPool, payload: torch.Tensor, lens, slots_by_tier: tup
             assert slots.numel() == n, (tier, slots.numel(), n)
             if tier == TIER_FP16:
                 (k, v), pos = _read_streams(payload, pos, n, H, [(D, dtype), (D, dtype)])
-                pool.set_kv(layer, slots, k.to(pool.device), v.to(pool.device))
+                if route16 is not None:
+                    pool.set_kv_routed(layer, route16, k.to(pool.device), v.to(pool.device))
+                else:
+                    pool.set_kv(layer, slots, k.to(pool.device), v.to(pool.device))
                 continue
             width = D if tier == TIER_INT8 else D // 2
             parts, pos = _read_streams(payload, pos, n, H, [(width, torch.uint8)] * 2 + [(gs, torch.float16)] * 4)

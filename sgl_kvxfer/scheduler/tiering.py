@@ -186,13 +186,13 @@ class EngineTiering:
                 self._chunk_acc[s.req] = ImportanceAccumulator(end, window, dev, fused_heads=True)
                 accs.append(self._chunk_acc[s.req])
             if accs:
-                observed[i] = (accs, torch.arange(s.start, end, device=dev))
+                observed[i] = (accs, s.start)
         if observed:
-            def observe(layer_id, i, q, keys):
+            def observe(layer_id, i, q, keys):  # q: the chunk's queries, positions [start, start + len)
                 if i in observed:
-                    accs, pos = observed[i]
+                    accs, start = observed[i]
                     for acc in accs:
-                        acc.add_layer(q, keys, q_positions=pos)
+                        acc.add_range(q, keys, start)  # host-known positions: no sync per layer
             observe.requests = frozenset(observed)  # backends that compute keys only for these
             fb.extras["attn_observer"] = observe
 

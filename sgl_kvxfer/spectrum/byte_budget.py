@@ -22,7 +22,7 @@ import torch
 
 from sgl_kvxfer.spectrum.budget import KVLayout, assignment_bytes, budget_quarters, fp16_bytes
 from sgl_kvxfer.spectrum.policies.base import TierPolicy
-from sgl_kvxfer.spectrum.tiers import NUM_TIERS, TIER_INT4
+from sgl_kvxfer.spectrum.tiers import NUM_TIERS, TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 BUDGET_UNITS = ("bytes", "cost")
 
@@ -41,20 +41,33 @@ def fit_byte_budget(policy: TierPolicy, importance: torch.Tensor, budget: float,
     def run(q: int) -> torch.Tensor:
         return policy.assign(importance, q / (4.0 * n), num_sink, int4_allowed, rng_seed)
 
+    def fits(q: int) -> tuple[bool, torch.Tensor | None]:
+        """Whether q's assignment fits the cap, and the assignment when one was built (a
+        policy whose counts do not depend on the scores is tested on its counts alone:
+        assignment_bytes depends only on the counts)."""
+        counts = policy.counts_for(n, q / (4.0 * n), num_sink, int4_allowed)
+        if counts is None:
+            tiers = run(q)
+            return assignment_bytes(tiers, layout) <= cap, tiers
+        per_tier = [0] * NUM_TIERS
+        per_tier[TIER_FP16], per_tier[TIER_INT8], per_tier[TIER_INT4], per_tier[TIER_DROP] = (
+            counts.fp16, counts.int8, counts.int4, counts.drop)
+        return sum(c * layout.token_bytes(t) for t, c in enumerate(per_tier)) <= cap, None
+
     hi = budget_quarters(budget, n)
-    best = run(hi)
-    if assignment_bytes(best, layout) <= cap:
-        return best, hi / (4.0 * n)
-    lo, best = 0, run(0)  # q = 0 keeps nothing: always fits
+    ok, best = fits(hi)
+    if ok:
+        return (run(hi) if best is None else best), hi / (4.0 * n)
+    lo, best = 0, None  # q = 0 keeps nothing: always fits
     hi -= 1
-    while lo < hi:  # invariant: q = lo fits (its tiers are `best`)
+    while lo < hi:  # invariant: q = lo fits (its tiers are `best`, or None: not built yet)
         mid = (lo + hi + 1) // 2
-        tiers = run(mid)
-        if assignment_bytes(tiers, layout) <= cap:
+        ok, tiers = fits(mid)
+        if ok:
             lo, best = mid, tiers
         else:
             hi = mid - 1
-    return best, lo / (4.0 * n)
+    return (run(lo) if best is None else best), lo / (4.0 * n)
 
 
 def assign_tiers(policy: TierPolicy, importance: torch.Tensor, budget: float, layout: KVLayout,

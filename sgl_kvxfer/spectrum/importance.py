@@ -116,11 +116,38 @@ class ImportanceAccumulator:
         keep = q_positions >= self.window_start
         if not bool(keep.any()):
             return
-        q, pos = q[keep].float(), q_positions[keep]
+        q, pos = q[keep], q_positions[keep]
         if t > self.num_tokens:
             raise ValueError(f"got {t} keys for a {self.num_tokens}-token request")
         if int(pos.max()) >= t:
             raise ValueError(f"queries up to position {int(pos.max())} need their keys; got T={t}")
+        self._accumulate(q, k, pos, scale, logit_softcap, sliding_window)
+
+    def add_range(self, q: torch.Tensor, k: torch.Tensor, q_start: int, scale: float | None = None,
+                  logit_softcap: float | None = None, sliding_window: int | None = None) -> None:
+        """add_layer for queries at the consecutive positions [q_start, q_start + T_q) (a prefill
+        chunk): the window cut and the checks use host integers, so on a GPU it runs no host
+        sync (add_layer's boolean mask and max read device values back). Same sums as add_layer
+        with q_positions = arange(q_start, q_start + T_q)."""
+        t_q, hq, _ = q.shape
+        t, hkv, _ = k.shape
+        if hq % hkv:
+            raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+        lo = max(0, self.window_start - q_start)
+        if lo >= t_q:
+            return
+        if t > self.num_tokens:
+            raise ValueError(f"got {t} keys for a {self.num_tokens}-token request")
+        if q_start + t_q > t:
+            raise ValueError(f"queries up to position {q_start + t_q - 1} need their keys; got T={t}")
+        pos = torch.arange(q_start + lo, q_start + t_q, device=q.device)
+        self._accumulate(q[lo:], k, pos, scale, logit_softcap, sliding_window)
+
+    def _accumulate(self, q, k, pos, scale, logit_softcap, sliding_window) -> None:
+        """The windowed rows q [W', Hq, D] at positions pos [W'] (device) over keys k [T, Hkv, D]."""
+        w, hq, d = q.shape
+        t, hkv, _ = k.shape
+        q = q.float()
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         key_pos = torch.arange(t, device=q.device)
         visible = key_pos[None, :] <= pos[:, None]                      # [W', T]
@@ -136,12 +163,12 @@ class ImportanceAccumulator:
             self.num_rows += 1
             return
         if self.fused_heads:  # [W', Hkv, G, D] x [T, Hkv, D] -> [W', Hkv, G, T]
-            logits = torch.einsum("whgd,thd->whgt", q.view(q.shape[0], hkv, hq // hkv, d), k.float()) * scale
+            logits = torch.einsum("whgd,thd->whgt", q.view(w, hkv, hq // hkv, d), k.float()) * scale
             if logit_softcap is not None:
                 logits = logit_softcap * torch.tanh(logits / logit_softcap)
             logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
             self._mass[:t] += torch.softmax(logits, dim=-1).sum(dim=(0, 1, 2)).to(self._mass.device)
-            self.num_rows += int(keep.sum()) * hq
+            self.num_rows += w * hq
             return
         group = hq // hkv
         kf = k.float()
@@ -152,7 +179,7 @@ class ImportanceAccumulator:
                 logits = logit_softcap * torch.tanh(logits / logit_softcap)
             logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
             self._mass[:t] += torch.softmax(logits, dim=-1).sum(dim=(0, 1)).to(self._mass.device)
-        self.num_rows += int(keep.sum()) * hq
+        self.num_rows += w * hq
 
     @property
     def has_data(self) -> bool:

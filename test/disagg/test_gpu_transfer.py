@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from sgl_kvxfer.disagg.buffers import TransferBuffer, first_bad_block, wsum64
+from sgl_kvxfer.disagg.buffers import TransferBuffer, first_bad_block, wsum64, wsum64_async, wsum64_values
 
 pytestmark = pytest.mark.gpu
 
@@ -22,6 +22,19 @@ def test_wsum64_on_the_gpu_equals_the_cpu():
     bad = data.cuda()
     bad[(4 << 20) + 17] ^= 0x40
     assert first_bad_block(bad, wsum64(data), "wsum64", 4 << 20) == 1
+
+
+def test_wsum64_async_equals_wsum64_once_its_event_completes():
+    """The pack's checksums launched without a host wait: the sender thread reads them after
+    the event (a payload still being written by queued kernels when it is launched)."""
+    data = torch.randint(0, 256, ((4 << 20) * 2 + 333,), dtype=torch.uint8)
+    dev = torch.zeros_like(data, device="cuda")
+    torch.cuda._sleep(50_000_000)  # queued work ahead of the copy: nothing may read early
+    dev.copy_(data.cuda(non_blocking=True))
+    host, done = wsum64_async(dev)
+    assert done is not None and host.device.type == "cpu"
+    done.synchronize()
+    assert wsum64_values(host) == wsum64(data)
 
 
 def test_transfer_buffer_lives_on_the_gpu_with_a_gpu_engine(monkeypatch):
@@ -138,3 +151,37 @@ def test_base_gpu_id_puts_the_engine_on_that_gpu():
                 ModelRunner(EngineConfig(base_gpu_id=torch.cuda.device_count(), **cfg), 4)
     finally:
         torch.cuda.set_device(0)
+
+
+@pytest.mark.parametrize("host_out", [False, True])
+def test_pack_segment_on_the_gpu_equals_the_reference(host_out):
+    """The batched pack on a CUDA pool writes the bytes of the layer-by-layer reference, into a
+    GPU payload or (staged) a pinned host one: stored tiers, fp16 tokens quantized on the way,
+    and a tier mixing both."""
+    from sgl_kvxfer.mem_cache.kv_payload import pack_segment, pack_segment_reference, segment_layout, tier_counts
+    from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
+    from sgl_kvxfer.mem_cache.tiered_allocator import TieredSlotAllocator
+    from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
+
+    L, H, D, n = 4, 8, 128, 300
+    pool = TieredKVPool(4096, L, H, D, torch.bfloat16, "cuda", TierStorePlan(1024, 1024, 1024), group_size=32,
+                        page_size=64)
+    alloc = TieredSlotAllocator(pool, "cpu")
+    slots = alloc.alloc(n)
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(L):
+        pool.set_kv(layer, slots.cuda(), torch.randn(n, H, D, generator=gen).cuda(),
+                    torch.randn(n, H, D, generator=gen).cuda())
+    half = torch.randint(0, 3, (n // 2,), generator=gen, dtype=torch.int8)
+    tiered, _ = alloc.retier(slots[: n // 2], half)  # the first half at stored tiers, the rest fp16
+    ids = torch.cat([tiered, slots[n // 2:]])
+    for wire in (torch.randint(0, 3, (n,), generator=gen, dtype=torch.int8), torch.full((n,), 1, dtype=torch.int8)):
+        nbytes = segment_layout(pool, tier_counts(wire)).total_bytes
+        fast = torch.zeros(nbytes, dtype=torch.uint8, device="cpu" if host_out else "cuda")
+        if host_out:
+            fast = fast.pin_memory()
+        ref = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        pack_segment(pool, ids, wire, fast)
+        pack_segment_reference(pool, ids.cuda(), wire, ref)
+        torch.cuda.synchronize()
+        assert torch.equal(fast.cpu(), ref.cpu())

@@ -400,3 +400,31 @@ def test_a_registered_decode_is_watched_and_its_death_ends_its_rooms():
     role.on_peer_dead(("10.0.0.2", 4000), "decode unreachable: tcp://10.0.0.2:4000 (2 failed probes)")
     assert room.error == "decode unreachable: tcp://10.0.0.2:4000 (2 failed probes)" and other.error is None
     assert role.watched_peers() == {("10.0.0.3", 4000): "tcp://10.0.0.3:4000"}  # a failed room watches nothing
+
+
+def test_trace_chunk_spans_start_at_their_own_launch(monkeypatch):
+    """Overlapped prefill launches chunk 2 before chunk 1's after_forward: each prefill[a:b]
+    span still starts at its own chunk's launch, and the queue span is recorded once."""
+    import time as _time
+    from types import SimpleNamespace as NS
+
+    import sgl_kvxfer.disagg.prefill as prefill_mod
+    from sgl_kvxfer.disagg.trace import PhaseTrace
+    from sgl_kvxfer.forward_batch import ForwardMode
+
+    role = prefill_mod.PrefillRole.__new__(prefill_mod.PrefillRole)
+    role.settings, role.device = NS(trace=True), "cpu"
+    room = prefill_mod.PrefillRoom(1)
+    room.trace = PhaseTrace()
+    room.trace.add("arrival", 0.5, 0.5)
+    monkeypatch.setattr(role, "_room_of", lambda req: room)
+    clock = iter([1.0, 2.0, 3.0, 4.0])
+    monkeypatch.setattr(prefill_mod, "time", NS(time=lambda: next(clock), monotonic=_time.monotonic))
+    chunks = [NS(slices=[NS(req=None, start=a, length=16)], mode=ForwardMode.EXTEND) for a in (0, 16)]
+    role.before_forward(chunks[0], None)  # 1.0
+    role.before_forward(chunks[1], None)  # 2.0: launched before chunk 1's after_forward
+    role.after_forward(chunks[0])  # 3.0
+    role.after_forward(chunks[1])  # 4.0
+    spans = {n: (s, e) for n, s, e in room.trace.spans}
+    assert spans["prefill[0:16]"] == (1.0, 3.0) and spans["prefill[16:32]"] == (2.0, 4.0)
+    assert [n for n, *_ in room.trace.spans].count("queue") == 1 and spans["queue"] == (0.5, 1.0)

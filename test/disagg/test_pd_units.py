@@ -94,6 +94,15 @@ def test_wsum64_is_the_documented_sum():
     assert wsum64(data, BLOCK_BYTES) == [want]
 
 
+def test_wsum64_async_off_cuda_is_wsum64():
+    from sgl_kvxfer.disagg.buffers import wsum64, wsum64_async, wsum64_values
+
+    data = torch.randint(0, 256, (3 * (4 << 20) + 13,), dtype=torch.uint8)
+    sums, done = wsum64_async(data)
+    assert done is None and wsum64_values(sums) == wsum64(data)
+    assert wsum64_values(wsum64_async(data[:0])[0]) == []
+
+
 def test_fault_specs_target_rooms():
     faults = Fault.parse("corrupt@7, delay:2.5@9, truncate")
     assert Fault.for_room(faults, 7).kind == "corrupt"

@@ -13,7 +13,8 @@ import torch
 from sgl_kvxfer.kernels.tier_codec import dequantize, quantize
 from sgl_kvxfer.mem_cache.allocator import TokenSlotAllocator
 from sgl_kvxfer.mem_cache.fp16_pool import Fp16KVPool
-from sgl_kvxfer.mem_cache.kv_payload import pack_segment, segment_layout, tier_counts, unpack_segment, wire_tier_of
+from sgl_kvxfer.mem_cache.kv_payload import (pack_segment, pack_segment_reference, segment_layout, tier_counts,
+                                             unpack_segment, wire_tier_of)
 from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
 from sgl_kvxfer.mem_cache.tiered_allocator import TieredSlotAllocator
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
@@ -114,3 +115,51 @@ def test_payload_bytes_follow_the_tiers():
     assert full == 10 * 2 * L * H * D * 2
     assert segment_layout(pool, (0, 10, 0)).total_bytes == 10 * 2 * L * H * (D + 2 * 2 * D // G)
     assert segment_layout(pool, (0, 0, 10)).total_bytes == 10 * 2 * L * H * (D // 2 + 2 * 2 * D // G)
+
+
+def _both(pool, slots, wire):
+    """pack_segment and pack_segment_reference of the same tokens: (fast bytes, reference bytes)."""
+    lens = tier_counts(wire[wire != TIER_DROP]) if wire is not None else (slots.numel(), 0, 0)
+    nbytes = segment_layout(pool, lens).total_bytes
+    fast, ref = torch.full((nbytes + 5,), 7, dtype=torch.uint8), torch.full((nbytes + 5,), 7, dtype=torch.uint8)
+    assert pack_segment(pool, slots, wire, fast).lens == pack_segment_reference(pool, slots, wire, ref).lens == lens
+    return fast, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ["stored", "requant", "mixed", "fp16_only", "all_fp16_pool"])
+def test_pack_fast_path_equals_reference(dtype, case, monkeypatch):
+    """The batched pack (host split once, all layers' quantization in one codec call, strided
+    copies into the payload) writes the reference's bytes exactly, in every mix the PD path
+    uses: stored tiers ("end"), fp16-held tokens quantized on the way ("chunk" / "int8"),
+    a tier whose tokens are partly stored and partly quantized, and layer groups split."""
+    import sgl_kvxfer.mem_cache.kv_payload as kp
+
+    monkeypatch.setattr(kp, "_QUANT_GROUP_ELEMS", 2 * 7 * H * D)  # forces several layer groups
+    gen = torch.Generator().manual_seed(3)
+    if case == "all_fp16_pool":
+        pool, alloc = fp16(dtype)
+        slots, _ = fill(pool, alloc, 12)
+        wire = torch.randint(0, 3, (12,), generator=gen, dtype=torch.int8)
+    else:
+        pool, alloc = tiered(dtype)
+        slots, _ = fill(pool, alloc, 12)
+        stored = torch.tensor([0, 1, 2, 1, 2, 2, 1, 0, 3, 2, 1, 0], dtype=torch.int8)
+        if case != "fp16_only":
+            slots, _ = alloc.retier(slots, stored)
+        held = wire_tier_of(pool, slots)
+        live = held != TIER_DROP
+        slots, held = slots[live], held[live]
+        wire = {"stored": held, "fp16_only": torch.randint(0, 3, (slots.numel(),), generator=gen, dtype=torch.int8),
+                "requant": torch.where(held == TIER_FP16, torch.full_like(held, TIER_INT8), held),
+                "mixed": torch.full_like(held, TIER_INT8)}[case]
+    fast, ref = _both(pool, slots, wire)
+    assert torch.equal(fast, ref)
+    assert fast[-5:].tolist() == [7] * 5  # nothing written past the segment
+
+
+def test_pack_fast_path_all_model_dtype():
+    pool, alloc = tiered()
+    slots, _ = fill(pool, alloc, 9)
+    fast, ref = _both(pool, slots, None)
+    assert torch.equal(fast, ref)

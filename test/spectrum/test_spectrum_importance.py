@@ -153,3 +153,24 @@ def test_sink_pinning_ranking():
     assert ranking_order(imp, 2).tolist() == [0, 1, 2, 4, 3, 5]   # sinks first, ties by position
     assert ranking_order(imp, 0).tolist() == [2, 4, 3, 5, 1, 0]
     assert ranking_order(imp, 10).tolist() == list(range(6))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("q_start,t_q", [(0, 40), (24, 16), (40, 8), (0, 10)])
+def test_add_range_equals_add_layer(fused, q_start, t_q):
+    """add_range (host-known chunk positions, no device read-back) gives add_layer's sums bit
+    for bit, window cut included (a chunk before the window adds nothing)."""
+    torch.manual_seed(0)
+    n, hq, hkv, d = 48, 8, 2, 16
+    t = q_start + t_q
+    q, k = torch.randn(t_q, hq, d), torch.randn(t, hkv, d)
+    a = ImportanceAccumulator(n, window=12, fused_heads=fused)
+    b = ImportanceAccumulator(n, window=12, fused_heads=fused)
+    a.add_layer(q, k, q_positions=torch.arange(q_start, t))
+    b.add_range(q, k, q_start)
+    assert a.num_rows == b.num_rows
+    assert torch.equal(a._mass, b._mass)
+    assert b.has_data == (t > n - 12)
+    if b.has_data:
+        with pytest.raises(ValueError):
+            b.add_range(q, k[:-1], q_start)  # a query without its key

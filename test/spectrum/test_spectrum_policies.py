@@ -194,3 +194,21 @@ def test_sortedness_checker_detects_violation():
     assert is_importance_sorted(torch.tensor([1.0, 1.0]), torch.tensor([2, 0]))   # ties: any order
     assert is_importance_sorted(imp, torch.tensor([2, 0, 1]), num_sink=1)
     assert DEFAULT_DELTA == tuple(sorted(DEFAULT_DELTA))
+
+
+@pytest.mark.parametrize("budget", [0.05, 0.3, 0.5, 0.77, 1.0])
+@pytest.mark.parametrize("n,sinks,int4", [(1, 0, True), (37, 4, True), (512, 4, False), (2048, 64, True)])
+def test_byte_budget_search_on_counts_equals_the_search_on_assignments(budget, n, sinks, int4, monkeypatch):
+    """The greedy policy's byte-budget search tests each budget on its tier counts (no
+    assignment built): the same tiers and cost budget as building every assignment."""
+    from sgl_kvxfer.spectrum.budget import KVLayout
+    from sgl_kvxfer.spectrum.byte_budget import fit_byte_budget
+    from sgl_kvxfer.spectrum.policies import create_tier_policy
+
+    layout = KVLayout(32, 8, 128, 32, page_size=64)
+    policy = create_tier_policy("greedy", layout=layout, budget=budget)
+    imp = torch.rand(n, generator=torch.Generator().manual_seed(n))
+    fast, b_fast = fit_byte_budget(policy, imp, budget, layout, sinks, int4)
+    monkeypatch.setattr(type(policy), "counts_for", lambda self, *a, **k: None)
+    slow, b_slow = fit_byte_budget(policy, imp, budget, layout, sinks, int4)
+    assert b_fast == b_slow and torch.equal(fast, slow)

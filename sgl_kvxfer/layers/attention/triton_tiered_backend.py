@@ -139,10 +139,14 @@ class TritonTieredAttentionBackend(AttentionBackend):
         if observer is not None:  # importance capture: (window queries, every key) of its requests
             start = 0
             wanted = getattr(observer, "requests", None)
+            # each request's key route is worked out once per forward (one host copy of its row),
+            # so the per-layer key gathers below run no host sync
+            routes = batch.extras.setdefault("attn_observer_routes", {})
             for i, (prefix, n) in enumerate(zip(batch.extend_prefix_lens, batch.extend_seq_lens)):
                 if wanted is None or i in wanted:
-                    row = batch.req_to_token[batch.req_pool_indices[i], :prefix + n]
-                    keys, _ = self.kv_pool.get_kv(layer_id, row)
+                    if i not in routes:
+                        routes[i] = self.kv_pool.route(batch.req_to_token[batch.req_pool_indices[i], :prefix + n])
+                    keys = self.kv_pool.get_k_routed(layer_id, routes[i])
                     observer(layer_id, i, q[start:start + n], keys)
                 start += n
         return out

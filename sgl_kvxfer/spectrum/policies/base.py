@@ -38,6 +38,12 @@ class TierPolicy(ABC):
                int4_allowed: bool = True, rng_seed: int = 0) -> torch.Tensor:
         """importance [n] (>= 0, larger = keep sharper) -> int8 tier ids [n]. See module contract."""
 
+    def counts_for(self, n: int, budget: float, num_sink: int = 0, int4_allowed: bool = True) -> "TierCounts | None":
+        """The tokens per tier `assign` gives n tokens at `budget`, when they depend on nothing
+        else (not on the scores); None otherwise. Lets the byte-budget search (byte_budget.py)
+        test a budget without building an assignment."""
+        return None
+
     def sink_count(self, num_sink: int) -> int:
         """Sinks this policy is asked to pin for a caller's num_sink (before budget clamping)."""
         return num_sink

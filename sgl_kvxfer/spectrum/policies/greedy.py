@@ -20,3 +20,6 @@ class GreedyTierPolicy(TierPolicy):
         imp = check_inputs(importance, budget, num_sink)
         counts = tier_counts(budget, imp.numel(), num_sink, int4_allowed)
         return fill_by_order(ranking_order(imp, counts.num_sink), counts)
+
+    def counts_for(self, n: int, budget: float, num_sink: int = 0, int4_allowed: bool = True):
+        return tier_counts(budget, n, num_sink, int4_allowed)  # = assign's counts, whatever the scores
