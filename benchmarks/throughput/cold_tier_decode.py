@@ -17,6 +17,12 @@ and reports each mode's fastest step, the per-repeat spread, and the slowdown of
 against `off` (fastest over fastest, and the median of the per-repeat ratios), with the cold
 tier's counters over the timed calls.
 
+The JSON is written after every phase (engine start, prefill, warm-up) and every repeat, so a run
+cut short (SIGINT from a stage's `timeout -s INT`, or a crash) leaves what it measured: `phases`
+(seconds per phase), `reached` (the phase it was in), `partial`. `--time-budget-s` starts each
+repeat after the first only when the last repeat's time still fits in the budget (counted from
+the script's start); otherwise the run ends there with `stopped: time budget`.
+
     python benchmarks/throughput/cold_tier_decode.py --preset llama-3-8b --context 16384 --batch 8 \\
         --kv-tier-budget 0.2                                                           # GPU
     python benchmarks/throughput/cold_tier_decode.py --preset tiny --context 128 --batch 2 --n1 2 --n2 10 \\
@@ -25,6 +31,7 @@ tier's counters over the timed calls.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import random
 import signal
@@ -74,14 +81,20 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--out-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="start a repeat after the first only if the last one's time still fits in this many seconds "
+                        "from the start")
     args = p.parse_args(argv)
     if not 0 < args.kv_tier_budget < 1 or args.n2 <= args.n1 or args.repeats < 1 or min(args.intervals) < 1:
         p.error("--kv-tier-budget in (0, 1), --n2 > --n1, --repeats >= 1, --intervals >= 1")
     for t in (args.kv_promote_threshold, args.forced_threshold):
         if t is not None and not 0 < t <= 1:
             p.error("thresholds must be in (0, 1]")
+    if args.time_budget_s is not None and not 0 < args.time_budget_s < float("inf"):
+        p.error("--time-budget-s must be a positive finite number")
     triton_interpreter_for(args.device)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # `timeout -s INT`: keep what ran
+    t_start = time.time()
 
     from sgl_kvxfer import Engine
     from sgl_kvxfer.models.arch_config import ModelArchConfig
@@ -96,9 +109,22 @@ def main(argv: list[str] | None = None) -> str:
     plan["weight_bytes"] = weight_bytes_resident(arch, dtype)
     name = f"cold_tier_decode_{args.preset}_{device.split(' (')[0].replace(' ', '_')}"
     result = {"benchmark": "cold_tier_decode", "device": device, "commit": git_commit(), "torch": torch.__version__,
-              "params": vars(args), "pool_plan": plan, "modes": {}, "partial": True}
+              "params": vars(args), "pool_plan": plan, "modes": {}, "partial": True, "phases": {},
+              "reached": "engine start"}
+    steps = {m: [] for m in modes}
+    counters = {m: dict.fromkeys(COUNTERS, 0) for m in modes}
+
+    def save(phase: str | None = None, seconds: float | None = None) -> str:
+        """Record a finished phase, summarize the repeats so far and rewrite the JSON."""
+        if phase is not None:
+            result["phases"][phase] = seconds
+            print(f"{phase}: {seconds:.1f} s (at {time.time() - t_start:.1f} s)", flush=True)
+        summarize(result, steps, counters, modes, args)
+        return write_json(name, result, args.out_dir)
+
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, preset["vocab_size"]) for _ in range(args.context)] for _ in range(args.batch)]
+    path = save()
     with tempfile.TemporaryDirectory(prefix="cold_tier_decode_") as model_dir:
         write_preset_config(args.preset, model_dir)
         write_dummy_tokenizer(model_dir, preset["vocab_size"])
@@ -109,39 +135,70 @@ def main(argv: list[str] | None = None) -> str:
                   # host copies of the int4 tokens: at b = 0.2 (0.3) 71% (92%) of the context; the
                   # store rounds its pinned buffers up to a power of two and uses all of it
                   kv_cold_tier_tokens=args.batch * args.context * 3 // 4)
-        t0 = time.time()
-        engine = Engine(model_dir, **kw)
+        result["engine_kwargs"] = kw
+        engine = None
         try:
-            result.update(engine_kwargs=kw, engine_start_s=time.time() - t0)
+            t0 = time.time()
+            engine = Engine(model_dir, **kw)
+            result["engine_start_s"] = time.time() - t0
+            path = save("engine_start_s", result["engine_start_s"])
+            result["reached"] = "prefill"
             cold = engine.scheduler.tiering.cold
             set_mode(cold, "off", args)
             result["prefill_s"] = timed_generate(engine, prompts, 1)[0]
+            path = save("prefill_s", result["prefill_s"])
+            result["reached"] = "warm-up"
+            t0 = time.time()
             for mode in modes:  # warm-up: JIT, plans, the first landing of anything
                 set_mode(cold, mode, args)
                 timed_generate(engine, prompts, args.n1)
-            steps = {m: [] for m in modes}
-            counters = {m: dict.fromkeys(COUNTERS, 0) for m in modes}
-            try:
-                for _ in range(args.repeats):
-                    for mode in modes:
-                        set_mode(cold, mode, args)
-                        before = dict(cold.stats)
-                        t1 = timed_generate(engine, prompts, args.n1)[0]
-                        t2 = timed_generate(engine, prompts, args.n2)[0]
-                        steps[mode].append((t2 - t1) / (args.n2 - args.n1))
-                        for k in COUNTERS:
-                            counters[mode][k] += cold.stats[k] - before[k]
+            warmup_s = time.time() - t0
+            path = save("warmup_s", warmup_s)
+            result["reached"] = "repeats"
+            last = 0.0  # seconds of the last repeat
+            for rep in range(args.repeats):
+                if rep and args.time_budget_s is not None and time.time() - t_start + last > args.time_budget_s:
+                    result["stopped"] = "time budget"
+                    print(f"time budget: stopping after {rep} of {args.repeats} repeats", flush=True)
+                    break
+                t0 = time.time()
+                for mode in modes:
+                    set_mode(cold, mode, args)
+                    before = dict(cold.stats)
+                    t1 = timed_generate(engine, prompts, args.n1)[0]
+                    t2 = timed_generate(engine, prompts, args.n2)[0]
+                    steps[mode].append((t2 - t1) / (args.n2 - args.n1))
+                    for k in COUNTERS:
+                        counters[mode][k] += cold.stats[k] - before[k]
+                last = time.time() - t0
+                path = save(f"repeat_{rep}_s", last)
+            else:
                 result["partial"] = False
-            except KeyboardInterrupt:
-                print("interrupted: writing the repeats measured so far", flush=True)
             info = engine.get_server_info()
             result["server_info_cold_tier"] = info["extra"].get("kv_cold_tier")
             result["kv_bytes_per_token"] = info["kv_bytes_per_token"]
             result["kv_full_bytes_per_token"] = info["extra"].get("kv_full_bytes_per_token")
+            result["reached"] = "done"
+        except KeyboardInterrupt:
+            print(f"interrupted in {result['reached']}: writing what was measured", flush=True)
         finally:
-            engine.shutdown()
+            # written before the shutdown: a shutdown cut into by the interrupt may not return cleanly
+            path = save()
+            if engine is not None:
+                engine.shutdown()
+    for mode, row in result["modes"].items():
+        print(f"{mode:8s} step {1e3 * row['step_s_min']:.2f} ms (median {1e3 * row['step_s_median']:.2f}, "
+              f"max {1e3 * row['step_s_max']:.2f}) {row.get('slowdown_min_over_min', 0.0):+.2%} vs off; "
+              f"{row['counters']}", flush=True)
+    print("wrote", path)
+    return path
+
+
+def summarize(result: dict, steps: dict, counters: dict, modes: list[str], args) -> None:
+    """result["modes"] from the repeats every mode has finished (a cut repeat counts for none)."""
     n = min(len(v) for v in steps.values()) if steps else 0
     base = steps.get("off", [])[:n]
+    result["modes"] = {}
     for mode in modes:
         s = steps[mode][:n]
         if not s:
@@ -153,12 +210,8 @@ def main(argv: list[str] | None = None) -> str:
             row.update(slowdown_min_over_min=min(s) / min(base) - 1, slowdown_ratios=ratios,
                        slowdown_median_of_ratios=statistics.median(ratios))
         result["modes"][mode] = row
-        print(f"{mode:8s} step {1e3 * min(s):.2f} ms (median {1e3 * statistics.median(s):.2f}, max {1e3 * max(s):.2f}) "
-              f"{row.get('slowdown_min_over_min', 0.0):+.2%} vs off; {counters[mode]}", flush=True)
-    path = write_json(name, result, args.out_dir)
-    print("wrote", path)
-    return path
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a native crash (e.g. in a shutdown after an interrupt) shows its stack
     main()

@@ -384,6 +384,51 @@ def test_cold_tier_decode(tmp_path):
     assert data["modes"]["on@1"]["counters"]["scoring_passes"] > 0
     assert data["modes"]["forced"]["counters"]["promoted_tokens"] > 0  # dummy weights: a low bar fires
     assert "slowdown_min_over_min" in data["modes"]["on@1"]
+    assert set(data["phases"]) == {"engine_start_s", "prefill_s", "warmup_s", "repeat_0_s"}
+    assert data["reached"] == "done" and "stopped" not in data
+
+
+def test_cold_tier_decode_time_budget(tmp_path):
+    """A budget the first repeat already overruns: that repeat is kept, the rest not started."""
+    out = run_bench("throughput/cold_tier_decode.py", ["--preset", "tiny", "--context", "64", "--batch", "2",
+                                                        "--n1", "1", "--n2", "3", "--repeats", "3", "--device", "cpu",
+                                                        "--backend", "torch", "--intervals", "1",
+                                                        "--time-budget-s", "0.001"], tmp_path)
+    data = result(out, "cold_tier_decode_tiny", ("modes", "phases"), png=False)
+    assert data["partial"] and data["stopped"] == "time budget" and data["reached"] == "done"
+    assert set(data["modes"]) == {"off", "on@1"} and all(r["repeats"] == 1 for r in data["modes"].values())
+
+
+def test_cold_tier_decode_interrupted_keeps_the_phases(tmp_path, monkeypatch, capsys):
+    """A SIGINT (the stage's `timeout -s INT`) in the warm-up, before any repeat: the script returns
+    with a JSON holding the phases it finished (engine start, prefill), marked partial."""
+    spec = importlib.util.spec_from_file_location(
+        "cold_tier_decode_under_test", os.path.join(ROOT, "benchmarks", "throughput", "cold_tier_decode.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    real = bench.timed_generate
+    calls = []
+
+    def timed_generate(engine, prompts, n):
+        calls.append(n)
+        if len(calls) == 2:  # the first warm-up call; the prefill (n = 1) has finished
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises KeyboardInterrupt here, at the next bytecode
+            raise AssertionError("SIGINT was not delivered")
+        return real(engine, prompts, n)
+
+    monkeypatch.setattr(bench, "timed_generate", timed_generate)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        path = bench.main(["--preset", "tiny", "--context", "64", "--batch", "2", "--n1", "1", "--n2", "3",
+                           "--device", "cpu", "--backend", "torch", "--intervals", "1", "--out-dir",
+                           str(tmp_path / "out")])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert "interrupted in warm-up" in capsys.readouterr().out
+    data = json.load(open(path))
+    assert data["partial"] and data["reached"] == "warm-up" and data["modes"] == {}
+    assert set(data["phases"]) == {"engine_start_s", "prefill_s"} and data["prefill_s"] > 0
 
 
 @pytest.mark.slow
