@@ -135,8 +135,13 @@ DEFAULT_CONFIG = TieredDecodeConfig()
 INTERPRET_CONFIG = TieredDecodeConfig(tile16=16, tile8=16, tile4=16, stages16=1, stages8=1, stages4=1)
 # The served defaults per (head_dim, q heads per kv head). Chosen by the same-run sweep of
 # benchmarks/kernels/attention.py (its JSON "sweep.best" lists the winner per shape, ready to paste
-# here); a shape not listed takes DEFAULT_CONFIG.
-SERVED_CONFIGS: dict[tuple[int, int], TieredDecodeConfig] = {}
+# here); a shape not listed takes DEFAULT_CONFIG. The sweep timed these at 256-token int pages
+# (--kv-tier-page-size 256); the knobs are page-size independent (the kernels walk PAGE < tile
+# several pages a step), the timings are not.
+SERVED_CONFIGS: dict[tuple[int, int], TieredDecodeConfig] = {
+    (64, 3): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, warps16=4, split_waves=3),  # SmolLM2
+    (128, 4): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, min_steps=8),  # Llama-3-8B
+}
 
 
 def served_config(head_dim: int, kv_group: int, override: Optional[str] = None) -> TieredDecodeConfig:

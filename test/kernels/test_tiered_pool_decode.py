@@ -11,7 +11,7 @@ import torch
 from sgl_kvxfer.kernels.testing import TIER_ATOL, build_random_cache, build_random_paged_cache, exact_attention
 from sgl_kvxfer.kernels.tiered_pool_decode import (
     DEFAULT_CONFIG, INTERPRET_CONFIG, TieredDecodeConfig, TieredDecodePlan, plan_tiered_pool_decode,
-    qk_int8_rounded_q, served_config, tiered_pool_decode, tiered_pool_decode_reference, with_config,
+    SERVED_CONFIGS, qk_int8_rounded_q, served_config, tiered_pool_decode, tiered_pool_decode_reference, with_config,
 )
 
 GPU = torch.cuda.is_available()
@@ -221,7 +221,8 @@ def test_served_config_override(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert served_config(128, 4, '{"tile8": 128, "qk_int8": true}') == with_config(DEFAULT_CONFIG, tile8=128,
                                                                                    qk_int8=True)
-    assert served_config(128, 4) == DEFAULT_CONFIG
+    assert served_config(128, 4) == SERVED_CONFIGS[(128, 4)] != DEFAULT_CONFIG
+    assert served_config(96, 5) == DEFAULT_CONFIG  # a shape the sweep did not choose for
     for bad in ("[1]", '{"tile8": 100}', '{"nope": 1}', "{"):
         with pytest.raises((TypeError, ValueError)):
             served_config(128, 4, bad)
