@@ -14,7 +14,8 @@ What travels, by `--kv-tier-budget` b and `--kv-transfer-stream`:
     b = 1.0            every chunk streams at the model dtype as it finishes (the rest with the
                        last chunk): the transfer overlaps the next chunk's compute
     b < 1, "end"       nothing until the prompt is done; then the tiers SpectrumKV assigned
-                       (the pool holds them already) go out as stored codes
+                       (the pool holds them already) go out as stored codes, one segment per
+                       chunk (the first write waits for one chunk's pack, not the prompt's)
     b < 1, "int8"      chunks stream at int8; at the end a replacing segment sends the tokens
                        whose final tier is not int8 (fp16 upgrades, int4 codes, drops), so the
                        decode ends with exactly the codes of the "end" variant
@@ -114,6 +115,7 @@ class PrefillRoom:
     trace: PhaseTrace | None = None  # --enable-pd-trace
     stream: str = "end"  # --kv-transfer-stream when its request arrived
     launched: dict = field(default_factory=dict)  # chunk end -> time.time() that chunk was launched
+    chunk_ends: list = field(default_factory=list)  # tiered "end": where its stored range is cut
     forward_end: float = 0.0  # time.time() its last chunk's forward ended
 
 
@@ -223,7 +225,10 @@ class PrefillRole(PDRole):
 
     def on_chunk(self, req, start: int, end: int) -> None:
         room = self._room_of(req)
-        if room is None or room.error or (self.tiered and room.stream == "end"):
+        if room is None or room.error:
+            return
+        if self.tiered and room.stream == "end":  # nothing leaves before the final tiers exist
+            room.chunk_ends.append(end)
             return
         # from `streamed`, not `start`: a prompt whose head came from the prefix cache has its
         # first chunk start past 0, and the decode needs those cached positions too
@@ -256,7 +261,10 @@ class PrefillRole(PDRole):
         if self.tiered and room.stream == "int8" and room.streamed:
             room.pending.append(_Range(0, room.streamed, "replace"))
         if room.streamed < n:
-            room.pending.append(_Range(room.streamed, n, "stored"))
+            # one segment per prefill chunk ("end" at b < 1 too): the first write starts after one
+            # chunk's pack, not the whole prompt's, and the decode unpacks each as it lands
+            bounds = [room.streamed, *(e for e in room.chunk_ends if room.streamed < e < n), n]
+            room.pending.extend(_Range(a, b, "stored") for a, b in zip(bounds, bounds[1:]))
             room.streamed = n
         room.prompt_done, room.prompt_done_at = True, time.monotonic()
         if room.state == KVPoll.BOOTSTRAPPING and room.claim is not None:
