@@ -97,11 +97,12 @@ class EngineConfig:
     # layers by the sensitivity in kv_layer_profile (JSON of spectrum_calib.layer_profile).
     kv_layer_budget: str = "uniform"
     kv_layer_profile: str | None = None
-    # Cold tier (scheduler/cold_tier.py): int4 tokens keep an fp16 copy in host memory and come
-    # back to fp16 when a decode query's attention on them reaches kv_promote_threshold (one head's
-    # probability), scored every kv_promote_interval steps on kv_promote_layers layers (the most
-    # int4-sensitive of kv_layer_profile when given, spectrum/query_taps.py), with
-    # kv_promote_radius neighbours each side; kv_cold_tier_tokens host copies (0: the pool's size).
+    # Cold tier (scheduler/cold_tier.py): int4 and dropped tokens keep an fp16 copy in host memory;
+    # int4 ones come back to fp16 when a decode query's attention on them reaches
+    # kv_promote_threshold (one head's probability), scored every kv_promote_interval steps on
+    # kv_promote_layers layers (the most int4-sensitive of kv_layer_profile when given,
+    # spectrum/query_taps.py), with the int4 and dropped tokens within kv_promote_radius each side;
+    # kv_cold_tier_tokens host copies (0: the pool's size).
     kv_cold_tier: bool = False
     kv_promote_threshold: float = 0.02
     kv_promote_interval: int = 16

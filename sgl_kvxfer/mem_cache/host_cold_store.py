@@ -1,4 +1,4 @@
-"""HostColdStore: fp16 copies, in host memory, of the tokens a TieredKVPool holds at int4.
+"""HostColdStore: fp16 copies, in host memory, of the tokens a TieredKVPool holds at int4 or dropped.
 
 The cold tier (scheduler/cold_tier.py) brings an int4 token back to full precision when decode
 attends to it; the exact values it needs live here, captured when the token was demoted:
@@ -13,6 +13,9 @@ Hooks (TieredKVPool.move, TieredSlotAllocator.free call them; the scheduler thre
                                       layer (device -> host, non_blocking), one event at the end;
                                       int4 -> int4 relocations share the source's row
     release(int4 ids)                 the ids are free: their rows lose a holder
+Dropped tokens (TIER_DROP: slot 0 in the row, no id) are copied by the cold tier itself, just
+before their fp16 ids are freed: keep_dropped(fp16 ids) -> rows, owned by the request the cold
+tier keeps them for, given back with free_rows when that request releases its row.
 NOTE: a copy is readable on the host only once `ready()` (its device -> host event completed);
 the cold tier defers a promotion until then instead of waiting.
 """
@@ -49,7 +52,8 @@ class HostColdStore:
         self.ref = torch.zeros(capacity, dtype=torch.int32)
         self._rows = LazyFreeList(0, capacity - 1, "cpu")
         self._event = None
-        self.stats = {"host_copies": 0, "host_bytes_d2h": 0, "host_full_skips": 0}
+        self.stats = {"host_copies": 0, "host_bytes_d2h": 0, "host_full_skips": 0, "dropped_copies": 0,
+                      "dropped_bytes_d2h": 0}
         # the int4 store is allocated once with the pool: its ids never change meaning
         self.base = int4_base
         self.row_of = torch.full((int4_slots,), -1, dtype=torch.int64)
@@ -121,6 +125,43 @@ class HostColdStore:
             self.ref.index_add_(0, rows, torch.full_like(rows, -1, dtype=torch.int32))
             gone = rows.unique()
             self._rows.give(gone[self.ref[gone] == 0])
+
+    # ------------------------------------------------------------------ dropped tokens
+    def keep_dropped(self, k16: list[torch.Tensor], v16: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+        """Copy fp16 ids `ids` (about to be dropped: the caller frees them after this call, on the
+        same stream) of every layer into fresh host rows; -> the rows (CPU int64, one per id, -1
+        where the store was full). The rows belong to the caller until `free_rows`: a dropped
+        token has no id, so nothing else holds them."""
+        n = ids.numel()
+        out = torch.full((n,), -1, dtype=torch.int64)
+        got = min(n, self._rows.available())
+        self.stats["host_full_skips"] += n - got
+        if not got:
+            return out
+        rows = self._rows.take(got)
+        self.ref[rows] = 1
+        out[:got] = rows
+        src = ids.reshape(-1)[:got].to(k16[0].device)
+        runs = _runs(rows)
+        for layer in range(len(k16)):  # the pool's stored layers (as `capture` sees them)
+            kk, vv = k16[layer].index_select(0, src), v16[layer].index_select(0, src)
+            for at, row0, count in runs:
+                self.k_host[layer][row0:row0 + count].copy_(kk[at:at + count], non_blocking=self.pinned)
+                self.v_host[layer][row0:row0 + count].copy_(vv[at:at + count], non_blocking=self.pinned)
+        self.stats["dropped_copies"] += got
+        self.stats["dropped_bytes_d2h"] += 2 * len(self.k_host) * got * self.k_host[0][0].numel() * \
+            self.k_host[0].element_size()
+        if self.pinned:
+            self._event = torch.cuda.Event()
+            self._event.record()
+        return out
+
+    def free_rows(self, rows: torch.Tensor) -> None:
+        """Give back rows `keep_dropped` handed out (-1 entries skipped)."""
+        rows = rows[rows >= 0]
+        if rows.numel():
+            self.ref[rows] = 0
+            self._rows.give(rows)
 
     # ------------------------------------------------------------------ promotion reads
     def gather(self, rows: torch.Tensor, out_k: list[torch.Tensor], out_v: list[torch.Tensor]) -> None:

@@ -1,34 +1,45 @@
-"""The cold tier (`--kv-cold-tier`): int4 tokens that decode attends to come back to fp16.
+"""The cold tier (`--kv-cold-tier`): int4 and dropped tokens that decode attends near come back to fp16.
 
 When tiering demotes a token to int4, the pool's HostColdStore keeps its exact fp16 K/V in host
-memory (mem_cache/host_cold_store.py). During decode, every `kv_promote_interval` steps:
+memory (mem_cache/host_cold_store.py), as long as the int4 id lives. When it drops a token
+(slot 0 in the row, no id), `keep_dropped` copies the token's fp16 K/V into a host row first;
+that row belongs to the request (`_ReqState.dropped`: position -> row) until release_request.
+During decode, every `kv_promote_interval` steps:
 
     score    the query the attention backend tapped in `kv_promote_layers` layers (q of the step
              just run, rows [0, B)) against the keys of each request's row (int tiers
              dequantized): mass[j] = max over probed layers and heads of p(j) (spectrum/decode_mass.py)
-    pick     int4 positions with a host copy whose mass >= kv_promote_threshold, and the eligible
-             positions within kv_promote_radius of them
+    pick     hits: int4 positions with a host copy whose mass >= kv_promote_threshold; then every
+             eligible position within kv_promote_radius of a hit: int4 ones with a host copy, and
+             dropped ones with a host copy (they have no key on the device, so they are never
+             scored: only a neighbouring hit brings them back)
     issue    fresh fp16 slots; host rows gathered into pinned staging; on CUDA a side stream copies
              them to the device and writes the fp16 store, then records an event
     land     before the next decode forward (or any later hook) that finds the event done, the
              request's row is rewritten to the new slots (never waits: a copy not done stays pending)
 
+A landed dropped position's row entry goes from 0 to an fp16 slot: the attention backends mask
+slot 0 per forward from the row, so it is attended from the next step on.
+
 Rows and ownership. The request keeps BORROWING the slots it was given (radix-cache prompt tokens,
 its own demoted tokens); a promotion points its row at slots it OWNS instead:
 
-    row[pos]:  original slot (borrowed)  ->  promoted fp16 slot (owned)
+    row[pos]:  original slot (borrowed, or 0 if dropped)  ->  promoted fp16 slot (owned)
     the row's other tokens of an int page it now sees with a hole  ->  owned copies on fresh pages
                                          (codes bit for bit, so the prefix-fill invariant of
                                          mem_cache/README.md section 7 keeps holding for the row)
 
 `release_request` (the scheduler calls it before the request's KV is cached or freed) frees every
 owned slot and writes the original slots back, so the radix cache and the allocator see exactly
-the row they handed out: a promotion is private to one request and lasts as long as it does.
-Only the scheduler thread touches this state.
+the row they handed out (slot 0 where a token was dropped): a promotion is private to one
+request and lasts as long as it does. It frees the request's dropped-token host rows too; those
+of a request collected without release_request are queued by a weakref finalizer and freed at
+the next hook. Only the scheduler thread touches this state.
 """
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from weakref import WeakKeyDictionary
 
@@ -37,7 +48,7 @@ import torch
 from sgl_kvxfer.mem_cache.host_cold_store import HostColdStore
 from sgl_kvxfer.spectrum.decode_mass import expand_hits, head_max_mass
 from sgl_kvxfer.spectrum.query_taps import install_query_taps, probe_layers
-from sgl_kvxfer.spectrum.tiers import TIER_FP16, TIER_INT4, TIER_INT8
+from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +68,8 @@ class _ReqState:
     original: dict = field(default_factory=dict)  # position -> the slot the request was given
     owned: set = field(default_factory=set)       # slots this module allocated, referenced by the row
     promoted: set = field(default_factory=set)    # positions promoted (or in flight)
+    dropped: dict = field(default_factory=dict)   # dropped position -> its host row (owned by this request)
+    finalizer: object = None                      # frees `dropped` if the request vanishes unreleased
 
 
 class ColdTier:
@@ -79,10 +92,11 @@ class ColdTier:
         self.states: WeakKeyDictionary = WeakKeyDictionary()
         self.decode_steps: WeakKeyDictionary = WeakKeyDictionary()  # req -> decode steps seen
         self.pending: list[_Pending] = []
+        self._orphans: list[dict] = []  # `dropped` maps of requests collected without release_request
         self.enabled = True  # False: no scoring (benchmarks compare on one engine; copies still kept)
         self.stats = {"scoring_passes": 0, "scored_tokens": 0, "promotions": 0, "promoted_tokens": 0,
                       "promoted_bytes_h2d": 0, "repacked_tokens": 0, "deferred": 0, "no_room": 0, "cancelled": 0,
-                      "landed": 0, "stale": 0}
+                      "landed": 0, "stale": 0, "restored_dropped": 0, "restored_dropped_bytes_h2d": 0}
 
     def set_probe_layers(self, layers: list[int]) -> None:
         """Tap the decode queries of `layers` (replaces the taps). Only where no CUDA graph was
@@ -97,10 +111,43 @@ class ColdTier:
                                        pool.device)
         self.layers = sorted(layers)
 
+    # ------------------------------------------------------------------ dropped tokens
+    def keep_dropped(self, req, start: int, slots: torch.Tensor, tiers: torch.Tensor) -> None:
+        """Before `slots` (row positions [start, start + len), position order) are re-tiered to
+        `tiers`: the fp16 tokens about to be dropped get host copies of their exact K/V, owned by
+        `req` until release_request. Call it before the retier that frees their ids."""
+        slots = slots.reshape(-1).cpu()
+        drop = (self.pool.tier_of(slots) == TIER_FP16) & (tiers.reshape(-1).cpu() == TIER_DROP)
+        if not bool(drop.any()):
+            return
+        idx = drop.nonzero().squeeze(1)
+        rows = self.store.keep_dropped(self.pool.k16, self.pool.v16, slots[idx])
+        ok = rows >= 0
+        if not bool(ok.any()):
+            return
+        state = self._state(req)
+        state.dropped.update(zip((idx[ok] + start).tolist(), rows[ok].tolist()))
+
+    def _state(self, req) -> _ReqState:
+        state = self.states.get(req)
+        if state is None:
+            state = self.states[req] = _ReqState()
+            # NOTE: the callback only queues the map (GC may run it anywhere); the scheduler
+            # thread frees its rows at its next hook
+            state.finalizer = weakref.finalize(req, self._orphans.append, state.dropped)
+        return state
+
+    def _free_orphans(self) -> None:
+        while self._orphans:
+            rows = self._orphans.pop()
+            if rows:
+                self.store.free_rows(torch.tensor(list(rows.values()), dtype=torch.int64))
+
     # ------------------------------------------------------------------ the decode hook
     def on_decode(self, batch) -> None:
         """After a decode step: land finished copies, score the requests due (their first decode
         step, then every `interval`), land what is already there (CPU: all of it)."""
+        self._free_orphans()
         self._land()
         if not self.enabled:
             return
@@ -126,10 +173,18 @@ class ColdTier:
             if bool(cand.any()):
                 idx = cand.nonzero().squeeze(1)
                 cand[idx[self.store.rows_for(slots[idx]) < 0]] = False
+            # dropped positions with a host copy: no key to score, eligible next to a hit
+            near = torch.zeros_like(cand)
+            if state is not None and state.dropped:
+                at = torch.tensor(sorted(state.dropped), dtype=torch.int64)
+                at = at[at < slots.numel()]
+                near[at[slots[at] == 0]] = True
             if state is not None and state.promoted:
-                cand[torch.tensor(sorted(state.promoted), dtype=torch.int64)] = False
+                done = torch.tensor(sorted(state.promoted), dtype=torch.int64)
+                cand[done] = False
+                near[done] = False
             if bool(cand.any()):
-                work.append((i, req, slots, cand))
+                work.append((i, req, slots, cand, near))
         if not work:
             return
         self.stats["scoring_passes"] += 1
@@ -138,14 +193,14 @@ class ColdTier:
         for layer in self.layers:
             keys = pool.get_k_routed(layer, route)
             at = 0
-            for m, (i, _, slots, _) in zip(mass, work):
+            for m, (i, _, slots, _, _) in zip(mass, work):
                 n = slots.numel()
                 valid = (slots != 0).to(pool.device)
                 torch.maximum(m, head_max_mass(self.taps[layer][i], keys[at:at + n], self.scale, valid), out=m)
                 at += n
-        for m, (_, req, slots, cand) in zip(mass, work):
+        for m, (_, req, slots, cand, near) in zip(mass, work):
             self.stats["scored_tokens"] += int(cand.sum())
-            pick = expand_hits((m.cpu() >= self.threshold) & cand, cand, self.radius)
+            pick = expand_hits((m.cpu() >= self.threshold) & cand, cand | near, self.radius)
             if bool(pick.any()):
                 positions = pick.nonzero().squeeze(1)
                 self._issue(req, positions, slots[positions])
@@ -164,7 +219,13 @@ class ColdTier:
             return
         new = new.cpu()
         pool, pin = self.pool, self.cuda
-        rows = self.store.rows_for(old)
+        state = self._state(req)
+        dropped = old == 0  # their rows are the request's (keep_dropped), the rest the int4 ids'
+        rows = torch.empty(m, dtype=torch.int64)
+        if bool((~dropped).any()):
+            rows[~dropped] = self.store.rows_for(old[~dropped])
+        if bool(dropped.any()):
+            rows[dropped] = torch.tensor([state.dropped[p] for p in positions[dropped].tolist()], dtype=torch.int64)
         shape = (m, pool.num_kv_heads, pool.head_dim)
         stage_k = [torch.empty(shape, dtype=pool.dtype, pin_memory=pin) for _ in range(pool.num_layers)]
         stage_v = [torch.empty(shape, dtype=pool.dtype, pin_memory=pin) for _ in range(pool.num_layers)]
@@ -184,13 +245,15 @@ class ColdTier:
         else:
             for layer in range(pool.num_layers):
                 pool.set_kv_fp16(layer, new, stage_k[layer], stage_v[layer])
-        state = self.states.setdefault(req, _ReqState())
         state.promoted.update(positions.tolist())
         self.pending.append(_Pending(req, positions, old, new, event, keep))
+        token_bytes = 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * stage_k[0].element_size()
+        n_drop = int(dropped.sum())
         self.stats["promotions"] += 1
         self.stats["promoted_tokens"] += m
-        self.stats["promoted_bytes_h2d"] += 2 * pool.num_layers * m * pool.num_kv_heads * pool.head_dim * \
-            stage_k[0].element_size()
+        self.stats["promoted_bytes_h2d"] += m * token_bytes
+        self.stats["restored_dropped"] += n_drop
+        self.stats["restored_dropped_bytes_h2d"] += n_drop * token_bytes
 
     def land(self) -> None:
         """Apply every promotion whose copy has completed (never waits). The scheduler calls it
@@ -295,6 +358,11 @@ class ColdTier:
         self.pending = keep
         self.decode_steps.pop(req, None)  # a retracted request starts over when it is re-admitted
         state = self.states.pop(req, None)
+        if state is not None:  # the dropped tokens' host copies die with the row
+            state.finalizer.detach()
+            if state.dropped:
+                self.store.free_rows(torch.tensor(list(state.dropped.values()), dtype=torch.int64))
+        self._free_orphans()
         if state is None or not state.original or req.req_pool_idx is None:
             return
         positions = torch.tensor(sorted(state.original), dtype=torch.int64)

@@ -291,6 +291,8 @@ class EngineTiering:
                 imp = imp / imp.sum()
             tiers = assign_tiers(self.policy, imp, st.budget, self.layout, st.unit, 0, st.int4_allowed,
                                  self.config.random_seed)
+            if self.cold is not None:  # copies of the tokens it drops, before their ids are freed
+                self.cold.keep_dropped(req, start, run_slots, tiers)
             parts.append((run_slots, tiers, self._live_tails(req)))
         results = self.allocator.retier_runs(parts, self._make_room)
         for (req, start, end), (run_slots, tiers, _), (new, got) in zip(runs, parts, results):
@@ -321,6 +323,8 @@ class EngineTiering:
         st = self.settings
         tiers = assign_tiers(self.policy, importance, st.budget, self.layout, st.unit, sinks, st.int4_allowed,
                              self.config.random_seed)
+        if self.cold is not None:  # copies of the tokens it drops, before their ids are freed
+            self.cold.keep_dropped(req, start, slots, tiers)
         new, got = self.allocator.retier(slots, tiers, self._make_room)
         self._record(req, start, slots, tiers, new, got)
 
