@@ -102,13 +102,15 @@ class EngineConfig:
     # kv_promote_threshold (one head's probability), scored every kv_promote_interval steps on
     # kv_promote_layers layers (the most int4-sensitive of kv_layer_profile when given,
     # spectrum/query_taps.py), with the int4 and dropped tokens within kv_promote_radius each side;
-    # kv_cold_tier_tokens host copies (0: the pool's size).
+    # kv_cold_tier_tokens host copies (0: the pool's size); kv_promote_drop_run > 0: a run of
+    # dropped tokens contiguous with the promoted ones comes back too, up to that many each side.
     kv_cold_tier: bool = False
     kv_promote_threshold: float = 0.02
     kv_promote_interval: int = 16
     kv_promote_layers: int = 2
     kv_promote_radius: int = 4
     kv_cold_tier_tokens: int = 0
+    kv_promote_drop_run: int = 0
     # A peft LoRA adapter dir merged into the weights at load (W += alpha/r * B @ A; models/lora.py):
     # serves base + adapter at base speed (SCD's specialists, sgl_kvxfer/scd/README.md).
     merge_lora: str | None = None
@@ -199,12 +201,13 @@ class EngineConfig:
             raise ValueError(f"kv_promote_threshold must be in (0, 1] (an attention probability), "
                              f"got {self.kv_promote_threshold}")
         for name, lo, hi in (("kv_promote_interval", 1, 1 << 20), ("kv_promote_layers", 1, 4096),
-                             ("kv_promote_radius", 0, 4096), ("kv_cold_tier_tokens", 0, 1 << 40)):
+                             ("kv_promote_radius", 0, 4096), ("kv_cold_tier_tokens", 0, 1 << 40),
+                             ("kv_promote_drop_run", 0, 4096)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
                 raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
         if self.kv_cold_tier and not self.tiering_enabled:
-            raise ValueError("--kv-cold-tier keeps host copies of int4 tokens: it needs --kv-tier-budget < 1")
+            raise ValueError("--kv-cold-tier keeps host copies of int4 and dropped tokens: it needs --kv-tier-budget < 1")
         custom = self.kv_layer_budget == "profile" or self.kv_tier_policy == "kivi"
         if custom and self.tiering_enabled and self.resolved_attention_backend != "torch":
             raise ValueError("--kv-layer-budget profile and --kv-tier-policy kivi store per-layer int formats the "

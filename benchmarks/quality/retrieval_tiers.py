@@ -211,7 +211,8 @@ class Run:
         if cold:
             kw.update(kv_cold_tier=True, kv_promote_threshold=args.cold_thresholds[0],
                       kv_promote_interval=args.promote_interval, kv_promote_radius=args.promote_radius,
-                      kv_promote_layers=args.promote_layers, kv_cold_tier_tokens=args.cold_tier_tokens)
+                      kv_promote_layers=args.promote_layers, kv_cold_tier_tokens=args.cold_tier_tokens,
+                      kv_promote_drop_run=args.promote_drop_run)
             if self.profile is not None:
                 kw["kv_layer_profile"] = self.profile
         self.tiered, self.key = Engine(args.model, **kw), key
@@ -244,6 +245,7 @@ class Run:
         stats = tier_stats(tiering.records, rids)
         stats["needle_tier"] = needle_tiers(tiering.records, trials, tag)
         delta = {k: manager.stats[k] - before[k] for k in ("promotions", "promoted_tokens", "promoted_bytes_h2d",
+                                                           "restored_dropped", "restored_dropped_bytes_h2d",
                                                            "scoring_passes", "landed", "deferred", "no_room")} \
             if cold else None
         return {"ok": ok, "texts": texts, **stats, "cold": delta, "int_formats": info.get("kv_int_formats"),
@@ -571,6 +573,8 @@ def main():
     ap.add_argument("--promote-interval", type=int, default=16)
     ap.add_argument("--promote-radius", type=int, default=4)
     ap.add_argument("--promote-layers", type=int, default=2)
+    ap.add_argument("--promote-drop-run", type=int, default=0,
+                    help="dropped tokens contiguous with a promotion that come back too, each side (0: radius only)")
     ap.add_argument("--cold-tier-tokens", type=int, default=0, help="host copies (0: the tiered pool's size)")
     ap.add_argument("--max-new-tokens", type=int, default=10)
     ap.add_argument("--profile-samples", type=int, default=16)
@@ -589,6 +593,8 @@ def main():
             ap.error("--model: the fine-tuned retrieval model dir (scripts/gpu/spectrum_retrieval.sh trains one)")
         if args.long_trials_per_depth < 0:
             ap.error("--long-trials-per-depth must be >= 0")
+        if not 0 <= args.promote_drop_run <= 4096:
+            ap.error("--promote-drop-run must be in [0, 4096]")
         for name in ("context", "depths", "trials_per_depth", "val_trials", "max_new_tokens", "profile_samples",
                      "profile_batch", "promote_interval", "promote_layers"):
             if getattr(args, name) < 1:

@@ -49,7 +49,7 @@ from e2e_decode import engine_kwargs, timed_generate  # noqa: E402
 from pool_plan import plan_pool, weight_bytes_resident  # noqa: E402
 
 COUNTERS = ("scoring_passes", "scored_tokens", "promotions", "promoted_tokens", "promoted_bytes_h2d", "landed",
-            "repacked_tokens", "deferred", "no_room")
+            "repacked_tokens", "deferred", "no_room", "restored_dropped", "restored_dropped_bytes_h2d")
 
 
 def set_mode(cold, mode: str, args) -> None:

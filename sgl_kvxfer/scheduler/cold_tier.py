@@ -12,7 +12,8 @@ During decode, every `kv_promote_interval` steps:
     pick     hits: int4 positions with a host copy whose mass >= kv_promote_threshold; then every
              eligible position within kv_promote_radius of a hit: int4 ones with a host copy, and
              dropped ones with a host copy (they have no key on the device, so they are never
-             scored: only a neighbouring hit brings them back)
+             scored: only a neighbouring hit brings them back); with kv_promote_drop_run > 0, the
+             dropped run contiguous with what is picked comes along, up to that many each side
     issue    fresh fp16 slots; host rows gathered into pinned staging; on CUDA a side stream copies
              them to the device and writes the fp16 store, then records an event
     land     before the next decode forward (or any later hook) that finds the event done, the
@@ -46,7 +47,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from sgl_kvxfer.mem_cache.host_cold_store import HostColdStore
-from sgl_kvxfer.spectrum.decode_mass import expand_hits, head_max_mass
+from sgl_kvxfer.spectrum.decode_mass import expand_hits, extend_runs, head_max_mass
 from sgl_kvxfer.spectrum.query_taps import install_query_taps, probe_layers
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
@@ -78,6 +79,7 @@ class ColdTier:
         self.pool, self.allocator, self.table, self.make_room = pool, allocator, table, make_room
         self.threshold, self.interval = config.kv_promote_threshold, config.kv_promote_interval
         self.radius = config.kv_promote_radius
+        self.drop_run = getattr(config, "kv_promote_drop_run", 0)
         capacity = config.kv_cold_tier_tokens or pool.memory_tokens
         self.store = HostColdStore(capacity, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype,
                                    pool.base(TIER_INT4), pool.num_slots(TIER_INT4), pool.device)
@@ -201,6 +203,8 @@ class ColdTier:
         for m, (_, req, slots, cand, near) in zip(mass, work):
             self.stats["scored_tokens"] += int(cand.sum())
             pick = expand_hits((m.cpu() >= self.threshold) & cand, cand | near, self.radius)
+            if self.drop_run and bool(pick.any()) and bool(near.any()):
+                pick = extend_runs(pick, near, self.drop_run)
             if bool(pick.any()):
                 positions = pick.nonzero().squeeze(1)
                 self._issue(req, positions, slots[positions])
@@ -375,4 +379,5 @@ class ColdTier:
     def server_info(self) -> dict:
         return {**self.stats, **self.store.stats, "host_rows_in_use": self.store.rows_in_use,
                 "host_capacity": self.store.capacity, "pending": len(self.pending), "probe_layers": self.layers,
-                "threshold": self.threshold, "interval": self.interval, "radius": self.radius}
+                "threshold": self.threshold, "interval": self.interval, "radius": self.radius,
+                "drop_run": self.drop_run}

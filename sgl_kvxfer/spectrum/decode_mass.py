@@ -31,6 +31,26 @@ def head_max_mass(q: torch.Tensor, keys: torch.Tensor, scale: float, valid: torc
     return torch.softmax(logits, dim=-1).amax(dim=(0, 1))
 
 
+def extend_runs(picked: torch.Tensor, run: torch.Tensor, cap: int) -> torch.Tensor:
+    """bool [T]: `picked` plus the positions of `run` contiguous with a picked one, up to `cap` each
+    side of every picked stretch (a dropped line next to a hit comes back whole, bounded)."""
+    out = picked.clone()
+    for shift in (1, -1):
+        front = picked
+        for _ in range(cap):
+            nxt = torch.zeros_like(front)
+            if shift > 0:
+                nxt[1:] = front[:-1]
+            else:
+                nxt[:-1] = front[1:]
+            nxt &= run & ~out
+            if not bool(nxt.any()):
+                break
+            out |= nxt
+            front = nxt
+    return out
+
+
 def expand_hits(hot: torch.Tensor, eligible: torch.Tensor, radius: int) -> torch.Tensor:
     """bool [T]: eligible positions within `radius` of a hot one (hot itself included when eligible).
     A needle spans several tokens; the head that finds one of them reads its neighbours next."""

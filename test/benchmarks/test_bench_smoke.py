@@ -441,13 +441,15 @@ def test_retrieval_tiers(tmp_path):
                                                     "float32", "--context", "160", "--long-context", "0",
                                                     "--budgets", "0.3", "--val-budgets", "0.3",
                                                     "--methods", "greedy", "per-layer", "kivi", "cold-tier",
-                                                    "spectrumkv-torch",
+                                                    "spectrumkv-torch", "--promote-drop-run", "4",
                                                     "--ppl-context", "96", "--ppl-chunk", "16", "--profile-batch", "2"],
                     tmp_path, timeout=1800)
     data = result(out, "retrieval_tiers_", ("fp16", "rows", "lambda_sweep", "threshold_sweep", "layer_profile",
                                             "summary", "chosen_lambda", "chosen_threshold"), png=True)
     assert data["complete"] and {r["method"] for r in data["rows"]} == {"greedy", "per-layer", "kivi", "cold-tier",
                                                                         "spectrumkv-torch"}
+    cold = [r for r in data["rows"] if r["method"] == "cold-tier"][0]["cold"]
+    assert cold["restored_dropped"] >= 0 and cold["restored_dropped_bytes_h2d"] >= 0
     for row in data["rows"]:
         assert len(row["by_depth"]) == len(data["params"]["depths"]) and row["byte_ratio"] <= 0.3 + 1e-6
         assert row["backend"] == "torch" and row["trials"] == len(data["params"]["depths"])

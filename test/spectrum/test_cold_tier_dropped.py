@@ -32,7 +32,7 @@ def tier_map(fp16_at=()):
     return tiers
 
 
-def build(tiers, cold_tier=True, threshold=0.3, radius=2, capacity=64):
+def build(tiers, cold_tier=True, threshold=0.3, radius=2, capacity=64, drop_run=0):
     pool = TieredKVPool(128, L, H, D, torch.float32, "cpu", TierStorePlan(96, 32, 64), group_size=D, page_size=PAGE)
     alloc = TieredSlotAllocator(pool, "cpu")
     backend = TorchAttentionBackend(pool, HQ, H, D)
@@ -41,7 +41,7 @@ def build(tiers, cold_tier=True, threshold=0.3, radius=2, capacity=64):
     if cold_tier:
         runner = SimpleNamespace(kv_pool=pool, attn_backend=backend, max_running_requests=4, graph_runner=None)
         config = SimpleNamespace(kv_promote_threshold=threshold, kv_promote_interval=1, kv_promote_radius=radius,
-                                 kv_cold_tier_tokens=capacity, kv_promote_layers=2)
+                                 kv_cold_tier_tokens=capacity, kv_promote_layers=2, kv_promote_drop_run=drop_run)
         cold = ColdTier(config, runner, alloc, table, lambda tier, n: None)
     gen = torch.Generator().manual_seed(0)
     data = [(torch.randn(N, H, D, generator=gen), torch.randn(N, H, D, generator=gen)) for _ in range(L)]
@@ -136,6 +136,30 @@ def test_dropped_tokens_far_from_a_hit_stay_dropped():
     aim(t.cold, t.data, 13)
     t.cold.on_decode(SimpleNamespace(slices=[SimpleNamespace(req=t.req)]))
     assert t.cold.stats["restored_dropped"] == 0 and (t.table.read(0, N).cpu()[DROPPED] == 0).all()
+
+
+def test_a_dropped_run_next_to_the_pick_comes_back_up_to_the_cap():
+    from sgl_kvxfer.spectrum.decode_mass import extend_runs
+
+    t = build(tier_map(), radius=2, drop_run=1)  # radius: 14, 15; the run: 16; the cap stops at 17
+    aim(t.cold, t.data, 13)
+    t.cold.on_decode(SimpleNamespace(slices=[SimpleNamespace(req=t.req)]))
+    now = t.table.read(0, N).cpu()
+    assert t.cold.stats["restored_dropped"] == 3 and (now[14:17] != 0).all() and int(now[17]) == 0
+    t = build(tier_map(), radius=0, drop_run=8)  # the whole run 14..17 touches the hit at 13
+    aim(t.cold, t.data, 13)
+    t.cold.on_decode(SimpleNamespace(slices=[SimpleNamespace(req=t.req)]))
+    now = t.table.read(0, N).cpu()
+    assert t.cold.stats["restored_dropped"] == 4 and (t.pool.tier_of(now[13:18]) == TIER_FP16).all()
+    for layer, (k, v) in enumerate(t.data):
+        kk, vv = t.pool.get_kv(layer, now[14:18])
+        assert torch.equal(kk, k[14:18]) and torch.equal(vv, v[14:18])
+    used = t.alloc.used_counts()
+    t.cold.release_request(t.req)
+    assert torch.equal(t.table.read(0, N).cpu(), t.row) and t.alloc.used_counts()[TIER_FP16] == used[TIER_FP16] - 5
+    picked = torch.tensor([0, 0, 1, 0, 0, 0, 0, 1, 0], dtype=torch.bool)
+    run = torch.tensor([1, 1, 0, 1, 1, 1, 0, 0, 1], dtype=torch.bool)
+    assert extend_runs(picked, run, 2).tolist() == [1, 1, 1, 1, 1, 0, 0, 1, 1]
 
 
 def test_a_request_gone_without_release_frees_its_rows():

@@ -114,9 +114,9 @@ def test_cli_flags_parse():
     ServerArgs.add_cli_args(ap)
     ns = ap.parse_args(["--kv-layer-budget", "profile", "--kv-layer-profile", "p.json", "--kv-cold-tier",
                         "--kv-promote-threshold", "0.1", "--kv-promote-interval", "8", "--kv-promote-layers", "3",
-                        "--kv-promote-radius", "6", "--kv-cold-tier-tokens", "1000"])
-    assert (ns.kv_layer_budget, ns.kv_cold_tier, ns.kv_promote_threshold, ns.kv_promote_layers) == \
-        ("profile", True, 0.1, 3)
+                        "--kv-promote-radius", "6", "--kv-cold-tier-tokens", "1000", "--kv-promote-drop-run", "8"])
+    assert (ns.kv_layer_budget, ns.kv_cold_tier, ns.kv_promote_threshold, ns.kv_promote_layers,
+            ns.kv_promote_drop_run) == ("profile", True, 0.1, 3, 8)
     with pytest.raises(SystemExit):
         ap.parse_args(["--kv-layer-budget", "layerwise"])
     from sgl_kvxfer.server.flags import parse_server_args
@@ -124,7 +124,8 @@ def test_cli_flags_parse():
     for bad in (["--kv-promote-threshold", "nan"], ["--kv-promote-threshold", "inf"], ["--kv-promote-interval", "0"],
                 ["--kv-layer-budget", "profile"], ["--kv-cold-tier"], ["--kv-cold-tier-tokens", "-5"],
                 ["--kv-promote-radius", "1e9"], ["--kv-cold-tier", "--kv-layer-profile", "/no/such/profile.json"],
-                ["--kv-layer-profile", __file__]):
+                ["--kv-layer-profile", __file__], ["--kv-promote-drop-run", "-1"],
+                ["--kv-promote-drop-run", "1e9"], ["--kv-promote-drop-run", "nan"]):
         with pytest.raises(SystemExit) as exc:
             parse_server_args(["--kv-tier-budget", "0.3", *bad] if bad != ["--kv-cold-tier"] else bad)
         assert exc.value.code == 2, bad

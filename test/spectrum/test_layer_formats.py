@@ -197,7 +197,8 @@ def test_config_flags_validate(tmp_path):
            dict(kv_layer_profile=path), dict(kv_cold_tier=True, kv_tier_budget=1.0),
            dict(kv_promote_threshold=float("nan")), dict(kv_promote_threshold=0.0), dict(kv_promote_threshold=2.0),
            dict(kv_promote_interval=0), dict(kv_promote_layers=-1), dict(kv_promote_radius=-3),
-           dict(kv_cold_tier_tokens=-1), dict(kv_promote_interval=2.5),
+           dict(kv_cold_tier_tokens=-1), dict(kv_promote_interval=2.5), dict(kv_promote_drop_run=-1),
+           dict(kv_promote_drop_run=1.5), dict(kv_promote_drop_run=10 ** 9),
            dict(kv_tier_budget=0.3, kv_tier_policy="kivi", attention_backend="triton")]
     for kw in bad:
         kw = {"kv_tier_budget": 0.3, **kw}
