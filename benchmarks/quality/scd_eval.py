@@ -8,7 +8,10 @@ Each consumer (a specialist) is scored on its task's eval split (sgl_kvxfer/task
 task named like the consumer) by every method of benchmarks/quality/scd_harness.py: oracle (its
 own prefill), base (the producer answering itself), raw producer KV, int8 / int4 producer KV,
 Reuse-only, DroidSpeak (raw KV, the k layers most sensitive to raw reuse recomputed; k = the
-SCD patch count), SCD; then SCD and Reuse-only at every lower nested rank level of the
+SCD patch count), SCD; the diagnostic scd-oracle-patch (SCD's Reuse layers, its Patch layers
+restored to the consumer's own K/V: the bound of perfect aligners; --no-diagnostics leaves it
+out; marked "diagnostic", no bytes per token, left out of the Pareto front and the matched-bytes
+rows); then SCD and Reuse-only at every lower nested rank level of the
 artifacts (calibrate --rank-levels: the rank sweep, one consumer at a time, each started only
 when the time its methods took says it ends within --time-budget-s). Per method: task score, KL and top-1
 agreement against the oracle on the gold answer tokens, bytes per token, rebuild time.
@@ -53,6 +56,8 @@ def parse_args(argv=None):
     ap.add_argument("--rates", type=float, nargs="+", default=[1, 5, 25, 100, 200], help="link rates, Gbit/s")
     ap.add_argument("--wire-frac", type=float, default=0.25, help="the adaptive policy's wire budget (rank_policy.py)")
     ap.add_argument("--droid-k", type=int, default=None)
+    ap.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=True,
+                    help="also score the diagnostic rows (scd_harness.DIAGNOSTICS; not wire methods)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA, float32 on CPU")
     ap.add_argument("--out-dir", default=RESULTS_DIR)
@@ -75,7 +80,7 @@ def main(argv=None) -> str:
     from task_data import parse_task_params
     from tqdm import tqdm
 
-    from scd_harness import Harness, drift
+    from scd_harness import DIAGNOSTICS, Harness, drift
     from scd_plots import plot
     from sgl_kvxfer import tasks
     from sgl_kvxfer.scd.calib.calibrate import parse_consumer_arg
@@ -96,7 +101,7 @@ def main(argv=None) -> str:
     if missing:
         raise SystemExit(f"no task for consumers {missing}: pass --consumer-tasks NAME=TASK")
     m = h.m
-    variants = [(meth, meth, None) for meth in h.methods]
+    variants = [(meth, meth, None) for meth in h.methods + (h.diagnostics if args.diagnostics else [])]
     sweep = [(f"{meth}@{a}:{b}", meth, (a, b)) for a, b in m.rank_levels for meth in ("scd", "reuse")
              if meth != "reuse" or h.reuse_art]
     payload = {"benchmark": "scd_eval", "device": device_name(device), "commit": git_commit(),
@@ -104,7 +109,8 @@ def main(argv=None) -> str:
                "manifest": {k: v for k, v in m.to_dict().items() if k not in ("producer", "consumers")},
                "models": {"producer": m.producer.to_dict(), "consumers": [c.to_dict() for c in m.consumers]},
                "consumer_tasks": ctasks, "droidspeak_layers": list(h.droid_layers),
-               "levels": [list(x) for x in m.levels], "results": {}, "drift": {}, "timings": {}}
+               "levels": [list(x) for x in m.levels], "results": {}, "drift": {}, "timings": {},
+               "diagnostics": {k: v for k, v in DIAGNOSTICS.items() if args.diagnostics}}
     name = args.name or f"scd_eval_{payload['device'].split(' (')[0].replace(' ', '_')}"
     examples = {c: [ex for t in ts for ex in tasks.generate(t, "eval", args.n, args.seed, tokenizer=h.tokenizer,
                                                              **tparams.get(t, {}))] for c, ts in ctasks.items()}
@@ -180,15 +186,17 @@ def summarize(p: dict, h, variants) -> dict:
         rows = [r[label] for r in p["results"].values() if label in r]
         if not rows or len(rows) < len(p["results"]):
             continue
-        meths[label] = {"score": statistics.mean(_headline(r) for r in rows),
+        diag = meth in h.diagnostics  # not a wire method: no bytes, not on the front
+        meths[label] = {"score": statistics.mean(_headline(r) for r in rows), **({"diagnostic": True} if diag else {}),
                         "per_consumer": {c: _headline(r[label]) for c, r in p["results"].items() if label in r},
                         "kl": statistics.mean(r["kl"] for r in rows), "top1": statistics.mean(r["top1"] for r in rows),
-                        "bytes_per_token": h.bytes_per_token(level)[meth],
+                        "bytes_per_token": None if diag else h.bytes_per_token(level)[meth],
                         "rebuild_ms_per_1k_tokens": statistics.mean(r["rebuild_ms_per_1k_tokens"] for r in rows)}
     raw = meths.get("raw", {}).get("bytes_per_token")
     for v in meths.values():
-        v["bytes_vs_raw"] = v["bytes_per_token"] / raw if raw else None
-    points = sorted((v["bytes_per_token"], -v["score"], k) for k, v in meths.items() if k.startswith(("scd", "reuse")))
+        v["bytes_vs_raw"] = v["bytes_per_token"] / raw if raw and v["bytes_per_token"] is not None else None
+    points = sorted((v["bytes_per_token"], -v["score"], k) for k, v in meths.items()
+                    if k.split("@")[0] in ("scd", "reuse"))
     front, best = [], -1.0
     for b, s, k in points:
         if -s > best:

@@ -8,6 +8,11 @@ decodes greedily (task score) or scores the gold answer teacher-forced (KL and t
 against the oracle's distribution on the answer tokens). "oracle" is the consumer's own prefill
 of the same tokens, "base" the producer answering on its own. The codecs are the serving ones
 (ScdEncoder -> wire dtype -> ScdDecoder), at any nested rank level of the artifacts.
+
+Diagnostics (DIAGNOSTICS: not wire methods, no bytes per token) bound one part of SCD:
+"scd-oracle-patch" is SCD's Reuse layers with its Patch layers replaced by the consumer's own
+K/V (the oracle's), as if the aligners were perfect. Near the oracle: the aligners are what SCD
+loses; far below it: the Reuse layers or the choice of Patch layers are.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from sgl_kvxfer.scd.calib import methods as M
 from sgl_kvxfer.scd.calib.forward import LlamaRunner, left_pad
 
 METHODS = ("oracle", "base", "raw", "int8", "int4", "reuse", "droidspeak", "scd")
+DIAGNOSTICS = {"scd-oracle-patch": "SCD with its Patch layers restored to the consumer's own K/V (perfect aligners)"}
 
 
 @dataclass
@@ -74,6 +80,7 @@ class Harness:
         prof = {int(l): v for l, v in self.calib["droidspeak_restore_one"].items()}
         self.droid_layers = tuple(sorted(sorted(prof, key=lambda l: (-prof[l], l))[:k]))
         self.methods = [x for x in METHODS if x != "reuse" or self.reuse_art]
+        self.diagnostics = list(DIAGNOSTICS)
 
     # ------------------------------------------------------------------ artifacts variants
     def _load_stats(self):
@@ -137,6 +144,9 @@ class Harness:
             return M.scd_cache(state, self.enc_reuse, c.dec_reuse, c.proj, self.dtype, level)
         if method == "scd":
             return M.scd_cache(state, self.enc, c.dec, c.proj, self.dtype, level)
+        if method == "scd-oracle-patch":  # its rebuild time includes the consumer's prefill: not a speed
+            own = c.runner.prefill_cache(ids, state.positions, state.valid)[0]
+            return M.scd_cache(state, self.enc, c.dec, c.proj, self.dtype, level, patch_kv=own)
         raise ValueError(method)
 
     # ------------------------------------------------------------------ one consumer's evaluation

@@ -1,5 +1,6 @@
 """The figure of benchmarks/quality/scd_eval.py: methods per consumer, the score-vs-bytes Pareto
-front of the rank sweep, adaptive vs fixed ranks by link rate, and per-layer drift."""
+front of the rank sweep, adaptive vs fixed ranks by link rate, and per-layer drift. Diagnostic rows
+(not wire methods, no bytes) are labelled "(diag.)" and drawn as horizontal lines on the bytes axis."""
 from __future__ import annotations
 
 
@@ -16,7 +17,8 @@ def plot(p: dict, path: str) -> None:
     w = 0.8 / max(1, len(cons))
     for j, c in enumerate(cons):
         ax[0, 0].bar([i + j * w for i in range(len(main))], [s[m]["per_consumer"].get(c, 0) for m in main], w, label=c)
-    ax[0, 0].set_xticks([i + w * (len(cons) - 1) / 2 for i in range(len(main))], main, rotation=30, fontsize=8)
+    names = [f"{m} (diag.)" if s[m].get("diagnostic") else m for m in main]
+    ax[0, 0].set_xticks([i + w * (len(cons) - 1) / 2 for i in range(len(main))], names, rotation=30, fontsize=8)
     ax[0, 0].set_ylabel("task score (F1 / EM / pass)")
     ax[0, 0].set_title("score per consumer (its own task)", fontsize=9)
     ax[0, 0].legend(fontsize=7)
@@ -34,6 +36,8 @@ def plot(p: dict, path: str) -> None:
     for k, ls in (("oracle", "--"), ("base", ":")):
         if k in s:
             a.axhline(s[k]["score"], ls=ls, c="k", lw=1, label=k)
+    for j, k in enumerate(k for k, v in s.items() if v.get("diagnostic")):
+        a.axhline(s[k]["score"], ls="-.", c=f"C{j + 5}", lw=1, label=f"{k} (diag., no bytes)")
     a.set_xscale("log")
     a.set_xlabel("bytes per token on the wire")
     a.set_ylabel("mean score over consumers")
@@ -69,7 +73,8 @@ def plot(p: dict, path: str) -> None:
         ax[1, 0].set_title(f"adaptive rank (wire <= {ad['wire_frac']:g} x prefill) vs fixed ranks", fontsize=9)
     a = ax[1, 2]
     a.axis("off")
-    rows = [[k, f"{v['score']:.3f}", f"{v['kl']:.3f}", f"{v['top1']:.3f}", str(v["bytes_per_token"]),
+    rows = [[k + (" (diag.)" if v.get("diagnostic") else ""), f"{v['score']:.3f}", f"{v['kl']:.3f}", f"{v['top1']:.3f}",
+             "-" if v["bytes_per_token"] is None else str(v["bytes_per_token"]),
              f"{v['rebuild_ms_per_1k_tokens']:.1f}"] for k, v in s.items() if "@" not in k]
     if rows:
         t = a.table(cellText=rows, colLabels=["method", "score", "KL", "top-1", "B/token", "rebuild ms/1k"],

@@ -12,7 +12,9 @@
 # Time shares of WALL (default 540 s from the start): on a GPU the three specialists train side by
 # side (PARALLEL_TRAIN=1), T_TRAIN_EACH (100) s each plus 40 s of loading and held-out scoring;
 # calibration what is left minus T_EVAL_MIN (150 s; its six aligner layers share what its earlier
-# stages leave, at most 30 s each); the eval the rest. testbeds_x2.sh passes WALL = its own WALL less its set-up, less 20 s.
+# stages leave, at most 30 s each); the eval the rest. The eval's table includes the diagnostic
+# scd-oracle-patch row (scd_eval.py; one more variant beside the eight methods, each a consumer's
+# prefill on top of an SCD rebuild: about 1/8 more of the methods stage, which the sweep's budget absorbs). testbeds_x2.sh passes WALL = its own WALL less its set-up, less 20 s.
 #
 # Back in $OUT (6 files): specialists.tar (train_log.json + loss.png per specialist, no weights),
 # calibration.json, scd_eval_<device>.json / .png, stages.json (wall time and exit code per stage),
@@ -105,8 +107,9 @@ for path in sys.argv[1:]:
     s = json.load(open(path))["summary"]["methods"]
     for k, v in s.items():
         per = " ".join(f"{c}={x:.3f}" for c, x in v["per_consumer"].items())
+        wire = "diagnostic, not sent" if v.get("diagnostic") else f"{v['bytes_per_token']} B/token"
         print(f"[table] {k:12s} score {v['score']:.3f} ({per}) KL {v['kl']:.4f} top1 {v['top1']:.3f} "
-              f"{v['bytes_per_token']} B/token rebuild {v['rebuild_ms_per_1k_tokens']:.2f} ms/1k")
+              f"{wire} rebuild {v['rebuild_ms_per_1k_tokens']:.2f} ms/1k")
     if "oracle" in s and "raw" in s:  # the suite discriminates when raw producer KV loses points
         for c, o in s["oracle"]["per_consumer"].items():
             print(f"[table] {c}: oracle {o:.3f}, base {s.get('base', {}).get('per_consumer', {}).get(c, float('nan')):.3f}, "

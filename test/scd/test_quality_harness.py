@@ -47,6 +47,7 @@ def test_harness_same_model_full_rank_is_exact(tiny_pair, tmp_path, smollm2_path
                           "--code-dtype", "float32"]))
     h = Harness(out, tiny_pair["producer"], {}, "cpu", torch.float32, droid_k=2)
     assert h.methods == ["oracle", "base", "raw", "int8", "int4", "reuse", "droidspeak", "scd"]
+    assert h.diagnostics == ["scd-oracle-patch"]
     exs = tasks.generate("qa", "eval", 3, seed=0)
     variants = [(m, m, None) for m in h.methods] + [("scd@4:4", "scd", (4, 4))]
     res = h.evaluate(h.consumers["self"], exs, variants, batch=3)
@@ -82,7 +83,16 @@ def test_scd_eval_quick_writes_table_sweep_drift_and_adaptive(tiny_pair, tmp_pat
                           "--rates", "1", "100"])
     p = json.load(open(path))
     meths = p["summary"]["methods"]
-    assert {"oracle", "base", "raw", "int8", "int4", "reuse", "droidspeak", "scd", "scd@2:2", "reuse@4:4"} <= set(meths)
+    assert {"oracle", "base", "raw", "int8", "int4", "reuse", "droidspeak", "scd", "scd@2:2", "reuse@4:4",
+            "scd-oracle-patch"} <= set(meths)
+    # the diagnostic row: scored like the methods, marked, no bytes, off the front and the matched rows
+    diag = meths["scd-oracle-patch"]
+    assert diag["diagnostic"] and diag["bytes_per_token"] is None and 0 < diag["top1"] <= 1
+    assert not any(meths[k].get("diagnostic") for k in meths if k != "scd-oracle-patch")
+    assert set(p["diagnostics"]) == {"scd-oracle-patch"} and "scd-oracle-patch" not in p["summary"]["pareto_scd_reuse"]
+    assert all(r.get(f, {}).get("variant") != "scd-oracle-patch" for r in p["summary"]["matched_bytes"].values()
+               for f in ("scd", "reuse"))
+    assert "scd-oracle-patch" in p["timings"]["qa"]["rebuild_s"]
     assert meths["scd@2:2"]["bytes_per_token"] < meths["scd@4:4"]["bytes_per_token"] < meths["scd"]["bytes_per_token"]
     # the sweep's levels are scored against the oracle too (answer tokens counted, top-1 in [0, 1])
     for c in ("qa", "code"):
@@ -91,3 +101,33 @@ def test_scd_eval_quick_writes_table_sweep_drift_and_adaptive(tiny_pair, tmp_pat
     assert set(p["drift"]) == {"qa", "code"} and len(p["drift"]["qa"]["k_cos"]) == 4
     assert set(p["adaptive"]["rates"]) == {"1", "100"} and "ttft_vs_best_fixed" in p["adaptive"]["rates"]["1"]["adaptive"]
     assert "int4" in p["summary"]["matched_bytes"] and os.path.isfile(path[:-5] + ".png")
+
+
+@pytest.mark.slow
+def test_oracle_patch_diagnostic_is_the_oracle_when_every_layer_is_patch(tiny_pair, tmp_path, smollm2_path):
+    """scd-oracle-patch takes the Patch layers from the consumer's own prefill: with every layer a
+    Patch layer it is the oracle exactly (answers, KL 0, top-1 1) while SCD itself (imperfect
+    aligners) is not; with one Patch layer it keeps SCD's Reuse layers (not the oracle)."""
+    from scd_harness import Harness
+    from sgl_kvxfer import tasks
+    from sgl_kvxfer.scd.calib.calibrate import calibrate, parse_args
+
+    exs = tasks.generate("qa", "eval", 3, seed=0)
+    res = {}
+    for k in (4, 1):  # TINY has 4 layers
+        out = str(tmp_path / f"art{k}")
+        calibrate(parse_args(["--producer", tiny_pair["producer"], "--consumer", f"qa={tiny_pair['b']}",
+                              "--calib", "task:qa", "--r-k", "8", "--r-v", "8", "--r-h", "16", "--patch-budget", str(k),
+                              "--k-max", "4", "--pool", "4", "--out", out, "--num-prefixes", "6", "--batch-size", "3",
+                              "--select-prompts", "2", "--aligner-hidden", "8", "--aligner-steps", "10",
+                              "--device", "cpu"]))
+        h = Harness(out, tiny_pair["producer"], {}, "cpu", torch.float32)
+        assert len(h.m.patch_layers) == k and h.diagnostics == ["scd-oracle-patch"]
+        variants = [(m, m, None) for m in ("oracle", "scd", "scd-oracle-patch")]
+        res[k] = h.evaluate(h.consumers["qa"], exs, variants, batch=3)
+    kl = {k: {m: r["kl_sum"] / r["tokens"] for m, r in res[k].items()} for k in res}
+    full = res[4]["scd-oracle-patch"]
+    assert full["preds"] == res[4]["oracle"]["preds"] and full["scores"] == res[4]["oracle"]["scores"]
+    assert kl[4]["scd-oracle-patch"] < 1e-6 and full["top1_sum"] == full["tokens"]
+    assert kl[4]["scd"] > 1e-3  # the aligners are not perfect: the diagnostic is not SCD itself
+    assert kl[1]["scd-oracle-patch"] > 1e-3  # three Reuse layers left: not the oracle

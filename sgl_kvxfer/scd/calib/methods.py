@@ -6,7 +6,9 @@ from the producer's prefill of the same tokens (`ProducerState`):
     raw_cache         the producer's K/V as is
     quant_cache       the producer's K/V through our int8 / int4 tier codec (kernels/tier_codec.py)
     scd_cache         Reuse layers decoded from codes, patch layers aligned + regenerated with the
-                      consumer's own W_k / W_v (Reuse-only: artifacts with no patch layers)
+                      consumer's own W_k / W_v (Reuse-only: artifacts with no patch layers); with
+                      patch_kv, the patch layers are taken from that cache instead (the harness's
+                      scd-oracle-patch diagnostic: the consumer's own K/V, aligners as if perfect)
     droidspeak_cache  raw producer K/V except the recomputed layers: each contiguous run [a, b]
                       of them is recomputed by the consumer's own layers a..b, started from the
                       producer's residual stream entering layer a (what DroidSpeak sends)
@@ -57,14 +59,19 @@ def int4_cache(state: ProducerState, group_size: int = 32) -> KVCache:
 
 
 def scd_cache(state: ProducerState, enc: ScdEncoder, dec: ScdDecoder, proj, dtype: torch.dtype,
-              level: tuple[int, int] | None = None) -> KVCache:
+              level: tuple[int, int] | None = None, patch_kv: KVCache | None = None) -> KVCache:
     """proj: the consumer's per-layer KVProjection list (codec.kv_projections); level: the
-    nested (r_k, r_v) the codes are sent at (default the top)."""
+    nested (r_k, r_v) the codes are sent at (default the top); patch_kv: a cache of the same
+    prefix whose patch layers replace the aligned + regenerated ones."""
     m = enc.manifest
     b, p = state.positions.shape
     pos = state.positions.reshape(-1)
     ks, vs = [], []
     for layer in range(m.num_layers):
+        if layer in m.patch_layers and patch_kv is not None:
+            ks.append(patch_kv.k[layer])
+            vs.append(patch_kv.v[layer])
+            continue
         if layer in m.patch_layers:
             h = state.taps.h[layer].reshape(b * p, -1)
             k, v = regenerate_kv(dec.align_patch(layer, enc.encode_patch(layer, h)), proj[layer], pos,
