@@ -102,18 +102,11 @@ class HostColdStore:
     def capture(self, cap: _Capture, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy the captured tokens' k, v [m, Hkv, D] of one layer into their host rows."""
         kk, vv = k.index_select(0, cap.sel), v.index_select(0, cap.sel)
-        for at, row0, count in cap.runs:
-            self.k_host[layer_id][row0:row0 + count].copy_(kk[at:at + count], non_blocking=self.pinned)
-            self.v_host[layer_id][row0:row0 + count].copy_(vv[at:at + count], non_blocking=self.pinned)
+        self._write_rows(layer_id, kk, vv, cap.runs)
 
     def end_move(self, cap: _Capture) -> None:
         n = cap.rows.numel()
-        self.stats["host_copies"] += n
-        self.stats["host_bytes_d2h"] += 2 * len(self.k_host) * n * self.k_host[0][0].numel() * \
-            self.k_host[0].element_size()
-        if self.pinned:
-            self._event = torch.cuda.Event()
-            self._event.record()
+        self._copied(n, "host_copies", "host_bytes_d2h")
 
     def release(self, slots: torch.Tensor) -> None:
         """int4 ids `slots` were freed: drop their rows' holders, free rows nobody holds."""
@@ -125,6 +118,21 @@ class HostColdStore:
             self.ref.index_add_(0, rows, torch.full_like(rows, -1, dtype=torch.int32))
             gone = rows.unique()
             self._rows.give(gone[self.ref[gone] == 0])
+
+    def _write_rows(self, layer: int, kk: torch.Tensor, vv: torch.Tensor, runs) -> None:
+        """Copy rows of `kk` / `vv` into layer `layer`'s host rows, run by run ((at, row0, count))."""
+        for at, row0, count in runs:
+            self.k_host[layer][row0:row0 + count].copy_(kk[at:at + count], non_blocking=self.pinned)
+            self.v_host[layer][row0:row0 + count].copy_(vv[at:at + count], non_blocking=self.pinned)
+
+    def _copied(self, n: int, count_key: str, bytes_key: str) -> None:
+        """Count `n` tokens' copies (K and V of every stored layer); on CUDA, record the event
+        the copies' readers wait for."""
+        self.stats[count_key] += n
+        self.stats[bytes_key] += 2 * len(self.k_host) * n * self.k_host[0][0].numel() * self.k_host[0].element_size()
+        if self.pinned:
+            self._event = torch.cuda.Event()
+            self._event.record()
 
     # ------------------------------------------------------------------ dropped tokens
     def keep_dropped(self, k16: list[torch.Tensor], v16: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
@@ -145,15 +153,8 @@ class HostColdStore:
         runs = _runs(rows)
         for layer in range(len(k16)):  # the pool's stored layers (as `capture` sees them)
             kk, vv = k16[layer].index_select(0, src), v16[layer].index_select(0, src)
-            for at, row0, count in runs:
-                self.k_host[layer][row0:row0 + count].copy_(kk[at:at + count], non_blocking=self.pinned)
-                self.v_host[layer][row0:row0 + count].copy_(vv[at:at + count], non_blocking=self.pinned)
-        self.stats["dropped_copies"] += got
-        self.stats["dropped_bytes_d2h"] += 2 * len(self.k_host) * got * self.k_host[0][0].numel() * \
-            self.k_host[0].element_size()
-        if self.pinned:
-            self._event = torch.cuda.Event()
-            self._event.record()
+            self._write_rows(layer, kk, vv, runs)
+        self._copied(got, "dropped_copies", "dropped_bytes_d2h")
         return out
 
     def free_rows(self, rows: torch.Tensor) -> None:

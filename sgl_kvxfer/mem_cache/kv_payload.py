@@ -119,6 +119,18 @@ _QUANT_GROUP_ELEMS = 1 << 24
 _QUANT_GROUP_ELEMS_HOST = 1 << 18
 
 
+def _segment_args(pool: KVPool, slots: torch.Tensor, wire_tiers: torch.Tensor | None, out: torch.Tensor) -> tuple:
+    """pack_segment's inputs made plain: slots flat, wire tiers int8 on the host (None: all at the
+    model dtype), the segment's layout; `out` checked to hold it."""
+    slots = slots.reshape(-1)
+    if wire_tiers is None:
+        wire_tiers = torch.zeros(slots.numel(), dtype=torch.int8)
+    wire_tiers = wire_tiers.to(torch.int8).cpu()
+    lay = segment_layout(pool, tier_counts(wire_tiers))
+    assert out.dtype == torch.uint8 and out.numel() >= lay.total_bytes, (out.dtype, out.numel(), lay.total_bytes)
+    return slots, wire_tiers, lay
+
+
 def pack_segment(pool: KVPool, slots: torch.Tensor, wire_tiers: torch.Tensor | None, out: torch.Tensor) -> SegmentLayout:
     """Pack the tokens at `slots` [n] (position order) at `wire_tiers` [n] (None: all at the
     model dtype; TIER_DROP tokens send nothing) into `out` (uint8, >= total bytes); the bytes
@@ -131,12 +143,7 @@ def pack_segment(pool: KVPool, slots: torch.Tensor, wire_tiers: torch.Tensor | N
     and layer group straight into `out`'s head-major layout (no staging buffer).
 
     NOTE: copies into `out` are non-blocking; on CUDA synchronize before `out`'s bytes leave."""
-    slots = slots.reshape(-1)
-    if wire_tiers is None:
-        wire_tiers = torch.zeros(slots.numel(), dtype=torch.int8)
-    wire_tiers = wire_tiers.to(torch.int8).cpu()
-    lay = segment_layout(pool, tier_counts(wire_tiers))
-    assert out.dtype == torch.uint8 and out.numel() >= lay.total_bytes, (out.dtype, out.numel(), lay.total_bytes)
+    slots, wire_tiers, lay = _segment_args(pool, slots, wire_tiers, out)
     if lay.total_bytes == 0:
         return lay
     layers = [i for i in range(pool.num_layers) if pool.stores_layer(i)]
@@ -241,12 +248,7 @@ def pack_segment_reference(pool: KVPool, slots: torch.Tensor, wire_tiers: torch.
     model dtype; TIER_DROP tokens send nothing) into `out` (uint8, >= total bytes).
 
     NOTE: copies into `out` are non-blocking; on CUDA synchronize before `out`'s bytes leave."""
-    slots = slots.reshape(-1)
-    if wire_tiers is None:
-        wire_tiers = torch.zeros(slots.numel(), dtype=torch.int8)
-    wire_tiers = wire_tiers.to(torch.int8).cpu()
-    lay = segment_layout(pool, tier_counts(wire_tiers))
-    assert out.dtype == torch.uint8 and out.numel() >= lay.total_bytes, (out.dtype, out.numel(), lay.total_bytes)
+    slots, wire_tiers, lay = _segment_args(pool, slots, wire_tiers, out)
     groups = [(t, slots[(wire_tiers == t).nonzero().squeeze(1).to(slots.device)]) for t in (TIER_FP16, TIER_INT8, TIER_INT4)]
     if getattr(pool, "layout", "") == "tiered" and all(
             g.numel() == 0 or bool((pool.tier_of(g) == t).all()) for t, g in groups):
