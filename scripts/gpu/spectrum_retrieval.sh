@@ -74,7 +74,7 @@ if [ "$DEVICE" = cuda ]; then
   EVAL_CTX=${EVAL_CTX:-4096} LONG_CTX=${LONG_CTX:-8000}
   EVAL_ARGS=${EVAL_ARGS:-"--backend triton --depths 11 --trials-per-depth 6 --long-trials-per-depth 4
     --val-trials 16 --val-budgets 0.3 0.2 --lambdas 0 3e-4 1e-3 --cold-thresholds 0.01 0.05 --ppl-windows 2
-    --profile-samples 8 --max-new-tokens 14 --max-total-tokens 400000"}
+    --profile-samples 8 --max-new-tokens 14 --max-total-tokens 400000 --promote-drop-run 32"}
   DECODE_ARGS=${DECODE_ARGS:-"--preset llama-3-8b --context 16384 --batch 8 --kv-tier-budget 0.2 --n1 16
     --n2 80 --repeats 5 --intervals 16 4"}
 else
