@@ -385,14 +385,20 @@ class SchedulerConfig:
     @property
     def resolved_kv_transfer_stream(self) -> str:
         """What streams during a tiered prefill; "auto" is the variant measured faster
-        (docs/pd_disaggregation.md, "Measured"): on a GPU the int8 stream from
-        AUTO_INT8_STREAM_MIN_BUDGET up, where its int8 copies cost little more than the
-        budget's own bytes and hide behind the prefill; tiers at the end below it, and on CPU,
-        where quantizing each chunk competes with the prefill for the same cores."""
+        (docs/pd_disaggregation.md, "Measured"). On a GPU with a link paced at a set rate
+        (--kv-transfer-rate-gbps > 0, a slow link: at 10 Gbit/s the 8k prompt's wire outlasts
+        its prefill) "chunk": each chunk's KV leaves while the next one computes. Unpaced, the
+        int8 stream from AUTO_INT8_STREAM_MIN_BUDGET up, where its int8 copies cost little more
+        than the budget's own bytes and hide behind the prefill; tiers at the end below it, and
+        on CPU, where quantizing each chunk competes with the prefill for the same cores."""
         if self.kv_transfer_stream != "auto":
             return self.kv_transfer_stream
         on_gpu = self.engine.resolved_device.startswith("cuda")
-        return "int8" if on_gpu and AUTO_INT8_STREAM_MIN_BUDGET <= self.engine.kv_tier_budget < 1.0 else "end"
+        if not (on_gpu and self.engine.kv_tier_budget < 1.0):
+            return "end"
+        if self.kv_transfer_rate_gbps > 0:
+            return "chunk"
+        return "int8" if self.engine.kv_tier_budget >= AUTO_INT8_STREAM_MIN_BUDGET else "end"
 
     @property
     def resolved_chunked_prefill_size(self) -> int | None:

@@ -4,7 +4,7 @@ two devices, `sglang.bench_serving` through the real sglang-router at a sweep of
     python benchmarks/pd/goodput.py --tokenizer DIR [--rates 2 4 8] [--input-len 4096]
         [--output-len 256] [--range-ratio 0.5] [--seconds-per-rate 5] [--min-prompts 8]
         [--slo-ttft-p99-ms 2000] [--slo-itl-p99-ms 60] [--server-args "..."]
-        [--gpu-args "--base-gpu-id 0" "--base-gpu-id 1"] [--out-dir DIR]
+        [--gpu-args "--base-gpu-id 0" "--base-gpu-id 1"] [--deadline-s S] [--out-dir DIR]
 
 Setups, all started at once (each device holds one server of each) and swept over the rates in
 turn (Poisson arrivals, `--request-rate R`; one setup serves at a time, the other idles):
@@ -23,6 +23,12 @@ Reported per setup and rate: completed requests, request throughput, TTFT and IT
 The SLO (stated in the JSON): TTFT p99 <= `--slo-ttft-p99-ms` and ITL p99 <= `--slo-itl-p99-ms`
 with every request completed. `max_rate_within_slo` is the highest swept rate a setup holds.
 On one device pair the two setups get the same hardware; PD spends one device on prefill only.
+
+`--deadline-s S` ends the run by S seconds after it starts (a stage limit, less the time to stop
+the servers): each bench_serving run gets at most the time left, a rate starts only while the time
+left covers the longest run so far (every rate spans about `--seconds-per-rate` of arrivals), and
+the JSON keeps every finished rate with the rest marked `skipped` (`complete` stays false).
+An interrupt (SIGINT from `timeout -s INT`) ends the same way: finished rates kept, servers stopped.
 """
 from __future__ import annotations
 
@@ -77,8 +83,9 @@ def start_setup(setup: str, args) -> list:
         raise
 
 
-def bench(router_url: str, rate: float, args, out_file: str) -> dict:
-    """One bench_serving run at `rate`; its result line (the metrics above) or an error."""
+def bench(router_url: str, rate: float, args, out_file: str, timeout: float) -> dict:
+    """One bench_serving run at `rate` cut after `timeout` s; its result line (the metrics above),
+    an error, or `skipped` (cut at the timeout)."""
     n = max(args.min_prompts, round(rate * args.seconds_per_rate))
     cmd = bench_serving_command(
         "--backend", "sglang", "--base-url", router_url, "--tokenizer", args.tokenizer, "--model", args.tokenizer,
@@ -88,8 +95,11 @@ def bench(router_url: str, rate: float, args, out_file: str) -> dict:
         "--output-file", out_file, "--disable-tqdm")
     if os.path.exists(out_file):
         os.unlink(out_file)
-    proc = subprocess.run(cmd, env=bench_serving_env(), capture_output=True, text=True, timeout=args.bench_timeout,
-                          cwd=os.path.dirname(out_file))
+    try:
+        proc = subprocess.run(cmd, env=bench_serving_env(), capture_output=True, text=True, timeout=timeout,
+                              cwd=os.path.dirname(out_file))
+    except subprocess.TimeoutExpired:  # run() killed bench_serving: the rate did not finish
+        return {"skipped": f"bench_serving cut after {timeout:.0f} s", "num_prompts": n}
     if proc.returncode != 0 or not os.path.exists(out_file):
         return {"error": f"bench_serving exit {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}"}
     with open(out_file) as f:
@@ -100,8 +110,12 @@ def bench(router_url: str, rate: float, args, out_file: str) -> dict:
     return row
 
 
+def measured(row: dict) -> bool:
+    return "error" not in row and "skipped" not in row
+
+
 def within_slo(row: dict, args) -> bool:
-    return ("error" not in row and row["completed"] == row["num_prompts"]
+    return (measured(row) and row["completed"] == row["num_prompts"]
             and row["p99_ttft_ms"] <= args.slo_ttft_p99_ms and row["p99_itl_ms"] <= args.slo_itl_p99_ms)
 
 
@@ -114,7 +128,7 @@ def plot(payload: dict, path: str) -> None:
     slo = payload["slo"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for setup, rows in payload["setups"].items():
-        pts = sorted((float(r), row) for r, row in rows.items() if "error" not in row)
+        pts = sorted((float(r), row) for r, row in rows.items() if measured(row))
         if not pts:
             continue
         xs = [r for r, _ in pts]
@@ -154,6 +168,8 @@ def main() -> None:
     ap.add_argument("--slo-ttft-p99-ms", type=float, default=2000.0)
     ap.add_argument("--slo-itl-p99-ms", type=float, default=60.0)
     ap.add_argument("--bench-timeout", type=float, default=600.0, help="seconds one bench_serving run may take")
+    ap.add_argument("--deadline-s", type=float, default=0.0,
+                    help="end by this many seconds after start: later rates are skipped (0: no deadline)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--name", default="goodput")
     ap.add_argument("--out-dir", default=None)
@@ -162,6 +178,8 @@ def main() -> None:
         ap.error("--rates, --input-len and --output-len must be positive, --range-ratio in [0, 1]")
     if args.min_prompts < 1 or args.seconds_per_rate <= 0 or args.slo_ttft_p99_ms <= 0 or args.slo_itl_p99_ms <= 0:
         ap.error("--min-prompts, --seconds-per-rate and the SLOs must be positive")
+    if not 0 < args.bench_timeout < float("inf") or not 0 <= args.deadline_s < float("inf"):
+        ap.error("--bench-timeout must be positive and --deadline-s >= 0 (both finite)")
     device = "cuda" if "cuda" in args.server_args else "cpu"
     start = time.time()
     payload = {"benchmark": "goodput", "device": device_name(device), "commit": git_commit(), "params": vars(args),
@@ -178,7 +196,16 @@ def main() -> None:
         plot(payload, path[:-5] + ".png")  # rewritten after every rate: a run cut short keeps both
         return path
 
+    def time_left() -> float:
+        return args.deadline_s - (time.time() - start) if args.deadline_s else float("inf")
+
+    def skip_rest(reason: str) -> None:
+        for rate in args.rates:
+            for setup in args.setups:
+                payload["setups"].setdefault(setup, {}).setdefault(f"{rate:g}", {"skipped": reason})
+
     handles: dict[str, list] = {}
+    longest = 0.0  # the longest bench_serving run so far (s)
     try:
         with ThreadPoolExecutor(len(args.setups)) as pool:  # both setups load at once; one runs at a time
             futures = {setup: pool.submit(start_setup, setup, args) for setup in args.setups}
@@ -193,14 +220,26 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="goodput_") as tmp:
             for rate in args.rates:  # rates outside: a run cut short keeps both setups' low rates
                 for setup in args.setups:
-                    row = bench(handles[setup][-1].url, rate, args, os.path.join(tmp, f"{setup}_{rate:g}.jsonl"))
+                    left = time_left()
+                    if left < max(longest, 1.0):
+                        row = {"skipped": f"--deadline-s {args.deadline_s:g}: {max(left, 0):.0f} s left, "
+                                          f"the longest run so far took {longest:.0f} s"}
+                    else:
+                        t0 = time.time()
+                        row = bench(handles[setup][-1].url, rate, args, os.path.join(tmp, f"{setup}_{rate:g}.jsonl"),
+                                    min(args.bench_timeout, left))
+                        longest = max(longest, time.time() - t0)
                     payload["setups"].setdefault(setup, {})[f"{rate:g}"] = row
                     print(f"{setup:>10} rate {rate:g}: {json.dumps(row)[:400]}", flush=True)
                     save()
+    except KeyboardInterrupt:  # the stage's limit: keep what finished, stop the servers below
+        print("interrupted: the rates not finished are marked skipped", flush=True)
+        skip_rest("interrupted")
     finally:
         for hs in handles.values():
             stop_all(*reversed(hs))
-    payload["complete"] = True
+    skip_rest("not run")  # no-op unless a rate was left out above
+    payload["complete"] = not any("skipped" in row for rows in payload["setups"].values() for row in rows.values())
     path = save()
     print("max rate within SLO:", payload["max_rate_within_slo"])
     print("wrote", path)

@@ -13,7 +13,8 @@
 #   tests    (T_TESTS, 50 s; 0 skips)  the GPU-marked tests of the PD transfer path
 #   ttft     (T_TTFT, 300 s)   benchmarks/pd/ttft_vs_bandwidth.py at the Llama-3-8B shape, one
 #                              prefill / decode pair per budget, phase traces, a GPU0 -> GPU1 copy
-#   goodput  (T_GOODPUT, 170 s; 0 skips) benchmarks/pd/goodput.py: 1 prefill + 1 decode vs 2 co-located
+#   goodput  (T_GOODPUT, 170 s; 0 skips) benchmarks/pd/goodput.py: 1 prefill + 1 decode vs 2 co-located,
+#                              --deadline-s 15 s short of the stage (rates that cannot finish: skipped)
 # Which points the ttft stage measures, in order (environment; device defaults shown):
 #   BUDGETS="1.0 0.5 0.3"  one server pair each, in this order (1.0 first: every ratio's base)
 #   PROMPTS="8192" RATES="10 0"        the core grid, measured at every budget (0: unpaced, NVLink)
@@ -23,7 +24,7 @@
 #                              the budgets still to come fit in T_TTFT (ttft_vs_bandwidth --deadline-s)
 #   REPEATS=5 REPEATS_LONG=1   warm requests per point (REPEATS_LONG from 16k tokens up)
 #   GOODPUT_RATES="4 8 16"     goodput's request rates (2 s of arrivals each, at least 8 requests,
-#                              128-token outputs: the three rates and both setups fit T_GOODPUT)
+#                              128-token outputs; a rate that does not fit T_GOODPUT is skipped)
 # $OUT gets ttft_vs_bandwidth_*.{json,png}, goodput_*.{json,png}, gpu_tests.log, pd_x2.log (7 files).
 # CPU rehearsal at toy size: DEVICE=cpu OUT=/tmp/x bash scripts/gpu/pd_x2.sh
 set -uo pipefail
@@ -128,7 +129,7 @@ t(w('$PRESET', '$MODEL'), $VOCAB)" || exit 1
     echo "== goodput ($(date +%T), ${T_GOODPUT} s)"
     timeout -s INT "$T_GOODPUT" python3 benchmarks/pd/goodput.py --tokenizer "$MODEL" --server-args "$GOODPUT_SERVER" \
         --rates "${GOODPUT_RATES[@]}" "${GOODPUT[@]}" --gpu-args "--base-gpu-id 0" "--base-gpu-id 1" \
-        --name "$GOODPUT_NAME" --out-dir "$OUT"
+        --deadline-s $(( T_GOODPUT > 30 ? T_GOODPUT - 15 : T_GOODPUT )) --name "$GOODPUT_NAME" --out-dir "$OUT"
   fi
   echo "== done ($(date +%T))"
 } 2>&1 | tee -a "$LOG"

@@ -14,8 +14,9 @@ What travels, by `--kv-tier-budget` b and `--kv-transfer-stream`:
     b = 1.0            every chunk streams at the model dtype as it finishes (the rest with the
                        last chunk): the transfer overlaps the next chunk's compute
     b < 1, "end"       nothing until the prompt is done; then the tiers SpectrumKV assigned
-                       (the pool holds them already) go out as stored codes, one segment per
-                       chunk (the first write waits for one chunk's pack, not the prompt's)
+                       (the pool holds them already) go out as stored codes in two segments,
+                       the first chunk and the rest (the first write waits for one chunk's
+                       pack, not the prompt's; the rest is packed while it is on the wire)
     b < 1, "int8"      chunks stream at int8; at the end a replacing segment sends the tokens
                        whose final tier is not int8 (fp16 upgrades, int4 codes, drops), so the
                        decode ends with exactly the codes of the "end" variant
@@ -115,7 +116,7 @@ class PrefillRoom:
     trace: PhaseTrace | None = None  # --enable-pd-trace
     stream: str = "end"  # --kv-transfer-stream when its request arrived
     launched: dict = field(default_factory=dict)  # chunk end -> time.time() that chunk was launched
-    chunk_ends: list = field(default_factory=list)  # tiered "end": where its stored range is cut
+    chunk_ends: list = field(default_factory=list)  # tiered "end": its chunks' ends (the first cuts the range)
     forward_end: float = 0.0  # time.time() its last chunk's forward ended
 
 
@@ -261,9 +262,13 @@ class PrefillRole(PDRole):
         if self.tiered and room.stream == "int8" and room.streamed:
             room.pending.append(_Range(0, room.streamed, "replace"))
         if room.streamed < n:
-            # one segment per prefill chunk ("end" at b < 1 too): the first write starts after one
-            # chunk's pack, not the whole prompt's, and the decode unpacks each as it lands
-            bounds = [room.streamed, *(e for e in room.chunk_ends if room.streamed < e < n), n]
+            # tiered "end": two segments, cut at the first chunk's end. A pack costs about the same
+            # host time at any length (one gather / quantize / copy per layer, tier and stream:
+            # launch-bound, ~25 ms per 2048-token segment at b=0.5 on an H200), so the first write
+            # waits for one chunk's pack while the rest goes as one segment, packed under that
+            # write; a segment per chunk would put every further pack in series on the tail
+            cut = [e for e in room.chunk_ends if room.streamed < e < n][:1]
+            bounds = [room.streamed, *cut, n]
             room.pending.extend(_Range(a, b, "stored") for a, b in zip(bounds, bounds[1:]))
             room.streamed = n
         room.prompt_done, room.prompt_done_at = True, time.monotonic()

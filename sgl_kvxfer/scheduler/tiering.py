@@ -180,7 +180,10 @@ class EngineTiering:
             n, end = s.req.seq_len, s.start + s.length
             acc = self._acc.get(s.req)
             if acc is None or acc.num_tokens != n:
-                acc = self._acc[s.req] = ImportanceAccumulator(n, window, dev, head_max=head_max)
+                # every head in one product per layer: the per-head loop's sums (to float32
+                # rounding) in Hkv times fewer launches, on the last chunk's critical path
+                acc = self._acc[s.req] = ImportanceAccumulator(n, window, dev, fused_heads=not head_max,
+                                                               head_max=head_max)
             accs = [acc] if end > acc.window_start else []  # this chunk holds window queries
             if s.req in self._chunk_acc and end < n:  # a streamed chunk: its own window ranks it
                 self._chunk_acc[s.req] = ImportanceAccumulator(end, window, dev, fused_heads=True)

@@ -184,9 +184,10 @@ def test_chunks_not_packed_at_prompt_end_go_at_the_final_tiers():
     assert (a.start, a.end, b.start, b.end) == (0, 5, 5, 10) and b.tiers.tolist() == [5, 6, 7, 8, 9]
 
 
-def test_end_stream_sends_one_stored_segment_per_chunk_after_the_prompt(monkeypatch):
+def test_end_stream_sends_the_first_chunk_then_the_rest_after_the_prompt(monkeypatch):
     """Tiered `end`: nothing is queued while chunks finish; at prompt end the stored range is cut
-    at the chunk ends, so the first write waits for one chunk's pack instead of the prompt's."""
+    at the first chunk's end only, so the first write waits for one chunk's pack and the rest is
+    one segment (a pack's host cost barely depends on its length)."""
     from types import SimpleNamespace as NS
 
     from sgl_kvxfer.disagg.prefill import PrefillRole, PrefillRoom
@@ -196,12 +197,11 @@ def test_end_stream_sends_one_stored_segment_per_chunk_after_the_prompt(monkeypa
     room = PrefillRoom(1, stream="end")
     monkeypatch.setattr(role, "_room_of", lambda req: room)
     req = NS(origin_input_ids=list(range(40)))
-    for a, b in ((0, 16), (16, 32)):
+    for a, b in ((0, 10), (10, 20), (20, 30)):
         role.on_chunk(req, a, b)
     assert not room.pending and room.streamed == 0
     assert role.on_prompt_done(req)
-    assert [(r.start, r.end, r.kind) for r in room.pending] == [(0, 16, "stored"), (16, 32, "stored"),
-                                                                (32, 40, "stored")]
+    assert [(r.start, r.end, r.kind) for r in room.pending] == [(0, 10, "stored"), (10, 40, "stored")]
     assert room.streamed == 40
     one = PrefillRoom(2, stream="end")  # a prompt of one chunk: one segment
     monkeypatch.setattr(role, "_room_of", lambda req: one)

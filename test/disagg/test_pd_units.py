@@ -182,15 +182,18 @@ def test_bootstrap_server_sglang_api(bootstrap_url):
     assert requests.post(bootstrap_url + "/query_dp_ranks", json={"bootstrap_rooms": [77]}).json() == {"77": 0}
 
 
-def test_auto_stream_is_int8_on_gpu_from_half_budget_and_end_otherwise():
+def test_auto_stream_is_chunk_on_a_paced_gpu_link_int8_unpaced_from_half_budget_and_end_otherwise():
     from sgl_kvxfer.config import ServerArgs
 
-    def stream(b, s="auto", device="cuda"):
-        args = ServerArgs.from_flat(kv_tier_budget=b, kv_transfer_stream=s, device=device)
+    def stream(b, s="auto", device="cuda", rate=0.0):
+        args = ServerArgs.from_flat(kv_tier_budget=b, kv_transfer_stream=s, device=device, kv_transfer_rate_gbps=rate)
         return args.scheduler.resolved_kv_transfer_stream
 
     assert [stream(b) for b in (1.0, 0.75, 0.5, 0.3)] == ["end", "int8", "int8", "end"]
+    assert [stream(b, rate=10) for b in (1.0, 0.75, 0.5, 0.3)] == ["end", "chunk", "chunk", "chunk"]
     assert [stream(b, device="cpu") for b in (0.75, 0.5, 0.3)] == ["end", "end", "end"]
+    assert [stream(b, device="cpu", rate=10) for b in (0.5, 0.3)] == ["end", "end"]
+    assert stream(0.3, "end", rate=10) == "end"
     assert stream(0.3, "int8") == "int8" and stream(0.75, "end") == "end"
     with pytest.raises(ValueError, match="kv_transfer_stream"):
         stream(0.5, "fast")
