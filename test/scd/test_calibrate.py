@@ -95,9 +95,10 @@ def test_patch_layers_share_the_time_budget(monkeypatch):
     assert b.layer_share(6) == pytest.approx(1.25)
     t[0] += 2.0
     assert b.layer_share(3) is None  # under MIN_LAYER_S left: drop
-    # the deadline counts from the process's start, not from the Budget's
+    # from the command line the deadline counts from the process's start, not from the Budget's
     monkeypatch.setattr(B, "process_age_s", lambda: 30.0)
-    assert B.Budget(B.SAVE_RESERVE_S + 60).left() == pytest.approx(30.0)
+    assert B.Budget(B.SAVE_RESERVE_S + 60, started=B.process_start()).left() == pytest.approx(30.0)
+    assert B.Budget(B.SAVE_RESERVE_S + 60).left() == pytest.approx(60.0)
     for bad in ("nan", "-1", "inf"):
         with pytest.raises(ValueError):
             parse_args(["--consumer", "a=x", "--time-budget-s", bad])
@@ -125,7 +126,6 @@ def test_a_budget_too_small_for_every_aligner_still_writes_the_artifacts(tiny_pa
 
     t = [0.0]
     monkeypatch.setattr(B, "clock", lambda: t[0])
-    monkeypatch.setattr(B, "process_age_s", lambda: 0.0)
     real, turns = stages.train_aligners, []
 
     def timed(*a, time_budget_s=0.0, **kw):  # each aligner uses its whole turn of the fake clock

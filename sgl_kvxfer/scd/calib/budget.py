@@ -1,9 +1,10 @@
 """Calibration's time budget (--time-budget-s): one deadline for the whole process, and each
 Patch layer's share of what is left of it.
 
-The deadline counts from the process's start (Linux /proc: interpreter start and imports
-included, so the budget is what a `timeout` around the command sees) or, where that is
-unknown, from the Budget's creation. SAVE_RESERVE_S of it is kept free for writing the
+From the command line the deadline counts from the process's start (Linux /proc:
+interpreter start and imports included, so the budget is what a `timeout` around the command
+sees; where /proc does not say, from calibrate()'s start); calibrate() called from a longer-lived
+process counts from its call. SAVE_RESERVE_S of it is kept free for writing the
 artifacts and the report. A layer's share covers its whole turn (joint H fit, code, aligner
 training, its final held-out check), so the turns add up to at most what was left.
 """
@@ -18,6 +19,11 @@ MIN_LAYER_S = 1.0  # a layer given less than this is dropped from the Patch set 
 
 def clock() -> float:
     return time.perf_counter()
+
+
+def process_start() -> float:
+    """This process's start on the clock() scale (now, where /proc does not say)."""
+    return clock() - process_age_s()
 
 
 def process_age_s() -> float:
@@ -35,9 +41,11 @@ def process_age_s() -> float:
 class Budget:
     """total_s = 0: no deadline (every layer trains, each under cap_s if that is set)."""
 
-    def __init__(self, total_s: float, cap_s: float = 0.0, reserve_s: float = SAVE_RESERVE_S):
+    def __init__(self, total_s: float, cap_s: float = 0.0, reserve_s: float = SAVE_RESERVE_S,
+                 started: float | None = None):
+        """started: the clock() reading the budget counts from (default: now)."""
         self.total_s, self.cap_s, self.reserve_s = total_s, cap_s, reserve_s
-        self.deadline = clock() - process_age_s() + total_s if total_s else None
+        self.deadline = (clock() if started is None else started) + total_s if total_s else None
 
     @staticmethod
     def now() -> float:

@@ -22,7 +22,8 @@ A consumer is NAME=PATH: a model dir, or a peft LoRA adapter dir merged onto --c
               greedy order; each layer's turn (fit and training) at most --aligner-time-s
   save        manifest.json, producer.safetensors, consumer_<name>.safetensors, calibration.json
 
---time-budget-s bounds the whole process (from its start, imports included) so the artifacts
+--time-budget-s bounds the whole process (from its start, imports included; a call of calibrate()
+from its call) so the artifacts
 are always written: the Patch layers still to train share what is left of it less a reserve for
 saving (budget.py), and a selected layer the budget leaves no turn for is dropped from the Patch
 set (it stays Reuse; calibration.json lists it under patch_dropped, and a warning says so). A
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvxfer.scd.calib import stages
-from sgl_kvxfer.scd.calib.budget import Budget
+from sgl_kvxfer.scd.calib.budget import Budget, process_start
 
 
 @dataclass(frozen=True)
@@ -137,10 +138,11 @@ class StageTimer:
         print(f"[calibrate] {name}: {self.wall[name]:.2f} s", flush=True)
 
 
-def calibrate(cfg: CalibConfig) -> dict:
-    """Runs every stage; returns the calibration report (also written to OUT/calibration.json)."""
+def calibrate(cfg: CalibConfig, started: float | None = None) -> dict:
+    """Runs every stage; returns the calibration report (also written to OUT/calibration.json).
+    started: the budget.clock() reading --time-budget-s counts from (default: this call)."""
     timer, t_start = StageTimer(), time.perf_counter()
-    budget = Budget(cfg.time_budget_s, cfg.aligner_time_s)  # the deadline counts from the process's start
+    budget = Budget(cfg.time_budget_s, cfg.aligner_time_s, started=started)
     torch.manual_seed(cfg.seed)
     with timer("load"):
         env = stages.load_models(cfg)
@@ -223,7 +225,7 @@ def parse_args(argv=None) -> CalibConfig:
 
 
 def main(argv=None) -> None:
-    calibrate(parse_args(argv))
+    calibrate(parse_args(argv), started=process_start())  # the budget includes start-up and imports
 
 
 def parse_consumer_arg(spec: str, producer: str | None = None) -> tuple[str, tuple[str, str | None]]:
