@@ -42,8 +42,8 @@ if [ "$DEVICE" = cuda ]; then
   # drift so far that raw producer KV keeps under a quarter of the oracle's score; a lower rate
   # keeps them closer to the base (the drift table of scd_eval.py measures how close)
   TRAIN="--method full --steps 3000 --time-limit-s ${T_TRAIN_EACH:-100} --batch-size 32 --lr ${TRAIN_LR:-5e-5} --warmup 30 --eval-n 50 --device cuda"
-  # the patch layers share what calibration's earlier stages leave of --time-budget-s (at most 20 s per
-  # layer, its three aligners trained side by side)
+  # the patch layers share what calibration's earlier stages leave of --time-budget-s (at most 30 s per
+  # layer, its three aligners trained side by side; a layer left no time stays Reuse)
   # Top level 32:64 (V at full rank: Reuse there is the ridge translator with no truncation) over
   # nested 4:12 / 8:28 / 16:48, so the sweep reaches past the point where Reuse meets raw KV
   # (8:28 with six Patch layers: 6720 B/token, the most within int4 of raw KV's 7200); six
@@ -94,9 +94,12 @@ if [ "${PARALLEL_TRAIN:-0}" = 1 ]; then
   wait "${train_pids[@]}"  # not a bare wait: that also waits for the log's tee, which never ends
   for s in $SPECIALISTS; do grep -v "it/s\]$" "$W/train_$s.log" | tail -n 15; done
 fi
-# calibration takes what the eval's minimum leaves (its own --time-budget-s ends it 15 s before
-# the hard limit); the eval takes the rest: its rank sweep starts a consumer only when the time its
-# methods took says it ends 30 s before the limit
+# calibration takes what the eval's minimum leaves. Its --time-budget-s (T_CAL - 15) counts from the
+# python process's start and keeps 10 s of itself for writing the artifacts (calib/budget.py), so
+# it exits near T_CAL - 25 s; the 15 s outside cover the last aligner turn's overrun (one step
+# and a held-out check) and a slow disk under the ~300 MB of reuse stats, before timeout's SIGINT
+# at T_CAL (which would still save the layers trained by then). The eval takes the rest: its rank
+# sweep starts a consumer only when the time its methods took says it ends 30 s before the limit
 T_CAL=$(( $(left) - T_EVAL_MIN )); [ $T_CAL -lt 60 ] && T_CAL=60
 stage calibrate $T_CAL python3 -m sgl_kvxfer.scd.calib --producer "$BASE" $CONSUMERS \
   --calib task:qa task:kv task:code --out "$W/artifacts" --save-stats --time-budget-s $(( T_CAL - 15 )) $CALIB

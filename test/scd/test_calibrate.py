@@ -66,24 +66,123 @@ def test_calibrate_tiny_pair_end_to_end(tiny_pair, tmp_path):
             assert rel < 1.0 and rebuilt.k[layer].shape == oracle.k[layer].shape, (name, layer, rel, raw)
 
 
-def test_aligners_share_the_time_budget(monkeypatch):
-    """--time-budget-s: each aligner gets its share of what is left before the deadline (less the
-    save margin), capped by --aligner-time-s, never less than 1 s; bad budgets are refused."""
-    import time
+def _tiny_args(tiny_pair, tmp_path, out, *extra) -> list[str]:
+    return ["--producer", tiny_pair["producer"], "--consumer", f"a={tiny_pair['a']}",
+            "--consumer", f"b={tiny_pair['b']}", "--calib", *synthetic_calib(tmp_path),
+            "--r-k", "8", "--r-v", "8", "--r-h", "16", "--out", out,
+            "--prefix-len", "48", "--num-prefixes", "12", "--batch-size", "6", "--select-prompts", "4",
+            "--select-prefix", "16", "--select-cont", "6", "--aligner-hidden", "16",
+            "--aligner-steps", "30", "--aligner-tokens", "256", "--device", "cpu", *extra]
 
+
+def test_patch_layers_share_the_time_budget(monkeypatch):
+    """--time-budget-s: each Patch layer's turn is its share of what is left before the deadline
+    less the save reserve, capped by --aligner-time-s; a share under MIN_LAYER_S goes to fewer
+    layers, and with no time left the layer is dropped; bad budgets are refused."""
     import pytest
 
-    from sgl_kvxfer.scd.calib import stages
-    from sgl_kvxfer.scd.calib.calibrate import CalibConfig
+    from sgl_kvxfer.scd.calib import budget as B
 
-    now = 1000.0
-    monkeypatch.setattr(time, "perf_counter", lambda: now)
-    cfg = CalibConfig(consumers=("a=x",), aligner_time_s=0.0)
-    assert stages.aligner_time(cfg, None, 5) == 0.0  # no deadline, no cap: no limit
-    deadline = now + stages.SAVE_MARGIN_S + 60
-    assert stages.aligner_time(cfg, deadline, 6) == pytest.approx(10.0)
-    assert stages.aligner_time(CalibConfig(consumers=("a=x",), aligner_time_s=4.0), deadline, 6) == 4.0
-    assert stages.aligner_time(cfg, now, 3) == 1.0  # past the deadline: one held-out check's worth
+    t = [1000.0]
+    monkeypatch.setattr(B, "clock", lambda: t[0])
+    monkeypatch.setattr(B, "process_age_s", lambda: 0.0)
+    assert B.Budget(0.0).layer_share(5) == 0.0  # no deadline, no cap: no limit
+    assert B.Budget(0.0, cap_s=4.0).layer_share(5) == 4.0
+    b = B.Budget(B.SAVE_RESERVE_S + 60)
+    assert b.layer_share(6) == pytest.approx(10.0)
+    assert B.Budget(B.SAVE_RESERVE_S + 60, cap_s=4.0).layer_share(6) == 4.0
+    t[0] += 57.5  # 2.5 s left: two layers of 1.25 s, not six of 0.42 s
+    assert b.layer_share(6) == pytest.approx(1.25)
+    t[0] += 2.0
+    assert b.layer_share(3) is None  # under MIN_LAYER_S left: drop
+    # from the command line the deadline counts from the process's start, not from the Budget's
+    monkeypatch.setattr(B, "process_age_s", lambda: 30.0)
+    assert B.Budget(B.SAVE_RESERVE_S + 60, started=B.process_start()).left() == pytest.approx(30.0)
+    assert B.Budget(B.SAVE_RESERVE_S + 60).left() == pytest.approx(60.0)
     for bad in ("nan", "-1", "inf"):
         with pytest.raises(ValueError):
             parse_args(["--consumer", "a=x", "--time-budget-s", bad])
+
+
+def test_process_age_is_this_process():
+    import time
+
+    from sgl_kvxfer.scd.calib.budget import process_age_s
+
+    age = process_age_s()
+    assert age > 0.1  # the interpreter started and imported torch before this test ran
+    time.sleep(0.3)
+    assert abs(process_age_s() - age - 0.3) < 0.1  # /proc's ticks are 10 ms
+
+
+def test_a_budget_too_small_for_every_aligner_still_writes_the_artifacts(tiny_pair, tmp_path, monkeypatch):
+    """A budget that leaves one aligner turn of three: the first layer in greedy order trains, the
+    other two are dropped (they stay Reuse, calibration.json says why, a warning says so), and the
+    artifact set is complete and loads. A fake clock that only the aligners move makes it exact."""
+    import pytest
+
+    from sgl_kvxfer.scd.calib import budget as B
+    from sgl_kvxfer.scd.calib import stages
+
+    t = [0.0]
+    monkeypatch.setattr(B, "clock", lambda: t[0])
+    real, turns = stages.train_aligners, []
+
+    def timed(*a, time_budget_s=0.0, **kw):  # each aligner uses its whole turn of the fake clock
+        turns.append(time_budget_s)
+        t[0] += time_budget_s
+        return real(*a, time_budget_s=time_budget_s, **kw)
+
+    monkeypatch.setattr(stages, "train_aligners", timed)
+    out = str(tmp_path / "art")
+    # 1.5 s after the save reserve: one turn of at least MIN_LAYER_S, not three
+    cfg = parse_args(_tiny_args(tiny_pair, tmp_path, out, "--patch-budget", "3",
+                                "--time-budget-s", str(B.SAVE_RESERVE_S + 1.5)))
+    with pytest.warns(RuntimeWarning, match="dropped"):
+        report = calibrate(cfg)
+    greedy = [g["layer"] for g in report["selection"]["greedy"]]
+    assert len(report["selection"]["layers"]) == 3
+    assert turns == [pytest.approx(1.5)]
+    assert report["patch_layers"] == greedy[:1]
+    assert report["patch_dropped"] == {str(layer): "time" for layer in greedy[1:]}
+    assert set(report["aligners"]["a"]) == {str(greedy[0])}
+    art = ScdArtifacts.load(out)
+    assert art.manifest.patch_layers == tuple(greedy[:1]) and len(art.manifest.reuse_layers) == 3
+    assert art.check_pair(tiny_pair["producer"], tiny_pair["a"]) == "a"
+    with open(os.path.join(out, "calibration.json")) as f:
+        assert json.load(f)["patch_dropped"] == report["patch_dropped"]
+    # no time for any aligner: every selected layer stays Reuse, the set still loads
+    cfg = parse_args(_tiny_args(tiny_pair, tmp_path, out, "--patch-budget", "2",
+                                "--time-budget-s", str(B.SAVE_RESERVE_S / 2)))
+    turns.clear()
+    with pytest.warns(RuntimeWarning, match="dropped"):
+        report = calibrate(cfg)
+    assert turns == [] and report["patch_layers"] == [] and len(report["patch_dropped"]) == 2
+    assert "fit_patch" not in report["wall_s"]
+    art = ScdArtifacts.load(out)
+    assert art.manifest.patch_layers == () and len(art.manifest.reuse_layers) == 4
+
+
+def test_sigint_while_aligners_train_saves_the_trained_layers(tiny_pair, tmp_path, monkeypatch):
+    """A SIGINT (timeout -s INT around the run) during the second aligner turn: the first layer
+    keeps its aligner, the interrupted one and the rest are dropped, the artifacts are written."""
+    import pytest
+
+    from sgl_kvxfer.scd.calib import stages
+
+    real, calls = stages.train_aligners, []
+
+    def interrupted(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(stages, "train_aligners", interrupted)
+    out = str(tmp_path / "art")
+    with pytest.warns(RuntimeWarning, match="interrupted"):
+        report = calibrate(parse_args(_tiny_args(tiny_pair, tmp_path, out, "--patch-budget", "3")))
+    greedy = [g["layer"] for g in report["selection"]["greedy"]]
+    assert report["patch_layers"] == greedy[:1]
+    assert report["patch_dropped"] == {str(layer): "interrupted" for layer in greedy[1:]}
+    assert ScdArtifacts.load(out).manifest.patch_layers == tuple(greedy[:1])

@@ -18,10 +18,17 @@ A consumer is NAME=PATH: a model dir, or a peft LoRA adapter dir merged onto --c
               over RAW producer K/V (the DroidSpeak baseline's selection).
   collect_h   second paired pass: input_layernorm outputs at the selected layers
   fit_patch   joint H subspace + ridge encoder, then per consumer an MLP aligner (Adam, early
-              stopping on a held-out split; a layer's consumers train side by side); with
-              --time-budget-s the layers still to train share the time left before it, less
-              a margin for saving
-  save        manifest.json, producer.safetensors, consumer_<name>.safetensors
+              stopping on a held-out split; a layer's consumers train side by side), layers in
+              greedy order; each layer's turn (fit and training) at most --aligner-time-s
+  save        manifest.json, producer.safetensors, consumer_<name>.safetensors, calibration.json
+
+--time-budget-s bounds the whole process (from its start, imports included; a call of calibrate()
+from its call) so the artifacts
+are always written: the Patch layers still to train share what is left of it less a reserve for
+saving (budget.py), and a selected layer the budget leaves no turn for is dropped from the Patch
+set (it stays Reuse; calibration.json lists it under patch_dropped, and a warning says so). A
+SIGINT during collect_h / fit_patch (a `timeout -s INT` around the run) drops the untrained
+layers the same way and saves the rest.
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvxfer.scd.calib import stages
+from sgl_kvxfer.scd.calib.budget import Budget, process_start
 
 
 @dataclass(frozen=True)
@@ -130,9 +138,11 @@ class StageTimer:
         print(f"[calibrate] {name}: {self.wall[name]:.2f} s", flush=True)
 
 
-def calibrate(cfg: CalibConfig) -> dict:
-    """Runs every stage; returns the calibration report (also written to OUT/calibration.json)."""
+def calibrate(cfg: CalibConfig, started: float | None = None) -> dict:
+    """Runs every stage; returns the calibration report (also written to OUT/calibration.json).
+    started: the budget.clock() reading --time-budget-s counts from (default: this call)."""
     timer, t_start = StageTimer(), time.perf_counter()
+    budget = Budget(cfg.time_budget_s, cfg.aligner_time_s, started=started)
     torch.manual_seed(cfg.seed)
     with timer("load"):
         env = stages.load_models(cfg)
@@ -144,11 +154,21 @@ def calibrate(cfg: CalibConfig) -> dict:
         reuse_all, fit_report = stages.fit_reuse_all(cfg, env, moments)
     with timer("select"):
         selection, droid, heldout = stages.select_layers(cfg, env, reuse_all, sel_chunks)
-    patch = list(selection.layers)
-    with timer("collect_h"):
-        h_data = stages.collect_h(cfg, env, fit_chunks, patch) if patch else None
-    with timer("fit_patch"):
-        patch_tensors, aligner_report = stages.fit_patch(cfg, env, h_data, patch) if patch else ({}, {})
+    order = stages.patch_order(selection)
+    patch_tensors, aligner_report, dropped = {}, {}, {}
+    if order and budget.layer_share(len(order)) is None:  # no time for even one aligner
+        stages.drop_layers(dropped, order, "time")
+    elif order:
+        try:
+            with timer("collect_h"):
+                h_data = stages.collect_h(cfg, env, fit_chunks, order)
+        except KeyboardInterrupt:  # a `timeout` around the run: save what there is
+            stages.drop_layers(dropped, order, "interrupted")
+        else:
+            with timer("fit_patch"):
+                patch_tensors, aligner_report, dropped = stages.fit_patch(cfg, env, h_data, order, budget)
+    patch = sorted(x for x in order if x not in dropped)
+    left_at_save = budget.left()
     with timer("save"):
         art = stages.assemble(cfg, env, reuse_all, patch, patch_tensors)
         art.save(cfg.out, getattr(torch, cfg.storage_dtype))
@@ -166,6 +186,11 @@ def calibrate(cfg: CalibConfig) -> dict:
         "tokens": {"fit_prefixes": len(fit_chunks), "fit_tokens": sum(len(c) for c in fit_chunks),
                    "select_prompts": len(sel_chunks)},
         "patch_layers": list(m.patch_layers), "selection": selection.to_dict(),
+        # selected layers left out of the Patch set (they stay Reuse): "time" (the budget left no
+        # turn for their aligners) or "interrupted" (SIGINT while they trained)
+        "patch_dropped": {str(k): v for k, v in dropped.items()},
+        "time_budget": {"total_s": cfg.time_budget_s, "save_reserve_s": budget.reserve_s,
+                        "left_before_save_s": None if left_at_save is None else round(left_at_save + budget.reserve_s, 3)},
         "droidspeak_restore_one": {str(k): v for k, v in droid.items()},
         "reuse_fit_rel_err": fit_report, "heldout_kv_rel_err": heldout, "aligners": aligner_report,
         "bytes_per_token": {"scd": m.bytes_per_token, "raw_bf16": m.raw_kv_bytes_per_token(2)},
@@ -174,7 +199,8 @@ def calibrate(cfg: CalibConfig) -> dict:
     }
     with open(os.path.join(cfg.out, "calibration.json"), "w") as f:
         json.dump(report, f, indent=1)
-    print(f"[calibrate] patch layers {list(m.patch_layers)}; {m.bytes_per_token} B/token of codes vs "
+    print(f"[calibrate] patch layers {list(m.patch_layers)}"
+          f"{f' (dropped {sorted(dropped)})' if dropped else ''}; {m.bytes_per_token} B/token of codes vs "
           f"{m.raw_kv_bytes_per_token(2)} raw bf16; total {report['wall_s']['total']:.1f} s -> {cfg.out}")
     return report
 
@@ -199,7 +225,7 @@ def parse_args(argv=None) -> CalibConfig:
 
 
 def main(argv=None) -> None:
-    calibrate(parse_args(argv))
+    calibrate(parse_args(argv), started=process_start())  # the budget includes start-up and imports
 
 
 def parse_consumer_arg(spec: str, producer: str | None = None) -> tuple[str, tuple[str, str | None]]:

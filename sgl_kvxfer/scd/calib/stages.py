@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +13,7 @@ from tqdm import tqdm
 from sgl_kvxfer.scd.calib import methods
 from sgl_kvxfer.scd.calib.aligner import train_aligners
 from sgl_kvxfer.scd.artifacts import CODE_DTYPES, ScdArtifacts, ScdManifest
+from sgl_kvxfer.scd.calib.budget import Budget
 from sgl_kvxfer.scd.calib.build import ReuseMoments, fit_reuse, patch_tensors
 from sgl_kvxfer.scd.codec import ScdDecoder, ScdEncoder, kv_projections
 from sgl_kvxfer.scd.calib.fit import JointMoments, fit_joint
@@ -192,46 +193,60 @@ def collect_h(cfg, env: Models, chunks, patch):
     return moments, {layer: [torch.cat(s) for s in per] for layer, per in samples.items()}
 
 
-SAVE_MARGIN_S = 10.0  # kept free before a deadline: writing the artifacts and the report
+def patch_order(selection) -> list[int]:
+    """The selected Patch layers, most valuable first (the greedy order): when time runs out, the
+    layers dropped are the last of it."""
+    order = [layer for layer, _ in selection.greedy if layer in selection.layers]
+    return order + [layer for layer in selection.layers if layer not in order]
 
 
-def aligner_time(cfg, deadline: float | None, left: int) -> float:
-    """Seconds for the next patch layer's aligners (every consumer's, trained side by side): its
-    share of the time before `deadline` (time.perf_counter clock) among the `left` layers still
-    to train, capped by --aligner-time-s; 0 = no limit. At least 1 s, a held-out check's worth
-    (the best check is kept: an aligner never ends worse than its linear start)."""
-    cap = cfg.aligner_time_s
-    if deadline is None:
-        return cap
-    share = max(1.0, (deadline - SAVE_MARGIN_S - time.perf_counter()) / max(1, left))
-    return min(cap, share) if cap else share
+def drop_layers(dropped: dict, layers, reason: str) -> None:
+    for layer in layers:
+        dropped[layer] = reason
+    if layers:
+        warnings.warn(f"Patch layers {list(layers)} dropped ({reason}): no aligner trained, they stay Reuse",
+                      RuntimeWarning, stacklevel=2)
 
 
-def fit_patch(cfg, env: Models, h_data, patch, deadline: float | None = None):
+def fit_patch(cfg, env: Models, h_data, order, budget: Budget):
+    """Per layer in `order`: joint H fit + every consumer's aligner, within the layer's share of
+    the budget (Budget.layer_share: the whole turn, fit included). A layer the budget leaves no
+    time for, or that a SIGINT (a `timeout` around the run) catches, is dropped: it stays Reuse.
+    Returns (tensors of the trained layers, per-consumer report, {dropped layer: reason})."""
     moments, samples = h_data
-    out, report = {}, {}
+    out, report, dropped = {}, {}, {}
     names = list(env.consumers)
     code_dt = CODE_DTYPES[cfg.code_dtype]
-    bar = tqdm(total=len(patch), desc="train aligners (all consumers per layer)", unit="layer")
-    for j, layer in enumerate(patch):
-        fit = fit_joint(moments[layer], cfg.r_h, cfg.ridge)
-        h_a = samples[layer][0].float()
-        z = ((h_a - fit.mu_a[0].to(h_a.device)) @ fit.enc[0].to(h_a.device)).to(code_dt).float()
-        w_kvs = [torch.cat([env.projections[n][layer].w_k, env.projections[n][layer].w_v]).float() for n in names]
-        trained = train_aligners(z, [samples[layer][1 + i].float() for i in range(len(names))],
-                                 [fit.dec[i][0].to(z.device) for i in range(len(names))],
-                                 [fit.mu_b[i][0].to(z.device) for i in range(len(names))], cfg.aligner_hidden,
-                                 cfg.aligner_steps, cfg.aligner_lr, w_kvs=w_kvs, aux=cfg.aligner_aux,
-                                 seed=cfg.seed + layer, patience=cfg.aligner_patience,
-                                 time_budget_s=aligner_time(cfg, deadline, len(patch) - j))
+    bar = tqdm(total=len(order), desc="train aligners (all consumers per layer)", unit="layer")
+    for j, layer in enumerate(order):
+        share = budget.layer_share(len(order) - j)
+        if share is None:
+            drop_layers(dropped, order[j:], "time")
+            break
+        turn_end = budget.now() + share if share else None
+        try:
+            fit = fit_joint(moments[layer], cfg.r_h, cfg.ridge)
+            h_a = samples[layer][0].float()
+            z = ((h_a - fit.mu_a[0].to(h_a.device)) @ fit.enc[0].to(h_a.device)).to(code_dt).float()
+            w_kvs = [torch.cat([env.projections[n][layer].w_k, env.projections[n][layer].w_v]).float() for n in names]
+            trained = train_aligners(z, [samples[layer][1 + i].float() for i in range(len(names))],
+                                     [fit.dec[i][0].to(z.device) for i in range(len(names))],
+                                     [fit.mu_b[i][0].to(z.device) for i in range(len(names))], cfg.aligner_hidden,
+                                     cfg.aligner_steps, cfg.aligner_lr, w_kvs=w_kvs, aux=cfg.aligner_aux,
+                                     seed=cfg.seed + layer, patience=cfg.aligner_patience,
+                                     time_budget_s=max(1e-6, turn_end - budget.now()) if turn_end else 0.0)
+        except KeyboardInterrupt:
+            drop_layers(dropped, order[j:], "interrupted")
+            break
         aligners = {}
         for i, (name, (params, rep)) in enumerate(zip(names, trained)):
             aligners[name] = params
-            report.setdefault(name, {})[str(layer)] = {**rep, "h_fit_rel_err": round(float(fit.rel_err[i][0]), 6)}
+            report.setdefault(name, {})[str(layer)] = {**rep, "h_fit_rel_err": round(float(fit.rel_err[i][0]), 6),
+                                                       "turn_s": round(share, 3)}
         bar.update()
         out.update(patch_tensors(layer, fit, aligners))
     bar.close()
-    return out, report
+    return out, report, dropped
 
 
 def assemble(cfg, env: Models, reuse_all: ScdArtifacts, patch, patch_t) -> ScdArtifacts:
