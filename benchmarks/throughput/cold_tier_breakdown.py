@@ -3,6 +3,7 @@
     with HookTimer(engine) as timer:
         engine.generate(...)
     timer.result() -> {"decode_steps", "wall_s", "seconds": {part: s}, "calls": {part: n},
+                       "ms_per_decode_step": {part: ms}, "forward_decode_ms": [ms per step, in order],
                        "graph_replays", "cuda_graphs"}
 
 Parts (each wrapped call is synchronized before and after on CUDA, so GPU work it enqueues is
@@ -39,6 +40,7 @@ class HookTimer:
         self.tree = getattr(engine.scheduler.kv, "tree", None)
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.step_ms: list[float] = []  # each decode forward, in order: a jump after a landing shows
         self._undo: list = []
         self._depth = 0  # nested wrapped calls (a landing inside a scoring hook) are charged once
 
@@ -60,8 +62,11 @@ class HookTimer:
             finally:
                 _sync()
                 self._depth -= 1
-                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+                dt = time.perf_counter() - t
+                self.seconds[name] = self.seconds.get(name, 0.0) + dt
                 self.calls[name] = self.calls.get(name, 0) + 1
+                if name == "forward_decode":
+                    self.step_ms.append(1e3 * dt)
 
         setattr(obj, attr, timed)
         self._undo.append((obj, attr, real if had_own else None))
@@ -95,5 +100,6 @@ class HookTimer:
         seconds["other"] = max(0.0, self.wall_s - sum(self.seconds.values()))
         return {"decode_steps": steps, "wall_s": self.wall_s, "seconds": seconds, "calls": dict(self.calls),
                 "ms_per_decode_step": {k: 1e3 * v / max(1, steps) for k, v in seconds.items()},
+                "forward_decode_ms": [round(x, 3) for x in self.step_ms],
                 "graph_replays": None if graphs is None else graphs.replays - self._replays,
                 "cuda_graphs": graphs is not None}

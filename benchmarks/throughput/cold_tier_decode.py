@@ -10,6 +10,8 @@ After the prefill, modes alternate within every repeat (interleaved, so drift hi
              steps after it, for each I of --intervals (the first is the engine's setting)
     forced   (--forced-threshold T) on@first interval at a threshold low enough to promote: the
              cost of promotions themselves (host gather, side-stream copy, row repair)
+    score@I  (--score-only) scoring every I steps (the first interval) at a threshold nothing
+             reaches: the scoring passes alone, no promotion, rows never change
 
     step = (T(n2) - T(n1)) / (n2 - n1)     per repeat (e2e_decode.py's protocol; prompts cached)
 
@@ -63,9 +65,13 @@ COUNTERS = ("scoring_passes", "scored_tokens", "promotions", "promoted_tokens", 
             "repacked_tokens", "deferred", "no_room", "restored_dropped", "restored_dropped_bytes_h2d")
 
 
+NEVER = 1.0 + 1e-6  # a threshold no probability reaches: scoring without promotions
+
+
 def set_mode(cold, mode: str, args) -> None:
     cold.enabled = mode != "off"
-    cold.threshold = args.forced_threshold if mode == "forced" else args.kv_promote_threshold
+    cold.threshold = {"forced": args.forced_threshold, "score": NEVER}.get(mode.split("@")[0],
+                                                                           args.kv_promote_threshold)
     cold.interval = int(mode.split("@")[1]) if "@" in mode else args.intervals[0]
 
 
@@ -95,6 +101,9 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start a repeat after the first only if the last one's time still fits in this many seconds "
                         "from the start")
+    p.add_argument("--score-only", action="store_true",
+                   help="add the `score@I` mode (first interval): scoring passes at a threshold nothing reaches, so "
+                        "no promotion: the scoring's own cost, apart from promotions and promoted rows")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                    help="skip the synchronized per-part breakdown call of each mode")
     args = p.parse_args(argv)
@@ -117,7 +126,8 @@ def main(argv: list[str] | None = None) -> str:
     arch = ModelArchConfig.from_hf_dict(preset)
     dtype = getattr(torch, args.dtype)
     device = device_name(args.device)
-    modes = ["off"] + [f"on@{i}" for i in args.intervals] + (["forced"] if args.forced_threshold is not None else [])
+    modes = (["off"] + [f"on@{i}" for i in args.intervals] + (["forced"] if args.forced_threshold is not None else [])
+             + ([f"score@{args.intervals[0]}"] if args.score_only else []))
     plan = plan_pool(arch, dtype, args.context, args.batch, args.kv_tier_budget, args.n2, args.kv_tier_policy)
     plan["weight_bytes"] = weight_bytes_resident(arch, dtype)
     name = f"cold_tier_decode_{args.preset}_{device.split(' (')[0].replace(' ', '_')}"

@@ -377,9 +377,11 @@ def test_cold_tier_decode(tmp_path):
     out = run_bench("throughput/cold_tier_decode.py", ["--preset", "tiny", "--context", "96", "--batch", "2",
                                                         "--n1", "1", "--n2", "3", "--repeats", "1", "--device", "cpu",
                                                         "--backend", "torch", "--intervals", "1",
-                                                        "--forced-threshold", "0.001"], tmp_path)
+                                                        "--forced-threshold", "0.001", "--score-only"], tmp_path)
     data = result(out, "cold_tier_decode_tiny", ("modes", "pool_plan", "params", "server_info_cold_tier"), png=False)
-    assert set(data["modes"]) == {"off", "on@1", "forced"} and not data["partial"]
+    assert set(data["modes"]) == {"off", "on@1", "forced", "score@1"} and not data["partial"]
+    score = data["modes"]["score@1"]["counters"]  # scoring without promotions
+    assert score["scoring_passes"] > 0 and score["promotions"] == 0
     assert data["modes"]["off"]["counters"]["scoring_passes"] == 0
     assert data["modes"]["on@1"]["counters"]["scoring_passes"] > 0
     assert data["modes"]["forced"]["counters"]["promoted_tokens"] > 0  # dummy weights: a low bar fires
@@ -393,6 +395,7 @@ def test_cold_tier_decode(tmp_path):
         row = data["breakdown"][mode]
         assert row["decode_steps"] >= 2 and row["calls"]["forward_decode"] == row["decode_steps"]
         assert row["retractions"] == 0 and "other" in row["seconds"]
+        assert len(row["forward_decode_ms"]) == row["decode_steps"]
     assert "cold_score" not in data["breakdown"]["off"]["seconds"]  # scoring is off in `off`
     assert data["breakdown"]["on@1"]["calls"]["cold_score"] >= 1
 
