@@ -4,6 +4,7 @@
         engine.generate(...)
     timer.result() -> {"decode_steps", "wall_s", "seconds": {part: s}, "calls": {part: n},
                        "ms_per_decode_step": {part: ms}, "forward_decode_ms": [ms per step, in order],
+                       "scheduler_step_ms": [ms per scheduler step, in order],
                        "graph_replays", "cuda_graphs"}
 
 Parts (each wrapped call is synchronized before and after on CUDA, so GPU work it enqueues is
@@ -41,6 +42,7 @@ class HookTimer:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.step_ms: list[float] = []  # each decode forward, in order: a jump after a landing shows
+        self.sched_ms: list[float] = []  # each scheduler step (prefill or decode), in order
         self._undo: list = []
         self._depth = 0  # nested wrapped calls (a landing inside a scoring hook) are charged once
 
@@ -71,7 +73,25 @@ class HookTimer:
         setattr(obj, attr, timed)
         self._undo.append((obj, attr, real if had_own else None))
 
+    def _wrap_steps(self, scheduler) -> None:
+        """Each scheduler step's wall time, in order (not synchronized; the parts above are)."""
+        if scheduler is None or not hasattr(scheduler, "step"):
+            return
+        had_own = "step" in vars(scheduler)
+        real = scheduler.step
+
+        def step(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.sched_ms.append(1e3 * (time.perf_counter() - t))
+
+        scheduler.step = step
+        self._undo.append((scheduler, "step", real if had_own else None))
+
     def __enter__(self) -> "HookTimer":
+        self._wrap_steps(getattr(self.engine, "scheduler", None))
         self._wrap(self.runner, "forward",
                    lambda batch, *a, **k: "forward_decode" if batch.mode.name == "DECODE" else "forward_extend")
         self._wrap(self.cold, "_score", "cold_score")
@@ -101,5 +121,6 @@ class HookTimer:
         return {"decode_steps": steps, "wall_s": self.wall_s, "seconds": seconds, "calls": dict(self.calls),
                 "ms_per_decode_step": {k: 1e3 * v / max(1, steps) for k, v in seconds.items()},
                 "forward_decode_ms": [round(x, 3) for x in self.step_ms],
+                "scheduler_step_ms": [round(x, 3) for x in self.sched_ms],
                 "graph_replays": None if graphs is None else graphs.replays - self._replays,
                 "cuda_graphs": graphs is not None}

@@ -395,7 +395,7 @@ def test_cold_tier_decode(tmp_path):
         row = data["breakdown"][mode]
         assert row["decode_steps"] >= 2 and row["calls"]["forward_decode"] == row["decode_steps"]
         assert row["retractions"] == 0 and "other" in row["seconds"]
-        assert len(row["forward_decode_ms"]) == row["decode_steps"]
+        assert len(row["forward_decode_ms"]) == row["decode_steps"] <= len(row["scheduler_step_ms"])
     assert "cold_score" not in data["breakdown"]["off"]["seconds"]  # scoring is off in `off`
     assert data["breakdown"]["on@1"]["calls"]["cold_score"] >= 1
 
