@@ -10,12 +10,24 @@ After the prefill, modes alternate within every repeat (interleaved, so drift hi
              steps after it, for each I of --intervals (the first is the engine's setting)
     forced   (--forced-threshold T) on@first interval at a threshold low enough to promote: the
              cost of promotions themselves (host gather, side-stream copy, row repair)
+    score@I  (--score-only) scoring every I steps (the first interval) at a threshold nothing
+             reaches: the scoring passes alone, no promotion, rows never change
 
     step = (T(n2) - T(n1)) / (n2 - n1)     per repeat (e2e_decode.py's protocol; prompts cached)
 
 and reports each mode's fastest step, the per-repeat spread, and the slowdown of each mode
 against `off` (fastest over fastest, and the median of the per-repeat ratios), with the cold
-tier's counters over the timed calls.
+tier's counters over the timed calls. Each timed call also records the fewest prompt tokens any
+request found cached (`cached_tokens_min`: a prompt evicted from the radix cache is recomputed
+inside the timed call). `repeats_requested` / `repeats_ran` say how many repeats ran; with fewer
+than --repeats (budget, interrupt) or fewer than 5, `ratio_note` says the ratios are not the
+>= 5-repeat number.
+
+Breakdown (after the warm-up, before the repeats; --no-breakdown skips it): per mode one more
+generate(n2) with every forward and cold-tier hook synchronized and timed (cold_tier_breakdown.py):
+ms per decode step in the forward, the scoring pass, landing, the row release, decode demotion,
+cache eviction and the rest of the host loop, graph replays, retractions and cached tokens. Its
+syncs perturb it a little: it says where a slowdown sits, the repeats say how large it is.
 
 The JSON is written after every phase (engine start, prefill, warm-up) and every repeat, so a run
 cut short (SIGINT from a stage's `timeout -s INT`, or a crash) leaves what it measured: `phases`
@@ -45,6 +57,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common.report import device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
+from cold_tier_breakdown import HookTimer  # noqa: E402
 from e2e_decode import engine_kwargs, timed_generate  # noqa: E402
 from pool_plan import plan_pool, weight_bytes_resident  # noqa: E402
 
@@ -52,9 +65,13 @@ COUNTERS = ("scoring_passes", "scored_tokens", "promotions", "promoted_tokens", 
             "repacked_tokens", "deferred", "no_room", "restored_dropped", "restored_dropped_bytes_h2d")
 
 
+NEVER = 1.0 + 1e-6  # a threshold no probability reaches: scoring without promotions
+
+
 def set_mode(cold, mode: str, args) -> None:
     cold.enabled = mode != "off"
-    cold.threshold = args.forced_threshold if mode == "forced" else args.kv_promote_threshold
+    cold.threshold = {"forced": args.forced_threshold, "score": NEVER}.get(mode.split("@")[0],
+                                                                           args.kv_promote_threshold)
     cold.interval = int(mode.split("@")[1]) if "@" in mode else args.intervals[0]
 
 
@@ -84,6 +101,11 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start a repeat after the first only if the last one's time still fits in this many seconds "
                         "from the start")
+    p.add_argument("--score-only", action="store_true",
+                   help="add the `score@I` mode (first interval): scoring passes at a threshold nothing reaches, so "
+                        "no promotion: the scoring's own cost, apart from promotions and promoted rows")
+    p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                   help="skip the synchronized per-part breakdown call of each mode")
     args = p.parse_args(argv)
     if not 0 < args.kv_tier_budget < 1 or args.n2 <= args.n1 or args.repeats < 1 or min(args.intervals) < 1:
         p.error("--kv-tier-budget in (0, 1), --n2 > --n1, --repeats >= 1, --intervals >= 1")
@@ -104,14 +126,16 @@ def main(argv: list[str] | None = None) -> str:
     arch = ModelArchConfig.from_hf_dict(preset)
     dtype = getattr(torch, args.dtype)
     device = device_name(args.device)
-    modes = ["off"] + [f"on@{i}" for i in args.intervals] + (["forced"] if args.forced_threshold is not None else [])
+    modes = (["off"] + [f"on@{i}" for i in args.intervals] + (["forced"] if args.forced_threshold is not None else [])
+             + ([f"score@{args.intervals[0]}"] if args.score_only else []))
     plan = plan_pool(arch, dtype, args.context, args.batch, args.kv_tier_budget, args.n2, args.kv_tier_policy)
     plan["weight_bytes"] = weight_bytes_resident(arch, dtype)
     name = f"cold_tier_decode_{args.preset}_{device.split(' (')[0].replace(' ', '_')}"
     result = {"benchmark": "cold_tier_decode", "device": device, "commit": git_commit(), "torch": torch.__version__,
               "params": vars(args), "pool_plan": plan, "modes": {}, "partial": True, "phases": {},
-              "reached": "engine start"}
+              "reached": "engine start", "repeats_requested": args.repeats, "repeats_ran": 0, "breakdown": {}}
     steps = {m: [] for m in modes}
+    cached = {m: [] for m in modes}  # per timed call: the fewest prompt tokens any request found cached
     counters = {m: dict.fromkeys(COUNTERS, 0) for m in modes}
 
     def save(phase: str | None = None, seconds: float | None = None) -> str:
@@ -120,6 +144,8 @@ def main(argv: list[str] | None = None) -> str:
             result["phases"][phase] = seconds
             print(f"{phase}: {seconds:.1f} s (at {time.time() - t_start:.1f} s)", flush=True)
         summarize(result, steps, counters, modes, args)
+        for mode, row in result["modes"].items():
+            row["cached_tokens_min"] = cached[mode][:row["repeats"]]
         return write_json(name, result, args.out_dir)
 
     rng = random.Random(args.seed)
@@ -154,6 +180,18 @@ def main(argv: list[str] | None = None) -> str:
                 timed_generate(engine, prompts, args.n1)
             warmup_s = time.time() - t0
             path = save("warmup_s", warmup_s)
+            if args.breakdown:
+                result["reached"] = "breakdown"
+                t0 = time.time()
+                for mode in modes:
+                    # NOTE: a mode's breakdown takes about n2 / n1 of its warm-up call; stop before the budget
+                    if args.time_budget_s is not None and time.time() - t_start > args.time_budget_s / 2:
+                        result["breakdown_stopped"] = "time budget"
+                        break
+                    set_mode(cold, mode, args)
+                    result["breakdown"][mode] = breakdown(engine, prompts, args.n2)
+                    path = save()
+                path = save("breakdown_s", time.time() - t0)
             result["reached"] = "repeats"
             last = 0.0  # seconds of the last repeat
             for rep in range(args.repeats):
@@ -165,9 +203,10 @@ def main(argv: list[str] | None = None) -> str:
                 for mode in modes:
                     set_mode(cold, mode, args)
                     before = dict(cold.stats)
-                    t1 = timed_generate(engine, prompts, args.n1)[0]
-                    t2 = timed_generate(engine, prompts, args.n2)[0]
+                    t1, c1 = timed_generate(engine, prompts, args.n1)
+                    t2, c2 = timed_generate(engine, prompts, args.n2)
                     steps[mode].append((t2 - t1) / (args.n2 - args.n1))
+                    cached[mode].append((c1, c2))
                     for k in COUNTERS:
                         counters[mode][k] += cold.stats[k] - before[k]
                 last = time.time() - t0
@@ -186,6 +225,12 @@ def main(argv: list[str] | None = None) -> str:
             path = save()
             if engine is not None:
                 engine.shutdown()
+    for mode, row in result["breakdown"].items():
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["ms_per_decode_step"].items(), key=lambda kv: -kv[1]))
+        print(f"{mode:8s} breakdown ms/step: {parts}; graph replays {row['graph_replays']} of "
+              f"{row['decode_steps']} steps, retractions {row['retractions']}", flush=True)
+    if result.get("ratio_note"):
+        print("NOTE:", result["ratio_note"], flush=True)
     for mode, row in result["modes"].items():
         print(f"{mode:8s} step {1e3 * row['step_s_min']:.2f} ms (median {1e3 * row['step_s_median']:.2f}, "
               f"max {1e3 * row['step_s_max']:.2f}) {row.get('slowdown_min_over_min', 0.0):+.2%} vs off; "
@@ -194,9 +239,27 @@ def main(argv: list[str] | None = None) -> str:
     return path
 
 
+def breakdown(engine, prompts, n: int) -> dict:
+    """One synchronized generate(n) with its time split by part (cold_tier_breakdown.py)."""
+    params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    cold = engine.scheduler.tiering.cold
+    before = dict(cold.stats)
+    with HookTimer(engine) as timer:
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+    row = timer.result()
+    meta = [o["meta_info"] for o in outs]
+    row.update(cached_tokens_min=min(int(m.get("cached_tokens", 0)) for m in meta),
+               retractions=sum(int(m.get("num_retractions", 0)) for m in meta),
+               counters={k: cold.stats[k] - before[k] for k in COUNTERS})
+    return row
+
+
 def summarize(result: dict, steps: dict, counters: dict, modes: list[str], args) -> None:
     """result["modes"] from the repeats every mode has finished (a cut repeat counts for none)."""
     n = min(len(v) for v in steps.values()) if steps else 0
+    result["repeats_ran"] = n
+    result["ratio_note"] = (None if n >= max(5, args.repeats) else
+                            f"{n} of {args.repeats} repeats ran: the ratios are not the >= 5-repeat number")
     base = steps.get("off", [])[:n]
     result["modes"] = {}
     for mode in modes:

@@ -14,7 +14,9 @@
 #           threshold): every method at b = 0.3 and 0.2, then every method at b = 0.5, the points
 #           already measured skipped; methods in the order they matter to the table
 #   decode  benchmarks/throughput/cold_tier_decode.py: the cold tier's decode cost at the
-#           Llama-3-8B shape (dummy weights), 16k x 8, b = 0.2, triton backend, CUDA graphs
+#           Llama-3-8B shape (dummy weights), 16k x 8, b = 0.2, triton backend, CUDA graphs; modes
+#           off, on@16, on@4, score@16 (scoring without promotions), a synchronized per-part
+#           breakdown per mode, then the timed repeats (a decode-only call: T_DECODE=240)
 # Each stage runs under `timeout -s INT` (tests 60, T_TRAIN / T_EVAL / T_DECODE: 250 / 240 / 100 s;
 # resume: what is left but T_DECODE; each cut to what is left of T_TOTAL = 520 s) and keeps what it
 # measured. Trials: 11 depths x 6 = 66 items a point, the same items for every method (the summary
@@ -76,7 +78,7 @@ if [ "$DEVICE" = cuda ]; then
     --val-trials 16 --val-budgets 0.3 0.2 --lambdas 0 3e-4 1e-3 --cold-thresholds 0.01 0.05 --ppl-windows 2
     --profile-samples 8 --max-new-tokens 14 --max-total-tokens 400000 --promote-drop-run 32"}
   DECODE_ARGS=${DECODE_ARGS:-"--preset llama-3-8b --context 16384 --batch 8 --kv-tier-budget 0.2 --n1 16
-    --n2 80 --repeats 5 --intervals 16 4"}
+    --n2 80 --repeats 5 --intervals 16 4 --score-only"}
 else
   [ -e sgl_kvxfer/kernels ] || ln -s ../kernels sgl_kvxfer/kernels
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

@@ -14,10 +14,15 @@ During decode, every `kv_promote_interval` steps:
              dropped ones with a host copy (they have no key on the device, so they are never
              scored: only a neighbouring hit brings them back); with kv_promote_drop_run > 0, the
              dropped run contiguous with what is picked comes along, up to that many each side
-    issue    fresh fp16 slots; host rows gathered into pinned staging; on CUDA a side stream copies
-             them to the device and writes the fp16 store, then records an event
+    issue    fresh fp16 slots; the host rows of every promotion of the pass gathered into one
+             pinned staging buffer; on CUDA a side stream copies it to the device in one copy and
+             writes the fp16 store, then records one event
     land     before the next decode forward (or any later hook) that finds the event done, the
              request's row is rewritten to the new slots (never waits: a copy not done stays pending)
+
+Host syncs: a step with no pass due and nothing pending runs no torch op in these hooks; a pass
+reads the due rows in one device -> host copy and the masses in one; a landing hook reads the
+rows it rewrites in one.
 
 A landed dropped position's row entry goes from 0 to an fp16 slot: the attention backends mask
 slot 0 per forward from the row, so it is attended from the next step on.
@@ -98,7 +103,8 @@ class ColdTier:
         self.enabled = True  # False: no scoring (benchmarks compare on one engine; copies still kept)
         self.stats = {"scoring_passes": 0, "scored_tokens": 0, "promotions": 0, "promoted_tokens": 0,
                       "promoted_bytes_h2d": 0, "repacked_tokens": 0, "deferred": 0, "no_room": 0, "cancelled": 0,
-                      "landed": 0, "stale": 0, "restored_dropped": 0, "restored_dropped_bytes_h2d": 0}
+                      "landed": 0, "stale": 0, "restored_dropped": 0, "restored_dropped_bytes_h2d": 0,
+                      "staging_copies": 0}
 
     def set_probe_layers(self, layers: list[int]) -> None:
         """Tap the decode queries of `layers` (replaces the taps). Only where no CUDA graph was
@@ -164,12 +170,16 @@ class ColdTier:
             self._land()
 
     def _score(self, batch, due: list[int]) -> None:
+        """One pass over the due requests. Device -> host traffic is batched: the due rows in one
+        copy, every request's mass in one copy, every promotion in one staging gather and one
+        side-stream copy (_issue), so a pass costs a fixed number of host syncs, not a few per
+        request."""
         pool, work = self.pool, []
-        for i in due:
+        live = [i for i in due if batch.slices[i].req.req_pool_idx is not None
+                and batch.slices[i].req.finished_reason is None]
+        rows = self._read_rows([batch.slices[i].req for i in live])
+        for i, slots in zip(live, rows):
             req = batch.slices[i].req
-            if req.req_pool_idx is None or req.finished_reason is not None:
-                continue
-            slots = self.table.read(req.req_pool_idx, req.kv_len).cpu()
             state = self.states.get(req)
             cand = pool.tier_of(slots) == TIER_INT4
             if bool(cand.any()):
@@ -192,72 +202,98 @@ class ColdTier:
         self.stats["scoring_passes"] += 1
         route = pool.route(torch.cat([w[2] for w in work]))
         mass = [torch.zeros(w[2].numel(), device=pool.device) for w in work]
+        valid = (torch.cat([w[2] for w in work]) != 0).to(pool.device).split([w[2].numel() for w in work])
         for layer in self.layers:
             keys = pool.get_k_routed(layer, route)
             at = 0
-            for m, (i, _, slots, _, _) in zip(mass, work):
+            for m, ok, (i, _, slots, _, _) in zip(mass, valid, work):
                 n = slots.numel()
-                valid = (slots != 0).to(pool.device)
-                torch.maximum(m, head_max_mass(self.taps[layer][i], keys[at:at + n], self.scale, valid), out=m)
+                torch.maximum(m, head_max_mass(self.taps[layer][i], keys[at:at + n], self.scale, ok), out=m)
                 at += n
-        for m, (_, req, slots, cand, near) in zip(mass, work):
+        host_mass = torch.cat(mass).cpu().split([w[2].numel() for w in work])  # one device -> host copy
+        picks = []
+        for m, (_, req, slots, cand, near) in zip(host_mass, work):
             self.stats["scored_tokens"] += int(cand.sum())
-            pick = expand_hits((m.cpu() >= self.threshold) & cand, cand | near, self.radius)
+            pick = expand_hits((m >= self.threshold) & cand, cand | near, self.radius)
             if self.drop_run and bool(pick.any()) and bool(near.any()):
                 pick = extend_runs(pick, near, self.drop_run)
             if bool(pick.any()):
                 positions = pick.nonzero().squeeze(1)
-                self._issue(req, positions, slots[positions])
+                picks.append((req, positions, slots[positions]))
+        if picks:
+            self._issue(picks)
+
+    def _read_rows(self, reqs: list) -> list[torch.Tensor]:
+        """The rows [0, kv_len) of `reqs` on the host, in one device -> host copy."""
+        if not reqs:
+            return []
+        table = self.table.table
+        width = max(r.kv_len for r in reqs)
+        idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        block = table[idx.to(table.device), :width].cpu()
+        return [block[j, :r.kv_len] for j, r in enumerate(reqs)]
 
     # ------------------------------------------------------------------ promotion
-    def _issue(self, req, positions: torch.Tensor, old: torch.Tensor) -> None:
+    def _issue(self, picks: list) -> None:
+        """Promote every (req, positions, old ids) of one scoring pass together: fresh fp16 slots per
+        request, then ONE pinned staging buffer [2, layers, M, Hkv, D] gathered from the host
+        store, ONE host -> device copy on the side stream, one fp16 store write per layer and one
+        event that every request's pending landing waits on. (Per request and layer, staging
+        allocations and copies cost 2 x layers pinned allocations and copies per request.)"""
         if not self.store.ready():  # the newest host copies are still in flight: next pass
-            self.stats["deferred"] += 1
+            self.stats["deferred"] += len(picks)
             return
-        m = positions.numel()
-        if self.allocator.available_size() < m:
-            self.make_room(TIER_FP16, m)
-        new = self.allocator.alloc(m)
-        if new is None:
-            self.stats["no_room"] += 1
-            return
-        new = new.cpu()
         pool, pin = self.pool, self.cuda
-        state = self._state(req)
-        dropped = old == 0  # their rows are the request's (keep_dropped), the rest the int4 ids'
-        rows = torch.empty(m, dtype=torch.int64)
-        if bool((~dropped).any()):
-            rows[~dropped] = self.store.rows_for(old[~dropped])
-        if bool(dropped.any()):
-            rows[dropped] = torch.tensor([state.dropped[p] for p in positions[dropped].tolist()], dtype=torch.int64)
-        shape = (m, pool.num_kv_heads, pool.head_dim)
-        stage_k = [torch.empty(shape, dtype=pool.dtype, pin_memory=pin) for _ in range(pool.num_layers)]
-        stage_v = [torch.empty(shape, dtype=pool.dtype, pin_memory=pin) for _ in range(pool.num_layers)]
-        self.store.gather(rows, stage_k, stage_v)
+        batch = []  # (req, positions, old, new CPU, host rows, restored dropped count)
+        for req, positions, old in picks:
+            m = positions.numel()
+            if self.allocator.available_size() < m:
+                self.make_room(TIER_FP16, m)
+            new = self.allocator.alloc(m)
+            if new is None:
+                self.stats["no_room"] += 1
+                continue
+            state = self._state(req)
+            dropped = old == 0  # their rows are the request's (keep_dropped), the rest the int4 ids'
+            rows = torch.empty(m, dtype=torch.int64)
+            if bool((~dropped).any()):
+                rows[~dropped] = self.store.rows_for(old[~dropped])
+            if bool(dropped.any()):
+                rows[dropped] = torch.tensor([state.dropped[p] for p in positions[dropped].tolist()],
+                                             dtype=torch.int64)
+            batch.append((req, positions, old, new.cpu(), rows, int(dropped.sum())))
+        if not batch:
+            return
+        total = sum(b[1].numel() for b in batch)
+        stage = torch.empty((2, pool.num_layers, total, pool.num_kv_heads, pool.head_dim), dtype=pool.dtype,
+                            pin_memory=pin)
+        self.store.gather(torch.cat([b[4] for b in batch]), list(stage[0]), list(stage[1]))
+        new_all = torch.cat([b[3] for b in batch])
         event, keep = None, ()
         if self.cuda:
             self.side.wait_stream(torch.cuda.current_stream(pool.device))  # the new slots' last users
             with torch.cuda.stream(self.side):
-                dst = new.to(pool.device, non_blocking=True)
-                dev = [(k.to(pool.device, non_blocking=True), v.to(pool.device, non_blocking=True))
-                       for k, v in zip(stage_k, stage_v)]
-                for layer, (k, v) in enumerate(dev):
-                    pool.set_kv_fp16(layer, dst, k, v)
+                dst = new_all.pin_memory().to(pool.device, non_blocking=True)
+                dev = stage.to(pool.device, non_blocking=True)
+                for layer in range(pool.num_layers):
+                    pool.set_kv_fp16(layer, dst, dev[0, layer], dev[1, layer])
                 event = torch.cuda.Event()
                 event.record(self.side)
-            keep = (stage_k, stage_v, dst, dev)
+            keep = (stage, dst, dev)  # NOTE: alive until every landing of this pass (the copy reads them)
         else:
             for layer in range(pool.num_layers):
-                pool.set_kv_fp16(layer, new, stage_k[layer], stage_v[layer])
-        state.promoted.update(positions.tolist())
-        self.pending.append(_Pending(req, positions, old, new, event, keep))
-        token_bytes = 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * stage_k[0].element_size()
-        n_drop = int(dropped.sum())
-        self.stats["promotions"] += 1
-        self.stats["promoted_tokens"] += m
-        self.stats["promoted_bytes_h2d"] += m * token_bytes
-        self.stats["restored_dropped"] += n_drop
-        self.stats["restored_dropped_bytes_h2d"] += n_drop * token_bytes
+                pool.set_kv_fp16(layer, new_all, stage[0, layer], stage[1, layer])
+        token_bytes = 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * stage.element_size()
+        for req, positions, old, new, _, n_drop in batch:
+            m = positions.numel()
+            self._state(req).promoted.update(positions.tolist())
+            self.pending.append(_Pending(req, positions, old, new, event, keep))
+            self.stats["promotions"] += 1
+            self.stats["promoted_tokens"] += m
+            self.stats["promoted_bytes_h2d"] += m * token_bytes
+            self.stats["restored_dropped"] += n_drop
+            self.stats["restored_dropped_bytes_h2d"] += n_drop * token_bytes
+        self.stats["staging_copies"] += 1
 
     def land(self) -> None:
         """Apply every promotion whose copy has completed (never waits). The scheduler calls it
@@ -265,23 +301,45 @@ class ColdTier:
         self._land()
 
     def _land(self) -> None:
-        waiting = []
+        if not self.pending:  # the common step: no torch op at all
+            return
+        waiting, ready, done = [], [], {}  # event id -> query() answer: a pass's promotions share one
         for p in self.pending:
-            if p.event is not None and not p.event.query():
-                waiting.append(p)
-            else:
-                self._apply(p)
+            if p.event is not None:
+                key = id(p.event)
+                if key not in done:
+                    done[key] = p.event.query()
+                if not done[key]:
+                    waiting.append(p)
+                    continue
+            ready.append(p)
         self.pending = waiting
+        if not ready:
+            return
+        # the rows of the landing requests in one device -> host copy; a request landing twice
+        # here reads its row again after the first landing rewrote it
+        first = {}
+        for p in ready:
+            if p.req.req_pool_idx is not None and self.states.get(p.req) is not None:
+                first.setdefault(id(p.req), p)
+        rows = dict(zip(first, self._read_rows([p.req for p in first.values()])))
+        for p in ready:
+            row = rows.pop(id(p.req), None) if first.get(id(p.req)) is p else None
+            self._apply(p, row)
 
-    def _apply(self, p: _Pending) -> None:
+    def _apply(self, p: _Pending, row: torch.Tensor | None = None) -> None:
         """Point the row at the promoted fp16 slots, and at owned copies of the int tokens of pages
         the row would then see with a hole (the Triton kernels read an int page as its slots
-        [0, fill): mem_cache/README.md section 7). Without room for those copies nothing changes."""
+        [0, fill): mem_cache/README.md section 7). Without room for those copies nothing changes.
+        `row`: the request's row [0, kv_len) on the host, read by the caller (None: read here)."""
         req, state = p.req, self.states.get(p.req)
         if req.req_pool_idx is None or state is None:  # released meanwhile (release_request frees)
             self.allocator.free(p.new)
             return
-        row = self.table.read(req.req_pool_idx, req.kv_len).cpu().clone()
+        if row is None:
+            row = self._read_rows([req])[0]
+        given = row
+        row = row.clone()
         same = row[p.positions] == p.old
         if not bool(same.all()):  # the row moved under us (should not happen while it runs)
             self.stats["stale"] += int((~same).sum())
@@ -299,7 +357,8 @@ class ColdTier:
         if holed.numel():
             self.pool.move(old, copies)  # codes bit for bit (requantized for KIVI pages)
             self.stats["repacked_tokens"] += holed.numel()
-        self._rewrite(req, state, torch.cat([positions, holed]), torch.cat([new, copies]))
+        at = torch.cat([positions, holed])
+        self._rewrite(req, state, at, torch.cat([new, copies]), given[at])
         self.stats["landed"] += positions.numel()
 
     def _copy_slots(self, old: torch.Tensor) -> torch.Tensor | None:
@@ -327,13 +386,14 @@ class ColdTier:
             new[idx] = got
         return new
 
-    def _rewrite(self, req, state: _ReqState, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """Point row positions at owned slots; owned slots they replace are freed."""
+    def _rewrite(self, req, state: _ReqState, positions: torch.Tensor, slots: torch.Tensor,
+                 cur: torch.Tensor) -> None:
+        """Point row positions at owned slots; owned slots they replace are freed. `cur`: the
+        row's entries at `positions` now (host)."""
         if not positions.numel():
             return
         row_idx = req.req_pool_idx
         dev = positions.to(self.table.table.device)
-        cur = self.table.table[row_idx, dev].cpu()
         drop = []
         for pos, was, now in zip(positions.tolist(), cur.tolist(), slots.tolist()):
             if was in state.owned:

@@ -377,15 +377,27 @@ def test_cold_tier_decode(tmp_path):
     out = run_bench("throughput/cold_tier_decode.py", ["--preset", "tiny", "--context", "96", "--batch", "2",
                                                         "--n1", "1", "--n2", "3", "--repeats", "1", "--device", "cpu",
                                                         "--backend", "torch", "--intervals", "1",
-                                                        "--forced-threshold", "0.001"], tmp_path)
+                                                        "--forced-threshold", "0.001", "--score-only"], tmp_path)
     data = result(out, "cold_tier_decode_tiny", ("modes", "pool_plan", "params", "server_info_cold_tier"), png=False)
-    assert set(data["modes"]) == {"off", "on@1", "forced"} and not data["partial"]
+    assert set(data["modes"]) == {"off", "on@1", "forced", "score@1"} and not data["partial"]
+    score = data["modes"]["score@1"]["counters"]  # scoring without promotions
+    assert score["scoring_passes"] > 0 and score["promotions"] == 0
     assert data["modes"]["off"]["counters"]["scoring_passes"] == 0
     assert data["modes"]["on@1"]["counters"]["scoring_passes"] > 0
     assert data["modes"]["forced"]["counters"]["promoted_tokens"] > 0  # dummy weights: a low bar fires
     assert "slowdown_min_over_min" in data["modes"]["on@1"]
-    assert set(data["phases"]) == {"engine_start_s", "prefill_s", "warmup_s", "repeat_0_s"}
+    assert set(data["phases"]) == {"engine_start_s", "prefill_s", "warmup_s", "breakdown_s", "repeat_0_s"}
     assert data["reached"] == "done" and "stopped" not in data
+    # one repeat of five asked for would be partial; here one of one ran, still under 5: flagged
+    assert data["repeats_requested"] == 1 and data["repeats_ran"] == 1 and "1 of 1 repeats" in data["ratio_note"]
+    assert data["modes"]["off"]["cached_tokens_min"] and len(data["modes"]["off"]["cached_tokens_min"][0]) == 2
+    for mode in ("off", "on@1", "forced"):  # the synchronized breakdown: every decode step a forward
+        row = data["breakdown"][mode]
+        assert row["decode_steps"] >= 2 and row["calls"]["forward_decode"] == row["decode_steps"]
+        assert row["retractions"] == 0 and "other" in row["seconds"]
+        assert len(row["forward_decode_ms"]) == row["decode_steps"] <= len(row["scheduler_step_ms"])
+    assert "cold_score" not in data["breakdown"]["off"]["seconds"]  # scoring is off in `off`
+    assert data["breakdown"]["on@1"]["calls"]["cold_score"] >= 1
 
 
 def test_cold_tier_decode_time_budget(tmp_path):
@@ -397,6 +409,8 @@ def test_cold_tier_decode_time_budget(tmp_path):
     data = result(out, "cold_tier_decode_tiny", ("modes", "phases"), png=False)
     assert data["partial"] and data["stopped"] == "time budget" and data["reached"] == "done"
     assert set(data["modes"]) == {"off", "on@1"} and all(r["repeats"] == 1 for r in data["modes"].values())
+    assert data["repeats_requested"] == 3 and data["repeats_ran"] == 1 and "1 of 3 repeats" in data["ratio_note"]
+    assert data["breakdown_stopped"] == "time budget" and data["breakdown"] == {}
 
 
 def test_cold_tier_decode_interrupted_keeps_the_phases(tmp_path, monkeypatch, capsys):

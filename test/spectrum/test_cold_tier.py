@@ -179,3 +179,67 @@ def test_no_room_for_the_page_repair_keeps_the_row():
     alloc.free(hog)
     cold.on_decode(SimpleNamespace(slices=[SimpleNamespace(req=req)]))  # interval 1: scored again, now it fits
     assert cold.stats["landed"] == 3
+
+
+class _CountTorchOps(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.ops.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def _second_request(cold, pool, alloc, table, data, pos_row=1):
+    """Another request on table row `pos_row` with the same K/V and tiers as setup's."""
+    slots = alloc.alloc(N)
+    for layer, (k, v) in enumerate(data):
+        pool.set_kv(layer, slots, k, v)
+    tiers = torch.full((N,), TIER_INT4, dtype=torch.int8)
+    tiers[:2], tiers[30:] = TIER_FP16, TIER_INT8
+    new, _ = alloc.retier(slots, tiers)
+    table.write(pos_row, 0, new)
+    return Req(pos_row, N), new.clone()
+
+
+def test_a_pass_stages_every_promotion_in_one_copy_and_idle_steps_run_no_torch_op():
+    """The cold tier must not stall decode: a scoring pass over several requests batches its
+    host traffic (one host-store gather and one fp16 store write per layer for all of them, one
+    device -> host read of the due rows and one of the masses), and a step with no pass due and
+    nothing pending runs no torch op at all in the decode hook."""
+    cold, pool, alloc, table, data, req, row = setup(interval=4)
+    req2, row2 = _second_request(cold, pool, alloc, table, data)
+    aim(cold, data, 13)
+    for layer in cold.layers:  # the second request's query points at the same key
+        cold.taps[layer][1] = cold.taps[layer][0]
+    calls = {"gather": 0, "set_kv_fp16": 0, "read_rows": 0}
+    for obj, name in ((cold.store, "gather"), (pool, "set_kv_fp16"), (cold, "_read_rows")):
+        real = getattr(obj, name)
+
+        def counted(*a, _real=real, _name=name.lstrip("_"), **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        setattr(obj, name, counted)
+    batch = SimpleNamespace(slices=[SimpleNamespace(req=req), SimpleNamespace(req=req2)])
+    cold.on_decode(batch)  # step 0 of both: a pass
+    assert cold.stats["scoring_passes"] == 1 and cold.stats["promotions"] == 2 and cold.stats["landed"] == 6
+    assert cold.stats["staging_copies"] == 1
+    assert calls["gather"] == 1 and calls["set_kv_fp16"] == L
+    assert calls["read_rows"] == 2  # the due rows once, the landing rows once
+    for r, rid in ((req, 0), (req2, 1)):  # both promotions landed exact
+        now = table.read(rid, N).cpu()
+        assert (pool.tier_of(now[12:15]) == TIER_FP16).all()
+        for layer, (k, _) in enumerate(data):
+            assert torch.equal(pool.get_kv(layer, now[12:15])[0], k[12:15])
+        assert not alloc.holed_pages(now).any()
+    with _CountTorchOps() as mode:  # steps 1..3: no pass due, nothing pending
+        for _ in range(3):
+            cold.on_decode(batch)
+            cold.land()
+    assert mode.ops == [] and cold.stats["scoring_passes"] == 1
+    for r in (req, req2):
+        cold.release_request(r)
+    assert torch.equal(table.read(0, N).cpu(), row) and torch.equal(table.read(1, N).cpu(), row2)
+    alloc.debug_check()

@@ -1,0 +1,126 @@
+"""Where a decode step's time goes while the cold tier runs: one synchronized, timed generate call.
+
+    with HookTimer(engine) as timer:
+        engine.generate(...)
+    timer.result() -> {"decode_steps", "wall_s", "seconds": {part: s}, "calls": {part: n},
+                       "ms_per_decode_step": {part: ms}, "forward_decode_ms": [ms per step, in order],
+                       "scheduler_step_ms": [ms per scheduler step, in order],
+                       "graph_replays", "cuda_graphs"}
+
+Parts (each wrapped call is synchronized before and after on CUDA, so GPU work it enqueues is
+charged to it):
+
+    forward_decode / forward_extend   ModelRunner.forward (graph replay or eager)
+    cold_score                        ColdTier._score (the scoring pass and the promotions it issues)
+    cold_land                         ColdTier._land (landing finished copies, row repair)
+    cold_release                      ColdTier.release_request (the row given back at the end)
+    decode_demotion                   EngineTiering._demote_runs (generated tokens re-tiered)
+    make_room                         RadixCache.evict (cache leaves freed for a short store)
+
+`other` is the call's wall time less all of them: the scheduler's host loop, sampling, outputs.
+The syncs cost a little, so this call is a diagnostic, not the throughput number.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class HookTimer:
+    def __init__(self, engine):
+        self.engine = engine
+        self.runner = engine.runner
+        self.tiering = getattr(engine.scheduler, "tiering", None)
+        self.cold = getattr(self.tiering, "cold", None)
+        self.tree = getattr(engine.scheduler.kv, "tree", None)
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.step_ms: list[float] = []  # each decode forward, in order: a jump after a landing shows
+        self.sched_ms: list[float] = []  # each scheduler step (prefill or decode), in order
+        self._undo: list = []
+        self._depth = 0  # nested wrapped calls (a landing inside a scoring hook) are charged once
+
+    def _wrap(self, obj, attr: str, part) -> None:
+        if obj is None or not hasattr(obj, attr):
+            return
+        had_own = attr in vars(obj)
+        real = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            name = part(*args, **kwargs) if callable(part) else part
+            if self._depth:
+                return real(*args, **kwargs)
+            self._depth += 1
+            _sync()
+            t = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                _sync()
+                self._depth -= 1
+                dt = time.perf_counter() - t
+                self.seconds[name] = self.seconds.get(name, 0.0) + dt
+                self.calls[name] = self.calls.get(name, 0) + 1
+                if name == "forward_decode":
+                    self.step_ms.append(1e3 * dt)
+
+        setattr(obj, attr, timed)
+        self._undo.append((obj, attr, real if had_own else None))
+
+    def _wrap_steps(self, scheduler) -> None:
+        """Each scheduler step's wall time, in order (not synchronized; the parts above are)."""
+        if scheduler is None or not hasattr(scheduler, "step"):
+            return
+        had_own = "step" in vars(scheduler)
+        real = scheduler.step
+
+        def step(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.sched_ms.append(1e3 * (time.perf_counter() - t))
+
+        scheduler.step = step
+        self._undo.append((scheduler, "step", real if had_own else None))
+
+    def __enter__(self) -> "HookTimer":
+        self._wrap_steps(getattr(self.engine, "scheduler", None))
+        self._wrap(self.runner, "forward",
+                   lambda batch, *a, **k: "forward_decode" if batch.mode.name == "DECODE" else "forward_extend")
+        self._wrap(self.cold, "_score", "cold_score")
+        self._wrap(self.cold, "_land", "cold_land")
+        self._wrap(self.cold, "release_request", "cold_release")
+        self._wrap(self.tiering, "_demote_runs", "decode_demotion")
+        self._wrap(self.tree, "evict", "make_room")
+        graphs = self.runner.graph_runner
+        self._replays = graphs.replays if graphs is not None else None
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s = time.perf_counter() - self._t0
+        for obj, attr, real in reversed(self._undo):
+            if real is None:
+                delattr(obj, attr)  # the class's method shows through again
+            else:
+                setattr(obj, attr, real)
+        self._undo = []
+
+    def result(self) -> dict:
+        graphs = self.runner.graph_runner
+        steps = self.calls.get("forward_decode", 0)
+        seconds = dict(self.seconds)
+        seconds["other"] = max(0.0, self.wall_s - sum(self.seconds.values()))
+        return {"decode_steps": steps, "wall_s": self.wall_s, "seconds": seconds, "calls": dict(self.calls),
+                "ms_per_decode_step": {k: 1e3 * v / max(1, steps) for k, v in seconds.items()},
+                "forward_decode_ms": [round(x, 3) for x in self.step_ms],
+                "scheduler_step_ms": [round(x, 3) for x in self.sched_ms],
+                "graph_replays": None if graphs is None else graphs.replays - self._replays,
+                "cuda_graphs": graphs is not None}
