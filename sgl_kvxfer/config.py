@@ -110,7 +110,7 @@ class EngineConfig:
     kv_promote_layers: int = 2
     kv_promote_radius: int = 4
     kv_cold_tier_tokens: int = 0
-    kv_promote_drop_run: int = 0
+    kv_promote_drop_run: int = 32
     # A peft LoRA adapter dir merged into the weights at load (W += alpha/r * B @ A; models/lora.py):
     # serves base + adapter at base speed (SCD's specialists, sgl_kvxfer/scd/README.md).
     merge_lora: str | None = None

@@ -573,8 +573,9 @@ def main():
     ap.add_argument("--promote-interval", type=int, default=16)
     ap.add_argument("--promote-radius", type=int, default=4)
     ap.add_argument("--promote-layers", type=int, default=2)
-    ap.add_argument("--promote-drop-run", type=int, default=0,
-                    help="dropped tokens contiguous with a promotion that come back too, each side (0: radius only)")
+    ap.add_argument("--promote-drop-run", type=int, default=32,
+                    help="dropped tokens contiguous with a promotion that come back too, each side (0: radius only; "
+                         "the engine's default)")
     ap.add_argument("--cold-tier-tokens", type=int, default=0, help="host copies (0: the tiered pool's size)")
     ap.add_argument("--max-new-tokens", type=int, default=10)
     ap.add_argument("--profile-samples", type=int, default=16)
