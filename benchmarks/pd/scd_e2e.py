@@ -22,7 +22,8 @@ to each of the N consumers at once (disagg/scd_fanout.py's no-router path). Scen
   shared    a document already in the producer's radix cache (a first request put it there),
             asked with a new question by one specialist that has never seen it: the producer
             computes only the question (its zh pool holds the document's patch codes), then
-            codes of the whole prompt go out. Oracle: the specialist prefills document + question.
+            codes of the whole prompt go out. Oracle: the specialist prefills document + question,
+            each oracle request with a document of its own (cold: never in its radix cache).
 
 Link: the producer's in-engine pacing (`--kv-transfer-rate-gbps`, re-paced with POST
 /kv_transfer_link); rate 0 = unpaced (paced at 1e6 Gbit/s: no pacing delay). The transfer
@@ -309,7 +310,10 @@ def run_shared(args, p: dict, consumer, res: dict) -> None:
         doc = ids_for(n - args.question_tokens, 7 + n, args.vocab)
         scd_request(p, [consumer], doc + ids_for(args.question_tokens, 1, args.vocab), args.timeout_s)
         scd_request(p, [consumer], doc + ids_for(args.question_tokens, 2, args.vocab), args.timeout_s)  # warm
-        oracle_request([consumer], doc + ids_for(args.question_tokens, 3, args.vocab), args.timeout_s)
+        # the oracle is the specialist prefilling document + question cold: every oracle request
+        # carries its own document, or the specialist's radix cache would hold it after the first
+        fresh_doc = lambda i: ids_for(n - args.question_tokens, 500_000 + 1000 * n + i, args.vocab)
+        oracle_request([consumer], fresh_doc(0) + ids_for(args.question_tokens, 3, args.vocab), args.timeout_s)
         out = res["shared"].setdefault(str(n), {})
         for rate in args.rates:
             requests.post(p["h"].url + "/kv_transfer_link", json={"rate_gbps": rate or UNPACED_GBPS},
@@ -317,8 +321,8 @@ def run_shared(args, p: dict, consumer, res: dict) -> None:
             runs = [scd_request(p, [consumer], doc + ids_for(args.question_tokens, 100 + 10 * rate + i, args.vocab),
                                 args.timeout_s) for i in range(args.repeats)]
             out[f"scd@{rate:g}"] = row([[t for t, _ in r] for r in runs])
-        orc = [oracle_request([consumer], doc + ids_for(args.question_tokens, 50 + i, args.vocab), args.timeout_s)
-               for i in range(args.repeats)]
+        orc = [oracle_request([consumer], fresh_doc(1 + i) + ids_for(args.question_tokens, 50 + i, args.vocab),
+                              args.timeout_s) for i in range(args.repeats)]
         out["oracle"] = row(orc)
         print(f"shared document, {n} tokens: {out}", flush=True)
 
