@@ -85,6 +85,7 @@ class ColdTier:
         self.threshold, self.interval = config.kv_promote_threshold, config.kv_promote_interval
         self.radius = config.kv_promote_radius
         self.drop_run = getattr(config, "kv_promote_drop_run", 0)
+        self.max_tokens = getattr(config, "kv_promote_max_tokens", 0)  # per pass, 0: no cap
         capacity = config.kv_cold_tier_tokens or pool.memory_tokens
         self.store = HostColdStore(capacity, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype,
                                    pool.base(TIER_INT4), pool.num_slots(TIER_INT4), pool.device)
@@ -104,7 +105,7 @@ class ColdTier:
         self.stats = {"scoring_passes": 0, "scored_tokens": 0, "promotions": 0, "promoted_tokens": 0,
                       "promoted_bytes_h2d": 0, "repacked_tokens": 0, "deferred": 0, "no_room": 0, "cancelled": 0,
                       "landed": 0, "stale": 0, "restored_dropped": 0, "restored_dropped_bytes_h2d": 0,
-                      "staging_copies": 0}
+                      "staging_copies": 0, "capped_tokens": 0, "repack_moves": 0}
 
     def set_probe_layers(self, layers: list[int]) -> None:
         """Tap the decode queries of `layers` (replaces the taps). Only where no CUDA graph was
@@ -191,12 +192,15 @@ class ColdTier:
                 at = torch.tensor(sorted(state.dropped), dtype=torch.int64)
                 at = at[at < slots.numel()]
                 near[at[slots[at] == 0]] = True
+            kept = torch.zeros_like(cand)  # promoted already: never picked again, still a hit's source
             if state is not None and state.promoted:
                 done = torch.tensor(sorted(state.promoted), dtype=torch.int64)
+                done = done[done < slots.numel()]
                 cand[done] = False
                 near[done] = False
+                kept[done] = True
             if bool(cand.any()):
-                work.append((i, req, slots, cand, near))
+                work.append((i, req, slots, cand, near, kept))
         if not work:
             return
         self.stats["scoring_passes"] += 1
@@ -206,22 +210,70 @@ class ColdTier:
         for layer in self.layers:
             keys = pool.get_k_routed(layer, route)
             at = 0
-            for m, ok, (i, _, slots, _, _) in zip(mass, valid, work):
+            for m, ok, (i, _, slots, _, _, _) in zip(mass, valid, work):
                 n = slots.numel()
                 torch.maximum(m, head_max_mass(self.taps[layer][i], keys[at:at + n], self.scale, ok), out=m)
                 at += n
         host_mass = torch.cat(mass).cpu().split([w[2].numel() for w in work])  # one device -> host copy
         picks = []
-        for m, (_, req, slots, cand, near) in zip(host_mass, work):
+        for m, (_, req, slots, cand, near, kept) in zip(host_mass, work):
             self.stats["scored_tokens"] += int(cand.sum())
-            pick = expand_hits((m >= self.threshold) & cand, cand | near, self.radius)
-            if self.drop_run and bool(pick.any()) and bool(near.any()):
+            # a promoted token that is still hot keeps bringing its neighbours (those a capped
+            # pass left behind); without a cap they came with it and nothing is added
+            hot = (m >= self.threshold) & (cand | kept)
+            if not bool(hot.any()):
+                continue
+            pick = expand_hits(hot, cand | near, self.radius)
+            if not bool(pick.any()):
+                continue
+            if self.drop_run and bool(near.any()):
                 pick = extend_runs(pick, near, self.drop_run)
-            if bool(pick.any()):
-                positions = pick.nonzero().squeeze(1)
-                picks.append((req, positions, slots[positions]))
+            positions = pick.nonzero().squeeze(1)
+            picks.append((req, positions, slots[positions], m, hot))
+        if picks and self.max_tokens:
+            picks = self._cap(picks)
         if picks:
-            self._issue(picks)
+            self._issue([p[:3] for p in picks])
+
+    def _cap(self, picks: list) -> list:
+        """At most `max_tokens` positions per pass: each pick's positions go in stretches (runs of
+        consecutive picked positions, a hit with its neighbours and dropped run), the stretches of
+        the whole pass ranked by the largest mass of a hit in them; the stretches that do not fit
+        are not marked promoted, so a later pass scores them again (nothing is lost for good,
+        only delayed). A stretch larger than the cap alone is cut to the cap around its hit."""
+        ranked = []  # (-mass, pick index, first, last) over positions indices
+        for n, (_, positions, _, m, hot) in enumerate(picks):
+            if positions.numel() == 0:
+                continue
+            cut = (positions[1:] != positions[:-1] + 1).nonzero().squeeze(1) + 1
+            bounds = [0, *cut.tolist(), positions.numel()]
+            score = torch.where(hot, m, torch.zeros(()))  # a stretch ranks by the hits it is near
+            r = self.radius
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                lo, hi = max(0, int(positions[a]) - r), int(positions[b - 1]) + r + 1
+                ranked.append((-float(score[lo:hi].max()), n, a, b))
+        total = sum(b - a for _, _, a, b in ranked)
+        if total <= self.max_tokens:
+            return picks
+        ranked.sort()
+        room, keep = self.max_tokens, [[] for _ in picks]
+        for _, n, a, b in ranked:
+            if room <= 0:
+                break
+            if b - a > room:  # cut around the stretch's strongest position
+                top = a + int(torch.argmax(picks[n][3][picks[n][1][a:b]]))
+                a = max(a, min(top - room // 2, b - room))
+                b = a + room
+            keep[n].append(torch.arange(a, b))
+            room -= b - a
+        self.stats["capped_tokens"] += total - (self.max_tokens - room)
+        out = []
+        for n, parts in enumerate(keep):
+            if parts:
+                idx = torch.cat(parts).sort().values
+                req, positions, old, m, hot = picks[n]
+                out.append((req, positions[idx], old[idx], m, hot))
+        return out
 
     def _read_rows(self, reqs: list) -> list[torch.Tensor]:
         """The rows [0, kv_len) of `reqs` on the host, in one device -> host copy."""
@@ -316,50 +368,63 @@ class ColdTier:
         self.pending = waiting
         if not ready:
             return
-        # the rows of the landing requests in one device -> host copy; a request landing twice
-        # here reads its row again after the first landing rewrote it
-        first = {}
+        # one landing per request (a request with several ready promotions lands them together);
+        # their positions are disjoint: a position in flight is in `promoted`, never picked again
+        merged: dict[int, _Pending] = {}
         for p in ready:
-            if p.req.req_pool_idx is not None and self.states.get(p.req) is not None:
-                first.setdefault(id(p.req), p)
-        rows = dict(zip(first, self._read_rows([p.req for p in first.values()])))
-        for p in ready:
-            row = rows.pop(id(p.req), None) if first.get(id(p.req)) is p else None
-            self._apply(p, row)
-
-    def _apply(self, p: _Pending, row: torch.Tensor | None = None) -> None:
-        """Point the row at the promoted fp16 slots, and at owned copies of the int tokens of pages
-        the row would then see with a hole (the Triton kernels read an int page as its slots
-        [0, fill): mem_cache/README.md section 7). Without room for those copies nothing changes.
-        `row`: the request's row [0, kv_len) on the host, read by the caller (None: read here)."""
-        req, state = p.req, self.states.get(p.req)
-        if req.req_pool_idx is None or state is None:  # released meanwhile (release_request frees)
-            self.allocator.free(p.new)
+            q = merged.get(id(p.req))
+            if q is None:
+                merged[id(p.req)] = _Pending(p.req, p.positions, p.old, p.new)
+            else:
+                q.positions, q.old, q.new = (torch.cat([a, b]) for a, b in
+                                             ((q.positions, p.positions), (q.old, p.old), (q.new, p.new)))
+        live = [p for p in merged.values() if p.req.req_pool_idx is not None and self.states.get(p.req) is not None]
+        rows = dict(zip((id(p.req) for p in live), self._read_rows([p.req for p in live])))  # one device -> host copy
+        plans = [plan for plan in (self._plan(p, rows.get(id(p.req))) for p in merged.values()) if plan is not None]
+        if not plans:
             return
-        if row is None:
-            row = self._read_rows([req])[0]
-        given = row
-        row = row.clone()
+        # every request's page repair in ONE pool.move (codes bit for bit, one pass over the
+        # layers), then every row entry in ONE table write; the owned slots the rewrite replaces
+        # are freed after both are enqueued, so no copy of this landing can reuse them
+        src = torch.cat([plan[5] for plan in plans])
+        if src.numel():
+            self.pool.move(src, torch.cat([plan[6] for plan in plans]))
+            self.stats["repack_moves"] += 1
+            self.stats["repacked_tokens"] += src.numel()
+        self._rewrite(plans)
+
+    def _plan(self, p: _Pending, row: torch.Tensor | None):
+        """Host-side plan of one request's landing: the row's promoted positions -> the new fp16
+        slots, and the int tokens of pages the row would then see with a hole (the Triton kernels
+        read an int page as its slots [0, fill): mem_cache/README.md section 7) -> owned copies on
+        fresh pages of their own (one alloc per tier and request, so each request holds a prefix
+        of every page it touches). Without room for those copies nothing changes and the
+        positions may be scored again. `row`: the request's row [0, kv_len) on the host (None:
+        released meanwhile; release_request freed what it owned).
+        -> (req, state, positions to write, their new slots, their entries now, repack src, repack
+        dst) or None."""
+        req, state = p.req, self.states.get(p.req)
+        if row is None or req.req_pool_idx is None or state is None:
+            self.allocator.free(p.new)
+            return None
         same = row[p.positions] == p.old
         if not bool(same.all()):  # the row moved under us (should not happen while it runs)
             self.stats["stale"] += int((~same).sum())
             self.allocator.free(p.new[~same])
         positions, new = p.positions[same], p.new[same]
-        row[positions] = new
-        holed = self.allocator.holed_pages(row).nonzero().squeeze(1)
-        old = row[holed]
+        after = row.clone()
+        after[positions] = new
+        holed = self.allocator.holed_pages(after).nonzero().squeeze(1)
+        old = after[holed]
         copies = self._copy_slots(old)
         if copies is None:
             self.stats["no_room"] += 1
             self.allocator.free(new)
             state.promoted.difference_update(positions.tolist())  # may be scored again
-            return
-        if holed.numel():
-            self.pool.move(old, copies)  # codes bit for bit (requantized for KIVI pages)
-            self.stats["repacked_tokens"] += holed.numel()
-        at = torch.cat([positions, holed])
-        self._rewrite(req, state, at, torch.cat([new, copies]), given[at])
+            return None
         self.stats["landed"] += positions.numel()
+        at = torch.cat([positions, holed])
+        return req, state, at, torch.cat([new, copies]), row[at], old, copies
 
     def _copy_slots(self, old: torch.Tensor) -> torch.Tensor | None:
         """Fresh ids for int tokens `old` (position order): their tier's pages, else fp16 slots;
@@ -386,23 +451,33 @@ class ColdTier:
             new[idx] = got
         return new
 
-    def _rewrite(self, req, state: _ReqState, positions: torch.Tensor, slots: torch.Tensor,
-                 cur: torch.Tensor) -> None:
-        """Point row positions at owned slots; owned slots they replace are freed. `cur`: the
-        row's entries at `positions` now (host)."""
-        if not positions.numel():
-            return
-        row_idx = req.req_pool_idx
-        dev = positions.to(self.table.table.device)
-        drop = []
-        for pos, was, now in zip(positions.tolist(), cur.tolist(), slots.tolist()):
-            if was in state.owned:
-                state.owned.discard(was)
-                drop.append(was)
+    def _rewrite(self, plans: list) -> None:
+        """Point every plan's row positions at its owned slots in one table write (one host ->
+        device copy of the indices, non-blocking from pinned memory on CUDA); the owned slots they
+        replace are freed."""
+        drop, rows, cols, vals = [], [], [], []
+        for req, state, at, slots, cur, _, _ in plans:
+            if not at.numel():
+                continue
+            owned, original = state.owned, state.original
+            for pos, was in zip(at.tolist(), cur.tolist()):
+                if was in owned:
+                    owned.discard(was)
+                    drop.append(was)
+                else:
+                    original.setdefault(pos, was)
+            owned.update(slots.tolist())
+            rows.append(torch.full((at.numel(),), req.req_pool_idx, dtype=torch.int64))
+            cols.append(at)
+            vals.append(slots)
+        if rows:
+            table = self.table.table
+            index = torch.stack([torch.cat(rows), torch.cat(cols), torch.cat(vals)])
+            if self.cuda:
+                index = index.pin_memory().to(table.device, non_blocking=True)
             else:
-                state.original.setdefault(pos, was)
-            state.owned.add(now)
-        self.table.table[row_idx, dev] = slots.to(self.table.table.device)
+                index = index.to(table.device)
+            table[index[0], index[1]] = index[2].to(table.dtype)
         if drop:
             self.allocator.free(torch.tensor(drop, dtype=torch.int64))
 
@@ -440,4 +515,4 @@ class ColdTier:
         return {**self.stats, **self.store.stats, "host_rows_in_use": self.store.rows_in_use,
                 "host_capacity": self.store.capacity, "pending": len(self.pending), "probe_layers": self.layers,
                 "threshold": self.threshold, "interval": self.interval, "radius": self.radius,
-                "drop_run": self.drop_run}
+                "drop_run": self.drop_run, "max_tokens": self.max_tokens}
