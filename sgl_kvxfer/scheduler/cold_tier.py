@@ -13,12 +13,18 @@ During decode, every `kv_promote_interval` steps:
              eligible position within kv_promote_radius of a hit: int4 ones with a host copy, and
              dropped ones with a host copy (they have no key on the device, so they are never
              scored: only a neighbouring hit brings them back); with kv_promote_drop_run > 0, the
-             dropped run contiguous with what is picked comes along, up to that many each side
+             dropped run contiguous with what is picked comes along, up to that many each side;
+             a promoted position that is still hot is a hit too (it brings neighbours it left),
+             never picked again itself
+    cap      kv_promote_max_tokens > 0: at most that many positions per pass, the stretches near
+             the strongest hits first; what waits is not marked promoted, so a later pass takes it
     issue    fresh fp16 slots; the host rows of every promotion of the pass gathered into one
              pinned staging buffer; on CUDA a side stream copies it to the device in one copy and
              writes the fp16 store, then records one event
     land     before the next decode forward (or any later hook) that finds the event done, the
-             request's row is rewritten to the new slots (never waits: a copy not done stays pending)
+             requests' rows are rewritten to the new slots (never waits: a copy not done stays
+             pending): every landing request planned on the host, then ONE pool.move for all their
+             page repairs and ONE table write for all their row entries
 
 Host syncs: a step with no pass due and nothing pending runs no torch op in these hooks; a pass
 reads the due rows in one device -> host copy and the masses in one; a landing hook reads the
