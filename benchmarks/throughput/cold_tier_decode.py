@@ -28,7 +28,9 @@ than --repeats (budget, interrupt) or fewer than 5, `ratio_note` says the ratios
 Breakdown (after the warm-up, before the repeats; --no-breakdown skips it): per mode one more
 generate(n2) with every forward and cold-tier hook synchronized and timed (cold_tier_breakdown.py):
 ms per decode step in the forward, the scoring pass, landing, the row release, decode demotion,
-cache eviction and the rest of the host loop, graph replays, retractions and cached tokens. Its
+cache eviction and the rest of the host loop, the scoring pass's and landing's pieces (rows read,
+keys, mass, cap, issue, landing plan, page-repair move, table write), graph replays, retractions
+and cached tokens. Its
 syncs perturb it a little: it says where a slowdown sits, the repeats say how large it is.
 
 The JSON is written after every phase (engine start, prefill, warm-up) and every repeat, so a run
@@ -243,6 +245,10 @@ def main(argv: list[str] | None = None) -> str:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["ms_per_decode_step"].items(), key=lambda kv: -kv[1]))
         print(f"{mode:8s} breakdown ms/step: {parts}; graph replays {row['graph_replays']} of "
               f"{row['decode_steps']} steps, retractions {row['retractions']}", flush=True)
+        if row.get("cold_parts_ms_per_decode_step"):
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["cold_parts_ms_per_decode_step"].items(),
+                                                                 key=lambda kv: -kv[1]))
+            print(f"{'':8s}   cold pieces ms/step: {parts}", flush=True)
     if result.get("ratio_note"):
         print("NOTE:", result["ratio_note"], flush=True)
     for mode, row in result["modes"].items():

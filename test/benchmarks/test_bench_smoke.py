@@ -402,6 +402,10 @@ def test_cold_tier_decode(tmp_path):
         assert len(row["forward_decode_ms"]) == row["decode_steps"] <= len(row["scheduler_step_ms"])
     assert "cold_score" not in data["breakdown"]["off"]["seconds"]  # scoring is off in `off`
     assert data["breakdown"]["on@1"]["calls"]["cold_score"] >= 1
+    pieces = data["breakdown"]["forced"]["cold_parts"]  # the pass's pieces, inside its time
+    assert pieces["cold_score.keys"] > 0 and pieces["cold_score.mass"] > 0 and pieces["cold_score.read_rows"] > 0
+    assert sum(v for k, v in pieces.items() if k.startswith("cold_score.")) <= data["breakdown"]["forced"]["seconds"]["cold_score"]
+    assert not data["breakdown"]["off"]["cold_parts"]
 
 
 def test_cold_tier_decode_time_budget(tmp_path):
