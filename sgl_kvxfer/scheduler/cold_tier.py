@@ -210,17 +210,22 @@ class ColdTier:
         if not work:
             return
         self.stats["scoring_passes"] += 1
-        route = pool.route(torch.cat([w[2] for w in work]))
-        mass = [torch.zeros(w[2].numel(), device=pool.device) for w in work]
-        valid = (torch.cat([w[2] for w in work]) != 0).to(pool.device).split([w[2].numel() for w in work])
+        # every due request in one padded block [n, W]: one route, one key read per probed layer,
+        # one batched softmax (padding is slot 0, masked like a dropped key)
+        width = max(w[2].numel() for w in work)
+        block = torch.zeros((len(work), width), dtype=torch.int64)
+        for j, w in enumerate(work):
+            block[j, :w[2].numel()] = w[2]
+        route = pool.route(block)
+        valid = pool._to_device(block != 0)
+        rows = pool._to_device(torch.tensor([w[0] for w in work], dtype=torch.int64))
+        mass = None
         for layer in self.layers:
-            keys = pool.get_k_routed(layer, route)
-            at = 0
-            for m, ok, (i, _, slots, _, _, _) in zip(mass, valid, work):
-                n = slots.numel()
-                torch.maximum(m, head_max_mass(self.taps[layer][i], keys[at:at + n], self.scale, ok), out=m)
-                at += n
-        host_mass = torch.cat(mass).cpu().split([w[2].numel() for w in work])  # one device -> host copy
+            m = head_max_mass(self.taps[layer].index_select(0, rows), pool.get_k_routed(layer, route), self.scale,
+                              valid)
+            mass = m if mass is None else torch.maximum(mass, m, out=mass)
+        host_mass = mass.cpu()  # one device -> host copy
+        host_mass = [host_mass[j, :w[2].numel()] for j, w in enumerate(work)]
         picks = []
         for m, (_, req, slots, cand, near, kept) in zip(host_mass, work):
             self.stats["scored_tokens"] += int(cand.sum())

@@ -283,3 +283,20 @@ def test_cap_promotes_the_strongest_stretch_first_and_keeps_the_rest_for_later()
     cold.release_request(req)
     assert torch.equal(table.read(0, N).cpu(), row)
     alloc.debug_check()
+
+
+def test_batched_mass_is_each_rows_own_softmax():
+    """The pass scores every due request in one padded block: row b of the batched mass equals
+    the single-request mass over its own keys, whatever the padding holds."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(3, HQ, D, generator=gen)
+    keys = torch.randn(3, 7, H, D, generator=gen)
+    lens = [7, 4, 1]
+    valid = torch.arange(7)[None, :] < torch.tensor(lens)[:, None]
+    valid[0, 2] = False  # a dropped key inside a row
+    keys[1, 4:] = 1e3  # padding that would dominate a softmax it leaked into
+    m = head_max_mass(q, keys, 0.5, valid)
+    for b, n in enumerate(lens):
+        ref = head_max_mass(q[b], keys[b, :n], 0.5, valid[b, :n])
+        assert torch.allclose(m[b, :n], ref, atol=1e-6) and (m[b, n:] == 0).all()
+    assert float(m[0, 2]) == 0.0
