@@ -27,8 +27,8 @@ During decode, every `kv_promote_interval` steps:
              page repairs and ONE table write for all their row entries
 
 Host syncs: a step with no pass due and nothing pending runs no torch op in these hooks; a pass
-reads the due rows in one device -> host copy and the masses in one; a landing hook reads the
-rows it rewrites in one.
+reads the due rows in one device -> host copy, scores them as one padded block and reads the
+masses in one; a landing hook reads the rows it rewrites in one.
 
 A landed dropped position's row entry goes from 0 to an fp16 slot: the attention backends mask
 slot 0 per forward from the row, so it is attended from the next step on.
