@@ -258,11 +258,15 @@ class ColdTier:
                 continue
             cut = (positions[1:] != positions[:-1] + 1).nonzero().squeeze(1) + 1
             bounds = [0, *cut.tolist(), positions.numel()]
-            score = torch.where(hot, m, torch.zeros(()))  # a stretch ranks by the hits it is near
-            r = self.radius
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                lo, hi = max(0, int(positions[a]) - r), int(positions[b - 1]) + r + 1
-                ranked.append((-float(score[lo:hi].max()), n, a, b))
+            # a stretch ranks by the strongest hit within `radius` of one of its positions
+            score = torch.where(hot, m, torch.zeros(()))
+            if self.radius:
+                score = torch.nn.functional.max_pool1d(score.view(1, 1, -1), 2 * self.radius + 1, 1,
+                                                       self.radius).view(-1)
+            sid = torch.zeros(positions.numel(), dtype=torch.int64)
+            sid[cut] = 1
+            best = torch.zeros(len(bounds) - 1).scatter_reduce_(0, sid.cumsum(0), score[positions], "amax")
+            ranked.extend((-v, n, a, b) for v, a, b in zip(best.tolist(), bounds[:-1], bounds[1:]))
         total = sum(b - a for _, _, a, b in ranked)
         if total <= self.max_tokens:
             return picks
