@@ -23,7 +23,7 @@ Inside cold_score and cold_land, their pieces are timed too (synchronized the sa
 reported apart, in `cold_parts` / `cold_parts_ms_per_decode_step` as "<part>.<piece>" (they are
 already inside their part's time):
 
-    read_rows   ColdTier._read_rows (the rows to the host)      route   TieredKVPool.route
+    read_rows   ColdTier._read_block (the rows to the host)      route   TieredKVPool.route
     keys        TieredKVPool.get_k_routed (keys, dequantized)   mass    decode_mass.head_max_mass
     cap         ColdTier._cap                                   issue   ColdTier._issue (staging, copy)
     plan        ColdTier._plan (holed pages, copy slots)        move    TieredKVPool.move (page repair)
@@ -140,7 +140,7 @@ class HookTimer:
             import sgl_kvxfer.scheduler.cold_tier as cold_module
 
             pool = self.cold.pool
-            for obj, attr, piece in ((self.cold, "_read_rows", "read_rows"), (pool, "route", "route"),
+            for obj, attr, piece in ((self.cold, "_read_block", "read_rows"), (pool, "route", "route"),
                                      (pool, "get_k_routed", "keys"), (cold_module, "head_max_mass", "mass"),
                                      (self.cold, "_cap", "cap"), (self.cold, "_issue", "issue"),
                                      (self.cold, "_plan", "plan"), (pool, "move", "move"),

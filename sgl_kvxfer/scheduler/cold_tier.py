@@ -181,41 +181,42 @@ class ColdTier:
         copy, every request's mass in one copy, every promotion in one staging gather and one
         side-stream copy (_issue), so a pass costs a fixed number of host syncs, not a few per
         request."""
-        pool, work = self.pool, []
+        pool, store, work, sel = self.pool, self.store, [], []
         live = [i for i in due if batch.slices[i].req.req_pool_idx is not None
                 and batch.slices[i].req.finished_reason is None]
-        rows = self._read_rows([batch.slices[i].req for i in live])
-        for i, slots in zip(live, rows):
-            req = batch.slices[i].req
-            state = self.states.get(req)
-            cand = pool.tier_of(slots) == TIER_INT4
-            if bool(cand.any()):
-                idx = cand.nonzero().squeeze(1)
-                cand[idx[self.store.rows_for(slots[idx]) < 0]] = False
+        if not live:
+            return
+        reqs = [batch.slices[i].req for i in live]
+        block = self._read_block(reqs)  # [n, W]: slot 0 past each row's kv_len (padding)
+        # int4 ids with a host copy, the whole block at once
+        int4 = block >= store.base
+        cand_all = int4.clone()
+        cand_all[int4] = store.row_of[block[int4] - store.base] >= 0
+        for j, (i, req) in enumerate(zip(live, reqs)):
+            n, state = req.kv_len, self.states.get(req)
+            slots, cand = block[j, :n], cand_all[j, :n]
             # dropped positions with a host copy: no key to score, eligible next to a hit
             near = torch.zeros_like(cand)
             if state is not None and state.dropped:
                 at = torch.tensor(sorted(state.dropped), dtype=torch.int64)
-                at = at[at < slots.numel()]
+                at = at[at < n]
                 near[at[slots[at] == 0]] = True
             kept = torch.zeros_like(cand)  # promoted already: never picked again, still a hit's source
             if state is not None and state.promoted:
                 done = torch.tensor(sorted(state.promoted), dtype=torch.int64)
-                done = done[done < slots.numel()]
+                done = done[done < n]
                 cand[done] = False
                 near[done] = False
                 kept[done] = True
             if bool(cand.any()):
                 work.append((i, req, slots, cand, near, kept))
+                sel.append(j)
         if not work:
             return
         self.stats["scoring_passes"] += 1
         # every due request in one padded block [n, W]: one route, one key read per probed layer,
         # one batched softmax (padding is slot 0, masked like a dropped key)
-        width = max(w[2].numel() for w in work)
-        block = torch.zeros((len(work), width), dtype=torch.int64)
-        for j, w in enumerate(work):
-            block[j, :w[2].numel()] = w[2]
+        block = block[sel] if len(sel) < block.shape[0] else block
         route = pool.route(block)
         valid = pool._to_device(block != 0)
         rows = pool._to_device(torch.tensor([w[0] for w in work], dtype=torch.int64))
@@ -290,14 +291,21 @@ class ColdTier:
                 out.append((req, positions[idx], old[idx], m, hot))
         return out
 
-    def _read_rows(self, reqs: list) -> list[torch.Tensor]:
-        """The rows [0, kv_len) of `reqs` on the host, in one device -> host copy."""
-        if not reqs:
-            return []
+    def _read_block(self, reqs: list) -> torch.Tensor:
+        """The rows of `reqs` on the host as one block [n, max kv_len], in one device -> host copy;
+        slot 0 past each row's kv_len."""
         table = self.table.table
         width = max(r.kv_len for r in reqs)
         idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         block = table[idx.to(table.device), :width].cpu()
+        lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        return block.masked_fill_(torch.arange(width)[None, :] >= lens[:, None], 0)
+
+    def _read_rows(self, reqs: list) -> list[torch.Tensor]:
+        """The rows [0, kv_len) of `reqs` on the host, in one device -> host copy."""
+        if not reqs:
+            return []
+        block = self._read_block(reqs)
         return [block[j, :r.kv_len] for j, r in enumerate(reqs)]
 
     # ------------------------------------------------------------------ promotion

@@ -214,8 +214,8 @@ def test_a_pass_stages_every_promotion_in_one_copy_and_idle_steps_run_no_torch_o
     aim(cold, data, 13)
     for layer in cold.layers:  # the second request's query points at the same key
         cold.taps[layer][1] = cold.taps[layer][0]
-    calls = {"gather": 0, "set_kv_fp16": 0, "read_rows": 0, "move": 0}
-    for obj, name in ((cold.store, "gather"), (pool, "set_kv_fp16"), (cold, "_read_rows"), (pool, "move")):
+    calls = {"gather": 0, "set_kv_fp16": 0, "read_block": 0, "move": 0}
+    for obj, name in ((cold.store, "gather"), (pool, "set_kv_fp16"), (cold, "_read_block"), (pool, "move")):
         real = getattr(obj, name)
 
         def counted(*a, _real=real, _name=name.lstrip("_"), **kw):
@@ -228,7 +228,7 @@ def test_a_pass_stages_every_promotion_in_one_copy_and_idle_steps_run_no_torch_o
     assert cold.stats["scoring_passes"] == 1 and cold.stats["promotions"] == 2 and cold.stats["landed"] == 6
     assert cold.stats["staging_copies"] == 1
     assert calls["gather"] == 1 and calls["set_kv_fp16"] == L
-    assert calls["read_rows"] == 2  # the due rows once, the landing rows once
+    assert calls["read_block"] == 2  # the due rows once, the landing rows once
     # both rows' page repairs (12..14 punch holes in int4 pages) in one move over the layers
     assert calls["move"] == 1 and cold.stats["repack_moves"] == 1 and cold.stats["repacked_tokens"] > 0
     for r, rid in ((req, 0), (req2, 1)):  # both promotions landed exact
