@@ -103,7 +103,9 @@ class EngineConfig:
     # kv_promote_layers layers (the most int4-sensitive of kv_layer_profile when given,
     # spectrum/query_taps.py), with the int4 and dropped tokens within kv_promote_radius each side;
     # kv_cold_tier_tokens host copies (0: the pool's size); kv_promote_drop_run > 0: a run of
-    # dropped tokens contiguous with the promoted ones comes back too, up to that many each side.
+    # dropped tokens contiguous with the promoted ones comes back too, up to that many each side;
+    # kv_promote_max_tokens (0: no cap) bounds the tokens one scoring pass promotes, the stretches
+    # around the strongest hits first (the rest stay candidates for a later pass).
     kv_cold_tier: bool = False
     kv_promote_threshold: float = 0.02
     kv_promote_interval: int = 16
@@ -111,6 +113,7 @@ class EngineConfig:
     kv_promote_radius: int = 4
     kv_cold_tier_tokens: int = 0
     kv_promote_drop_run: int = 32
+    kv_promote_max_tokens: int = 256
     # A peft LoRA adapter dir merged into the weights at load (W += alpha/r * B @ A; models/lora.py):
     # serves base + adapter at base speed (SCD's specialists, sgl_kvxfer/scd/README.md).
     merge_lora: str | None = None
@@ -202,7 +205,7 @@ class EngineConfig:
                              f"got {self.kv_promote_threshold}")
         for name, lo, hi in (("kv_promote_interval", 1, 1 << 20), ("kv_promote_layers", 1, 4096),
                              ("kv_promote_radius", 0, 4096), ("kv_cold_tier_tokens", 0, 1 << 40),
-                             ("kv_promote_drop_run", 0, 4096)):
+                             ("kv_promote_drop_run", 0, 4096), ("kv_promote_max_tokens", 0, 1 << 20)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
                 raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")

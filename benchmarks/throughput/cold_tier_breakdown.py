@@ -18,6 +18,16 @@ charged to it):
     make_room                         RadixCache.evict (cache leaves freed for a short store)
 
 `other` is the call's wall time less all of them: the scheduler's host loop, sampling, outputs.
+
+Inside cold_score and cold_land, their pieces are timed too (synchronized the same way) and
+reported apart, in `cold_parts` / `cold_parts_ms_per_decode_step` as "<part>.<piece>" (they are
+already inside their part's time):
+
+    read_rows   ColdTier._read_block (the rows to the host)      route   TieredKVPool.route
+    keys        TieredKVPool.get_k_routed (keys, dequantized)   mass    decode_mass.head_max_mass
+    cap         ColdTier._cap                                   issue   ColdTier._issue (staging, copy)
+    plan        ColdTier._plan (holed pages, copy slots)        move    TieredKVPool.move (page repair)
+    rewrite     ColdTier._rewrite (the table write)
 The syncs cost a little, so this call is a diagnostic, not the throughput number.
 """
 from __future__ import annotations
@@ -45,6 +55,8 @@ class HookTimer:
         self.sched_ms: list[float] = []  # each scheduler step (prefill or decode), in order
         self._undo: list = []
         self._depth = 0  # nested wrapped calls (a landing inside a scoring hook) are charged once
+        self._outer = None  # the cold part running now: its pieces are charged to it
+        self.pieces: dict[str, float] = {}
 
     def _wrap(self, obj, attr: str, part) -> None:
         if obj is None or not hasattr(obj, attr):
@@ -57,6 +69,7 @@ class HookTimer:
             if self._depth:
                 return real(*args, **kwargs)
             self._depth += 1
+            self._outer = name if name.startswith("cold_") and name != "cold_release" else None
             _sync()
             t = time.perf_counter()
             try:
@@ -64,11 +77,35 @@ class HookTimer:
             finally:
                 _sync()
                 self._depth -= 1
+                self._outer = None
                 dt = time.perf_counter() - t
                 self.seconds[name] = self.seconds.get(name, 0.0) + dt
                 self.calls[name] = self.calls.get(name, 0) + 1
                 if name == "forward_decode":
                     self.step_ms.append(1e3 * dt)
+
+        setattr(obj, attr, timed)
+        self._undo.append((obj, attr, real if had_own else None))
+
+    def _wrap_piece(self, obj, attr: str, piece: str) -> None:
+        """Time `obj.attr` (synchronized) when a cold part runs it, charged as "<part>.<piece>"."""
+        if obj is None or not hasattr(obj, attr):
+            return
+        had_own = attr in vars(obj)
+        real = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            outer = self._outer
+            if outer is None:
+                return real(*args, **kwargs)
+            _sync()
+            t = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                _sync()
+                key = f"{outer}.{piece}"
+                self.pieces[key] = self.pieces.get(key, 0.0) + time.perf_counter() - t
 
         setattr(obj, attr, timed)
         self._undo.append((obj, attr, real if had_own else None))
@@ -99,6 +136,16 @@ class HookTimer:
         self._wrap(self.cold, "release_request", "cold_release")
         self._wrap(self.tiering, "_demote_runs", "decode_demotion")
         self._wrap(self.tree, "evict", "make_room")
+        if self.cold is not None:
+            import sgl_kvxfer.scheduler.cold_tier as cold_module
+
+            pool = self.cold.pool
+            for obj, attr, piece in ((self.cold, "_read_block", "read_rows"), (pool, "route", "route"),
+                                     (pool, "get_k_routed", "keys"), (cold_module, "head_max_mass", "mass"),
+                                     (self.cold, "_cap", "cap"), (self.cold, "_issue", "issue"),
+                                     (self.cold, "_plan", "plan"), (pool, "move", "move"),
+                                     (self.cold, "_rewrite", "rewrite")):
+                self._wrap_piece(obj, attr, piece)
         graphs = self.runner.graph_runner
         self._replays = graphs.replays if graphs is not None else None
         self._t0 = time.perf_counter()
@@ -122,5 +169,7 @@ class HookTimer:
                 "ms_per_decode_step": {k: 1e3 * v / max(1, steps) for k, v in seconds.items()},
                 "forward_decode_ms": [round(x, 3) for x in self.step_ms],
                 "scheduler_step_ms": [round(x, 3) for x in self.sched_ms],
+                "cold_parts": dict(self.pieces),
+                "cold_parts_ms_per_decode_step": {k: 1e3 * v / max(1, steps) for k, v in self.pieces.items()},
                 "graph_replays": None if graphs is None else graphs.replays - self._replays,
                 "cuda_graphs": graphs is not None}

@@ -12,6 +12,8 @@ After the prefill, modes alternate within every repeat (interleaved, so drift hi
              cost of promotions themselves (host gather, side-stream copy, row repair)
     score@I  (--score-only) scoring every I steps (the first interval) at a threshold nothing
              reaches: the scoring passes alone, no promotion, rows never change
+    uncapped@I (--uncapped) on@first interval with no cap on the tokens a pass promotes
+             (--kv-promote-max-tokens 0): what the cap changes in cost and counters
 
     step = (T(n2) - T(n1)) / (n2 - n1)     per repeat (e2e_decode.py's protocol; prompts cached)
 
@@ -26,7 +28,9 @@ than --repeats (budget, interrupt) or fewer than 5, `ratio_note` says the ratios
 Breakdown (after the warm-up, before the repeats; --no-breakdown skips it): per mode one more
 generate(n2) with every forward and cold-tier hook synchronized and timed (cold_tier_breakdown.py):
 ms per decode step in the forward, the scoring pass, landing, the row release, decode demotion,
-cache eviction and the rest of the host loop, graph replays, retractions and cached tokens. Its
+cache eviction and the rest of the host loop, the scoring pass's and landing's pieces (rows read,
+keys, mass, cap, issue, landing plan, page-repair move, table write), graph replays, retractions
+and cached tokens. Its
 syncs perturb it a little: it says where a slowdown sits, the repeats say how large it is.
 
 The JSON is written after every phase (engine start, prefill, warm-up) and every repeat, so a run
@@ -62,7 +66,8 @@ from e2e_decode import engine_kwargs, timed_generate  # noqa: E402
 from pool_plan import plan_pool, weight_bytes_resident  # noqa: E402
 
 COUNTERS = ("scoring_passes", "scored_tokens", "promotions", "promoted_tokens", "promoted_bytes_h2d", "landed",
-            "repacked_tokens", "deferred", "no_room", "restored_dropped", "restored_dropped_bytes_h2d")
+            "repacked_tokens", "repack_moves", "capped_tokens", "deferred", "no_room", "restored_dropped",
+            "restored_dropped_bytes_h2d")
 
 
 NEVER = 1.0 + 1e-6  # a threshold no probability reaches: scoring without promotions
@@ -73,6 +78,7 @@ def set_mode(cold, mode: str, args) -> None:
     cold.threshold = {"forced": args.forced_threshold, "score": NEVER}.get(mode.split("@")[0],
                                                                            args.kv_promote_threshold)
     cold.interval = int(mode.split("@")[1]) if "@" in mode else args.intervals[0]
+    cold.max_tokens = 0 if mode.startswith("uncapped") else args.kv_promote_max_tokens
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -86,6 +92,9 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--intervals", type=int, nargs="+", default=[16], help="scoring intervals timed (on@I modes)")
     p.add_argument("--kv-promote-layers", type=int, default=2)
     p.add_argument("--kv-promote-radius", type=int, default=4)
+    p.add_argument("--kv-promote-drop-run", type=int, default=32)
+    p.add_argument("--kv-promote-max-tokens", type=int, default=256, help="tokens one scoring pass promotes at most "
+                   "(0: no cap; the engine's default)")
     p.add_argument("--forced-threshold", type=float, default=None, help="add the `forced` mode at this threshold")
     p.add_argument("--backend", default="triton")
     p.add_argument("--kv-tier-page-size", type=int, default=None, help="int store page (default: the engine's)")
@@ -104,6 +113,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--score-only", action="store_true",
                    help="add the `score@I` mode (first interval): scoring passes at a threshold nothing reaches, so "
                         "no promotion: the scoring's own cost, apart from promotions and promoted rows")
+    p.add_argument("--uncapped", action="store_true",
+                   help="add the `uncapped@I` mode (first interval): on@I with --kv-promote-max-tokens 0")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                    help="skip the synchronized per-part breakdown call of each mode")
     args = p.parse_args(argv)
@@ -112,6 +123,9 @@ def main(argv: list[str] | None = None) -> str:
     for t in (args.kv_promote_threshold, args.forced_threshold):
         if t is not None and not 0 < t <= 1:
             p.error("thresholds must be in (0, 1]")
+    if not (0 <= args.kv_promote_max_tokens <= 1 << 20 and 0 <= args.kv_promote_drop_run <= 4096
+            and 0 <= args.kv_promote_radius <= 4096):
+        p.error("--kv-promote-max-tokens in [0, 2^20], --kv-promote-drop-run and --kv-promote-radius in [0, 4096]")
     if args.time_budget_s is not None and not 0 < args.time_budget_s < float("inf"):
         p.error("--time-budget-s must be a positive finite number")
     triton_interpreter_for(args.device)
@@ -127,7 +141,8 @@ def main(argv: list[str] | None = None) -> str:
     dtype = getattr(torch, args.dtype)
     device = device_name(args.device)
     modes = (["off"] + [f"on@{i}" for i in args.intervals] + (["forced"] if args.forced_threshold is not None else [])
-             + ([f"score@{args.intervals[0]}"] if args.score_only else []))
+             + ([f"score@{args.intervals[0]}"] if args.score_only else [])
+             + ([f"uncapped@{args.intervals[0]}"] if args.uncapped else []))
     plan = plan_pool(arch, dtype, args.context, args.batch, args.kv_tier_budget, args.n2, args.kv_tier_policy)
     plan["weight_bytes"] = weight_bytes_resident(arch, dtype)
     name = f"cold_tier_decode_{args.preset}_{device.split(' (')[0].replace(' ', '_')}"
@@ -157,7 +172,8 @@ def main(argv: list[str] | None = None) -> str:
         kw = engine_kwargs(args, plan, args.kv_tier_budget, args.backend, args.batch)
         kw.update(kv_cold_tier=True, kv_promote_threshold=args.kv_promote_threshold,
                   kv_promote_interval=args.intervals[0], kv_promote_layers=args.kv_promote_layers,
-                  kv_promote_radius=args.kv_promote_radius,
+                  kv_promote_radius=args.kv_promote_radius, kv_promote_drop_run=args.kv_promote_drop_run,
+                  kv_promote_max_tokens=args.kv_promote_max_tokens,
                   # host copies of the int4 tokens: at b = 0.2 (0.3) 71% (92%) of the context; the
                   # store rounds its pinned buffers up to a power of two and uses all of it
                   kv_cold_tier_tokens=args.batch * args.context * 3 // 4)
@@ -229,6 +245,10 @@ def main(argv: list[str] | None = None) -> str:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["ms_per_decode_step"].items(), key=lambda kv: -kv[1]))
         print(f"{mode:8s} breakdown ms/step: {parts}; graph replays {row['graph_replays']} of "
               f"{row['decode_steps']} steps, retractions {row['retractions']}", flush=True)
+        if row.get("cold_parts_ms_per_decode_step"):
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(row["cold_parts_ms_per_decode_step"].items(),
+                                                                 key=lambda kv: -kv[1]))
+            print(f"{'':8s}   cold pieces ms/step: {parts}", flush=True)
     if result.get("ratio_note"):
         print("NOTE:", result["ratio_note"], flush=True)
     for mode, row in result["modes"].items():

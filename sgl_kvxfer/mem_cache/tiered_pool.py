@@ -260,7 +260,7 @@ class TieredKVPool(KVPool):
                                  tuple(map(self._to_device, self.page_offset(tier, dst[m])))))
         rest = ~same
         capture = cap_src = None
-        if self.cold is not None and bool(rest.any()):
+        if self.cold is not None:  # NOTE: also for pure int4 relocations: the copies share the host rows
             capture = self.cold.begin_move(src, dst, ts, td, rest)
             if capture is not None:  # the demoted tokens' exact values: their fp16 rows
                 cap_src = self._to_device(src[rest][capture.sel.cpu()])

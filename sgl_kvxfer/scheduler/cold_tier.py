@@ -13,16 +13,22 @@ During decode, every `kv_promote_interval` steps:
              eligible position within kv_promote_radius of a hit: int4 ones with a host copy, and
              dropped ones with a host copy (they have no key on the device, so they are never
              scored: only a neighbouring hit brings them back); with kv_promote_drop_run > 0, the
-             dropped run contiguous with what is picked comes along, up to that many each side
+             dropped run contiguous with what is picked comes along, up to that many each side;
+             a promoted position that is still hot is a hit too (it brings neighbours it left),
+             never picked again itself
+    cap      kv_promote_max_tokens > 0: at most that many positions per pass, the stretches near
+             the strongest hits first; what waits is not marked promoted, so a later pass takes it
     issue    fresh fp16 slots; the host rows of every promotion of the pass gathered into one
              pinned staging buffer; on CUDA a side stream copies it to the device in one copy and
              writes the fp16 store, then records one event
     land     before the next decode forward (or any later hook) that finds the event done, the
-             request's row is rewritten to the new slots (never waits: a copy not done stays pending)
+             requests' rows are rewritten to the new slots (never waits: a copy not done stays
+             pending): every landing request planned on the host, then ONE pool.move for all their
+             page repairs and ONE table write for all their row entries
 
 Host syncs: a step with no pass due and nothing pending runs no torch op in these hooks; a pass
-reads the due rows in one device -> host copy and the masses in one; a landing hook reads the
-rows it rewrites in one.
+reads the due rows in one device -> host copy, scores them as one padded block and reads the
+masses in one; a landing hook reads the rows it rewrites in one.
 
 A landed dropped position's row entry goes from 0 to an fp16 slot: the attention backends mask
 slot 0 per forward from the row, so it is attended from the next step on.
@@ -85,6 +91,7 @@ class ColdTier:
         self.threshold, self.interval = config.kv_promote_threshold, config.kv_promote_interval
         self.radius = config.kv_promote_radius
         self.drop_run = getattr(config, "kv_promote_drop_run", 0)
+        self.max_tokens = getattr(config, "kv_promote_max_tokens", 0)  # per pass, 0: no cap
         capacity = config.kv_cold_tier_tokens or pool.memory_tokens
         self.store = HostColdStore(capacity, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype,
                                    pool.base(TIER_INT4), pool.num_slots(TIER_INT4), pool.device)
@@ -104,7 +111,7 @@ class ColdTier:
         self.stats = {"scoring_passes": 0, "scored_tokens": 0, "promotions": 0, "promoted_tokens": 0,
                       "promoted_bytes_h2d": 0, "repacked_tokens": 0, "deferred": 0, "no_room": 0, "cancelled": 0,
                       "landed": 0, "stale": 0, "restored_dropped": 0, "restored_dropped_bytes_h2d": 0,
-                      "staging_copies": 0}
+                      "staging_copies": 0, "capped_tokens": 0, "repack_moves": 0}
 
     def set_probe_layers(self, layers: list[int]) -> None:
         """Tap the decode queries of `layers` (replaces the taps). Only where no CUDA graph was
@@ -174,63 +181,131 @@ class ColdTier:
         copy, every request's mass in one copy, every promotion in one staging gather and one
         side-stream copy (_issue), so a pass costs a fixed number of host syncs, not a few per
         request."""
-        pool, work = self.pool, []
+        pool, store, work, sel = self.pool, self.store, [], []
         live = [i for i in due if batch.slices[i].req.req_pool_idx is not None
                 and batch.slices[i].req.finished_reason is None]
-        rows = self._read_rows([batch.slices[i].req for i in live])
-        for i, slots in zip(live, rows):
-            req = batch.slices[i].req
-            state = self.states.get(req)
-            cand = pool.tier_of(slots) == TIER_INT4
-            if bool(cand.any()):
-                idx = cand.nonzero().squeeze(1)
-                cand[idx[self.store.rows_for(slots[idx]) < 0]] = False
+        if not live:
+            return
+        reqs = [batch.slices[i].req for i in live]
+        block = self._read_block(reqs)  # [n, W]: slot 0 past each row's kv_len (padding)
+        # int4 ids with a host copy, the whole block at once
+        int4 = block >= store.base
+        cand_all = int4.clone()
+        cand_all[int4] = store.row_of[block[int4] - store.base] >= 0
+        for j, (i, req) in enumerate(zip(live, reqs)):
+            n, state = req.kv_len, self.states.get(req)
+            slots, cand = block[j, :n], cand_all[j, :n]
             # dropped positions with a host copy: no key to score, eligible next to a hit
             near = torch.zeros_like(cand)
             if state is not None and state.dropped:
                 at = torch.tensor(sorted(state.dropped), dtype=torch.int64)
-                at = at[at < slots.numel()]
+                at = at[at < n]
                 near[at[slots[at] == 0]] = True
+            kept = torch.zeros_like(cand)  # promoted already: never picked again, still a hit's source
             if state is not None and state.promoted:
                 done = torch.tensor(sorted(state.promoted), dtype=torch.int64)
+                done = done[done < n]
                 cand[done] = False
                 near[done] = False
+                kept[done] = True
             if bool(cand.any()):
-                work.append((i, req, slots, cand, near))
+                work.append((i, req, slots, cand, near, kept))
+                sel.append(j)
         if not work:
             return
         self.stats["scoring_passes"] += 1
-        route = pool.route(torch.cat([w[2] for w in work]))
-        mass = [torch.zeros(w[2].numel(), device=pool.device) for w in work]
-        valid = (torch.cat([w[2] for w in work]) != 0).to(pool.device).split([w[2].numel() for w in work])
+        # every due request in one padded block [n, W]: one route, one key read per probed layer,
+        # one batched softmax (padding is slot 0, masked like a dropped key)
+        block = block[sel] if len(sel) < block.shape[0] else block
+        route = pool.route(block)
+        valid = pool._to_device(block != 0)
+        rows = pool._to_device(torch.tensor([w[0] for w in work], dtype=torch.int64))
+        mass = None
         for layer in self.layers:
-            keys = pool.get_k_routed(layer, route)
-            at = 0
-            for m, ok, (i, _, slots, _, _) in zip(mass, valid, work):
-                n = slots.numel()
-                torch.maximum(m, head_max_mass(self.taps[layer][i], keys[at:at + n], self.scale, ok), out=m)
-                at += n
-        host_mass = torch.cat(mass).cpu().split([w[2].numel() for w in work])  # one device -> host copy
+            m = head_max_mass(self.taps[layer].index_select(0, rows), pool.get_k_routed(layer, route), self.scale,
+                              valid)
+            mass = m if mass is None else torch.maximum(mass, m, out=mass)
+        host_mass = mass.cpu()  # one device -> host copy
+        host_mass = [host_mass[j, :w[2].numel()] for j, w in enumerate(work)]
         picks = []
-        for m, (_, req, slots, cand, near) in zip(host_mass, work):
+        for m, (_, req, slots, cand, near, kept) in zip(host_mass, work):
             self.stats["scored_tokens"] += int(cand.sum())
-            pick = expand_hits((m >= self.threshold) & cand, cand | near, self.radius)
-            if self.drop_run and bool(pick.any()) and bool(near.any()):
+            # a promoted token that is still hot keeps bringing its neighbours (those a capped
+            # pass left behind); without a cap they came with it and nothing is added
+            hot = (m >= self.threshold) & (cand | kept)
+            if not bool(hot.any()):
+                continue
+            pick = expand_hits(hot, cand | near, self.radius)
+            if not bool(pick.any()):
+                continue
+            if self.drop_run and bool(near.any()):
                 pick = extend_runs(pick, near, self.drop_run)
-            if bool(pick.any()):
-                positions = pick.nonzero().squeeze(1)
-                picks.append((req, positions, slots[positions]))
+            positions = pick.nonzero().squeeze(1)
+            picks.append((req, positions, slots[positions], m, hot))
+        if picks and self.max_tokens:
+            picks = self._cap(picks)
         if picks:
-            self._issue(picks)
+            self._issue([p[:3] for p in picks])
+
+    def _cap(self, picks: list) -> list:
+        """At most `max_tokens` positions per pass: each pick's positions go in stretches (runs of
+        consecutive picked positions, a hit with its neighbours and dropped run), the stretches of
+        the whole pass ranked by the largest mass of a hit in them; the stretches that do not fit
+        are not marked promoted, so a later pass scores them again (nothing is lost for good,
+        only delayed). A stretch larger than the cap alone is cut to the cap around its hit."""
+        ranked = []  # (-mass, pick index, first, last) over positions indices
+        for n, (_, positions, _, m, hot) in enumerate(picks):
+            if positions.numel() == 0:
+                continue
+            cut = (positions[1:] != positions[:-1] + 1).nonzero().squeeze(1) + 1
+            bounds = [0, *cut.tolist(), positions.numel()]
+            # a stretch ranks by the strongest hit within `radius` of one of its positions
+            score = torch.where(hot, m, torch.zeros(()))
+            if self.radius:
+                score = torch.nn.functional.max_pool1d(score.view(1, 1, -1), 2 * self.radius + 1, 1,
+                                                       self.radius).view(-1)
+            sid = torch.zeros(positions.numel(), dtype=torch.int64)
+            sid[cut] = 1
+            best = torch.zeros(len(bounds) - 1).scatter_reduce_(0, sid.cumsum(0), score[positions], "amax")
+            ranked.extend((-v, n, a, b) for v, a, b in zip(best.tolist(), bounds[:-1], bounds[1:]))
+        total = sum(b - a for _, _, a, b in ranked)
+        if total <= self.max_tokens:
+            return picks
+        ranked.sort()
+        room, keep = self.max_tokens, [[] for _ in picks]
+        for _, n, a, b in ranked:
+            if room <= 0:
+                break
+            if b - a > room:  # cut around the stretch's strongest position
+                top = a + int(torch.argmax(picks[n][3][picks[n][1][a:b]]))
+                a = max(a, min(top - room // 2, b - room))
+                b = a + room
+            keep[n].append(torch.arange(a, b))
+            room -= b - a
+        self.stats["capped_tokens"] += total - (self.max_tokens - room)
+        out = []
+        for n, parts in enumerate(keep):
+            if parts:
+                idx = torch.cat(parts).sort().values
+                req, positions, old, m, hot = picks[n]
+                out.append((req, positions[idx], old[idx], m, hot))
+        return out
+
+    def _read_block(self, reqs: list) -> torch.Tensor:
+        """The rows of `reqs` on the host as one block [n, max kv_len], in one device -> host copy;
+        slot 0 past each row's kv_len."""
+        table = self.table.table
+        width = max(r.kv_len for r in reqs)
+        idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        block = table[idx.to(table.device), :width].cpu()
+        lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        return block.masked_fill_(torch.arange(width)[None, :] >= lens[:, None], 0)
 
     def _read_rows(self, reqs: list) -> list[torch.Tensor]:
         """The rows [0, kv_len) of `reqs` on the host, in one device -> host copy."""
         if not reqs:
             return []
-        table = self.table.table
-        width = max(r.kv_len for r in reqs)
-        idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        block = table[idx.to(table.device), :width].cpu()
+        block = self._read_block(reqs)
         return [block[j, :r.kv_len] for j, r in enumerate(reqs)]
 
     # ------------------------------------------------------------------ promotion
@@ -316,50 +391,63 @@ class ColdTier:
         self.pending = waiting
         if not ready:
             return
-        # the rows of the landing requests in one device -> host copy; a request landing twice
-        # here reads its row again after the first landing rewrote it
-        first = {}
+        # one landing per request (a request with several ready promotions lands them together);
+        # their positions are disjoint: a position in flight is in `promoted`, never picked again
+        merged: dict[int, _Pending] = {}
         for p in ready:
-            if p.req.req_pool_idx is not None and self.states.get(p.req) is not None:
-                first.setdefault(id(p.req), p)
-        rows = dict(zip(first, self._read_rows([p.req for p in first.values()])))
-        for p in ready:
-            row = rows.pop(id(p.req), None) if first.get(id(p.req)) is p else None
-            self._apply(p, row)
-
-    def _apply(self, p: _Pending, row: torch.Tensor | None = None) -> None:
-        """Point the row at the promoted fp16 slots, and at owned copies of the int tokens of pages
-        the row would then see with a hole (the Triton kernels read an int page as its slots
-        [0, fill): mem_cache/README.md section 7). Without room for those copies nothing changes.
-        `row`: the request's row [0, kv_len) on the host, read by the caller (None: read here)."""
-        req, state = p.req, self.states.get(p.req)
-        if req.req_pool_idx is None or state is None:  # released meanwhile (release_request frees)
-            self.allocator.free(p.new)
+            q = merged.get(id(p.req))
+            if q is None:
+                merged[id(p.req)] = _Pending(p.req, p.positions, p.old, p.new)
+            else:
+                q.positions, q.old, q.new = (torch.cat([a, b]) for a, b in
+                                             ((q.positions, p.positions), (q.old, p.old), (q.new, p.new)))
+        live = [p for p in merged.values() if p.req.req_pool_idx is not None and self.states.get(p.req) is not None]
+        rows = dict(zip((id(p.req) for p in live), self._read_rows([p.req for p in live])))  # one device -> host copy
+        plans = [plan for plan in (self._plan(p, rows.get(id(p.req))) for p in merged.values()) if plan is not None]
+        if not plans:
             return
-        if row is None:
-            row = self._read_rows([req])[0]
-        given = row
-        row = row.clone()
+        # every request's page repair in ONE pool.move (codes bit for bit, one pass over the
+        # layers), then every row entry in ONE table write; the owned slots the rewrite replaces
+        # are freed after both are enqueued, so no copy of this landing can reuse them
+        src = torch.cat([plan[5] for plan in plans])
+        if src.numel():
+            self.pool.move(src, torch.cat([plan[6] for plan in plans]))
+            self.stats["repack_moves"] += 1
+            self.stats["repacked_tokens"] += src.numel()
+        self._rewrite(plans)
+
+    def _plan(self, p: _Pending, row: torch.Tensor | None):
+        """Host-side plan of one request's landing: the row's promoted positions -> the new fp16
+        slots, and the int tokens of pages the row would then see with a hole (the Triton kernels
+        read an int page as its slots [0, fill): mem_cache/README.md section 7) -> owned copies on
+        fresh pages of their own (one alloc per tier and request, so each request holds a prefix
+        of every page it touches). Without room for those copies nothing changes and the
+        positions may be scored again. `row`: the request's row [0, kv_len) on the host (None:
+        released meanwhile; release_request freed what it owned).
+        -> (req, state, positions to write, their new slots, their entries now, repack src, repack
+        dst) or None."""
+        req, state = p.req, self.states.get(p.req)
+        if row is None or req.req_pool_idx is None or state is None:
+            self.allocator.free(p.new)
+            return None
         same = row[p.positions] == p.old
         if not bool(same.all()):  # the row moved under us (should not happen while it runs)
             self.stats["stale"] += int((~same).sum())
             self.allocator.free(p.new[~same])
         positions, new = p.positions[same], p.new[same]
-        row[positions] = new
-        holed = self.allocator.holed_pages(row).nonzero().squeeze(1)
-        old = row[holed]
+        after = row.clone()
+        after[positions] = new
+        holed = self.allocator.holed_pages(after).nonzero().squeeze(1)
+        old = after[holed]
         copies = self._copy_slots(old)
         if copies is None:
             self.stats["no_room"] += 1
             self.allocator.free(new)
             state.promoted.difference_update(positions.tolist())  # may be scored again
-            return
-        if holed.numel():
-            self.pool.move(old, copies)  # codes bit for bit (requantized for KIVI pages)
-            self.stats["repacked_tokens"] += holed.numel()
-        at = torch.cat([positions, holed])
-        self._rewrite(req, state, at, torch.cat([new, copies]), given[at])
+            return None
         self.stats["landed"] += positions.numel()
+        at = torch.cat([positions, holed])
+        return req, state, at, torch.cat([new, copies]), row[at], old, copies
 
     def _copy_slots(self, old: torch.Tensor) -> torch.Tensor | None:
         """Fresh ids for int tokens `old` (position order): their tier's pages, else fp16 slots;
@@ -386,23 +474,33 @@ class ColdTier:
             new[idx] = got
         return new
 
-    def _rewrite(self, req, state: _ReqState, positions: torch.Tensor, slots: torch.Tensor,
-                 cur: torch.Tensor) -> None:
-        """Point row positions at owned slots; owned slots they replace are freed. `cur`: the
-        row's entries at `positions` now (host)."""
-        if not positions.numel():
-            return
-        row_idx = req.req_pool_idx
-        dev = positions.to(self.table.table.device)
-        drop = []
-        for pos, was, now in zip(positions.tolist(), cur.tolist(), slots.tolist()):
-            if was in state.owned:
-                state.owned.discard(was)
-                drop.append(was)
+    def _rewrite(self, plans: list) -> None:
+        """Point every plan's row positions at its owned slots in one table write (one host ->
+        device copy of the indices, non-blocking from pinned memory on CUDA); the owned slots they
+        replace are freed."""
+        drop, rows, cols, vals = [], [], [], []
+        for req, state, at, slots, cur, _, _ in plans:
+            if not at.numel():
+                continue
+            owned, original = state.owned, state.original
+            for pos, was in zip(at.tolist(), cur.tolist()):
+                if was in owned:
+                    owned.discard(was)
+                    drop.append(was)
+                else:
+                    original.setdefault(pos, was)
+            owned.update(slots.tolist())
+            rows.append(torch.full((at.numel(),), req.req_pool_idx, dtype=torch.int64))
+            cols.append(at)
+            vals.append(slots)
+        if rows:
+            table = self.table.table
+            index = torch.stack([torch.cat(rows), torch.cat(cols), torch.cat(vals)])
+            if self.cuda:
+                index = index.pin_memory().to(table.device, non_blocking=True)
             else:
-                state.original.setdefault(pos, was)
-            state.owned.add(now)
-        self.table.table[row_idx, dev] = slots.to(self.table.table.device)
+                index = index.to(table.device)
+            table[index[0], index[1]] = index[2].to(table.dtype)
         if drop:
             self.allocator.free(torch.tensor(drop, dtype=torch.int64))
 
@@ -440,4 +538,4 @@ class ColdTier:
         return {**self.stats, **self.store.stats, "host_rows_in_use": self.store.rows_in_use,
                 "host_capacity": self.store.capacity, "pending": len(self.pending), "probe_layers": self.layers,
                 "threshold": self.threshold, "interval": self.interval, "radius": self.radius,
-                "drop_run": self.drop_run}
+                "drop_run": self.drop_run, "max_tokens": self.max_tokens}

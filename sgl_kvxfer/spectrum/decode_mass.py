@@ -18,17 +18,21 @@ import torch
 
 def head_max_mass(q: torch.Tensor, keys: torch.Tensor, scale: float, valid: torch.Tensor | None = None) -> torch.Tensor:
     """q [Hq, D], keys [T, Hkv, D] (Hq a multiple of Hkv), valid bool [T] or None -> float32 [T]:
-    the largest probability any query head gives each key."""
-    hq, d = q.shape
-    t, hkv, _ = keys.shape
+    the largest probability any query head gives each key. Batched: q [B, Hq, D], keys
+    [B, T, Hkv, D], valid [B, T] -> [B, T], each row its own softmax (padding masked by `valid`;
+    a row needs one valid key)."""
+    if q.dim() == 2:
+        return head_max_mass(q[None], keys[None], scale, None if valid is None else valid[None])[0]
+    b, hq, d = q.shape
+    _, t, hkv, _ = keys.shape
     if hq % hkv:
         raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
     group = hq // hkv
     # in the keys' dtype (no fp32 copy of every key); the softmax runs in fp32
-    logits = torch.einsum("kgd,tkd->kgt", q.to(keys.dtype).view(hkv, group, d), keys).float() * scale  # [Hkv, G, T]
+    logits = torch.einsum("bkgd,btkd->bkgt", q.to(keys.dtype).view(b, hkv, group, d), keys).float() * scale
     if valid is not None:
-        logits = logits.masked_fill(~valid.to(logits.device)[None, None, :], float("-inf"))
-    return torch.softmax(logits, dim=-1).amax(dim=(0, 1))
+        logits = logits.masked_fill(~valid.to(logits.device)[:, None, None, :], float("-inf"))
+    return torch.softmax(logits, dim=-1).amax(dim=(1, 2))
 
 
 def extend_runs(picked: torch.Tensor, run: torch.Tensor, cap: int) -> torch.Tensor:

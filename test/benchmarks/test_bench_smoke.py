@@ -377,9 +377,13 @@ def test_cold_tier_decode(tmp_path):
     out = run_bench("throughput/cold_tier_decode.py", ["--preset", "tiny", "--context", "96", "--batch", "2",
                                                         "--n1", "1", "--n2", "3", "--repeats", "1", "--device", "cpu",
                                                         "--backend", "torch", "--intervals", "1",
-                                                        "--forced-threshold", "0.001", "--score-only"], tmp_path)
+                                                        "--forced-threshold", "0.001", "--score-only", "--uncapped",
+                                                        "--kv-promote-max-tokens", "8"], tmp_path)
     data = result(out, "cold_tier_decode_tiny", ("modes", "pool_plan", "params", "server_info_cold_tier"), png=False)
-    assert set(data["modes"]) == {"off", "on@1", "forced", "score@1"} and not data["partial"]
+    assert set(data["modes"]) == {"off", "on@1", "forced", "score@1", "uncapped@1"} and not data["partial"]
+    assert data["params"]["kv_promote_max_tokens"] == 8 and data["engine_kwargs"]["kv_promote_max_tokens"] == 8
+    assert data["modes"]["forced"]["counters"]["capped_tokens"] > 0  # a low bar: more than 8 a pass, cut
+    assert data["modes"]["uncapped@1"]["counters"]["capped_tokens"] == 0
     score = data["modes"]["score@1"]["counters"]  # scoring without promotions
     assert score["scoring_passes"] > 0 and score["promotions"] == 0
     assert data["modes"]["off"]["counters"]["scoring_passes"] == 0
@@ -398,6 +402,10 @@ def test_cold_tier_decode(tmp_path):
         assert len(row["forward_decode_ms"]) == row["decode_steps"] <= len(row["scheduler_step_ms"])
     assert "cold_score" not in data["breakdown"]["off"]["seconds"]  # scoring is off in `off`
     assert data["breakdown"]["on@1"]["calls"]["cold_score"] >= 1
+    pieces = data["breakdown"]["forced"]["cold_parts"]  # the pass's pieces, inside its time
+    assert pieces["cold_score.keys"] > 0 and pieces["cold_score.mass"] > 0 and pieces["cold_score.read_rows"] > 0
+    assert sum(v for k, v in pieces.items() if k.startswith("cold_score.")) <= data["breakdown"]["forced"]["seconds"]["cold_score"]
+    assert not data["breakdown"]["off"]["cold_parts"]
 
 
 def test_cold_tier_decode_time_budget(tmp_path):

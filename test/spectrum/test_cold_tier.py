@@ -23,14 +23,15 @@ class Req:  # weak-referenceable, like the scheduler's Req
         self.req_pool_idx, self.kv_len, self.finished_reason = row, n, None
 
 
-def setup(threshold=0.3, radius=1, interval=1, capacity=64, fused=False):
+def setup(threshold=0.3, radius=1, interval=1, capacity=64, fused=False, max_tokens=0):
     pool = TieredKVPool(128, L, H, D, torch.float32, "cpu", TierStorePlan(96, 32, 64), group_size=D, page_size=PAGE)
     pool._fused_quantize = fused  # True: fp16 -> int through the quantize-and-store kernel (as on CUDA)
     alloc = TieredSlotAllocator(pool, "cpu")
     backend = TorchAttentionBackend(pool, HQ, H, D)
     runner = SimpleNamespace(kv_pool=pool, attn_backend=backend, max_running_requests=4, graph_runner=None)
     config = SimpleNamespace(kv_promote_threshold=threshold, kv_promote_interval=interval, kv_promote_radius=radius,
-                             kv_cold_tier_tokens=capacity, kv_promote_layers=2)
+                             kv_cold_tier_tokens=capacity, kv_promote_layers=2,
+                             kv_promote_max_tokens=max_tokens)
     table = ReqToTokenPool(4, 256)
     cold = ColdTier(config, runner, alloc, table, lambda tier, n: None)
     gen = torch.Generator().manual_seed(0)
@@ -213,8 +214,8 @@ def test_a_pass_stages_every_promotion_in_one_copy_and_idle_steps_run_no_torch_o
     aim(cold, data, 13)
     for layer in cold.layers:  # the second request's query points at the same key
         cold.taps[layer][1] = cold.taps[layer][0]
-    calls = {"gather": 0, "set_kv_fp16": 0, "read_rows": 0}
-    for obj, name in ((cold.store, "gather"), (pool, "set_kv_fp16"), (cold, "_read_rows")):
+    calls = {"gather": 0, "set_kv_fp16": 0, "read_block": 0, "move": 0}
+    for obj, name in ((cold.store, "gather"), (pool, "set_kv_fp16"), (cold, "_read_block"), (pool, "move")):
         real = getattr(obj, name)
 
         def counted(*a, _real=real, _name=name.lstrip("_"), **kw):
@@ -227,7 +228,9 @@ def test_a_pass_stages_every_promotion_in_one_copy_and_idle_steps_run_no_torch_o
     assert cold.stats["scoring_passes"] == 1 and cold.stats["promotions"] == 2 and cold.stats["landed"] == 6
     assert cold.stats["staging_copies"] == 1
     assert calls["gather"] == 1 and calls["set_kv_fp16"] == L
-    assert calls["read_rows"] == 2  # the due rows once, the landing rows once
+    assert calls["read_block"] == 2  # the due rows once, the landing rows once
+    # both rows' page repairs (12..14 punch holes in int4 pages) in one move over the layers
+    assert calls["move"] == 1 and cold.stats["repack_moves"] == 1 and cold.stats["repacked_tokens"] > 0
     for r, rid in ((req, 0), (req2, 1)):  # both promotions landed exact
         now = table.read(rid, N).cpu()
         assert (pool.tier_of(now[12:15]) == TIER_FP16).all()
@@ -243,3 +246,57 @@ def test_a_pass_stages_every_promotion_in_one_copy_and_idle_steps_run_no_torch_o
         cold.release_request(r)
     assert torch.equal(table.read(0, N).cpu(), row) and torch.equal(table.read(1, N).cpu(), row2)
     alloc.debug_check()
+
+
+def test_cap_promotes_the_strongest_stretch_first_and_keeps_the_rest_for_later():
+    """kv_promote_max_tokens bounds a pass: the stretch around the strongest hit goes first, cut
+    to the cap around its hit; what is left is not marked promoted, so later passes take it (the
+    promoted hit, still hot, brings its neighbours)."""
+    cold, pool, alloc, table, data, req, row = setup(radius=1, max_tokens=2)
+    g = HQ // H
+    for layer in cold.layers:  # kv head 0's query heads at 13 (strong), kv head 1's at 22 (weaker)
+        q = torch.zeros(HQ, D)
+        for h, (pos, scale) in enumerate(((13, 40.0), (22, 15.0))):
+            k = data[layer][0][pos][h]
+            q[h * g:(h + 1) * g] = k / k.norm() * scale
+        cold.taps[layer][0] = q
+    batch = SimpleNamespace(slices=[SimpleNamespace(req=req)])
+    cold.on_decode(batch)
+    assert cold.stats["landed"] == 2 and cold.stats["capped_tokens"] == 1 + 3  # 12..14 cut to 2, 21..23 left
+    assert 13 in cold.states[req].promoted and len(cold.states[req].promoted) == 2
+    now = table.read(0, N).cpu()
+    assert not alloc.holed_pages(now).any()
+    # the repaired page's int4 copies (14, 15 moved off the holed page) share the host rows of
+    # the ids they copy, so they stay promotable
+    assert (pool.tier_of(now[14:16]) == TIER_INT4).all() and (cold.store.rows_for(now[14:16]) >= 0).all()
+    for _ in range(3):  # later passes: the rest, at most 2 a pass
+        before = cold.stats["landed"]
+        cold.on_decode(batch)
+        assert cold.stats["landed"] - before <= 2
+        assert not alloc.holed_pages(table.read(0, N).cpu()).any()
+    now = table.read(0, N).cpu()
+    for pos in (12, 13, 14, 21, 22, 23):  # every one back at fp16, exact: promoted, or repaired
+        assert int(pool.tier_of(now[pos:pos + 1])) == TIER_FP16
+    assert {13, 22} <= cold.states[req].promoted
+    for layer, (k, _) in enumerate(data):
+        assert torch.equal(pool.get_kv(layer, now[[13, 22]])[0], k[[13, 22]])
+    cold.release_request(req)
+    assert torch.equal(table.read(0, N).cpu(), row)
+    alloc.debug_check()
+
+
+def test_batched_mass_is_each_rows_own_softmax():
+    """The pass scores every due request in one padded block: row b of the batched mass equals
+    the single-request mass over its own keys, whatever the padding holds."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(3, HQ, D, generator=gen)
+    keys = torch.randn(3, 7, H, D, generator=gen)
+    lens = [7, 4, 1]
+    valid = torch.arange(7)[None, :] < torch.tensor(lens)[:, None]
+    valid[0, 2] = False  # a dropped key inside a row
+    keys[1, 4:] = 1e3  # padding that would dominate a softmax it leaked into
+    m = head_max_mass(q, keys, 0.5, valid)
+    for b, n in enumerate(lens):
+        ref = head_max_mass(q[b], keys[b, :n], 0.5, valid[b, :n])
+        assert torch.allclose(m[b, :n], ref, atol=1e-6) and (m[b, n:] == 0).all()
+    assert float(m[0, 2]) == 0.0

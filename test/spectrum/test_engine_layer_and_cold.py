@@ -114,9 +114,10 @@ def test_cli_flags_parse():
     ServerArgs.add_cli_args(ap)
     ns = ap.parse_args(["--kv-layer-budget", "profile", "--kv-layer-profile", "p.json", "--kv-cold-tier",
                         "--kv-promote-threshold", "0.1", "--kv-promote-interval", "8", "--kv-promote-layers", "3",
-                        "--kv-promote-radius", "6", "--kv-cold-tier-tokens", "1000", "--kv-promote-drop-run", "8"])
+                        "--kv-promote-radius", "6", "--kv-cold-tier-tokens", "1000", "--kv-promote-drop-run", "8",
+                        "--kv-promote-max-tokens", "64"])
     assert (ns.kv_layer_budget, ns.kv_cold_tier, ns.kv_promote_threshold, ns.kv_promote_layers,
-            ns.kv_promote_drop_run) == ("profile", True, 0.1, 3, 8)
+            ns.kv_promote_drop_run, ns.kv_promote_max_tokens) == ("profile", True, 0.1, 3, 8, 64)
     with pytest.raises(SystemExit):
         ap.parse_args(["--kv-layer-budget", "layerwise"])
     from sgl_kvxfer.server.flags import parse_server_args
@@ -125,7 +126,9 @@ def test_cli_flags_parse():
                 ["--kv-layer-budget", "profile"], ["--kv-cold-tier"], ["--kv-cold-tier-tokens", "-5"],
                 ["--kv-promote-radius", "1e9"], ["--kv-cold-tier", "--kv-layer-profile", "/no/such/profile.json"],
                 ["--kv-layer-profile", __file__], ["--kv-promote-drop-run", "-1"],
-                ["--kv-promote-drop-run", "1e9"], ["--kv-promote-drop-run", "nan"]):
+                ["--kv-promote-drop-run", "1e9"], ["--kv-promote-drop-run", "nan"],
+                ["--kv-promote-max-tokens", "-1"], ["--kv-promote-max-tokens", "nan"],
+                ["--kv-promote-max-tokens", "1e12"]):
         with pytest.raises(SystemExit) as exc:
             parse_server_args(["--kv-tier-budget", "0.3", *bad] if bad != ["--kv-cold-tier"] else bad)
         assert exc.value.code == 2, bad

@@ -199,6 +199,7 @@ def test_config_flags_validate(tmp_path):
            dict(kv_promote_interval=0), dict(kv_promote_layers=-1), dict(kv_promote_radius=-3),
            dict(kv_cold_tier_tokens=-1), dict(kv_promote_interval=2.5), dict(kv_promote_drop_run=-1),
            dict(kv_promote_drop_run=1.5), dict(kv_promote_drop_run=10 ** 9),
+           dict(kv_promote_max_tokens=-1), dict(kv_promote_max_tokens=2.5), dict(kv_promote_max_tokens=float("nan")),
            dict(kv_tier_budget=0.3, kv_tier_policy="kivi", attention_backend="triton")]
     for kw in bad:
         kw = {"kv_tier_budget": 0.3, **kw}
