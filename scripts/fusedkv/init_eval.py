@@ -42,6 +42,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-windows", type=int, default=8)
     ap.add_argument("--sources", default=None, help="s0,s1 (default: the source search)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sequential", action="store_true", help="also the sequential o_proj fits (slow on CPU)")
+    ap.add_argument("--skip-baselines", action="store_true", help="no channel_lstsq rows")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     model_dir = resolve_model_path(a.model)
@@ -74,9 +76,10 @@ def main(argv=None) -> dict:
         errs = ", ".join(f"{k[5:]} {v:.3f}" for k, v in rows[name].items() if k.startswith("mean_"))
         print(f"{name:28s} PPL {ppl}; {errs}", flush=True)
 
-    t0 = time.perf_counter()
-    s = student_from(teacher, cfg, sources)
-    measure("channel_lstsq", s, lstsq_fusion_init(teacher, s, calib, a.batch, autocast), t0)
+    if not a.skip_baselines:
+        t0 = time.perf_counter()
+        s = student_from(teacher, cfg, sources)
+        measure("channel_lstsq", s, lstsq_fusion_init(teacher, s, calib, a.batch, autocast), t0)
     t0 = time.perf_counter()
     s = student_from(teacher, cfg, sources)
     first = fit_fusion_and_queries(teacher, s, calib, a.batch, autocast)
@@ -84,11 +87,18 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     measure("closed_form", s, {i: {**first[i], **v} for i, v in
                                fit_output_projections(teacher, s, calib, a.batch, autocast).items()}, t0)
-    t0 = time.perf_counter()
-    s = student_from(teacher, cfg, sources)
-    fit = lstsq_fusion_init(teacher, s, calib, a.batch, autocast)
-    measure("channel_lstsq+o_proj", s, {i: {**fit[i], **v} for i, v in
-                                        fit_output_projections(teacher, s, calib, a.batch, autocast).items()}, t0)
+    for mode in ((True,) if a.sequential else ()):
+        t0 = time.perf_counter()
+        s2 = student_from(teacher, cfg, sources)
+        fit2 = fit_fusion_and_queries(teacher, s2, calib, a.batch, autocast)
+        measure(f"closed_form[sequential={mode}]", s2, {i: {**fit2[i], **v} for i, v in fit_output_projections(
+            teacher, s2, calib, a.batch, autocast, sequential=mode).items()}, t0)
+    if not a.skip_baselines:
+        t0 = time.perf_counter()
+        s = student_from(teacher, cfg, sources)
+        fit = lstsq_fusion_init(teacher, s, calib, a.batch, autocast)
+        measure("channel_lstsq+o_proj", s, {i: {**fit[i], **v} for i, v in
+                                            fit_output_projections(teacher, s, calib, a.batch, autocast).items()}, t0)
     rep["inits"] = rows
     print("teacher PPL " + ", ".join(f"{d} {p:.3f}" for d, p in rep["teacher_ppl"].items()) +
           f"; sources {sources}; calib {rep['calib_tokens']} tokens, eval {rep['eval_tokens']} tokens", flush=True)

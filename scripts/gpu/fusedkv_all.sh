@@ -19,7 +19,8 @@
 #   rerun     scratch, then serve with vanilla and lite only (~5 min; no model needed)
 #   curve     retrofit with 3.75 training minutes (the PPL-vs-GPU-minutes curve; T_RETROFIT 320 s),
 #             then scratch (~8.5 min in all; fits one call on a GPU shared with other jobs)
-#   long      retrofit alone with 6.5 training minutes, no task suite (T_RETROFIT 470 s; ~8 min)
+#   long      retrofit alone with 6.5 training minutes, 128 calib windows, no task suite
+#             (T_RETROFIT 470 s; ~8 min)
 #   STAGE...  the named stages, in the order given
 # Calls (the model: the coordinator's stage_weights.sh call parks the GGUF's first half; `stage`
 # joins the second half and converts it; one call cannot carry both .carry_b and the rest):
@@ -48,7 +49,7 @@ case $mode in
     for s in $stages; do
       case $s in retrofit|scratch|tiers|serve|capacity) ;; *) echo "unknown stage $s" >&2; exit 2 ;; esac
     done ;;
-  *) sed -n '2,36p' "$0"; exit 2 ;;
+  *) sed -n '2,37p' "$0"; exit 2 ;;
 esac
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5
 DEVICE=${DEVICE:-cuda}
@@ -78,7 +79,8 @@ if [ "$DEVICE" = cuda ]; then
   [ "$mode" = curve ] && RETROFIT_MIN=3.75 T_RETROFIT=${T_RETROFIT_CURVE:-320}
   RETROFIT_TASKS="--tasks qa,kv,code --task-n 30"
   # long: 390 s of training, ~50 s for start-up, the closed-form fit's evaluations, 13 PPL points, saving
-  [ "$mode" = long ] && RETROFIT_MIN=6.5 T_RETROFIT=${T_RETROFIT_LONG:-470} RETROFIT_TASKS=
+  # and 128 calib windows (65k tokens): the o_proj regression overfits a few thousand tokens
+  [ "$mode" = long ] && RETROFIT_MIN=6.5 T_RETROFIT=${T_RETROFIT_LONG:-470} RETROFIT_TASKS="--calib-windows 128"
   RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min $RETROFIT_MIN $RETROFIT_TASKS}
   SCRATCH_ARGS=${SCRATCH_ARGS:---preset small --seeds 0 1 2 --workers 3 --time-budget-s 150}
   TIERS_ARGS=${TIERS_ARGS:---budgets 1.0 0.5 --windows 16 --decode-batch 8 --decode-context 2048}

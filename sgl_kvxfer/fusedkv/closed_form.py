@@ -201,15 +201,20 @@ class _LayerTap:
 
 @torch.no_grad()
 def fit_output_projections(teacher: LM, student: LM, calib: torch.Tensor, batch: int, autocast,
-                           ridge: float = 1e-4, sequential: bool = False) -> dict:
+                           ridge: float = 1e-4, sequential: bool | str = False) -> dict:
     """Pass 2: each reconstruction layer's o_proj by ridge regression of a target attention output
-    on the student's per-head attention outputs (its q_proj and fused K/V). Default: layer-local,
-    the teacher's input to the layer and its attention output as the target. sequential: layers in order, each from the STUDENT's own input to it (earlier layers already refitted), the
-    target being what makes the student's residual stream after the attention equal the teacher's
-    (teacher attention output + teacher residual - student residual), so one layer's fit corrects
-    the error that reached it (on SmolLM2 at step 0 it gave a worse PPL than layer-local). Returns per
-    layer the relative squared error against the teacher's attention output before the refit and
-    against the target after it (calibration windows)."""
+    on the student's per-head attention outputs (its q_proj and fused K/V).
+
+        sequential=False       layer-local: the teacher's input to the layer, the teacher's
+                               attention output as the target (the default)
+        sequential=True        layers in order, each from the STUDENT's own input to it (earlier
+                               layers already refitted), the teacher's attention output as target
+        sequential="residual"  as True, the target being what makes the student's residual
+                               stream after the attention equal the teacher's (teacher attention
+                               output + teacher residual - student residual)
+
+    Returns per layer the relative squared error against the teacher's attention output before
+    the refit and against the target after it (calibration windows)."""
     fk = student.config.fusedkv
     dev = next(student.parameters()).device
     out = {}
@@ -228,7 +233,7 @@ def fit_output_projections(teacher: LM, student: LM, calib: torch.Tensor, batch:
                 k, v = a.rebuilt_kv(kv)
                 A = attend(a.query(s["x"], cos, sin), k, v).double().flatten(0, 1)
             want = t["out"].double().flatten(0, 1)
-            Y = want + (t["h"].double() - s["h"].double()).flatten(0, 1) if sequential else want
+            Y = want + (t["h"].double() - s["h"].double()).flatten(0, 1) if sequential == "residual" else want
             before += float((A @ a.o_proj.weight.double().T - want).pow(2).sum())
             AtA, AtY = AtA + A.T @ A, AtY + A.T @ Y
             YtY += float(Y.pow(2).sum())
