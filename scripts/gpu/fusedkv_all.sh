@@ -77,11 +77,11 @@ if [ "$DEVICE" = cuda ]; then
   RETROFIT_MIN=1.25
   # the longer curve: 225 s of training, ~95 s for start-up, evaluations, the task suite and saving
   [ "$mode" = curve ] && RETROFIT_MIN=3.75 T_RETROFIT=${T_RETROFIT_CURVE:-320}
-  RETROFIT_TASKS="--tasks qa,kv,code --task-n 30"
+  RETROFIT_EXTRA="--tasks qa,kv,code --task-n 30"
   # long: 390 s of training, ~50 s for start-up, the closed-form fit's evaluations, 13 PPL points, saving
   # and 128 calib windows (65k tokens): the o_proj regression overfits a few thousand tokens
-  [ "$mode" = long ] && RETROFIT_MIN=6.5 T_RETROFIT=${T_RETROFIT_LONG:-470} RETROFIT_TASKS="--calib-windows 128"
-  RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min $RETROFIT_MIN $RETROFIT_TASKS}
+  [ "$mode" = long ] && RETROFIT_MIN=6.5 T_RETROFIT=${T_RETROFIT_LONG:-470} RETROFIT_EXTRA="--calib-windows 128"
+  RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min $RETROFIT_MIN $RETROFIT_EXTRA}
   SCRATCH_ARGS=${SCRATCH_ARGS:---preset small --seeds 0 1 2 --workers 3 --time-budget-s 150}
   TIERS_ARGS=${TIERS_ARGS:---budgets 1.0 0.5 --windows 16 --decode-batch 8 --decode-context 2048}
   SERVE_ARGS=${SERVE_ARGS:---preset llama-3-8b --points 1x8192 16x8192 1x32768 --prompt-lens 8192 32768 --ttft-repeats 3}
@@ -90,10 +90,10 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   T_RETROFIT=${T_RETROFIT:-900} T_SCRATCH=${T_SCRATCH:-900} T_TIERS=${T_TIERS:-900} T_SERVE=${T_SERVE:-900}
   T_CAPACITY=${T_CAPACITY:-900}
-  RETROFIT_MIN=0.3 RETROFIT_TASKS="--tasks qa --task-n 2 --dtype float32"
+  RETROFIT_MIN=0.3 RETROFIT_EXTRA="--tasks qa --task-n 2 --dtype float32"
   # long: past the source search and the closed-form fit (~40 s on CPU), into training
-  [ "$mode" = long ] && RETROFIT_MIN=1.5 RETROFIT_TASKS=
-  RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min $RETROFIT_MIN --seq 32 --batch 2 --eval-windows 2 --calib-windows 4 $RETROFIT_TASKS}
+  [ "$mode" = long ] && RETROFIT_MIN=1.5 RETROFIT_EXTRA=
+  RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min $RETROFIT_MIN --seq 32 --batch 2 --eval-windows 2 --calib-windows 4 $RETROFIT_EXTRA}
   # a time budget, as on the GPU: the rehearsal goes through the step plan
   SCRATCH_ARGS=${SCRATCH_ARGS:---preset toy --seeds 0 1 --workers 2 --time-budget-s 600}
   TIERS_ARGS=${TIERS_ARGS:---budgets 1.0 0.5 --windows 2 --context 32 --continuation 8 --decode-batch 1 --decode-context 16 --n1 1 --n2 2 --dtype float32}
