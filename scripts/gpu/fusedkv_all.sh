@@ -13,12 +13,14 @@
 #   serve     benchmarks/fusedkv/serve_bench.py, Llama-3-8B shape: pool, TTFT, warm TPOT with
 #             spread, for $SERVE_VARIANTS (default vanilla fusedkv lite)                 (180 s)
 #   capacity  benchmarks/fusedkv/capacity.py: 32k-token requests at the memory limit      (160 s)
-# Usage: bash scripts/gpu/fusedkv_all.sh [stage | all | rerun | STAGE...]
+# Usage: bash scripts/gpu/fusedkv_all.sh [stage | all | rerun | curve | long | STAGE...]
 #   stage     join the staged GGUF halves and convert the model into /tmp/models (~30 s)
 #   all       every stage in the order above (~13.5 min: more than one call; run it as the calls below)
 #   rerun     scratch, then serve with vanilla and lite only (~5 min; no model needed)
 #   curve     retrofit with 3.75 training minutes (the PPL-vs-GPU-minutes curve; T_RETROFIT 320 s),
 #             then scratch (~8.5 min in all; fits one call on a GPU shared with other jobs)
+#   long      retrofit alone with 6.5 training minutes, 128 calib windows, no task suite
+#             (T_RETROFIT 470 s; ~8 min)
 #   STAGE...  the named stages, in the order given
 # Calls (the model: the coordinator's stage_weights.sh call parks the GGUF's first half; `stage`
 # joins the second half and converts it; one call cannot carry both .carry_b and the rest):
@@ -28,11 +30,12 @@
 #   run carry [.whl, .cache/fusedkv]     SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/fusedkv_all.sh rerun           (~5 min)
 #   run carry [.whl]                     SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/fusedkv_all.sh serve capacity  (~6 min)
 #   run carry [.whl, .cache/fusedkv]     SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/fusedkv_all.sh curve           (~8.5 min)
+#   run carry [.whl, .cache/fusedkv]     SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/fusedkv_all.sh long            (~8 min)
 # (.whl_gguf: scripts/gpu/prepare_fusedkv_carry.sh; .cache/fusedkv: python -m sgl_kvxfer.fusedkv.data.)
 # Without the converted model in /tmp/models, retrofit and tiers are skipped (logged). Exit status 1
 # when a stage failed or scratch trained <= 1 step per run.
 # CPU rehearsal (tiny shapes, the embedded SmolLM2, a few minutes):
-#   DEVICE=cpu OUT=/tmp/x bash scripts/gpu/fusedkv_all.sh [rerun | STAGE...]
+#   DEVICE=cpu OUT=/tmp/x bash scripts/gpu/fusedkv_all.sh [rerun | long | STAGE...]
 set -uo pipefail
 mode=${1:-all}
 case $mode in
@@ -40,12 +43,13 @@ case $mode in
   all) stages="retrofit scratch tiers serve capacity" ;;
   rerun) stages="scratch serve"; SERVE_VARIANTS=${SERVE_VARIANTS:-vanilla lite} ;;
   curve) stages="retrofit scratch" ;;
+  long) stages="retrofit" ;;
   retrofit|scratch|tiers|serve|capacity)
     stages="$*"
     for s in $stages; do
       case $s in retrofit|scratch|tiers|serve|capacity) ;; *) echo "unknown stage $s" >&2; exit 2 ;; esac
     done ;;
-  *) sed -n '2,34p' "$0"; exit 2 ;;
+  *) sed -n '2,37p' "$0"; exit 2 ;;
 esac
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5
 DEVICE=${DEVICE:-cuda}
@@ -73,7 +77,11 @@ if [ "$DEVICE" = cuda ]; then
   RETROFIT_MIN=1.25
   # the longer curve: 225 s of training, ~95 s for start-up, evaluations, the task suite and saving
   [ "$mode" = curve ] && RETROFIT_MIN=3.75 T_RETROFIT=${T_RETROFIT_CURVE:-320}
-  RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min $RETROFIT_MIN --tasks qa,kv,code --task-n 30}
+  RETROFIT_EXTRA="--tasks qa,kv,code --task-n 30"
+  # long: 390 s of training, ~50 s for start-up, the closed-form fit's evaluations, 13 PPL points, saving
+  # and 128 calib windows (65k tokens): the o_proj regression overfits a few thousand tokens
+  [ "$mode" = long ] && RETROFIT_MIN=6.5 T_RETROFIT=${T_RETROFIT_LONG:-470} RETROFIT_EXTRA="--calib-windows 128"
+  RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min $RETROFIT_MIN $RETROFIT_EXTRA}
   SCRATCH_ARGS=${SCRATCH_ARGS:---preset small --seeds 0 1 2 --workers 3 --time-budget-s 150}
   TIERS_ARGS=${TIERS_ARGS:---budgets 1.0 0.5 --windows 16 --decode-batch 8 --decode-context 2048}
   SERVE_ARGS=${SERVE_ARGS:---preset llama-3-8b --points 1x8192 16x8192 1x32768 --prompt-lens 8192 32768 --ttft-repeats 3}
@@ -82,7 +90,10 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   T_RETROFIT=${T_RETROFIT:-900} T_SCRATCH=${T_SCRATCH:-900} T_TIERS=${T_TIERS:-900} T_SERVE=${T_SERVE:-900}
   T_CAPACITY=${T_CAPACITY:-900}
-  RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min 0.3 --seq 32 --batch 2 --eval-windows 2 --calib-windows 4 --tasks qa --task-n 2 --dtype float32}
+  RETROFIT_MIN=0.3 RETROFIT_EXTRA="--tasks qa --task-n 2 --dtype float32"
+  # long: past the source search and the closed-form fit (~40 s on CPU), into training
+  [ "$mode" = long ] && RETROFIT_MIN=1.5 RETROFIT_EXTRA=
+  RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min $RETROFIT_MIN --seq 32 --batch 2 --eval-windows 2 --calib-windows 4 $RETROFIT_EXTRA}
   # a time budget, as on the GPU: the rehearsal goes through the step plan
   SCRATCH_ARGS=${SCRATCH_ARGS:---preset toy --seeds 0 1 --workers 2 --time-budget-s 600}
   TIERS_ARGS=${TIERS_ARGS:---budgets 1.0 0.5 --windows 2 --context 32 --continuation 8 --decode-batch 1 --decode-context 16 --n1 1 --n2 2 --dtype float32}

@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from sgl_kvxfer.fusedkv.retrofit import SCOPES, RetrofitConfig
+from sgl_kvxfer.fusedkv.retrofit import INITS, SCOPES, RetrofitConfig
 
 
 def _positive_float(text: str) -> float:
@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="training minutes (init + local + distill; evaluation excluded)")
     ap.add_argument("--num-storage-layers", type=_int_at_least(1, 10**4), default=None,
                     help="layers that keep KV (default: half)")
+    ap.add_argument("--init", choices=[i.replace("_", "-") for i in INITS], default=d.init.replace("_", "-"),
+                    help="FusedKV's start: closed-form (fusion weights, q_proj rotations and o_proj fitted to the "
+                    "original's activations) or channel-lstsq (the fusion weights alone, per channel)")
     ap.add_argument("--train-scope", choices=SCOPES, default=d.train_scope,
                     help="all: every weight trains; top: the reconstruction layers and the final norm only")
     ap.add_argument("--seq", type=_int_at_least(8, 1 << 16), default=d.seq)
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--device {a.device}: no CUDA device here")
     try:
         cfg = RetrofitConfig(variant=a.variant, num_storage_layers=a.num_storage_layers, budget_s=a.budget_min * 60,
+                             init=a.init.replace("-", "_"),
                              train_scope=a.train_scope, seq=a.seq, batch=a.batch, eval_windows=a.eval_windows,
                              calib_windows=a.calib_windows)
     except ValueError as exc:

@@ -6,8 +6,11 @@ counts training work only, evaluation excluded):
 
     sources  `sources="search"`: the storage layers whose K/V best explain the top half's, by
              least squares over every pair (distill.source_search); "paper": (0, n - 1)
-    init     FusedKV: fusion weights fitted to the teacher's own K/V by least squares
-             (distill.lstsq_fusion_init); Lite has none
+    init     FusedKV, `init="closed_form"` (default; closed_form.py): the key weights by a
+             RoPE-aware least-squares fit whose per-pair rotation goes into q_proj, the value
+             weights by alternating least squares, then each reconstruction layer's o_proj
+             regressed onto the teacher's attention output; `"channel_lstsq"`: the fusion weights
+             alone, per channel (distill.lstsq_fusion_init). Lite has no weights
     local    `local_frac` of the budget: attention-output matching, every reconstruction layer
              against the teacher's attention output from the teacher's input (q_proj, o_proj,
              fusion weights; distill.AttentionMatcher)
@@ -34,6 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from sgl_kvxfer.fusedkv import curve as curves
+from sgl_kvxfer.fusedkv.closed_form import closed_form_init
 from sgl_kvxfer.fusedkv.checkpoint import load_lm
 from sgl_kvxfer.fusedkv.data import EpochBatches, Tokenized, chunks, mixed_chunks
 from sgl_kvxfer.fusedkv.distill import AttentionMatcher, distill_loss, lstsq_fusion_init, source_search
@@ -44,6 +48,7 @@ from sgl_kvxfer.models.fusedkv_math import CONFIG_KEY
 TARGETS = {"prose": 1.03, "code": 1.05}  # PPL ratio to the teacher per domain; other domains: 1.03
 SCOPES = ("all", "top")
 SOURCES = ("search", "paper")
+INITS = ("closed_form", "channel_lstsq")
 REPLAN_STEP = 25  # the distill step count is planned after the probe steps and again here
 
 
@@ -52,6 +57,7 @@ class RetrofitConfig:
     variant: str = "fusedkv"  # fusedkv | lite
     num_storage_layers: int | None = None  # None: half the layers
     sources: str = "search"
+    init: str = "closed_form"  # FusedKV's start (INITS)
     budget_s: float = 1200.0  # training seconds (init + local + distill), evaluation excluded
     seq: int = 512
     batch: int = 16
@@ -75,6 +81,8 @@ class RetrofitConfig:
             raise ValueError(f"variant must be fusedkv or lite, got {self.variant!r}")
         if self.sources not in SOURCES:
             raise ValueError(f"sources must be one of {SOURCES}, got {self.sources!r}")
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
         if self.train_scope not in SCOPES:
             raise ValueError(f"train_scope must be one of {SCOPES}, got {self.train_scope!r}")
         if not (math.isfinite(self.budget_s) and self.budget_s >= 0):
@@ -178,7 +186,8 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
 
     if cfg.variant == "fusedkv":
         with clock:
-            report["lstsq_residuals"] = lstsq_fusion_init(teacher, student, calib, cfg.batch, autocast)
+            fit = closed_form_init if cfg.init == "closed_form" else lstsq_fusion_init
+            report["init_residuals"] = fit(teacher, student, calib, cfg.batch, autocast)
     bar.update(clock.s)
     point("init", 0)
     batches = EpochBatches(train, cfg.batch, seed=cfg.seed)

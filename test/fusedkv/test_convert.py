@@ -67,6 +67,7 @@ def test_retrofit_trains_within_its_budget(tiny_model, text_data):
     (["--budget-min", "-1"], "--budget-min"), (["--budget-min", "nan"], "--budget-min"),
     (["--budget-min", "inf"], "--budget-min"), (["--batch", "0"], "--batch"), (["--seq", "x"], "--seq"),
     (["--variant", "gqa"], "--variant"), (["--tasks", "chess"], "--tasks"), (["--task-n", "0"], "--task-n"),
+    (["--init", "random"], "--init"),
 ])
 def test_bad_flags_are_argparse_errors(tmp_path, flags, err, capsys):
     args = ["--model", "m", "--variant", "fusedkv", "--out", str(tmp_path / "o")]
