@@ -212,7 +212,7 @@ class Run:
             kw.update(kv_cold_tier=True, kv_promote_threshold=args.cold_thresholds[0],
                       kv_promote_interval=args.promote_interval, kv_promote_radius=args.promote_radius,
                       kv_promote_layers=args.promote_layers, kv_cold_tier_tokens=args.cold_tier_tokens,
-                      kv_promote_drop_run=args.promote_drop_run)
+                      kv_promote_drop_run=args.promote_drop_run, kv_promote_max_tokens=args.promote_max_tokens)
             if self.profile is not None:
                 kw["kv_layer_profile"] = self.profile
         self.tiered, self.key = Engine(args.model, **kw), key
@@ -576,6 +576,9 @@ def main():
     ap.add_argument("--promote-drop-run", type=int, default=32,
                     help="dropped tokens contiguous with a promotion that come back too, each side (0: radius only; "
                          "the engine's default)")
+    ap.add_argument("--promote-max-tokens", type=int, default=256,
+                    help="tokens one scoring pass promotes at most, the strongest stretches first (0: no cap; "
+                         "the engine's default)")
     ap.add_argument("--cold-tier-tokens", type=int, default=0, help="host copies (0: the tiered pool's size)")
     ap.add_argument("--max-new-tokens", type=int, default=10)
     ap.add_argument("--profile-samples", type=int, default=16)
@@ -596,6 +599,8 @@ def main():
             ap.error("--long-trials-per-depth must be >= 0")
         if not 0 <= args.promote_drop_run <= 4096:
             ap.error("--promote-drop-run must be in [0, 4096]")
+        if not 0 <= args.promote_max_tokens <= 1 << 20:
+            ap.error("--promote-max-tokens must be in [0, 1048576]")
         for name in ("context", "depths", "trials_per_depth", "val_trials", "max_new_tokens", "profile_samples",
                      "profile_batch", "promote_interval", "promote_layers"):
             if getattr(args, name) < 1:

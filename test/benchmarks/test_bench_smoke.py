@@ -464,7 +464,7 @@ def test_retrieval_tiers(tmp_path):
                                                     "--budgets", "0.3", "--val-budgets", "0.3",
                                                     "--methods", "greedy", "per-layer", "kivi", "cold-tier",
                                                     "spectrumkv-torch", "--promote-drop-run", "4",
-                                                    "--ppl-context", "96", "--ppl-chunk", "16", "--profile-batch", "2"],
+                                                    "--promote-max-tokens", "64", "--ppl-context", "96", "--ppl-chunk", "16", "--profile-batch", "2"],
                     tmp_path, timeout=1800)
     data = result(out, "retrieval_tiers_", ("fp16", "rows", "lambda_sweep", "threshold_sweep", "layer_profile",
                                             "summary", "chosen_lambda", "chosen_threshold"), png=True)
