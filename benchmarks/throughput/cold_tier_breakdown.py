@@ -42,6 +42,18 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _synced_start() -> float:
+    """The clock after the device's queued work is done (so a timed call is charged its own)."""
+    _sync()
+    return time.perf_counter()
+
+
+def _synced_since(t: float) -> float:
+    """Seconds since `t` once the work enqueued since is done."""
+    _sync()
+    return time.perf_counter() - t
+
+
 class HookTimer:
     def __init__(self, engine):
         self.engine = engine
@@ -58,74 +70,64 @@ class HookTimer:
         self._outer = None  # the cold part running now: its pieces are charged to it
         self.pieces: dict[str, float] = {}
 
-    def _wrap(self, obj, attr: str, part) -> None:
+    def _patch(self, obj, attr: str, make) -> None:
+        """Replace `obj.attr` by make(real) until __exit__ (which restores it); absent: nothing."""
         if obj is None or not hasattr(obj, attr):
             return
         had_own = attr in vars(obj)
         real = getattr(obj, attr)
-
-        def timed(*args, **kwargs):
-            name = part(*args, **kwargs) if callable(part) else part
-            if self._depth:
-                return real(*args, **kwargs)
-            self._depth += 1
-            self._outer = name if name.startswith("cold_") and name != "cold_release" else None
-            _sync()
-            t = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                _sync()
-                self._depth -= 1
-                self._outer = None
-                dt = time.perf_counter() - t
-                self.seconds[name] = self.seconds.get(name, 0.0) + dt
-                self.calls[name] = self.calls.get(name, 0) + 1
-                if name == "forward_decode":
-                    self.step_ms.append(1e3 * dt)
-
-        setattr(obj, attr, timed)
+        setattr(obj, attr, make(real))
         self._undo.append((obj, attr, real if had_own else None))
+
+    def _wrap(self, obj, attr: str, part) -> None:
+        def make(real):
+            def timed(*args, **kwargs):
+                name = part(*args, **kwargs) if callable(part) else part
+                if self._depth:
+                    return real(*args, **kwargs)
+                self._depth += 1
+                self._outer = name if name.startswith("cold_") and name != "cold_release" else None
+                t = _synced_start()
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    dt = _synced_since(t)
+                    self._depth -= 1
+                    self._outer = None
+                    self.seconds[name] = self.seconds.get(name, 0.0) + dt
+                    self.calls[name] = self.calls.get(name, 0) + 1
+                    if name == "forward_decode":
+                        self.step_ms.append(1e3 * dt)
+            return timed
+        self._patch(obj, attr, make)
 
     def _wrap_piece(self, obj, attr: str, piece: str) -> None:
         """Time `obj.attr` (synchronized) when a cold part runs it, charged as "<part>.<piece>"."""
-        if obj is None or not hasattr(obj, attr):
-            return
-        had_own = attr in vars(obj)
-        real = getattr(obj, attr)
-
-        def timed(*args, **kwargs):
-            outer = self._outer
-            if outer is None:
-                return real(*args, **kwargs)
-            _sync()
-            t = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                _sync()
-                key = f"{outer}.{piece}"
-                self.pieces[key] = self.pieces.get(key, 0.0) + time.perf_counter() - t
-
-        setattr(obj, attr, timed)
-        self._undo.append((obj, attr, real if had_own else None))
+        def make(real):
+            def timed(*args, **kwargs):
+                outer = self._outer
+                if outer is None:
+                    return real(*args, **kwargs)
+                t = _synced_start()
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    key = f"{outer}.{piece}"
+                    self.pieces[key] = self.pieces.get(key, 0.0) + _synced_since(t)
+            return timed
+        self._patch(obj, attr, make)
 
     def _wrap_steps(self, scheduler) -> None:
         """Each scheduler step's wall time, in order (not synchronized; the parts above are)."""
-        if scheduler is None or not hasattr(scheduler, "step"):
-            return
-        had_own = "step" in vars(scheduler)
-        real = scheduler.step
-
-        def step(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                self.sched_ms.append(1e3 * (time.perf_counter() - t))
-
-        scheduler.step = step
-        self._undo.append((scheduler, "step", real if had_own else None))
+        def make(real):
+            def step(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    self.sched_ms.append(1e3 * (time.perf_counter() - t))
+            return step
+        self._patch(scheduler, "step", make)
 
     def __enter__(self) -> "HookTimer":
         self._wrap_steps(getattr(self.engine, "scheduler", None))

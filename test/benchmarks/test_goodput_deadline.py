@@ -7,7 +7,6 @@ timeout each gets, the JSON's `skipped` rows and `complete`), not any measuremen
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,24 +15,19 @@ import types
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_S = 10.0  # each fake bench_serving run takes this long on the fake clock
 
 
 @pytest.fixture
-def goodput(monkeypatch):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("goodput_under_test", os.path.join(ROOT, "benchmarks", "pd", "goodput.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def goodput(monkeypatch, load_benchmark):
+    mod = load_benchmark("pd/goodput.py")
     now = [1000.0]
     mod.time = types.SimpleNamespace(time=lambda: now[0])
     stopped = []
     monkeypatch.setattr(mod, "start_setup", lambda setup, args: [types.SimpleNamespace(url=f"http://{setup}")])
     monkeypatch.setattr(mod, "stop_all", lambda *hs: stopped.extend(h.url for h in hs))
     mod.now, mod.stopped = now, stopped
-    yield mod
-    sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    return mod
 
 
 def _row(rate):

@@ -7,24 +7,14 @@ oracle into a question-only prefill), not any measurement.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 import types
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 @pytest.fixture
-def scd_e2e(monkeypatch):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("scd_e2e_under_test", os.path.join(ROOT, "benchmarks", "pd", "scd_e2e.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.path.remove(os.path.join(ROOT, "benchmarks"))
+def scd_e2e(load_benchmark):
+    return load_benchmark("pd/scd_e2e.py")
 
 
 def test_shared_oracle_prefills_a_new_document_every_time(scd_e2e, monkeypatch):
