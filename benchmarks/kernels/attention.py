@@ -29,12 +29,16 @@ payload with scales and zeros, q read, o written; GB/s = bytes / median; speed =
 
 --sweep-configs: before the measurement, the served config of the tiered decode and every
 --configs entry (TieredDecodeConfig fields; "int_page" sets the layout's int page size) are timed
-at --sweep-points on the fp16 / int8 / int4 layouts; the config with the lowest geometric-mean
-time over a model's points, among the configs whose every output matches the served config's on
-the same cache (within 5% of its largest magnitude; rows that do not are marked "wrong"), is its
-best (JSON sweep.best, with the SERVED_CONFIGS line to paste
-into kernels/tiered_pool_decode.py) and the measurement runs every tiered variant with it.
-Configs run one after another; none starts after --sweep-budget-s.
+at --sweep-points on the fp16 / int8 / int4 / mix layouts (each layout built once per point and
+int page, shared by the configs and the table). Among the configs whose every output matches the
+served config's on the same cache (within 5% of its largest magnitude; rows that do not are
+marked "wrong"), the lowest geometric-mean time over a point's variants is that point's best
+(JSON sweep.best_per_point) and over all of a model's swept points the model's best (sweep.best,
+with the SERVED_CONFIGS line to paste into kernels/tiered_pool_decode.py). The table then times
+every tiered variant of a swept point with its point's best, of another point with its model's
+best, else the served config (each row's "config" and "config_source": point / model / served),
+in a fresh measurement (the sweep's times only choose). Configs run one after another; none starts
+after --sweep-budget-s. A multi-tier mix also records each tier's launch alone ("parts").
 """
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ VARIANTS = ("sdpa", "fp16_pool", *TIERED, "flashinfer_fp16", "flashinfer_fp8")
 DEFAULT_POINTS = tuple(f"llama3-8b:{b}:{c}" for b in (8, 1, 32) for c in (32768, 16384, 65536, 131072)) + \
     ("smollm2:8:32768",)
 DEFAULT_SWEEP_POINTS = ("llama3-8b:8:32768", "llama3-8b:1:32768", "smollm2:8:32768")
-SWEEP_VARIANTS = ("tiered_fp16", "tiered_int8", "tiered_int4")
+SWEEP_VARIANTS = TIERED
 CHECK_TOKENS = 16384  # points with B * ctx <= this also check outputs against the torch reference
 
 
@@ -156,7 +160,10 @@ def split_config(d: dict | None):
 
 
 def tiered_timing(B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, entry=None, layout=None,
-                  check_served=False) -> dict:
+                  check_served=False, parts=False) -> dict:
+    """One tiered variant at one config. layout: an EngineLayout, or a callable (mix, int page) ->
+    layout (the sweep's cache), or None (built here). parts: a multi-tier mix also times each
+    tier's launch alone on the same layout (res["parts"])."""
     from sgl_kvxfer.kernels.tiered_pool_decode import (fallbacks, plan_tiered_pool_decode, served_config,
                                                        tiered_pool_decode, tiered_pool_decode_reference)
 
@@ -164,6 +171,8 @@ def tiered_timing(B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, entry=None,
     cfg = cfg or served_config(D, Hq // Hkv)
     if layout is None:
         layout = tiered_layout(B, ctx, Hkv, D, q, mix, dev, max_bytes, page)
+    elif callable(layout):  # a cache: (mix, int page) -> layout
+        layout = layout(mix, page)
     plan = plan_tiered_pool_decode(B, Hkv, layout.max_tokens, dev, cfg)  # the backend plans from the width
     o = torch.empty_like(q)
     tiers = layout.tiers
@@ -177,6 +186,13 @@ def tiered_timing(B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, entry=None,
         tile, warps, stages = cfg.launch(t, split_tokens)
         return {"tile": tile, "warps": warps, "stages": stages}
 
+    if parts and len(tiers) > 1:  # each tier's launch alone over the same layout: where a mix's time goes
+        res["parts"] = {}
+        for t in tiers:
+            p = time_rotating([lambda tb=tb: tiered_pool_decode(q, layout.layer, tb, out=o, plan=plan, config=cfg,
+                                                                 tiers=(t,), check=False) for tb in layout.tables],
+                              dev, iters)
+            res["parts"][f"tier{t}"] = {k: p[k] for k in ("ms", "ms_min", "ms_max")}
     ran_other = [f for f in fallbacks() if f["tier"] in tiers and f["head_dim"] == D and f["asked"] == asked(f["tier"])]
     if ran_other:  # a config past the GPU's shared memory ran with fewer stages / a smaller tile
         res["fallbacks"] = ran_other
@@ -220,8 +236,17 @@ def free_bytes(dev: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure_point(args, env, model, B, ctx, entries) -> dict:
+def measure_point(args, env, model, B, ctx, entries, cache: LayoutCache | None = None) -> dict:
+    """Every variant at one point; the tiered ones with entries[(model, B, ctx)] (the sweep's best at
+    this point) where there is one, else entries[model] (the best over the model's swept points),
+    else the served config; "config_source" says which."""
     Hq, Hkv, D = MODELS[model]
+    if (model, B, ctx) in entries:
+        entry, source = entries[(model, B, ctx)], "point"
+    else:
+        entry, source = entries.get(model), "model"
+    if entry is None:
+        source = "served" if source == "model" else "point"
     dev, iters = env["dev"], args.iters
     dtype = getattr(torch, args.dtype)
     q = torch.randn(B, Hq, D, dtype=dtype, device=dev)
@@ -238,7 +263,8 @@ def measure_point(args, env, model, B, ctx, entries) -> dict:
                      if dev.type == "cuda" else {"skipped": "CUDA only"})
             else:
                 r = tiered_timing(B, ctx, Hq, Hkv, D, q, v[len("tiered_"):], dev, iters, env["max_bytes"],
-                                  entries.get(model))
+                                  entry, layout=cache.getter(B, ctx, Hkv, D, q) if cache else None, parts=True)
+                r["config_source"] = source
         except Exception as exc:  # noqa: BLE001 - out of memory, a kernel that rejects the shape: record it
             r = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             print(f"{model} B={B} ctx={ctx} {v}: {r['error'][:200]}", flush=True)
@@ -246,14 +272,62 @@ def measure_point(args, env, model, B, ctx, entries) -> dict:
         res[v] = r
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    if cache is not None:
+        cache.drop(B, ctx, Hkv, D)
     derive(res, env["copy_bw"])
     return res
 
 
-def sweep(args, env, rows: list) -> dict:
+class LayoutCache:
+    """Engine layouts kept across the sweep's configs and the table's run of a point: one build
+    per (point, mix, int page); `drop` frees a point's layouts once its table row is measured."""
+
+    def __init__(self, env):
+        self.env, self.layouts = env, {}
+
+    def getter(self, B, ctx, Hkv, D, q):
+        def get(mix, page):
+            key = (B, ctx, Hkv, D, mix, page)
+            if key not in self.layouts:
+                self.layouts[key] = tiered_layout(B, ctx, Hkv, D, q, mix, self.env["dev"], self.env["max_bytes"], page)
+            return self.layouts[key]
+        return get
+
+    def drop(self, B, ctx, Hkv, D):
+        for key in [k for k in self.layouts if k[:4] == (B, ctx, Hkv, D)]:
+            del self.layouts[key]
+        if self.env["dev"].type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def geomean(xs) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def pick_best(rows: list, entries: list, sel) -> tuple[int, float] | None:
+    """(index into entries, geometric-mean ms) of the fastest config over the (point, variant)
+    pairs of `rows` that sel(row) keeps and the served config ran; a config counts only where it
+    ran every such pair and no output of it was wrong."""
+    mine = [r for r in rows if "model" in r and sel(r)]
+    keys = {(r["model"], r["batch"], r["context"], r["variant"]) for r in mine if r["config"] == "served" and "ms" in r}
+    scores = {}
+    for i, entry in enumerate(entries):
+        rs = [r for r in mine if r["config"] == (entry if entry is not None else "served")]
+        ms = [r["ms"] for r in rs if "ms" in r]
+        if keys and len(ms) == len(keys) and not any(r.get("wrong") for r in rs):
+            scores[i] = geomean(ms)
+    if not scores:
+        return None
+    i = min(scores, key=scores.get)
+    return i, scores[i]
+
+
+def sweep(args, env, rows: list, cache: LayoutCache) -> tuple[dict, dict]:
     """Every config (the served one first) x sweep point x SWEEP_VARIANTS, appended to `rows`,
-    config-major so that --sweep-budget-s cuts whole configs -> {model: best entry} (lowest
-    geometric-mean ms over the (point, variant) pairs the served config ran)."""
+    config-major so that --sweep-budget-s cuts whole configs (like triton.autotune, the winner is
+    re-timed in the table, not reported from here) -> ({model: best entry over its points},
+    {(model, B, ctx): best entry at that point}), best = lowest geometric-mean ms over the
+    variants the served config ran. Layouts are built once per point, mix and int page (cache)."""
     dev, dtype, t0 = env["dev"], getattr(torch, args.dtype), time.time()
     entries = [None, *args.configs]
     for i, entry in enumerate(entries):
@@ -269,7 +343,7 @@ def sweep(args, env, rows: list) -> dict:
                        "config": entry if entry is not None else "served"}
                 try:
                     r = tiered_timing(B, ctx, Hq, Hkv, D, q, v[len("tiered_"):], dev, args.iters, env["max_bytes"],
-                                      entry, check_served=entry is not None)
+                                      entry, layout=cache.getter(B, ctx, Hkv, D, q), check_served=entry is not None)
                     row.update({k: r[k] for k in ("ms", "ms_min", "ms_max", "bytes", "splits", "int_page")})
                     for k in ("max_abs_diff_vs_served", "max_abs_served"):
                         if k in r:
@@ -279,25 +353,21 @@ def sweep(args, env, rows: list) -> dict:
                     if "fallbacks" in r:
                         row["fallbacks"] = r["fallbacks"]
                     row["GBps"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
-                except Exception as exc:  # noqa: BLE001 - a config the kernel rejects
+                except Exception as exc:  # noqa: BLE001 - a config the kernel rejects, out of memory
                     row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 rows.append(row)
                 print("sweep", {k: row[k] for k in row if k != "bytes"}, flush=True)
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
-    best = {}
+    best, best_point = {}, {}
     for model in {r["model"] for r in rows if "model" in r}:
-        sel = [r for r in rows if r.get("model") == model]
-        keys = {(r["batch"], r["context"], r["variant"]) for r in sel if r["config"] == "served" and "ms" in r}
-        scores = {}
-        for i, entry in enumerate(entries):
-            mine = [r for r in sel if r["config"] == (entry if entry is not None else "served")]
-            ms = [r["ms"] for r in mine if "ms" in r]
-            if keys and len(ms) == len(keys) and not any(r.get("wrong") for r in mine):
-                scores[i] = math.exp(sum(math.log(m) for m in ms) / len(ms))
-        if scores:
-            best[model] = entries[min(scores, key=scores.get)]
-    return best
+        got = pick_best(rows, entries, lambda r, m=model: r["model"] == m)
+        if got:
+            best[model] = entries[got[0]]
+    for spec in args.sweep_points:
+        model, B, ctx = parse_point(spec)
+        got = pick_best(rows, entries, lambda r, p=(model, B, ctx): (r["model"], r["batch"], r["context"]) == p)
+        if got:
+            best_point[(model, B, ctx)] = (entries[got[0]], got[1])
+    return best, best_point
 
 
 def served_line(model: str, entry) -> str:
@@ -311,7 +381,7 @@ def served_line(model: str, entry) -> str:
     return f"    ({D}, {Hq // Hkv}): TieredDecodeConfig({args}),{page}"
 
 
-def meta(args, env, rows, skipped, sweep_rows, best, partial) -> dict:
+def meta(args, env, rows, skipped, sweep_rows, best, partial, best_point=None) -> dict:
     from sgl_kvxfer.kernels.tiered_pool_decode import served_config
 
     served = {m: str(served_config(D, Hq // Hkv)) for m, (Hq, Hkv, D) in MODELS.items()}
@@ -326,7 +396,9 @@ def meta(args, env, rows, skipped, sweep_rows, best, partial) -> dict:
         "bytes": "K/V payload incl. per-token-head scales and zeros + q read + o written",
         "copy_bandwidth_Bps": env["copy_bw"], "results": rows, "skipped": skipped,
         "sweep": {"rows": sweep_rows, "best": [{"model": m, "config": c if c is not None else "served",
-                                                "served_configs_line": served_line(m, c)} for m, c in best.items()]}
+                                                "served_configs_line": served_line(m, c)} for m, c in best.items()],
+                  "best_per_point": [{"model": m, "batch": b, "context": c, "config": e if e is not None else "served",
+                                      "geomean_ms": g} for (m, b, c), (e, g) in (best_point or {}).items()]}
         if args.sweep_configs else None,
     }
 
@@ -339,18 +411,32 @@ def run(args, on_update=None) -> dict:
            "sms": props.multi_processor_count if cuda else None, "copy_bw": copy_bandwidth_Bps(dev),
            "max_bytes": int(0.25 * free_bytes(dev)) if cuda else (64 << 20)}
     print(f"device {env['device']}  copy {env['copy_bw'] / 1e12:.2f} TB/s", flush=True)
-    rows, skipped, sweep_rows, best = [], [], [], {}
+    rows, skipped, sweep_rows, best, best_point = [], [], [], {}, {}
     state = {"partial": True}
+    cache = LayoutCache(env)
+
+    def report(partial):
+        return meta(args, env, rows, skipped, sweep_rows, best, partial, best_point)
 
     def update():
         if on_update is not None:
-            on_update(meta(args, env, rows, skipped, sweep_rows, best, state["partial"]))
+            on_update(report(state["partial"]))
 
     try:
         if args.sweep_configs:
-            best.update(sweep(args, env, sweep_rows))
+            b, bp = sweep(args, env, sweep_rows, cache)
+            best.update(b)
+            best_point.update(bp)
             update()
-        entries = best if args.measure_config == "best" else {}
+        entries = {}
+        if args.measure_config == "best":
+            entries = {**best, **{k: e for k, (e, _) in best_point.items() if e is not None}}
+            # a point whose best is the served config measures with it, not with its model's best
+            entries.update({k: None for k, (e, _) in best_point.items() if e is None})
+        table = {parse_point(p) for p in args.points}
+        for m, b, c in {parse_point(p) for p in args.sweep_points} - table:  # swept only: free its layouts
+            _, Hkv, D = MODELS[m]
+            cache.drop(b, c, Hkv, D)
         for spec in args.points:
             model, B, ctx = parse_point(spec)
             Hq, Hkv, D = MODELS[model]
@@ -361,7 +447,7 @@ def run(args, on_update=None) -> dict:
                 print(f"skip {model} B={B} ctx={ctx}: {skipped[-1]['reason']}", flush=True)
                 continue
             t = time.time()
-            res = measure_point(args, env, model, B, ctx, entries)
+            res = measure_point(args, env, model, B, ctx, entries, cache)
             rows.append(res)
             print(f"{model} B={B} ctx={ctx} ({time.time() - t:.1f}s): " + "  ".join(
                 f"{v}={res[v]['ms'] * 1e3:.1f}us/{res[v].get('speed_vs_sdpa', 0):.2f}x/{res[v]['GBps']:.0f}GB/s"
@@ -369,9 +455,9 @@ def run(args, on_update=None) -> dict:
             update()
     except KeyboardInterrupt:  # `timeout -s INT`: keep what was measured
         print("interrupted: writing the points measured so far", flush=True)
-        return meta(args, env, rows, skipped, sweep_rows, best, True)
+        return report(True)
     state["partial"] = False
-    return meta(args, env, rows, skipped, sweep_rows, best, False)
+    return report(False)
 
 
 # ---------------------------------------------------------------------------------------- report
@@ -487,6 +573,9 @@ def main(argv: list[str] | None = None) -> None:
     if data.get("sweep"):
         for b in data["sweep"]["best"]:
             print(f"best config {b['model']}: {b['config']}\n{b['served_configs_line']}")
+        for b in data["sweep"]["best_per_point"]:
+            print(f"best config at {b['model']}:{b['batch']}:{b['context']}: {b['config']} "
+                  f"(geomean {b['geomean_ms'] * 1e3:.1f} us over the tiered variants)")
     print("wrote", path)
     try:
         if plot(data, path.replace(".json", ".png")):

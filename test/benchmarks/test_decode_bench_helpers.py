@@ -65,32 +65,45 @@ def test_engine_layout_is_the_pools_own_view_and_tables():
 
 # ---------------------------------------------------------------------------- attention.py sweep
 def test_sweep_times_every_config_and_measures_with_the_best(tmp_path):
-    """The sweep times the served config and each --configs entry on every sweep variant, the
-    best per model (lowest geometric mean) measures the table, and its SERVED_CONFIGS line is
-    written out. On the interpreter the served config is INTERPRET_CONFIG (16-token tiles)."""
+    """The sweep times the served config and each --configs entry on every sweep variant (the mix
+    included), the best at the point (lowest geometric mean) measures the table, the best per model
+    gives its SERVED_CONFIGS line, and the mix row times each tier's launch alone. On the
+    interpreter the served config is INTERPRET_CONFIG (16-token tiles)."""
     import attention
 
-    attention.main(["--device", "cpu", "--points", "smollm2:1:64", "--iters", "1",
+    attention.main(["--device", "cpu", "--points", "smollm2:1:128", "--iters", "1",
                     "--variants", "sdpa", "tiered_int8", "tiered_mix_b0.5", "--sweep-configs",
                     "--configs", json.dumps([{"tile8": 32, "tile16": 16, "int_page": 32}, {"qk_int8": True}]),
-                    "--sweep-points", "smollm2:1:64", "--out-dir", str(tmp_path), "--name", "attn"])
+                    "--sweep-points", "smollm2:1:128", "--out-dir", str(tmp_path), "--name", "attn"])
     with open(tmp_path / "attn.json") as f:
         data = json.load(f)
     assert not data["partial"]
     rows = data["sweep"]["rows"]
-    assert len(rows) == 3 and all("ms" in r for r in rows)  # 3 configs x tiered_int8 (the only sweep variant run)
+    assert len(rows) == 6 and all("ms" in r for r in rows)  # 3 configs x (tiered_int8, the mix)
+    assert {r["variant"] for r in rows} == {"tiered_int8", "tiered_mix_b0.5"}
     assert {json.dumps(r["config"]) for r in rows} == {'"served"', '{"tile8": 32, "tile16": 16, "int_page": 32}',
                                                        '{"qk_int8": true}'}
-    assert [r["int_page"] for r in rows if r["config"] != "served" and "int_page" in r["config"]] == [32]
+    assert [r["int_page"] for r in rows if r["config"] != "served" and "int_page" in r["config"]] == [32, 32]
     for r in rows:  # every config but the served one is checked against it on the same cache
         assert (r["config"] == "served") == ("max_abs_diff_vs_served" not in r)
         assert not r.get("wrong"), r
     best, = data["sweep"]["best"]
     assert best["model"] == "smollm2" and "(64, 3)" in best["served_configs_line"] or best["config"] == "served"
+    at, = data["sweep"]["best_per_point"]
+    assert (at["model"], at["batch"], at["context"]) == ("smollm2", 1, 128)
+    # the point's pick is the config with the lowest geometric mean over its two variants
+    by_cfg = {}
+    for r in rows:
+        by_cfg.setdefault(json.dumps(r["config"]), []).append(r["ms"])
+    gm = {k: math.exp(sum(map(math.log, v)) / len(v)) for k, v in by_cfg.items()}
+    assert json.dumps(at["config"]) == min(gm, key=gm.get) and math.isclose(at["geomean_ms"], min(gm.values()))
     row, = data["results"]
     for v in ("tiered_int8", "tiered_mix_b0.5"):
-        assert row[v]["config"] == best["config"] and row[v]["max_abs_diff_vs_reference"] < 3e-2
-        assert "speed_vs_sdpa" in row[v]
+        assert row[v]["config"] == at["config"] and row[v]["config_source"] == "point"
+        assert row[v]["max_abs_diff_vs_reference"] < 3e-2 and "speed_vs_sdpa" in row[v]
+    parts = row["tiered_mix_b0.5"]["parts"]  # every tier of the mix alone
+    assert sorted(parts) == [f"tier{t}" for t in row["tiered_mix_b0.5"]["tiers"]] and len(parts) > 1
+    assert all(p["ms"] > 0 for p in parts.values()) and "parts" not in row["tiered_int8"]
     assert os.path.exists(tmp_path / "attn.png")
 
 
