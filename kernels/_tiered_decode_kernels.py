@@ -59,8 +59,13 @@ def _merge_group(o_part_ptr, lse_part_ptr, out_ptr, b, kv_head, n_total,
                  KV_GROUP: tl.constexpr, MERGE_H: tl.constexpr, HEAD_DIM: tl.constexpr,
                  MERGE_S: tl.constexpr):
     """out rows (b, q heads of kv_head) = LSE-weighted sum of the n_total partials, MERGE_S at a
-    time (one pass, running max); empty partials (lse NEG_BIG) weigh 0 and are not read.
-    Partials are read through L2 (.cg): other programs of this launch wrote them."""
+    time (one pass, running max); empty partials (lse NEG_BIG) weigh 0. Partials are read through
+    L2 (.cg): other programs of this launch wrote them.
+
+    NOTE: a chunk's partials load beside its lse (no load waits on another), so a chunk costs one
+    L2 round trip, not two: the merging program is a serial tail of the launch (99 partials at
+    batch 1 over three tiers). An empty split never wrote its partial (it may hold NaN): the
+    select below, not the weight 0, keeps it out."""
     offs_h = tl.arange(0, MERGE_H)
     offs_s = tl.arange(0, MERGE_S)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -75,11 +80,12 @@ def _merge_group(o_part_ptr, lse_part_ptr, out_ptr, b, kv_head, n_total,
         s = c + offs_s
         lmask = hmask[:, None] & (s < n_total)[None, :]
         lse = tl.load(lrow[:, None] + s[None, :], mask=lmask, other=NEG_BIG, cache_modifier=".cg")
+        o = tl.load(orow[:, None, None] + s[None, :, None] * stride_os + offs_d[None, None, :],
+                    mask=lmask[:, :, None], other=0.0, cache_modifier=".cg")
         live = lse > NEG_BIG * 0.5
         m_new = tl.maximum(m, tl.max(lse, 1))
         w = tl.where(live, tl.exp2(lse - m_new[:, None]), 0.0)
-        o = tl.load(orow[:, None, None] + s[None, :, None] * stride_os + offs_d[None, None, :],
-                    mask=live[:, :, None], other=0.0, cache_modifier=".cg")
+        o = tl.where(live[:, :, None], o, 0.0)
         alpha = tl.exp2(m - m_new)
         acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
         l = l * alpha + tl.sum(w, 1)
@@ -145,7 +151,7 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, n_total,
 # ---------------------------------------------------------------------------------------------
 # fp16 tier
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_base", "n_total"])  # one binary for every split count
 def _fp16_tier_kernel(
     q_ptr, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, k_ptr, v_ptr,
     bt_ptr, fill_ptr, len_ptr, npg_ptr,
@@ -300,7 +306,7 @@ def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
     return kq, vq, srow, tm
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_base", "n_total"])  # one binary for every split count
 def _int_tier_kernel(
     q_ptr, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
     bt_ptr, fill_ptr, len_ptr, npg_ptr,
@@ -349,6 +355,10 @@ def _int_tier_kernel(
         q_sum += tl.sum(qb, 1)
     qa16 = qa.to(tl.float16)
     qb16 = qb.to(tl.float16)
+    if KT and HALVES == 2:
+        # the high nibbles convert as 16 * hi: q's high half takes the 1/16 instead of every score
+        # (a power of two: the same fp16 mantissas wherever q / 16 stays normal, |q| >= 2^-10)
+        qb16 = (qb * 0.0625).to(tl.float16)
     if QK_INT8:
         qmax = tl.max(tl.abs(qa), 1)
         if HALVES == 2:
@@ -364,6 +374,12 @@ def _int_tier_kernel(
         else:
             q_sum = q8_sum * q_sc
 
+    # FOLD: score = qk * (ks * K_MUL) + (q_sum * qk_scale) * kz, the softmax scale and SUBK's 2^24
+    # carried by the per-token K scale and the per-row zero-point sum: two ops per score element
+    K_MUL = qk_scale
+    if SUBK:
+        K_MUL = qk_scale * 16777216.0  # 2^24: exact
+    q_sum = q_sum * qk_scale
     n_tok = tl.load(len_ptr + b)
     if FILLED:
         n_pages = tl.load(npg_ptr + b)
@@ -386,7 +402,7 @@ def _int_tier_kernel(
             # its score (set to -inf); its V scale / zero are zeroed here (garbage may be NaN).
             # V's scale and zero load as one [TILE, 2] tensor: the software pipeliner prefetches only
             # loads that feed a tl.dot operand, and the zero alone feeds none (the zero-point sum)
-            ks = tl.reshape(tl.load(ks_ptr + srow2), (TILE,)).to(tl.float32)
+            ks = tl.reshape(tl.load(ks_ptr + srow2), (TILE,)).to(tl.float32) * K_MUL
             kz = tl.reshape(tl.load(ks_ptr + srow2 + PAGE * NG), (TILE,)).to(tl.float32)
             vsz = tl.load(vs_ptr + srow2[:, :, None] + tl.arange(0, 2)[None, None, :] * (PAGE * NG))
             vs, vz = tl.split(tl.reshape(vsz, (TILE, 2)).to(tl.float32))
@@ -405,11 +421,9 @@ def _int_tier_kernel(
             elif KT:
                 if HALVES == 1:
                     qk = tl.dot(qa16, _cvt_u8_one(kq, FAST_CVT, SUBK))
-                else:
-                    qk = tl.dot(qb16, _cvt_hi16_one(kq, FAST_CVT, SUBK)) * 0.0625
+                else:  # qb16 holds q / 16 (above)
+                    qk = tl.dot(qb16, _cvt_hi16_one(kq, FAST_CVT, SUBK))
                     qk = tl.dot(qa16, _cvt_lo_one(kq, FAST_CVT, SUBK), qk)
-                if SUBK:
-                    qk = qk * 16777216.0  # 2^24: exact
             else:
                 if HALVES == 1:
                     qk = tl.dot(qa16, tl.trans(_cvt_u8(kq, FAST_CVT)))
@@ -417,7 +431,7 @@ def _int_tier_kernel(
                     k_lo, k_hi = _cvt_nibbles(kq, FAST_CVT)
                     qk = tl.dot(qa16, tl.trans(k_lo))
                     qk = tl.dot(qb16, tl.trans(k_hi), qk)
-            s_qk = (qk * ks[None, :] + q_sum[:, None] * kz[None, :]) * qk_scale
+            s_qk = qk * ks[None, :] + q_sum[:, None] * kz[None, :]
             s_qk = tl.where(tm[None, :], s_qk, float("-inf"))
             m_i, l_i, alpha, p = _softmax_update(m_i, l_i, s_qk)
             pw = (p * vs[None, :]).to(tl.float16)

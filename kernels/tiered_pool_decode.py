@@ -185,7 +185,7 @@ def plan_tiered_pool_decode(batch_size: int, num_kv_heads: int, max_tokens: int,
 # ---------------------------------------------------------------------------------------------
 # launcher
 
-MERGE_S = 8  # partials per merge step
+MERGE_S = 16  # partials per merge step (one L2 round trip each; [KV_GROUP, 16, D] fp32 in registers)
 
 
 # (tier, constexprs, tile, warps, stages) asked for -> (tile, stages) that fit the GPU's shared memory

@@ -120,21 +120,26 @@ for s in $STAGES; do
       for m in llama3-8b smollm2; do
         [ -f "$WORK/lowbit_fi_jit_$m.log" ] && { tail -4 "$WORK/lowbit_fi_jit_$m.log" >> "$LOG"; rm -f "$WORK/lowbit_fi_jit_$m.log"; }
       done
-      # the sweep (served config first, then in this order; --sweep-budget-s cuts the tail), all but
-      # the served one on 256-token int pages: the codes converted in the dot operand layout as
-      # subnormals; the same at three programs per SM (128-token int steps: <= 168 registers at
-      # D 128; the fp16 tier at 4 warps); three per SM at the default steps (D 64 fits at 256);
-      # half tiles for short splits (batch 1); the bias conversion; 256-token pages alone (the
-      # former best); 64-row fp16 steps at 4 warps three ahead; int8 tensor cores for q.K
-      default_configs='[{"int_page": 256, "dot_cvt": true, "sub_cvt": true},
-        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "tile8": 128, "tile4": 128, "tile16": 128, "warps16": 4,
-         "split_waves": 3},
+      # the sweep (served config first, then in this order; --sweep-budget-s cuts the tail), every
+      # point of --sweep-points and every tiered variant (the mix included), each point measured
+      # with its own best; all but the served one on 256-token int pages, codes converted in the dot
+      # operand layout as subnormals: half tiles for short splits (the Llama-3-8B pick); three
+      # programs per SM (the SmolLM2 pick); 512-token int4 steps on 8 warps (twice the int4 bytes
+      # in flight, as one int8 step); four pipeline stages for the int tiers; fewer splits (one
+      # program per SM: batch 1 gets 16 instead of 33) and more (four per SM); 64-row fp16 steps
+      # at 4 warps four ahead; 256-row fp16 steps (D 64: the bytes of a 128-row step at D 128);
+      # int8 tensor cores for q.K; 128-token steps at three per SM
+      default_configs='[{"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "warps16": 4, "split_waves": 3},
-        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8},
-        {"int_page": 256, "dot_cvt": true},
-        {"int_page": 256},
-        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "tile16": 64, "warps16": 4, "stages16": 4},
-        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "qk_int8": true}]'
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "tile4": 512, "warps4": 8},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "stages8": 4, "stages4": 4},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "split_waves": 1},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "split_waves": 4},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "tile16": 64, "warps16": 4, "stages16": 4},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "tile16": 256, "warps16": 8, "split_waves": 3},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "qk_int8": true},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "tile8": 128, "tile4": 128, "tile16": 128, "warps16": 4,
+         "split_waves": 3}]'
       if [ "$DEVICE" = cuda ]; then
         args=(--points ${ATTN_POINTS:-llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768 llama3-8b:8:16384
               llama3-8b:8:131072 llama3-8b:32:32768 llama3-8b:1:16384 llama3-8b:8:65536 llama3-8b:1:131072
@@ -142,7 +147,7 @@ for s in $STAGES; do
               --sweep-points ${SWEEP_POINTS:-llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768}
               --sweep-budget-s "${T_SWEEP:-75}" --iters 10)
       else
-        args=(--device cpu --points smollm2:1:64 --iters 1 --sweep-points smollm2:1:64)
+        args=(--device cpu --points smollm2:1:128 --iters 1 --sweep-points smollm2:1:128)
         default_configs='[{"qk_int8": true}, {"int_page": 32, "tile8": 32, "tile4": 32}, {"dot_cvt": true, "sub_cvt": true},
           {"dot_cvt": true, "min_steps": 8}]'
       fi

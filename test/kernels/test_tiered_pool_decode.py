@@ -59,11 +59,28 @@ def test_mixed_tiers_filled(G, pages):
     _close(*_run(lens, 8, 2, 64, G, pages, splits=2))
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("splits", [1, 2, 5, 7])  # 7 x 3 tiers: more partials than one merge step takes
 @pytest.mark.parametrize("fused", [True, False])
 def test_splits_and_merges(splits, fused):
     lens = [(21, 70, 45), (2, 3, 90), (0, 0, 0)]
     _close(*_run(lens, 4, 1, 32, 32, (1, 16, 32), splits=splits, fused=fused))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_empty_splits_partials_may_hold_nan(monkeypatch, fused):
+    """The merge loads every partial beside its lse: an empty split's partial, never written, may
+    hold anything (torch.empty) and must not reach the output."""
+    empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        x = empty(*shape, **kw)
+        return x.fill_(float("nan")) if x.dtype == torch.float32 and x.dim() == 4 else x
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    lens = [(3, 20, 17), (0, 40, 0), (1, 0, 0)]  # most of the 7 x 3 splits are empty
+    got, ref = _run(lens, 4, 1, 32, 32, (1, 16, 16), splits=7, fused=fused)
+    assert bool(torch.isfinite(got).all())
+    _close(got, ref)
 
 
 @pytest.mark.parametrize("Hq,Hkv", [(2, 2), (9, 3), (8, 2)])  # GQA 1, 3, 4
