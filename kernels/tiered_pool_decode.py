@@ -188,6 +188,12 @@ def plan_tiered_pool_decode(batch_size: int, num_kv_heads: int, max_tokens: int,
 MERGE_S = 16  # partials per merge step (one L2 round trip each; [KV_GROUP, 16, D] fp32 in registers)
 
 
+def merge_step(warps: int) -> int:
+    """Partials per merge step of a tier kernel launched with `warps`: MERGE_S up to 4 warps, half
+    beyond (8 warps compile to 128 registers a thread, and 16 partials a step spill there)."""
+    return MERGE_S if warps <= 4 else MERGE_S // 2
+
+
 # (tier, constexprs, tile, warps, stages) asked for -> (tile, stages) that fit the GPU's shared memory
 LAUNCHED: dict = {}
 
@@ -289,7 +295,7 @@ def tiered_pool_decode(
     interp = is_interpret()
     common = dict(NUM_KV_HEADS=Hkv, KV_GROUP=kv_group, BLOCK_G=max(16, next_pow2(kv_group)), HEAD_DIM=D,
                   FILLED=tables.filled, DIRECT=direct, FUSED_MERGE=fused, FENCE=not interp,
-                  MERGE_H=next_pow2(kv_group), MERGE_S=MERGE_S)
+                  MERGE_H=next_pow2(kv_group))
     bt, ln = tables.tables, tables.lens
     fills = tables.fills if tables.filled else bt  # dense: unused (FILLED=False)
     npg = tables.num_pages if tables.filled else ln
@@ -314,6 +320,7 @@ def tiered_pool_decode(
                       QK_INT8=config.qk_int8 and layer.group_size == D and D // halves >= 32,
                       FAST_CVT=config.fast_cvt and not interp and packable, DOT_CVT=config.dot_cvt,
                       SUB_CVT=config.sub_cvt and config.dot_cvt, **common)
+        kw["MERGE_S"] = merge_step(warps)
         _launch(kernel, (B * Hkv, S), args, kw, t, tile, warps, stages)
     if not direct and not fused:
         _merge_kernel[(B * Hkv,)](

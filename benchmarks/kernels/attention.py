@@ -293,8 +293,9 @@ class LayoutCache:
             return self.layouts[key]
         return get
 
-    def drop(self, B, ctx, Hkv, D):
-        for key in [k for k in self.layouts if k[:4] == (B, ctx, Hkv, D)]:
+    def drop(self, B, ctx, Hkv, D, keep_page="none"):
+        """Free a point's layouts (but those of int page keep_page: None is the engine's page)."""
+        for key in [k for k in self.layouts if k[:4] == (B, ctx, Hkv, D) and k[5] != keep_page]:
             del self.layouts[key]
         if self.env["dev"].type == "cuda":
             torch.cuda.empty_cache()
@@ -434,9 +435,10 @@ def run(args, on_update=None) -> dict:
             # a point whose best is the served config measures with it, not with its model's best
             entries.update({k: None for k, (e, _) in best_point.items() if e is None})
         table = {parse_point(p) for p in args.points}
-        for m, b, c in {parse_point(p) for p in args.sweep_points} - table:  # swept only: free its layouts
+        for m, b, c in {parse_point(p) for p in args.sweep_points}:  # keep what the table reads
             _, Hkv, D = MODELS[m]
-            cache.drop(b, c, Hkv, D)
+            e = entries[(m, b, c)] if (m, b, c) in entries else entries.get(m)
+            cache.drop(b, c, Hkv, D, split_config(e)[1] if (m, b, c) in table else "none")
         for spec in args.points:
             model, B, ctx = parse_point(spec)
             Hq, Hkv, D = MODELS[model]

@@ -119,13 +119,13 @@ def compile_tier(tier: str, config, head_dim: int, kv_group: int, int_page: int,
 
     from sgl_kvxfer.kernels._tiered_decode_kernels import _fp16_tier_kernel, _int_tier_kernel
     from sgl_kvxfer.kernels._tiles import next_pow2
-    from sgl_kvxfer.kernels.tiered_pool_decode import MERGE_S
+    from sgl_kvxfer.kernels.tiered_pool_decode import merge_step
 
     t = TIER_IDS[tier]
     tile, warps, stages = config.launch(t)
     common = dict(NUM_KV_HEADS=8, KV_GROUP=kv_group, BLOCK_G=max(16, next_pow2(kv_group)), HEAD_DIM=head_dim,
                   FILLED=True, DIRECT=False, FUSED_MERGE=config.fused_merge, FENCE=True,
-                  MERGE_H=next_pow2(kv_group), MERGE_S=MERGE_S, TILE=tile)
+                  MERGE_H=next_pow2(kv_group), MERGE_S=merge_step(warps), TILE=tile)
     if t == 0:
         fn, page = _fp16_tier_kernel, 1
         consts = dict(PAGE=page, DOT_F32=False, **common)

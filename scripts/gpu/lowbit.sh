@@ -125,14 +125,15 @@ for s in $STAGES; do
       # with its own best; all but the served one on 256-token int pages, codes converted in the dot
       # operand layout as subnormals: half tiles for short splits (the Llama-3-8B pick); three
       # programs per SM (the SmolLM2 pick); 512-token int4 steps on 8 warps (twice the int4 bytes
-      # in flight, as one int8 step); four pipeline stages for the int tiers; fewer splits (one
+      # in flight, as one int8 step); int4 two steps ahead (5 stages: 82 KB, two programs per SM
+      # still; 3 and 4 stages both hold one step ahead); fewer splits (one
       # program per SM: batch 1 gets 16 instead of 33) and more (four per SM); 64-row fp16 steps
-      # at 4 warps four ahead; 256-row fp16 steps (D 64: the bytes of a 128-row step at D 128);
+      # at 4 warps; 256-row fp16 steps (D 64: the bytes of a 128-row step at D 128);
       # int8 tensor cores for q.K; 128-token steps at three per SM
       default_configs='[{"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "warps16": 4, "split_waves": 3},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "tile4": 512, "warps4": 8},
-        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "stages8": 4, "stages4": 4},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "stages4": 5},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "split_waves": 1},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "split_waves": 4},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "tile16": 64, "warps16": 4, "stages16": 4},
