@@ -28,6 +28,11 @@
 #   ATTN_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768 llama3-8b:8:16384"
 #   SWEEP_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768"
 #   E2E_CONTEXTS="16384 32768" E2E_BUDGETS="0.5 0.25" bash scripts/gpu/lowbit.sh tests attention ncu e2e
+# The attention table alone, every point swept and measured with its own best config (FlashInfer
+# staged by the call before; ~240 s):
+#   T_TOTAL=240 T_ATTN=232 T_SWEEP=110
+#   ATTN_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768 llama3-8b:32:32768"
+#   SWEEP_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768 llama3-8b:32:32768" bash scripts/gpu/lowbit.sh attention
 # Knobs: TEST_FILES (the test files), TEST_K (pytest -k), CONFIGS (JSON list for the sweep), ATTN_POINTS, SWEEP_POINTS,
 # NCU_POINT (default llama3-8b:8:32768), E2E_CONTEXTS, E2E_BATCHES,
 # E2E_BUDGETS, E2E_N1 / E2E_N2 (decode window; demotion runs every 64 steps past 128, so n2 = 272 times
@@ -124,20 +129,20 @@ for s in $STAGES; do
       # point of --sweep-points and every tiered variant (the mix included), each point measured
       # with its own best; all but the served one on 256-token int pages, codes converted in the dot
       # operand layout as subnormals: half tiles for short splits (the Llama-3-8B pick); three
-      # programs per SM (the SmolLM2 pick); 512-token int4 steps on 8 warps (twice the int4 bytes
-      # in flight, as one int8 step); int4 two steps ahead (5 stages: 82 KB, two programs per SM
-      # still; 3 and 4 stages both hold one step ahead); fewer splits (one
-      # program per SM: batch 1 gets 16 instead of 33) and more (four per SM); 64-row fp16 steps
-      # at 4 warps; 256-row fp16 steps (D 64: the bytes of a 128-row step at D 128);
-      # int8 tensor cores for q.K; 128-token steps at three per SM
+      # programs per SM (the SmolLM2 pick); one program per SM (fewer splits: batch 1 gets 16
+      # instead of 33, a shorter merge); 512-token int4 steps on 8 warps (twice the int4 bytes in
+      # flight, as one int8 step); int4 two steps ahead (5 stages: 82 KB, still two programs per SM;
+      # 3 and 4 stages both hold one step ahead); four programs per SM (more splits); 256-row fp16
+      # steps (D 64: the bytes of a 128-row step at D 128); 64-row fp16 steps at 4 warps; int8
+      # tensor cores for q.K; 128-token steps at three per SM
       default_configs='[{"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "warps16": 4, "split_waves": 3},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "split_waves": 1},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "tile4": 512, "warps4": 8},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "stages4": 5},
-        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "split_waves": 1},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "split_waves": 4},
-        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "tile16": 64, "warps16": 4, "stages16": 4},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "tile16": 256, "warps16": 8, "split_waves": 3},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "tile16": 64, "warps16": 4, "stages16": 4},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "qk_int8": true},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "tile8": 128, "tile4": 128, "tile16": 128, "warps16": 4,
          "split_waves": 3}]'
