@@ -129,14 +129,16 @@ for s in $STAGES; do
       # point of --sweep-points and every tiered variant (the mix included), each point measured
       # with its own best; all but the served one on 256-token int pages, codes converted in the dot
       # operand layout as subnormals: half tiles for short splits (the Llama-3-8B pick); three
-      # programs per SM (the SmolLM2 pick); one program per SM (fewer splits: batch 1 gets 16
-      # instead of 33, a shorter merge); 512-token int4 steps on 8 warps (twice the int4 bytes in
+      # programs per SM (the SmolLM2 pick); no split under 2048 tokens (batch 1 at 32k gets 16
+      # splits instead of 33, a shorter merge, batch 8 keeps its 4: one config for both); one
+      # program per SM (fewer splits at every batch); 512-token int4 steps on 8 warps (twice the int4 bytes in
       # flight, as one int8 step); int4 two steps ahead (5 stages: 82 KB, still two programs per SM;
       # 3 and 4 stages both hold one step ahead); four programs per SM (more splits); 256-row fp16
       # steps (D 64: the bytes of a 128-row step at D 128); 64-row fp16 steps at 4 warps; int8
       # tensor cores for q.K; 128-token steps at three per SM
       default_configs='[{"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "warps16": 4, "split_waves": 3},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "min_split_tokens": 2048},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "split_waves": 1},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "tile4": 512, "warps4": 8},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "stages4": 5},
