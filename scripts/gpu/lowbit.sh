@@ -30,7 +30,7 @@
 #   E2E_CONTEXTS="16384 32768" E2E_BUDGETS="0.5 0.25" bash scripts/gpu/lowbit.sh tests attention ncu e2e
 # The attention table alone, every point swept and measured with its own best config (FlashInfer
 # staged by the call before; ~240 s):
-#   T_TOTAL=240 T_ATTN=232 T_SWEEP=110
+#   T_TOTAL=240 T_ATTN=235 T_SWEEP=100
 #   ATTN_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768 llama3-8b:32:32768"
 #   SWEEP_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768 llama3-8b:32:32768" bash scripts/gpu/lowbit.sh attention
 # Knobs: TEST_FILES (the test files), TEST_K (pytest -k), CONFIGS (JSON list for the sweep), ATTN_POINTS, SWEEP_POINTS,
