@@ -58,7 +58,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from sgl_kvxfer.mem_cache.host_cold_store import HostColdStore
-from sgl_kvxfer.spectrum.decode_mass import expand_hits, extend_runs, head_max_mass
+from sgl_kvxfer.spectrum.decode_mass import extend_runs_rows, pool_mass
 from sgl_kvxfer.spectrum.query_taps import install_query_taps, probe_layers
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
@@ -108,6 +108,7 @@ class ColdTier:
         self.pending: list[_Pending] = []
         self._orphans: list[dict] = []  # `dropped` maps of requests collected without release_request
         self.enabled = True  # False: no scoring (benchmarks compare on one engine; copies still kept)
+        self.kernel = None  # the scoring kernel: None where it applies (pool_mass), True / False forced
         self.stats = {"scoring_passes": 0, "scored_tokens": 0, "promotions": 0, "promoted_tokens": 0,
                       "promoted_bytes_h2d": 0, "repacked_tokens": 0, "deferred": 0, "no_room": 0, "cancelled": 0,
                       "landed": 0, "stale": 0, "restored_dropped": 0, "restored_dropped_bytes_h2d": 0,
@@ -177,75 +178,100 @@ class ColdTier:
             self._land()
 
     def _score(self, batch, due: list[int]) -> None:
-        """One pass over the due requests. Device -> host traffic is batched: the due rows in one
-        copy, every request's mass in one copy, every promotion in one staging gather and one
-        side-stream copy (_issue), so a pass costs a fixed number of host syncs, not a few per
-        request."""
-        pool, store, work, sel = self.pool, self.store, [], []
+        """One pass over the due requests, on the pool's device: the rows, their candidates, the
+        masses and the picks are [n, W] device tensors (W the longest row); the host reads back
+        only the candidate counts and the picked positions (with their old ids, masses and cap
+        scores): a fixed number of small device -> host copies a pass, none of them [n, W]."""
         live = [i for i in due if batch.slices[i].req.req_pool_idx is not None
                 and batch.slices[i].req.finished_reason is None]
         if not live:
             return
         reqs = [batch.slices[i].req for i in live]
-        block = self._read_block(reqs)  # [n, W]: slot 0 past each row's kv_len (padding)
-        # int4 ids with a host copy, the whole block at once
-        int4 = block >= store.base
-        cand_all = int4.clone()
-        cand_all[int4] = store.row_of[block[int4] - store.base] >= 0
-        for j, (i, req) in enumerate(zip(live, reqs)):
-            n, state = req.kv_len, self.states.get(req)
-            slots, cand = block[j, :n], cand_all[j, :n]
-            # dropped positions with a host copy: no key to score, eligible next to a hit
-            near = torch.zeros_like(cand)
-            if state is not None and state.dropped:
-                at = torch.tensor(sorted(state.dropped), dtype=torch.int64)
-                at = at[at < n]
-                near[at[slots[at] == 0]] = True
-            kept = torch.zeros_like(cand)  # promoted already: never picked again, still a hit's source
-            if state is not None and state.promoted:
-                done = torch.tensor(sorted(state.promoted), dtype=torch.int64)
-                done = done[done < n]
-                cand[done] = False
-                near[done] = False
-                kept[done] = True
-            if bool(cand.any()):
-                work.append((i, req, slots, cand, near, kept))
-                sel.append(j)
-        if not work:
+        block, lens, cand, near, kept = self._due_block(reqs)
+        counts = cand.sum(dim=1).cpu()  # one device -> host copy: requests with nothing to score drop out
+        if not bool(counts.any()):
             return
         self.stats["scoring_passes"] += 1
-        # every due request in one padded block [n, W]: one route, one key read per probed layer,
-        # one batched softmax (padding is slot 0, masked like a dropped key)
-        block = block[sel] if len(sel) < block.shape[0] else block
-        route = pool.route(block)
-        valid = pool._to_device(block != 0)
-        rows = pool._to_device(torch.tensor([w[0] for w in work], dtype=torch.int64))
-        mass = None
-        for layer in self.layers:
-            m = head_max_mass(self.taps[layer].index_select(0, rows), pool.get_k_routed(layer, route), self.scale,
-                              valid)
-            mass = m if mass is None else torch.maximum(mass, m, out=mass)
-        host_mass = mass.cpu()  # one device -> host copy
-        host_mass = [host_mass[j, :w[2].numel()] for j, w in enumerate(work)]
-        picks = []
-        for m, (_, req, slots, cand, near, kept) in zip(host_mass, work):
-            self.stats["scored_tokens"] += int(cand.sum())
-            # a promoted token that is still hot keeps bringing its neighbours (those a capped
-            # pass left behind); without a cap they came with it and nothing is added
-            hot = (m >= self.threshold) & (cand | kept)
-            if not bool(hot.any()):
-                continue
-            pick = expand_hits(hot, cand | near, self.radius)
-            if not bool(pick.any()):
-                continue
-            if self.drop_run and bool(near.any()):
-                pick = extend_runs(pick, near, self.drop_run)
-            positions = pick.nonzero().squeeze(1)
-            picks.append((req, positions, slots[positions], m, hot))
+        self.stats["scored_tokens"] += int(counts.sum())
+        mass = self._mass(self.pool._to_device(torch.tensor(live, dtype=torch.int64)), block, lens)
+        # a request without candidates is left out whole (its promoted hot tokens bring nothing)
+        has = self.pool._to_device(counts > 0)[:, None]
+        picks = self._select(reqs, block, mass, cand & has, near & has, kept & has)
         if picks and self.max_tokens:
             picks = self._cap(picks)
         if picks:
             self._issue([p[:3] for p in picks])
+
+    def _due_block(self, reqs: list) -> tuple:
+        """The rows of `reqs` on the device and what the pass may pick in them, all [n, W]:
+            block   slot ids, 0 past each row's kv_len
+            cand    int4 ids with a host copy, not promoted already (scored; a hit among them is promoted)
+            near    dropped positions with a host copy, not promoted (never scored: a hit's neighbours)
+            kept    promoted positions (never picked again; a hot one still brings its neighbours)
+        and lens [n]. Host work: the promoted and dropped positions of the requests that have any."""
+        pool, store, table = self.pool, self.store, self.table.table
+        dev = pool._to_device
+        width = max(r.kv_len for r in reqs)
+        lens = dev(torch.tensor([r.kv_len for r in reqs], dtype=torch.int64))
+        idx = dev(torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64))
+        inside = torch.arange(width, device=table.device)[None, :] < lens[:, None]
+        block = table[idx, :width].to(torch.int64).masked_fill_(~inside, 0)
+        copies = dev(store.row_of >= 0)  # int4 ids with a host copy (the map lives on the host)
+        int4 = block >= store.base
+        cand = int4 & copies[(block - store.base).clamp_(0, copies.numel() - 1)]
+        near = torch.zeros_like(cand)
+        kept = torch.zeros_like(cand)
+        for mask, attr in ((near, "dropped"), (kept, "promoted")):
+            at_row, at_pos = [], []
+            for j, req in enumerate(reqs):
+                state = self.states.get(req)
+                if state is not None and getattr(state, attr):
+                    pos = [p for p in getattr(state, attr) if p < req.kv_len]
+                    at_row.extend([j] * len(pos))
+                    at_pos.extend(pos)
+            if at_pos:
+                mask[dev(torch.tensor(at_row, dtype=torch.int64)), dev(torch.tensor(at_pos, dtype=torch.int64))] = True
+        near &= block == 0  # a dropped position not landed yet (a landed one has its fp16 slot)
+        cand &= ~kept
+        near &= ~kept
+        return block, lens, cand, near, kept
+
+    def _mass(self, rows: torch.Tensor, block: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """mass [n, W] float32: pool_mass over the probed layers (decode_mass.py) of the taps'
+        rows `rows`: the scoring kernel reading the pool on CUDA, the pool's read path elsewhere."""
+        queries = {layer: self.taps[layer].index_select(0, rows) for layer in self.layers}
+        return pool_mass(self.pool, self.layers, queries, block, lens, self.scale, kernel=self.kernel)
+
+    def _select(self, reqs: list, block, mass, cand, near, kept) -> list:
+        """The pass's picks on the device, then read back once: hits are candidates (or promoted
+        positions) with mass >= threshold; a pick is a candidate or a dropped position within
+        `radius` of a hit, plus (drop_run > 0) the dropped run contiguous with it, up to drop_run
+        each side. -> [(req, positions, old ids, mass at them, cap score at them)] (CPU), the cap
+        score being the largest hit mass within `radius` of the position."""
+        hot = (mass >= self.threshold) & (cand | kept)
+        eligible = cand | near
+        r = self.radius
+        if r > 0:
+            pool1d = torch.nn.functional.max_pool1d
+            pick = (pool1d(hot.float()[:, None, :], 2 * r + 1, 1, r)[:, 0] > 0) & eligible
+            score = pool1d(torch.where(hot, mass, 0.0)[:, None, :], 2 * r + 1, 1, r)[:, 0]
+        else:
+            pick, score = hot & eligible, torch.where(hot, mass, 0.0)
+        if self.drop_run:
+            pick = extend_runs_rows(pick, near, self.drop_run)
+        at = pick.nonzero()  # [K, 2] (row, position), row-major: each row's positions ascending
+        if not at.numel():
+            return []
+        j, pos = at[:, 0], at[:, 1]
+        old, vals = block[j, pos].cpu(), torch.stack([mass[j, pos], score[j, pos]]).cpu()
+        j, pos = j.cpu(), pos.cpu()
+        bounds = torch.bincount(j, minlength=len(reqs)).cumsum(0).tolist()
+        picks, a = [], 0
+        for n, b in enumerate(bounds):
+            if b > a:
+                picks.append((reqs[n], pos[a:b], old[a:b], vals[0, a:b], vals[1, a:b]))
+            a = b
+        return picks
 
     def _cap(self, picks: list) -> list:
         """At most `max_tokens` positions per pass: each pick's positions go in stretches (runs of
@@ -254,19 +280,15 @@ class ColdTier:
         are not marked promoted, so a later pass scores them again (nothing is lost for good,
         only delayed). A stretch larger than the cap alone is cut to the cap around its hit."""
         ranked = []  # (-mass, pick index, first, last) over positions indices
-        for n, (_, positions, _, m, hot) in enumerate(picks):
+        for n, (_, positions, _, _, score) in enumerate(picks):
             if positions.numel() == 0:
                 continue
             cut = (positions[1:] != positions[:-1] + 1).nonzero().squeeze(1) + 1
             bounds = [0, *cut.tolist(), positions.numel()]
-            # a stretch ranks by the strongest hit within `radius` of one of its positions
-            score = torch.where(hot, m, torch.zeros(()))
-            if self.radius:
-                score = torch.nn.functional.max_pool1d(score.view(1, 1, -1), 2 * self.radius + 1, 1,
-                                                       self.radius).view(-1)
+            # a stretch ranks by the strongest hit within `radius` of one of its positions (score)
             sid = torch.zeros(positions.numel(), dtype=torch.int64)
             sid[cut] = 1
-            best = torch.zeros(len(bounds) - 1).scatter_reduce_(0, sid.cumsum(0), score[positions], "amax")
+            best = torch.zeros(len(bounds) - 1).scatter_reduce_(0, sid.cumsum(0), score, "amax")
             ranked.extend((-v, n, a, b) for v, a, b in zip(best.tolist(), bounds[:-1], bounds[1:]))
         total = sum(b - a for _, _, a, b in ranked)
         if total <= self.max_tokens:
@@ -277,7 +299,7 @@ class ColdTier:
             if room <= 0:
                 break
             if b - a > room:  # cut around the stretch's strongest position
-                top = a + int(torch.argmax(picks[n][3][picks[n][1][a:b]]))
+                top = a + int(torch.argmax(picks[n][3][a:b]))
                 a = max(a, min(top - room // 2, b - room))
                 b = a + room
             keep[n].append(torch.arange(a, b))
@@ -287,8 +309,8 @@ class ColdTier:
         for n, parts in enumerate(keep):
             if parts:
                 idx = torch.cat(parts).sort().values
-                req, positions, old, m, hot = picks[n]
-                out.append((req, positions[idx], old[idx], m, hot))
+                req, positions, old, m, score = picks[n]
+                out.append((req, positions[idx], old[idx], m[idx], score[idx]))
         return out
 
     def _read_block(self, reqs: list) -> torch.Tensor:

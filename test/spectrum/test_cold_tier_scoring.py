@@ -1,0 +1,94 @@
+"""The scoring pass on the device: the run extension taken per row at once matches extend_runs, and
+the scoring kernel (kernels/cold_mass.py, the Triton interpreter on CPU) promotes the same tokens,
+with the same counters, as the pool's torch read path."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sgl_kvxfer.layers.attention.torch_backend import TorchAttentionBackend
+from sgl_kvxfer.mem_cache.req_to_token import ReqToTokenPool
+from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
+from sgl_kvxfer.mem_cache.tiered_allocator import TieredSlotAllocator
+from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
+from sgl_kvxfer.scheduler.cold_tier import ColdTier
+from sgl_kvxfer.spectrum.decode_mass import extend_runs, extend_runs_rows
+from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
+
+L, HQ, H, D, PAGE, N = 3, 4, 2, 32, 8, 64
+
+
+class Req:  # weak-referenceable, like the scheduler's Req
+    def __init__(self, row, n):
+        self.req_pool_idx, self.kv_len, self.finished_reason = row, n, None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_run_extension_per_row_matches_extend_runs(seed):
+    g = torch.Generator().manual_seed(seed)
+    picked = torch.rand(5, 40, generator=g) < 0.08
+    run = torch.rand(5, 40, generator=g) < 0.6
+    for cap in (0, 1, 2, 5, 64):
+        got = extend_runs_rows(picked, run, cap)
+        for b in range(5):
+            assert got[b].tolist() == extend_runs(picked[b], run[b], cap).tolist(), (seed, cap, b)
+
+
+def _build(kernel: bool, max_tokens: int, drop_run: int):
+    pool = TieredKVPool(256, L, H, D, torch.float32, "cpu", TierStorePlan(200, 64, 128), group_size=D,
+                        page_size=PAGE)
+    alloc = TieredSlotAllocator(pool, "cpu")
+    runner = SimpleNamespace(kv_pool=pool, attn_backend=TorchAttentionBackend(pool, HQ, H, D),
+                             max_running_requests=4, graph_runner=None)
+    config = SimpleNamespace(kv_promote_threshold=0.05, kv_promote_interval=1, kv_promote_radius=1,
+                             kv_cold_tier_tokens=128, kv_promote_layers=2, kv_promote_drop_run=drop_run,
+                             kv_promote_max_tokens=max_tokens)
+    table = ReqToTokenPool(4, 256)
+    cold = ColdTier(config, runner, alloc, table, lambda tier, n: None)
+    cold.kernel = kernel
+    gen = torch.Generator().manual_seed(1)
+    reqs = []
+    for r, n in enumerate((N, N - 9)):
+        data = [(torch.randn(n, H, D, generator=gen), torch.randn(n, H, D, generator=gen)) for _ in range(L)]
+        slots = alloc.alloc(n)
+        for layer, (k, v) in enumerate(data):
+            pool.set_kv(layer, slots, k, v)
+        tiers = torch.full((n,), TIER_INT4, dtype=torch.int8)
+        tiers[:2], tiers[n - 6:] = TIER_FP16, TIER_INT8
+        tiers[20:24] = TIER_DROP
+        req = Req(r, n)
+        cold.keep_dropped(req, 0, slots, tiers)
+        new, _ = alloc.retier(slots, tiers)
+        table.write(r, 0, new)
+        # each request's query: its heads point at a few keys (strong and weak hits)
+        for layer in cold.layers:
+            q = torch.randn(HQ, D, generator=gen) * 0.5
+            for h, pos in enumerate((19, 33, 40 + r, 7)):
+                k = data[layer][0][pos][h * H // HQ]
+                q[h] += k / k.norm() * (9.0 - 1.5 * h)
+            cold.taps[layer][r] = q
+        reqs.append(req)
+    return cold, reqs
+
+
+@pytest.mark.parametrize("max_tokens,drop_run", [(0, 0), (5, 0), (0, 3)])
+def test_kernel_promotes_what_the_torch_path_promotes(max_tokens, drop_run):
+    runs = []
+    for kernel in (False, True):
+        cold, reqs = _build(kernel, max_tokens, drop_run)
+        batch = SimpleNamespace(slices=[SimpleNamespace(req=r) for r in reqs])
+        for _ in range(3):
+            cold.on_decode(batch)
+        promoted = [sorted(cold.states[r].promoted) for r in reqs]
+        runs.append((promoted, {k: cold.stats[k] for k in ("scoring_passes", "scored_tokens", "promoted_tokens",
+                                                           "landed", "capped_tokens", "restored_dropped")}))
+        for r in reqs:
+            cold.release_request(r)
+        cold.allocator.debug_check()
+    (p0, s0), (p1, s1) = runs
+    assert p0 == p1 and s0 == s1
+    assert s0["promoted_tokens"] > 0 and any(p0)  # the scenario does promote
+    if max_tokens:
+        assert s0["capped_tokens"] > 0
+    if drop_run:
+        assert s0["restored_dropped"] > 0
