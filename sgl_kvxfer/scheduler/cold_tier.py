@@ -459,7 +459,7 @@ class ColdTier:
         positions, new = p.positions[same], p.new[same]
         after = row.clone()
         after[positions] = new
-        holed = self.allocator.holed_pages(after).nonzero().squeeze(1)
+        holed = self._holed(row[positions], after)
         old = after[holed]
         copies = self._copy_slots(old)
         if copies is None:
@@ -470,6 +470,21 @@ class ColdTier:
         self.stats["landed"] += positions.numel()
         at = torch.cat([positions, holed])
         return req, state, at, torch.cat([new, copies]), row[at], old, copies
+
+    def _holed(self, replaced: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+        """Positions of `after` (a row, host) holding int ids on a page the row now sees with a
+        hole: allocator.holed_pages over the tokens of the pages the promotion took ids
+        `replaced` from, not over the whole row. The row held a prefix of every page before
+        (mem_cache/README.md section 7), so only those pages can have a hole now.
+        Page key (id - base(INT8)) // page_size: the int8 store holds whole pages, so the keys
+        of int8 and int4 pages never collide."""
+        b8, page = self.pool.base(TIER_INT8), self.pool.page_size
+        replaced = replaced[replaced >= b8]
+        if not replaced.numel():
+            return torch.zeros(0, dtype=torch.int64)
+        pages = ((replaced - b8) // page).unique()
+        idx = ((after >= b8) & torch.isin((after - b8).div(page, rounding_mode="floor"), pages)).nonzero().squeeze(1)
+        return idx[self.allocator.holed_pages(after[idx])]
 
     def _copy_slots(self, old: torch.Tensor) -> torch.Tensor | None:
         """Fresh ids for int tokens `old` (position order): their tier's pages, else fp16 slots;

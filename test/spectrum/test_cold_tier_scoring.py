@@ -92,3 +92,20 @@ def test_kernel_promotes_what_the_torch_path_promotes(max_tokens, drop_run):
         assert s0["capped_tokens"] > 0
     if drop_run:
         assert s0["restored_dropped"] > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_holed_pages_of_the_touched_pages_are_those_of_the_whole_row(seed):
+    """The landing plan looks for holes only on the pages a promotion takes ids from: on a row
+    that held a prefix of every page, that finds what holed_pages over the whole row finds."""
+    cold, reqs = _build(False, 0, 0)
+    row = cold.table.table[0, :reqs[0].kv_len].cpu()
+    assert not cold.allocator.holed_pages(row).any()
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.randperm(row.numel(), generator=g)[:1 + seed * 3].sort().values
+    after = row.clone()
+    after[positions] = 1 + torch.arange(positions.numel())  # any fp16 ids
+    want = cold.allocator.holed_pages(after).nonzero().squeeze(1)
+    assert torch.equal(cold._holed(row[positions], after), want)
+    for r in reqs:
+        cold.release_request(r)
