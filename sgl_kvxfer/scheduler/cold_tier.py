@@ -8,7 +8,8 @@ During decode, every `kv_promote_interval` steps:
 
     score    the query the attention backend tapped in `kv_promote_layers` layers (q of the step
              just run, rows [0, B)) against the keys of each request's row (int tiers
-             dequantized): mass[j] = max over probed layers and heads of p(j) (spectrum/decode_mass.py)
+             dequantized): mass[j] = max over probed layers and heads of p(j) (spectrum/decode_mass.py;
+             on CUDA kernels/cold_mass.py reads the pool in place)
     pick     hits: int4 positions with a host copy whose mass >= kv_promote_threshold; then every
              eligible position within kv_promote_radius of a hit: int4 ones with a host copy, and
              dropped ones with a host copy (they have no key on the device, so they are never
@@ -26,9 +27,10 @@ During decode, every `kv_promote_interval` steps:
              pending): every landing request planned on the host, then ONE pool.move for all their
              page repairs and ONE table write for all their row entries
 
-Host syncs: a step with no pass due and nothing pending runs no torch op in these hooks; a pass
-reads the due rows in one device -> host copy, scores them as one padded block and reads the
-masses in one; a landing hook reads the rows it rewrites in one.
+Host syncs: a step with no pass due and nothing pending runs no torch op in these hooks. A pass
+keeps the due rows, candidates, masses and picks on the device as [n, W] tensors and reads back
+the candidate counts, then the picked positions (with old ids, masses, cap scores); a landing
+hook reads the rows it rewrites in one copy.
 
 A landed dropped position's row entry goes from 0 to an fp16 slot: the attention backends mask
 slot 0 per forward from the row, so it is attended from the next step on.
