@@ -265,8 +265,9 @@ class ColdTier:
         if not at.numel():
             return []
         j, pos = at[:, 0], at[:, 1]
-        old, vals = block[j, pos].cpu(), torch.stack([mass[j, pos], score[j, pos]]).cpu()
-        j, pos = j.cpu(), pos.cpu()
+        ints = torch.stack([j, pos, block[j, pos]]).cpu()  # two device -> host copies for the picks
+        vals = torch.stack([mass[j, pos], score[j, pos]]).cpu()
+        j, pos, old = ints
         bounds = torch.bincount(j, minlength=len(reqs)).cumsum(0).tolist()
         picks, a = [], 0
         for n, b in enumerate(bounds):
