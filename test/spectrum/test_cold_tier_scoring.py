@@ -1,6 +1,7 @@
 """The scoring pass on the device: the run extension taken per row at once matches extend_runs, and
 the scoring kernel (kernels/cold_mass.py, the Triton interpreter on CPU) promotes the same tokens,
-with the same counters, as the pool's torch read path."""
+with the same counters, as the pool's torch read path, and the landing's page repair through the
+relocation kernel (kernels/tier_relocate.py) leaves the same codes."""
 from types import SimpleNamespace
 
 import pytest
@@ -37,6 +38,7 @@ def test_run_extension_per_row_matches_extend_runs(seed):
 def _build(kernel: bool, max_tokens: int, drop_run: int):
     pool = TieredKVPool(256, L, H, D, torch.float32, "cpu", TierStorePlan(200, 64, 128), group_size=D,
                         page_size=PAGE)
+    pool._fused_relocate = kernel  # the landing's page repair through tier_relocate.py too (as on CUDA)
     alloc = TieredSlotAllocator(pool, "cpu")
     runner = SimpleNamespace(kv_pool=pool, attn_backend=TorchAttentionBackend(pool, HQ, H, D),
                              max_running_requests=4, graph_runner=None)
@@ -80,14 +82,18 @@ def test_kernel_promotes_what_the_torch_path_promotes(max_tokens, drop_run):
         for _ in range(3):
             cold.on_decode(batch)
         promoted = [sorted(cold.states[r].promoted) for r in reqs]
-        runs.append((promoted, {k: cold.stats[k] for k in ("scoring_passes", "scored_tokens", "promoted_tokens",
-                                                           "landed", "capped_tokens", "restored_dropped")}))
+        rows = [cold.table.table[r.req_pool_idx, :r.kv_len].clone() for r in reqs]
+        keys = [cold.pool.get_kv(layer, row)[0] for layer in range(L) for row in rows]
+        runs.append((promoted, keys, {k: cold.stats[k] for k in ("scoring_passes", "scored_tokens", "promoted_tokens",
+                                                           "landed", "capped_tokens", "restored_dropped",
+                                                           "repacked_tokens")}))
         for r in reqs:
             cold.release_request(r)
         cold.allocator.debug_check()
-    (p0, s0), (p1, s1) = runs
+    (p0, k0, s0), (p1, k1, s1) = runs
     assert p0 == p1 and s0 == s1
-    assert s0["promoted_tokens"] > 0 and any(p0)  # the scenario does promote
+    assert all(torch.equal(a, b) for a, b in zip(k0, k1))  # every row reads the same keys after the repairs
+    assert s0["promoted_tokens"] > 0 and any(p0) and s0["repacked_tokens"] > 0  # promotes, repairs pages
     if max_tokens:
         assert s0["capped_tokens"] > 0
     if drop_run:
