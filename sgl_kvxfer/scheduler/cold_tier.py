@@ -21,7 +21,8 @@ During decode, every `kv_promote_interval` steps:
              the strongest hits first; what waits is not marked promoted, so a later pass takes it
     issue    fresh fp16 slots; the host rows of every promotion of the pass gathered into one
              pinned staging buffer; on CUDA a side stream copies it to the device in one copy and
-             writes the fp16 store, then records one event
+             writes the fp16 store, then records one event; on CUDA the gather and the enqueueing
+             run on a copy worker thread (cold_copy.py), the scheduler thread goes on
     land     before the next decode forward (or any later hook) that finds the event done, the
              requests' rows are rewritten to the new slots (never waits: a copy not done stays
              pending): every landing request planned on the host, then ONE pool.move for all their
@@ -60,6 +61,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from sgl_kvxfer.mem_cache.host_cold_store import HostColdStore
+from sgl_kvxfer.scheduler.cold_copy import CopyWorker, PromotionCopy
 from sgl_kvxfer.spectrum.decode_mass import extend_runs_rows, pool_mass
 from sgl_kvxfer.spectrum.query_taps import install_query_taps, probe_layers
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
@@ -73,8 +75,7 @@ class _Pending:
     positions: torch.Tensor   # CPU int64
     old: torch.Tensor         # the int4 ids scored (CPU)
     new: torch.Tensor         # fp16 ids the copy fills (CPU)
-    event: object = None      # CUDA event on the side stream; None: landed already (CPU)
-    keep: tuple = ()          # staging tensors the copy reads: alive until it lands
+    event: PromotionCopy | None = None  # the pass's copy (cold_copy.py); None: merged for landing
 
 
 @dataclass
@@ -105,6 +106,7 @@ class ColdTier:
             self.set_probe_layers(probe_layers(pool.num_layers, config.kv_promote_layers, ranking))
         self.cuda = str(pool.device).startswith("cuda")
         self.side = torch.cuda.Stream(device=pool.device) if self.cuda else None
+        self.worker = CopyWorker(threaded=self.cuda)  # CUDA: the host gather off the scheduler thread
         self.states: WeakKeyDictionary = WeakKeyDictionary()
         self.decode_steps: WeakKeyDictionary = WeakKeyDictionary()  # req -> decode steps seen
         self.pending: list[_Pending] = []
@@ -336,14 +338,14 @@ class ColdTier:
     # ------------------------------------------------------------------ promotion
     def _issue(self, picks: list) -> None:
         """Promote every (req, positions, old ids) of one scoring pass together: fresh fp16 slots per
-        request, then ONE pinned staging buffer [2, layers, M, Hkv, D] gathered from the host
-        store, ONE host -> device copy on the side stream, one fp16 store write per layer and one
-        event that every request's pending landing waits on. (Per request and layer, staging
-        allocations and copies cost 2 x layers pinned allocations and copies per request.)"""
+        request, their host rows, then ONE copy job for the pass (_copy_job: one pinned staging
+        buffer, one host -> device copy, one fp16 store write per layer, one event), run on the
+        copy worker's thread on CUDA (cold_copy.py), so the host gather does not hold up the
+        scheduler; every request's pending landing waits on that copy."""
         if not self.store.ready():  # the newest host copies are still in flight: next pass
             self.stats["deferred"] += len(picks)
             return
-        pool, pin = self.pool, self.cuda
+        pool = self.pool
         batch = []  # (req, positions, old, new CPU, host rows, restored dropped count)
         for req, positions, old in picks:
             m = positions.numel()
@@ -364,36 +366,51 @@ class ColdTier:
             batch.append((req, positions, old, new.cpu(), rows, int(dropped.sum())))
         if not batch:
             return
-        total = sum(b[1].numel() for b in batch)
-        stage = torch.empty((2, pool.num_layers, total, pool.num_kv_heads, pool.head_dim), dtype=pool.dtype,
-                            pin_memory=pin)
-        self.store.gather(torch.cat([b[4] for b in batch]), list(stage[0]), list(stage[1]))
-        new_all = torch.cat([b[3] for b in batch])
-        event, keep = None, ()
-        if self.cuda:
-            self.side.wait_stream(torch.cuda.current_stream(pool.device))  # the new slots' last users
-            with torch.cuda.stream(self.side):
-                dst = new_all.pin_memory().to(pool.device, non_blocking=True)
-                dev = stage.to(pool.device, non_blocking=True)
-                for layer in range(pool.num_layers):
-                    pool.set_kv_fp16(layer, dst, dev[0, layer], dev[1, layer])
-                event = torch.cuda.Event()
-                event.record(self.side)
-            keep = (stage, dst, dev)  # NOTE: alive until every landing of this pass (the copy reads them)
-        else:
-            for layer in range(pool.num_layers):
-                pool.set_kv_fp16(layer, new_all, stage[0, layer], stage[1, layer])
-        token_bytes = 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * stage.element_size()
+        if self.cuda:  # the new slots' last users come first
+            self.side.wait_stream(torch.cuda.current_stream(pool.device))
+        copy = PromotionCopy()
+        host_rows, new_all = torch.cat([b[4] for b in batch]), torch.cat([b[3] for b in batch])
+        self.worker.submit(copy, lambda c: self._copy_job(c, host_rows, new_all))
+        token_bytes = 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * pool.k16[0].element_size()
         for req, positions, old, new, _, n_drop in batch:
             m = positions.numel()
             self._state(req).promoted.update(positions.tolist())
-            self.pending.append(_Pending(req, positions, old, new, event, keep))
+            self.pending.append(_Pending(req, positions, old, new, copy))
             self.stats["promotions"] += 1
             self.stats["promoted_tokens"] += m
             self.stats["promoted_bytes_h2d"] += m * token_bytes
             self.stats["restored_dropped"] += n_drop
             self.stats["restored_dropped_bytes_h2d"] += n_drop * token_bytes
         self.stats["staging_copies"] += 1
+
+    def _copy_job(self, copy: PromotionCopy, rows: torch.Tensor, new: torch.Tensor) -> None:
+        """A pass's copy (CUDA: on the worker thread): host rows `rows` gathered into one pinned
+        staging buffer [2, layers, M, Hkv, D], one host -> device copy on the side stream, one
+        fp16 store write per layer at slots `new`, one event."""
+        pool = self.pool
+        stage = torch.empty((2, pool.num_layers, rows.numel(), pool.num_kv_heads, pool.head_dim), dtype=pool.dtype,
+                            pin_memory=self.cuda)
+        self.store.gather(rows, list(stage[0]), list(stage[1]))
+        if not self.cuda:
+            for layer in range(pool.num_layers):
+                pool.set_kv_fp16(layer, new, stage[0, layer], stage[1, layer])
+            return
+        with torch.cuda.device(self.side.device), torch.cuda.stream(self.side):
+            dst = new.pin_memory().to(pool.device, non_blocking=True)
+            dev = stage.to(pool.device, non_blocking=True)
+            for layer in range(pool.num_layers):
+                pool.set_kv_fp16(layer, dst, dev[0, layer], dev[1, layer])
+            event = torch.cuda.Event()
+            event.record(self.side)
+        copy.keep = (stage, dst, dev)  # NOTE: alive until every landing of this pass (the copy reads them)
+        copy.event = event
+
+    def wait_copies(self) -> None:
+        """Block until every pending promotion's copy job has run (tests, shutdown); landing
+        still happens at the next hook."""
+        for p in self.pending:
+            if p.event is not None:
+                p.event.wait()
 
     def land(self) -> None:
         """Apply every promotion whose copy has completed (never waits). The scheduler calls it
@@ -553,8 +570,8 @@ class ColdTier:
             if p.req is not req:
                 keep.append(p)
                 continue
-            if p.event is not None:  # NOTE: the side stream may still write p.new: order the reuse
-                torch.cuda.current_stream(self.pool.device).wait_event(p.event)
+            if p.event is not None:  # NOTE: the copy may still write p.new: wait for its job, order the reuse
+                p.event.wait(torch.cuda.current_stream(self.pool.device) if self.cuda else None)
             self.allocator.free(p.new)
             self.stats["cancelled"] += 1
         self.pending = keep

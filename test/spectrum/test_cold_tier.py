@@ -155,6 +155,7 @@ def test_promotion_on_cuda_is_async_and_exact():
         cold.taps[layer][0] = (k[7] / k[7].norm(dim=-1, keepdim=True) * 30).repeat_interleave(HQ // H, 0)
     batch = SimpleNamespace(slices=[SimpleNamespace(req=req)])
     cold.on_decode(batch)
+    cold.wait_copies()  # the copy job runs on the worker thread
     torch.cuda.synchronize()
     cold.on_decode(batch)  # lands now (the copy is done)
     now = table.read(0, N).cpu()

@@ -115,3 +115,49 @@ def test_holed_pages_of_the_touched_pages_are_those_of_the_whole_row(seed):
     assert torch.equal(cold._holed(row[positions], after), want)
     for r in reqs:
         cold.release_request(r)
+
+
+def test_copies_on_a_worker_thread_land_what_inline_copies_land():
+    """The promotion copy job off the scheduler thread (as on CUDA): once its job ran, the
+    landing is the one the inline copy gives."""
+    from sgl_kvxfer.scheduler.cold_copy import CopyWorker
+
+    runs = []
+    for threaded in (False, True):
+        cold, reqs = _build(False, 5, 3)
+        cold.worker = CopyWorker(threaded=threaded)
+        batch = SimpleNamespace(slices=[SimpleNamespace(req=r) for r in reqs])
+        for _ in range(3):
+            cold.on_decode(batch)
+            cold.wait_copies()
+            cold.land()
+        assert not cold.pending
+        rows = [cold.table.table[r.req_pool_idx, :r.kv_len].clone() for r in reqs]
+        runs.append(([sorted(cold.states[r].promoted) for r in reqs], dict(cold.stats),
+                     [cold.pool.get_kv(layer, row)[0] for layer in range(L) for row in rows]))
+        for r in reqs:
+            cold.release_request(r)
+        cold.allocator.debug_check()
+    (p0, s0, k0), (p1, s1, k1) = runs
+    assert p0 == p1 and s0 == s1 and s0["landed"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(k0, k1))
+
+
+def test_a_copy_job_that_fails_raises_at_landing_and_release_waits_for_the_job():
+    import threading
+
+    from sgl_kvxfer.scheduler.cold_copy import CopyWorker, PromotionCopy
+
+    worker = CopyWorker(threaded=True)
+    gate, ran = threading.Event(), []
+    slow = PromotionCopy()
+    worker.submit(slow, lambda c: (gate.wait(5), ran.append(1)))
+    assert not slow.query()  # the job has not run: not landable
+    gate.set()
+    slow.wait()
+    assert ran == [1] and slow.query()
+    bad = PromotionCopy()
+    worker.submit(bad, lambda c: 1 / 0)
+    bad.wait()
+    with pytest.raises(RuntimeError, match="promotion copy failed"):
+        bad.query()
