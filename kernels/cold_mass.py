@@ -102,7 +102,7 @@ def _lse_parts_kernel(q_ptr, rows_ptr, lens_ptr, k16_ptr, k8_ptr, h8_ptr, k4_ptr
     n_tok = tl.load(lens_ptr + i)
     offs_g = tl.arange(0, BLOCK_G)
     gmask = offs_g < KV_GROUP
-    for kv_head in tl.static_range(NUM_KV_HEADS):
+    for kv_head in range(NUM_KV_HEADS):  # a loop, not unrolled: one key tile live at a time
         k, live = _keys_tile(rows_ptr + i * stride_r, n_tok, tile * TILE, kv_head, k16_ptr, k8_ptr, h8_ptr, k4_ptr,
                              h4_ptr, b8, b4, stride_s16, stride_h16, stride_p8, stride_h8, stride_p4, stride_h4,
                              HEAD_DIM, G, PAGE, TILE)
@@ -127,7 +127,7 @@ def _mass_kernel(q_ptr, rows_ptr, lens_ptr, k16_ptr, k8_ptr, h8_ptr, k4_ptr, h4_
     offs_t = tile * TILE + tl.arange(0, TILE)
     gmask = offs_g < KV_GROUP
     best = tl.zeros([TILE], dtype=tl.float32)
-    for kv_head in tl.static_range(NUM_KV_HEADS):
+    for kv_head in range(NUM_KV_HEADS):  # a loop, not unrolled: one key tile live at a time
         k, live = _keys_tile(rows_ptr + i * stride_r, n_tok, tile * TILE, kv_head, k16_ptr, k8_ptr, h8_ptr, k4_ptr,
                              h4_ptr, b8, b4, stride_s16, stride_h16, stride_p8, stride_h8, stride_p4, stride_h4,
                              HEAD_DIM, G, PAGE, TILE)
@@ -148,7 +148,7 @@ def _check_int(store: TierPages, tier: int, hkv: int, d: int, group: int, page: 
 
 
 def pool_token_mass(q: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, k16: torch.Tensor, int8: TierPages,
-                    int4: TierPages, b8: int, b4: int, scale: float, out: torch.Tensor, tile: int = 64) -> torch.Tensor:
+                    int4: TierPages, b8: int, b4: int, scale: float, out: torch.Tensor, tile: int = 32) -> torch.Tensor:
     """out = max(out, per-key head-max attention probability) (module docstring). No host sync."""
     n, hq, d = q.shape
     _, hkv, d16 = k16.shape

@@ -81,3 +81,31 @@ def test_checks():
         pool_token_mass(*args, torch.zeros(rows.shape, dtype=torch.float16, device=DEVICE))
     with pytest.raises(AssertionError):  # int stores swapped
         pool_token_mass(*args[:4], args[5], args[4], *args[6:], torch.zeros(rows.shape, device=DEVICE))
+
+
+@pytest.mark.gpu
+def test_real_shape_gpu():
+    """Llama-3-8B heads (32 / 8, D 128, G 32), bf16, 2 rows of 4096 mixed-tier tokens, page 256."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from sgl_kvxfer.kernels.paged_layout import int_tier_pages
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    H, HQ, D, G, PAGE, W = 8, 32, 128, 32, 256, 4096
+    k16 = torch.randn(2 * W + 2, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    i8, i4 = (int_tier_pages(t, 2 * W // PAGE, PAGE, H, D, G, "cuda") for t in (TIER_INT8, TIER_INT4))
+    for tp in (i8, i4):
+        tp.k_codes.copy_(torch.randint(0, 256, tp.k_codes.shape, device="cuda", generator=g, dtype=torch.uint8))
+        tp.k_scale.copy_(torch.rand(tp.k_scale.shape, device="cuda", generator=g) * 0.1)
+        tp.k_zero.copy_(torch.randn(tp.k_zero.shape, device="cuda", generator=g) * 0.5)
+    b8 = 2 * W + 2
+    b4 = b8 + 2 * W
+    tier = torch.randint(0, 10, (2, W), device="cuda", generator=g)
+    pick = torch.randperm(2 * W, device="cuda", generator=g).view(2, W)
+    rows = torch.where(tier < 2, 1 + pick, torch.where(tier < 3, b8 + pick, b4 + pick))
+    rows[tier == 9] = 0
+    q = torch.randn(2, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    lens = torch.tensor([W, W - 100], device="cuda")
+    got = pool_token_mass(q, rows, lens, k16, i8, i4, b8, b4, D ** -0.5, torch.zeros(2, W, device="cuda"))
+    want = pool_token_mass_reference(q, rows, lens, k16, i8, i4, b8, b4, D ** -0.5, torch.zeros(2, W, device="cuda"))
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-2)
