@@ -284,38 +284,42 @@ class ColdTier:
         the whole pass ranked by the largest mass of a hit in them; the stretches that do not fit
         are not marked promoted, so a later pass scores them again (nothing is lost for good,
         only delayed). A stretch larger than the cap alone is cut to the cap around its hit."""
-        ranked = []  # (-mass, pick index, first, last) over positions indices
-        for n, (_, positions, _, _, score) in enumerate(picks):
-            if positions.numel() == 0:
-                continue
-            cut = (positions[1:] != positions[:-1] + 1).nonzero().squeeze(1) + 1
-            bounds = [0, *cut.tolist(), positions.numel()]
-            # a stretch ranks by the strongest hit within `radius` of one of its positions (score)
-            sid = torch.zeros(positions.numel(), dtype=torch.int64)
-            sid[cut] = 1
-            best = torch.zeros(len(bounds) - 1).scatter_reduce_(0, sid.cumsum(0), score, "amax")
-            ranked.extend((-v, n, a, b) for v, a, b in zip(best.tolist(), bounds[:-1], bounds[1:]))
-        total = sum(b - a for _, _, a, b in ranked)
+        # every stretch of the pass at once: elements are the picks' positions, concatenated
+        sizes = [p[1].numel() for p in picks]
+        pos = torch.cat([p[1] for p in picks])
+        mass = torch.cat([p[3] for p in picks])
+        score = torch.cat([p[4] for p in picks])  # the strongest hit within `radius` of each position
+        owner = torch.repeat_interleave(torch.arange(len(picks)), torch.tensor(sizes))
+        start = torch.ones(pos.numel(), dtype=torch.bool)
+        start[1:] = (owner[1:] != owner[:-1]) | (pos[1:] != pos[:-1] + 1)
+        sid = start.cumsum(0) - 1
+        first = start.nonzero().squeeze(1)
+        size = torch.bincount(sid, minlength=first.numel())
+        best = torch.zeros(first.numel()).scatter_reduce_(0, sid, score, "amax")
+        total = pos.numel()
         if total <= self.max_tokens:
             return picks
-        ranked.sort()
-        room, keep = self.max_tokens, [[] for _ in picks]
-        for _, n, a, b in ranked:
-            if room <= 0:
-                break
-            if b - a > room:  # cut around the stretch's strongest position
-                top = a + int(torch.argmax(picks[n][3][a:b]))
-                a = max(a, min(top - room // 2, b - room))
-                b = a + room
-            keep[n].append(torch.arange(a, b))
-            room -= b - a
-        self.stats["capped_tokens"] += total - (self.max_tokens - room)
-        out = []
-        for n, parts in enumerate(keep):
-            if parts:
-                idx = torch.cat(parts).sort().values
-                req, positions, old, m, score = picks[n]
-                out.append((req, positions[idx], old[idx], m[idx], score[idx]))
+        # strongest first; ties in pass order (a stable sort over stretches in pass order)
+        order = torch.sort(-best, stable=True).indices
+        cum = size[order].cumsum(0)
+        whole = int((cum <= self.max_tokens).sum())
+        keep = torch.zeros(first.numel(), dtype=torch.bool)
+        keep[order[:whole]] = True
+        kept = keep[sid]
+        room = self.max_tokens - (int(cum[whole - 1]) if whole else 0)
+        if room > 0 and whole < first.numel():  # cut the next stretch around its strongest position
+            s0 = int(order[whole])
+            a, b = int(first[s0]), int(first[s0]) + int(size[s0])
+            top = a + int(torch.argmax(mass[a:b]))
+            a = max(a, min(top - room // 2, b - room))
+            kept[a:a + room] = True
+        self.stats["capped_tokens"] += total - int(kept.sum())
+        out, at = [], 0
+        for (req, positions, old, m, sc), n in zip(picks, sizes):
+            idx = kept[at:at + n].nonzero().squeeze(1)
+            at += n
+            if idx.numel():
+                out.append((req, positions[idx], old[idx], m[idx], sc[idx]))
         return out
 
     def _read_block(self, reqs: list) -> torch.Tensor:

@@ -161,3 +161,47 @@ def test_a_copy_job_that_fails_raises_at_landing_and_release_waits_for_the_job()
     bad.wait()
     with pytest.raises(RuntimeError, match="promotion copy failed"):
         bad.query()
+
+
+def _cap_reference(picks, max_tokens):
+    """The cap as a loop over stretches (the rule in ColdTier._cap's docstring)."""
+    ranked = []
+    for n, (_, positions, _, m, score) in enumerate(picks):
+        cut = (positions[1:] != positions[:-1] + 1).nonzero().squeeze(1) + 1
+        bounds = [0, *cut.tolist(), positions.numel()]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            ranked.append((-float(score[a:b].max()), n, a, b))
+    total = sum(b - a for _, _, a, b in ranked)
+    if total <= max_tokens:
+        return picks, 0
+    ranked.sort()
+    room, keep = max_tokens, [[] for _ in picks]
+    for _, n, a, b in ranked:
+        if room <= 0:
+            break
+        if b - a > room:
+            top = a + int(torch.argmax(picks[n][3][a:b]))
+            a = max(a, min(top - room // 2, b - room))
+            b = a + room
+        keep[n].extend(range(a, b))
+        room -= b - a
+    out = [(p[0], p[1][sorted(k)], p[2][sorted(k)]) for p, k in zip(picks, keep) if k]
+    return out, total - (max_tokens - room)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_cap_matches_the_stretch_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    picks = []
+    for n in range(4):
+        positions = torch.rand(60, generator=g).lt(0.4).nonzero().squeeze(1)
+        m = torch.rand(positions.numel(), generator=g)
+        score = (torch.rand(positions.numel(), generator=g) * 4).round() / 4  # ties between stretches
+        picks.append((f"req{n}", positions, positions + 1000, m, score))
+    cold, reqs = _build(False, 0, 0)
+    for cap in (1, 7, 30, 80, 1000):
+        cold.max_tokens, cold.stats["capped_tokens"] = cap, 0
+        got = cold._cap(picks)
+        want, capped = _cap_reference(picks, cap)
+        assert [(p[0], p[1].tolist(), p[2].tolist()) for p in got] == [(w[0], w[1].tolist(), w[2].tolist()) for w in want]
+        assert cold.stats["capped_tokens"] == capped
