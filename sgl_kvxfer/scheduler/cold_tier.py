@@ -220,9 +220,11 @@ class ColdTier:
         idx = dev(torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64))
         inside = torch.arange(width, device=table.device)[None, :] < lens[:, None]
         block = table[idx, :width].to(torch.int64).masked_fill_(~inside, 0)
-        copies = dev(store.row_of >= 0)  # int4 ids with a host copy (the map lives on the host)
-        int4 = block >= store.base
-        cand = int4 & copies[(block - store.base).clamp_(0, copies.numel() - 1)]
+        if store.row_of.numel():
+            copies = dev(store.row_of >= 0)  # int4 ids with a host copy (the map lives on the host)
+            cand = (block >= store.base) & copies[(block - store.base).clamp_(0, copies.numel() - 1)]
+        else:  # no int4 store
+            cand = torch.zeros(block.shape, dtype=torch.bool, device=block.device)
         near = torch.zeros_like(cand)
         kept = torch.zeros_like(cand)
         for mask, attr in ((near, "dropped"), (kept, "promoted")):
