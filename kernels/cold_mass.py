@@ -14,12 +14,14 @@ out    float32 [n, W]: out = max(out, p) with
 
     p[i, j] = max over query heads h of softmax_j(q[i, h] . k[i, j, h // G] * scale)
 
-Two launches per call, grid (n, cdiv(W, TILE)) each, every program looping over the kv heads:
-  _lse_parts_kernel   per tile and query head the running (max, sum) of exp2(logits)   [n, Hq, T]
-  (torch on the device) the per-row log-sum-exp of every query head from those parts    [n, Hq]
-  _mass_kernel        the logits again, exp2(logit - lse), max over the heads, into out
-K is read twice (once per launch); no padded copy of the keys and no host sync. A token's three
-tier loads are masked by its id range, so each lane reads only the store it lives in.
+One launch per call, grid (n, cdiv(W, TILE)), every program looping over the kv heads:
+  _logits_kernel   the logits (log2 domain, NEG_BIG where masked) of every query head   [n, Hq, W]
+                   and per tile and head the (max, sum) of their exp2                  [n, Hq, T]
+then torch on the device: each row's log-sum-exp per head from the tiles' parts [n, Hq], and
+p = max over heads of exp2(logit - lse) [n, W] into out. K is read once, dequantized in
+registers; the fp32 logits (Hq x W x 4 bytes a row) are the only intermediate; no padded copy of
+the keys and no host sync. A token's three tier loads are masked by its id range, so each lane
+reads only the store it lives in.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from .paged_layout import TierPages, code_width
 from .tier_codec import TIER_INT4, TIER_INT8, dequantize
 
 LOG2E = 1.4426950408889634
+_MASKED = float(NEG_BIG.value)  # what the kernel stores for a masked logit
 
 
 @triton.jit
@@ -52,93 +55,69 @@ def _keys_tile(rows_ptr, n_tok, t0, kv_head, k16_ptr, k8_ptr, h8_ptr, k4_ptr, h4
     is4 = live & (slot >= b4)
     k = tl.load(k16_ptr + slot[:, None] * stride_s16 + kv_head * stride_h16 + offs_d[None, :],
                 mask=is16[:, None], other=0.0).to(tl.float32)
-    grp = offs_d // G
     NG: tl.constexpr = HEAD_DIM // G
+    offs_g = tl.arange(0, NG)
     # int8: codes [PAGE, D] token-major, then scale [PAGE, NG] and zero [PAGE, NG] fp16
     r8 = tl.where(is8, slot - b8, 0)
     blk8 = (r8 // PAGE) * stride_p8 + kv_head * stride_h8  # bytes
     off8 = r8 % PAGE
     c8 = tl.load(k8_ptr + blk8[:, None] + off8[:, None] * HEAD_DIM + offs_d[None, :], mask=is8[:, None], other=0)
-    s8 = blk8[:, None] // 2 + PAGE * HEAD_DIM // 2 + off8[:, None] * NG + grp[None, :]
+    s8 = blk8[:, None] // 2 + PAGE * HEAD_DIM // 2 + off8[:, None] * NG + offs_g[None, :]  # [TILE, NG]
     sc8 = tl.load(h8_ptr + s8, mask=is8[:, None], other=0.0).to(tl.float32)
     z8 = tl.load(h8_ptr + s8 + PAGE * NG, mask=is8[:, None], other=0.0).to(tl.float32)
-    k = tl.where(is8[:, None], c8.to(tl.float32) * sc8 + z8, k)
+    d8 = tl.reshape(tl.reshape(c8.to(tl.float32), (TILE, NG, G)) * sc8[:, :, None] + z8[:, :, None], (TILE, HEAD_DIM))
+    k = tl.where(is8[:, None], d8, k)
     # int4: codes [PAGE, D/2], byte j = channel j (low nibble) | channel j + D/2 (high nibble)
     HALF: tl.constexpr = HEAD_DIM // 2
     r4 = tl.where(is4, slot - b4, 0)
     blk4 = (r4 // PAGE) * stride_p4 + kv_head * stride_h4
     off4 = r4 % PAGE
-    byte = tl.load(k4_ptr + blk4[:, None] + off4[:, None] * HALF + (offs_d % HALF)[None, :], mask=is4[:, None],
+    byte = tl.load(k4_ptr + blk4[:, None] + off4[:, None] * HALF + tl.arange(0, HALF)[None, :], mask=is4[:, None],
                    other=0).to(tl.int32)
-    c4 = (byte >> ((offs_d // HALF) * 4)[None, :]) & 0xF
-    s4 = blk4[:, None] // 2 + PAGE * HALF // 2 + off4[:, None] * NG + grp[None, :]
+    # [TILE, HALF, 2] -> [TILE, 2, HALF] -> channels [low nibbles | high nibbles]
+    c4 = tl.reshape(tl.permute(tl.join(byte & 0xF, byte >> 4), (0, 2, 1)), (TILE, HEAD_DIM))
+    s4 = blk4[:, None] // 2 + PAGE * HALF // 2 + off4[:, None] * NG + offs_g[None, :]
     sc4 = tl.load(h4_ptr + s4, mask=is4[:, None], other=0.0).to(tl.float32)
     z4 = tl.load(h4_ptr + s4 + PAGE * NG, mask=is4[:, None], other=0.0).to(tl.float32)
-    k = tl.where(is4[:, None], c4.to(tl.float32) * sc4 + z4, k)
+    d4 = tl.reshape(tl.reshape(c4.to(tl.float32), (TILE, NG, G)) * sc4[:, :, None] + z4[:, :, None], (TILE, HEAD_DIM))
+    k = tl.where(is4[:, None], d4, k)
     return k, live
 
 
 @triton.jit
-def _logits(q_ptr, i, kv_head, stride_qb, stride_qh, k, live, qk_scale,
-            KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Masked logits [BLOCK_G, TILE] (log2 domain) of kv head `kv_head`'s query heads."""
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, HEAD_DIM)
-    gmask = offs_g < KV_GROUP
-    q = tl.load(q_ptr + i * stride_qb + (kv_head * KV_GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=gmask[:, None], other=0.0).to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-    return tl.where(gmask[:, None] & live[None, :], s, NEG_BIG)
+def _head_logits(q_ptr, head, k, live, qk_scale, HEAD_DIM: tl.constexpr):
+    """Masked logits [TILE] (log2 domain) of query head `head` (q_ptr: the row's q [Hq, D]) against
+    the key tile k [TILE, D]: a broadcast product and a row sum, no tl.dot (a group of 4 query
+    heads is too small for one, and the fp32 dot's registers spill)."""
+    q = tl.load(q_ptr + head * HEAD_DIM + tl.arange(0, HEAD_DIM)).to(tl.float32)
+    s = tl.sum(k * q[None, :], 1) * qk_scale
+    return tl.where(live, s, NEG_BIG)
 
 
 @triton.jit
-def _lse_parts_kernel(q_ptr, rows_ptr, lens_ptr, k16_ptr, k8_ptr, h8_ptr, k4_ptr, h4_ptr, m_ptr, l_ptr,
-                      b8, b4, qk_scale, stride_qb, stride_qh, stride_r,
-                      stride_s16, stride_h16, stride_p8, stride_h8, stride_p4, stride_h4, stride_pb, stride_ph,
-                      NUM_KV_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr):
+def _logits_kernel(q_ptr, rows_ptr, lens_ptr, k16_ptr, k8_ptr, h8_ptr, k4_ptr, h4_ptr, m_ptr, l_ptr, s_ptr,
+                   width, b8, b4, qk_scale, stride_qb, stride_r,
+                   stride_s16, stride_h16, stride_p8, stride_h8, stride_p4, stride_h4, stride_pb, stride_ph,
+                   stride_sb, stride_sh,
+                   NUM_KV_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G: tl.constexpr,
+                   PAGE: tl.constexpr, TILE: tl.constexpr):
     i = tl.program_id(0)
     tile = tl.program_id(1)
     n_tok = tl.load(lens_ptr + i)
-    offs_g = tl.arange(0, BLOCK_G)
-    gmask = offs_g < KV_GROUP
-    for kv_head in range(NUM_KV_HEADS):  # a loop, not unrolled: one key tile live at a time
-        k, live = _keys_tile(rows_ptr + i * stride_r, n_tok, tile * TILE, kv_head, k16_ptr, k8_ptr, h8_ptr, k4_ptr,
-                             h4_ptr, b8, b4, stride_s16, stride_h16, stride_p8, stride_h8, stride_p4, stride_h4,
-                             HEAD_DIM, G, PAGE, TILE)
-        s = _logits(q_ptr, i, kv_head, stride_qb, stride_qh, k, live, qk_scale, KV_GROUP, BLOCK_G, HEAD_DIM)
-        m = tl.max(s, 1)
-        l = tl.sum(tl.where(live[None, :], tl.exp2(s - m[:, None]), 0.0), 1)
-        at = i * stride_pb + (kv_head * KV_GROUP + offs_g) * stride_ph + tile
-        tl.store(m_ptr + at, m, mask=gmask)
-        tl.store(l_ptr + at, l, mask=gmask)
-
-
-@triton.jit
-def _mass_kernel(q_ptr, rows_ptr, lens_ptr, k16_ptr, k8_ptr, h8_ptr, k4_ptr, h4_ptr, lse_ptr, out_ptr,
-                 b8, b4, qk_scale, stride_qb, stride_qh, stride_r,
-                 stride_s16, stride_h16, stride_p8, stride_h8, stride_p4, stride_h4, stride_lb, stride_ob,
-                 NUM_KV_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr):
-    i = tl.program_id(0)
-    tile = tl.program_id(1)
-    n_tok = tl.load(lens_ptr + i)
-    offs_g = tl.arange(0, BLOCK_G)
     offs_t = tile * TILE + tl.arange(0, TILE)
-    gmask = offs_g < KV_GROUP
-    best = tl.zeros([TILE], dtype=tl.float32)
-    for kv_head in range(NUM_KV_HEADS):  # a loop, not unrolled: one key tile live at a time
+    for kv_head in tl.range(0, NUM_KV_HEADS, num_stages=1):  # a loop, not unrolled or pipelined: one key tile live
         k, live = _keys_tile(rows_ptr + i * stride_r, n_tok, tile * TILE, kv_head, k16_ptr, k8_ptr, h8_ptr, k4_ptr,
                              h4_ptr, b8, b4, stride_s16, stride_h16, stride_p8, stride_h8, stride_p4, stride_h4,
                              HEAD_DIM, G, PAGE, TILE)
-        s = _logits(q_ptr, i, kv_head, stride_qb, stride_qh, k, live, qk_scale, KV_GROUP, BLOCK_G, HEAD_DIM)
-        lse = tl.load(lse_ptr + i * stride_lb + kv_head * KV_GROUP + offs_g, mask=gmask, other=0.0)
-        p = tl.where(gmask[:, None] & live[None, :], tl.exp2(s - lse[:, None]), 0.0)
-        best = tl.maximum(best, tl.max(p, 0))
-    inside = offs_t < n_tok
-    optr = out_ptr + i * stride_ob + offs_t
-    prev = tl.load(optr, mask=inside, other=0.0)
-    tl.store(optr, tl.maximum(prev, best), mask=inside)
+        for g in tl.static_range(KV_GROUP):
+            head = kv_head * KV_GROUP + g
+            s = _head_logits(q_ptr + i * stride_qb, head, k, live, qk_scale, HEAD_DIM)
+            m = tl.max(s, 0)
+            l = tl.sum(tl.where(live, tl.exp2(s - m), 0.0), 0)
+            at = i * stride_pb + head * stride_ph + tile
+            tl.store(m_ptr + at, m)
+            tl.store(l_ptr + at, l)
+            tl.store(s_ptr + i * stride_sb + head * stride_sh + offs_t, s, mask=offs_t < width)
 
 
 def _check_int(store: TierPages, tier: int, hkv: int, d: int, group: int, page: int) -> None:
@@ -148,12 +127,12 @@ def _check_int(store: TierPages, tier: int, hkv: int, d: int, group: int, page: 
 
 
 def pool_token_mass(q: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, k16: torch.Tensor, int8: TierPages,
-                    int4: TierPages, b8: int, b4: int, scale: float, out: torch.Tensor, tile: int = 32) -> torch.Tensor:
+                    int4: TierPages, b8: int, b4: int, scale: float, out: torch.Tensor, tile: int = 16) -> torch.Tensor:
     """out = max(out, per-key head-max attention probability) (module docstring). No host sync."""
     n, hq, d = q.shape
     _, hkv, d16 = k16.shape
     assert d16 == d and hq % hkv == 0 and d & (d - 1) == 0 and d >= 16, (q.shape, k16.shape)
-    assert q.stride(-1) == 1 and k16.stride(-1) == 1 and rows.dtype == torch.int64 and rows.stride(-1) == 1
+    assert q.is_contiguous() and k16.stride(-1) == 1 and rows.dtype == torch.int64 and rows.stride(-1) == 1
     assert out.dtype == torch.float32 and out.shape == rows.shape and out.is_contiguous() and rows.shape[0] == n
     assert lens.shape == (n,)
     group, page = int8.group_size, int8.page
@@ -164,25 +143,24 @@ def pool_token_mass(q: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, k16
     if n == 0 or width == 0:
         return out
     tiles = triton.cdiv(width, tile)
-    kv_group = hq // hkv
-    block_g = max(16, triton.next_power_of_2(kv_group))  # tl.dot needs M >= 16
     qk_scale = float(scale) * LOG2E
     part_m = torch.empty((n, hq, tiles), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
+    logits = torch.empty((n, hq, width), dtype=torch.float32, device=q.device)
     lens = lens.contiguous()
-    stores = (k16, int8.k, int8.k.view(torch.float16), int4.k, int4.k.view(torch.float16))
+    k8, k4 = (x if x.numel() else torch.zeros(2, dtype=torch.uint8, device=q.device) for x in (int8.k, int4.k))
+    stores = (k16, k8, k8.view(torch.float16), k4, k4.view(torch.float16))
     strides = (k16.stride(0), k16.stride(1), int8.k.stride(0), int8.k.stride(1), int4.k.stride(0), int4.k.stride(1))
-    meta = dict(NUM_KV_HEADS=hkv, KV_GROUP=kv_group, BLOCK_G=block_g, HEAD_DIM=d, G=group, PAGE=page, TILE=tile,
-                num_warps=4)
-    _lse_parts_kernel[(n, tiles)](q, rows, lens, *stores, part_m, part_l, b8, b4, qk_scale,
-                                  q.stride(0), q.stride(1), rows.stride(0), *strides,
-                                  part_m.stride(0), part_m.stride(1), **meta)
+    _logits_kernel[(n, tiles)](q, rows, lens, *stores, part_m, part_l, logits, width, b8, b4, qk_scale,
+                               q.stride(0), rows.stride(0), *strides, part_m.stride(0), part_m.stride(1),
+                               logits.stride(0), logits.stride(1), NUM_KV_HEADS=hkv, KV_GROUP=hq // hkv, HEAD_DIM=d,
+                               G=group, PAGE=page, TILE=tile, num_warps=8)
     # log2-sum-exp2 per (row, query head) of the tiles' parts (empty tiles: m NEG_BIG, l 0)
     top = part_m.amax(dim=2, keepdim=True)
-    total = (part_l * torch.exp2(part_m - top)).sum(dim=2)
-    lse = (top.squeeze(2) + torch.log2(total.clamp_min(1e-30))).contiguous()
-    _mass_kernel[(n, tiles)](q, rows, lens, *stores, lse, out, b8, b4, qk_scale,
-                             q.stride(0), q.stride(1), rows.stride(0), *strides, lse.stride(0), out.stride(0), **meta)
+    lse = top + torch.log2((part_l * torch.exp2(part_m - top)).sum(dim=2, keepdim=True).clamp_min(1e-30))
+    # masked logits are NEG_BIG: their probability is 0 (also in a row with no live key)
+    p = torch.where(logits > 0.5 * _MASKED, torch.exp2(logits - lse), 0.0).amax(dim=1)
+    torch.maximum(out, p, out=out)
     return out
 
 

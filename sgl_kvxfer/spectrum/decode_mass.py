@@ -88,8 +88,8 @@ def pool_mass(pool, layers: list[int], queries: dict, block: torch.Tensor, lens:
     against the keys of the tiered pool's rows `block` [n, W] (slot 0: dropped or padding,
     masked; lens [n] the row lengths, block already 0 past them).
 
-    kernel True: kernels/cold_mass.py reads the pool's stores in place (two launches a layer, no
-    key copy, no host sync; int stores must be page-head blocks); False: TieredKVPool.route on
+    kernel True: kernels/cold_mass.py reads the pool's stores in place (one launch a layer and a
+    few torch ops on its logits, no key copy, no host sync; int stores must be page-head blocks); False: TieredKVPool.route on
     the host and get_k_routed, a padded key block per layer (the CPU path and KIVI pages).
     None: the kernel where it applies (CUDA, page-head blocks in every probed layer)."""
     from sgl_kvxfer.kernels.paged_layout import TierPages
