@@ -31,7 +31,7 @@ def _pool_rows(H, D, G, dtype, lens, seed):
         tiers = torch.randint(0, 3, (n,), generator=g).to(torch.int8)  # fp16 / int8 / int4 mixed
         tiers[torch.rand(n, generator=g) < 0.1] = TIER_DROP
         tiers[0] = TIER_FP16
-        new, _ = alloc.retier(slots, tiers)
+        new, _ = alloc.retier(slots.cpu(), tiers)
         rows[i, :n] = new.cpu()
     return pool, rows
 

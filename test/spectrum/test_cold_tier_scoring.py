@@ -17,6 +17,7 @@ from sgl_kvxfer.spectrum.decode_mass import extend_runs, extend_runs_rows
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 L, HQ, H, D, PAGE, N = 3, 4, 2, 32, 8, 64
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernels under the Triton interpreter
 
 
 class Req:  # weak-referenceable, like the scheduler's Req
@@ -36,22 +37,23 @@ def test_run_extension_per_row_matches_extend_runs(seed):
 
 
 def _build(kernel: bool, max_tokens: int, drop_run: int):
-    pool = TieredKVPool(256, L, H, D, torch.float32, "cpu", TierStorePlan(200, 64, 128), group_size=D,
+    pool = TieredKVPool(256, L, H, D, torch.float32, DEVICE, TierStorePlan(200, 64, 128), group_size=D,
                         page_size=PAGE)
     pool._fused_relocate = kernel  # the landing's page repair through tier_relocate.py too (as on CUDA)
-    alloc = TieredSlotAllocator(pool, "cpu")
+    alloc = TieredSlotAllocator(pool, DEVICE)
     runner = SimpleNamespace(kv_pool=pool, attn_backend=TorchAttentionBackend(pool, HQ, H, D),
                              max_running_requests=4, graph_runner=None)
     config = SimpleNamespace(kv_promote_threshold=0.05, kv_promote_interval=1, kv_promote_radius=1,
                              kv_cold_tier_tokens=128, kv_promote_layers=2, kv_promote_drop_run=drop_run,
                              kv_promote_max_tokens=max_tokens)
-    table = ReqToTokenPool(4, 256)
+    table = ReqToTokenPool(4, 256, DEVICE)
     cold = ColdTier(config, runner, alloc, table, lambda tier, n: None)
     cold.kernel = kernel
     gen = torch.Generator().manual_seed(1)
     reqs = []
     for r, n in enumerate((N, N - 9)):
-        data = [(torch.randn(n, H, D, generator=gen), torch.randn(n, H, D, generator=gen)) for _ in range(L)]
+        data = [(torch.randn(n, H, D, generator=gen).to(DEVICE), torch.randn(n, H, D, generator=gen).to(DEVICE))
+                for _ in range(L)]
         slots = alloc.alloc(n)
         for layer, (k, v) in enumerate(data):
             pool.set_kv(layer, slots, k, v)
@@ -60,17 +62,27 @@ def _build(kernel: bool, max_tokens: int, drop_run: int):
         tiers[20:24] = TIER_DROP
         req = Req(r, n)
         cold.keep_dropped(req, 0, slots, tiers)
-        new, _ = alloc.retier(slots, tiers)
-        table.write(r, 0, new)
+        new, _ = alloc.retier(slots.cpu(), tiers)
+        table.write(r, 0, new.to(DEVICE))
         # each request's query: its heads point at a few keys (strong and weak hits)
         for layer in cold.layers:
-            q = torch.randn(HQ, D, generator=gen) * 0.5
+            q = (torch.randn(HQ, D, generator=gen) * 0.5).to(DEVICE)
             for h, pos in enumerate((19, 33, 40 + r, 7)):
                 k = data[layer][0][pos][h * H // HQ]
                 q[h] += k / k.norm() * (9.0 - 1.5 * h)
             cold.taps[layer][r] = q
         reqs.append(req)
     return cold, reqs
+
+
+def _step(cold, batch):
+    """One decode hook, then every copy it issued landed (on CUDA the copy runs on a worker thread)."""
+    cold.on_decode(batch)
+    cold.wait_copies()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    cold.land()
+    assert not cold.pending
 
 
 @pytest.mark.parametrize("max_tokens,drop_run", [(0, 0), (5, 0), (0, 3)])
@@ -80,7 +92,7 @@ def test_kernel_promotes_what_the_torch_path_promotes(max_tokens, drop_run):
         cold, reqs = _build(kernel, max_tokens, drop_run)
         batch = SimpleNamespace(slices=[SimpleNamespace(req=r) for r in reqs])
         for _ in range(3):
-            cold.on_decode(batch)
+            _step(cold, batch)
         promoted = [sorted(cold.states[r].promoted) for r in reqs]
         rows = [cold.table.table[r.req_pool_idx, :r.kv_len].clone() for r in reqs]
         keys = [cold.pool.get_kv(layer, row)[0] for layer in range(L) for row in rows]
@@ -105,7 +117,7 @@ def test_holed_pages_of_the_touched_pages_are_those_of_the_whole_row(seed):
     """The landing plan looks for holes only on the pages a promotion takes ids from: on a row
     that held a prefix of every page, that finds what holed_pages over the whole row finds."""
     cold, reqs = _build(False, 0, 0)
-    row = cold.table.table[0, :reqs[0].kv_len].cpu()
+    row = cold.table.table[0, :reqs[0].kv_len].cpu()  # the landing plan works on host rows
     assert not cold.allocator.holed_pages(row).any()
     g = torch.Generator().manual_seed(seed)
     positions = torch.randperm(row.numel(), generator=g)[:1 + seed * 3].sort().values
@@ -128,9 +140,7 @@ def test_copies_on_a_worker_thread_land_what_inline_copies_land():
         cold.worker = CopyWorker(threaded=threaded)
         batch = SimpleNamespace(slices=[SimpleNamespace(req=r) for r in reqs])
         for _ in range(3):
-            cold.on_decode(batch)
-            cold.wait_copies()
-            cold.land()
+            _step(cold, batch)
         assert not cold.pending
         rows = [cold.table.table[r.req_pool_idx, :r.kv_len].clone() for r in reqs]
         runs.append(([sorted(cold.states[r].promoted) for r in reqs], dict(cold.stats),
