@@ -23,9 +23,11 @@ Inside cold_score and cold_land, their pieces are timed too (synchronized the sa
 reported apart, in `cold_parts` / `cold_parts_ms_per_decode_step` as "<part>.<piece>" (they are
 already inside their part's time):
 
-    read_rows   ColdTier._read_block (the rows to the host)      route   TieredKVPool.route
-    keys        TieredKVPool.get_k_routed (keys, dequantized)   mass    decode_mass.head_max_mass
+    rows        ColdTier._due_block (the due rows and candidates, on the device)
+    mass        decode_mass.pool_mass (the scoring kernel, or route + keys + softmax off CUDA)
+    select      ColdTier._select (hits, picks, their read-back)
     cap         ColdTier._cap                                   issue   ColdTier._issue (staging, copy)
+    read_rows   ColdTier._read_block (landing rows to the host)
     plan        ColdTier._plan (holed pages, copy slots)        move    TieredKVPool.move (page repair)
     rewrite     ColdTier._rewrite (the table write)
 The syncs cost a little, so this call is a diagnostic, not the throughput number.
@@ -141,9 +143,9 @@ class HookTimer:
         if self.cold is not None:
             import sgl_kvxfer.scheduler.cold_tier as cold_module
 
-            pool = self.cold.pool
-            for obj, attr, piece in ((self.cold, "_read_block", "read_rows"), (pool, "route", "route"),
-                                     (pool, "get_k_routed", "keys"), (cold_module, "head_max_mass", "mass"),
+            pool = self.cold.pool  # its move is the landing's page repair
+            for obj, attr, piece in ((self.cold, "_due_block", "rows"), (cold_module, "pool_mass", "mass"),
+                                     (self.cold, "_select", "select"), (self.cold, "_read_block", "read_rows"),
                                      (self.cold, "_cap", "cap"), (self.cold, "_issue", "issue"),
                                      (self.cold, "_plan", "plan"), (pool, "move", "move"),
                                      (self.cold, "_rewrite", "rewrite")):

@@ -28,8 +28,8 @@ than --repeats (budget, interrupt) or fewer than 5, `ratio_note` says the ratios
 Breakdown (after the warm-up, before the repeats; --no-breakdown skips it): per mode one more
 generate(n2) with every forward and cold-tier hook synchronized and timed (cold_tier_breakdown.py):
 ms per decode step in the forward, the scoring pass, landing, the row release, decode demotion,
-cache eviction and the rest of the host loop, the scoring pass's and landing's pieces (rows read,
-keys, mass, cap, issue, landing plan, page-repair move, table write), graph replays, retractions
+cache eviction and the rest of the host loop, the scoring pass's and landing's pieces (due rows,
+mass, selection, cap, issue, landing rows read, landing plan, page-repair move, table write), graph replays, retractions
 and cached tokens. Its
 syncs perturb it a little: it says where a slowdown sits, the repeats say how large it is.
 

@@ -102,6 +102,8 @@ class TieredKVPool(KVPool):
         # re-tiering quantizes with kernels/tier_store.py on CUDA into page-head blocks (the torch
         # codec elsewhere and for KIVI pages: same bytes for the blocks)
         self._fused_quantize = str(device).startswith("cuda")
+        # int -> same-int moves: one relocation launch per (layer, tier) on CUDA (tier_relocate.py)
+        self._fused_relocate = str(device).startswith("cuda")
         # host fp16 copies of int4 tokens (scheduler/cold_tier.py); None: no cold tier
         self.cold = None
 
@@ -256,8 +258,11 @@ class TieredKVPool(KVPool):
         for tier in INT_TIERS:
             m = same & (ts == tier)
             if bool(m.any()):
+                # one relocation launch per layer where no destination is also a source (the
+                # kernel reads and writes in one pass); else the torch gather-then-write
+                fused_ok = self._fused_relocate and not bool(torch.isin(dst[m], src[m]).any())
                 relocate.append((tier, tuple(map(self._to_device, self.page_offset(tier, src[m]))),
-                                 tuple(map(self._to_device, self.page_offset(tier, dst[m])))))
+                                 tuple(map(self._to_device, self.page_offset(tier, dst[m]))), fused_ok))
         rest = ~same
         capture = cap_src = None
         if self.cold is not None:  # NOTE: also for pure int4 relocations: the copies share the host rows
@@ -277,13 +282,18 @@ class TieredKVPool(KVPool):
         requant = (self.route(src[rest]), self.route(dst[rest])) if bool(rest.any()) else None
         if fused:
             from sgl_kvxfer.kernels.tier_store import store_rows_quantized
+        if any(r[3] for r in relocate):
+            from sgl_kvxfer.kernels.tier_relocate import relocate_codes
         for layer_id in range(self.num_layers):
             k16, v16 = self.k16[layer_id], self.v16[layer_id]
             if capture is not None:  # before any write of this layer (sources are fp16 rows: untouched)
                 self.cold.capture(capture, layer_id, k16.index_select(0, cap_src), v16.index_select(0, cap_src))
-            for tier, s_where, d_where in relocate:
+            for tier, s_where, d_where, fused_ok in relocate:
                 store = self.stores[tier][layer_id]
-                store.put_codes(*d_where, store.codes(*s_where))
+                if fused_ok and isinstance(store, TierPages):
+                    relocate_codes(store, *s_where, *d_where)
+                else:
+                    store.put_codes(*d_where, store.codes(*s_where))
             for tier, rows, page, off in fused:
                 store = self.stores[tier][layer_id]
                 if isinstance(store, TierPages):

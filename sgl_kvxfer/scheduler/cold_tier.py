@@ -8,7 +8,8 @@ During decode, every `kv_promote_interval` steps:
 
     score    the query the attention backend tapped in `kv_promote_layers` layers (q of the step
              just run, rows [0, B)) against the keys of each request's row (int tiers
-             dequantized): mass[j] = max over probed layers and heads of p(j) (spectrum/decode_mass.py)
+             dequantized): mass[j] = max over probed layers and heads of p(j) (spectrum/decode_mass.py;
+             on CUDA kernels/cold_mass.py reads the pool in place)
     pick     hits: int4 positions with a host copy whose mass >= kv_promote_threshold; then every
              eligible position within kv_promote_radius of a hit: int4 ones with a host copy, and
              dropped ones with a host copy (they have no key on the device, so they are never
@@ -20,15 +21,17 @@ During decode, every `kv_promote_interval` steps:
              the strongest hits first; what waits is not marked promoted, so a later pass takes it
     issue    fresh fp16 slots; the host rows of every promotion of the pass gathered into one
              pinned staging buffer; on CUDA a side stream copies it to the device in one copy and
-             writes the fp16 store, then records one event
+             writes the fp16 store, then records one event; on CUDA the gather and the enqueueing
+             run on a copy worker thread (cold_copy.py), the scheduler thread goes on
     land     before the next decode forward (or any later hook) that finds the event done, the
              requests' rows are rewritten to the new slots (never waits: a copy not done stays
              pending): every landing request planned on the host, then ONE pool.move for all their
              page repairs and ONE table write for all their row entries
 
-Host syncs: a step with no pass due and nothing pending runs no torch op in these hooks; a pass
-reads the due rows in one device -> host copy, scores them as one padded block and reads the
-masses in one; a landing hook reads the rows it rewrites in one.
+Host syncs: a step with no pass due and nothing pending runs no torch op in these hooks. A pass
+keeps the due rows, candidates, masses and picks on the device as [n, W] tensors and reads back
+the candidate counts, then the picked positions (with old ids, masses, cap scores); a landing
+hook reads the rows it rewrites in one copy.
 
 A landed dropped position's row entry goes from 0 to an fp16 slot: the attention backends mask
 slot 0 per forward from the row, so it is attended from the next step on.
@@ -58,7 +61,8 @@ from weakref import WeakKeyDictionary
 import torch
 
 from sgl_kvxfer.mem_cache.host_cold_store import HostColdStore
-from sgl_kvxfer.spectrum.decode_mass import expand_hits, extend_runs, head_max_mass
+from sgl_kvxfer.scheduler.cold_copy import CopyWorker, PromotionCopy
+from sgl_kvxfer.spectrum.decode_mass import extend_runs_rows, pool_mass
 from sgl_kvxfer.spectrum.query_taps import install_query_taps, probe_layers
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
@@ -71,8 +75,7 @@ class _Pending:
     positions: torch.Tensor   # CPU int64
     old: torch.Tensor         # the int4 ids scored (CPU)
     new: torch.Tensor         # fp16 ids the copy fills (CPU)
-    event: object = None      # CUDA event on the side stream; None: landed already (CPU)
-    keep: tuple = ()          # staging tensors the copy reads: alive until it lands
+    event: PromotionCopy | None = None  # the pass's copy (cold_copy.py); None: merged for landing
 
 
 @dataclass
@@ -103,11 +106,13 @@ class ColdTier:
             self.set_probe_layers(probe_layers(pool.num_layers, config.kv_promote_layers, ranking))
         self.cuda = str(pool.device).startswith("cuda")
         self.side = torch.cuda.Stream(device=pool.device) if self.cuda else None
+        self.worker = CopyWorker(threaded=self.cuda)  # CUDA: the host gather off the scheduler thread
         self.states: WeakKeyDictionary = WeakKeyDictionary()
         self.decode_steps: WeakKeyDictionary = WeakKeyDictionary()  # req -> decode steps seen
         self.pending: list[_Pending] = []
         self._orphans: list[dict] = []  # `dropped` maps of requests collected without release_request
         self.enabled = True  # False: no scoring (benchmarks compare on one engine; copies still kept)
+        self.kernel = None  # the scoring kernel: None where it applies (pool_mass), True / False forced
         self.stats = {"scoring_passes": 0, "scored_tokens": 0, "promotions": 0, "promoted_tokens": 0,
                       "promoted_bytes_h2d": 0, "repacked_tokens": 0, "deferred": 0, "no_room": 0, "cancelled": 0,
                       "landed": 0, "stale": 0, "restored_dropped": 0, "restored_dropped_bytes_h2d": 0,
@@ -177,75 +182,103 @@ class ColdTier:
             self._land()
 
     def _score(self, batch, due: list[int]) -> None:
-        """One pass over the due requests. Device -> host traffic is batched: the due rows in one
-        copy, every request's mass in one copy, every promotion in one staging gather and one
-        side-stream copy (_issue), so a pass costs a fixed number of host syncs, not a few per
-        request."""
-        pool, store, work, sel = self.pool, self.store, [], []
+        """One pass over the due requests, on the pool's device: the rows, their candidates, the
+        masses and the picks are [n, W] device tensors (W the longest row); the host reads back
+        only the candidate counts and the picked positions (with their old ids, masses and cap
+        scores): a fixed number of small device -> host copies a pass, none of them [n, W]."""
         live = [i for i in due if batch.slices[i].req.req_pool_idx is not None
                 and batch.slices[i].req.finished_reason is None]
         if not live:
             return
         reqs = [batch.slices[i].req for i in live]
-        block = self._read_block(reqs)  # [n, W]: slot 0 past each row's kv_len (padding)
-        # int4 ids with a host copy, the whole block at once
-        int4 = block >= store.base
-        cand_all = int4.clone()
-        cand_all[int4] = store.row_of[block[int4] - store.base] >= 0
-        for j, (i, req) in enumerate(zip(live, reqs)):
-            n, state = req.kv_len, self.states.get(req)
-            slots, cand = block[j, :n], cand_all[j, :n]
-            # dropped positions with a host copy: no key to score, eligible next to a hit
-            near = torch.zeros_like(cand)
-            if state is not None and state.dropped:
-                at = torch.tensor(sorted(state.dropped), dtype=torch.int64)
-                at = at[at < n]
-                near[at[slots[at] == 0]] = True
-            kept = torch.zeros_like(cand)  # promoted already: never picked again, still a hit's source
-            if state is not None and state.promoted:
-                done = torch.tensor(sorted(state.promoted), dtype=torch.int64)
-                done = done[done < n]
-                cand[done] = False
-                near[done] = False
-                kept[done] = True
-            if bool(cand.any()):
-                work.append((i, req, slots, cand, near, kept))
-                sel.append(j)
-        if not work:
+        block, lens, cand, near, kept = self._due_block(reqs)
+        counts = cand.sum(dim=1).cpu()  # one device -> host copy: requests with nothing to score drop out
+        if not bool(counts.any()):
             return
         self.stats["scoring_passes"] += 1
-        # every due request in one padded block [n, W]: one route, one key read per probed layer,
-        # one batched softmax (padding is slot 0, masked like a dropped key)
-        block = block[sel] if len(sel) < block.shape[0] else block
-        route = pool.route(block)
-        valid = pool._to_device(block != 0)
-        rows = pool._to_device(torch.tensor([w[0] for w in work], dtype=torch.int64))
-        mass = None
-        for layer in self.layers:
-            m = head_max_mass(self.taps[layer].index_select(0, rows), pool.get_k_routed(layer, route), self.scale,
-                              valid)
-            mass = m if mass is None else torch.maximum(mass, m, out=mass)
-        host_mass = mass.cpu()  # one device -> host copy
-        host_mass = [host_mass[j, :w[2].numel()] for j, w in enumerate(work)]
-        picks = []
-        for m, (_, req, slots, cand, near, kept) in zip(host_mass, work):
-            self.stats["scored_tokens"] += int(cand.sum())
-            # a promoted token that is still hot keeps bringing its neighbours (those a capped
-            # pass left behind); without a cap they came with it and nothing is added
-            hot = (m >= self.threshold) & (cand | kept)
-            if not bool(hot.any()):
-                continue
-            pick = expand_hits(hot, cand | near, self.radius)
-            if not bool(pick.any()):
-                continue
-            if self.drop_run and bool(near.any()):
-                pick = extend_runs(pick, near, self.drop_run)
-            positions = pick.nonzero().squeeze(1)
-            picks.append((req, positions, slots[positions], m, hot))
+        self.stats["scored_tokens"] += int(counts.sum())
+        mass = self._mass(self.pool._to_device(torch.tensor(live, dtype=torch.int64)), block, lens)
+        # a request without candidates is left out whole (its promoted hot tokens bring nothing)
+        has = self.pool._to_device(counts > 0)[:, None]
+        picks = self._select(reqs, block, mass, cand & has, near & has, kept & has)
         if picks and self.max_tokens:
             picks = self._cap(picks)
         if picks:
             self._issue([p[:3] for p in picks])
+
+    def _due_block(self, reqs: list) -> tuple:
+        """The rows of `reqs` on the device and what the pass may pick in them, all [n, W]:
+            block   slot ids, 0 past each row's kv_len
+            cand    int4 ids with a host copy, not promoted already (scored; a hit among them is promoted)
+            near    dropped positions with a host copy, not promoted (never scored: a hit's neighbours)
+            kept    promoted positions (never picked again; a hot one still brings its neighbours)
+        and lens [n]. Host work: the promoted and dropped positions of the requests that have any."""
+        pool, store, table = self.pool, self.store, self.table.table
+        dev = pool._to_device
+        width = max(r.kv_len for r in reqs)
+        lens = dev(torch.tensor([r.kv_len for r in reqs], dtype=torch.int64))
+        idx = dev(torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64))
+        inside = torch.arange(width, device=table.device)[None, :] < lens[:, None]
+        block = table[idx, :width].to(torch.int64).masked_fill_(~inside, 0)
+        if store.row_of.numel():
+            copies = dev(store.row_of >= 0)  # int4 ids with a host copy (the map lives on the host)
+            cand = (block >= store.base) & copies[(block - store.base).clamp_(0, copies.numel() - 1)]
+        else:  # no int4 store
+            cand = torch.zeros(block.shape, dtype=torch.bool, device=block.device)
+        near = torch.zeros_like(cand)
+        kept = torch.zeros_like(cand)
+        for mask, attr in ((near, "dropped"), (kept, "promoted")):
+            at_row, at_pos = [], []
+            for j, req in enumerate(reqs):
+                state = self.states.get(req)
+                if state is not None and getattr(state, attr):
+                    pos = [p for p in getattr(state, attr) if p < req.kv_len]
+                    at_row.extend([j] * len(pos))
+                    at_pos.extend(pos)
+            if at_pos:
+                mask[dev(torch.tensor(at_row, dtype=torch.int64)), dev(torch.tensor(at_pos, dtype=torch.int64))] = True
+        near &= block == 0  # a dropped position not landed yet (a landed one has its fp16 slot)
+        cand &= ~kept
+        near &= ~kept
+        return block, lens, cand, near, kept
+
+    def _mass(self, rows: torch.Tensor, block: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """mass [n, W] float32: pool_mass over the probed layers (decode_mass.py) of the taps'
+        rows `rows`: the scoring kernel reading the pool on CUDA, the pool's read path elsewhere."""
+        queries = {layer: self.taps[layer].index_select(0, rows) for layer in self.layers}
+        return pool_mass(self.pool, self.layers, queries, block, lens, self.scale, kernel=self.kernel)
+
+    def _select(self, reqs: list, block, mass, cand, near, kept) -> list:
+        """The pass's picks on the device, then read back once: hits are candidates (or promoted
+        positions) with mass >= threshold; a pick is a candidate or a dropped position within
+        `radius` of a hit, plus (drop_run > 0) the dropped run contiguous with it, up to drop_run
+        each side. -> [(req, positions, old ids, mass at them, cap score at them)] (CPU), the cap
+        score being the largest hit mass within `radius` of the position."""
+        hot = (mass >= self.threshold) & (cand | kept)
+        eligible = cand | near
+        r = self.radius
+        if r > 0:
+            pool1d = torch.nn.functional.max_pool1d
+            pick = (pool1d(hot.float()[:, None, :], 2 * r + 1, 1, r)[:, 0] > 0) & eligible
+            score = pool1d(torch.where(hot, mass, 0.0)[:, None, :], 2 * r + 1, 1, r)[:, 0]
+        else:
+            pick, score = hot & eligible, torch.where(hot, mass, 0.0)
+        if self.drop_run:
+            pick = extend_runs_rows(pick, near, self.drop_run)
+        at = pick.nonzero()  # [K, 2] (row, position), row-major: each row's positions ascending
+        if not at.numel():
+            return []
+        j, pos = at[:, 0], at[:, 1]
+        ints = torch.stack([j, pos, block[j, pos]]).cpu()  # two device -> host copies for the picks
+        vals = torch.stack([mass[j, pos], score[j, pos]]).cpu()
+        j, pos, old = ints
+        bounds = torch.bincount(j, minlength=len(reqs)).cumsum(0).tolist()
+        picks, a = [], 0
+        for n, b in enumerate(bounds):
+            if b > a:
+                picks.append((reqs[n], pos[a:b], old[a:b], vals[0, a:b], vals[1, a:b]))
+            a = b
+        return picks
 
     def _cap(self, picks: list) -> list:
         """At most `max_tokens` positions per pass: each pick's positions go in stretches (runs of
@@ -253,42 +286,42 @@ class ColdTier:
         the whole pass ranked by the largest mass of a hit in them; the stretches that do not fit
         are not marked promoted, so a later pass scores them again (nothing is lost for good,
         only delayed). A stretch larger than the cap alone is cut to the cap around its hit."""
-        ranked = []  # (-mass, pick index, first, last) over positions indices
-        for n, (_, positions, _, m, hot) in enumerate(picks):
-            if positions.numel() == 0:
-                continue
-            cut = (positions[1:] != positions[:-1] + 1).nonzero().squeeze(1) + 1
-            bounds = [0, *cut.tolist(), positions.numel()]
-            # a stretch ranks by the strongest hit within `radius` of one of its positions
-            score = torch.where(hot, m, torch.zeros(()))
-            if self.radius:
-                score = torch.nn.functional.max_pool1d(score.view(1, 1, -1), 2 * self.radius + 1, 1,
-                                                       self.radius).view(-1)
-            sid = torch.zeros(positions.numel(), dtype=torch.int64)
-            sid[cut] = 1
-            best = torch.zeros(len(bounds) - 1).scatter_reduce_(0, sid.cumsum(0), score[positions], "amax")
-            ranked.extend((-v, n, a, b) for v, a, b in zip(best.tolist(), bounds[:-1], bounds[1:]))
-        total = sum(b - a for _, _, a, b in ranked)
+        # every stretch of the pass at once: elements are the picks' positions, concatenated
+        sizes = [p[1].numel() for p in picks]
+        pos = torch.cat([p[1] for p in picks])
+        mass = torch.cat([p[3] for p in picks])
+        score = torch.cat([p[4] for p in picks])  # the strongest hit within `radius` of each position
+        owner = torch.repeat_interleave(torch.arange(len(picks)), torch.tensor(sizes))
+        start = torch.ones(pos.numel(), dtype=torch.bool)
+        start[1:] = (owner[1:] != owner[:-1]) | (pos[1:] != pos[:-1] + 1)
+        sid = start.cumsum(0) - 1
+        first = start.nonzero().squeeze(1)
+        size = torch.bincount(sid, minlength=first.numel())
+        best = torch.zeros(first.numel()).scatter_reduce_(0, sid, score, "amax")
+        total = pos.numel()
         if total <= self.max_tokens:
             return picks
-        ranked.sort()
-        room, keep = self.max_tokens, [[] for _ in picks]
-        for _, n, a, b in ranked:
-            if room <= 0:
-                break
-            if b - a > room:  # cut around the stretch's strongest position
-                top = a + int(torch.argmax(picks[n][3][picks[n][1][a:b]]))
-                a = max(a, min(top - room // 2, b - room))
-                b = a + room
-            keep[n].append(torch.arange(a, b))
-            room -= b - a
-        self.stats["capped_tokens"] += total - (self.max_tokens - room)
-        out = []
-        for n, parts in enumerate(keep):
-            if parts:
-                idx = torch.cat(parts).sort().values
-                req, positions, old, m, hot = picks[n]
-                out.append((req, positions[idx], old[idx], m, hot))
+        # strongest first; ties in pass order (a stable sort over stretches in pass order)
+        order = torch.sort(-best, stable=True).indices
+        cum = size[order].cumsum(0)
+        whole = int((cum <= self.max_tokens).sum())
+        keep = torch.zeros(first.numel(), dtype=torch.bool)
+        keep[order[:whole]] = True
+        kept = keep[sid]
+        room = self.max_tokens - (int(cum[whole - 1]) if whole else 0)
+        if room > 0 and whole < first.numel():  # cut the next stretch around its strongest position
+            s0 = int(order[whole])
+            a, b = int(first[s0]), int(first[s0]) + int(size[s0])
+            top = a + int(torch.argmax(mass[a:b]))
+            a = max(a, min(top - room // 2, b - room))
+            kept[a:a + room] = True
+        self.stats["capped_tokens"] += total - int(kept.sum())
+        out, at = [], 0
+        for (req, positions, old, m, sc), n in zip(picks, sizes):
+            idx = kept[at:at + n].nonzero().squeeze(1)
+            at += n
+            if idx.numel():
+                out.append((req, positions[idx], old[idx], m[idx], sc[idx]))
         return out
 
     def _read_block(self, reqs: list) -> torch.Tensor:
@@ -311,14 +344,14 @@ class ColdTier:
     # ------------------------------------------------------------------ promotion
     def _issue(self, picks: list) -> None:
         """Promote every (req, positions, old ids) of one scoring pass together: fresh fp16 slots per
-        request, then ONE pinned staging buffer [2, layers, M, Hkv, D] gathered from the host
-        store, ONE host -> device copy on the side stream, one fp16 store write per layer and one
-        event that every request's pending landing waits on. (Per request and layer, staging
-        allocations and copies cost 2 x layers pinned allocations and copies per request.)"""
+        request, their host rows, then ONE copy job for the pass (_copy_job: one pinned staging
+        buffer, one host -> device copy, one fp16 store write per layer, one event), run on the
+        copy worker's thread on CUDA (cold_copy.py), so the host gather does not hold up the
+        scheduler; every request's pending landing waits on that copy."""
         if not self.store.ready():  # the newest host copies are still in flight: next pass
             self.stats["deferred"] += len(picks)
             return
-        pool, pin = self.pool, self.cuda
+        pool = self.pool
         batch = []  # (req, positions, old, new CPU, host rows, restored dropped count)
         for req, positions, old in picks:
             m = positions.numel()
@@ -339,36 +372,51 @@ class ColdTier:
             batch.append((req, positions, old, new.cpu(), rows, int(dropped.sum())))
         if not batch:
             return
-        total = sum(b[1].numel() for b in batch)
-        stage = torch.empty((2, pool.num_layers, total, pool.num_kv_heads, pool.head_dim), dtype=pool.dtype,
-                            pin_memory=pin)
-        self.store.gather(torch.cat([b[4] for b in batch]), list(stage[0]), list(stage[1]))
-        new_all = torch.cat([b[3] for b in batch])
-        event, keep = None, ()
-        if self.cuda:
-            self.side.wait_stream(torch.cuda.current_stream(pool.device))  # the new slots' last users
-            with torch.cuda.stream(self.side):
-                dst = new_all.pin_memory().to(pool.device, non_blocking=True)
-                dev = stage.to(pool.device, non_blocking=True)
-                for layer in range(pool.num_layers):
-                    pool.set_kv_fp16(layer, dst, dev[0, layer], dev[1, layer])
-                event = torch.cuda.Event()
-                event.record(self.side)
-            keep = (stage, dst, dev)  # NOTE: alive until every landing of this pass (the copy reads them)
-        else:
-            for layer in range(pool.num_layers):
-                pool.set_kv_fp16(layer, new_all, stage[0, layer], stage[1, layer])
-        token_bytes = 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * stage.element_size()
+        if self.cuda:  # the new slots' last users come first
+            self.side.wait_stream(torch.cuda.current_stream(pool.device))
+        copy = PromotionCopy()
+        host_rows, new_all = torch.cat([b[4] for b in batch]), torch.cat([b[3] for b in batch])
+        self.worker.submit(copy, lambda c: self._copy_job(c, host_rows, new_all))
+        token_bytes = 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * pool.k16[0].element_size()
         for req, positions, old, new, _, n_drop in batch:
             m = positions.numel()
             self._state(req).promoted.update(positions.tolist())
-            self.pending.append(_Pending(req, positions, old, new, event, keep))
+            self.pending.append(_Pending(req, positions, old, new, copy))
             self.stats["promotions"] += 1
             self.stats["promoted_tokens"] += m
             self.stats["promoted_bytes_h2d"] += m * token_bytes
             self.stats["restored_dropped"] += n_drop
             self.stats["restored_dropped_bytes_h2d"] += n_drop * token_bytes
         self.stats["staging_copies"] += 1
+
+    def _copy_job(self, copy: PromotionCopy, rows: torch.Tensor, new: torch.Tensor) -> None:
+        """A pass's copy (CUDA: on the worker thread): host rows `rows` gathered into one pinned
+        staging buffer [2, layers, M, Hkv, D], one host -> device copy on the side stream, one
+        fp16 store write per layer at slots `new`, one event."""
+        pool = self.pool
+        stage = torch.empty((2, pool.num_layers, rows.numel(), pool.num_kv_heads, pool.head_dim), dtype=pool.dtype,
+                            pin_memory=self.cuda)
+        self.store.gather(rows, list(stage[0]), list(stage[1]))
+        if not self.cuda:
+            for layer in range(pool.num_layers):
+                pool.set_kv_fp16(layer, new, stage[0, layer], stage[1, layer])
+            return
+        with torch.cuda.device(self.side.device), torch.cuda.stream(self.side):
+            dst = new.pin_memory().to(pool.device, non_blocking=True)
+            dev = stage.to(pool.device, non_blocking=True)
+            for layer in range(pool.num_layers):
+                pool.set_kv_fp16(layer, dst, dev[0, layer], dev[1, layer])
+            event = torch.cuda.Event()
+            event.record(self.side)
+        copy.keep = (stage, dst, dev)  # NOTE: alive until every landing of this pass (the copy reads them)
+        copy.event = event
+
+    def wait_copies(self) -> None:
+        """Block until every pending promotion's copy job has run (tests, shutdown); landing
+        still happens at the next hook."""
+        for p in self.pending:
+            if p.event is not None:
+                p.event.wait()
 
     def land(self) -> None:
         """Apply every promotion whose copy has completed (never waits). The scheduler calls it
@@ -437,7 +485,7 @@ class ColdTier:
         positions, new = p.positions[same], p.new[same]
         after = row.clone()
         after[positions] = new
-        holed = self.allocator.holed_pages(after).nonzero().squeeze(1)
+        holed = self._holed(row[positions], after)
         old = after[holed]
         copies = self._copy_slots(old)
         if copies is None:
@@ -448,6 +496,21 @@ class ColdTier:
         self.stats["landed"] += positions.numel()
         at = torch.cat([positions, holed])
         return req, state, at, torch.cat([new, copies]), row[at], old, copies
+
+    def _holed(self, replaced: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+        """Positions of `after` (a row, host) holding int ids on a page the row now sees with a
+        hole: allocator.holed_pages over the tokens of the pages the promotion took ids
+        `replaced` from, not over the whole row. The row held a prefix of every page before
+        (mem_cache/README.md section 7), so only those pages can have a hole now.
+        Page key (id - base(INT8)) // page_size: the int8 store holds whole pages, so the keys
+        of int8 and int4 pages never collide."""
+        b8, page = self.pool.base(TIER_INT8), self.pool.page_size
+        replaced = replaced[replaced >= b8]
+        if not replaced.numel():
+            return torch.zeros(0, dtype=torch.int64)
+        pages = ((replaced - b8) // page).unique()
+        idx = ((after >= b8) & torch.isin((after - b8).div(page, rounding_mode="floor"), pages)).nonzero().squeeze(1)
+        return idx[self.allocator.holed_pages(after[idx])]
 
     def _copy_slots(self, old: torch.Tensor) -> torch.Tensor | None:
         """Fresh ids for int tokens `old` (position order): their tier's pages, else fp16 slots;
@@ -513,8 +576,8 @@ class ColdTier:
             if p.req is not req:
                 keep.append(p)
                 continue
-            if p.event is not None:  # NOTE: the side stream may still write p.new: order the reuse
-                torch.cuda.current_stream(self.pool.device).wait_event(p.event)
+            if p.event is not None:  # NOTE: the copy may still write p.new: wait for its job, order the reuse
+                p.event.wait(torch.cuda.current_stream(self.pool.device) if self.cuda else None)
             self.allocator.free(p.new)
             self.stats["cancelled"] += 1
         self.pending = keep

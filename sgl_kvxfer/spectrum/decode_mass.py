@@ -63,3 +63,52 @@ def expand_hits(hot: torch.Tensor, eligible: torch.Tensor, radius: int) -> torch
     kernel = torch.ones(1, 1, 2 * radius + 1)
     near = torch.nn.functional.conv1d(hot.float().view(1, 1, -1), kernel, padding=radius).view(-1) > 0
     return near & eligible
+
+
+def extend_runs_rows(picked: torch.Tensor, run: torch.Tensor, cap: int) -> torch.Tensor:
+    """extend_runs for every row of bool [n, T] at once, with no host sync: a run position joins
+    when the nearest position to its left (right) that is picked or outside the run is a picked
+    one at most `cap` away (the chain extend_runs walks, taken in one cummax per side)."""
+    out = picked.clone()
+    t = picked.shape[-1]
+    if t == 0 or cap <= 0:
+        return out
+    ar = torch.arange(t, device=picked.device).expand_as(picked)
+    for flip in (False, True):
+        p, r = (picked.flip(-1), run.flip(-1)) if flip else (picked, run)
+        src = torch.where(p | ~r, ar, -1).cummax(dim=-1).values  # last source or barrier at or before
+        hit = r & ~p & (src >= 0) & p.gather(-1, src.clamp(min=0)) & (ar - src <= cap)
+        out |= hit.flip(-1) if flip else hit
+    return out
+
+
+def pool_mass(pool, layers: list[int], queries: dict, block: torch.Tensor, lens: torch.Tensor, scale: float,
+              kernel: bool | None = None) -> torch.Tensor:
+    """mass [n, W] float32 = max over `layers` of head_max_mass of queries[layer] [n, Hq, D]
+    against the keys of the tiered pool's rows `block` [n, W] (slot 0: dropped or padding,
+    masked; lens [n] the row lengths, block already 0 past them).
+
+    kernel True: kernels/cold_mass.py reads the pool's stores in place (one launch a layer and a
+    few torch ops on its logits, no key copy, no host sync; int stores must be page-head blocks); False: TieredKVPool.route on
+    the host and get_k_routed, a padded key block per layer (the CPU path and KIVI pages).
+    None: the kernel where it applies (CUDA, page-head blocks in every probed layer)."""
+    from sgl_kvxfer.kernels.paged_layout import TierPages
+    from sgl_kvxfer.spectrum.tiers import TIER_INT4, TIER_INT8
+
+    if kernel is None:
+        kernel = str(block.device).startswith("cuda") and all(
+            isinstance(pool.stores[t][layer], TierPages) for t in (TIER_INT8, TIER_INT4) for layer in layers)
+    mass = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
+    if kernel:
+        from sgl_kvxfer.kernels.cold_mass import pool_token_mass
+
+        b8, b4 = pool.base(TIER_INT8), pool.base(TIER_INT4)
+        for layer in layers:
+            pool_token_mass(queries[layer], block, lens, pool.k16[layer], pool.stores[TIER_INT8][layer],
+                            pool.stores[TIER_INT4][layer], b8, b4, scale, mass)
+        return mass
+    route = pool.route(block)
+    valid = block != 0
+    for layer in layers:
+        torch.maximum(mass, head_max_mass(queries[layer], pool.get_k_routed(layer, route), scale, valid), out=mass)
+    return mass

@@ -403,7 +403,7 @@ def test_cold_tier_decode(tmp_path):
     assert "cold_score" not in data["breakdown"]["off"]["seconds"]  # scoring is off in `off`
     assert data["breakdown"]["on@1"]["calls"]["cold_score"] >= 1
     pieces = data["breakdown"]["forced"]["cold_parts"]  # the pass's pieces, inside its time
-    assert pieces["cold_score.keys"] > 0 and pieces["cold_score.mass"] > 0 and pieces["cold_score.read_rows"] > 0
+    assert pieces["cold_score.rows"] > 0 and pieces["cold_score.mass"] > 0 and pieces["cold_score.select"] > 0
     assert sum(v for k, v in pieces.items() if k.startswith("cold_score.")) <= data["breakdown"]["forced"]["seconds"]["cold_score"]
     assert not data["breakdown"]["off"]["cold_parts"]
 
