@@ -35,7 +35,8 @@
 # Without the converted model in /tmp/models, retrofit and tiers are skipped (logged). Exit status 1
 # when a stage failed or scratch trained <= 1 step per run.
 # DEADLINE (epoch seconds) caps every stage's timeout, and the scratch grid's budget is then
-# what it leaves less SCRATCH_MARGIN (25) s, at most SCRATCH_BUDGET (150) s (testbeds_x2.sh sets it);
+# SCRATCH_SAFETY (85) % of what it leaves less SCRATCH_MARGIN (25) s, at most SCRATCH_BUDGET (150) s
+# (testbeds_x2.sh sets DEADLINE);
 # SCRATCH_MIN_STEPS lowers the grid's floor of steps (the preset's min_steps).
 # CPU rehearsal (tiny shapes, the embedded SmolLM2, a few minutes):
 #   DEVICE=cpu OUT=/tmp/x bash scripts/gpu/fusedkv_all.sh [rerun | long | STAGE...]
@@ -52,7 +53,7 @@ case $mode in
     for s in $stages; do
       case $s in retrofit|scratch|tiers|serve|capacity) ;; *) echo "unknown stage $s" >&2; exit 2 ;; esac
     done ;;
-  *) sed -n '2,41p' "$0"; exit 2 ;;
+  *) sed -n '2,42p' "$0"; exit 2 ;;
 esac
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5
 DEVICE=${DEVICE:-cuda}
@@ -136,6 +137,11 @@ stage_run() {  # name timeout command...: run under timeout -s INT (never past D
   rc=${PIPESTATUS[0]}
   echo "== $name exit $rc ($(date +%T))" | tee -a "$log"
   [ "$rc" = 0 ] || failed+=("$name:$rc")
+  collect
+}
+collect() {  # the results so far into $OUT (after every stage: a call cut off later keeps them)
+  cp "$work"/*.json "$OUT"/ 2>/dev/null
+  (cd "$work" && tar -czf "$OUT/fusedkv_results.tar.gz" ./*.json ./*.png 2>/dev/null)
 }
 check_scratch() {  # the grid must have trained: > 1 step per run, and the audit clean
   python3 - "$work" <<'EOF' 2>&1 | tee -a "$log"
@@ -161,9 +167,11 @@ for s in $stages; do
         echo "== retrofit skipped: no converted SmolLM2 (run the stage call first)" | tee -a "$log"
       fi ;;
     scratch)
-      # the grid's budget: SCRATCH_BUDGET, or what DEADLINE leaves less SCRATCH_MARGIN s (the last
-      # evaluations, the JSON and PNG); the stage's timeout is the deadline itself
-      b=$(( $(left) - ${SCRATCH_MARGIN:-25} )); [ "$b" -gt "$SCRATCH_BUDGET" ] && b=$SCRATCH_BUDGET
+      # the grid's budget: SCRATCH_BUDGET, or SCRATCH_SAFETY % (85) of what DEADLINE leaves less
+      # SCRATCH_MARGIN s (the JSON and PNG): runs can take longer than the probe's plan, and a grid
+      # of fewer steps beats one cut short; the stage's timeout is the deadline itself
+      b=$(( ($(left) - ${SCRATCH_MARGIN:-25}) * ${SCRATCH_SAFETY:-85} / 100 ))
+      [ "$b" -gt "$SCRATCH_BUDGET" ] && b=$SCRATCH_BUDGET
       [ "$b" -lt 1 ] && b=1
       stage_run scratch "$T_SCRATCH" python3 scripts/fusedkv/compare_scratch.py --data-dir "$DATA" --device "$DEVICE" \
           --runs vanilla fusedkv lite cla2 yoco "fusedkv[init=lite]" "fusedkv[fusion_lr=x30]" --out-dir "$work" \
@@ -185,8 +193,7 @@ for s in $stages; do
 done
 
 echo "== done ($(date +%T))${failed[*]:+; failed: ${failed[*]}}" | tee -a "$log"
-cp "$work"/*.json "$OUT"/ 2>/dev/null
-(cd "$work" && tar -czf "$OUT/fusedkv_results.tar.gz" ./*.json ./*.png 2>/dev/null)
+collect
 rm -rf "$work"
 ls -la "$OUT"
 [ ${#failed[@]} = 0 ]

@@ -3,16 +3,17 @@
 #   GPU 0  fusedkv_all.sh long: the retrofit of SmolLM2-135M-Instruct from the closed-form start
 #          (LONG_MIN 6.25 training minutes, the PPL-vs-GPU-minutes curve and its extrapolation),
 #          then the task suite of both models (qa, kv, code; 30 items each) if time is left: the
-#          report is on disk before the suite starts                            (~490-520 s)
+#          report is on disk before the suite starts              (~420 s, then ~40 s of tasks)
 #   GPU 1  fusedkv_all.sh serve scratch: serve_bench (Llama-3-8B shape, dummy weights; vanilla, Lite,
 #          FusedKV in that order; warm TPOT, 5 paired repeats with spread and the bytes check at
 #          1x8192 16x8192 64x4096 1x32768; TTFT at 8k / 32k; T_SERVE 220 s), then the
 #          from-scratch grid (7 layouts x 3 seeds on 3 workers) with its steps planned for what
-#          is left before the deadline (floor SCRATCH_MIN_STEPS 150)              (~220 + ~270 s)
-# The deadline is WALL (555) - 15 s after the start; every stage ends by it (timeout -s INT, partial
-# results kept). Back in $OUT: fusedkv.tar.gz (GPU 0), fusedkv2.tar.gz (GPU 1), testbeds.log; each
-# tarball holds <part>/<part>.log, fusedkv_all.log, the stages' JSONs and fusedkv_results.tar.gz
-# (JSONs + PNGs). 64x8192 and 16x32768 do not fit vanilla's KV beside its weights on one H100.
+#          is left before the deadline (floor SCRATCH_MIN_STEPS 150)              (~220 + ~240 s)
+# The deadline is WALL (560) - 25 s after the start; every stage ends by it (timeout -s INT, partial
+# results kept). The parts start after env.sh's setup (wheels, the model converted: ~50 s).
+# Back in $OUT: fusedkv.tar.gz (GPU 0), fusedkv2.tar.gz (GPU 1), testbeds.log; each tarball holds
+# <part>/<part>.log, fusedkv_all.log, the stages' JSONs and fusedkv_results.tar.gz (JSONs + PNGs).
+# 64x8192 and 16x32768 are not points: vanilla's KV there does not fit beside its weights on one H100.
 #
 #   run kind nvidia-h100-x2, carry [.carry_a]: bash scripts/gpu/stage_weights.sh
 #   run kind nvidia-h100-x2, carry [.carry_b, .whl, .cache/fusedkv]:
@@ -27,7 +28,7 @@ export PARTS=${PARTS:-fusedkv fusedkv2} FUSEDKV_STAGES=${FUSEDKV_STAGES:-long}
 export FUSEDKV2_STAGES=${FUSEDKV2_STAGES:-serve scratch} LONG_TASKS=${LONG_TASKS:-qa,kv,code}
 export SERVE_VARIANTS=${SERVE_VARIANTS:-vanilla lite fusedkv}
 if [ "$DEVICE" = cuda ]; then
-  export WALL=${WALL:-555} LONG_MIN=${LONG_MIN:-6.25} T_RETROFIT_LONG=${T_RETROFIT_LONG:-600}
+  export WALL=${WALL:-560} LONG_MIN=${LONG_MIN:-6.25} T_RETROFIT_LONG=${T_RETROFIT_LONG:-600}
   export T_SERVE=${T_SERVE:-220} T_SCRATCH=${T_SCRATCH:-600} SCRATCH_BUDGET=${SCRATCH_BUDGET:-600}
   export SCRATCH_MIN_STEPS=${SCRATCH_MIN_STEPS:-150}
   export SERVE_ARGS=${SERVE_ARGS:---preset llama-3-8b --points 1x8192 16x8192 64x4096 1x32768 --prompt-lens 8192 32768 --ttft-repeats 3}

@@ -53,10 +53,11 @@ for p in $PARTS; do
               run_part spectrum 0 env T_TOTAL=$(( WALL - ($(date +%s) - T0) - 20 )) bash scripts/gpu/spectrum_retrieval.sh \
                 ${SPECTRUM_STAGES:-train eval} ;;
     # fusedkv_all.sh's stages (or a mode: long, rerun, ...) on FUSEDKV_GPU / FUSEDKV2_GPU; DEADLINE
-    # caps each stage's timeout (and sizes the scratch grid) 15 s before the call's WALL
-    fusedkv)  run_part fusedkv "${FUSEDKV_GPU:-0}" env DEADLINE=$(( T0 + WALL - 15 )) \
+    # caps each stage's timeout (and sizes the scratch grid) 25 s before the call's WALL: a stage
+    # gets SIGINT there, SIGKILL 15 s later, and the part's last copy into $OUT comes before WALL
+    fusedkv)  run_part fusedkv "${FUSEDKV_GPU:-0}" env DEADLINE=$(( T0 + WALL - 25 )) \
                 bash scripts/gpu/fusedkv_all.sh ${FUSEDKV_STAGES:-retrofit scratch} ;;
-    fusedkv2) run_part fusedkv2 "${FUSEDKV2_GPU:-1}" env DEADLINE=$(( T0 + WALL - 15 )) \
+    fusedkv2) run_part fusedkv2 "${FUSEDKV2_GPU:-1}" env DEADLINE=$(( T0 + WALL - 25 )) \
                 bash scripts/gpu/fusedkv_all.sh ${FUSEDKV2_STAGES:-serve scratch} ;;
     *) say "unknown part $p"; continue ;;
   esac
