@@ -20,12 +20,12 @@
 #       SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/fusedkv_x2.sh
 # CPU rehearsal (fusedkv_all.sh's CPU shapes, both parts at once; ~10 min on two loaded cores):
 #   DEVICE=cpu OUT=$(mktemp -d) bash scripts/gpu/fusedkv_x2.sh
-# Every setting below can be overridden from the environment.
+# Every setting below can be overridden from the environment (LONG_TASKS= : no task suite).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DEVICE=${DEVICE:-cuda}
 export PARTS=${PARTS:-fusedkv fusedkv2} FUSEDKV_STAGES=${FUSEDKV_STAGES:-long}
-export FUSEDKV2_STAGES=${FUSEDKV2_STAGES:-serve scratch} LONG_TASKS=${LONG_TASKS:-qa,kv,code}
+export FUSEDKV2_STAGES=${FUSEDKV2_STAGES:-serve scratch} LONG_TASKS=${LONG_TASKS-qa,kv,code}
 export SERVE_VARIANTS=${SERVE_VARIANTS:-vanilla lite fusedkv}
 if [ "$DEVICE" = cuda ]; then
   export WALL=${WALL:-560} LONG_MIN=${LONG_MIN:-6.25} T_RETROFIT_LONG=${T_RETROFIT_LONG:-600}
