@@ -13,7 +13,7 @@ all have loaded the data they time a few training steps and a warm evaluation to
 parent sets one step count for every run so that the grid fits --time-budget-s: the preset's
 `steps`, or fewer, never under `--min-steps` (the preset's `min_steps`). `plan` in the JSON holds
 the inputs; `budget_capped` says the count is under the preset's. Output:
-fusedkv_scratch_<preset>_<device>.json (every run's curves and final losses, the per-layout
+fusedkv_scratch_<preset>_<device>.json (<device>: the GPU's name, or cpu; every run's curves and final losses, the per-layout
 mean / std / min / max over seeds, the comparisons) and a PNG of the validation curves (mean,
 min-max band) and the final losses per seed. Written after every run, so an interrupted grid keeps
 what finished. `audit` lists what is wrong with the step counts (a run of <= 1 step, under the
@@ -222,8 +222,10 @@ def parent(args) -> str:
             base += [flag, value]
     procs = [subprocess.Popen(base + ["--assign", json.dumps(s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, cwd=ROOT) for s in shares]
-    name = f"fusedkv_scratch_{args.preset}_{'cuda' if args.device.startswith('cuda') else 'cpu'}"
-    res = {"device": device_name(args.device), "preset": args.preset, "config": p, "runs": args.runs,
+    dev = device_name(args.device)
+    # the device's name in the file name, as benchmarks/results keeps it (cpu on CPU)
+    name = f"fusedkv_scratch_{args.preset}_{dev.split(' (')[0].replace(' ', '_') if args.device.startswith('cuda') else 'cpu'}"
+    res = {"device": dev, "preset": args.preset, "config": p, "runs": args.runs,
            "seeds": args.seeds, "workers": w, "time_budget_s": args.time_budget_s,
            "tokens_per_step": p["batch"] * p["seq"], "results": [], "partial": True}
 

@@ -19,8 +19,8 @@
 #   rerun     scratch, then serve with vanilla and lite only (~5 min; no model needed)
 #   curve     retrofit with 3.75 training minutes (the PPL-vs-GPU-minutes curve; T_RETROFIT 320 s),
 #             then scratch (~8.5 min in all; fits one call on a GPU shared with other jobs)
-#   long      retrofit alone with 6.5 training minutes, 128 calib windows, no task suite
-#             (T_RETROFIT 470 s; ~8 min)
+#   long      retrofit alone with LONG_MIN (6.5) training minutes, 128 calib windows; LONG_TASKS
+#             (e.g. qa,kv,code) adds the task suite after the report is on disk (T_RETROFIT_LONG 470 s)
 #   STAGE...  the named stages, in the order given
 # Calls (the model: the coordinator's stage_weights.sh call parks the GGUF's first half; `stage`
 # joins the second half and converts it; one call cannot carry both .carry_b and the rest):
@@ -34,6 +34,10 @@
 # (.whl_gguf: scripts/gpu/prepare_fusedkv_carry.sh; .cache/fusedkv: python -m sgl_kvxfer.fusedkv.data.)
 # Without the converted model in /tmp/models, retrofit and tiers are skipped (logged). Exit status 1
 # when a stage failed or scratch trained <= 1 step per run.
+# DEADLINE (epoch seconds) caps every stage's timeout, and the scratch grid's budget is then
+# SCRATCH_SAFETY (85) % of what it leaves less SCRATCH_MARGIN (25) s, at most SCRATCH_BUDGET (150) s
+# (testbeds_x2.sh sets DEADLINE);
+# SCRATCH_MIN_STEPS lowers the grid's floor of steps (the preset's min_steps).
 # CPU rehearsal (tiny shapes, the embedded SmolLM2, a few minutes):
 #   DEVICE=cpu OUT=/tmp/x bash scripts/gpu/fusedkv_all.sh [rerun | long | STAGE...]
 set -uo pipefail
@@ -49,7 +53,7 @@ case $mode in
     for s in $stages; do
       case $s in retrofit|scratch|tiers|serve|capacity) ;; *) echo "unknown stage $s" >&2; exit 2 ;; esac
     done ;;
-  *) sed -n '2,37p' "$0"; exit 2 ;;
+  *) sed -n '2,42p' "$0"; exit 2 ;;
 esac
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5
 DEVICE=${DEVICE:-cuda}
@@ -68,9 +72,8 @@ fi
 
 SERVE_VARIANTS=${SERVE_VARIANTS:-vanilla fusedkv lite}
 if [ "$DEVICE" = cuda ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD SGL_KVXFER_MODEL_CACHE=/tmp/models HF_HUB_OFFLINE=1
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  # the wheels once per machine (env.sh's stamp: two parts of testbeds_x2.sh never install at once)
+  source scripts/gpu/env.sh || exit 1
   T_RETROFIT=${T_RETROFIT:-135} T_SCRATCH=${T_SCRATCH:-175} T_TIERS=${T_TIERS:-150} T_SERVE=${T_SERVE:-180}
   T_CAPACITY=${T_CAPACITY:-160}
   [ "$mode" = rerun ] && T_SERVE=${T_SERVE_RERUN:-145}  # two variants
@@ -79,10 +82,13 @@ if [ "$DEVICE" = cuda ]; then
   [ "$mode" = curve ] && RETROFIT_MIN=3.75 T_RETROFIT=${T_RETROFIT_CURVE:-320}
   RETROFIT_EXTRA="--tasks qa,kv,code --task-n 30"
   # long: 390 s of training, ~50 s for start-up, the closed-form fit's evaluations, 13 PPL points, saving
-  # and 128 calib windows (65k tokens): the o_proj regression overfits a few thousand tokens
-  [ "$mode" = long ] && RETROFIT_MIN=6.5 T_RETROFIT=${T_RETROFIT_LONG:-470} RETROFIT_EXTRA="--calib-windows 128"
+  # and 128 calib windows (65k tokens): the o_proj regression overfits a few thousand tokens.
+  # LONG_TASKS (e.g. qa,kv,code) adds the task suite after the report is written (~45 s, 30 items each)
+  [ "$mode" = long ] && RETROFIT_MIN=${LONG_MIN:-6.5} T_RETROFIT=${T_RETROFIT_LONG:-470} \
+    RETROFIT_EXTRA="--calib-windows 128${LONG_TASKS:+ --tasks $LONG_TASKS --task-n 30}"
   RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min $RETROFIT_MIN $RETROFIT_EXTRA}
-  SCRATCH_ARGS=${SCRATCH_ARGS:---preset small --seeds 0 1 2 --workers 3 --time-budget-s 150}
+  SCRATCH_ARGS=${SCRATCH_ARGS:---preset small --seeds 0 1 2 --workers 3}
+  SCRATCH_BUDGET=${SCRATCH_BUDGET:-150}
   TIERS_ARGS=${TIERS_ARGS:---budgets 1.0 0.5 --windows 16 --decode-batch 8 --decode-context 2048}
   SERVE_ARGS=${SERVE_ARGS:---preset llama-3-8b --points 1x8192 16x8192 1x32768 --prompt-lens 8192 32768 --ttft-repeats 3}
   CAPACITY_ARGS=${CAPACITY_ARGS:---preset llama-3-8b --context 32768}
@@ -92,10 +98,11 @@ else
   T_CAPACITY=${T_CAPACITY:-900}
   RETROFIT_MIN=0.3 RETROFIT_EXTRA="--tasks qa --task-n 2 --dtype float32"
   # long: past the source search and the closed-form fit (~40 s on CPU), into training
-  [ "$mode" = long ] && RETROFIT_MIN=1.5 RETROFIT_EXTRA=
+  [ "$mode" = long ] && RETROFIT_MIN=${LONG_MIN:-1.5} RETROFIT_EXTRA="${LONG_TASKS:+--tasks $LONG_TASKS --task-n 2}"
   RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min $RETROFIT_MIN --seq 32 --batch 2 --eval-windows 2 --calib-windows 4 $RETROFIT_EXTRA}
   # a time budget, as on the GPU: the rehearsal goes through the step plan
-  SCRATCH_ARGS=${SCRATCH_ARGS:---preset toy --seeds 0 1 --workers 2 --time-budget-s 600}
+  SCRATCH_ARGS=${SCRATCH_ARGS:---preset toy --seeds 0 1 --workers 2}
+  SCRATCH_BUDGET=${SCRATCH_BUDGET:-600}
   TIERS_ARGS=${TIERS_ARGS:---budgets 1.0 0.5 --windows 2 --context 32 --continuation 8 --decode-batch 1 --decode-context 16 --n1 1 --n2 2 --dtype float32}
   SERVE_ARGS=${SERVE_ARGS:---smoke}
   CAPACITY_ARGS=${CAPACITY_ARGS:---smoke}
@@ -109,17 +116,32 @@ MODEL=
 if has retrofit || has tiers; then
   MODEL=$(python3 -c "from sgl_kvxfer.models.loader import resolve_model_path; print(resolve_model_path(None))" 2>/dev/null)
 fi
+# the names benchmarks/results keeps: fusedkv_retrofit_<model>_<GPU name>.json (cpu on CPU)
+DEVTAG=cpu
+[ "$DEVICE" = cuda ] && DEVTAG=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
 work=$(mktemp -d /tmp/fusedkv_all.XXXX)
 fkv_model=$work/smollm2-135m-fusedkv
 log=$OUT/fusedkv_all.log
 failed=()
-stage_run() {  # name timeout command...: run under timeout -s INT, log, report the exit status
+left() {  # seconds to DEADLINE (epoch seconds; unset: no deadline, a large number)
+  if [ -n "${DEADLINE:-}" ]; then echo $(( DEADLINE - $(date +%s) )); else echo 1000000; fi
+}
+stage_run() {  # name timeout command...: run under timeout -s INT (never past DEADLINE), log, report the exit status
   local name=$1 t=$2 rc; shift 2
+  [ "$(left)" -lt "$t" ] && t=$(left)
+  if [ "$t" -lt 20 ]; then
+    echo "== $name skipped: ${t} s to the deadline" | tee -a "$log"; failed+=("$name:deadline"); return
+  fi
   echo "== $name ($(date +%T), timeout ${t}s): $*" | tee -a "$log"
   timeout -s INT -k 15 "$t" "$@" 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
   echo "== $name exit $rc ($(date +%T))" | tee -a "$log"
   [ "$rc" = 0 ] || failed+=("$name:$rc")
+  collect
+}
+collect() {  # the results so far into $OUT (after every stage: a call cut off later keeps them)
+  cp "$work"/*.json "$OUT"/ 2>/dev/null
+  (cd "$work" && tar -czf "$OUT/fusedkv_results.tar.gz" ./*.json ./*.png 2>/dev/null)
 }
 check_scratch() {  # the grid must have trained: > 1 step per run, and the audit clean
   python3 - "$work" <<'EOF' 2>&1 | tee -a "$log"
@@ -140,13 +162,20 @@ for s in $stages; do
     retrofit)
       if [ -n "$MODEL" ] && [ -f "$MODEL/config.json" ]; then
         stage_run retrofit "$T_RETROFIT" python3 -m sgl_kvxfer.fusedkv.convert --model "$MODEL" --variant fusedkv \
-            --out "$fkv_model" --train-data "$DATA" --device "$DEVICE" --report "$work/fusedkv_retrofit.json" $RETROFIT_ARGS
+            --out "$fkv_model" --train-data "$DATA" --device "$DEVICE" --report "$work/fusedkv_retrofit_$(basename "$MODEL")_$DEVTAG.json" $RETROFIT_ARGS
       else
         echo "== retrofit skipped: no converted SmolLM2 (run the stage call first)" | tee -a "$log"
       fi ;;
     scratch)
+      # the grid's budget: SCRATCH_BUDGET, or SCRATCH_SAFETY % (85) of what DEADLINE leaves less
+      # SCRATCH_MARGIN s (the JSON and PNG): runs can take longer than the probe's plan, and a grid
+      # of fewer steps beats one cut short; the stage's timeout is the deadline itself
+      b=$(( ($(left) - ${SCRATCH_MARGIN:-25}) * ${SCRATCH_SAFETY:-85} / 100 ))
+      [ "$b" -gt "$SCRATCH_BUDGET" ] && b=$SCRATCH_BUDGET
+      [ "$b" -lt 1 ] && b=1
       stage_run scratch "$T_SCRATCH" python3 scripts/fusedkv/compare_scratch.py --data-dir "$DATA" --device "$DEVICE" \
-          --runs vanilla fusedkv lite cla2 yoco "fusedkv[init=lite]" "fusedkv[fusion_lr=x30]" --out-dir "$work" $SCRATCH_ARGS
+          --runs vanilla fusedkv lite cla2 yoco "fusedkv[init=lite]" "fusedkv[fusion_lr=x30]" --out-dir "$work" \
+          $SCRATCH_ARGS --time-budget-s "$b" ${SCRATCH_MIN_STEPS:+--min-steps $SCRATCH_MIN_STEPS}
       check_scratch ;;
     tiers)
       if [ -f "$fkv_model/config.json" ]; then
@@ -164,8 +193,7 @@ for s in $stages; do
 done
 
 echo "== done ($(date +%T))${failed[*]:+; failed: ${failed[*]}}" | tee -a "$log"
-cp "$work"/*.json "$OUT"/ 2>/dev/null
-(cd "$work" && tar -czf "$OUT/fusedkv_results.tar.gz" ./*.json ./*.png 2>/dev/null)
+collect
 rm -rf "$work"
 ls -la "$OUT"
 [ ${#failed[@]} = 0 ]

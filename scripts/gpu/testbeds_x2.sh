@@ -4,14 +4,17 @@
 #   GPU 1  scripts/gpu/scd_quality.sh         SCD specialists, calibration, quality table
 #   GPU 0  scripts/gpu/spectrum_retrieval.sh $SPECTRUM_STAGES (default: train eval) SpectrumKV retrieval
 #                                             model and its tier table (+ tests, decode: the cold tier)
-#   GPU 0  scripts/gpu/fusedkv_all.sh $FUSEDKV_STAGES (default: retrofit scratch)
+#   GPU 0  scripts/gpu/fusedkv_all.sh $FUSEDKV_STAGES (default: retrofit scratch; GPU: FUSEDKV_GPU)
+#   GPU 1  scripts/gpu/fusedkv_all.sh $FUSEDKV2_STAGES (part fusedkv2; default: serve scratch;
+#          GPU: FUSEDKV2_GPU). fusedkv_all.sh's knobs (T_SERVE, SERVE_ARGS, LONG_TASKS, ...) reach both.
 # Each part writes into its own folder; the folders come back as one tarball each (the call returns
-# at most 8 files): scd.tar.gz, spectrum.tar.gz, fusedkv.tar.gz, plus testbeds.log. Every part runs
+# at most 8 files): scd.tar.gz, spectrum.tar.gz, fusedkv.tar.gz, fusedkv2.tar.gz, plus testbeds.log. Every part runs
 # under its own limits and the whole under WALL seconds (default 400); a part cut short keeps what
 # it wrote. Parts share a GPU and the host's cores, so their wall times are not speed results.
 #
 #   run kind nvidia-h100-x2, carry [.carry_b, .whl, .cache/data, .cache/fusedkv]
 #       SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/testbeds_x2.sh
+# The FusedKV call (parts fusedkv and fusedkv2 alone, their settings): scripts/gpu/fusedkv_x2.sh.
 # CPU rehearsal (each part's own CPU mode, tiny shapes): DEVICE=cpu OUT=<dir> bash scripts/gpu/testbeds_x2.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -49,7 +52,13 @@ for p in $PARTS; do
     spectrum) # shellcheck disable=SC2086
               run_part spectrum 0 env T_TOTAL=$(( WALL - ($(date +%s) - T0) - 20 )) bash scripts/gpu/spectrum_retrieval.sh \
                 ${SPECTRUM_STAGES:-train eval} ;;
-    fusedkv)  run_part fusedkv 0 bash scripts/gpu/fusedkv_all.sh ${FUSEDKV_STAGES:-retrofit scratch} ;;
+    # fusedkv_all.sh's stages (or a mode: long, rerun, ...) on FUSEDKV_GPU / FUSEDKV2_GPU; DEADLINE
+    # caps each stage's timeout (and sizes the scratch grid) 25 s before the call's WALL: a stage
+    # gets SIGINT there, SIGKILL 15 s later, and the part's last copy into $OUT comes before WALL
+    fusedkv)  run_part fusedkv "${FUSEDKV_GPU:-0}" env DEADLINE=$(( T0 + WALL - 25 )) \
+                bash scripts/gpu/fusedkv_all.sh ${FUSEDKV_STAGES:-retrofit scratch} ;;
+    fusedkv2) run_part fusedkv2 "${FUSEDKV2_GPU:-1}" env DEADLINE=$(( T0 + WALL - 25 )) \
+                bash scripts/gpu/fusedkv_all.sh ${FUSEDKV2_STAGES:-serve scratch} ;;
     *) say "unknown part $p"; continue ;;
   esac
   pids+=($!)

@@ -90,7 +90,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     use_interpreter_on_cpu(a.device)  # before any kernel import: --tasks runs the engine here
     from sgl_kvxfer.fusedkv.checkpoint import save_model_dir
-    from sgl_kvxfer.fusedkv.curve import plot
     from sgl_kvxfer.fusedkv.data import Tokenized, resolve_data_dir
     from sgl_kvxfer.fusedkv.retrofit import run_retrofit
     from sgl_kvxfer.models.loader import resolve_model_path
@@ -123,7 +122,16 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"cannot convert {model_dir}: {exc}")
     save_model_dir(student, model_dir, a.out)
     del student
-    if names:
+    report.update(model=model_dir, model_name=os.path.basename(os.path.normpath(model_dir)), out=a.out,
+                  device=_device_name(a.device), command=shlex.join(["python", "-m", "sgl_kvxfer.fusedkv.convert",
+                                                         *(sys.argv[1:] if argv is None else argv)]))
+    # written before the task suite, again after it: a SIGINT or a kill during the suite (a stage's
+    # time limit) leaves the PPL report and its curve on disk
+    _write_report(report, a.report)
+    if names and report.get("interrupted"):
+        report["task_scores"] = {"error": "skipped: the retrofit was interrupted (SIGINT)"}
+        print("task scoring skipped: the retrofit was interrupted", flush=True)
+    elif names:
         from sgl_kvxfer.fusedkv.task_eval import compare
 
         try:
@@ -131,14 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         except Exception as exc:  # noqa: BLE001 - the model dir and the PPL report stand without them
             report["task_scores"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             print(f"task scoring failed: {report['task_scores']['error']}", flush=True)
-    report.update(model=model_dir, model_name=os.path.basename(os.path.normpath(model_dir)), out=a.out,
-                  device=_device_name(a.device), command=shlex.join(["python", "-m", "sgl_kvxfer.fusedkv.convert",
-                                                         *(sys.argv[1:] if argv is None else argv)]))
-    if a.report:
-        os.makedirs(os.path.dirname(os.path.abspath(a.report)), exist_ok=True)
-        with open(a.report, "w") as f:
-            json.dump(report, f, indent=2)
-        plot(report, os.path.splitext(a.report)[0] + ".png")
+        _write_report(report, a.report)
     print(f"wrote {a.out}" + (f" and {a.report}" if a.report else ""), flush=True)
     if names and "error" not in report["task_scores"]:
         from sgl_kvxfer import tasks
@@ -152,6 +153,18 @@ def main(argv: list[str] | None = None) -> dict:
                              f"({100 * report['final_rel'][d]:+.2f}%)" for d, p in report["final_ppl"].items()),
           flush=True)
     return report
+
+
+def _write_report(report: dict, path: str | None) -> None:
+    """The run's JSON at path and the curve's PNG beside it (nothing without a path)."""
+    if not path:
+        return
+    from sgl_kvxfer.fusedkv.curve import plot
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    plot(report, os.path.splitext(path)[0] + ".png")
 
 
 def _device_name(device: str) -> str:

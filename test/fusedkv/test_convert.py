@@ -48,6 +48,24 @@ def test_convert_writes_a_served_model_and_a_report(tmp_path, tiny_model, text_d
     assert len(got["output_ids"]) == 4 and info["extra"]["fusedkv"]["kv_bytes_ratio_vs_vanilla"] == 0.5
 
 
+def test_report_is_on_disk_before_the_task_suite(tmp_path, tiny_model, text_data, monkeypatch):
+    """A stage's time limit that interrupts the task suite (SIGINT) keeps the PPL report and PNG."""
+    from sgl_kvxfer.fusedkv import task_eval
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(task_eval, "compare", interrupted)
+    report_path = tmp_path / "report.json"
+    with pytest.raises(KeyboardInterrupt):
+        convert.main(["--model", tiny_model, "--variant", "lite", "--out", str(tmp_path / "out"), "--train-data",
+                      text_data, "--budget-min", "0", "--device", "cpu", "--report", str(report_path), *SMALL,
+                      "--tasks", "qa", "--task-n", "1"])
+    saved = json.load(open(report_path))
+    assert set(saved["final_ppl"]) == {"prose", "code"} and "task_scores" not in saved
+    assert os.path.isfile(tmp_path / "report.png") and os.path.isfile(tmp_path / "out" / "config.json")
+
+
 def test_retrofit_trains_within_its_budget(tiny_model, text_data):
     from sgl_kvxfer.fusedkv.data import Tokenized
     from sgl_kvxfer.fusedkv.retrofit import RetrofitConfig, run_retrofit
