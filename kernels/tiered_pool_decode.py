@@ -140,7 +140,7 @@ INTERPRET_CONFIG = TieredDecodeConfig(tile16=16, tile8=16, tile4=16, stages16=1,
 # several pages a step), the timings are not.
 SERVED_CONFIGS: dict[tuple[int, int], TieredDecodeConfig] = {
     (64, 3): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, warps16=4, split_waves=3),  # SmolLM2
-    (128, 4): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, min_steps=8),  # Llama-3-8B
+    (128, 4): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, min_steps=8, stages4=5),  # Llama-3-8B
 }
 
 
