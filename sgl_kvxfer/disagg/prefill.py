@@ -245,6 +245,15 @@ class PrefillRole(PDRole):
                 room.trace.add(f"chunk_tier[{start}:{end}]", t0)
         room.streamed = end
 
+    def last_chunk_tokens(self, req) -> int:
+        """--kv-transfer-last-chunk for a tiered chunk stream's request: its last chunk is short,
+        so the segment that can only leave once the prompt is done (at the final tiers) is short
+        too, and the rest streamed under the compute (0: chunks as the chunk size cuts them)."""
+        room = self._room_of(req)
+        if room is None or not self.tiered or getattr(room, "stream", None) not in CHUNK_STREAMS:
+            return 0  # (an SCD room streams codes, not chunk tiers)
+        return self.settings.last_chunk
+
     def on_prompt_done(self, req) -> bool:
         """The prompt is prefilled; True when the request now waits here for its KV to go out.
         A request with no peer (2.2.2.2, the fake backend) ends now: a prefill server never

@@ -89,6 +89,10 @@ class PDRole:
     def on_chunk(self, req, start: int, end: int) -> None:
         pass
 
+    def last_chunk_tokens(self, req) -> int:
+        """Tokens the scheduler computes as req's last chunk on their own (0: none)."""
+        return 0
+
     def on_prompt_done(self, req) -> bool:
         return False
 
