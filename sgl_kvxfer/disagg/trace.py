@@ -11,7 +11,11 @@ both sides into its reply's `meta_info.kv_transfer.trace`:
                             is closed) to a device synchronize (a GPU chunk ends when its
                             kernels do, and those of a chunk launched after it)
              chunk_tier[a:b]  tiers chosen for a streamed chunk (`--kv-transfer-stream chunk`)
-             tier           the last chunk's end -> the prompt is tiered and cached
+             tier           the last chunk's end -> the prompt is tiered and cached; within it
+                            (b < 1) tier_scores (the importance read back to the host),
+                            tier_retier (tiers assigned, KV moved to the int stores),
+                            tier_evict (the retier's summed radix evictions for int-store room,
+                            drawn from its start) and cache (the prompt into the radix cache)
              pack[s]        segment s: the gather-pack and checksum launched (on CPU: done)
              pack_wait[s]   segment s, CUDA: the sender thread waiting for those kernels
              wire[s]        segment s: the engine's write

@@ -90,7 +90,8 @@ class Scheduler:
         if isinstance(msg, GetInternalStateReq):
             return self.internal_state()
         if isinstance(msg, SetKVLinkReq):
-            return SetKVLinkResult(*self.role.set_link(msg.rate_gbps, msg.latency_ms, msg.stream, msg.trace))
+            return SetKVLinkResult(*self.role.set_link(msg.rate_gbps, msg.latency_ms, msg.stream, msg.trace,
+                                                                msg.last_chunk))
         raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:

@@ -228,6 +228,21 @@ def test_last_chunk_cuts_the_final_chunk_short_for_tiered_chunk_streams_only():
     assert chunks(8192, 2048, 1024) == [2048] * 4  # 2 N = a chunk: never cut
 
 
+def test_last_chunk_is_asked_for_tiered_chunk_stream_rooms_only():
+    from types import SimpleNamespace
+
+    from sgl_kvxfer.disagg.prefill import PrefillRole
+    from sgl_kvxfer.disagg.role import PDRole
+
+    def asked(tiered: bool, stream: str | None, last: int = 256) -> int:
+        room = None if stream is None else SimpleNamespace(stream=stream, last_chunk=last)
+        return PrefillRole.last_chunk_tokens(SimpleNamespace(tiered=tiered, _room_of=lambda req: room), object())
+
+    assert [asked(True, s) for s in ("chunk", "chunk-upgrade", "end", "int8")] == [256, 256, 0, 0]
+    assert asked(False, "chunk") == 0 and asked(True, None) == 0 and asked(True, "chunk", 0) == 0
+    assert PDRole().last_chunk_tokens(object()) == 0
+
+
 def test_last_chunk_flag_is_validated():
     from sgl_kvxfer.config import ServerArgs
     from sgl_kvxfer.server.flags import parse_server_args
