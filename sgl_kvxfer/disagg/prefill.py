@@ -61,7 +61,7 @@ from sgl_kvxfer.disagg.role import PDRole
 from sgl_kvxfer.disagg.sender import NoticeJob, SenderThread, WriteJob
 from sgl_kvxfer.disagg.shaped import ShapedTransferEngine
 from sgl_kvxfer.disagg.staging import RingWriter, StagingAllocator
-from sgl_kvxfer.disagg.trace import PhaseTrace
+from sgl_kvxfer.disagg.trace import GCPauses, PhaseTrace
 from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.mem_cache.kv_payload import pack_segment, segment_layout, tier_counts, wire_tier_of
 from sgl_kvxfer.message.disagg import (KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVRegister,
@@ -136,6 +136,7 @@ class PrefillRole(PDRole):
         self.fake = settings.backend == "fake"
         self.stream = settings.stream
         self.trace_on = settings.trace  # rooms opened from now on get a phase trace (/kv_transfer_link switches it)
+        self.gc_pauses = GCPauses() if settings.trace else None  # the collector's pauses, for traced rooms
         self.last_chunk = settings.last_chunk  # --kv-transfer-last-chunk for rooms opened from now on (likewise)
 
     def start(self, ctx) -> None:
@@ -527,6 +528,9 @@ class PrefillRole(PDRole):
         self.stats.tokens += len(req.origin_input_ids)
         if room.trace is not None:
             room.trace.add("notice", time.time())
+            pauses = getattr(self, "gc_pauses", None)
+            if pauses is not None:
+                room.trace.spans.extend(pauses.spans(room.trace.start_of("arrival") or 0.0, time.time()))
             msg.trace = room.trace.spans
         self.sender.submit(NoticeJob(room.room, room.claim.reply_to, msg))
 
@@ -613,6 +617,8 @@ class PrefillRole(PDRole):
 
     def close(self) -> None:
         super().close()
+        if getattr(self, "gc_pauses", None) is not None:
+            self.gc_pauses.close()
         if not self.fake:
             self.sender.close()
             self.inbox.close()

@@ -246,6 +246,26 @@ def test_the_link_route_rejects_bad_values():
     assert not role.set_link(5, 0)[0] and role.set_link(0, 0, "end")[0] and role.stream == "end"
 
 
+def test_gc_pauses_become_trace_spans():
+    import gc
+
+    from sgl_kvxfer.disagg.trace import GCPauses
+
+    pauses = GCPauses(min_s=0.0)
+    try:
+        t0 = time.time()
+        garbage = [[i] for i in range(20000)]
+        gc.collect()
+        t1 = time.time()
+        spans = pauses.spans(t0, t1)
+        assert any(name == "gc2" and t0 <= s <= e <= t1 for name, s, e in spans), spans
+        assert pauses.spans(t1 + 1, t1 + 2) == []  # nothing outside the window
+    finally:
+        pauses.close()
+    assert pauses._on_gc not in gc.callbacks
+    del garbage
+
+
 def test_trace_render_finds_the_uncovered_stretches():
     from sgl_kvxfer.disagg.trace import render
 
