@@ -307,7 +307,7 @@ class SchedulerConfig:
     kv_transfer_buffer_mb: int = 1024
     kv_transfer_stream: str = "auto"
     # prefill, chunk streams at kv_tier_budget < 1: the prompt's last this many tokens are a
-    # chunk of their own (when what remains of the prompt is one chunk and more than twice this),
+    # chunk of their own (when what remains of the prompt is one chunk and at least twice this),
     # so the segment written after the prompt ends is short; 0: chunks as chunked_prefill_size cuts them
     kv_transfer_last_chunk: int = 512
     kv_transfer_rate_gbps: float = 0.0

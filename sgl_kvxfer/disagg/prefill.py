@@ -251,7 +251,8 @@ class PrefillRole(PDRole):
     def last_chunk_tokens(self, req) -> int:
         """--kv-transfer-last-chunk for a tiered chunk stream's request: its last chunk is short,
         so the segment that can only leave once the prompt is done (at the final tiers) is short
-        too, and the rest streamed under the compute (0: chunks as the chunk size cuts them)."""
+        too, and the rest streamed under the compute (0: chunks as the chunk size cuts them; the
+        scheduler cuts only a rest of one chunk and at least twice this, Scheduler._chunk_limit)."""
         room = self._room_of(req)
         if room is None or not self.tiered or getattr(room, "stream", None) not in CHUNK_STREAMS:
             return 0  # (an SCD room streams codes, not chunk tiers)

@@ -420,12 +420,12 @@ class Scheduler:
 
     def _chunk_limit(self, req: Req, remaining: int) -> int | None:
         """Tokens of req's next chunk when its role wants the last `last` tokens on their own:
-        what remains is one chunk and more than twice `last`, so this chunk stops `last` short."""
+        what remains is one chunk and at least twice `last`, so this chunk stops `last` short."""
         chunk = self.config.resolved_chunked_prefill_size
         if not self._role_prefill or chunk is None:
             return None
         last = self.role.last_chunk_tokens(req)
-        return remaining - last if last and 2 * last < remaining <= chunk else None
+        return remaining - last if last and 2 * last <= remaining <= chunk else None
 
     def _decode_batch(self) -> ScheduleBatch | None:
         if not self.running:

@@ -200,7 +200,7 @@ def test_auto_stream_is_chunk_on_a_paced_gpu_link_int8_unpaced_from_half_budget_
 
 
 def test_last_chunk_cuts_the_final_chunk_short_for_tiered_chunk_streams_only():
-    """--kv-transfer-last-chunk: a prompt whose rest is one chunk and more than twice N is cut so
+    """--kv-transfer-last-chunk: a prompt whose rest is one chunk and at least twice N is cut so
     its last N tokens are a chunk of their own; other roles (N = 0) chunk as before."""
     from types import SimpleNamespace
 
@@ -222,10 +222,12 @@ def test_last_chunk_cuts_the_final_chunk_short_for_tiered_chunk_streams_only():
     assert chunks(8192, 2048, 512) == [2048, 2048, 2048, 1536, 512]
     assert chunks(8192, 2048, 0) == [2048] * 4
     assert chunks(2048, 2048, 512) == [1536, 512]
-    assert chunks(1000, 2048, 512) == [1000]  # not more than twice N: one chunk
+    assert chunks(1000, 2048, 512) == [1000]  # under twice N: one chunk
+    assert chunks(1024, 2048, 512) == [512, 512]
     assert chunks(4100, 2048, 512) == [2048, 2048, 4]  # a rest under 2 N stays whole
     assert chunks(8192, None, 512) == [8192]  # no chunking: nothing to cut
-    assert chunks(8192, 2048, 1024) == [2048] * 4  # 2 N = a chunk: never cut
+    assert chunks(8192, 2048, 1024) == [2048, 2048, 2048, 1024, 1024]
+    assert chunks(64, 64, 32) == [32, 32]
 
 
 def test_last_chunk_is_asked_for_tiered_chunk_stream_rooms_only():
