@@ -281,11 +281,11 @@ class PrefillRole(PDRole):
         if self.tiered and room.stream == "int8" and room.streamed:
             room.pending.append(_Range(0, room.streamed, "replace"))
         if room.streamed < n:
-            # tiered "end": two segments, cut at the first chunk's end. A pack costs about the same
-            # host time at any length (one gather / quantize / copy per layer, tier and stream:
-            # launch-bound, ~25 ms per 2048-token segment at b=0.5 on an H200), so the first write
-            # waits for one chunk's pack while the rest goes as one segment, packed under that
-            # write; a segment per chunk would put every further pack in series on the tail
+            # tiered "end": two segments, cut at the first chunk's end. A pack's host time hardly
+            # grows with its length (launch-bound: a fixed number of gathers, codec calls and
+            # copies per tier), so the first write waits for one chunk's pack while the rest goes
+            # as one segment, packed under that write; a segment per chunk would put every
+            # further pack in series on the tail
             cut = [e for e in room.chunk_ends if room.streamed < e < n][:1]
             bounds = [room.streamed, *cut, n]
             room.pending.extend(_Range(a, b, "stored") for a, b in zip(bounds, bounds[1:]))
