@@ -467,7 +467,7 @@ def _unpack_stacked(pool, payload: torch.Tensor, lay: SegmentLayout, slots_by_ti
             continue
         assert slots_by_tier[tier].numel() == n, (tier, slots_by_tier[tier].numel(), n)
         if tier == TIER_FP16:
-            rows = route16.parts[0][2]
+            rows = route16.parts[0][2].long()  # index_copy_ takes int64 indices only
             for dst, x in zip((k16, v16), streams(n, [(D, pool.dtype)] * 2)):
                 dst.index_copy_(1, rows, x)
             continue
