@@ -28,6 +28,9 @@ AUTO_INT8_STREAM_MIN_BUDGET = 0.5  # --kv-transfer-stream auto: int8 stream on a
 
 CPU_DEFAULT_PAGE_SIZE = 16
 CLI_HELP = {
+    "kv_transfer_last_chunk": "PD prefill, --kv-transfer-stream chunk / chunk-upgrade at --kv-tier-budget < 1: "
+                              "the prompt's last N tokens are a chunk of their own, so little KV is left to "
+                              "send when the prompt ends (0: off; else 32 .. 1048576; default 512)",
     "kv_quant_group_size": "SpectrumKV int8/int4 quantization group (channels per scale/zero pair); "
                            "0 (default) = head_dim, one pair per token and kv head",
     "kv_tier_page_size": "SpectrumKV: tokens per page of the int8/int4 stores (power of two >= 16, "
@@ -303,6 +306,10 @@ class SchedulerConfig:
     kv_claim_timeout: float = 5.0
     kv_transfer_buffer_mb: int = 1024
     kv_transfer_stream: str = "auto"
+    # prefill, chunk streams at kv_tier_budget < 1: the prompt's last this many tokens are a
+    # chunk of their own (when what remains of the prompt is one chunk and at least twice this),
+    # so the segment written after the prompt ends is short; 0: chunks as chunked_prefill_size cuts them
+    kv_transfer_last_chunk: int = 512
     kv_transfer_rate_gbps: float = 0.0
     kv_transfer_latency_ms: float = 0.0
     # Every PD reply's meta_info.kv_transfer.trace: the request's phases on both servers
@@ -347,6 +354,9 @@ class SchedulerConfig:
             raise ValueError(f"kv_claim_timeout must be in (0, 86400] seconds, got {self.kv_claim_timeout}")
         if self.kv_transfer_stream not in KV_TRANSFER_STREAM_CHOICES:
             raise ValueError(f"kv_transfer_stream must be one of {KV_TRANSFER_STREAM_CHOICES}, got {self.kv_transfer_stream!r}")
+        last = self.kv_transfer_last_chunk
+        if isinstance(last, bool) or not isinstance(last, int) or not (last == 0 or 32 <= last <= 1 << 20):
+            raise ValueError(f"kv_transfer_last_chunk must be 0 (off) or tokens in [32, {1 << 20}], got {last!r}")
         if not (0 <= self.kv_transfer_rate_gbps < 1e6 and 0 <= self.kv_transfer_latency_ms < 1e6):
             raise ValueError("kv_transfer_rate_gbps and kv_transfer_latency_ms must be in [0, 1e6)")
         if self.disaggregation_ib_device is not None:

@@ -180,8 +180,37 @@ def rate_name(rate: float) -> str:
     return "unpaced" if rate == 0 else f"{rate:g}"
 
 
-def set_link(url: str, rate: float, stream: str, latency_ms: float, trace: bool | None = None) -> None:
-    body = {"rate_gbps": rate, "latency_ms": latency_ms, "stream": stream}
+STREAMS = ("end", "int8", "chunk", "chunk-upgrade")
+MAX_LAST_CHUNK = 1 << 20
+
+
+def parse_stream(spec: str) -> tuple[str, int | None]:
+    """A `--streams` entry: a --kv-transfer-stream name, or `chunk@N` / `chunk-upgrade@N` (that
+    stream with --kv-transfer-last-chunk N, 0: off). ValueError if malformed."""
+    name, at, n = spec.partition("@")
+    if name not in STREAMS or (at and name not in ("chunk", "chunk-upgrade")):
+        raise ValueError(f"a stream is one of {STREAMS}, or chunk@N / chunk-upgrade@N; got {spec!r}")
+    if not at:
+        return name, None
+    if not n.isdigit() or not (int(n) == 0 or 32 <= int(n) <= MAX_LAST_CHUNK):
+        raise ValueError(f"{spec!r}: N must be 0 (off) or tokens in [32, {MAX_LAST_CHUNK}]")
+    return name, int(n)
+
+
+def stream_arg(spec: str) -> str:
+    try:
+        parse_stream(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
+def set_link(url: str, rate: float, stream: str, latency_ms: float, last_chunk: int,
+             trace: bool | None = None) -> None:
+    """Pace the prefill's link and set its stream (a `--streams` entry) for rooms opened from now
+    on; `last_chunk` is the --kv-transfer-last-chunk of a stream without `@N`."""
+    name, n = parse_stream(stream)
+    body = {"rate_gbps": rate, "latency_ms": latency_ms, "stream": name, "last_chunk": last_chunk if n is None else n}
     if trace is not None:
         body["trace"] = trace
     r = requests.post(url + "/kv_transfer_link", json=body, timeout=30)
@@ -291,16 +320,16 @@ def run_budget(server_args: list[str], budget: float, args, res: dict, save, clo
                     res["reference"].setdefault(key, {})[str(n)] = measure(
                         p.url, n, repeats_for(n, args), args.vocab, f"reference b={budget} (prefill, no peer)", NO_PEER)
                     save()
-                set_link(p.url, 0.0, stream, args.latency_ms)
+                set_link(p.url, 0.0, stream, args.latency_ms, args.last_chunk)
                 warm_up(router, [n], args.vocab)
                 warmed.add(n)
                 timing.setdefault("warm_s", clock())
             measuring_from = measuring_from or time.time()
-            set_link(p.url, rate, stream, args.latency_ms)
+            set_link(p.url, rate, stream, args.latency_ms, args.last_chunk)
             name = f"b={budget} {stream} {rate_name(rate)}"
             res["pd"].setdefault(name, {})[str(n)] = measure(
                 router, n, repeats_for(n, args), args.vocab, f"PD {name}", trace_repeats=args.trace_repeats if args.trace else 0,
-                prefill_url=p.url, link=(rate, stream, args.latency_ms))
+                prefill_url=p.url, link=(rate, stream, args.latency_ms, args.last_chunk))
             save()
     finally:
         stop_all(*reversed(handles))
@@ -365,9 +394,10 @@ def plot(payload: dict, path: str) -> None:
             xs = [x[name.split()[2]] for name in names]
             b, stream = series.split()
             style = dict(color=colors[b[2:]], label=f"PD {series}")
-            row_axes[0].plot(xs, [r["ttft_ms"] for r in rows], styles[stream], **style)
-            row_axes[1].plot(xs, [r.get("wire_ms", float("nan")) for r in rows], styles[stream], **style)
-            row_axes[2].plot(xs, [r.get("link_gbps", float("nan")) for r in rows], styles[stream], **style)
+            mark = styles[stream] if stream in styles else "x:"  # chunk@N
+            row_axes[0].plot(xs, [r["ttft_ms"] for r in rows], mark, **style)
+            row_axes[1].plot(xs, [r.get("wire_ms", float("nan")) for r in rows], mark, **style)
+            row_axes[2].plot(xs, [r.get("link_gbps", float("nan")) for r in rows], mark, **style)
         for b, rows in payload["reference"].items():
             if n in rows:
                 row_axes[0].axhline(rows[n]["ttft_ms"], ls=":", lw=1, color=colors.get(b, "gray"),
@@ -390,8 +420,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, nargs="+", default=[2000, 4000, 8000], help="prompt lengths (tokens)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[1.0, 0.5, 0.3], help="--kv-tier-budget values")
     ap.add_argument("--rates", type=float, nargs="+", default=[1, 10, 25, 100], help="link rates, Gbit/s (0: unpaced)")
-    ap.add_argument("--streams", nargs="+", default=["end", "int8"],
-                    choices=["end", "int8", "chunk", "chunk-upgrade"], help="--kv-transfer-stream values at b < 1")
+    ap.add_argument("--streams", nargs="+", default=["end", "int8"], type=stream_arg,
+                    help="--kv-transfer-stream values at b < 1 (end, int8, chunk, chunk-upgrade); chunk@N / "
+                         "chunk-upgrade@N: that stream with --kv-transfer-last-chunk N (0: off)")
+    ap.add_argument("--last-chunk", type=int, default=512,
+                    help="--kv-transfer-last-chunk of the chunk streams without @N (0: off; the servers' default 512)")
     ap.add_argument("--variant-rates", type=float, nargs="*", default=[10],
                     help="rates where streams other than end run (omit the values for every rate)")
     ap.add_argument("--more-prompts", type=int, nargs="*", default=[],
@@ -426,6 +459,8 @@ def main() -> None:
     rates, prompts = args.rates + args.more_rates, args.prompts + args.more_prompts
     if not all(0 <= r < 1e6 for r in rates) or min(prompts) < 1 or args.repeats < 1 or (args.repeats_long or 1) < 1:
         ap.error("--rates must be in [0, 1e6) Gbit/s (0: unpaced); --prompts and --repeats positive")
+    if not (args.last_chunk == 0 or 32 <= args.last_chunk <= MAX_LAST_CHUNK):
+        ap.error(f"--last-chunk must be 0 (off) or tokens in [32, {MAX_LAST_CHUNK}]")
     if not 1 <= args.trace_repeats <= 100:
         ap.error("--trace-repeats must be in [1, 100]")
     if not args.more_seconds >= 0 or not 0 <= args.deadline_s < float("inf"):

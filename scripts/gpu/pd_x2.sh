@@ -19,6 +19,8 @@
 #   BUDGETS="1.0 0.5 0.3"  one server pair each, in this order (1.0 first: every ratio's base)
 #   PROMPTS="8192" RATES="10 0"        the core grid, measured at every budget (0: unpaced, NVLink)
 #   STREAMS="end chunk-upgrade" VARIANT_RATES="10 0"  b < 1 streams; those other than end at these rates
+#                              (chunk@N / chunk-upgrade@N: that stream with --kv-transfer-last-chunk N, 0: off;
+#                              plain chunk streams run at the servers' default, 512)
 #   MORE_PROMPTS="2048 32768" MORE_RATES="25 100 200" MORE_S=60  extra points after the core grid,
 #                              started while the pair has measured for less than MORE_S seconds and
 #                              the budgets still to come fit in T_TTFT (ttft_vs_bandwidth --deadline-s)

@@ -36,6 +36,7 @@ class DisaggSettings:
     gpu_id: int = 0  # --base-gpu-id: picks this GPU's HCAs from an ib-device mapping
     trace: bool = False  # --enable-pd-trace (disagg/trace.py)
     claim_timeout_s: float = 5.0  # --kv-claim-timeout (prefill.py)
+    last_chunk: int = 0  # --kv-transfer-last-chunk (prefill.py: last_chunk_tokens)
 
     @property
     def claim_deadline_s(self) -> float:
@@ -49,7 +50,8 @@ class DisaggSettings:
                    cfg.kv_transfer_timeout, int(cfg.kv_transfer_buffer_mb) << 20, cfg.resolved_kv_transfer_stream,
                    cfg.kv_transfer_rate_gbps, cfg.kv_transfer_latency_ms, cfg.scd_artifacts, cfg.scd_consumer,
                    cfg.scd_fanout, cfg.scd_rank, cfg.scd_wire_frac, cfg.disaggregation_ib_device,
-                   cfg.engine.base_gpu_id, cfg.enable_pd_trace, cfg.kv_claim_timeout)
+                   cfg.engine.base_gpu_id, cfg.enable_pd_trace, cfg.kv_claim_timeout,
+                   cfg.kv_transfer_last_chunk)
 
 
 # ---------------------------------------------------------------- bootstrap server client

@@ -61,7 +61,7 @@ from sgl_kvxfer.disagg.role import PDRole
 from sgl_kvxfer.disagg.sender import NoticeJob, SenderThread, WriteJob
 from sgl_kvxfer.disagg.shaped import ShapedTransferEngine
 from sgl_kvxfer.disagg.staging import RingWriter, StagingAllocator
-from sgl_kvxfer.disagg.trace import PhaseTrace
+from sgl_kvxfer.disagg.trace import GCPauses, PhaseTrace
 from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.mem_cache.kv_payload import pack_segment, segment_layout, tier_counts, wire_tier_of
 from sgl_kvxfer.message.disagg import (KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVRegister,
@@ -115,6 +115,7 @@ class PrefillRoom:
     # position went out at (-1: not yet)
     trace: PhaseTrace | None = None  # --enable-pd-trace
     stream: str = "end"  # --kv-transfer-stream when its request arrived
+    last_chunk: int = 0  # --kv-transfer-last-chunk when its request arrived
     launched: dict = field(default_factory=dict)  # chunk end -> time.time() that chunk was launched
     chunk_ends: list = field(default_factory=list)  # tiered "end": its chunks' ends (the first cuts the range)
     forward_end: float = 0.0  # time.time() its last chunk's forward ended
@@ -135,6 +136,8 @@ class PrefillRole(PDRole):
         self.fake = settings.backend == "fake"
         self.stream = settings.stream
         self.trace_on = settings.trace  # rooms opened from now on get a phase trace (/kv_transfer_link switches it)
+        self.gc_pauses = GCPauses() if settings.trace else None  # the collector's pauses, for traced rooms
+        self.last_chunk = settings.last_chunk  # --kv-transfer-last-chunk for rooms opened from now on (likewise)
 
     def start(self, ctx) -> None:
         super().start(ctx)
@@ -214,7 +217,7 @@ class PrefillRole(PDRole):
             room = self.rooms.get(req.bootstrap.room)
             if room is None or room.req is not None:  # a fresh room (a reused id replaces a stale one)
                 room = self.rooms[req.bootstrap.room] = PrefillRoom(req.bootstrap.room)
-            room.req, room.stream = req, self.stream
+            room.req, room.stream, room.last_chunk = req, self.stream, self.last_chunk
             room.created = room.progress = time.monotonic()
             self.ended.pop(room.room, None)  # a reused id starts afresh
             if self.trace_on:
@@ -245,6 +248,16 @@ class PrefillRole(PDRole):
                 room.trace.add(f"chunk_tier[{start}:{end}]", t0)
         room.streamed = end
 
+    def last_chunk_tokens(self, req) -> int:
+        """--kv-transfer-last-chunk for a tiered chunk stream's request: its last chunk is short,
+        so the segment that can only leave once the prompt is done (at the final tiers) is short
+        too, and the rest streamed under the compute (0: chunks as the chunk size cuts them; the
+        scheduler cuts only a rest of one chunk and at least twice this, Scheduler._chunk_limit)."""
+        room = self._room_of(req)
+        if room is None or not self.tiered or getattr(room, "stream", None) not in CHUNK_STREAMS:
+            return 0  # (an SCD room streams codes, not chunk tiers)
+        return room.last_chunk
+
     def on_prompt_done(self, req) -> bool:
         """The prompt is prefilled; True when the request now waits here for its KV to go out.
         A request with no peer (2.2.2.2, the fake backend) ends now: a prefill server never
@@ -256,17 +269,23 @@ class PrefillRole(PDRole):
             return False
         n = len(req.origin_input_ids)
         if room.trace is not None:
-            room.trace.add("tier", room.forward_end or time.time())  # tiering + caching after the forward
+            now = time.time()
+            room.trace.add("tier", room.forward_end or now, now)  # tiering + caching after the forward
+            spans = self.tiering.prefill_spans.pop(req, []) if self.tiered else []
+            for name, a, b in spans:  # its parts: scores, retier (evictions), then the radix insert
+                room.trace.add(name, a, b)
+            if spans:
+                room.trace.add("cache", max(b for _, _, b in spans), now)
         if self.tiered and room.stream in CHUNK_STREAMS:
             self._finalize_chunks(room, n)
         if self.tiered and room.stream == "int8" and room.streamed:
             room.pending.append(_Range(0, room.streamed, "replace"))
         if room.streamed < n:
-            # tiered "end": two segments, cut at the first chunk's end. A pack costs about the same
-            # host time at any length (one gather / quantize / copy per layer, tier and stream:
-            # launch-bound, ~25 ms per 2048-token segment at b=0.5 on an H200), so the first write
-            # waits for one chunk's pack while the rest goes as one segment, packed under that
-            # write; a segment per chunk would put every further pack in series on the tail
+            # tiered "end": two segments, cut at the first chunk's end. A pack's host time hardly
+            # grows with its length (launch-bound: a fixed number of gathers, codec calls and
+            # copies per tier), so the first write waits for one chunk's pack while the rest goes
+            # as one segment, packed under that write; a segment per chunk would put every
+            # further pack in series on the tail
             cut = [e for e in room.chunk_ends if room.streamed < e < n][:1]
             bounds = [room.streamed, *cut, n]
             room.pending.extend(_Range(a, b, "stored") for a, b in zip(bounds, bounds[1:]))
@@ -510,6 +529,9 @@ class PrefillRole(PDRole):
         self.stats.tokens += len(req.origin_input_ids)
         if room.trace is not None:
             room.trace.add("notice", time.time())
+            pauses = getattr(self, "gc_pauses", None)
+            if pauses is not None:
+                room.trace.spans.extend(pauses.spans(room.trace.start_of("arrival") or 0.0, time.time()))
             msg.trace = room.trace.spans
         self.sender.submit(NoticeJob(room.room, room.claim.reply_to, msg))
 
@@ -564,18 +586,21 @@ class PrefillRole(PDRole):
         self.ctx.retire(req)
 
     def set_link(self, rate_gbps: float, latency_ms: float, stream: str | None = None,
-                 trace: bool | None = None) -> tuple[bool, str]:
+                 trace: bool | None = None, last_chunk: int | None = None) -> tuple[bool, str]:
         """Re-pace the shaped link (the server was started with --kv-transfer-rate-gbps; rate 0:
         unpaced) and, with `stream`, switch --kv-transfer-stream for rooms opened from now on;
         with `trace`, trace those rooms or not (--enable-pd-trace servers: a traced chunk waits
-        for its kernels, so untraced requests give the undisturbed timing). An unshaped link
-        takes rate 0 and latency 0 only (a stream or trace switch)."""
+        for its kernels, so untraced requests give the undisturbed timing); with `last_chunk`,
+        their --kv-transfer-last-chunk. An unshaped link takes rate 0 and latency 0 only (a
+        stream, trace or last-chunk switch)."""
         if self.fake:
             return False, "the fake transfer backend moves no KV"
         if not (0 <= rate_gbps <= 1e6 and 0 <= latency_ms <= 1e6):  # NaN fails every comparison
             return False, "rate_gbps must be in [0, 1e6] (0: unpaced) and latency_ms in [0, 1e6]"
         if stream is not None and stream not in STREAMS:
             return False, f"stream must be one of {STREAMS}, got {stream!r}"
+        if last_chunk is not None and not (last_chunk == 0 or 32 <= last_chunk <= 1 << 20):
+            return False, f"last_chunk must be 0 (off) or tokens in [32, {1 << 20}], got {last_chunk}"
         if trace and not self.settings.trace:
             return False, "tracing needs a server started with --enable-pd-trace"
         shaped = isinstance(self.engine, ShapedTransferEngine)
@@ -585,12 +610,16 @@ class PrefillRole(PDRole):
             self.engine.set_link(rate_gbps, latency_ms)
         self.stream = stream or self.stream
         self.trace_on = self.trace_on if trace is None else trace
-        logger.info("KV link re-paced: %g Gbit/s, %g ms, stream %s, trace %s", rate_gbps, latency_ms, self.stream,
-                    self.trace_on)
-        return True, f"KV link: {rate_gbps:g} Gbit/s, {latency_ms:g} ms, stream {self.stream}, trace {self.trace_on}"
+        self.last_chunk = self.last_chunk if last_chunk is None else last_chunk
+        logger.info("KV link re-paced: %g Gbit/s, %g ms, stream %s, trace %s, last chunk %d", rate_gbps, latency_ms,
+                    self.stream, self.trace_on, self.last_chunk)
+        return True, (f"KV link: {rate_gbps:g} Gbit/s, {latency_ms:g} ms, stream {self.stream}, trace {self.trace_on}, "
+                      f"last chunk {self.last_chunk}")
 
     def close(self) -> None:
         super().close()
+        if getattr(self, "gc_pauses", None) is not None:
+            self.gc_pauses.close()
         if not self.fake:
             self.sender.close()
             self.inbox.close()

@@ -8,7 +8,7 @@ holds the Scheduler itself.
     Scheduler.__init__      role.start(ctx)            once, after the pool and tiering exist
     Scheduler.handle        role.on_new_request(req)   True: the role took the request
                             role.abort(rid, all)       requests the role holds
-                            role.set_link(rate, lat, stream, trace)  POST /kv_transfer_link
+                            role.set_link(rate, lat, ...)   POST /kv_transfer_link
     Scheduler.step          role.poll()                first, every iteration
                             role.before_forward(b, fb) EXTEND batches, before the forward
                             role.after_forward(batch)  every batch, results applied, before tiering
@@ -74,7 +74,7 @@ class PDRole:
         pass
 
     def set_link(self, rate_gbps: float, latency_ms: float, stream: str | None = None,
-                 trace: bool | None = None) -> tuple[bool, str]:
+                 trace: bool | None = None, last_chunk: int | None = None) -> tuple[bool, str]:
         return False, "not a prefill server (--disaggregation-mode prefill)"
 
     def poll(self) -> None:
@@ -88,6 +88,10 @@ class PDRole:
 
     def on_chunk(self, req, start: int, end: int) -> None:
         pass
+
+    def last_chunk_tokens(self, req) -> int:
+        """Tokens the scheduler computes as req's last chunk on their own (0: none)."""
+        return 0
 
     def on_prompt_done(self, req) -> bool:
         return False

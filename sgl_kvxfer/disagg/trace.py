@@ -11,11 +11,17 @@ both sides into its reply's `meta_info.kv_transfer.trace`:
                             is closed) to a device synchronize (a GPU chunk ends when its
                             kernels do, and those of a chunk launched after it)
              chunk_tier[a:b]  tiers chosen for a streamed chunk (`--kv-transfer-stream chunk`)
-             tier           the last chunk's end -> the prompt is tiered and cached
+             tier           the last chunk's end -> the prompt is tiered and cached; within it
+                            (b < 1) tier_scores (the importance read back to the host),
+                            tier_retier (tiers assigned, KV moved to the int stores),
+                            tier_evict (the retier's summed radix evictions for int-store room,
+                            drawn from its start) and cache (the prompt into the radix cache)
              pack[s]        segment s: the gather-pack and checksum launched (on CPU: done)
              pack_wait[s]   segment s, CUDA: the sender thread waiting for those kernels
              wire[s]        segment s: the engine's write
              notice         KVDone on its way
+             gc             a pause of Python's garbage collector over 1 ms while the room
+                            was open (any generation: `gc<g>` in the span list)
     decode   bootstrap      arrival -> the claim is sent (bootstrap lookup, staging, request row)
              unpack[s]      segment s: checksum verified, slots allocated, unpack launched
              unpack_wait    GPU staging: the last unpack's kernels finishing (its acks wait on them)
@@ -28,7 +34,9 @@ stretch over 1 ms with the spans around it.
 """
 from __future__ import annotations
 
+import gc
 import time
+from collections import deque
 
 
 class PhaseTrace:
@@ -42,6 +50,34 @@ class PhaseTrace:
 
     def start_of(self, name: str) -> float | None:
         return next((s for n, s, _ in self.spans if n == name), None)
+
+
+class GCPauses:
+    """The process's garbage-collector pauses (gc.callbacks), the latest `keep`, for the trace: a
+    collection of the oldest generation in a server process can take tens of ms."""
+
+    def __init__(self, keep: int = 256, min_s: float = 1e-3):
+        self.pauses: deque = deque(maxlen=keep)  # (generation, start, end) in time.time() seconds
+        self.min_s = min_s
+        self._start: float | None = None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.time()
+        elif self._start is not None:
+            end = time.time()
+            if end - self._start > self.min_s:
+                self.pauses.append((info.get("generation", -1), self._start, end))
+            self._start = None
+
+    def spans(self, t0: float, t1: float) -> list[list]:
+        """Pauses overlapping [t0, t1] as trace spans [f"gc{generation}", start, end]."""
+        return [[f"gc{g}", s, e] for g, s, e in list(self.pauses) if e > t0 and s < t1]
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
 
 def _gaps(spans: list[list], t0: float, t1: float, min_gap: float = 1e-3) -> tuple[float, list]:

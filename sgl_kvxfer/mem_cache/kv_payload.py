@@ -189,6 +189,8 @@ def _pack_tier(pool, layers: list, tier: int, ids: torch.Tensor, held: torch.Ten
     """One wire tier's streams of tokens `ids` (host) into `dests` (one [L, H, n, wb] uint8 view
     per stream): stored codes for the `held` ones, the others read at the model dtype and
     quantized (fp16: copied)."""
+    if _pack_tier_stacked(pool, layers, tier, ids, held, dests):
+        return
     n, dev = ids.numel(), pool.device
     to_dev = pool._to_device if hasattr(pool, "_to_device") else (lambda x: x.to(dev))
     stored = held.nonzero().squeeze(1)
@@ -239,6 +241,84 @@ def _pack_tier(pool, layers: list, tier: int, ids: torch.Tensor, held: torch.Ten
                 d.index_copy_(2, at, _bytes(x))
             else:
                 d.copy_(_bytes(x), non_blocking=True)
+
+
+def _stacked(pool, layers: list, tier: int, stored: bool, read_rows: torch.Tensor | None):
+    """(fp16 rows [L, rows, Hkv, D] x2, int store of `tier` over all layers) when the pool keeps
+    every layer in one tensor (TieredKVPool.stacked_rows / stacked_store) and this tier's tokens
+    can be taken from it: None otherwise (the per-layer path)."""
+    if getattr(pool, "layout", "") != "tiered" or not hasattr(pool, "stacked_rows"):
+        return None
+    k16, v16 = pool.stacked_rows()
+    if k16.shape[0] != len(layers) or layers != list(range(len(layers))):
+        return None
+    store = pool.stacked_store(tier) if tier != TIER_FP16 else None
+    if stored and store is None:
+        return None
+    # tokens read at the model dtype must all sit in the fp16 store (no dequantized reads)
+    if read_rows is not None and read_rows.numel() and not bool((read_rows < pool.base(TIER_INT8)).all()):
+        return None
+    return k16, v16, store
+
+
+def _pack_tier_stacked(pool, layers: list, tier: int, ids: torch.Tensor, held: torch.Tensor, dests) -> bool:
+    """_pack_tier over every layer at once: one gather per stream for all layers' stored codes,
+    one gather of all layers' fp16 rows (per layer group when quantized), one copy per stream
+    (per group) into `dests`. False (nothing written): the pool is not stacked, or tokens read at
+    the model dtype are not fp16-store rows; the per-layer path runs instead."""
+    n, dev = ids.numel(), pool.device
+    stored = held.nonzero().squeeze(1)
+    read = (~held).nonzero().squeeze(1)
+    got = _stacked(pool, layers, tier, bool(stored.numel()), ids[read] if read.numel() else None)
+    if got is None:
+        return False
+    k16, v16, store = got
+    to_dev = pool._to_device
+    L, H, Dh = len(layers), pool.num_kv_heads, pool.head_dim
+    mixed = 0 < stored.numel() < n
+
+    def put(dest: torch.Tensor, x: torch.Tensor, at) -> None:  # dest [g, H, n, wb]; x [g, m, H, W]
+        if at is None:
+            dest.copy_(_bytes(x), non_blocking=True)
+        else:
+            dest.index_copy_(2, at, _bytes(x))
+
+    if stored.numel():
+        s = stored.numel()
+        page, off = pool.page_offset(tier, ids[stored])
+        # layer l's page p is page l * pages + p of the stacked store
+        pages = (torch.arange(L, dtype=page.dtype)[:, None] * pool.num_pages(tier) + page[None, :]).reshape(-1)
+        parts = store.codes(to_dev(pages), to_dev(off.repeat(L)))
+        at = to_dev(stored) if mixed else None
+        for dest, x in zip(dests, parts):
+            put(dest, x.view(L, s, *x.shape[1:]), at)
+    if not read.numel():
+        return True
+    m, R = read.numel(), k16.shape[1]
+    at = to_dev(read) if mixed else None
+    per_layer = 2 * m * H * Dh
+    cap = _QUANT_GROUP_ELEMS if torch.device(dev).type == "cuda" else min(_QUANT_GROUP_ELEMS, _QUANT_GROUP_ELEMS_HOST)
+    step = L if tier == TIER_FP16 else max(1, min(L, cap // per_layer))
+    # rows of a group of layers in the [layers * R, Hkv, D] view: (layer - first) * R + row (a
+    # gather along dim 0: the contiguous-row path, several times faster on the host than dim 1)
+    rows = to_dev((torch.arange(step)[:, None] * R + ids[read][None, :]).reshape(-1))
+
+    def gather(x: torch.Tensor, l0: int, g: int, out=None) -> torch.Tensor:  # -> [g * m, Hkv, D]
+        return torch.index_select(x[l0:l0 + g].reshape(g * R, H, Dh), 0, rows[:g * m], out=out)
+
+    if tier == TIER_FP16:  # model dtype: all layers' rows in one gather per K / V
+        for dest, x in zip(dests, (k16, v16)):
+            put(dest, gather(x, 0, L).view(L, m, H, Dh), at)
+        return True
+    for l0 in range(0, L, step):
+        g = min(step, L - l0)
+        kv = torch.empty((2, g, m, H, Dh), dtype=pool.dtype, device=dev)
+        gather(k16, l0, g, kv[0].view(g * m, H, Dh))
+        gather(v16, l0, g, kv[1].view(g * m, H, Dh))
+        q, sc, zr = tc.quantize(kv, _BITS[tier], group_size(pool))
+        for dest, x in zip(dests, (q[0], q[1], sc[0], zr[0], sc[1], zr[1])):
+            put(dest[l0:l0 + g], x, at)
+    return True
 
 
 def pack_segment_reference(pool: KVPool, slots: torch.Tensor, wire_tiers: torch.Tensor | None,
@@ -324,6 +404,8 @@ def unpack_segment(pool: KVPool, payload: torch.Tensor, lens, slots_by_tier: tup
     # where each fp16-tier token goes, worked out once (a tiered pool's set_kv would split the
     # ids on the device, a host sync per layer)
     route16 = pool.route(slots_by_tier[TIER_FP16]) if tiered and lay.lens[TIER_FP16] else None
+    if _unpack_stacked(pool, payload, lay, slots_by_tier, direct, route16):
+        return
     pos = 0
     for layer in range(pool.num_layers):
         if not pool.stores_layer(layer):
@@ -350,6 +432,62 @@ def unpack_segment(pool: KVPool, payload: torch.Tensor, lens, slots_by_tier: tup
                 v = tc.dequantize(vq, vs, vz, _BITS[tier], g, dtype)
                 pool.set_kv(layer, slots, k, v)
     assert pos == lay.total_bytes, (pos, lay.total_bytes)
+
+
+def _unpack_stacked(pool, payload: torch.Tensor, lay: SegmentLayout, slots_by_tier: tuple, direct: dict,
+                    route16) -> bool:
+    """unpack_segment over every layer at once: one scatter per stream for all layers. Taken when
+    the pool is stacked (TieredKVPool.stacked_rows / stacked_store), every stored layer is in it,
+    fp16 tokens go to fp16-store rows and int tokens to their own store (codes as they are);
+    False (nothing written) otherwise."""
+    layers = [i for i in range(pool.num_layers) if pool.stores_layer(i)]
+    if not hasattr(pool, "stacked_rows"):
+        return False
+    k16, v16 = pool.stacked_rows()
+    if k16.shape[0] != len(layers) or layers != list(range(len(layers))):
+        return False
+    if lay.lens[TIER_FP16] and not (len(route16.parts) == 1 and route16.parts[0][0] == TIER_FP16
+                                    and route16.parts[0][1] is None):
+        return False
+    for t in (TIER_INT8, TIER_INT4):
+        if lay.lens[t] and (t not in direct or pool.stacked_store(t) is None):
+            return False
+    L, H, D = len(layers), pool.num_kv_heads, pool.head_dim
+    gs = D // group_size(pool)
+    by_layer = payload[:lay.total_bytes].view(L, lay.layer_bytes)
+    dev, pos = pool.device, 0
+
+    def streams(n: int, widths) -> list:
+        """The next len(widths) streams of every layer, each [L, n, H, w] (views, then on the pool's device)."""
+        nonlocal pos
+        out = []
+        for w, dtype in widths:
+            nb = H * n * w * (torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 1)
+            out.append(by_layer[:, pos:pos + nb].view(dtype).view(L, H, n, w).transpose(1, 2).to(dev))
+            pos += nb
+        return out
+
+    for tier in (TIER_FP16, TIER_INT8, TIER_INT4):
+        n = lay.lens[tier]
+        if n == 0:
+            continue
+        assert slots_by_tier[tier].numel() == n, (tier, slots_by_tier[tier].numel(), n)
+        if tier == TIER_FP16:
+            # layer l's row r is row l * R + r of the [L * R, Hkv, D] view (a scatter along dim 0)
+            R = k16.shape[1]
+            rows = route16.parts[0][2].long()  # index_copy_ takes int64 indices only
+            rows = (torch.arange(L, device=rows.device)[:, None] * R + rows[None, :]).reshape(-1)
+            for dst, x in zip((k16, v16), streams(n, [(D, pool.dtype)] * 2)):
+                dst.view(L * R, H, D).index_copy_(0, rows, x.reshape(L * n, H, D))
+            continue
+        width = D if tier == TIER_INT8 else D // 2
+        parts = streams(n, [(width, torch.uint8)] * 2 + [(gs, torch.float16)] * 4)
+        page, off = direct[tier]
+        # layer l's page p is page l * pages + p of the stacked store; indices [L, n] pick [L, n, H, w]
+        page = page.reshape(1, -1) + (torch.arange(L, device=page.device) * pool.num_pages(tier))[:, None]
+        pool.stacked_store(tier).put_codes(page, off.reshape(1, -1).expand(L, -1), parts)
+    assert pos == lay.layer_bytes, (pos, lay.layer_bytes)
+    return True
 
 
 def wire_tier_of(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from sgl_kvxfer.kernels.paged_layout import TierPages, int_tier_pages
+from sgl_kvxfer.kernels.paged_layout import TierPages, block_bytes, int_tier_pages
 from sgl_kvxfer.kernels.tier_codec import TIER_BITS, dequantize, payload_bytes
 from sgl_kvxfer.mem_cache.kv_pool import KVPool
 from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
@@ -94,8 +94,11 @@ class TieredKVPool(KVPool):
         self.group_size = group_size
         self.page_size = page_size  # of the int stores (the fp16 store is slot-granular)
         shape = (plan.n16 + 2, num_kv_heads, head_dim)  # + padding row 0 and the scratch row
-        self.k16 = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v16 = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # every layer's rows in one tensor [L, rows, Hkv, D]; k16[layer] is a view of it, so a
+        # transfer gathers or scatters all layers' rows in one op (stacked_rows, kv_payload.py)
+        self._k16_all = torch.zeros((num_layers, *shape), dtype=dtype, device=device)
+        self._v16_all = torch.zeros((num_layers, *shape), dtype=dtype, device=device)
+        self.k16, self.v16 = list(self._k16_all.unbind(0)), list(self._v16_all.unbind(0))
         self.scratch_slot = plan.n16 + 1  # CUDA-graph padding rows write here; never handed out
         self._alloc_int_stores(plan)
         self._occupancy: Callable[[], dict[int, int]] | None = None
@@ -113,9 +116,32 @@ class TieredKVPool(KVPool):
         self.plan = plan
         self.size = plan.total
         counts = {TIER_INT8: plan.n8, TIER_INT4: plan.n4}
+        self._int_all = {}  # tier -> TierPages of every layer's blocks (uniform page-head formats)
+        if self.formats.is_uniform:
+            # one [L * pages, Hkv, BLOCK] tensor per tier and K / V; each layer's store is a view
+            self.stores = {}
+            for t in INT_TIERS:
+                n = counts[t] // P
+                shape = (self.num_layers * n, self.num_kv_heads, block_bytes(t, P, self.head_dim, self.group_size))
+                k = torch.zeros(shape, dtype=torch.uint8, device=self.device)
+                v = torch.zeros(shape, dtype=torch.uint8, device=self.device)
+                self._int_all[t] = TierPages(t, k, v, P, self.head_dim, self.group_size)
+                self.stores[t] = [TierPages(t, k[l * n:(l + 1) * n], v[l * n:(l + 1) * n], P, self.head_dim,
+                                            self.group_size) for l in range(self.num_layers)]
+            return
         self.stores = {t: [_int_pages(self.formats.of(t, layer), counts[t] // P, P, self.num_kv_heads, self.head_dim,
                                       self.group_size, self.device) for layer in range(self.num_layers)]
                        for t in INT_TIERS}
+
+    # ------------------------------------------------------------------ all layers at once
+    def stacked_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) fp16-store rows of every layer, [L, rows, Hkv, D] (k16[layer] is [layer])."""
+        return self._k16_all, self._v16_all
+
+    def stacked_store(self, tier: int) -> TierPages | None:
+        """Every layer's int store `tier` as one TierPages of L * num_pages(tier) pages: layer l's
+        page p is page l * num_pages(tier) + p. None: per-layer formats (not stacked)."""
+        return self._int_all.get(tier)
 
     # ------------------------------------------------------------------ slot id ranges
     def num_slots(self, tier: int) -> int:

@@ -49,11 +49,13 @@ class SetKVLinkReq(msgspec.Struct, tag=True):
     """Re-pace a prefill server's shaped KV link (POST /kv_transfer_link), so one server pair
     serves a sweep of link rates (0: unpaced) and, with `stream`, of --kv-transfer-stream
     variants (rooms opened afterwards use it); with `trace`, whether rooms opened afterwards are
-    traced (a server started with --enable-pd-trace only)."""
+    traced (a server started with --enable-pd-trace only); with `last_chunk`, their
+    --kv-transfer-last-chunk."""
     rate_gbps: float
     latency_ms: float = 0.0
     stream: str | None = None
     trace: bool | None = None
+    last_chunk: int | None = None
 
 
 # ---------------------------------------------------------------- from the scheduler

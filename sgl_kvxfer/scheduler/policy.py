@@ -33,12 +33,15 @@ class PrefillAdder:
         self.num_added = 0
         self.chunked_added = False
 
-    def try_add(self, extend_len: int, decode_reserve: int) -> Admission | None:
+    def try_add(self, extend_len: int, decode_reserve: int, limit: int | None = None) -> Admission | None:
+        """`limit`: at most this many tokens of the request in this batch (a chunk cut short)."""
         if self.num_added >= self.max_new_reqs or self.chunked_added or self.token_budget <= 0:
             return None
         take = min(extend_len, self.token_budget)
         if self.chunk_size is not None:
             take = min(take, self.chunk_size)
+        if limit is not None:
+            take = min(take, max(1, limit))
         chunked = take < extend_len
         slack = self.page_slack
         need = take + slack + (0 if chunked else decode_reserve)

@@ -90,7 +90,8 @@ class Scheduler:
         if isinstance(msg, GetInternalStateReq):
             return self.internal_state()
         if isinstance(msg, SetKVLinkReq):
-            return SetKVLinkResult(*self.role.set_link(msg.rate_gbps, msg.latency_ms, msg.stream, msg.trace))
+            return SetKVLinkResult(*self.role.set_link(msg.rate_gbps, msg.latency_ms, msg.stream, msg.trace,
+                                                                msg.last_chunk))
         raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
@@ -400,7 +401,8 @@ class Scheduler:
     def _add_slice(self, batch, room: list[int], adder, req: Req, admitted: bool) -> bool:
         """Add req's next slice if it fits; room[0]: slots the batch's slices so far will take."""
         remaining = req.seq_len - req.kv_len
-        adm = adder.try_add(remaining, decode_reserve(req.remaining_new_tokens, self.new_token_ratio))
+        adm = adder.try_add(remaining, decode_reserve(req.remaining_new_tokens, self.new_token_ratio),
+                            self._chunk_limit(req, remaining))
         if adm is None:
             return False
         need = self.kv.slots_needed([req.kv_len], [adm.extend_len])
@@ -415,6 +417,15 @@ class Scheduler:
         if adm.chunked:
             self.chunked = req
         return True
+
+    def _chunk_limit(self, req: Req, remaining: int) -> int | None:
+        """Tokens of req's next chunk when its role wants the last `last` tokens on their own:
+        what remains is one chunk and at least twice `last`, so this chunk stops `last` short."""
+        chunk = self.config.resolved_chunked_prefill_size
+        if not self._role_prefill or chunk is None:
+            return None
+        last = self.role.last_chunk_tokens(req)
+        return remaining - last if last and 2 * last <= remaining <= chunk else None
 
     def _decode_batch(self) -> ScheduleBatch | None:
         if not self.running:

@@ -31,6 +31,7 @@ PD transfer, and leave generated tokens fp16.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -103,6 +104,9 @@ class EngineTiering:
         # (decode tokens are private to the request until it finishes, so it holds the whole page)
         self._tails: WeakKeyDictionary = WeakKeyDictionary()
         self.records: deque[TierRecord] = deque(maxlen=4096)
+        # req -> [(name, start, end)] time.time() spans of its prompt's tiering (the PD trace)
+        self.prefill_spans: WeakKeyDictionary = WeakKeyDictionary()
+        self._evict_s = 0.0  # seconds _make_room spent evicting, summed
         # offline tools set this to read which tokens got which tier (one byte per token per record)
         self.keep_tier_maps = False
         self.cold = None
@@ -254,14 +258,23 @@ class EngineTiering:
         acc = self._acc.pop(req, None)
         if n <= start:
             return
+        t0 = time.time()
         slots = self.table.read(req.req_pool_idx, n).cpu()  # ids on the host: retier's routing runs no sync
         if self.config.kv_importance.startswith("attn") and acc is not None and acc.has_data and acc.num_tokens == n:
-            attn = acc.scores().cpu()
+            attn = acc.scores().cpu()  # (on a GPU: waits for the prompt's last forward)
         else:  # norm mode, or a backend that feeds no observer
             attn = self._norm_importance(slots)
         importance = token_importance(attn, self.settings.recency_lambda)[start:]
         sinks = max(0, self.policy.sink_count(self.config.kv_sink_tokens) - start)
+        t1 = time.time()
+        evict0 = self._evict_s
         self._retier(req, start, slots[start:], importance, sinks)
+        t2 = time.time()
+        # tier_evict: the summed time the retier spent evicting radix leaves for room in an int
+        # store, drawn from the retier's start (the evictions interleave with its data moves)
+        evict = self._evict_s - evict0
+        self.prefill_spans[req] = [("tier_scores", t0, t1), ("tier_retier", t1, t2)] + (
+            [("tier_evict", t1, t1 + evict)] if evict > 0 else [])
         self._tiered_len[req] = n
         self._tails.pop(req, None)  # a re-prefilled (retracted) request starts fresh pages
 
@@ -343,7 +356,9 @@ class EngineTiering:
         """A tier store is short: evict LRU cache leaves until `count` more of its tokens are
         free in whole pages (a page frees with its last live id)."""
         if self.kv.tree is not None:
+            t0 = time.perf_counter()
             self.kv.tree.evict(count, reclaim=self.allocator.page_reclaimer(tier))
+            self._evict_s += time.perf_counter() - t0
 
     def _norm_importance(self, slots: torch.Tensor) -> torch.Tensor:
         """KV-norm importance of `slots`, accumulated on the pool's device (one copy back)."""

@@ -148,7 +148,8 @@ async def flush_cache(request: Request, timeout: float = 0.0):
 async def kv_transfer_link(request: Request):
     """Re-pace a prefill server's shaped KV link: {"rate_gbps": float (0: unpaced), "latency_ms":
     float, "stream": str (optional: --kv-transfer-stream for rooms opened from now on), "trace":
-    bool (optional: trace rooms opened from now on; a server started with --enable-pd-trace)}.
+    bool (optional: trace rooms opened from now on; a server started with --enable-pd-trace),
+    "last_chunk": int (optional: --kv-transfer-last-chunk for rooms opened from now on)}.
     Ours, not SGLang's: benchmarks sweep link rates and streams on one server pair (benchmarks/pd/)."""
     body, err = await read_json_body(request)
     if err is not None:
@@ -162,10 +163,13 @@ async def kv_transfer_link(request: Request):
         trace = body.get("trace")
         if trace is not None and not isinstance(trace, bool):
             raise TypeError("trace")
+        last_chunk = body.get("last_chunk")
+        if last_chunk is not None and (isinstance(last_chunk, bool) or not isinstance(last_chunk, int)):
+            raise TypeError("last_chunk")
     except (TypeError, KeyError, AttributeError, RequestError):
         return openai_error("body must be {\"rate_gbps\": float, \"latency_ms\": float (finite), "
-                            "\"stream\": str, \"trace\": bool}", 400)
-    result = await _tm(request).set_kv_link(rate, latency, stream, trace)
+                            "\"stream\": str, \"trace\": bool, \"last_chunk\": int}", 400)
+    result = await _tm(request).set_kv_link(rate, latency, stream, trace, last_chunk)
     return PlainTextResponse(result.message, status_code=200 if result.success else 400)
 
 

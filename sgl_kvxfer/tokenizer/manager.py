@@ -278,8 +278,10 @@ class TokenizerManager:
         return await self._round_trip(self._flush_waiters, FlushCacheReq(), timeout)
 
     async def set_kv_link(self, rate_gbps: float, latency_ms: float, stream: str | None = None,
-                          trace: bool | None = None, timeout: float = 10.0) -> SetKVLinkResult:
-        return await self._round_trip(self._link_waiters, SetKVLinkReq(rate_gbps, latency_ms, stream, trace), timeout)
+                          trace: bool | None = None, last_chunk: int | None = None,
+                          timeout: float = 10.0) -> SetKVLinkResult:
+        return await self._round_trip(self._link_waiters, SetKVLinkReq(rate_gbps, latency_ms, stream, trace, last_chunk),
+                                      timeout)
 
     async def health_generate(self, timeout: float = HEALTH_CHECK_TIMEOUT) -> bool:
         """Healthy if the scheduler sends anything back in time. The probe request is answered

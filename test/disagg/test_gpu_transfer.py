@@ -130,6 +130,8 @@ def test_segment_packs_into_and_unpacks_from_gpu_buffers():
             sent = src.stored_codes(layer, t, slots[(wire == t).to(slots.device)])
             landed = dst.stored_codes(layer, t, got[t])
             assert all(torch.equal(a, b) for a, b in zip(sent, landed))
+        sent16 = src.get_kv(layer, slots[(wire == 0).to(slots.device)])
+        assert all(torch.equal(a, b) for a, b in zip(sent16, dst.get_kv(layer, got[0])))
 
 
 @needs_two
@@ -157,7 +159,7 @@ def test_base_gpu_id_puts_the_engine_on_that_gpu():
 def test_pack_segment_on_the_gpu_equals_the_reference(host_out):
     """The batched pack on a CUDA pool writes the bytes of the layer-by-layer reference, into a
     GPU payload or (staged) a pinned host one: stored tiers, fp16 tokens quantized on the way,
-    and a tier mixing both."""
+    a tier mixing both, and fp16-held tokens only (a chunk stream's segment: all layers at once)."""
     from sgl_kvxfer.mem_cache.kv_payload import pack_segment, pack_segment_reference, segment_layout, tier_counts
     from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
     from sgl_kvxfer.mem_cache.tiered_allocator import TieredSlotAllocator
@@ -174,8 +176,10 @@ def test_pack_segment_on_the_gpu_equals_the_reference(host_out):
                     torch.randn(n, H, D, generator=gen).cuda())
     half = torch.randint(0, 3, (n // 2,), generator=gen, dtype=torch.int8)
     tiered, _ = alloc.retier(slots[: n // 2], half)  # the first half at stored tiers, the rest fp16
-    ids = torch.cat([tiered, slots[n // 2:]])
-    for wire in (torch.randint(0, 3, (n,), generator=gen, dtype=torch.int8), torch.full((n,), 1, dtype=torch.int8)):
+    mixed, fresh = torch.cat([tiered, slots[n // 2:]]), slots[n // 2:]
+    for ids, wire in ((mixed, torch.randint(0, 3, (n,), generator=gen, dtype=torch.int8)),
+                      (mixed, torch.full((n,), 1, dtype=torch.int8)),
+                      (fresh, torch.randint(0, 3, (fresh.numel(),), generator=gen, dtype=torch.int8))):
         nbytes = segment_layout(pool, tier_counts(wire)).total_bytes
         fast = torch.zeros(nbytes, dtype=torch.uint8, device="cpu" if host_out else "cuda")
         if host_out:

@@ -227,7 +227,7 @@ def test_the_link_route_rejects_bad_values():
 
     role = object.__new__(PrefillRole)
     role.fake, role.stream, role.engine = False, "end", ShapedTransferEngine(Engine(), 10.0)
-    role.settings, role.trace_on = SimpleNamespace(trace=False), False
+    role.settings, role.trace_on, role.last_chunk = SimpleNamespace(trace=False), False, 512
     for rate, lat, stream in ((float("nan"), 0, None), (-1, 0, None), (1, float("inf"), None), (1e9, 0, None),
                               (1, 0, "fast")):
         ok, msg = role.set_link(rate, lat, stream)
@@ -238,8 +238,32 @@ def test_the_link_route_rejects_bad_values():
     assert role.set_link(0, 0, None, False)[0] and not role.trace_on and role.stream == "chunk"
     assert role.set_link(0, 0)[0] and not role.trace_on  # no trace given: unchanged
     assert role.set_link(0, 0, None, True)[0] and role.trace_on
+    for bad in (-1, 16, 1 << 21):
+        assert not role.set_link(0, 0, None, None, bad)[0] and role.last_chunk == 512
+    assert role.set_link(0, 0, None, None, 0)[0] and role.last_chunk == 0
+    assert role.set_link(0, 0)[0] and role.last_chunk == 0  # none given: unchanged
     role.engine = Engine()  # not shaped: a stream switch only
     assert not role.set_link(5, 0)[0] and role.set_link(0, 0, "end")[0] and role.stream == "end"
+
+
+def test_gc_pauses_become_trace_spans():
+    import gc
+
+    from sgl_kvxfer.disagg.trace import GCPauses
+
+    pauses = GCPauses(min_s=0.0)
+    try:
+        t0 = time.time()
+        garbage = [[i] for i in range(20000)]
+        gc.collect()
+        t1 = time.time()
+        spans = pauses.spans(t0, t1)
+        assert any(name == "gc2" and t0 <= s <= e <= t1 for name, s, e in spans), spans
+        assert pauses.spans(t1 + 1, t1 + 2) == []  # nothing outside the window
+    finally:
+        pauses.close()
+    assert pauses._on_gc not in gc.callbacks
+    del garbage
 
 
 def test_trace_render_finds_the_uncovered_stretches():

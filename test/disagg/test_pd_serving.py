@@ -319,6 +319,15 @@ def test_tiered_pd_matches_the_tiered_single_server():
             ratios[stream] = kv["bytes_per_token"] / full
         assert 0.2 < ratios["chunk"] <= 0.5 and ratios["chunk"] <= ratios["chunk-upgrade"] <= 1.0, ratios
         assert requests.post(p_int8.url + "/kv_transfer_link", json={"rate_gbps": 5}).status_code == 400  # not shaped
+        for bad in (-1, 16, 1 << 21, 1.5, "512", True, None, float("nan")):
+            body = {"rate_gbps": 0, "last_chunk": bad}
+            if bad is None:
+                body["last_chunk"] = [512]
+            r = requests.post(p_int8.url + "/kv_transfer_link", data=json.dumps(body, allow_nan=True), timeout=30,
+                              headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, (bad, r.status_code, r.text)
+        r = requests.post(p_int8.url + "/kv_transfer_link", json={"rate_gbps": 0, "last_chunk": 0}, timeout=30)
+        assert r.status_code == 200 and "last chunk 0" in r.text, r.text
     finally:
         stop_all(router, p_end, p_int8, d, s)
 

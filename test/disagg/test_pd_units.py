@@ -199,6 +199,66 @@ def test_auto_stream_is_chunk_on_a_paced_gpu_link_int8_unpaced_from_half_budget_
         stream(0.5, "fast")
 
 
+def test_last_chunk_cuts_the_final_chunk_short_for_tiered_chunk_streams_only():
+    """--kv-transfer-last-chunk: a prompt whose rest is one chunk and at least twice N is cut so
+    its last N tokens are a chunk of their own; other roles (N = 0) chunk as before."""
+    from types import SimpleNamespace
+
+    from sgl_kvxfer.scheduler.policy import PrefillAdder
+    from sgl_kvxfer.scheduler.scheduler import Scheduler
+
+    def chunks(prompt: int, chunk: int | None, last: int) -> list[int]:
+        me = SimpleNamespace(config=SimpleNamespace(resolved_chunked_prefill_size=chunk), _role_prefill=True,
+                             role=SimpleNamespace(last_chunk_tokens=lambda req: last))
+        out, done = [], 0
+        while done < prompt:
+            adm = PrefillAdder(1 << 20, chunk, 1 << 20, 8).try_add(
+                prompt - done, 0, Scheduler._chunk_limit(me, None, prompt - done))
+            assert adm.chunked == (done + adm.extend_len < prompt)
+            out.append(adm.extend_len)
+            done += adm.extend_len
+        return out
+
+    assert chunks(8192, 2048, 512) == [2048, 2048, 2048, 1536, 512]
+    assert chunks(8192, 2048, 0) == [2048] * 4
+    assert chunks(2048, 2048, 512) == [1536, 512]
+    assert chunks(1000, 2048, 512) == [1000]  # under twice N: one chunk
+    assert chunks(1024, 2048, 512) == [512, 512]
+    assert chunks(4100, 2048, 512) == [2048, 2048, 4]  # a rest under 2 N stays whole
+    assert chunks(8192, None, 512) == [8192]  # no chunking: nothing to cut
+    assert chunks(8192, 2048, 1024) == [2048, 2048, 2048, 1024, 1024]
+    assert chunks(64, 64, 32) == [32, 32]
+
+
+def test_last_chunk_is_asked_for_tiered_chunk_stream_rooms_only():
+    from types import SimpleNamespace
+
+    from sgl_kvxfer.disagg.prefill import PrefillRole
+    from sgl_kvxfer.disagg.role import PDRole
+
+    def asked(tiered: bool, stream: str | None, last: int = 256) -> int:
+        room = None if stream is None else SimpleNamespace(stream=stream, last_chunk=last)
+        return PrefillRole.last_chunk_tokens(SimpleNamespace(tiered=tiered, _room_of=lambda req: room), object())
+
+    assert [asked(True, s) for s in ("chunk", "chunk-upgrade", "end", "int8")] == [256, 256, 0, 0]
+    assert asked(False, "chunk") == 0 and asked(True, None) == 0 and asked(True, "chunk", 0) == 0
+    assert PDRole().last_chunk_tokens(object()) == 0
+
+
+def test_last_chunk_flag_is_validated():
+    from sgl_kvxfer.config import ServerArgs
+    from sgl_kvxfer.server.flags import parse_server_args
+
+    assert ServerArgs.from_flat().scheduler.kv_transfer_last_chunk == 512
+    assert parse_server_args(["--kv-transfer-last-chunk", "0"]).scheduler.kv_transfer_last_chunk == 0
+    for bad in (-1, 16, 1 << 21, 1.5, float("nan"), "512", True):
+        with pytest.raises(ValueError, match="kv_transfer_last_chunk"):
+            ServerArgs.from_flat(kv_transfer_last_chunk=bad)
+    for bad in ("nan", "inf", "-1", "16", "2e9", "1.5", "soon"):
+        with pytest.raises(SystemExit):  # argparse's error, naming the flag
+            parse_server_args(["--kv-transfer-last-chunk", bad])
+
+
 def test_mooncake_start_writes_nothing_to_stderr():
     """glog's pre-init notice and the handshake's own-segment lookup line are not the user's
     concern: an engine start prints nothing (disagg/mooncake.py)."""

@@ -127,15 +127,21 @@ def _both(pool, slots, wire):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", ["stored", "requant", "mixed", "fp16_only", "all_fp16_pool"])
+@pytest.mark.parametrize("case", ["stored", "requant", "mixed", "mixed16", "fp16_only", "all_fp16_pool"])
 def test_pack_fast_path_equals_reference(dtype, case, monkeypatch):
     """The batched pack (host split once, all layers' quantization in one codec call, strided
-    copies into the payload) writes the reference's bytes exactly, in every mix the PD path
-    uses: stored tiers ("end"), fp16-held tokens quantized on the way ("chunk" / "int8"),
-    a tier whose tokens are partly stored and partly quantized, and layer groups split."""
+    copies into the payload; from a tiered pool every layer in one gather per stream) writes the
+    reference's bytes exactly, in every mix the PD path uses: stored tiers ("end"), fp16-held
+    tokens quantized on the way ("chunk" / "int8"), a tier whose tokens are partly stored and
+    partly quantized (from the fp16 store: "mixed16", the all-layer path; from another int store:
+    "mixed", the per-layer one), and layer groups split."""
     import sgl_kvxfer.mem_cache.kv_payload as kp
 
     monkeypatch.setattr(kp, "_QUANT_GROUP_ELEMS", 2 * 7 * H * D)  # forces several layer groups
+    monkeypatch.setattr(kp, "_QUANT_GROUP_ELEMS_HOST", 2 * 7 * H * D)
+    taken = []
+    stacked = kp._pack_tier_stacked
+    monkeypatch.setattr(kp, "_pack_tier_stacked", lambda *a: taken.append(stacked(*a)) or taken[-1])
     gen = torch.Generator().manual_seed(3)
     if case == "all_fp16_pool":
         pool, alloc = fp16(dtype)
@@ -152,10 +158,42 @@ def test_pack_fast_path_equals_reference(dtype, case, monkeypatch):
         slots, held = slots[live], held[live]
         wire = {"stored": held, "fp16_only": torch.randint(0, 3, (slots.numel(),), generator=gen, dtype=torch.int8),
                 "requant": torch.where(held == TIER_FP16, torch.full_like(held, TIER_INT8), held),
-                "mixed": torch.full_like(held, TIER_INT8)}[case]
+                "mixed": torch.full_like(held, TIER_INT8),
+                "mixed16": torch.where(held == TIER_INT4, held, torch.full_like(held, TIER_INT8))}[case]
     fast, ref = _both(pool, slots, wire)
     assert torch.equal(fast, ref)
     assert fast[-5:].tolist() == [7] * 5  # nothing written past the segment
+    # which path packed each tier: all layers at once unless a token is read from an int store
+    assert taken and all(taken) == any(taken) == (case not in ("mixed", "all_fp16_pool")), taken
+
+
+def test_unpack_all_layers_at_once_writes_what_the_layer_loop_writes(monkeypatch):
+    """The decode side: a tiered segment unpacked into a tiered pool in one scatter per stream
+    (every layer) leaves the pool's storage byte for byte as the per-layer loop does."""
+    import sgl_kvxfer.mem_cache.kv_payload as kp
+
+    src, sa = tiered(torch.bfloat16)
+    slots, _ = fill(src, sa, 14, seed=4)
+    slots, _ = sa.retier(slots, torch.tensor([0, 1, 2, 1, 2, 2, 1, 0, 3, 2, 0, 1, 1, 2], dtype=torch.int8))
+    wire = wire_tier_of(src, slots)
+    live = wire != TIER_DROP
+    lens = tier_counts(wire[live])
+    buf = torch.empty(segment_layout(src, lens).total_bytes, dtype=torch.uint8)
+    pack_segment(src, slots[live], wire[live], buf)
+    stores = []
+    for stacked in (True, False):
+        dst, da = tiered(torch.bfloat16)
+        da.alloc(3)  # not the sender's slot ids
+        got = alloc_like(dst, da, lens)
+        taken = []
+        real = kp._unpack_stacked
+        monkeypatch.setattr(kp, "_unpack_stacked",
+                            (lambda *a: taken.append(real(*a)) or taken[-1]) if stacked else (lambda *a: False))
+        unpack_segment(dst, buf, lens, got)
+        assert taken == ([True] if stacked else [])
+        stores.append([*dst.stacked_rows(), *(x for t in (TIER_INT8, TIER_INT4) for x in dst.stacked_store(t).tensors())])
+    assert all(torch.equal(a, b) for a, b in zip(*stores))
+    assert any(bool(x.any()) for x in stores[0])  # something landed
 
 
 def test_pack_fast_path_all_model_dtype():
