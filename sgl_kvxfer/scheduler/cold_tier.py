@@ -25,8 +25,9 @@ During decode, every `kv_promote_interval` steps:
              run on a copy worker thread (cold_copy.py), the scheduler thread goes on
     land     before the next decode forward (or any later hook) that finds the event done, the
              requests' rows are rewritten to the new slots (never waits: a copy not done stays
-             pending): every landing request planned on the host, then ONE pool.move for all their
-             page repairs and ONE table write for all their row entries
+             pending): every landing request planned together on the host (one set of tensor ops
+             finds the page holes of all their rows), then ONE pool.move for all their page
+             repairs and ONE table write for all their row entries
 
 Host syncs: a step with no pass due and nothing pending runs no torch op in these hooks. A pass
 keeps the due rows, candidates, masses and picks on the device as [n, W] tensors and reads back
@@ -40,8 +41,9 @@ Rows and ownership. The request keeps BORROWING the slots it was given (radix-ca
 its own demoted tokens); a promotion points its row at slots it OWNS instead:
 
     row[pos]:  original slot (borrowed, or 0 if dropped)  ->  promoted fp16 slot (owned)
-    the row's other tokens of an int page it now sees with a hole  ->  owned copies on fresh pages
-                                         (codes bit for bit, so the prefix-fill invariant of
+    the row's tokens past the first hole of an int page it now sees holed  ->  owned copies on
+                                         fresh pages (codes bit for bit; the row keeps the page's
+                                         head [0, hole), so the prefix-fill invariant of
                                          mem_cache/README.md section 7 keeps holding for the row)
 
 `release_request` (the scheduler calls it before the request's KV is cached or freed) frees every
@@ -574,30 +576,35 @@ class ColdTier:
         replace are freed. Ownership is one host bool per global id (`_owned`: an id is owned by
         at most one request), so no per-entry Python runs here but the dict update of the
         original slots."""
-        drop, rows, cols, vals = [], [], [], []
-        for req, state, at, slots, cur, _, _ in plans:
-            if not at.numel():
-                continue
-            was_owned = self._owned[cur]
-            drop.append(cur[was_owned])
-            # a position already in `original` holds an owned slot now, so it is never overwritten
-            fresh = dict(zip(at[~was_owned].tolist(), cur[~was_owned].tolist()))
+        plans = [p for p in plans if p[2].numel()]
+        if not plans:
+            return
+        at = torch.cat([p[2] for p in plans])
+        slots = torch.cat([p[3] for p in plans])
+        cur = torch.cat([p[4] for p in plans])
+        who = torch.repeat_interleave(torch.arange(len(plans)), torch.tensor([p[2].numel() for p in plans]))
+        was_owned = self._owned[cur]
+        # the entries a request was given: kept to write back at release. A position already in
+        # `original` holds an owned slot now, so it is never overwritten.
+        given = ~was_owned
+        given_at, given_cur = at[given].tolist(), cur[given].tolist()
+        a = 0
+        for (_, state, *_), n in zip(plans, torch.bincount(who[given], minlength=len(plans)).tolist()):
+            fresh = dict(zip(given_at[a:a + n], given_cur[a:a + n]))
+            a += n
             fresh.update((k, state.original[k]) for k in fresh.keys() & state.original.keys())
             state.original.update(fresh)
-            self._owned[cur[was_owned]] = False
-            self._owned[slots] = True
-            rows.append(torch.full((at.numel(),), req.req_pool_idx, dtype=torch.int64))
-            cols.append(at)
-            vals.append(slots)
-        if rows:
-            table = self.table.table
-            index = torch.stack([torch.cat(rows), torch.cat(cols), torch.cat(vals)])
-            if self.cuda:
-                index = index.pin_memory().to(table.device, non_blocking=True)
-            else:
-                index = index.to(table.device)
-            table[index[0], index[1]] = index[2].to(table.dtype)
-        drop = torch.cat(drop) if drop else torch.zeros(0, dtype=torch.int64)
+        drop = cur[was_owned]
+        self._owned[drop] = False
+        self._owned[slots] = True
+        table = self.table.table
+        rows = torch.tensor([p[0].req_pool_idx for p in plans], dtype=torch.int64)[who]
+        index = torch.stack([rows, at, slots])
+        if self.cuda:
+            index = index.pin_memory().to(table.device, non_blocking=True)
+        else:
+            index = index.to(table.device)
+        table[index[0], index[1]] = index[2].to(table.dtype)
         if drop.numel():
             self.allocator.free(drop)
 
@@ -624,11 +631,13 @@ class ColdTier:
         self._free_orphans()
         if state is None or not state.original or req.req_pool_idx is None:
             return
-        positions = torch.tensor(sorted(state.original), dtype=torch.int64)
-        dev = positions.to(self.table.table.device)
-        owned = self.table.table[req.req_pool_idx, dev].cpu()
-        self.table.table[req.req_pool_idx, dev] = torch.tensor(
-            [state.original[p] for p in positions.tolist()], dtype=torch.int64, device=self.table.table.device)
+        positions = torch.tensor(list(state.original.keys()), dtype=torch.int64)
+        slots = torch.tensor(list(state.original.values()), dtype=torch.int64)
+        order = positions.argsort()  # position order (the owned slots are freed in it)
+        table = self.table.table
+        dev = torch.stack([positions[order], slots[order]]).to(table.device)
+        owned = table[req.req_pool_idx, dev[0]].cpu()
+        table[req.req_pool_idx, dev[0]] = dev[1].to(table.dtype)
         self._owned[owned] = False
         self.allocator.free(owned)
 
