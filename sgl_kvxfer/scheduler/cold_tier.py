@@ -235,11 +235,13 @@ class ColdTier:
             for j, req in enumerate(reqs):
                 state = self.states.get(req)
                 if state is not None and getattr(state, attr):
-                    pos = [p for p in getattr(state, attr) if p < req.kv_len]
-                    at_row.extend([j] * len(pos))
-                    at_pos.extend(pos)
+                    pos = torch.tensor(list(getattr(state, attr)), dtype=torch.int64)  # a set's or dict's keys
+                    pos = pos[pos < req.kv_len]
+                    at_row.append(torch.full((pos.numel(),), j, dtype=torch.int64))
+                    at_pos.append(pos)
             if at_pos:
-                mask[dev(torch.tensor(at_row, dtype=torch.int64)), dev(torch.tensor(at_pos, dtype=torch.int64))] = True
+                at = dev(torch.stack([torch.cat(at_row), torch.cat(at_pos)]))  # one host -> device copy
+                mask[at[0], at[1]] = True
         near &= block == 0  # a dropped position not landed yet (a landed one has its fp16 slot)
         cand &= ~kept
         near &= ~kept
