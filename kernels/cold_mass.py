@@ -40,57 +40,58 @@ _MASKED = float(NEG_BIG.value)  # what the kernel stores for a masked logit
 
 
 @triton.jit
-def _keys_tile(rows_ptr, n_tok, t0, kv_head, k16_ptr, k8_ptr, h8_ptr, k4_ptr, h4_ptr, b8, b4,
-               stride_s16, stride_h16, stride_p8, stride_h8, stride_p4, stride_h4,
-               HEAD_DIM: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr):
-    """Keys [TILE, D] (fp32) of positions [t0, t0 + TILE) of one row and kv head, and the mask of
-    the live ones (inside the row, not dropped)."""
-    offs_t = t0 + tl.arange(0, TILE)
-    offs_d = tl.arange(0, HEAD_DIM)
+def _tile_slots(rows_ptr, n_tok, t0, b8, b4, TILE: tl.constexpr):
+    """Slot ids [TILE, 1] of positions [t0, t0 + TILE) of one row and the masks of the live ones
+    (inside the row, not dropped) per store. Per-token values stay [TILE, 1] columns of the
+    [TILE, D] key layout, never 1-D vectors: Triton 3.6's layout pass (sm_90, TILE 32) fails on
+    1-D selects used in two 2-D layouts."""
+    offs_t = t0 + tl.arange(0, TILE)[:, None]
     inside = offs_t < n_tok
     slot = tl.load(rows_ptr + offs_t, mask=inside, other=0).to(tl.int64)
     live = inside & (slot != 0)
-    is16 = live & (slot < b8)
-    is8 = live & (slot >= b8) & (slot < b4)
-    is4 = live & (slot >= b4)
-    k = tl.load(k16_ptr + slot[:, None] * stride_s16 + kv_head * stride_h16 + offs_d[None, :],
-                mask=is16[:, None], other=0.0).to(tl.float32)
+    return slot, live, live & (slot < b8), live & (slot >= b8) & (slot < b4), live & (slot >= b4)
+
+
+@triton.jit
+def _keys_tile(slot, is16, is8, is4, kv_head, k16_ptr, k8_ptr, h8_ptr, k4_ptr, h4_ptr, b8, b4,
+               stride_s16, stride_h16, stride_p8, stride_h8, stride_p4, stride_h4,
+               HEAD_DIM: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr):
+    """Keys [TILE, D] (fp32) of one kv head at the slots [TILE, 1] (_tile_slots). Both int tiers
+    are dequantized in the fp16 keys' layout: each channel gathers its group's scale / zero
+    (offs_d // G) and, for int4, its byte and nibble; no tile is reshaped, permuted or joined."""
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
+    k = tl.load(k16_ptr + slot * stride_s16 + kv_head * stride_h16 + offs_d, mask=is16, other=0.0).to(tl.float32)
     NG: tl.constexpr = HEAD_DIM // G
-    offs_g = tl.arange(0, NG)
+    grp = offs_d // G
     # int8: codes [PAGE, D] token-major, then scale [PAGE, NG] and zero [PAGE, NG] fp16
     r8 = tl.where(is8, slot - b8, 0)
     blk8 = (r8 // PAGE) * stride_p8 + kv_head * stride_h8  # bytes
     off8 = r8 % PAGE
-    c8 = tl.load(k8_ptr + blk8[:, None] + off8[:, None] * HEAD_DIM + offs_d[None, :], mask=is8[:, None], other=0)
-    s8 = blk8[:, None] // 2 + PAGE * HEAD_DIM // 2 + off8[:, None] * NG + offs_g[None, :]  # [TILE, NG]
-    sc8 = tl.load(h8_ptr + s8, mask=is8[:, None], other=0.0).to(tl.float32)
-    z8 = tl.load(h8_ptr + s8 + PAGE * NG, mask=is8[:, None], other=0.0).to(tl.float32)
-    d8 = tl.reshape(tl.reshape(c8.to(tl.float32), (TILE, NG, G)) * sc8[:, :, None] + z8[:, :, None], (TILE, HEAD_DIM))
-    k = tl.where(is8[:, None], d8, k)
+    c8 = tl.load(k8_ptr + blk8 + off8 * HEAD_DIM + offs_d, mask=is8, other=0)
+    s8 = blk8 // 2 + PAGE * HEAD_DIM // 2 + off8 * NG + grp  # [TILE, D], fp16 units
+    sc8 = tl.load(h8_ptr + s8, mask=is8, other=0.0).to(tl.float32)
+    z8 = tl.load(h8_ptr + s8 + PAGE * NG, mask=is8, other=0.0).to(tl.float32)
+    k = tl.where(is8, c8.to(tl.float32) * sc8 + z8, k)
     # int4: codes [PAGE, D/2], byte j = channel j (low nibble) | channel j + D/2 (high nibble)
     HALF: tl.constexpr = HEAD_DIM // 2
     r4 = tl.where(is4, slot - b4, 0)
     blk4 = (r4 // PAGE) * stride_p4 + kv_head * stride_h4
     off4 = r4 % PAGE
-    byte = tl.load(k4_ptr + blk4[:, None] + off4[:, None] * HALF + tl.arange(0, HALF)[None, :], mask=is4[:, None],
-                   other=0).to(tl.int32)
-    # [TILE, HALF, 2] -> [TILE, 2, HALF] -> channels [low nibbles | high nibbles]
-    c4 = tl.reshape(tl.permute(tl.join(byte & 0xF, byte >> 4), (0, 2, 1)), (TILE, HEAD_DIM))
-    s4 = blk4[:, None] // 2 + PAGE * HALF // 2 + off4[:, None] * NG + offs_g[None, :]
-    sc4 = tl.load(h4_ptr + s4, mask=is4[:, None], other=0.0).to(tl.float32)
-    z4 = tl.load(h4_ptr + s4 + PAGE * NG, mask=is4[:, None], other=0.0).to(tl.float32)
-    d4 = tl.reshape(tl.reshape(c4.to(tl.float32), (TILE, NG, G)) * sc4[:, :, None] + z4[:, :, None], (TILE, HEAD_DIM))
-    k = tl.where(is4[:, None], d4, k)
-    return k, live
+    byte = tl.load(k4_ptr + blk4 + off4 * HALF + offs_d % HALF, mask=is4, other=0).to(tl.int32)
+    c4 = (byte >> tl.where(offs_d < HALF, 0, 4)) & 0xF
+    s4 = blk4 // 2 + PAGE * HALF // 2 + off4 * NG + grp
+    sc4 = tl.load(h4_ptr + s4, mask=is4, other=0.0).to(tl.float32)
+    z4 = tl.load(h4_ptr + s4 + PAGE * NG, mask=is4, other=0.0).to(tl.float32)
+    return tl.where(is4, c4.to(tl.float32) * sc4 + z4, k)
 
 
 @triton.jit
 def _head_logits(q_ptr, head, k, live, qk_scale, HEAD_DIM: tl.constexpr):
-    """Masked logits [TILE] (log2 domain) of query head `head` (q_ptr: the row's q [Hq, D]) against
-    the key tile k [TILE, D]: a broadcast product and a row sum, no tl.dot (a group of 4 query
-    heads is too small for one, and the fp32 dot's registers spill)."""
-    q = tl.load(q_ptr + head * HEAD_DIM + tl.arange(0, HEAD_DIM)).to(tl.float32)
-    s = tl.sum(k * q[None, :], 1) * qk_scale
+    """Masked logits [TILE, 1] (log2 domain) of query head `head` (q_ptr: the row's q [Hq, D])
+    against the key tile k [TILE, D]: a broadcast product and a row sum, no tl.dot (a group of 4
+    query heads is too small for one, and the fp32 dot's registers spill)."""
+    q = tl.load(q_ptr + head * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]).to(tl.float32)
+    s = tl.sum(k * q, 1, keep_dims=True) * qk_scale
     return tl.where(live, s, NEG_BIG)
 
 
@@ -104,20 +105,29 @@ def _logits_kernel(q_ptr, rows_ptr, lens_ptr, k16_ptr, k8_ptr, h8_ptr, k4_ptr, h
     i = tl.program_id(0)
     tile = tl.program_id(1)
     n_tok = tl.load(lens_ptr + i)
-    offs_t = tile * TILE + tl.arange(0, TILE)
+    offs_t = tile * TILE + tl.arange(0, TILE)[:, None]
+    slot, live, is16, is8, is4 = _tile_slots(rows_ptr + i * stride_r, n_tok, tile * TILE, b8, b4, TILE)
     for kv_head in tl.range(0, NUM_KV_HEADS, num_stages=1):  # a loop, not unrolled or pipelined: one key tile live
-        k, live = _keys_tile(rows_ptr + i * stride_r, n_tok, tile * TILE, kv_head, k16_ptr, k8_ptr, h8_ptr, k4_ptr,
-                             h4_ptr, b8, b4, stride_s16, stride_h16, stride_p8, stride_h8, stride_p4, stride_h4,
-                             HEAD_DIM, G, PAGE, TILE)
+        k = _keys_tile(slot, is16, is8, is4, kv_head, k16_ptr, k8_ptr, h8_ptr, k4_ptr, h4_ptr, b8, b4,
+                       stride_s16, stride_h16, stride_p8, stride_h8, stride_p4, stride_h4, HEAD_DIM, G, PAGE)
         for g in tl.static_range(KV_GROUP):
             head = kv_head * KV_GROUP + g
             s = _head_logits(q_ptr + i * stride_qb, head, k, live, qk_scale, HEAD_DIM)
-            m = tl.max(s, 0)
-            l = tl.sum(tl.where(live, tl.exp2(s - m), 0.0), 0)
+            m = tl.max(tl.max(s, 1), 0)
+            l = tl.sum(tl.sum(tl.where(live, tl.exp2(s - m), 0.0), 1), 0)
             at = i * stride_pb + head * stride_ph + tile
             tl.store(m_ptr + at, m)
             tl.store(l_ptr + at, l)
             tl.store(s_ptr + i * stride_sb + head * stride_sh + offs_t, s, mask=offs_t < width)
+
+
+NUM_WARPS = 8
+
+
+def launch_constants(hq: int, hkv: int, d: int, group: int, page: int, tile: int) -> dict:
+    """The constexprs pool_token_mass launches _logits_kernel with (also what the offline sm_90
+    compile test compiles)."""
+    return dict(NUM_KV_HEADS=hkv, KV_GROUP=hq // hkv, HEAD_DIM=d, G=group, PAGE=page, TILE=tile)
 
 
 def _check_int(store: TierPages, tier: int, hkv: int, d: int, group: int, page: int) -> None:
@@ -153,8 +163,8 @@ def pool_token_mass(q: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, k16
     strides = (k16.stride(0), k16.stride(1), int8.k.stride(0), int8.k.stride(1), int4.k.stride(0), int4.k.stride(1))
     _logits_kernel[(n, tiles)](q, rows, lens, *stores, part_m, part_l, logits, width, b8, b4, qk_scale,
                                q.stride(0), rows.stride(0), *strides, part_m.stride(0), part_m.stride(1),
-                               logits.stride(0), logits.stride(1), NUM_KV_HEADS=hkv, KV_GROUP=hq // hkv, HEAD_DIM=d,
-                               G=group, PAGE=page, TILE=tile, num_warps=8)
+                               logits.stride(0), logits.stride(1), **launch_constants(hq, hkv, d, group, page, tile),
+                               num_warps=NUM_WARPS)
     # log2-sum-exp2 per (row, query head) of the tiles' parts (empty tiles: m NEG_BIG, l 0)
     top = part_m.amax(dim=2, keepdim=True)
     lse = top + torch.log2((part_l * torch.exp2(part_m - top)).sum(dim=2, keepdim=True).clamp_min(1e-30))

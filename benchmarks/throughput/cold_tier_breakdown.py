@@ -28,7 +28,7 @@ already inside their part's time):
     select      ColdTier._select (hits, picks, their read-back)
     cap         ColdTier._cap                                   issue   ColdTier._issue (staging, copy)
     read_rows   ColdTier._read_block (landing rows to the host)
-    plan        ColdTier._plan (holed pages, copy slots)        move    TieredKVPool.move (page repair)
+    plan        ColdTier._plan (every row's holes, copy slots)  move    TieredKVPool.move (page repair)
     rewrite     ColdTier._rewrite (the table write)
 The syncs cost a little, so this call is a diagnostic, not the throughput number.
 """

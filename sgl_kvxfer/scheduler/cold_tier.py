@@ -25,8 +25,9 @@ During decode, every `kv_promote_interval` steps:
              run on a copy worker thread (cold_copy.py), the scheduler thread goes on
     land     before the next decode forward (or any later hook) that finds the event done, the
              requests' rows are rewritten to the new slots (never waits: a copy not done stays
-             pending): every landing request planned on the host, then ONE pool.move for all their
-             page repairs and ONE table write for all their row entries
+             pending): every landing request planned together on the host (one set of tensor ops
+             finds the page holes of all their rows), then ONE pool.move for all their page
+             repairs and ONE table write for all their row entries
 
 Host syncs: a step with no pass due and nothing pending runs no torch op in these hooks. A pass
 keeps the due rows, candidates, masses and picks on the device as [n, W] tensors and reads back
@@ -40,8 +41,9 @@ Rows and ownership. The request keeps BORROWING the slots it was given (radix-ca
 its own demoted tokens); a promotion points its row at slots it OWNS instead:
 
     row[pos]:  original slot (borrowed, or 0 if dropped)  ->  promoted fp16 slot (owned)
-    the row's other tokens of an int page it now sees with a hole  ->  owned copies on fresh pages
-                                         (codes bit for bit, so the prefix-fill invariant of
+    the row's tokens past the first hole of an int page it now sees holed  ->  owned copies on
+                                         fresh pages (codes bit for bit; the row keeps the page's
+                                         head [0, hole), so the prefix-fill invariant of
                                          mem_cache/README.md section 7 keeps holding for the row)
 
 `release_request` (the scheduler calls it before the request's KV is cached or freed) frees every
@@ -81,7 +83,6 @@ class _Pending:
 @dataclass
 class _ReqState:
     original: dict = field(default_factory=dict)  # position -> the slot the request was given
-    owned: set = field(default_factory=set)       # slots this module allocated, referenced by the row
     promoted: set = field(default_factory=set)    # positions promoted (or in flight)
     dropped: dict = field(default_factory=dict)   # dropped position -> its host row (owned by this request)
     finalizer: object = None                      # frees `dropped` if the request vanishes unreleased
@@ -110,6 +111,8 @@ class ColdTier:
         self.states: WeakKeyDictionary = WeakKeyDictionary()
         self.decode_steps: WeakKeyDictionary = WeakKeyDictionary()  # req -> decode steps seen
         self.pending: list[_Pending] = []
+        # global id -> owned by a request's row (promoted slots and page-repair copies; one owner each)
+        self._owned = torch.zeros(pool.id_end, dtype=torch.bool)
         self._orphans: list[dict] = []  # `dropped` maps of requests collected without release_request
         self.enabled = True  # False: no scoring (benchmarks compare on one engine; copies still kept)
         self.kernel = None  # the scoring kernel: None where it applies (pool_mass), True / False forced
@@ -232,11 +235,13 @@ class ColdTier:
             for j, req in enumerate(reqs):
                 state = self.states.get(req)
                 if state is not None and getattr(state, attr):
-                    pos = [p for p in getattr(state, attr) if p < req.kv_len]
-                    at_row.extend([j] * len(pos))
-                    at_pos.extend(pos)
+                    pos = torch.tensor(list(getattr(state, attr)), dtype=torch.int64)  # a set's or dict's keys
+                    pos = pos[pos < req.kv_len]
+                    at_row.append(torch.full((pos.numel(),), j, dtype=torch.int64))
+                    at_pos.append(pos)
             if at_pos:
-                mask[dev(torch.tensor(at_row, dtype=torch.int64)), dev(torch.tensor(at_pos, dtype=torch.int64))] = True
+                at = dev(torch.stack([torch.cat(at_row), torch.cat(at_pos)]))  # one host -> device copy
+                mask[at[0], at[1]] = True
         near &= block == 0  # a dropped position not landed yet (a landed one has its fp16 slot)
         cand &= ~kept
         near &= ~kept
@@ -333,13 +338,6 @@ class ColdTier:
         block = table[idx.to(table.device), :width].cpu()
         lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
         return block.masked_fill_(torch.arange(width)[None, :] >= lens[:, None], 0)
-
-    def _read_rows(self, reqs: list) -> list[torch.Tensor]:
-        """The rows [0, kv_len) of `reqs` on the host, in one device -> host copy."""
-        if not reqs:
-            return []
-        block = self._read_block(reqs)
-        return [block[j, :r.kv_len] for j, r in enumerate(reqs)]
 
     # ------------------------------------------------------------------ promotion
     def _issue(self, picks: list) -> None:
@@ -449,9 +447,15 @@ class ColdTier:
             else:
                 q.positions, q.old, q.new = (torch.cat([a, b]) for a, b in
                                              ((q.positions, p.positions), (q.old, p.old), (q.new, p.new)))
-        live = [p for p in merged.values() if p.req.req_pool_idx is not None and self.states.get(p.req) is not None]
-        rows = dict(zip((id(p.req) for p in live), self._read_rows([p.req for p in live])))  # one device -> host copy
-        plans = [plan for plan in (self._plan(p, rows.get(id(p.req))) for p in merged.values()) if plan is not None]
+        live = []
+        for p in merged.values():  # released meanwhile: release_request freed what it owned
+            if p.req.req_pool_idx is not None and self.states.get(p.req) is not None:
+                live.append(p)
+            else:
+                self.allocator.free(p.new)
+        if not live:
+            return
+        plans = self._plan(live, self._read_block([p.req for p in live]))  # one device -> host copy
         if not plans:
             return
         # every request's page repair in ONE pool.move (codes bit for bit, one pass over the
@@ -464,53 +468,84 @@ class ColdTier:
             self.stats["repacked_tokens"] += src.numel()
         self._rewrite(plans)
 
-    def _plan(self, p: _Pending, row: torch.Tensor | None):
-        """Host-side plan of one request's landing: the row's promoted positions -> the new fp16
-        slots, and the int tokens of pages the row would then see with a hole (the Triton kernels
-        read an int page as its slots [0, fill): mem_cache/README.md section 7) -> owned copies on
-        fresh pages of their own (one alloc per tier and request, so each request holds a prefix
-        of every page it touches). Without room for those copies nothing changes and the
-        positions may be scored again. `row`: the request's row [0, kv_len) on the host (None:
-        released meanwhile; release_request freed what it owned).
-        -> (req, state, positions to write, their new slots, their entries now, repack src, repack
-        dst) or None."""
-        req, state = p.req, self.states.get(p.req)
-        if row is None or req.req_pool_idx is None or state is None:
-            self.allocator.free(p.new)
-            return None
-        same = row[p.positions] == p.old
+    def _plan(self, live: list, block: torch.Tensor) -> list:
+        """Host-side plan of a landing, every request at once: each row's promoted positions -> the
+        new fp16 slots, and the int tokens of pages the row would then see with a hole (the Triton
+        kernels read an int page as its slots [0, fill): mem_cache/README.md section 7) past the
+        first hole -> owned copies on fresh pages of their own (one alloc per tier and request, so
+        each request holds a prefix of every page it touches). A request without room for its copies changes
+        nothing and its positions may be scored again. `live`: the landing's merged promotions,
+        one per request, its row block[j, :kv_len] on the host (_read_block).
+        -> [(req, state, positions to write, their new slots, their entries now, repack src,
+        repack dst)]. The holed pages of all rows come from one set of tensor ops (_holed_rows);
+        only the copy-slot allocation runs per request."""
+        sizes = torch.tensor([p.positions.numel() for p in live])
+        j = torch.repeat_interleave(torch.arange(len(live)), sizes)
+        pos = torch.cat([p.positions for p in live])
+        new = torch.cat([p.new for p in live])
+        cur = block[j, pos]
+        same = cur == torch.cat([p.old for p in live])
         if not bool(same.all()):  # the row moved under us (should not happen while it runs)
             self.stats["stale"] += int((~same).sum())
-            self.allocator.free(p.new[~same])
-        positions, new = p.positions[same], p.new[same]
-        after = row.clone()
-        after[positions] = new
-        holed = self._holed(row[positions], after)
-        old = after[holed]
-        copies = self._copy_slots(old)
-        if copies is None:
-            self.stats["no_room"] += 1
-            self.allocator.free(new)
-            state.promoted.difference_update(positions.tolist())  # may be scored again
-            return None
-        self.stats["landed"] += positions.numel()
-        at = torch.cat([positions, holed])
-        return req, state, at, torch.cat([new, copies]), row[at], old, copies
+            self.allocator.free(new[~same])
+            j, pos, new, cur = j[same], pos[same], new[same], cur[same]
+        after = block.clone()
+        after[j, pos] = new
+        hj, hpos = self._holed_rows(j, cur, after)
+        p_end = torch.bincount(j, minlength=len(live)).cumsum(0).tolist()
+        h_end = torch.bincount(hj, minlength=len(live)).cumsum(0).tolist()
+        plans, pa, ha = [], 0, 0
+        for n, p in enumerate(live):
+            pb, hb = p_end[n], h_end[n]
+            positions, slots, holed = pos[pa:pb], new[pa:pb], hpos[ha:hb]
+            pa, ha = pb, hb
+            if not positions.numel():
+                continue
+            old = after[n, holed]
+            copies = self._copy_slots(old)
+            state = self.states[p.req]
+            if copies is None:
+                self.stats["no_room"] += 1
+                self.allocator.free(slots)
+                state.promoted.difference_update(positions.tolist())  # may be scored again
+                continue
+            self.stats["landed"] += positions.numel()
+            at = torch.cat([positions, holed])
+            plans.append((p.req, state, at, torch.cat([slots, copies]), block[n, at], old, copies))
+        return plans
 
-    def _holed(self, replaced: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-        """Positions of `after` (a row, host) holding int ids on a page the row now sees with a
-        hole: allocator.holed_pages over the tokens of the pages the promotion took ids
-        `replaced` from, not over the whole row. The row held a prefix of every page before
-        (mem_cache/README.md section 7), so only those pages can have a hole now.
-        Page key (id - base(INT8)) // page_size: the int8 store holds whole pages, so the keys
-        of int8 and int4 pages never collide."""
-        b8, page = self.pool.base(TIER_INT8), self.pool.page_size
-        replaced = replaced[replaced >= b8]
-        if not replaced.numel():
-            return torch.zeros(0, dtype=torch.int64)
-        pages = ((replaced - b8) // page).unique()
-        idx = ((after >= b8) & torch.isin((after - b8).div(page, rounding_mode="floor"), pages)).nonzero().squeeze(1)
-        return idx[self.allocator.holed_pages(after[idx])]
+    def _page_keys(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page key, offset in page) of int ids, int8 pages numbered first, then int4's
+        (the pool's page_offset per store, in one key space)."""
+        b8, b4, page = self.pool.base(TIER_INT8), self.pool.base(TIER_INT4), self.pool.page_size
+        is4 = ids >= b4
+        r = torch.where(is4, ids - b4, ids - b8)
+        return r // page + is4 * (-(-(b4 - b8) // page)), r % page
+
+    def _holed_rows(self, j: torch.Tensor, replaced: torch.Tensor, after: torch.Tensor) -> tuple:
+        """(row, position) of the int tokens of `after` (rows [n, W], host) that must move for
+        each row to hold a prefix of every int page again, rows ascending, positions ascending
+        within a row, after rows `j` gave up ids `replaced`. Each row held a prefix [0, count)
+        of every page it touches (mem_cache/README.md section 7), so on a page it took ids from
+        it still holds [0, h), h the smallest offset it gave up there: only its tokens past h
+        move (to fresh pages), the head stays where it is. Only the pages the rows took ids
+        from are looked at; every row at once."""
+        b8 = self.pool.base(TIER_INT8)
+        empty = torch.zeros(0, dtype=torch.int64)
+        hit = replaced >= b8
+        if not bool(hit.any()):
+            return empty, empty
+        span = self.pool.id_end  # > every page key: row * span + key never collides
+        gave, gave_off = self._page_keys(replaced[hit])
+        touched, inv = (j[hit] * span + gave).unique(return_inverse=True)
+        head = torch.full((touched.numel(),), self.pool.page_size, dtype=torch.int64)
+        head.scatter_reduce_(0, inv, gave_off, "amin")  # h per (row, page) touched
+        rj, rpos = (after >= b8).nonzero(as_tuple=True)
+        key, off = self._page_keys(after[rj, rpos])
+        key = rj * span + key
+        at = torch.searchsorted(touched, key).clamp_(max=touched.numel() - 1)
+        move = (touched[at] == key) & (off > head[at])
+        return rj[move], rpos[move]
 
     def _copy_slots(self, old: torch.Tensor) -> torch.Tensor | None:
         """Fresh ids for int tokens `old` (position order): their tier's pages, else fp16 slots;
@@ -540,32 +575,40 @@ class ColdTier:
     def _rewrite(self, plans: list) -> None:
         """Point every plan's row positions at its owned slots in one table write (one host ->
         device copy of the indices, non-blocking from pinned memory on CUDA); the owned slots they
-        replace are freed."""
-        drop, rows, cols, vals = [], [], [], []
-        for req, state, at, slots, cur, _, _ in plans:
-            if not at.numel():
-                continue
-            owned, original = state.owned, state.original
-            for pos, was in zip(at.tolist(), cur.tolist()):
-                if was in owned:
-                    owned.discard(was)
-                    drop.append(was)
-                else:
-                    original.setdefault(pos, was)
-            owned.update(slots.tolist())
-            rows.append(torch.full((at.numel(),), req.req_pool_idx, dtype=torch.int64))
-            cols.append(at)
-            vals.append(slots)
-        if rows:
-            table = self.table.table
-            index = torch.stack([torch.cat(rows), torch.cat(cols), torch.cat(vals)])
-            if self.cuda:
-                index = index.pin_memory().to(table.device, non_blocking=True)
-            else:
-                index = index.to(table.device)
-            table[index[0], index[1]] = index[2].to(table.dtype)
-        if drop:
-            self.allocator.free(torch.tensor(drop, dtype=torch.int64))
+        replace are freed. Ownership is one host bool per global id (`_owned`: an id is owned by
+        at most one request), so no per-entry Python runs here but the dict update of the
+        original slots."""
+        plans = [p for p in plans if p[2].numel()]
+        if not plans:
+            return
+        at = torch.cat([p[2] for p in plans])
+        slots = torch.cat([p[3] for p in plans])
+        cur = torch.cat([p[4] for p in plans])
+        who = torch.repeat_interleave(torch.arange(len(plans)), torch.tensor([p[2].numel() for p in plans]))
+        was_owned = self._owned[cur]
+        # the entries a request was given: kept to write back at release. A position already in
+        # `original` holds an owned slot now, so it is never overwritten.
+        given = ~was_owned
+        given_at, given_cur = at[given].tolist(), cur[given].tolist()
+        a = 0
+        for (_, state, *_), n in zip(plans, torch.bincount(who[given], minlength=len(plans)).tolist()):
+            fresh = dict(zip(given_at[a:a + n], given_cur[a:a + n]))
+            a += n
+            fresh.update((k, state.original[k]) for k in fresh.keys() & state.original.keys())
+            state.original.update(fresh)
+        drop = cur[was_owned]
+        self._owned[drop] = False
+        self._owned[slots] = True
+        table = self.table.table
+        rows = torch.tensor([p[0].req_pool_idx for p in plans], dtype=torch.int64)[who]
+        index = torch.stack([rows, at, slots])
+        if self.cuda:
+            index = index.pin_memory().to(table.device, non_blocking=True)
+        else:
+            index = index.to(table.device)
+        table[index[0], index[1]] = index[2].to(table.dtype)
+        if drop.numel():
+            self.allocator.free(drop)
 
     # ------------------------------------------------------------------ end of a request
     def release_request(self, req) -> None:
@@ -590,11 +633,14 @@ class ColdTier:
         self._free_orphans()
         if state is None or not state.original or req.req_pool_idx is None:
             return
-        positions = torch.tensor(sorted(state.original), dtype=torch.int64)
-        dev = positions.to(self.table.table.device)
-        owned = self.table.table[req.req_pool_idx, dev].cpu()
-        self.table.table[req.req_pool_idx, dev] = torch.tensor(
-            [state.original[p] for p in positions.tolist()], dtype=torch.int64, device=self.table.table.device)
+        positions = torch.tensor(list(state.original.keys()), dtype=torch.int64)
+        slots = torch.tensor(list(state.original.values()), dtype=torch.int64)
+        order = positions.argsort()  # position order (the owned slots are freed in it)
+        table = self.table.table
+        dev = torch.stack([positions[order], slots[order]]).to(table.device)
+        owned = table[req.req_pool_idx, dev[0]].cpu()
+        table[req.req_pool_idx, dev[0]] = dev[1].to(table.dtype)
+        self._owned[owned] = False
         self.allocator.free(owned)
 
     def server_info(self) -> dict:

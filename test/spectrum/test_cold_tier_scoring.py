@@ -113,18 +113,35 @@ def test_kernel_promotes_what_the_torch_path_promotes(max_tokens, drop_run):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_holed_pages_of_the_touched_pages_are_those_of_the_whole_row(seed):
-    """The landing plan looks for holes only on the pages a promotion takes ids from: on a row
-    that held a prefix of every page, that finds what holed_pages over the whole row finds."""
+def test_landing_moves_only_the_tails_past_each_hole(seed):
+    """The landing plan, every row of a landing at once: after promotions punch holes in int
+    pages, moving the tokens it names (to fresh ids) leaves each row holding a prefix of every
+    page again (holed_pages finds nothing), it names only tokens of pages holed_pages flags, and
+    of those only the ones past the page's first hole (the head stays)."""
     cold, reqs = _build(False, 0, 0)
-    row = cold.table.table[0, :reqs[0].kv_len].cpu()  # the landing plan works on host rows
-    assert not cold.allocator.holed_pages(row).any()
+    block = cold._read_block(reqs)  # the landing plan works on host rows
     g = torch.Generator().manual_seed(seed)
-    positions = torch.randperm(row.numel(), generator=g)[:1 + seed * 3].sort().values
-    after = row.clone()
-    after[positions] = 1 + torch.arange(positions.numel())  # any fp16 ids
-    want = cold.allocator.holed_pages(after).nonzero().squeeze(1)
-    assert torch.equal(cold._holed(row[positions], after), want)
+    after, js, replaced, flagged = block.clone(), [], [], 0
+    for j, r in enumerate(reqs):
+        row = block[j, :r.kv_len]
+        assert not cold.allocator.holed_pages(row).any()
+        positions = torch.randperm(row.numel(), generator=g)[:1 + seed * 3 + j].sort().values
+        after[j, positions] = 1 + torch.arange(positions.numel())  # any fp16 ids
+        js.append(torch.full((positions.numel(),), j))
+        replaced.append(row[positions])
+        flagged += int(cold.allocator.holed_pages(after[j, :r.kv_len]).sum())
+    got_j, got_pos = cold._holed_rows(torch.cat(js), torch.cat(replaced), after)
+    assert bool((got_j[1:] > got_j[:-1]).logical_or(got_pos[1:] > got_pos[:-1]).all())  # row-major order
+    for j, r in enumerate(reqs):
+        row = after[j, :r.kv_len].clone()
+        moved = got_pos[got_j == j]
+        flags = cold.allocator.holed_pages(row)
+        assert bool(flags[moved].all())  # only tokens of holed pages move
+        row[moved] = 1  # moved off their pages (any fp16 id)
+        assert not cold.allocator.holed_pages(row).any()
+    assert got_pos.numel() <= flagged
+    if seed:
+        assert 0 < got_pos.numel() < flagged  # holes were punched and page heads stayed
     for r in reqs:
         cold.release_request(r)
 
