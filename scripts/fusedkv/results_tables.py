@@ -1,22 +1,24 @@
 """Markdown tables of a FusedKV GPU run's JSONs (scripts/gpu/fusedkv_all.sh), for the docs.
 
     python scripts/fusedkv/results_tables.py DIR      # DIR: where the JSONs are (e.g. benchmarks/results)
+    python scripts/fusedkv/results_tables.py FILE...  # named JSONs only
 
-Prints, for each JSON found: the retrofit's curve and extrapolation, the from-scratch summary over
+Prints, for each JSON found (every device's file in DIR) or named: the retrofit's curve and extrapolation, the from-scratch summary over
 seeds, tiers (PPL, bytes, TPOT), serving TPOT with spread and bytes check, capacity. Every number
 printed is read from the files; nothing is computed beyond ratios.
 """
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import os
 import sys
 
 
-def _load(d: str, pattern: str) -> dict | None:
-    paths = sorted(glob.glob(os.path.join(d, pattern)))
-    return (json.load(open(paths[-1])) | {"_file": os.path.basename(paths[-1])}) if paths else None
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f) | {"_file": os.path.basename(path)}
 
 
 def retrofit(r: dict) -> list[str]:
@@ -63,6 +65,9 @@ def tiers(r: dict) -> list[str]:
 
 
 def serve(r: dict) -> list[str]:
+    if "copy_bandwidth_Bps" not in r:  # older format: no bytes check, its TPOT is not a warm measurement
+        return [f"**Serving** (`{r['_file']}`, {r['device']}, older format: pool and TTFT only)", ""] + [
+            f"- {v}: pool {rel['pool']:.3f}x, TTFT {rel['ttft']}" for v, rel in r["vs_vanilla"].items()]
     out = [f"**Serving** (`{r['_file']}`, {r['device']}, copy {r['copy_bandwidth_Bps'] / 1e9:.0f} GB/s"
            + (", partial" if r.get("partial") else "") + ")", "",
            "| variant | point | TPOT ms | min..max | bytes allow >= ms | flag |", "|---|---|---|---|---|---|"]
@@ -97,13 +102,15 @@ def capacity(r: dict) -> list[str]:
 
 
 def main() -> None:
-    d = sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results"
+    args = sys.argv[1:] or ["benchmarks/results"]
     for pattern, fn in (("fusedkv_retrofit*.json", retrofit), ("fusedkv_scratch_*.json", scratch),
                         ("fusedkv_tiers_*.json", tiers), ("fusedkv_serve_*.json", serve),
                         ("fusedkv_capacity_*.json", capacity)):
-        r = _load(d, pattern)
-        if r is not None:
-            print("\n".join(fn(r)) + "\n")
+        for a in args:
+            paths = (sorted(glob.glob(os.path.join(a, pattern))) if os.path.isdir(a)
+                     else [a] if fnmatch.fnmatch(os.path.basename(a), pattern) else [])
+            for p in paths:
+                print("\n".join(fn(_load(p))) + "\n")
 
 
 if __name__ == "__main__":
