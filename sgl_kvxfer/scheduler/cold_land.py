@@ -12,9 +12,48 @@ prefix-fill invariant of mem_cache/README.md section 7 keeps holding for it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from sgl_kvxfer.scheduler.cold_copy import PromotionCopy
 from sgl_kvxfer.spectrum.tiers import TIER_FP16, TIER_INT4, TIER_INT8
+
+
+@dataclass
+class Pending:
+    """One request's promotion of one pass, from its issue until it lands or is cancelled."""
+    req: object
+    positions: torch.Tensor   # CPU int64
+    old: torch.Tensor         # the int4 ids scored (CPU)
+    new: torch.Tensor         # fp16 ids the copy fills (CPU)
+    event: PromotionCopy | None = None  # the pass's copy (cold_copy.py); None: merged for landing
+
+
+def ready_landings(pending: list[Pending]) -> tuple[list[Pending], list[Pending]]:
+    """Split `pending` by whether its copy is done (never waits; one query() per pass's copy)
+    -> (still waiting, the ready ones merged into one Pending per request, event None)."""
+    waiting, ready, done = [], [], {}  # event id -> query() answer: a pass's promotions share one
+    for p in pending:
+        if p.event is not None:
+            key = id(p.event)
+            if key not in done:
+                done[key] = p.event.query()
+            if not done[key]:
+                waiting.append(p)
+                continue
+        ready.append(p)
+    # one landing per request (a request with several ready promotions lands them together);
+    # their positions are disjoint: a position in flight is in `promoted`, never picked again
+    merged: dict[int, Pending] = {}
+    for p in ready:
+        q = merged.get(id(p.req))
+        if q is None:
+            merged[id(p.req)] = Pending(p.req, p.positions, p.old, p.new)
+        else:
+            q.positions, q.old, q.new = (torch.cat([a, b]) for a, b in
+                                         ((q.positions, p.positions), (q.old, p.old), (q.new, p.new)))
+    return waiting, list(merged.values())
 
 
 def read_block(table: torch.Tensor, reqs: list) -> torch.Tensor:

@@ -65,21 +65,13 @@ import torch
 
 from sgl_kvxfer.mem_cache.host_cold_store import HostColdStore
 from sgl_kvxfer.scheduler.cold_copy import CopyWorker, PromotionCopy
-from sgl_kvxfer.scheduler.cold_land import plan_landing, read_block, repair_pages, rewrite_rows
+from sgl_kvxfer.scheduler.cold_land import (Pending, plan_landing, read_block, ready_landings, repair_pages,
+                                             rewrite_rows)
 from sgl_kvxfer.scheduler.cold_score import cap, copy_job, due_block, host_rows, pass_mass, select
 from sgl_kvxfer.spectrum.query_taps import install_query_taps, probe_layers
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Pending:
-    req: object
-    positions: torch.Tensor   # CPU int64
-    old: torch.Tensor         # the int4 ids scored (CPU)
-    new: torch.Tensor         # fp16 ids the copy fills (CPU)
-    event: PromotionCopy | None = None  # the pass's copy (cold_copy.py); None: merged for landing
 
 
 @dataclass
@@ -112,7 +104,7 @@ class ColdTier:
         self.worker = CopyWorker(threaded=self.cuda)  # CUDA: the host gather off the scheduler thread
         self.states: WeakKeyDictionary = WeakKeyDictionary()
         self.decode_steps: WeakKeyDictionary = WeakKeyDictionary()  # req -> decode steps seen
-        self.pending: list[_Pending] = []
+        self.pending: list[Pending] = []
         # global id -> owned by a request's row (promoted slots and page-repair copies; one owner each)
         self._owned = torch.zeros(pool.id_end, dtype=torch.bool)
         self._orphans: list[dict] = []  # `dropped` maps of requests collected without release_request
@@ -270,7 +262,7 @@ class ColdTier:
         for req, positions, old, new, _, n_drop in batch:
             m = positions.numel()
             self._state(req).promoted.update(positions.tolist())
-            self.pending.append(_Pending(req, positions, old, new, copy))
+            self.pending.append(Pending(req, positions, old, new, copy))
             self.stats["promotions"] += 1
             self.stats["promoted_tokens"] += m
             self.stats["promoted_bytes_h2d"] += m * token_bytes
@@ -293,31 +285,9 @@ class ColdTier:
     def _land(self) -> None:
         if not self.pending:  # the common step: no torch op at all
             return
-        waiting, ready, done = [], [], {}  # event id -> query() answer: a pass's promotions share one
-        for p in self.pending:
-            if p.event is not None:
-                key = id(p.event)
-                if key not in done:
-                    done[key] = p.event.query()
-                if not done[key]:
-                    waiting.append(p)
-                    continue
-            ready.append(p)
-        self.pending = waiting
-        if not ready:
-            return
-        # one landing per request (a request with several ready promotions lands them together);
-        # their positions are disjoint: a position in flight is in `promoted`, never picked again
-        merged: dict[int, _Pending] = {}
-        for p in ready:
-            q = merged.get(id(p.req))
-            if q is None:
-                merged[id(p.req)] = _Pending(p.req, p.positions, p.old, p.new)
-            else:
-                q.positions, q.old, q.new = (torch.cat([a, b]) for a, b in
-                                             ((q.positions, p.positions), (q.old, p.old), (q.new, p.new)))
+        self.pending, merged = ready_landings(self.pending)
         live = []
-        for p in merged.values():  # released meanwhile: release_request freed what it owned
+        for p in merged:  # released meanwhile: release_request freed what it owned
             if p.req.req_pool_idx is not None and self.states.get(p.req) is not None:
                 live.append(p)
             else:
