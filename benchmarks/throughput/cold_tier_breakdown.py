@@ -23,13 +23,15 @@ Inside cold_score and cold_land, their pieces are timed too (synchronized the sa
 reported apart, in `cold_parts` / `cold_parts_ms_per_decode_step` as "<part>.<piece>" (they are
 already inside their part's time):
 
-    rows        ColdTier._due_block (the due rows and candidates, on the device)
-    mass        decode_mass.pool_mass (the scoring kernel, or route + keys + softmax off CUDA)
-    select      ColdTier._select (hits, picks, their read-back)
-    cap         ColdTier._cap                                   issue   ColdTier._issue (staging, copy)
-    read_rows   ColdTier._read_block (landing rows to the host)
-    plan        ColdTier._plan (every row's holes, copy slots)  move    TieredKVPool.move (page repair)
-    rewrite     ColdTier._rewrite (the table write)
+    rows        ColdTier._due_block (cold_score.due_block: the due rows and candidates, on the device)
+    mass        decode_mass.pool_mass as cold_score calls it (the scoring kernel, or route + keys +
+                softmax off CUDA)
+    select      ColdTier._select (cold_score.select: hits, picks, their read-back)
+    cap         ColdTier._cap (cold_score.cap)                  issue   ColdTier._issue (staging, copy)
+    read_rows   ColdTier._read_block (cold_land.read_block: landing rows to the host)
+    plan        ColdTier._plan (cold_land.plan_landing: every row's holes, copy slots)
+    move        TieredKVPool.move (cold_land.repair_pages: page repair)
+    rewrite     ColdTier._rewrite (cold_land.rewrite_rows: the table write)
 The syncs cost a little, so this call is a diagnostic, not the throughput number.
 """
 from __future__ import annotations
@@ -141,10 +143,10 @@ class HookTimer:
         self._wrap(self.tiering, "_demote_runs", "decode_demotion")
         self._wrap(self.tree, "evict", "make_room")
         if self.cold is not None:
-            import sgl_kvxfer.scheduler.cold_tier as cold_module
+            import sgl_kvxfer.scheduler.cold_score as score_module  # its pool_mass is the one the pass calls
 
             pool = self.cold.pool  # its move is the landing's page repair
-            for obj, attr, piece in ((self.cold, "_due_block", "rows"), (cold_module, "pool_mass", "mass"),
+            for obj, attr, piece in ((self.cold, "_due_block", "rows"), (score_module, "pool_mass", "mass"),
                                      (self.cold, "_select", "select"), (self.cold, "_read_block", "read_rows"),
                                      (self.cold, "_cap", "cap"), (self.cold, "_issue", "issue"),
                                      (self.cold, "_plan", "plan"), (pool, "move", "move"),

@@ -12,6 +12,7 @@ from sgl_kvxfer.mem_cache.req_to_token import ReqToTokenPool
 from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
 from sgl_kvxfer.mem_cache.tiered_allocator import TieredSlotAllocator
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
+from sgl_kvxfer.scheduler.cold_land import holed_rows
 from sgl_kvxfer.scheduler.cold_tier import ColdTier
 from sgl_kvxfer.spectrum.decode_mass import extend_runs, extend_runs_rows
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
@@ -130,7 +131,7 @@ def test_landing_moves_only_the_tails_past_each_hole(seed):
         js.append(torch.full((positions.numel(),), j))
         replaced.append(row[positions])
         flagged += int(cold.allocator.holed_pages(after[j, :r.kv_len]).sum())
-    got_j, got_pos = cold._holed_rows(torch.cat(js), torch.cat(replaced), after)
+    got_j, got_pos = holed_rows(cold.pool, torch.cat(js), torch.cat(replaced), after)
     assert bool((got_j[1:] > got_j[:-1]).logical_or(got_pos[1:] > got_pos[:-1]).all())  # row-major order
     for j, r in enumerate(reqs):
         row = after[j, :r.kv_len].clone()
@@ -191,7 +192,7 @@ def test_a_copy_job_that_fails_raises_at_landing_and_release_waits_for_the_job()
 
 
 def _cap_reference(picks, max_tokens):
-    """The cap as a loop over stretches (the rule in ColdTier._cap's docstring)."""
+    """The cap as a loop over stretches (the rule in cold_score.cap's docstring)."""
     ranked = []
     for n, (_, positions, _, m, score) in enumerate(picks):
         cut = (positions[1:] != positions[:-1] + 1).nonzero().squeeze(1) + 1

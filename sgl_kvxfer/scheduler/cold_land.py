@@ -1,0 +1,223 @@
+"""The cold tier's landing (scheduler/cold_tier.py wires it): once a pass's copy is done, the
+rows of every landing request are planned together on the host, their page repairs run as ONE
+pool.move and their row entries as ONE table write.
+
+Module-level functions over what they are given (the pool, its allocator, the request-to-token
+table, the tier's per-request state and counters); no state of their own.
+
+Rows and ownership (cold_tier.py's docstring): a promotion points the row at slots the request
+OWNS; the row's tokens past the first hole of an int page it now sees holed move to owned copies
+on fresh pages (codes bit for bit), so the row keeps the page's head [0, hole) and the
+prefix-fill invariant of mem_cache/README.md section 7 keeps holding for it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sgl_kvxfer.scheduler.cold_copy import PromotionCopy
+from sgl_kvxfer.spectrum.tiers import TIER_FP16, TIER_INT4, TIER_INT8
+
+
+@dataclass
+class Pending:
+    """One request's promotion of one pass, from its issue until it lands or is cancelled."""
+    req: object
+    positions: torch.Tensor   # CPU int64
+    old: torch.Tensor         # the int4 ids scored (CPU)
+    new: torch.Tensor         # fp16 ids the copy fills (CPU)
+    event: PromotionCopy | None = None  # the pass's copy (cold_copy.py); None: merged for landing
+
+
+def ready_landings(pending: list[Pending]) -> tuple[list[Pending], list[Pending]]:
+    """Split `pending` by whether its copy is done (never waits; one query() per pass's copy)
+    -> (still waiting, the ready ones merged into one Pending per request, event None)."""
+    waiting, ready, done = [], [], {}  # event id -> query() answer: a pass's promotions share one
+    for p in pending:
+        if p.event is not None:
+            key = id(p.event)
+            if key not in done:
+                done[key] = p.event.query()
+            if not done[key]:
+                waiting.append(p)
+                continue
+        ready.append(p)
+    # one landing per request (a request with several ready promotions lands them together);
+    # their positions are disjoint: a position in flight is in `promoted`, never picked again
+    merged: dict[int, Pending] = {}
+    for p in ready:
+        q = merged.get(id(p.req))
+        if q is None:
+            merged[id(p.req)] = Pending(p.req, p.positions, p.old, p.new)
+        else:
+            q.positions, q.old, q.new = (torch.cat([a, b]) for a, b in
+                                         ((q.positions, p.positions), (q.old, p.old), (q.new, p.new)))
+    return waiting, list(merged.values())
+
+
+def read_block(table: torch.Tensor, reqs: list) -> torch.Tensor:
+    """The rows of `reqs` in the request-to-token `table` on the host as one block
+    [n, max kv_len], in one device -> host copy; slot 0 past each row's kv_len."""
+    width = max(r.kv_len for r in reqs)
+    idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+    block = table[idx.to(table.device), :width].cpu()
+    lens = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+    return block.masked_fill_(torch.arange(width)[None, :] >= lens[:, None], 0)
+
+
+def plan_landing(live: list, block: torch.Tensor, pool, allocator, make_room, states, stats: dict) -> list:
+    """Host-side plan of a landing, every request at once: each row's promoted positions -> the
+    new fp16 slots, and the int tokens of pages the row would then see with a hole (the Triton
+    kernels read an int page as its slots [0, fill): mem_cache/README.md section 7) past the
+    first hole -> owned copies on fresh pages of their own (one alloc per tier and request, so
+    each request holds a prefix of every page it touches). A request without room for its copies changes
+    nothing and its positions may be scored again. `live`: the landing's merged promotions,
+    one per request, its row block[j, :kv_len] on the host (read_block); `states` the tier's
+    req -> state map, `stats` its counters (stale, no_room, landed are counted here).
+    -> [(req, state, positions to write, their new slots, their entries now, repack src,
+    repack dst)]. The holed pages of all rows come from one set of tensor ops (holed_rows);
+    only the copy-slot allocation runs per request."""
+    sizes = torch.tensor([p.positions.numel() for p in live])
+    j = torch.repeat_interleave(torch.arange(len(live)), sizes)
+    pos = torch.cat([p.positions for p in live])
+    new = torch.cat([p.new for p in live])
+    cur = block[j, pos]
+    same = cur == torch.cat([p.old for p in live])
+    if not bool(same.all()):  # the row moved under us (should not happen while it runs)
+        stats["stale"] += int((~same).sum())
+        allocator.free(new[~same])
+        j, pos, new, cur = j[same], pos[same], new[same], cur[same]
+    after = block.clone()
+    after[j, pos] = new
+    hj, hpos = holed_rows(pool, j, cur, after)
+    p_end = torch.bincount(j, minlength=len(live)).cumsum(0).tolist()
+    h_end = torch.bincount(hj, minlength=len(live)).cumsum(0).tolist()
+    plans, pa, ha = [], 0, 0
+    for n, p in enumerate(live):
+        pb, hb = p_end[n], h_end[n]
+        positions, slots, holed = pos[pa:pb], new[pa:pb], hpos[ha:hb]
+        pa, ha = pb, hb
+        if not positions.numel():
+            continue
+        old = after[n, holed]
+        copies = copy_slots(old, pool, allocator, make_room)
+        state = states[p.req]
+        if copies is None:
+            stats["no_room"] += 1
+            allocator.free(slots)
+            state.promoted.difference_update(positions.tolist())  # may be scored again
+            continue
+        stats["landed"] += positions.numel()
+        at = torch.cat([positions, holed])
+        plans.append((p.req, state, at, torch.cat([slots, copies]), block[n, at], old, copies))
+    return plans
+
+
+def page_keys(pool, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page key, offset in page) of int ids, int8 pages numbered first, then int4's
+    (the pool's page_offset per store, in one key space)."""
+    b8, b4, page = pool.base(TIER_INT8), pool.base(TIER_INT4), pool.page_size
+    is4 = ids >= b4
+    r = torch.where(is4, ids - b4, ids - b8)
+    return r // page + is4 * (-(-(b4 - b8) // page)), r % page
+
+
+def holed_rows(pool, j: torch.Tensor, replaced: torch.Tensor, after: torch.Tensor) -> tuple:
+    """(row, position) of the int tokens of `after` (rows [n, W], host) that must move for
+    each row to hold a prefix of every int page again, rows ascending, positions ascending
+    within a row, after rows `j` gave up ids `replaced`. Each row held a prefix [0, count)
+    of every page it touches (mem_cache/README.md section 7), so on a page it took ids from
+    it still holds [0, h), h the smallest offset it gave up there: only its tokens past h
+    move (to fresh pages), the head stays where it is. Only the pages the rows took ids
+    from are looked at; every row at once."""
+    b8 = pool.base(TIER_INT8)
+    empty = torch.zeros(0, dtype=torch.int64)
+    hit = replaced >= b8
+    if not bool(hit.any()):
+        return empty, empty
+    span = pool.id_end  # > every page key: row * span + key never collides
+    gave, gave_off = page_keys(pool, replaced[hit])
+    touched, inv = (j[hit] * span + gave).unique(return_inverse=True)
+    head = torch.full((touched.numel(),), pool.page_size, dtype=torch.int64)
+    head.scatter_reduce_(0, inv, gave_off, "amin")  # h per (row, page) touched
+    rj, rpos = (after >= b8).nonzero(as_tuple=True)
+    key, off = page_keys(pool, after[rj, rpos])
+    key = rj * span + key
+    at = torch.searchsorted(touched, key).clamp_(max=touched.numel() - 1)
+    move = (touched[at] == key) & (off > head[at])
+    return rj[move], rpos[move]
+
+
+def copy_slots(old: torch.Tensor, pool, allocator, make_room) -> torch.Tensor | None:
+    """Fresh ids for int tokens `old` (position order): their tier's pages, else fp16 slots;
+    None (nothing kept) when the pool has no room for them."""
+    tiers, new, got_all = pool.tier_of(old), old.clone(), []
+    for tier in (TIER_INT8, TIER_INT4):
+        idx = (tiers == tier).nonzero().squeeze(1)
+        if not idx.numel():
+            continue
+        if allocator.available_tier(tier) < idx.numel():
+            make_room(tier, idx.numel())
+        got = allocator.alloc_tier(tier, idx.numel()).cpu()
+        got_all.append(got)
+        if got.numel() < idx.numel():  # the store is short: the rest as fp16 (exact dequantized)
+            short = idx.numel() - got.numel()
+            if allocator.available_size() < short:
+                make_room(TIER_FP16, short)
+            fp = allocator.alloc(short)
+            if fp is None:
+                allocator.free(torch.cat(got_all))
+                return None
+            got = torch.cat([got, fp.cpu()])
+            got_all.append(fp.cpu())
+        new[idx] = got
+    return new
+
+
+def repair_pages(pool, plans: list, stats: dict) -> None:
+    """Every plan's page repair in ONE pool.move (codes bit for bit, one pass over the layers);
+    counted in stats (repack_moves, repacked_tokens)."""
+    src = torch.cat([plan[5] for plan in plans])
+    if src.numel():
+        pool.move(src, torch.cat([plan[6] for plan in plans]))
+        stats["repack_moves"] += 1
+        stats["repacked_tokens"] += src.numel()
+
+
+def rewrite_rows(plans: list, owned: torch.Tensor, table: torch.Tensor, allocator, cuda: bool) -> None:
+    """Point every plan's row positions at its owned slots in one write of the request-to-token
+    `table` (one host -> device copy of the indices, non-blocking from pinned memory on CUDA);
+    the owned slots they replace are freed. Ownership is one host bool per global id (`owned`:
+    an id is owned by at most one request; updated here), so no per-entry Python runs here but
+    the dict update of the original slots."""
+    plans = [p for p in plans if p[2].numel()]
+    if not plans:
+        return
+    at = torch.cat([p[2] for p in plans])
+    slots = torch.cat([p[3] for p in plans])
+    cur = torch.cat([p[4] for p in plans])
+    who = torch.repeat_interleave(torch.arange(len(plans)), torch.tensor([p[2].numel() for p in plans]))
+    was_owned = owned[cur]
+    # the entries a request was given: kept to write back at release. A position already in
+    # `original` holds an owned slot now, so it is never overwritten.
+    given = ~was_owned
+    given_at, given_cur = at[given].tolist(), cur[given].tolist()
+    a = 0
+    for (_, state, *_), n in zip(plans, torch.bincount(who[given], minlength=len(plans)).tolist()):
+        fresh = dict(zip(given_at[a:a + n], given_cur[a:a + n]))
+        a += n
+        fresh.update((k, state.original[k]) for k in fresh.keys() & state.original.keys())
+        state.original.update(fresh)
+    drop = cur[was_owned]
+    owned[drop] = False
+    owned[slots] = True
+    rows = torch.tensor([p[0].req_pool_idx for p in plans], dtype=torch.int64)[who]
+    index = torch.stack([rows, at, slots])
+    if cuda:
+        index = index.pin_memory().to(table.device, non_blocking=True)
+    else:
+        index = index.to(table.device)
+    table[index[0], index[1]] = index[2].to(table.dtype)
+    if drop.numel():
+        allocator.free(drop)
