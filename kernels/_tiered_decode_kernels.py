@@ -54,18 +54,31 @@ def _page_of_step(bt_row_ptr, fill_row_ptr, n_tok, n_pages, l0, offs,
 
 
 @triton.jit
+def _merge_chunk(lrow, orow, c, n_total, hmask, offs_s, offs_d, stride_os):
+    """Partials c + [0, MERGE_S) of the merged rows: lse [H, S] (NEG_BIG past n_total) and o
+    [H, S, D], loaded side by side (neither waits on the other) through L2 (.cg: other programs
+    of this launch wrote them). All masked off past n_total: no memory traffic."""
+    s = c + offs_s
+    lmask = hmask[:, None] & (s < n_total)[None, :]
+    lse = tl.load(lrow[:, None] + s[None, :], mask=lmask, other=NEG_BIG, cache_modifier=".cg")
+    o = tl.load(orow[:, None, None] + s[None, :, None] * stride_os + offs_d[None, None, :],
+                mask=lmask[:, :, None], other=0.0, cache_modifier=".cg")
+    return lse, o
+
+
+@triton.jit
 def _merge_group(o_part_ptr, lse_part_ptr, out_ptr, b, kv_head, n_total,
                  stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
                  KV_GROUP: tl.constexpr, MERGE_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 MERGE_S: tl.constexpr):
+                 MERGE_S: tl.constexpr, MERGE_PF: tl.constexpr):
     """out rows (b, q heads of kv_head) = LSE-weighted sum of the n_total partials, MERGE_S at a
-    time (one pass, running max); empty partials (lse NEG_BIG) weigh 0. Partials are read through
-    L2 (.cg): other programs of this launch wrote them.
+    time (one pass, running max); empty partials (lse NEG_BIG) weigh 0.
 
-    NOTE: a chunk's partials load beside its lse (no load waits on another), so a chunk costs one
-    L2 round trip, not two: the merging program is a serial tail of the launch (99 partials at
-    batch 1 over three tiers). An empty split never wrote its partial (it may hold NaN): the
-    select below, not the weight 0, keeps it out."""
+    NOTE: the merging program is a serial tail of the launch (33 partials per tier at batch 1), so
+    its L2 round trips are kept few: a chunk's partials load beside its lse, and with MERGE_PF the
+    next chunk's loads are issued before this chunk is reduced (the loop carries them), so
+    consecutive chunks overlap their round trips (two chunks of registers live). An empty split
+    never wrote its partial (it may hold NaN): the select below, not the weight 0, keeps it out."""
     offs_h = tl.arange(0, MERGE_H)
     offs_s = tl.arange(0, MERGE_S)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -76,12 +89,13 @@ def _merge_group(o_part_ptr, lse_part_ptr, out_ptr, b, kv_head, n_total,
     m = tl.full([MERGE_H], NEG_BIG, dtype=tl.float32)
     l = tl.zeros([MERGE_H], dtype=tl.float32)
     acc = tl.zeros([MERGE_H, HEAD_DIM], dtype=tl.float32)
+    if MERGE_PF:
+        lse, o = _merge_chunk(lrow, orow, 0, n_total, hmask, offs_s, offs_d, stride_os)
     for c in range(0, n_total, MERGE_S):
-        s = c + offs_s
-        lmask = hmask[:, None] & (s < n_total)[None, :]
-        lse = tl.load(lrow[:, None] + s[None, :], mask=lmask, other=NEG_BIG, cache_modifier=".cg")
-        o = tl.load(orow[:, None, None] + s[None, :, None] * stride_os + offs_d[None, None, :],
-                    mask=lmask[:, :, None], other=0.0, cache_modifier=".cg")
+        if MERGE_PF:  # the next chunk in flight while this one is reduced
+            lse_n, o_n = _merge_chunk(lrow, orow, c + MERGE_S, n_total, hmask, offs_s, offs_d, stride_os)
+        else:
+            lse, o = _merge_chunk(lrow, orow, c, n_total, hmask, offs_s, offs_d, stride_os)
         live = lse > NEG_BIG * 0.5
         m_new = tl.maximum(m, tl.max(lse, 1))
         w = tl.where(live, tl.exp2(lse - m_new[:, None]), 0.0)
@@ -90,6 +104,9 @@ def _merge_group(o_part_ptr, lse_part_ptr, out_ptr, b, kv_head, n_total,
         acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
         l = l * alpha + tl.sum(w, 1)
         m = m_new
+        if MERGE_PF:
+            lse = lse_n
+            o = o_n
     res = acc / tl.where(l > 0, l, 1.0)[:, None]
     optr = out_ptr + b * stride_outb + heads[:, None] * stride_outh + offs_d[None, :]
     tl.store(optr, res.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
@@ -100,7 +117,8 @@ def _finish(acc_a, acc_b, m_i, l_i, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, 
             split_id, n_total, offs_g, gmask,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
             KV_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HALVES: tl.constexpr, DIRECT: tl.constexpr,
-            FUSED_MERGE: tl.constexpr, FENCE: tl.constexpr, MERGE_H: tl.constexpr, MERGE_S: tl.constexpr):
+            FUSED_MERGE: tl.constexpr, FENCE: tl.constexpr, MERGE_H: tl.constexpr, MERGE_S: tl.constexpr,
+            MERGE_PF: tl.constexpr):
     """Epilogue of every tier kernel. acc_a [M, D] (HALVES 1) or the low / high halves acc_a,
     acc_b [M, D/2] (HALVES 2: int4). DIRECT: normalized o in the model dtype, no partial.
     Otherwise the fp32 partial (only when the split holds a token) and its lse, then, with
@@ -133,7 +151,7 @@ def _finish(acc_a, acc_b, m_i, l_i, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, 
             if done == n_total - 1:
                 _merge_group(o_part_ptr, lse_part_ptr, out_ptr, b, kv_head, n_total,
                              stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                             KV_GROUP, MERGE_H, HEAD_DIM, MERGE_S)
+                             KV_GROUP, MERGE_H, HEAD_DIM, MERGE_S, MERGE_PF)
                 tl.store(cnt_ptr + pid_bh, 0)  # ready for the next launch (stream order)
 
 
@@ -141,11 +159,11 @@ def _finish(acc_a, acc_b, m_i, l_i, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, 
 def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, n_total,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
                   NUM_KV_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, MERGE_H: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, MERGE_S: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, MERGE_S: tl.constexpr, MERGE_PF: tl.constexpr):
     pid = tl.program_id(0)
     _merge_group(o_part_ptr, lse_part_ptr, out_ptr, pid // NUM_KV_HEADS, pid % NUM_KV_HEADS, n_total,
                  stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                 KV_GROUP, MERGE_H, HEAD_DIM, MERGE_S)
+                 KV_GROUP, MERGE_H, HEAD_DIM, MERGE_S, MERGE_PF)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,9 +178,17 @@ def _fp16_tier_kernel(
     split_base, n_total, qk_scale,
     NUM_KV_HEADS: tl.constexpr, KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, TILE: tl.constexpr, FILLED: tl.constexpr, DOT_F32: tl.constexpr,
+    ROW_SPLITS: tl.constexpr,
     DIRECT: tl.constexpr, FUSED_MERGE: tl.constexpr, FENCE: tl.constexpr,
-    MERGE_H: tl.constexpr, MERGE_S: tl.constexpr,
+    MERGE_H: tl.constexpr, MERGE_S: tl.constexpr, MERGE_PF: tl.constexpr,
 ):
+    """ROW_SPLITS (PAGE < TILE only): split s takes the virtual slots
+    [s * n // S, (s + 1) * n // S) of the n = n_pages * PAGE listed ones, cut at any slot, not at a
+    step boundary: every split of a request reads the same number of rows (+-1), where step-cut
+    splits differ by a whole step (batch 1 at 32k, tile 64, S 33: 15 or 16 steps, so the programs
+    an SM holds carry 30 to 32 steps). A split's slots past its end are masked off at the load
+    (other = 0: never read) and at the scores."""
+    ROWS: tl.constexpr = ROW_SPLITS and PAGE < TILE
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // NUM_KV_HEADS
@@ -180,7 +206,12 @@ def _fp16_tier_kernel(
         n_pages = tl.load(npg_ptr + b)
     else:
         n_pages = tl.cdiv(n_tok, PAGE)
-    lo, hi = _split_range(n_pages, split, tl.num_programs(1), PAGE, TILE)
+    if ROWS:
+        n_slots = n_pages.to(tl.int64) * PAGE
+        lo = ((split * n_slots) // tl.num_programs(1)).to(tl.int32)
+        hi = (((split + 1) * n_slots) // tl.num_programs(1)).to(tl.int32)
+    else:
+        lo, hi = _split_range(n_pages, split, tl.num_programs(1), PAGE, TILE)
     bt_row = bt_ptr + b * stride_bt
     fill_row = fill_ptr + b * stride_f
     head_off = kv_head * stride_h
@@ -195,7 +226,10 @@ def _fp16_tier_kernel(
             l = l0 + offs_t
             j = l // PAGE
             s = l % PAGE
-            listed = j < n_pages
+            if ROWS:
+                listed = l < hi  # this split's slots: every one of them lies in a listed page
+            else:
+                listed = j < n_pages
             # NOTE: page ids and fills load side by side (no load waits on a loaded value but the
             # rows on their page ids), so the software pipeline prefetches both a stage ahead
             page = tl.load(bt_row + j, mask=listed, other=0).to(tl.int64)
@@ -203,7 +237,7 @@ def _fp16_tier_kernel(
                 fill = tl.load(fill_row + j, mask=listed, other=0)
                 tm = s < fill
             else:
-                tm = l < n_tok
+                tm = (l < n_tok) & listed
             rows = page * stride_p + head_off + s.to(tl.int64) * HEAD_DIM
         rows = tl.multiple_of(rows, 8)
         # NOTE: no load waits on a loaded fill (it would hold the rows back a pipeline stage): the
@@ -226,7 +260,7 @@ def _fp16_tier_kernel(
     _finish(acc, acc, m_i, l_i, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, b, kv_head, pid_bh,
             split_base + split, n_total, offs_g, gmask,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-            KV_GROUP, HEAD_DIM, 1, DIRECT, FUSED_MERGE, FENCE, MERGE_H, MERGE_S)
+            KV_GROUP, HEAD_DIM, 1, DIRECT, FUSED_MERGE, FENCE, MERGE_H, MERGE_S, MERGE_PF)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +352,7 @@ def _int_tier_kernel(
     FILLED: tl.constexpr, QK_INT8: tl.constexpr, FAST_CVT: tl.constexpr, DOT_CVT: tl.constexpr,
     SUB_CVT: tl.constexpr,
     DIRECT: tl.constexpr, FUSED_MERGE: tl.constexpr, FENCE: tl.constexpr,
-    MERGE_H: tl.constexpr, MERGE_S: tl.constexpr,
+    MERGE_H: tl.constexpr, MERGE_S: tl.constexpr, MERGE_PF: tl.constexpr,
 ):
     """TIER 1 (int8) or 2 (int4). Block of (page, kv head), bytes from k_ptr / v_ptr +
     page * stride_p + kv_head * stride_h (module docstring of paged_layout.py):
@@ -480,4 +514,4 @@ def _int_tier_kernel(
     _finish(acc_a, acc_b, m_i, l_i, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, b, kv_head, pid_bh,
             split_base + split, n_total, offs_g, gmask,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-            KV_GROUP, HEAD_DIM, HALVES, DIRECT, FUSED_MERGE, FENCE, MERGE_H, MERGE_S)
+            KV_GROUP, HEAD_DIM, HALVES, DIRECT, FUSED_MERGE, FENCE, MERGE_H, MERGE_S, MERGE_PF)

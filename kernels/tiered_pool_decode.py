@@ -20,11 +20,14 @@ tl.dot (GQA: each K/V byte is read once per kv head) and split s of the tier's l
     in TILE-slot chunks (one page id per step, one contiguous run per stream), smaller pages
     TILE / PAGE at a time (their ids loaded as a vector; PAGE 1: the fp16 store's row gather)
     steps = cdiv(num_pages * PAGE, TILE);  split s takes steps [s * steps // S, (s + 1) * steps // S)
+    (row_splits, PAGE < TILE: the slots [s * n // S, (s + 1) * n // S) of the n = num_pages * PAGE,
+    cut at any slot, so a request's splits read equal rows +-1; the fp16 store's row gather)
 
 so S is a host number (plan_tiered_pool_decode: at most `split_waves` programs per SM, no split
 under `min_split_tokens` of the context bound). Every split writes its normalized partial and its
 log2-sum-exp into [B, Hq, S_total, D] (tier t owns splits [t_base, t_base + S)); an empty split
-writes only lse = NEG_BIG. The merge weighs them (empty: weight 0): with `fused_merge` the last
+writes only lse = NEG_BIG. The merge weighs them (empty: weight 0), MERGE_S partials per L2 round
+trip (merge_prefetch: the next chunk in flight while one is reduced): with `fused_merge` the last
 program of each (b, kv head) to finish, over all launched tiers, merges in place (a counter per
 (b, kv head), reset by that program); otherwise one small merge launch follows. One launched tier
 and S == 1: the program writes o itself.
@@ -83,7 +86,13 @@ class TieredDecodeConfig:
     programs per SM the planner aims for; min_split_tokens: no split gets fewer context tokens.
     fused_merge: the last split program merges (no merge launch). min_steps: a split whose
     tokens fill fewer steps than this runs half the tile with half the warps (at least 4), down to
-    a 64-token tile (short splits, e.g. batch 1, keep more steps in the pipeline; 0: off)."""
+    a 64-token tile (short splits, e.g. batch 1, keep more steps in the pipeline; 0: off).
+    row_splits: a tier walked several pages a step (PAGE < tile: the fp16 store's rows) splits each
+    request at slot granularity, not at step granularity (equal bytes per split program).
+    merge_prefetch: the merge issues the next chunk's partial loads before it reduces this chunk
+    (two chunks live: compiled for sm_90 by Triton 3.9 the kernels take more registers, e.g. the
+    fp16 kernel at 8 warps 109 -> 166, one program per SM instead of two; off by default, a sweep
+    knob)."""
 
     tile16: int = 128
     tile8: int = 256
@@ -102,6 +111,8 @@ class TieredDecodeConfig:
     min_split_tokens: int = 512
     fused_merge: bool = True
     min_steps: int = 0
+    row_splits: bool = True
+    merge_prefetch: bool = False
 
     def __post_init__(self):
         for name in ("tile16", "tile8", "tile4"):
@@ -295,7 +306,7 @@ def tiered_pool_decode(
     interp = is_interpret()
     common = dict(NUM_KV_HEADS=Hkv, KV_GROUP=kv_group, BLOCK_G=max(16, next_pow2(kv_group)), HEAD_DIM=D,
                   FILLED=tables.filled, DIRECT=direct, FUSED_MERGE=fused, FENCE=not interp,
-                  MERGE_H=next_pow2(kv_group))
+                  MERGE_H=next_pow2(kv_group), MERGE_PF=config.merge_prefetch)
     bt, ln = tables.tables, tables.lens
     fills = tables.fills if tables.filled else bt  # dense: unused (FILLED=False)
     npg = tables.num_pages if tables.filled else ln
@@ -308,7 +319,8 @@ def tiered_pool_decode(
                 *so, *sl, out.stride(0), out.stride(1), i * S, n_total, sm_scale * LOG2E)
         if t == TIER_FP16:
             kernel, args = _fp16_tier_kernel, (*args, tp.k, tp.v, *tail)
-            kw = dict(PAGE=PAGE, DOT_F32=interp and q.dtype == torch.bfloat16, **common)
+            kw = dict(PAGE=PAGE, DOT_F32=interp and q.dtype == torch.bfloat16, ROW_SPLITS=config.row_splits,
+                      **common)
         else:
             halves = 1 if t == TIER_INT8 else 2
             kernel, args = _int_tier_kernel, (*args, tp.k, tp.v, tp.k.view(torch.float16), tp.v.view(torch.float16),
@@ -326,7 +338,7 @@ def tiered_pool_decode(
         _merge_kernel[(B * Hkv,)](
             o_part, lse_part, out, n_total, *so, *sl, out.stride(0), out.stride(1),
             NUM_KV_HEADS=Hkv, KV_GROUP=kv_group, MERGE_H=next_pow2(kv_group), HEAD_DIM=D, MERGE_S=MERGE_S,
-            num_warps=4)
+            MERGE_PF=config.merge_prefetch, num_warps=4)
     return out
 
 

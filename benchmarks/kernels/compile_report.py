@@ -125,10 +125,10 @@ def compile_tier(tier: str, config, head_dim: int, kv_group: int, int_page: int,
     tile, warps, stages = config.launch(t)
     common = dict(NUM_KV_HEADS=8, KV_GROUP=kv_group, BLOCK_G=max(16, next_pow2(kv_group)), HEAD_DIM=head_dim,
                   FILLED=True, DIRECT=False, FUSED_MERGE=config.fused_merge, FENCE=True,
-                  MERGE_H=next_pow2(kv_group), MERGE_S=merge_step(warps), TILE=tile)
+                  MERGE_H=next_pow2(kv_group), MERGE_S=merge_step(warps), MERGE_PF=config.merge_prefetch, TILE=tile)
     if t == 0:
         fn, page = _fp16_tier_kernel, 1
-        consts = dict(PAGE=page, DOT_F32=False, **common)
+        consts = dict(PAGE=page, DOT_F32=False, ROW_SPLITS=config.row_splits, **common)
     else:
         fn, page = _int_tier_kernel, int_page
         halves = 1 if t == 1 else 2

@@ -34,7 +34,7 @@
 #   ATTN_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768 llama3-8b:32:32768"
 #   SWEEP_POINTS="llama3-8b:8:32768 llama3-8b:1:32768 smollm2:8:32768 llama3-8b:32:32768" bash scripts/gpu/lowbit.sh attention
 # Knobs: TEST_FILES (the test files), TEST_K (pytest -k), CONFIGS (JSON list for the sweep), ATTN_POINTS, SWEEP_POINTS,
-# NCU_POINT (default llama3-8b:8:32768), E2E_CONTEXTS, E2E_BATCHES,
+# NCU_POINT (default llama3-8b:8:32768), NCU_VARIANTS (default "int8 int4 fp16"), E2E_CONTEXTS, E2E_BATCHES,
 # E2E_BUDGETS, E2E_N1 / E2E_N2 (decode window; demotion runs every 64 steps past 128, so n2 = 272 times
 # three of them), E2E_REPEATS, E2E_PAGE (--kv-tier-page-size), TIERED_DECODE_CONFIG (JSON: the config
 # the engine serves, env SGL_KVXFER_TIERED_DECODE_CONFIG). Without the last two the e2e stage takes the
@@ -128,22 +128,24 @@ for s in $STAGES; do
       # the sweep (served config first, then in this order; --sweep-budget-s cuts the tail), every
       # point of --sweep-points and every tiered variant (the mix included), each point measured
       # with its own best; all but the served one on 256-token int pages, codes converted in the dot
-      # operand layout as subnormals: half tiles for short splits (the Llama-3-8B pick); three
-      # programs per SM (the SmolLM2 pick); no split under 2048 tokens (batch 1 at 32k gets 16
-      # splits instead of 33, a shorter merge, batch 8 keeps its 4: one config for both); one
-      # program per SM (fewer splits at every batch); 512-token int4 steps on 8 warps (twice the int4 bytes in
+      # operand layout as subnormals: half tiles for short splits (the Llama-3-8B pick); the
+      # Llama-3-8B pick with the fp16 rows split at step granularity (row_splits off: the same-run
+      # A/B of the slot-granular splits) and with the merge's next chunk in flight while one is
+      # reduced (merge_prefetch: its same-run A/B; more registers, so the batch-1 points may want
+      # it and the others not); three programs per SM (the SmolLM2 pick); no split under 2048
+      # tokens (batch 1 at 32k gets 16 splits instead of 33, a shorter merge, batch 8 keeps its 4:
+      # one config for both); 512-token int4 steps on 8 warps (twice the int4 bytes in
       # flight, as one int8 step); int4 two steps ahead (5 stages: 82 KB, still two programs per SM;
-      # 3 and 4 stages both hold one step ahead); four programs per SM (more splits); 256-row fp16
-      # steps (D 64: the bytes of a 128-row step at D 128); 64-row fp16 steps at 4 warps; int8
-      # tensor cores for q.K; 128-token steps at three per SM
+      # 3 and 4 stages both hold one step ahead); four programs per SM (more splits); 64-row fp16
+      # steps at 4 warps; int8 tensor cores for q.K; 128-token steps at three per SM
       default_configs='[{"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "stages4": 5, "row_splits": false},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "stages4": 5, "merge_prefetch": true},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "warps16": 4, "split_waves": 3},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "min_split_tokens": 2048},
-        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "split_waves": 1},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "tile4": 512, "warps4": 8},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "stages4": 5},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "split_waves": 4},
-        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "tile16": 256, "warps16": 8, "split_waves": 3},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "tile16": 64, "warps16": 4, "stages16": 4},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "qk_int8": true},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "tile8": 128, "tile4": 128, "tile16": 128, "warps16": 4,
@@ -184,7 +186,7 @@ try:
 except Exception:
     print('')" "$(ls "$OUT"/attention_*.json 2>/dev/null | head -1)" 2>/dev/null)
       stage ncu "$(lim "${T_NCU:-60}")" $WORK/lowbit_ncu.log "$PY" benchmarks/kernels/ncu_decode.py --out-dir "$OUT" \
-        --point "${NCU_POINT:-llama3-8b:8:32768}" --variants int8 int4 fp16 --timeout "$(( $(lim "${T_NCU:-60}") - 5 ))" ${best:+--config "$best"}
+        --point "${NCU_POINT:-llama3-8b:8:32768}" --variants ${NCU_VARIANTS:-int8 int4 fp16} --timeout "$(( $(lim "${T_NCU:-60}") - 5 ))" ${best:+--config "$best"}
       rm -f $WORK/lowbit_ncu.log
       ;;
     e2e)

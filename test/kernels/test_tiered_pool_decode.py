@@ -61,13 +61,16 @@ def test_mixed_tiers_filled(G, pages):
 
 @pytest.mark.parametrize("splits", [1, 2, 5, 7])  # 7 x 3 tiers: more partials than one merge step takes
 @pytest.mark.parametrize("fused", [True, False])
-def test_splits_and_merges(splits, fused):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_splits_and_merges(splits, fused, prefetch):
     lens = [(21, 70, 45), (2, 3, 90), (0, 0, 0)]
-    _close(*_run(lens, 4, 1, 32, 32, (1, 16, 32), splits=splits, fused=fused))
+    cfg = with_config(BASE, merge_prefetch=prefetch)
+    _close(*_run(lens, 4, 1, 32, 32, (1, 16, 32), splits=splits, fused=fused, config=cfg))
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_empty_splits_partials_may_hold_nan(monkeypatch, fused):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_empty_splits_partials_may_hold_nan(monkeypatch, fused, prefetch):
     """The merge loads every partial beside its lse: an empty split's partial, never written, may
     hold anything (torch.empty) and must not reach the output."""
     empty = torch.empty
@@ -78,7 +81,8 @@ def test_empty_splits_partials_may_hold_nan(monkeypatch, fused):
 
     monkeypatch.setattr(torch, "empty", nan_empty)
     lens = [(3, 20, 17), (0, 40, 0), (1, 0, 0)]  # most of the 7 x 3 splits are empty
-    got, ref = _run(lens, 4, 1, 32, 32, (1, 16, 16), splits=7, fused=fused)
+    got, ref = _run(lens, 4, 1, 32, 32, (1, 16, 16), splits=7, fused=fused,
+                    config=with_config(BASE, merge_prefetch=prefetch))
     assert bool(torch.isfinite(got).all())
     _close(got, ref)
 
@@ -96,6 +100,19 @@ def test_dense_tables_and_page_boundaries():
     # lengths on, one past and one short of page boundaries, dense form
     lens = [(16, 32, 16), (17, 33, 15), (15, 31, 17)]
     _close(*_run(lens, 4, 2, 32, 32, (16, 16, 16), filled=False, splits=3))
+
+
+@pytest.mark.parametrize("row_splits", [True, False])
+@pytest.mark.parametrize("filled", [True, False])
+@pytest.mark.parametrize("splits", [3, 7])
+def test_row_splits_cut_the_fp16_rows_anywhere(row_splits, filled, splits):
+    """fp16 rows (PAGE 1) and 4-slot pages under a 16-row tile, split at slot granularity (cuts
+    inside steps and pages, splits shorter than a step, empty splits past a short request) or at
+    step granularity; int tiers beside them keep their step splits."""
+    cfg = with_config(BASE, tile16=16, row_splits=row_splits)
+    lens = [(37, 20, 5), (5, 0, 17), (0, 3, 0), (16, 0, 0)]
+    for pages in ((1, 16, 16), (4, 16, 16)):
+        _close(*_run(lens, 4, 2, 32, 32, pages, filled=filled, splits=splits, config=cfg))
 
 
 @pytest.mark.parametrize("tile", [16, 32])
@@ -266,7 +283,8 @@ def test_real_shapes_gpu(Hq, Hkv, D, mix, dtype):
                                    dict(tile8=128, tile4=128, stages8=3), dict(tile8=512, tile4=512, warps8=4),
                                    dict(tile16=128, warps16=8, stages16=2), dict(G=32),
                                    dict(dot_cvt=True), dict(dot_cvt=True, sub_cvt=True),
-                                   dict(dot_cvt=True, sub_cvt=True, tile8=128, tile4=128)])
+                                   dict(dot_cvt=True, sub_cvt=True, tile8=128, tile4=128),
+                                   dict(row_splits=False), dict(merge_prefetch=True)])
 def test_knobs_gpu(knobs):
     knobs = dict(knobs)
     G = knobs.pop("G", 128)
