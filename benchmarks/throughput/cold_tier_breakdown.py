@@ -12,7 +12,10 @@ charged to it):
 
     forward_decode / forward_extend   ModelRunner.forward (graph replay or eager)
     cold_score                        ColdTier._score (the scoring pass and the promotions it issues)
-    cold_land                         ColdTier._land (landing finished copies, row repair)
+    cold_prepare                      ColdTier._prepare (the landing's host plan; in a run it overlaps
+                                      the decode forward, here it is synchronized after it)
+    cold_land                         ColdTier._land (the planned landing applied: copy slots, row
+                                      repair, table write; the whole landing where none was planned)
     cold_release                      ColdTier.release_request (the row given back at the end)
     decode_demotion                   EngineTiering._demote_runs (generated tokens re-tiered)
     make_room                         RadixCache.evict (cache leaves freed for a short store)
@@ -28,8 +31,9 @@ already inside their part's time):
                 softmax off CUDA)
     select      ColdTier._select (cold_score.select: hits, picks, their read-back)
     cap         ColdTier._cap (cold_score.cap)                  issue   ColdTier._issue (staging, copy)
-    read_rows   ColdTier._read_block (cold_land.read_block: landing rows to the host)
-    plan        ColdTier._plan (cold_land.plan_landing: every row's holes, copy slots)
+    read_rows   ColdTier._mirror_block (cold_land.mirror_block: landing rows from the host mirrors)
+    plan        ColdTier._plan (cold_land.find_holes: every row's holes, host only)
+    copies      ColdTier._copies (cold_land.plan_copies: the repair copies' slots)
     move        TieredKVPool.move (cold_land.repair_pages: page repair)
     rewrite     ColdTier._rewrite (cold_land.rewrite_rows: the table write)
 The syncs cost a little, so this call is a diagnostic, not the throughput number.
@@ -138,6 +142,7 @@ class HookTimer:
         self._wrap(self.runner, "forward",
                    lambda batch, *a, **k: "forward_decode" if batch.mode.name == "DECODE" else "forward_extend")
         self._wrap(self.cold, "_score", "cold_score")
+        self._wrap(self.cold, "_prepare", "cold_prepare")
         self._wrap(self.cold, "_land", "cold_land")
         self._wrap(self.cold, "release_request", "cold_release")
         self._wrap(self.tiering, "_demote_runs", "decode_demotion")
@@ -147,9 +152,10 @@ class HookTimer:
 
             pool = self.cold.pool  # its move is the landing's page repair
             for obj, attr, piece in ((self.cold, "_due_block", "rows"), (score_module, "pool_mass", "mass"),
-                                     (self.cold, "_select", "select"), (self.cold, "_read_block", "read_rows"),
+                                     (self.cold, "_select", "select"), (self.cold, "_mirror_block", "read_rows"),
                                      (self.cold, "_cap", "cap"), (self.cold, "_issue", "issue"),
-                                     (self.cold, "_plan", "plan"), (pool, "move", "move"),
+                                     (self.cold, "_plan", "plan"), (self.cold, "_copies", "copies"),
+                                     (pool, "move", "move"),
                                      (self.cold, "_rewrite", "rewrite")):
                 self._wrap_piece(obj, attr, piece)
         graphs = self.runner.graph_runner
