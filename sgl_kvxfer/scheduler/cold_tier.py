@@ -24,16 +24,19 @@ cold_land.py; this class wires them and holds the state):
              pinned staging buffer; on CUDA a side stream copies it to the device in one copy and
              writes the fp16 store, then records one event; on CUDA the gather and the enqueueing
              run on a copy worker thread (cold_copy.py), the scheduler thread goes on
-    land     before the next decode forward (or any later hook) that finds the event done, the
-             requests' rows are rewritten to the new slots (never waits: a copy not done stays
-             pending): every landing request planned together on the host (one set of tensor ops
-             finds the page holes of all their rows), then ONE pool.move for all their page
-             repairs and ONE table write for all their row entries
+    land     once the event is done, the requests' rows are rewritten to the new slots (never
+             waits: a copy not done stays pending). prepare(), while the next decode forward
+             replays: every landing request planned together from the host mirrors of their rows
+             (one set of tensor ops finds the page holes of all of them; no device op, no
+             allocator call). land_prepared(), after that forward and before its demotion: the
+             repair copies' ids, ONE pool.move for all their page repairs and ONE table write for
+             all their row entries. Off CUDA, on_decode plans and lands inline.
 
 Host syncs: a step with no pass due and nothing pending runs no torch op in these hooks. A pass
 keeps the due rows, candidates, masses and picks on the device as [n, W] tensors and reads back
-the candidate counts, then the picked positions (with old ids, masses, cap scores); a landing
-hook reads the rows it rewrites in one copy.
+the candidate counts, then the picked positions (with old ids, masses, cap scores); the rows a
+landing plans from are host mirrors (_ReqState.row): a snapshot the side stream copies with the
+pass's copy, then every row write applied on the host too (landings, note_rows from demotion).
 
 A landed dropped position's row entry goes from 0 to an fp16 slot: the attention backends mask
 slot 0 per forward from the row, so it is attended from the next step on.
