@@ -316,18 +316,26 @@ class ColdTier:
             return
         pool = self.pool
         batch = []  # (req, positions, old, new CPU, host rows, restored dropped count)
-        for req, positions, old in picks:
-            m = positions.numel()
-            if self.allocator.available_size() < m:
-                self.make_room(TIER_FP16, m)
-            new = self.allocator.alloc(m)
-            if new is None:
-                self.stats["no_room"] += 1
-                continue
+        sizes = [positions.numel() for _, positions, _ in picks]
+        total = sum(sizes)
+        if self.allocator.available_size() < total:
+            self.make_room(TIER_FP16, total)
+        whole = self.allocator.alloc(total)  # one allocation (and one device -> host read) for the pass
+        parts = whole.cpu().split(sizes) if whole is not None else [None] * len(picks)
+        for (req, positions, old), new in zip(picks, parts):
+            if new is None:  # short of room for all: request by request, as far as it goes
+                m = positions.numel()
+                if self.allocator.available_size() < m:
+                    self.make_room(TIER_FP16, m)
+                new = self.allocator.alloc(m)
+                if new is None:
+                    self.stats["no_room"] += 1
+                    continue
+                new = new.cpu()
             state = self._state(req)
             # a dropped position's row is the request's (keep_dropped), the rest the int4 ids'
             rows = host_rows(self.store, state.dropped, positions, old)
-            batch.append((req, positions, old, new.cpu(), rows, int((old == 0).sum())))
+            batch.append((req, positions, old, new, rows, int((old == 0).sum())))
         if not batch:
             return
         if self.cuda:  # the new slots' last users come first
@@ -466,9 +474,12 @@ class ColdTier:
         positions = torch.tensor(list(state.original.keys()), dtype=torch.int64)
         slots = torch.tensor(list(state.original.values()), dtype=torch.int64)
         order = positions.argsort()  # position order (the owned slots are freed in it)
+        positions, slots = positions[order], slots[order]
         table = self.table.table
-        dev = torch.stack([positions[order], slots[order]]).to(table.device)
-        owned = table[req.req_pool_idx, dev[0]].cpu()
+        dev = self.pool._to_device(torch.stack([positions, slots]))
+        # the owned slots the row holds there: from the host mirror (a landing wrote them, so it is
+        # materialized), no device read
+        owned = self._row(state)[positions].clone()
         table[req.req_pool_idx, dev[0]] = dev[1].to(table.dtype)
         self._owned[owned] = False
         self.allocator.free(owned)
