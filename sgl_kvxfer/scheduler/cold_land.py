@@ -219,15 +219,31 @@ def repair_pages(pool, plans: list, stats: dict) -> None:
         stats["repacked_tokens"] += src.numel()
 
 
-def rewrite_rows(plans: list, owned: torch.Tensor, table: torch.Tensor, allocator, cuda: bool) -> None:
+def copies_fit(holes: Holes, pool, allocator) -> bool:
+    """Whether plan_copies can take every holed token's copy from its own int store's free pages
+    as they are now (each request on fresh pages of its own), with no make_room and no fp16
+    fallback: then the whole landing is host bookkeeping plus launches, no sync."""
+    if not holes.hj.numel():
+        return True
+    tiers = pool.tier_of(holes.after[holes.hj, holes.hpos])
+    page = pool.page_size
+    for tier in (TIER_INT8, TIER_INT4):
+        per_req = torch.bincount(holes.hj[tiers == tier], minlength=len(holes.live))
+        if int((-(-per_req // page)).sum()) * page > allocator.available_tier(tier):
+            return False
+    return True
+
+
+def rewrite_rows(plans: list, owned: torch.Tensor, table: torch.Tensor, allocator, cuda: bool) -> torch.Tensor:
     """Point every plan's row positions at its owned slots in one write of the request-to-token
     `table` (one host -> device copy of the indices, non-blocking from pinned memory on CUDA);
-    the owned slots they replace are freed. Ownership is one host bool per global id (`owned`:
+    -> the owned slots they replace, for the caller to free (after the write is enqueued; the
+    allocator's free may sync, so a landing run during the forward defers it). Ownership is one host bool per global id (`owned`:
     an id is owned by at most one request; updated here), so no per-entry Python runs here but
     the dict update of the original slots."""
     plans = [p for p in plans if p[2].numel()]
     if not plans:
-        return
+        return torch.zeros(0, dtype=torch.int64)
     at = torch.cat([p[2] for p in plans])
     slots = torch.cat([p[3] for p in plans])
     cur = torch.cat([p[4] for p in plans])
@@ -253,5 +269,4 @@ def rewrite_rows(plans: list, owned: torch.Tensor, table: torch.Tensor, allocato
     else:
         index = index.to(table.device)
     table[index[0], index[1]] = index[2].to(table.dtype)
-    if drop.numel():
-        allocator.free(drop)
+    return drop

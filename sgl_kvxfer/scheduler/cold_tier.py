@@ -68,8 +68,8 @@ import torch
 
 from sgl_kvxfer.mem_cache.host_cold_store import HostColdStore
 from sgl_kvxfer.scheduler.cold_copy import CopyWorker, PromotionCopy
-from sgl_kvxfer.scheduler.cold_land import (Holes, Pending, find_holes, mirror_block, plan_copies, read_block,
-                                             ready_landings, repair_pages, rewrite_rows)
+from sgl_kvxfer.scheduler.cold_land import (Holes, Pending, copies_fit, find_holes, mirror_block, plan_copies,
+                                             read_block, ready_landings, repair_pages, rewrite_rows)
 from sgl_kvxfer.scheduler.cold_score import cap, copy_job, due_block, host_rows, pass_mass, select
 from sgl_kvxfer.spectrum.query_taps import install_query_taps, probe_layers
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4
@@ -366,16 +366,20 @@ class ColdTier:
                 p.event.wait()
 
     def prepare(self) -> None:
-        """While the decode forward replays: plan the landing of every promotion whose copy has
-        completed, on the host only (cold_land.find_holes over the host row mirrors: no device
-        op, no allocator call, so nothing here waits for the forward). land_prepared applies it
-        after the forward. Never waits; a step with nothing pending runs no torch op."""
+        """While the decode forward replays: land every promotion whose copy has completed,
+        without waiting for the forward. The plan reads only host state (cold_land.find_holes
+        over the host row mirrors); where the repair copies fit the int stores' free pages as
+        they are (cold_land.copies_fit), the landing is applied here too: host-made int ids, the
+        page repair and the table write enqueued behind the forward on its stream (so the
+        forward still reads the rows it was launched with), frees deferred to land_prepared.
+        Otherwise the plan waits for land_prepared, after the forward, where make_room and the
+        fp16 fallback may sync. Never waits; a step with nothing pending runs no torch op."""
         self._hooked = True
         if self._prepared is not None or not self.pending:
             return
-        self._prepare()
+        self._prepare(in_forward=True)
 
-    def _prepare(self) -> None:
+    def _prepare(self, in_forward: bool) -> None:
         self.pending, merged = ready_landings(self.pending)
         live = []
         for p in merged:
@@ -388,8 +392,13 @@ class ColdTier:
                 if state.row is None:  # promoted without a pass's block (_issue called alone): read it once
                     state.row = self._read_block([p.req])[0]
                 live.append(p)
-        if live:
-            self._prepared = self._plan(live, self._mirror_block([self.states[p.req] for p in live]))
+        if not live:
+            return
+        holes = self._plan(live, self._mirror_block([self.states[p.req] for p in live]))
+        if in_forward and copies_fit(holes, self.pool, self.allocator):
+            self._apply(holes)
+        else:
+            self._prepared = holes
 
     def land(self) -> None:
         """Apply every promotion whose copy has completed (never waits): what prepare planned,
@@ -398,8 +407,9 @@ class ColdTier:
 
     def land_prepared(self) -> None:
         """After a decode forward, before its demotion rewrites rows: apply what prepare planned
-        during it. Where the scheduler does not call prepare, the whole landing runs here."""
-        if self._prepared is not None or (self.pending and not self._hooked):
+        during it and free what it deferred. Where the scheduler does not call prepare, the whole
+        landing runs here."""
+        if self._prepared is not None or self._free_later or (self.pending and not self._hooked):
             self._land()
 
     def before_forward(self) -> None:
@@ -410,21 +420,26 @@ class ColdTier:
 
     def _land(self) -> None:
         if self._prepared is None and self.pending:
-            self._prepare()
+            self._prepare(in_forward=False)
         holes, self._prepared = self._prepared, None
-        if self._free_later:
+        if holes is not None:
+            self._apply(holes)
+        if self._free_later:  # the common step: nothing here, no torch op at all
             self.allocator.free(torch.cat(self._free_later))
             self._free_later = []
-        if holes is None:  # the common step: no torch op at all
-            return
+
+    def _apply(self, holes: Holes) -> None:
+        """The landing itself: the repair copies' ids, then every request's page repair in ONE
+        pool.move (codes bit for bit, one pass over the layers) and every row entry in ONE table
+        write; the owned slots the rewrite replaces are freed later (_free_later), after both are
+        enqueued, so no copy of this landing can reuse them."""
         plans = self._copies(holes)
         if not plans:
             return
-        # every request's page repair in ONE pool.move (codes bit for bit, one pass over the
-        # layers), then every row entry in ONE table write; the owned slots the rewrite replaces
-        # are freed after both are enqueued, so no copy of this landing can reuse them
         repair_pages(self.pool, plans, self.stats)
-        self._rewrite(plans)
+        drop = self._rewrite(plans)
+        if drop.numel():
+            self._free_later.append(drop)
         for _, state, at, slots, *_ in plans:  # the host mirrors follow the rows (planned from them)
             state.row[at] = slots
 
@@ -441,10 +456,10 @@ class ColdTier:
         """The copy slots of every plan, one allocation per tier and request (cold_land.plan_copies)."""
         return plan_copies(holes, self.pool, self.allocator, self.make_room, self.states, self.stats)
 
-    def _rewrite(self, plans: list) -> None:
-        """Every plan's row entries in ONE table write; the owned slots they replace are freed
-        (cold_land.rewrite_rows)."""
-        rewrite_rows(plans, self._owned, self.table.table, self.allocator, self.cuda)
+    def _rewrite(self, plans: list) -> torch.Tensor:
+        """Every plan's row entries in ONE table write (cold_land.rewrite_rows) -> the owned slots
+        they replace (to free)."""
+        return rewrite_rows(plans, self._owned, self.table.table, self.allocator, self.cuda)
 
     # ------------------------------------------------------------------ end of a request
     def release_request(self, req) -> None:
