@@ -12,10 +12,12 @@ charged to it):
 
     forward_decode / forward_extend   ModelRunner.forward (graph replay or eager)
     cold_score                        ColdTier._score (the scoring pass and the promotions it issues)
-    cold_prepare                      ColdTier._prepare (the landing's host plan; in a run it overlaps
-                                      the decode forward, here it is synchronized after it)
-    cold_land                         ColdTier._land (the planned landing applied: copy slots, row
-                                      repair, table write; the whole landing where none was planned)
+    cold_prepare                      ColdTier._prepare (the landing in the forward's window: plan,
+                                      and where the copies fit, copy slots, row repair, table write;
+                                      in a run it overlaps the decode forward, here it is synchronized
+                                      after it)
+    cold_land                         ColdTier._land (a plan that did not fit applied after the
+                                      forward, deferred frees; the whole landing where none ran)
     cold_release                      ColdTier.release_request (the row given back at the end)
     decode_demotion                   EngineTiering._demote_runs (generated tokens re-tiered)
     make_room                         RadixCache.evict (cache leaves freed for a short store)

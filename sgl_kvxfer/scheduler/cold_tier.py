@@ -27,10 +27,11 @@ cold_land.py; this class wires them and holds the state):
     land     once the event is done, the requests' rows are rewritten to the new slots (never
              waits: a copy not done stays pending). prepare(), while the next decode forward
              replays: every landing request planned together from the host mirrors of their rows
-             (one set of tensor ops finds the page holes of all of them; no device op, no
-             allocator call). land_prepared(), after that forward and before its demotion: the
-             repair copies' ids, ONE pool.move for all their page repairs and ONE table write for
-             all their row entries. Off CUDA, on_decode plans and lands inline.
+             (one set of tensor ops finds the page holes of all of them; no device read), then,
+             where the repair copies fit the free int pages, the repair copies' ids, ONE pool.move
+             for all their page repairs and ONE table write for all their row entries, enqueued
+             behind the forward. land_prepared(), after that forward and before its demotion: a
+             plan that did not fit, and the deferred frees. Off CUDA, on_decode lands inline.
 
 Host syncs: a step with no pass due and nothing pending runs no torch op in these hooks. A pass
 keeps the due rows, candidates, masses and picks on the device as [n, W] tensors and reads back

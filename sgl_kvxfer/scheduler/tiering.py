@@ -7,8 +7,8 @@ The scheduler calls two hooks per batch (both no-ops for requests they do not co
                                  W prompt positions (every layer and head, chunked prefill too)
                                  DECODE: the cold tier lands promotions whose copies are done
                                  (only where the scheduler does not call during_forward)
-    during_forward(batch)        DECODE, the forward launched: the cold tier plans its landing
-                                 on the host while the GPU runs the step
+    during_forward(batch)        DECODE, the forward launched: the cold tier lands finished
+                                 copies while the GPU runs the step (device work behind it)
     after_forward(batch, chunked)  EXTEND, prefill complete: score, assign, re-tier private tokens
                                  DECODE: demote generated tokens older than the recent window
 
@@ -207,14 +207,14 @@ class EngineTiering:
             fb.extras["attn_observer"] = observe
 
     def during_forward(self, batch) -> None:
-        """The decode forward is launched and the GPU runs it: the cold tier plans the landing of
-        its finished copies on the host now (no device op), to apply it in after_forward."""
+        """The decode forward is launched and the GPU runs it: the cold tier lands its finished
+        copies now, without waiting for it (ColdTier.prepare; what must wait goes in after_forward)."""
         if self.cold is not None and batch.mode != ForwardMode.EXTEND:
             self.cold.prepare()
 
     def after_forward(self, batch, chunked) -> None:
         if self.cold is not None and batch.mode != ForwardMode.EXTEND:
-            self.cold.land_prepared()  # before the demotion below rewrites rows the plan read
+            self.cold.land_prepared()  # before the demotion below rewrites rows a plan read
         due = []  # decode: the runs this step demotes, all requests together
         for s in batch.slices:
             req = s.req
