@@ -38,10 +38,17 @@ already inside their part's time):
     copies      ColdTier._copies (cold_land.plan_copies: the repair copies' slots)
     move        TieredKVPool.move (cold_land.repair_pages: page repair)
     rewrite     ColdTier._rewrite (cold_land.rewrite_rows: the table write)
+
+The pass's copy job runs on the copy worker's thread (CUDA; cold_copy.py), beside the scheduler
+thread, so it is in none of the parts; its wall time is reported apart, unsynchronized, as
+"copy_worker.job" (gather, pinned staging, enqueueing) and "copy_worker.gather" (HostColdStore.gather
+inside it): what the worker is busy with while `other` runs.
+
 The syncs cost a little, so this call is a diagnostic, not the throughput number.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -79,6 +86,7 @@ class HookTimer:
         self._depth = 0  # nested wrapped calls (a landing inside a scoring hook) are charged once
         self._outer = None  # the cold part running now: its pieces are charged to it
         self.pieces: dict[str, float] = {}
+        self._lock = threading.Lock()  # the copy worker's thread adds to `pieces` too
 
     def _patch(self, obj, attr: str, make) -> None:
         """Replace `obj.attr` by make(real) until __exit__ (which restores it); absent: nothing."""
@@ -127,6 +135,21 @@ class HookTimer:
             return timed
         self._patch(obj, attr, make)
 
+    def _wrap_worker(self, obj, attr: str, piece: str) -> None:
+        """Time `obj.attr` wherever it runs (the copy worker's thread), unsynchronized, charged as
+        "copy_worker.<piece>"."""
+        def make(real):
+            def timed(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    dt, key = time.perf_counter() - t, f"copy_worker.{piece}"
+                    with self._lock:
+                        self.pieces[key] = self.pieces.get(key, 0.0) + dt
+            return timed
+        self._patch(obj, attr, make)
+
     def _wrap_steps(self, scheduler) -> None:
         """Each scheduler step's wall time, in order (not synchronized; the parts above are)."""
         def make(real):
@@ -160,6 +183,10 @@ class HookTimer:
                                      (pool, "move", "move"),
                                      (self.cold, "_rewrite", "rewrite")):
                 self._wrap_piece(obj, attr, piece)
+            import sgl_kvxfer.scheduler.cold_tier as tier_module  # its copy_job is the one _issue submits
+
+            self._wrap_worker(tier_module, "copy_job", "job")
+            self._wrap_worker(self.cold.store, "gather", "gather")
         graphs = self.runner.graph_runner
         self._replays = graphs.replays if graphs is not None else None
         self._t0 = time.perf_counter()
