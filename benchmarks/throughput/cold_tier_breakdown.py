@@ -12,7 +12,12 @@ charged to it):
 
     forward_decode / forward_extend   ModelRunner.forward (graph replay or eager)
     cold_score                        ColdTier._score (the scoring pass and the promotions it issues)
-    cold_land                         ColdTier._land (landing finished copies, row repair)
+    cold_prepare                      ColdTier._prepare (the landing in the forward's window: plan,
+                                      and where the copies fit, copy slots, row repair, table write;
+                                      in a run it overlaps the decode forward, here it is synchronized
+                                      after it)
+    cold_land                         ColdTier._land (a plan that did not fit applied after the
+                                      forward, deferred frees; the whole landing where none ran)
     cold_release                      ColdTier.release_request (the row given back at the end)
     decode_demotion                   EngineTiering._demote_runs (generated tokens re-tiered)
     make_room                         RadixCache.evict (cache leaves freed for a short store)
@@ -28,14 +33,22 @@ already inside their part's time):
                 softmax off CUDA)
     select      ColdTier._select (cold_score.select: hits, picks, their read-back)
     cap         ColdTier._cap (cold_score.cap)                  issue   ColdTier._issue (staging, copy)
-    read_rows   ColdTier._read_block (cold_land.read_block: landing rows to the host)
-    plan        ColdTier._plan (cold_land.plan_landing: every row's holes, copy slots)
+    read_rows   ColdTier._mirror_block (cold_land.mirror_block: landing rows from the host mirrors)
+    plan        ColdTier._plan (cold_land.find_holes: every row's holes, host only)
+    copies      ColdTier._copies (cold_land.plan_copies: the repair copies' slots)
     move        TieredKVPool.move (cold_land.repair_pages: page repair)
     rewrite     ColdTier._rewrite (cold_land.rewrite_rows: the table write)
+
+The pass's copy job runs on the copy worker's thread (CUDA; cold_copy.py), beside the scheduler
+thread, so it is in none of the parts; its wall time is reported apart, unsynchronized, as
+"copy_worker.job" (gather, pinned staging, enqueueing) and "copy_worker.gather" (HostColdStore.gather
+inside it): what the worker is busy with while `other` runs.
+
 The syncs cost a little, so this call is a diagnostic, not the throughput number.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -73,6 +86,7 @@ class HookTimer:
         self._depth = 0  # nested wrapped calls (a landing inside a scoring hook) are charged once
         self._outer = None  # the cold part running now: its pieces are charged to it
         self.pieces: dict[str, float] = {}
+        self._lock = threading.Lock()  # the copy worker's thread adds to `pieces` too
 
     def _patch(self, obj, attr: str, make) -> None:
         """Replace `obj.attr` by make(real) until __exit__ (which restores it); absent: nothing."""
@@ -121,6 +135,21 @@ class HookTimer:
             return timed
         self._patch(obj, attr, make)
 
+    def _wrap_worker(self, obj, attr: str, piece: str) -> None:
+        """Time `obj.attr` wherever it runs (the copy worker's thread), unsynchronized, charged as
+        "copy_worker.<piece>"."""
+        def make(real):
+            def timed(*args, **kwargs):
+                t = time.perf_counter()
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    dt, key = time.perf_counter() - t, f"copy_worker.{piece}"
+                    with self._lock:
+                        self.pieces[key] = self.pieces.get(key, 0.0) + dt
+            return timed
+        self._patch(obj, attr, make)
+
     def _wrap_steps(self, scheduler) -> None:
         """Each scheduler step's wall time, in order (not synchronized; the parts above are)."""
         def make(real):
@@ -138,6 +167,7 @@ class HookTimer:
         self._wrap(self.runner, "forward",
                    lambda batch, *a, **k: "forward_decode" if batch.mode.name == "DECODE" else "forward_extend")
         self._wrap(self.cold, "_score", "cold_score")
+        self._wrap(self.cold, "_prepare", "cold_prepare")
         self._wrap(self.cold, "_land", "cold_land")
         self._wrap(self.cold, "release_request", "cold_release")
         self._wrap(self.tiering, "_demote_runs", "decode_demotion")
@@ -147,11 +177,16 @@ class HookTimer:
 
             pool = self.cold.pool  # its move is the landing's page repair
             for obj, attr, piece in ((self.cold, "_due_block", "rows"), (score_module, "pool_mass", "mass"),
-                                     (self.cold, "_select", "select"), (self.cold, "_read_block", "read_rows"),
+                                     (self.cold, "_select", "select"), (self.cold, "_mirror_block", "read_rows"),
                                      (self.cold, "_cap", "cap"), (self.cold, "_issue", "issue"),
-                                     (self.cold, "_plan", "plan"), (pool, "move", "move"),
+                                     (self.cold, "_plan", "plan"), (self.cold, "_copies", "copies"),
+                                     (pool, "move", "move"),
                                      (self.cold, "_rewrite", "rewrite")):
                 self._wrap_piece(obj, attr, piece)
+            import sgl_kvxfer.scheduler.cold_tier as tier_module  # its copy_job is the one _issue submits
+
+            self._wrap_worker(tier_module, "copy_job", "job")
+            self._wrap_worker(self.cold.store, "gather", "gather")
         graphs = self.runner.graph_runner
         self._replays = graphs.replays if graphs is not None else None
         self._t0 = time.perf_counter()

@@ -29,7 +29,8 @@ Breakdown (after the warm-up, before the repeats; --no-breakdown skips it): per 
 generate(n2) with every forward and cold-tier hook synchronized and timed (cold_tier_breakdown.py):
 ms per decode step in the forward, the scoring pass, landing, the row release, decode demotion,
 cache eviction and the rest of the host loop, the scoring pass's and landing's pieces (due rows,
-mass, selection, cap, issue, landing rows read, landing plan, page-repair move, table write), graph replays, retractions
+mass, selection, cap, issue, landing rows from the host mirrors, landing plan, the repair copies' slots,
+page-repair move, table write; the landing's host plan is its own part, cold_prepare), graph replays, retractions
 and cached tokens. Its
 syncs perturb it a little: it says where a slowdown sits, the repeats say how large it is.
 

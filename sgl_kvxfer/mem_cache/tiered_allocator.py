@@ -126,15 +126,17 @@ class TieredSlotAllocator(TokenSlotAllocator):
         """Tokens a later alloc_tier can get: fp16 free slots, or whole free int pages."""
         return self.available_size() if tier == TIER_FP16 else self._stores[tier].available()
 
-    def alloc_tier(self, tier: int, n: int, append_to: int | None = None) -> torch.Tensor:
+    def alloc_tier(self, tier: int, n: int, append_to: int | None = None, host: bool = False) -> torch.Tensor:
         """Up to n global ids of an int store (fewer when it is short), densely in order: the caller
         must pass a run's tokens of this tier in position order. append_to: a global id on a page
         whose every handed-out id the caller holds (its previous run's last page): that page's free
-        tail is filled first, so the caller still holds a prefix [0, fill) of it."""
+        tail is filled first, so the caller still holds a prefix [0, fill) of it. host: the ids on
+        the host (the page lists live there), with no copy to the device."""
         store = self._stores[tier]
         page = None if append_to is None else int(self.pool.page_offset(tier, torch.tensor(append_to))[0])
         rel = store.take(n, page)
-        return (rel + self.pool.base(tier)).to(self.device)
+        ids = rel + self.pool.base(tier)
+        return ids if host else ids.to(self.device)
 
     def tail_room(self, tier: int, append_to: int | None) -> int:
         """Slots alloc_tier(tier, n, append_to) can fill on append_to's page."""

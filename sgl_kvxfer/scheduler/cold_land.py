@@ -58,7 +58,8 @@ def ready_landings(pending: list[Pending]) -> tuple[list[Pending], list[Pending]
 
 def read_block(table: torch.Tensor, reqs: list) -> torch.Tensor:
     """The rows of `reqs` in the request-to-token `table` on the host as one block
-    [n, max kv_len], in one device -> host copy; slot 0 past each row's kv_len."""
+    [n, max kv_len], in one device -> host copy (a sync on CUDA); slot 0 past each row's kv_len.
+    The landing reads host mirrors instead; this seeds one that a pass did not (and tests)."""
     width = max(r.kv_len for r in reqs)
     idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
     block = table[idx.to(table.device), :width].cpu()
@@ -66,41 +67,74 @@ def read_block(table: torch.Tensor, reqs: list) -> torch.Tensor:
     return block.masked_fill_(torch.arange(width)[None, :] >= lens[:, None], 0)
 
 
-def plan_landing(live: list, block: torch.Tensor, pool, allocator, make_room, states, stats: dict) -> list:
-    """Host-side plan of a landing, every request at once: each row's promoted positions -> the
-    new fp16 slots, and the int tokens of pages the row would then see with a hole (the Triton
-    kernels read an int page as its slots [0, fill): mem_cache/README.md section 7) past the
-    first hole -> owned copies on fresh pages of their own (one alloc per tier and request, so
-    each request holds a prefix of every page it touches). A request without room for its copies changes
-    nothing and its positions may be scored again. `live`: the landing's merged promotions,
-    one per request, its row block[j, :kv_len] on the host (read_block); `states` the tier's
-    req -> state map, `stats` its counters (stale, no_room, landed are counted here).
-    -> [(req, state, positions to write, their new slots, their entries now, repack src,
-    repack dst)]. The holed pages of all rows come from one set of tensor ops (holed_rows);
-    only the copy-slot allocation runs per request."""
+def mirror_block(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The landing requests' host row mirrors (cold_tier._ReqState.row) as one block [n, max len],
+    slot 0 past each mirror's end: positions the mirror never saw are fp16 decode tokens, which
+    the plan treats like slot 0 (it only looks at the int ids and at the promoted positions)."""
+    width = max(r.numel() for r in rows)
+    block = torch.zeros((len(rows), width), dtype=torch.int64)
+    for n, r in enumerate(rows):
+        block[n, :r.numel()] = r
+    return block
+
+
+@dataclass
+class Holes:
+    """The host part of a landing plan (find_holes): for the merged promotions `live`, the
+    promoted entries (row j, position pos, new slot, current id cur) and the int tokens past the
+    first hole of each page they touch (row hj, position hpos), rows ascending; `after` is the
+    row block with the promoted entries rewritten, `block` as it was."""
+    live: list
+    block: torch.Tensor
+    after: torch.Tensor
+    j: torch.Tensor
+    pos: torch.Tensor
+    new: torch.Tensor
+    hj: torch.Tensor
+    hpos: torch.Tensor
+
+
+def find_holes(live: list, block: torch.Tensor, pool, stats: dict) -> tuple[Holes, torch.Tensor]:
+    """Host-only first half of a landing plan, every request at once: no allocator call, no
+    device tensor, so it can run while the decode forward replays. `live`: the merged promotions
+    (one per request), their rows block[n] on the host (mirror_block). Entries whose row no
+    longer holds the scored id are stale (counted): -> (Holes, the stale entries' new slots,
+    for the caller to free later)."""
     sizes = torch.tensor([p.positions.numel() for p in live])
     j = torch.repeat_interleave(torch.arange(len(live)), sizes)
     pos = torch.cat([p.positions for p in live])
     new = torch.cat([p.new for p in live])
     cur = block[j, pos]
     same = cur == torch.cat([p.old for p in live])
+    stale = new[:0]
     if not bool(same.all()):  # the row moved under us (should not happen while it runs)
         stats["stale"] += int((~same).sum())
-        allocator.free(new[~same])
+        stale = new[~same]
         j, pos, new, cur = j[same], pos[same], new[same], cur[same]
     after = block.clone()
     after[j, pos] = new
     hj, hpos = holed_rows(pool, j, cur, after)
+    return Holes(live, block, after, j, pos, new, hj, hpos), stale
+
+
+def plan_copies(holes: Holes, pool, allocator, make_room, states, stats: dict) -> list:
+    """Second half of a landing plan: fresh ids for each request's holed tokens (one alloc per
+    tier and request, so each request holds a prefix of every page it touches). A request without
+    room for its copies changes nothing and its positions may be scored again. `states` the tier's
+    req -> state map, `stats` its counters (no_room, landed are counted here).
+    -> [(req, state, positions to write, their new slots, their entries now, repack src,
+    repack dst)]."""
+    live, j, hj = holes.live, holes.j, holes.hj
     p_end = torch.bincount(j, minlength=len(live)).cumsum(0).tolist()
     h_end = torch.bincount(hj, minlength=len(live)).cumsum(0).tolist()
     plans, pa, ha = [], 0, 0
     for n, p in enumerate(live):
         pb, hb = p_end[n], h_end[n]
-        positions, slots, holed = pos[pa:pb], new[pa:pb], hpos[ha:hb]
+        positions, slots, holed = holes.pos[pa:pb], holes.new[pa:pb], holes.hpos[ha:hb]
         pa, ha = pb, hb
         if not positions.numel():
             continue
-        old = after[n, holed]
+        old = holes.after[n, holed]
         copies = copy_slots(old, pool, allocator, make_room)
         state = states[p.req]
         if copies is None:
@@ -110,7 +144,7 @@ def plan_landing(live: list, block: torch.Tensor, pool, allocator, make_room, st
             continue
         stats["landed"] += positions.numel()
         at = torch.cat([positions, holed])
-        plans.append((p.req, state, at, torch.cat([slots, copies]), block[n, at], old, copies))
+        plans.append((p.req, state, at, torch.cat([slots, copies]), holes.block[n, at], old, copies))
     return plans
 
 
@@ -159,7 +193,7 @@ def copy_slots(old: torch.Tensor, pool, allocator, make_room) -> torch.Tensor | 
             continue
         if allocator.available_tier(tier) < idx.numel():
             make_room(tier, idx.numel())
-        got = allocator.alloc_tier(tier, idx.numel()).cpu()
+        got = allocator.alloc_tier(tier, idx.numel(), host=True)  # no device round trip (a sync on CUDA)
         got_all.append(got)
         if got.numel() < idx.numel():  # the store is short: the rest as fp16 (exact dequantized)
             short = idx.numel() - got.numel()
@@ -185,15 +219,31 @@ def repair_pages(pool, plans: list, stats: dict) -> None:
         stats["repacked_tokens"] += src.numel()
 
 
-def rewrite_rows(plans: list, owned: torch.Tensor, table: torch.Tensor, allocator, cuda: bool) -> None:
+def copies_fit(holes: Holes, pool, allocator) -> bool:
+    """Whether plan_copies can take every holed token's copy from its own int store's free pages
+    as they are now (each request on fresh pages of its own), with no make_room and no fp16
+    fallback: then the whole landing is host bookkeeping plus launches, no sync."""
+    if not holes.hj.numel():
+        return True
+    tiers = pool.tier_of(holes.after[holes.hj, holes.hpos])
+    page = pool.page_size
+    for tier in (TIER_INT8, TIER_INT4):
+        per_req = torch.bincount(holes.hj[tiers == tier], minlength=len(holes.live))
+        if int((-(-per_req // page)).sum()) * page > allocator.available_tier(tier):
+            return False
+    return True
+
+
+def rewrite_rows(plans: list, owned: torch.Tensor, table: torch.Tensor, allocator, cuda: bool) -> torch.Tensor:
     """Point every plan's row positions at its owned slots in one write of the request-to-token
     `table` (one host -> device copy of the indices, non-blocking from pinned memory on CUDA);
-    the owned slots they replace are freed. Ownership is one host bool per global id (`owned`:
+    -> the owned slots they replace, for the caller to free (after the write is enqueued; the
+    allocator's free may sync, so a landing run during the forward defers it). Ownership is one host bool per global id (`owned`:
     an id is owned by at most one request; updated here), so no per-entry Python runs here but
     the dict update of the original slots."""
     plans = [p for p in plans if p[2].numel()]
     if not plans:
-        return
+        return torch.zeros(0, dtype=torch.int64)
     at = torch.cat([p[2] for p in plans])
     slots = torch.cat([p[3] for p in plans])
     cur = torch.cat([p[4] for p in plans])
@@ -219,5 +269,4 @@ def rewrite_rows(plans: list, owned: torch.Tensor, table: torch.Tensor, allocato
     else:
         index = index.to(table.device)
     table[index[0], index[1]] = index[2].to(table.dtype)
-    if drop.numel():
-        allocator.free(drop)
+    return drop

@@ -24,16 +24,20 @@ cold_land.py; this class wires them and holds the state):
              pinned staging buffer; on CUDA a side stream copies it to the device in one copy and
              writes the fp16 store, then records one event; on CUDA the gather and the enqueueing
              run on a copy worker thread (cold_copy.py), the scheduler thread goes on
-    land     before the next decode forward (or any later hook) that finds the event done, the
-             requests' rows are rewritten to the new slots (never waits: a copy not done stays
-             pending): every landing request planned together on the host (one set of tensor ops
-             finds the page holes of all their rows), then ONE pool.move for all their page
-             repairs and ONE table write for all their row entries
+    land     once the event is done, the requests' rows are rewritten to the new slots (never
+             waits: a copy not done stays pending). prepare(), while the next decode forward
+             replays: every landing request planned together from the host mirrors of their rows
+             (one set of tensor ops finds the page holes of all of them; no device read), then,
+             where the repair copies fit the free int pages, the repair copies' ids, ONE pool.move
+             for all their page repairs and ONE table write for all their row entries, enqueued
+             behind the forward. land_prepared(), after that forward and before its demotion: a
+             plan that did not fit, and the deferred frees. Off CUDA, on_decode lands inline.
 
 Host syncs: a step with no pass due and nothing pending runs no torch op in these hooks. A pass
 keeps the due rows, candidates, masses and picks on the device as [n, W] tensors and reads back
-the candidate counts, then the picked positions (with old ids, masses, cap scores); a landing
-hook reads the rows it rewrites in one copy.
+the candidate counts, then the picked positions (with old ids, masses, cap scores); the rows a
+landing plans from are host mirrors (_ReqState.row): a snapshot the side stream copies with the
+pass's copy, then every row write applied on the host too (landings, note_rows from demotion).
 
 A landed dropped position's row entry goes from 0 to an fp16 slot: the attention backends mask
 slot 0 per forward from the row, so it is attended from the next step on.
@@ -65,8 +69,8 @@ import torch
 
 from sgl_kvxfer.mem_cache.host_cold_store import HostColdStore
 from sgl_kvxfer.scheduler.cold_copy import CopyWorker, PromotionCopy
-from sgl_kvxfer.scheduler.cold_land import (Pending, plan_landing, read_block, ready_landings, repair_pages,
-                                             rewrite_rows)
+from sgl_kvxfer.scheduler.cold_land import (Holes, Pending, copies_fit, find_holes, mirror_block, plan_copies,
+                                             read_block, ready_landings, repair_pages, rewrite_rows)
 from sgl_kvxfer.scheduler.cold_score import cap, copy_job, due_block, host_rows, pass_mass, select
 from sgl_kvxfer.spectrum.query_taps import install_query_taps, probe_layers
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4
@@ -80,6 +84,14 @@ class _ReqState:
     promoted: set = field(default_factory=set)    # positions promoted (or in flight)
     dropped: dict = field(default_factory=dict)   # dropped position -> its host row (owned by this request)
     finalizer: object = None                      # frees `dropped` if the request vanishes unreleased
+    # the host mirror of the row (landing plans read it, never the device table): a snapshot of
+    # the row taken by the first pass that promotes in it, then every write to the row applied
+    # on the host too (landings here, decode demotion through note_rows). Until `row_copy` (the
+    # pass's copy, whose side stream also copies the snapshot) has completed, `row` may still be
+    # filling and writes queue in `patches`.
+    row: torch.Tensor | None = None
+    row_copy: PromotionCopy | None = None
+    patches: list = field(default_factory=list)   # (start, ids) written while the snapshot fills
 
 
 class ColdTier:
@@ -105,6 +117,11 @@ class ColdTier:
         self.states: WeakKeyDictionary = WeakKeyDictionary()
         self.decode_steps: WeakKeyDictionary = WeakKeyDictionary()  # req -> decode steps seen
         self.pending: list[Pending] = []
+        # a landing planned on the host while the decode forward replays (prepare), applied after
+        # it (land): its plan, and the slots to free once the allocator may run again
+        self._prepared: Holes | None = None
+        self._free_later: list[torch.Tensor] = []
+        self._hooked = False  # the scheduler calls prepare() during its decode forwards
         # global id -> owned by a request's row (promoted slots and page-repair copies; one owner each)
         self._owned = torch.zeros(pool.id_end, dtype=torch.bool)
         self._orphans: list[dict] = []  # `dropped` maps of requests collected without release_request
@@ -162,10 +179,13 @@ class ColdTier:
 
     # ------------------------------------------------------------------ the decode hook
     def on_decode(self, batch) -> None:
-        """After a decode step: land finished copies, score the requests due (their first decode
-        step, then every `interval`), land what is already there (CPU: all of it)."""
+        """After a decode step (and its demotion): score the requests due (their first decode
+        step, then every `interval`). Off CUDA (copies are synchronous) it lands finished copies
+        before and after; on CUDA landing is planned while the next forward replays (prepare)
+        and applied after it (land_prepared), never here."""
         self._free_orphans()
-        self._land()
+        if not self.cuda:
+            self._land()
         if not self.enabled:
             return
         due = []
@@ -176,7 +196,8 @@ class ColdTier:
                 due.append(i)
         if due:
             self._score(batch, due)
-            self._land()
+            if not self.cuda:
+                self._land()
 
     def _score(self, batch, due: list[int]) -> None:
         """One pass over the due requests, on the pool's device: the rows, their candidates, the
@@ -201,7 +222,7 @@ class ColdTier:
         if picks and self.max_tokens:
             picks = self._cap(picks)
         if picks:
-            self._issue([p[:3] for p in picks])
+            self._issue([p[:3] for p in picks], block, {id(r): j for j, r in enumerate(reqs)})
 
     # the pass's pieces (cold_score.py); benchmarks/throughput/cold_tier_breakdown.py times them by name
     def _due_block(self, reqs: list) -> tuple:
@@ -223,39 +244,107 @@ class ColdTier:
         self.stats["capped_tokens"] += capped
         return picks
 
+    def _mirror_block(self, states: list) -> torch.Tensor:
+        """The landing rows from their host mirrors (cold_land.mirror_block): no device read."""
+        return mirror_block([self._row(state) for state in states])
+
     def _read_block(self, reqs: list) -> torch.Tensor:
-        """The rows of `reqs` on the host, one device -> host copy (cold_land.read_block)."""
+        """The rows of `reqs` read from the device table (cold_land.read_block; a sync on CUDA)."""
         return read_block(self.table.table, reqs)
 
+    # ------------------------------------------------------------------ host row mirrors
+    def _snapshot(self, reqs: list, block: torch.Tensor, rows: list[int], copy: PromotionCopy) -> None:
+        """Host mirrors for `reqs` (rows `rows` of the pass's device `block`) that have none: one
+        copy of those rows to the host, on CUDA pinned and non-blocking on the side stream ahead
+        of the pass's copy, so `copy`'s event covers it (the scheduler thread never waits)."""
+        if not reqs:
+            return
+        idx = torch.tensor(rows, dtype=torch.int64)
+        if self.cuda:
+            src = block.index_select(0, self.pool._to_device(idx))  # on the compute stream, before side's wait
+            snap = torch.empty(src.shape, dtype=torch.int64, pin_memory=True)
+            self.side.wait_stream(torch.cuda.current_stream(self.pool.device))
+            with torch.cuda.stream(self.side):
+                snap.copy_(src, non_blocking=True)
+            src.record_stream(self.side)  # NOTE: the side stream reads it after this thread drops it
+        else:
+            snap, copy = block.index_select(0, idx).cpu(), None
+        for n, req in enumerate(reqs):
+            state = self._state(req)
+            state.row, state.row_copy, state.patches = snap[n], copy, []
+
+    def _row(self, state: _ReqState) -> torch.Tensor:
+        """The state's row mirror, its queued writes applied once its snapshot is in (the caller
+        checked the snapshot's copy is done)."""
+        if state.row_copy is not None:
+            state.row_copy = None
+            state.row = state.row.clone()  # off the pinned snapshot block: it grows on its own
+            for start, ids in state.patches:
+                self._write_mirror(state, start, ids)
+            state.patches = []
+        return state.row
+
+    @staticmethod
+    def _write_mirror(state: _ReqState, start: int, ids: torch.Tensor) -> None:
+        end = start + ids.numel()
+        if end > state.row.numel():  # positions past the snapshot: decode tokens (fp16, or slot 0 unseen)
+            state.row = torch.cat([state.row, torch.zeros(end - state.row.numel(), dtype=torch.int64)])
+        state.row[start:end] = ids
+
+    def note_rows(self, req, start: int, ids: torch.Tensor) -> None:
+        """The request's row positions [start, start + len) now hold `ids` (host tensor): decode
+        demotion calls it after rewriting the row, so a host mirror stays exact."""
+        state = self.states.get(req)
+        if state is None or state.row is None:
+            return
+        ids = ids.reshape(-1).to(torch.int64)
+        if state.row_copy is not None:
+            state.patches.append((start, ids.clone()))
+        else:
+            self._write_mirror(state, start, ids)
+
     # ------------------------------------------------------------------ promotion
-    def _issue(self, picks: list) -> None:
+    def _issue(self, picks: list, block: torch.Tensor | None = None, row_of: dict | None = None) -> None:
         """Promote every (req, positions, old ids) of one scoring pass together: fresh fp16 slots per
         request, their host rows, then ONE copy job for the pass (cold_score.copy_job: one pinned
         staging buffer, one host -> device copy, one fp16 store write per layer, one event), run on
         the copy worker's thread on CUDA (cold_copy.py), so the host gather does not hold up the
-        scheduler; every request's pending landing waits on that copy."""
+        scheduler; every request's pending landing waits on that copy. `block` (the pass's device
+        rows, `row_of`: id(req) -> its row there) seeds the host row mirror of a request that has
+        none (_snapshot)."""
         if not self.store.ready():  # the newest host copies are still in flight: next pass
             self.stats["deferred"] += len(picks)
             return
         pool = self.pool
         batch = []  # (req, positions, old, new CPU, host rows, restored dropped count)
-        for req, positions, old in picks:
-            m = positions.numel()
-            if self.allocator.available_size() < m:
-                self.make_room(TIER_FP16, m)
-            new = self.allocator.alloc(m)
-            if new is None:
-                self.stats["no_room"] += 1
-                continue
+        sizes = [positions.numel() for _, positions, _ in picks]
+        total = sum(sizes)
+        if self.allocator.available_size() < total:
+            self.make_room(TIER_FP16, total)
+        whole = self.allocator.alloc(total)  # one allocation (and one device -> host read) for the pass
+        parts = whole.cpu().split(sizes) if whole is not None else [None] * len(picks)
+        for (req, positions, old), new in zip(picks, parts):
+            if new is None:  # short of room for all: request by request, as far as it goes
+                m = positions.numel()
+                if self.allocator.available_size() < m:
+                    self.make_room(TIER_FP16, m)
+                new = self.allocator.alloc(m)
+                if new is None:
+                    self.stats["no_room"] += 1
+                    continue
+                new = new.cpu()
             state = self._state(req)
             # a dropped position's row is the request's (keep_dropped), the rest the int4 ids'
             rows = host_rows(self.store, state.dropped, positions, old)
-            batch.append((req, positions, old, new.cpu(), rows, int((old == 0).sum())))
+            batch.append((req, positions, old, new, rows, int((old == 0).sum())))
         if not batch:
             return
         if self.cuda:  # the new slots' last users come first
             self.side.wait_stream(torch.cuda.current_stream(pool.device))
         copy = PromotionCopy()
+        if block is not None:
+            fresh = [b[0] for b in batch if self._state(b[0]).row is None]
+            self._snapshot(fresh, block, [row_of[id(r)] for r in fresh], copy)
         rows_all, new_all = torch.cat([b[4] for b in batch]), torch.cat([b[3] for b in batch])
         self.worker.submit(copy, lambda c: copy_job(pool, self.store, self.side, c, rows_all, new_all))
         token_bytes = 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * pool.k16[0].element_size()
@@ -277,46 +366,108 @@ class ColdTier:
             if p.event is not None:
                 p.event.wait()
 
-    def land(self) -> None:
-        """Apply every promotion whose copy has completed (never waits). The scheduler calls it
-        before each decode forward too, so a copy issued after step N can serve step N + 1."""
-        self._land()
-
-    def _land(self) -> None:
-        if not self.pending:  # the common step: no torch op at all
+    def prepare(self) -> None:
+        """While the decode forward replays: land every promotion whose copy has completed,
+        without waiting for the forward. The plan reads only host state (cold_land.find_holes
+        over the host row mirrors); where the repair copies fit the int stores' free pages as
+        they are (cold_land.copies_fit), the landing is applied here too: host-made int ids, the
+        page repair and the table write enqueued behind the forward on its stream (so the
+        forward still reads the rows it was launched with), frees deferred to land_prepared.
+        Otherwise the plan waits for land_prepared, after the forward, where make_room and the
+        fp16 fallback may sync. Never waits; a step with nothing pending runs no torch op."""
+        self._hooked = True
+        if self._prepared is not None or not self.pending:
             return
+        self._prepare(in_forward=True)
+
+    def _prepare(self, in_forward: bool) -> None:
         self.pending, merged = ready_landings(self.pending)
         live = []
-        for p in merged:  # released meanwhile: release_request freed what it owned
-            if p.req.req_pool_idx is not None and self.states.get(p.req) is not None:
-                live.append(p)
+        for p in merged:
+            state = self.states.get(p.req)
+            if p.req.req_pool_idx is None or state is None:  # released meanwhile: it freed what it owned
+                self._free_later.append(p.new)
+            elif state.row_copy is not None and not state.row_copy.query():
+                self.pending.append(p)  # its mirror's snapshot is not in yet (it comes with an earlier copy)
             else:
-                self.allocator.free(p.new)
+                if state.row is None:  # promoted without a pass's block (_issue called alone): read it once
+                    state.row = self._read_block([p.req])[0]
+                live.append(p)
         if not live:
             return
-        plans = self._plan(live, self._read_block([p.req for p in live]))  # one device -> host copy
+        holes = self._plan(live, self._mirror_block([self.states[p.req] for p in live]))
+        if in_forward and copies_fit(holes, self.pool, self.allocator):
+            self._apply(holes)
+        else:
+            self._prepared = holes
+
+    def land(self) -> None:
+        """Apply every promotion whose copy has completed (never waits): what prepare planned,
+        else plan and apply now."""
+        self._land()
+
+    def land_prepared(self) -> None:
+        """After a decode forward, before its demotion rewrites rows: apply what prepare planned
+        during it and free what it deferred. Where the scheduler does not call prepare, the whole
+        landing runs here."""
+        if self._prepared is not None or self._free_later or (self.pending and not self._hooked):
+            self._land()
+
+    def before_forward(self) -> None:
+        """Before a decode forward: landing happens around the forward (prepare, land_prepared)
+        where the scheduler calls prepare; else here, so a copy issued after step N serves N + 1."""
+        if not self._hooked:
+            self._land()
+
+    def _land(self) -> None:
+        if self._prepared is None and self.pending:
+            self._prepare(in_forward=False)
+        holes, self._prepared = self._prepared, None
+        if holes is not None:
+            self._apply(holes)
+        if self._free_later:  # the common step: nothing here, no torch op at all
+            self.allocator.free(torch.cat(self._free_later))
+            self._free_later = []
+
+    def _apply(self, holes: Holes) -> None:
+        """The landing itself: the repair copies' ids, then every request's page repair in ONE
+        pool.move (codes bit for bit, one pass over the layers) and every row entry in ONE table
+        write; the owned slots the rewrite replaces are freed later (_free_later), after both are
+        enqueued, so no copy of this landing can reuse them."""
+        plans = self._copies(holes)
         if not plans:
             return
-        # every request's page repair in ONE pool.move (codes bit for bit, one pass over the
-        # layers), then every row entry in ONE table write; the owned slots the rewrite replaces
-        # are freed after both are enqueued, so no copy of this landing can reuse them
         repair_pages(self.pool, plans, self.stats)
-        self._rewrite(plans)
+        drop = self._rewrite(plans)
+        if drop.numel():
+            self._free_later.append(drop)
+        for _, state, at, slots, *_ in plans:  # the host mirrors follow the rows (planned from them)
+            state.row[at] = slots
 
     # the landing's pieces (cold_land.py); cold_tier_breakdown.py times them by name
-    def _plan(self, live: list, block: torch.Tensor) -> list:
-        """Every landing request's plan on the host at once (cold_land.plan_landing)."""
-        return plan_landing(live, block, self.pool, self.allocator, self.make_room, self.states, self.stats)
+    def _plan(self, live: list, block: torch.Tensor) -> Holes:
+        """The host half of every landing request's plan (cold_land.find_holes); stale entries'
+        slots are freed when the landing is applied."""
+        holes, stale = find_holes(live, block, self.pool, self.stats)
+        if stale.numel():
+            self._free_later.append(stale)
+        return holes
 
-    def _rewrite(self, plans: list) -> None:
-        """Every plan's row entries in ONE table write; the owned slots they replace are freed
-        (cold_land.rewrite_rows)."""
-        rewrite_rows(plans, self._owned, self.table.table, self.allocator, self.cuda)
+    def _copies(self, holes: Holes) -> list:
+        """The copy slots of every plan, one allocation per tier and request (cold_land.plan_copies)."""
+        return plan_copies(holes, self.pool, self.allocator, self.make_room, self.states, self.stats)
+
+    def _rewrite(self, plans: list) -> torch.Tensor:
+        """Every plan's row entries in ONE table write (cold_land.rewrite_rows) -> the owned slots
+        they replace (to free)."""
+        return rewrite_rows(plans, self._owned, self.table.table, self.allocator, self.cuda)
 
     # ------------------------------------------------------------------ end of a request
     def release_request(self, req) -> None:
         """Before the request's KV is cached or freed: cancel its copies in flight, free what it
         owns and write back the slots it was given."""
+        if self._prepared is not None and any(p.req is req for p in self._prepared.live):
+            self._land()  # its planned landing goes in first (with the others'); undone below
         keep = []
         for p in self.pending:
             if p.req is not req:
@@ -339,9 +490,12 @@ class ColdTier:
         positions = torch.tensor(list(state.original.keys()), dtype=torch.int64)
         slots = torch.tensor(list(state.original.values()), dtype=torch.int64)
         order = positions.argsort()  # position order (the owned slots are freed in it)
+        positions, slots = positions[order], slots[order]
         table = self.table.table
-        dev = torch.stack([positions[order], slots[order]]).to(table.device)
-        owned = table[req.req_pool_idx, dev[0]].cpu()
+        dev = self.pool._to_device(torch.stack([positions, slots]))
+        # the owned slots the row holds there: from the host mirror (a landing wrote them, so it is
+        # materialized), no device read
+        owned = self._row(state)[positions].clone()
         table[req.req_pool_idx, dev[0]] = dev[1].to(table.dtype)
         self._owned[owned] = False
         self.allocator.free(owned)

@@ -210,6 +210,8 @@ class Scheduler:
         if batch.mode == ForwardMode.EXTEND:
             self.role.before_forward(batch, fb)
         logits = self.runner.forward(fb)
+        if self.tiering is not None:  # host work while the GPU runs the step (the cold tier's landing plan)
+            self.tiering.during_forward(batch)
         if self.overlap and batch.mode == ForwardMode.DECODE and all(overlap_ok(s.req, 0) for s in batch.slices):
             self.inflight = InflightBatch.launch(batch, logits, loc)  # applied next step
             return True

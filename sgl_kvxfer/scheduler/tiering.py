@@ -6,6 +6,9 @@ The scheduler calls two hooks per batch (both no-ops for requests they do not co
                                  request's ImportanceAccumulator with the queries of the last
                                  W prompt positions (every layer and head, chunked prefill too)
                                  DECODE: the cold tier lands promotions whose copies are done
+                                 (only where the scheduler does not call during_forward)
+    during_forward(batch)        DECODE, the forward launched: the cold tier lands finished
+                                 copies while the GPU runs the step (device work behind it)
     after_forward(batch, chunked)  EXTEND, prefill complete: score, assign, re-tier private tokens
                                  DECODE: demote generated tokens older than the recent window
 
@@ -173,8 +176,8 @@ class EngineTiering:
     # ------------------------------------------------------------------ hooks
     def before_forward(self, batch, fb) -> None:
         if batch.mode != ForwardMode.EXTEND:
-            if self.cold is not None:  # copies done since the last step land before this one reads its rows
-                self.cold.land()
+            if self.cold is not None:  # (where during_forward is not called) copies done land before this step
+                self.cold.before_forward()
             return
         if not self.config.kv_importance.startswith("attn"):
             return
@@ -203,7 +206,15 @@ class EngineTiering:
             observe.requests = frozenset(observed)  # backends that compute keys only for these
             fb.extras["attn_observer"] = observe
 
+    def during_forward(self, batch) -> None:
+        """The decode forward is launched and the GPU runs it: the cold tier lands its finished
+        copies now, without waiting for it (ColdTier.prepare; what must wait goes in after_forward)."""
+        if self.cold is not None and batch.mode != ForwardMode.EXTEND:
+            self.cold.prepare()
+
     def after_forward(self, batch, chunked) -> None:
+        if self.cold is not None and batch.mode != ForwardMode.EXTEND:
+            self.cold.land_prepared()  # before the demotion below rewrites rows a plan read
         due = []  # decode: the runs this step demotes, all requests together
         for s in batch.slices:
             req = s.req
@@ -316,6 +327,8 @@ class EngineTiering:
             self._tiered_len[req] = end
             tails = dict(self._tails.get(req) or {})
             new_cpu, got_cpu = new.cpu(), got.cpu()
+            if self.cold is not None:  # its host mirror of the row follows the rewrite
+                self.cold.note_rows(req, start, new_cpu)
             moved = new_cpu != run_slots
             for t in (TIER_INT8, TIER_INT4):
                 idx = (moved & (got_cpu == t)).nonzero().squeeze(1)

@@ -406,6 +406,7 @@ def test_cold_tier_decode(tmp_path):
     assert pieces["cold_score.rows"] > 0 and pieces["cold_score.mass"] > 0 and pieces["cold_score.select"] > 0
     assert sum(v for k, v in pieces.items() if k.startswith("cold_score.")) <= data["breakdown"]["forced"]["seconds"]["cold_score"]
     assert not data["breakdown"]["off"]["cold_parts"]
+    assert pieces["copy_worker.job"] >= pieces["copy_worker.gather"] > 0  # the promotions' copy jobs, timed apart
 
 
 def test_cold_tier_decode_time_budget(tmp_path):

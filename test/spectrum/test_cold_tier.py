@@ -157,7 +157,18 @@ def test_promotion_on_cuda_is_async_and_exact():
     cold.on_decode(batch)
     cold.wait_copies()  # the copy job runs on the worker thread
     torch.cuda.synchronize()
-    cold.on_decode(batch)  # lands now (the copy is done)
+    from sgl_kvxfer.kernels.tier_relocate import relocate_codes
+
+    where = [t.cuda() for t in pool.page_offset(TIER_INT4, new[:1].cpu())]
+    relocate_codes(pool.stores[TIER_INT4][0], *where, *where)  # compiled before the window below (a no-op move)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # a long "forward" on the compute stream
+    busy = torch.cuda.Event()
+    busy.record()
+    cold.prepare()  # as the scheduler does while the next forward runs: planned and applied behind it
+    assert not busy.query()  # it did not wait for the device
+    assert cold._prepared is None and cold.stats["landed"] == 1
+    cold.land_prepared()  # after that forward: the deferred frees
     now = table.read(0, N).cpu()
     assert cold.stats["landed"] == 1 and int(pool.tier_of(now[7:8])) == TIER_FP16
     kk, _ = pool.get_kv(0, now[7:8].cuda())
@@ -215,8 +226,9 @@ def test_a_pass_stages_every_promotion_in_one_copy_and_idle_steps_run_no_torch_o
     aim(cold, data, 13)
     for layer in cold.layers:  # the second request's query points at the same key
         cold.taps[layer][1] = cold.taps[layer][0]
-    calls = {"gather": 0, "set_kv_fp16": 0, "read_block": 0, "move": 0}
-    for obj, name in ((cold.store, "gather"), (pool, "set_kv_fp16"), (cold, "_read_block"), (pool, "move")):
+    calls = {"gather": 0, "set_kv_fp16": 0, "mirror_block": 0, "read_block": 0, "move": 0}
+    for obj, name in ((cold.store, "gather"), (pool, "set_kv_fp16"), (cold, "_mirror_block"), (cold, "_read_block"),
+                      (pool, "move")):
         real = getattr(obj, name)
 
         def counted(*a, _real=real, _name=name.lstrip("_"), **kw):
@@ -229,7 +241,7 @@ def test_a_pass_stages_every_promotion_in_one_copy_and_idle_steps_run_no_torch_o
     assert cold.stats["scoring_passes"] == 1 and cold.stats["promotions"] == 2 and cold.stats["landed"] == 6
     assert cold.stats["staging_copies"] == 1
     assert calls["gather"] == 1 and calls["set_kv_fp16"] == L
-    assert calls["read_block"] == 1  # the landing rows once (the pass keeps the due rows on the device)
+    assert calls["mirror_block"] == 1 and calls["read_block"] == 0  # the landing rows from the host mirrors
     # both rows' page repairs (12..14 punch holes in int4 pages) in one move over the layers
     assert calls["move"] == 1 and cold.stats["repack_moves"] == 1 and cold.stats["repacked_tokens"] > 0
     for r, rid in ((req, 0), (req2, 1)):  # both promotions landed exact
@@ -240,6 +252,8 @@ def test_a_pass_stages_every_promotion_in_one_copy_and_idle_steps_run_no_torch_o
         assert not alloc.holed_pages(now).any()
     with _CountTorchOps() as mode:  # steps 1..3: no pass due, nothing pending
         for _ in range(3):
+            cold.prepare()
+            cold.land_prepared()
             cold.on_decode(batch)
             cold.land()
     assert mode.ops == [] and cold.stats["scoring_passes"] == 1
@@ -301,3 +315,79 @@ def test_batched_mass_is_each_rows_own_softmax():
         ref = head_max_mass(q[b], keys[b, :n], 0.5, valid[b, :n])
         assert torch.allclose(m[b, :n], ref, atol=1e-6) and (m[b, n:] == 0).all()
     assert float(m[0, 2]) == 0.0
+
+
+class _NotDone:
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def test_landing_is_planned_on_host_mirrors_that_follow_demotion():
+    """prepare() (while the decode forward runs) plans the landing from the host mirror of the
+    row alone and, where the repair copies fit the int stores' free pages, applies it: no read of
+    the device table, no fp16 allocation, no free (all may sync on CUDA); else it leaves the plan
+    to land_prepared() (after the forward). The mirror follows the landing's rewrite and decode demotion's (note_rows; queued while the
+    snapshot is still being copied), so a later landing on tokens demoted after the first pass
+    is exact and leaves no holed page."""
+    cold, pool, alloc, table, data, req, row = setup(interval=1)
+    aim(cold, data, 13)
+    batch = SimpleNamespace(slices=[SimpleNamespace(req=req)])
+    cold._score(batch, [0])  # issue only (off CUDA the copy is done at once)
+    state = cold.states[req]
+    assert state.row is not None and torch.equal(state.row[:N], row)
+
+    def forbidden(*a, **k):
+        raise AssertionError("prepare must not touch the allocator or the device table")
+
+    saved = {name: getattr(alloc, name) for name in ("alloc", "free", "available_size")}
+    for name in saved:
+        setattr(alloc, name, forbidden)
+    cold._read_block = forbidden
+    cold.prepare()
+    for name, real in saved.items():
+        setattr(alloc, name, real)
+    del cold._read_block
+    assert cold._prepared is None and cold.stats["landed"] == 3  # landed in the forward's window
+    cold.land_prepared()
+    now = table.read(0, N).cpu()
+    assert cold.stats["landed"] == 3 and (pool.tier_of(now[12:15]) == TIER_FP16).all()
+    assert torch.equal(state.row[:N], now) and not alloc.holed_pages(now).any()
+
+    # decode: 8 new tokens, then demoted to int4 while the next pass's snapshot would still be in flight
+    gen = torch.Generator().manual_seed(1)
+    extra = [(torch.randn(8, H, D, generator=gen), torch.randn(8, H, D, generator=gen)) for _ in range(L)]
+    slots = alloc.alloc(8)
+    for layer, (k, v) in enumerate(extra):
+        pool.set_kv(layer, slots, k, v)
+    table.write(0, N, slots)
+    req.kv_len = N + 8
+    fake = _NotDone()
+    state.row_copy = fake  # as on CUDA: the mirror's snapshot is not in yet, writes queue
+    new, _ = alloc.retier(slots, torch.full((8,), TIER_INT4, dtype=torch.int8))
+    table.write(0, N, new)
+    cold.note_rows(req, N, new)
+    assert len(state.patches) == 1
+    data2 = [(torch.cat([k, k2]), torch.cat([v, v2])) for (k, v), (k2, v2) in zip(data, extra)]
+    aim(cold, data2, N + 3)
+    cold._score(batch, [0])
+    assert cold.stats["promoted_tokens"] == 6
+    cold.prepare()
+    assert cold._prepared is None and cold.stats["landed"] == 3  # waits for the snapshot's copy
+    fake.done = True
+    hog = {tier: alloc.alloc_tier(tier, alloc.available_tier(tier)) for tier in (TIER_INT8, TIER_INT4)}
+    cold.prepare()  # the repair copies do not fit the free int pages: planned, left for after the forward
+    assert cold._prepared is not None and cold.stats["landed"] == 3
+    for ids in hog.values():
+        alloc.free(ids)
+    cold.land_prepared()
+    now = table.read(0, N + 8).cpu()
+    assert cold.stats["landed"] == 6 and not alloc.holed_pages(now).any()
+    assert torch.equal(state.row[:N + 8], now)
+    for layer, (k, v) in enumerate(data2):
+        kk, vv = pool.get_kv(layer, now[N + 2:N + 5])
+        assert torch.equal(kk, k[N + 2:N + 5]) and torch.equal(vv, v[N + 2:N + 5])
+    cold.release_request(req)
+    alloc.debug_check()
