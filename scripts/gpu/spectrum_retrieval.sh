@@ -76,7 +76,7 @@ if [ "$DEVICE" = cuda ]; then
   BASE=$(python3 -c "from sgl_kvxfer.models.loader import resolve_model_path; print(resolve_model_path(None))")
   T_TRAIN=${T_TRAIN:-280} T_PROBE=${T_PROBE:-40} T_EVAL=${T_EVAL:-240} T_DECODE=${T_DECODE:-100}
   # 8000, not 8192: the prompt (+ chat template and answer) stays inside SmolLM2's 8192 positions
-  TRAIN_CTX=${TRAIN_CTX:-8000} TRAIN_S=${TRAIN_S:-260} ITEMS=${ITEMS:-3200} WORKERS=${WORKERS:-8}
+  TRAIN_CTX=${TRAIN_CTX:-8000} TRAIN_S=${TRAIN_S:-260} ITEMS=${ITEMS:-2600} WORKERS=${WORKERS:-8}
   SHORT_CTX=${SHORT_CTX:-4000} SHORT_FRAC=${SHORT_FRAC:-0.5}
   TRAIN_ARGS=${TRAIN_ARGS:-"--batch-size 2 --grad-accum 4 --lr 3e-4 --warmup 20 --steps 3000"}
   EVAL_CTX=${EVAL_CTX:-4096} LONG_CTX=${LONG_CTX:-8000}
