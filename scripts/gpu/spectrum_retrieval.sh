@@ -22,7 +22,7 @@
 #           Llama-3-8B shape (dummy weights), 16k x 8, b = 0.2, triton backend, CUDA graphs; modes
 #           off, on@16, on@4, score@16 (scoring without promotions), a synchronized per-part
 #           breakdown per mode, then the timed repeats (a decode-only call: T_DECODE=240)
-# Each stage runs under `timeout -s INT` (tests 60, T_TRAIN / T_PROBE / T_EVAL / T_DECODE: 280 / 40 /
+# Each stage runs under `timeout -s INT` (tests 60, T_TRAIN / T_PROBE / T_EVAL / T_DECODE: 290 / 35 /
 # 240 / 100 s; resume: what is left but T_DECODE; each cut to what is left of T_TOTAL = 520 s) and
 # keeps what it measured. Trials: 11 depths x 8 = 88 items a point, the same items for every method (the summary
 # counts the trials only one of best SpectrumKV / random answers; every row has a 95% Wilson interval
@@ -74,7 +74,7 @@ if [ "$DEVICE" = cuda ]; then
   # wheels, the repo on PYTHONPATH, the GGUF halves joined and converted into /tmp/models
   source scripts/gpu/env.sh > "$work/env.log" 2>&1 || { echo "env.sh failed:"; tail -20 "$work/env.log"; }
   BASE=$(python3 -c "from sgl_kvxfer.models.loader import resolve_model_path; print(resolve_model_path(None))")
-  T_TRAIN=${T_TRAIN:-280} T_PROBE=${T_PROBE:-40} T_EVAL=${T_EVAL:-240} T_DECODE=${T_DECODE:-100}
+  T_TRAIN=${T_TRAIN:-290} T_PROBE=${T_PROBE:-35} T_EVAL=${T_EVAL:-240} T_DECODE=${T_DECODE:-100}
   # 8000, not 8192: the prompt (+ chat template and answer) stays inside SmolLM2's 8192 positions
   TRAIN_CTX=${TRAIN_CTX:-8000} TRAIN_S=${TRAIN_S:-260} ITEMS=${ITEMS:-2600} WORKERS=${WORKERS:-8}
   SHORT_CTX=${SHORT_CTX:-4000} SHORT_FRAC=${SHORT_FRAC:-0.5}
