@@ -114,14 +114,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--items", type=int, default=24, help="items per bed (depths spread over [0, 1])")
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--out", default=None, help="JSON to write (default: none)")
     args = ap.parse_args(argv)
     if not 4 <= args.value_digits <= 12:
         ap.error("--value-digits must be in [4, 12]")
-    if not 64 <= args.context <= 32768 or not 1 <= args.items <= 10000 or not 0 <= args.sinks <= 64:
-        ap.error("--context in [64, 32768], --items in [1, 10000], --sinks in [0, 64]")
+    if not 64 <= args.context <= 32768 or not 1 <= args.items <= 10000 or not 0 <= args.sinks <= 64 \
+            or not 0 <= args.seed < 2 ** 31:
+        ap.error("--context in [64, 32768], --items in [1, 10000], --sinks in [0, 64], --seed in [0, 2**31)")
     if any(nv >= args.value_digits for _, nv in args.beds):
         ap.error("a bed's near values must be fewer than --value-digits")
     from sgl_kvxfer import tasks

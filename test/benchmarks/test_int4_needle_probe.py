@@ -33,6 +33,7 @@ def test_masks_put_int4_where_each_condition_says():
     (["--beds", "3"], "NEAR_KEYS:NEAR_VALUES"), (["--beds", "17:0"], "near keys in [0, 16]"),
     (["--beds", "3:x"], "NEAR_KEYS:NEAR_VALUES"), (["--beds", "3:10"], "fewer than --value-digits"),
     (["--items", "0"], "--items in [1, 10000]"), (["--context", "nan"], "invalid int value"),
+    (["--seed", "-1"], "--seed in [0, 2**31)"), (["--dtype", "int8"], "invalid choice"),
 ])
 def test_bad_flags_are_argparse_errors(args, message):
     proc = subprocess.run([sys.executable, os.path.join("benchmarks", "quality", "int4_needle_probe.py"), *args],
