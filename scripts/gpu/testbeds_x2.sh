@@ -2,8 +2,9 @@
 # The three fine-tuned test beds side by side in ONE call on a two-GPU host (nvidia-h100-x2), after
 # the GGUF halves are staged (stage_weights.sh / .carry_a1 + .carry_a2, see scripts/gpu/README.md):
 #   GPU 1  scripts/gpu/scd_quality.sh         SCD specialists, calibration, quality table
-#   GPU 0  scripts/gpu/spectrum_retrieval.sh $SPECTRUM_STAGES (default: train eval) SpectrumKV retrieval
-#                                             model and its tier table (+ tests, decode: the cold tier)
+#   GPU 0  scripts/gpu/spectrum_retrieval.sh $SPECTRUM_STAGES (default: train probe eval) SpectrumKV
+#                                             retrieval model, its int4 probe and tier table (+ tests,
+#                                             decode: the cold tier)
 #   GPU 0  scripts/gpu/fusedkv_all.sh $FUSEDKV_STAGES (default: retrofit scratch; GPU: FUSEDKV_GPU)
 #   GPU 1  scripts/gpu/fusedkv_all.sh $FUSEDKV2_STAGES (part fusedkv2; default: serve scratch;
 #          GPU: FUSEDKV2_GPU). fusedkv_all.sh's knobs (T_SERVE, SERVE_ARGS, LONG_TASKS, ...) reach both.
@@ -51,7 +52,7 @@ for p in $PARTS; do
                 WALL=$(( WALL - ($(date +%s) - T0) - 20 )) bash scripts/gpu/scd_quality.sh ;;
     spectrum) # shellcheck disable=SC2086
               run_part spectrum 0 env T_TOTAL=$(( WALL - ($(date +%s) - T0) - 20 )) bash scripts/gpu/spectrum_retrieval.sh \
-                ${SPECTRUM_STAGES:-train eval} ;;
+                ${SPECTRUM_STAGES:-train probe eval} ;;
     # fusedkv_all.sh's stages (or a mode: long, rerun, ...) on FUSEDKV_GPU / FUSEDKV2_GPU; DEADLINE
     # caps each stage's timeout (and sizes the scratch grid) 25 s before the call's WALL: a stage
     # gets SIGINT there, SIGKILL 15 s later, and the part's last copy into $OUT comes before WALL

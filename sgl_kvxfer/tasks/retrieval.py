@@ -6,7 +6,10 @@ line, 1: last; None draws it uniformly).
 
   kv      lines "KEY: VALUE" (random 8-character keys, `value_digits`-digit values, 6 by default);
           asks one key's value. `near_keys` of the other lines have keys one character away from the
-          asked key (at random depths), so the lookup must match the asked key exactly.
+          asked key (at random depths), so the lookup must match the asked key exactly. With
+          `near_values` = m > 0 their values are the asked value with m digits changed, so a copy
+          that strays onto a near line midway (its digit runs are the asked one's) is wrong in
+          only m places: the answer needs the asked line's keys and digits read precisely.
   needle  filler prose with "The secret number of NAME is DIGITS." sentences: the asked one at
           `depth`, `distractors` others (other names) at random depths. hops=2 asks a name whose
           sentence says it "has the same secret number as" a second name, whose number is
@@ -39,14 +42,17 @@ def _slot(depth, n: int, rng: random.Random) -> int:
 class KeyValue(Task):
     name = "kv"
     metrics = ("em",)
-    defaults = {"context_tokens": 512, "depth": None, "value_digits": 6, "near_keys": 0}
+    defaults = {"context_tokens": 512, "depth": None, "value_digits": 6, "near_keys": 0, "near_values": 0}
     max_answer_tokens = 14  # value_digits <= 12 digit tokens and the end of turn
 
-    def make(self, rng, uid, count, context_tokens=512, depth=None, value_digits=6, near_keys=0) -> Example:
+    def make(self, rng, uid, count, context_tokens=512, depth=None, value_digits=6, near_keys=0,
+             near_values=0) -> Example:
         _check(context_tokens, depth)
         if not (isinstance(value_digits, int) and 4 <= value_digits <= 12) or \
                 not (isinstance(near_keys, int) and 0 <= near_keys <= 16):
             raise ValueError(f"kv: value_digits in [4, 12] and near_keys in [0, 16], got {value_digits}, {near_keys}")
+        if not (isinstance(near_values, int) and 0 <= near_values < value_digits):
+            raise ValueError(f"kv: near_values in [0, value_digits), got {near_values}")
         head = "Below is a list of keys and their values.\n\n"
         budget = context_tokens - count(head) - 24  # the question and instruction
         taken: set = set()
@@ -62,8 +68,11 @@ class KeyValue(Task):
         # (same line lengths up to tokenization), each one character away from the asked key
         asked = lines.pop(rng.randrange(len(lines)))
         key = asked.split(": ")[0]
+        value = asked.split(": ")[1]
         for i in rng.sample(range(len(lines)), min(near_keys, len(lines))):
             lines[i] = f"{words.distinct(rng, lambda r: words.near_key(r, key), 1, taken)[0]}: {lines[i].split(': ')[1]}"
+            if near_values:  # drawn after the key, so near_values=0 makes the items it made before
+                lines[i] = f"{lines[i].split(': ')[0]}: {words.near_digits(rng, value, near_values)}"
         at = _slot(depth, len(lines), rng)
         lines.insert(at, asked)
         key, value = asked.split(": ")

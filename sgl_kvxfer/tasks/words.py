@@ -47,6 +47,14 @@ def digits(rng: random.Random, n: int) -> str:
     return str(rng.randint(1, 9)) + "".join(rng.choice(string.digits) for _ in range(n - 1))
 
 
+def near_digits(rng: random.Random, value: str, m: int) -> str:
+    """`value` (decimal digits) with m distinct positions changed to other digits (no leading zero)."""
+    out = list(value)
+    for i in rng.sample(range(len(value)), m):
+        out[i] = rng.choice([d for d in string.digits if d != value[i] and (i or d != "0")])
+    return "".join(out)
+
+
 def key_id(rng: random.Random) -> str:
     """A key like "kx7-q2m4" (letters and digits, easy to tokenize apart)."""
     alnum = string.ascii_lowercase + string.digits

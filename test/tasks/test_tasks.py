@@ -88,6 +88,17 @@ def test_kv_near_keys_and_long_values():
     assert len(ex.answer) == 6
 
 
+def test_kv_near_values_differ_from_the_answer_in_m_digits():
+    for ex in tasks.generate("kv", "eval", 4, seed=2, context_tokens=1500, value_digits=10, near_keys=8,
+                             near_values=2):
+        key = ex.question.split("key ")[-1].rstrip("?")
+        pairs = [line.split(": ") for line in ex.context.split("\n")[2:]]
+        near = [v for k, v in pairs if k != key and sum(a != b for a, b in zip(k, key)) == 1]
+        assert len(near) == 8 and [v for k, v in pairs if k == key] == [ex.answer]
+        for v in near:
+            assert len(v) == 10 and v[0] != "0" and sum(a != b for a, b in zip(v, ex.answer)) == 2
+
+
 def test_two_hop_needle_needs_both_facts():
     ex = tasks.generate("needle", "eval", 1, seed=0, hops=2, depth=0.5)[0]
     asked = ex.question.split("of ")[-1].rstrip("?")
@@ -100,6 +111,7 @@ def test_two_hop_needle_needs_both_facts():
     ("kv", {"context_tokens": 10}), ("kv", {"context_tokens": 10 ** 9}), ("kv", {"depth": 1.5}),
     ("kv", {"depth": float("nan")}),
     ("kv", {"value_digits": 3}), ("kv", {"value_digits": 13}), ("kv", {"near_keys": -1}), ("kv", {"near_keys": 17}),
+    ("kv", {"near_values": 6}), ("kv", {"near_values": -1}), ("kv", {"near_values": 1.0}),
     ("kv", {"value_digits": 6.5}), ("needle", {"hops": 3}), ("qa", {"entities": 1}), ("qa", {"entities": 2.5}),
     ("code", {"helpers": "4"}), ("qa", {"colour": 1}),
 ])
