@@ -81,12 +81,18 @@ class _Range:
     end: int
     kind: str  # "stored": the pool's tiers; "int8" / "chunk": quantized on the way; "replace" / "upgrade"
     tiers: torch.Tensor | None = None  # "chunk": the wire tier per position, chosen when the chunk ended
+    # "chunk": the host slot ids of [start, end) as the chunk's launch left the row (None: read
+    # the table). Valid until the prompt's re-tier moves them; a chunk range still pending
+    # then is dropped (_finalize_chunks), and a packed one was enqueued before the re-tier.
+    slots: torch.Tensor | None = None
 
     def split(self) -> tuple["_Range", "_Range"]:
-        mid = (self.start + self.end) // 2
-        cut = None if self.tiers is None else mid - self.start
-        return (_Range(self.start, mid, self.kind, None if cut is None else self.tiers[:cut]),
-                _Range(mid, self.end, self.kind, None if cut is None else self.tiers[cut:]))
+        cut = (self.end - self.start) // 2
+        mid = self.start + cut
+        head = lambda t: None if t is None else t[:cut]  # noqa: E731
+        tail = lambda t: None if t is None else t[cut:]  # noqa: E731
+        return (_Range(self.start, mid, self.kind, head(self.tiers), head(self.slots)),
+                _Range(mid, self.end, self.kind, tail(self.tiers), tail(self.slots)))
 
 
 @dataclass
@@ -119,6 +125,7 @@ class PrefillRoom:
     launched: dict = field(default_factory=dict)  # chunk end -> time.time() that chunk was launched
     chunk_ends: list = field(default_factory=list)  # tiered "end": its chunks' ends (the first cuts the range)
     forward_end: float = 0.0  # time.time() its last chunk's forward ended
+    chunk_done: dict = field(default_factory=dict)  # chunk end -> CUDA event behind its kernels (trace)
 
 
 class PrefillRole(PDRole):
@@ -189,13 +196,31 @@ class PrefillRole(PDRole):
                     # launched before this one's after_forward reads its start
                     room.launched[s.start + s.length] = now
 
+    def after_launch(self, batch) -> None:
+        """Traced rooms on a GPU: an event right behind the chunk's kernels marks its end (with
+        overlapped chunks the next chunk is in the stream before this one's after_forward)."""
+        if not self.settings.trace or not str(self.device).startswith("cuda"):
+            return
+        rooms = [(s, r) for s in batch.slices
+                 if (r := self._room_of(s.req)) is not None and getattr(r, "trace", None) is not None]
+        if rooms:
+            done = torch.cuda.Event()
+            done.record()
+            for s, room in rooms:
+                room.chunk_done[s.start + s.length] = done
+
     def after_forward(self, batch) -> None:
         """The trace's chunk end; on a GPU it waits for the chunk's kernels (trace runs only)."""
         if not self.settings.trace or batch.mode != ForwardMode.EXTEND:
             return
         rooms = [(s, r) for s in batch.slices if (r := self._room_of(s.req)) is not None and r.trace is not None]
         if rooms and str(self.device).startswith("cuda"):
-            torch.cuda.synchronize()
+            events = [room.chunk_done.pop(s.start + s.length, None) for s, room in rooms]
+            if all(e is not None for e in events):
+                for e in events:
+                    e.synchronize()
+            else:
+                torch.cuda.synchronize()
         now = time.time()
         for s, room in rooms:
             end = s.start + s.length
@@ -243,10 +268,16 @@ class PrefillRole(PDRole):
             room.pending.append(_Range(start, end, "int8"))
         else:  # chunk streams: tiers at budget b for this chunk, from what is known now
             t0 = time.time()
-            room.pending.append(_Range(start, end, "chunk", self.tiering.chunk_tiers(req, start, end)))
+            tiers, slots = self.tiering.chunk_tiers(req, start, end, with_slots=True)
+            room.pending.append(_Range(start, end, "chunk", tiers, slots))
             if room.trace is not None:
                 room.trace.add(f"chunk_tier[{start}:{end}]", t0)
         room.streamed = end
+        if self.tiered and room.stream in CHUNK_STREAMS:
+            # pack now, while the next chunk (launched before this one's results were applied,
+            # when chunks overlap) computes: a range still pending when the prompt ends would
+            # go at the final tiers after the re-tier instead
+            self._pump(room)
 
     def last_chunk_tokens(self, req) -> int:
         """--kv-transfer-last-chunk for a tiered chunk stream's request: its last chunk is short,
@@ -466,7 +497,7 @@ class PrefillRole(PDRole):
         t0 = time.time()
         # the range's slot ids on the host: the one read-back of a pack (tiers, the live cut
         # and pack_segment's routing below all run on these, with no further host sync)
-        slots = self.table.read(req.req_pool_idx, rng.end, start=rng.start).cpu()
+        slots = rng.slots if rng.slots is not None else self.table.read(req.req_pool_idx, rng.end, start=rng.start).cpu()
         tiers = self._segment_tiers(room, rng, slots)
         if rng.kind == "upgrade" and bool((tiers == TIER_KEEP).all()):
             room.pending.popleft()  # no token's tier rose: nothing to resend

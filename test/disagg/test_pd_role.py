@@ -146,6 +146,52 @@ def test_chunk_tiers_meet_the_budget_chunk_by_chunk(tiny_dir, budget):
     assert role.tiers[(0, 16)][0] == 0  # a sink, pinned at fp16 in the first chunk
 
 
+class ChunkTiersAndSlots(ChunkTiers):
+    """Records each chunk's tiers, its snapshot slot ids, and the table's row when on_chunk runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.slots, self.launches = {}, []
+
+    def after_launch(self, batch):
+        self.launches.append([(s.start, s.start + s.length) for s in batch.slices])
+
+    def on_chunk(self, req, start, end):
+        tiers, slots = self.ctx.tiering.chunk_tiers(req, start, end, with_slots=True)
+        self.tiers[(start, end)] = tiers
+        self.slots[(start, end)] = (slots, self.ctx.table.read(req.req_pool_idx, end, start=start).clone())
+
+
+def test_overlapped_chunks_tier_as_serial_chunks_do(tiny_dir):
+    """Chunks of a tiered prompt overlap (chunk_overlap): chunk N's results, tiers and pack come
+    after chunk N + 1 is launched. Each chunk's tiers, ranked from its own window snapshot, and
+    its snapshot's slot ids are those of the serial run; the sampled token is the same."""
+    results = []
+    for overlap in (False, True):
+        role = ChunkTiersAndSlots()
+        sched = make_scheduler(tiny_dir, role, kv_tier_budget=0.3, kv_int4="on")
+        sched.chunk_overlap = overlap
+        applied_late = []
+        real_apply = sched._apply_prefill
+
+        def apply(sched=sched, real_apply=real_apply, applied_late=applied_late):
+            if sched.pending_prefill is not None:  # a chunk applied after the next was launched
+                applied_late.append(sched.pending_prefill.batch.slices[0].start)
+            real_apply()
+
+        sched._apply_prefill = apply
+        submit(sched, "c", 60)
+        outs = run(sched)
+        assert sorted(role.tiers) == [(0, 16), (16, 32), (32, 48)]
+        for (a, b), (snap, row) in role.slots.items():
+            assert snap is not None and torch.equal(snap, row), (overlap, a, b)  # the row is unchanged until the re-tier
+        results.append(({k: v.tolist() for k, v in role.tiers.items()},
+                        [t for o in outs for t in o.new_output_ids], applied_late))
+    (serial_tiers, serial_out, serial_late), (over_tiers, over_out, over_late) = results
+    assert serial_late == [] and over_late == [0, 16, 32]  # the overlap did happen, chunk by chunk
+    assert over_tiers == serial_tiers and over_out == serial_out
+
+
 class _Pool:
     layout = "tiered"
 
