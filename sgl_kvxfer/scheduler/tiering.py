@@ -326,12 +326,12 @@ class EngineTiering:
         sinks = max(0, self.policy.sink_count(self.config.kv_sink_tokens) - start)
         t1 = time.time()
         evict0 = self._evict_s
-        self._retier(req, start, slots[start:], importance, sinks)
+        parts = self._retier(req, start, slots[start:], importance, sinks)
         t2 = time.time()
         # tier_evict: the summed time the retier spent evicting radix leaves for room in an int
         # store, drawn from the retier's start (the evictions interleave with its data moves)
         evict = self._evict_s - evict0
-        self.prefill_spans[req] = [("tier_scores", t0, t1), ("tier_retier", t1, t2)] + (
+        self.prefill_spans[req] = [("tier_scores", t0, t1), ("tier_retier", t1, t2), *parts] + (
             [("tier_evict", t1, t1 + evict)] if evict > 0 else [])
         self._tiered_len[req] = n
         self._tails.pop(req, None)  # a re-prefilled (retracted) request starts fresh pages
@@ -393,14 +393,22 @@ class EngineTiering:
                 out[t] = slot
         return out
 
-    def _retier(self, req, start: int, slots: torch.Tensor, importance: torch.Tensor, sinks: int) -> None:
+    def _retier(self, req, start: int, slots: torch.Tensor, importance: torch.Tensor, sinks: int) -> list:
+        """Assign and move one prompt run; returns the trace's parts of tier_retier: tier_assign
+        (the byte-budget search, host), tier_move (ids planned, KV moved: its launches, and the
+        host waits its index copies make) and tier_row (the row rewritten and the record kept:
+        the row's copy to the device waits for the moves' kernels)."""
         st = self.settings
+        t0 = time.time()
         tiers = assign_tiers(self.policy, importance, st.budget, self.layout, st.unit, sinks, st.int4_allowed,
                              self.config.random_seed)
         if self.cold is not None:  # copies of the tokens it drops, before their ids are freed
             self.cold.keep_dropped(req, start, slots, tiers)
+        t1 = time.time()
         new, got = self.allocator.retier(slots, tiers, self._make_room)
+        t2 = time.time()
         self._record(req, start, slots, tiers, new, got)
+        return [("tier_assign", t0, t1), ("tier_move", t1, t2), ("tier_row", t2, time.time())]
 
     def _record(self, req, start: int, slots, tiers, new, got) -> None:
         """Rewrite the request's row at the new ids and keep the run's TierRecord."""
