@@ -24,7 +24,8 @@ What travels, by `--kv-tier-budget` b and `--kv-transfer-stream`:
                        ranked by the attention of its own last W queries (EngineTiering
                        .chunk_tiers); the pool keeps the chunk at the model dtype, so it is
                        quantized on the way out. The last chunk, and chunks not yet packed when
-                       the prompt ends, go at the final tiers (ranked by the whole prompt).
+                       the prompt ends, go at the final tiers (ranked by the whole prompt),
+                       packed before the re-tier moves the KV (_on_final_tiers)
     b < 1, "chunk-upgrade"  "chunk", then one replacing segment with the tokens whose final
                        tier is more precise than the one they streamed at (TIER_KEEP for the
                        rest): the decode holds max(streamed, final) precision per token
@@ -151,6 +152,8 @@ class PrefillRole(PDRole):
         settings, host = self.settings, self.host
         self.pool, self.table, self.tiering = ctx.pool, ctx.table, ctx.tiering
         self.tiered = ctx.tiering is not None
+        if self.tiered:
+            ctx.tiering.final_tiers_hook = self._on_final_tiers
         self.device = ctx.runner.device
         if self.fake:
             return
@@ -480,6 +483,27 @@ class PrefillRole(PDRole):
             sent = room.sent_tiers[rng.start:rng.end]
             return torch.where(stored < sent, stored, torch.full_like(stored, TIER_KEEP))
         return stored
+
+    def _on_final_tiers(self, req, start: int, slots: torch.Tensor, tiers: torch.Tensor) -> None:
+        """A chunk stream's prompt end, after its final tiers are assigned and before the re-tier
+        moves its KV (EngineTiering.final_tiers_hook): what has not left yet (the last chunk,
+        and chunks the link has not taken) is packed now at the final tiers asked for, quantized
+        from the model-dtype rows on the way, so its write does not wait for the move. The
+        pack's kernels are enqueued ahead of the move's, which is what keeps the rows it reads
+        intact. A range the ring or the send buffer cannot take yet stays pending and is dropped
+        at on_prompt_done (_finalize_chunks): it then goes as the pool's stored codes. Where the
+        re-tier gets a more precise tier than asked (a short store), `chunk-upgrade` resends it."""
+        room = self._room_of(req)
+        if room is None or room.error or getattr(room, "stream", None) not in CHUNK_STREAMS:
+            return
+        n = len(req.origin_input_ids)
+        first = room.pending[0].start if room.pending else room.streamed  # packed in order: a suffix
+        if start + slots.numel() != n or not start <= first < n:
+            return  # positions before `start` are the cache's, at their cached tiers: stored codes
+        room.pending.clear()
+        room.pending.append(_Range(first, n, "chunk", tiers[first - start:], slots[first - start:]))
+        room.streamed = n
+        self._pump(room)
 
     def _finalize_chunks(self, room: PrefillRoom, n: int) -> None:
         """Prompt end of a chunk stream: chunk ranges not packed yet go at the final tiers

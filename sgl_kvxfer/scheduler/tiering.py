@@ -139,6 +139,10 @@ class EngineTiering:
         self._evict_s = 0.0  # seconds _make_room spent evicting, summed
         # offline tools set this to read which tokens got which tier (one byte per token per record)
         self.keep_tier_maps = False
+        # PD prefill (chunk streams): called as hook(req, start, slots, tiers) once a prompt's
+        # final tiers are assigned and before its KV moves (slots: host ids of [start, kv_len));
+        # work it enqueues on the stream reads the model-dtype rows ahead of the move
+        self.final_tiers_hook = None
         self.cold = None
         if config.kv_cold_tier:
             from sgl_kvxfer.scheduler.cold_tier import ColdTier
@@ -405,10 +409,13 @@ class EngineTiering:
         if self.cold is not None:  # copies of the tokens it drops, before their ids are freed
             self.cold.keep_dropped(req, start, slots, tiers)
         t1 = time.time()
+        if self.final_tiers_hook is not None:
+            self.final_tiers_hook(req, start, slots, tiers)
+        t1b = time.time()
         new, got = self.allocator.retier(slots, tiers, self._make_room)
         t2 = time.time()
         self._record(req, start, slots, tiers, new, got)
-        return [("tier_assign", t0, t1), ("tier_move", t1, t2), ("tier_row", t2, time.time())]
+        return [("tier_assign", t0, t1), ("tier_move", t1b, t2), ("tier_row", t2, time.time())]
 
     def _record(self, req, start: int, slots, tiers, new, got) -> None:
         """Rewrite the request's row at the new ids and keep the run's TierRecord."""

@@ -230,6 +230,40 @@ def test_chunks_not_packed_at_prompt_end_go_at_the_final_tiers():
     assert (a.start, a.end, b.start, b.end) == (0, 5, 5, 10) and b.tiers.tolist() == [5, 6, 7, 8, 9]
 
 
+def test_final_tiers_pack_the_rest_before_the_retier_moves_it(monkeypatch):
+    """A chunk stream's prompt end: once the final tiers exist and before the KV moves, the
+    rest of the prompt (the last chunk and any chunk not packed yet) is queued as one chunk
+    range at those tiers, with the host slot ids, and pumped; a prompt whose unsent part
+    starts inside the cached head is left to on_prompt_done (stored codes)."""
+    from types import SimpleNamespace as NS
+
+    from sgl_kvxfer.disagg.prefill import PrefillRole, PrefillRoom, _Range
+
+    role = object.__new__(PrefillRole)
+    room = PrefillRoom(1, stream="chunk")
+    pumped = []
+    monkeypatch.setattr(role, "_room_of", lambda req: room)
+    monkeypatch.setattr(role, "_pump", lambda r: pumped.append([(x.start, x.end, x.kind) for x in r.pending]))
+    req = NS(origin_input_ids=list(range(60)))
+    room.pending.append(_Range(32, 48, "chunk", torch.zeros(16)))  # the link had not taken it
+    room.streamed = 48
+    slots, tiers = torch.arange(100, 160), torch.arange(60, dtype=torch.int8) % 4
+    role._on_final_tiers(req, 0, slots, tiers)
+    assert pumped == [[(32, 60, "chunk")]] and room.streamed == 60
+    rng = room.pending[0]
+    assert rng.tiers.tolist() == tiers[32:].tolist() and rng.slots.tolist() == list(range(132, 160))
+
+    room2 = PrefillRoom(2, stream="chunk-upgrade")
+    monkeypatch.setattr(role, "_room_of", lambda req: room2)
+    room2.streamed = 0  # one chunk, its head from the prefix cache: [0, 8) is the cache's
+    role._on_final_tiers(req, 8, slots[8:], tiers[8:])
+    assert len(pumped) == 1 and not room2.pending and room2.streamed == 0
+    room3 = PrefillRoom(3, stream="end")
+    monkeypatch.setattr(role, "_room_of", lambda req: room3)
+    role._on_final_tiers(req, 0, slots, tiers)
+    assert len(pumped) == 1 and not room3.pending
+
+
 def test_end_stream_sends_the_first_chunk_then_the_rest_after_the_prompt(monkeypatch):
     """Tiered `end`: nothing is queued while chunks finish; at prompt end the stored range is cut
     at the first chunk's end only, so the first write waits for one chunk's pack and the rest is
