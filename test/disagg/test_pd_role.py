@@ -25,11 +25,11 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
-def make_scheduler(tiny_dir, role, **engine):
+def make_scheduler(tiny_dir, role, device="cpu", **engine):
     from sgl_kvxfer.scheduler.scheduler import Scheduler
     from sgl_kvxfer.scheduler.startup import create_runner
 
-    cfg = SchedulerConfig(engine=EngineConfig(model_path=tiny_dir, load_format="dummy", device="cpu",
+    cfg = SchedulerConfig(engine=EngineConfig(model_path=tiny_dir, load_format="dummy", device=device,
                                               max_total_tokens=2048, **engine), chunked_prefill_size=16,
                           max_running_requests=4)
     runner, _, _ = create_runner(cfg)
@@ -162,14 +162,17 @@ class ChunkTiersAndSlots(ChunkTiers):
         self.slots[(start, end)] = (slots, self.ctx.table.read(req.req_pool_idx, end, start=start).clone())
 
 
-def test_overlapped_chunks_tier_as_serial_chunks_do(tiny_dir):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU")])])
+def test_overlapped_chunks_tier_as_serial_chunks_do(tiny_dir, device):
     """Chunks of a tiered prompt overlap (chunk_overlap): chunk N's results, tiers and pack come
     after chunk N + 1 is launched. Each chunk's tiers, ranked from its own window snapshot, and
-    its snapshot's slot ids are those of the serial run; the sampled token is the same."""
+    its snapshot's slot ids are those of the serial run; the sampled token is the same (on a
+    GPU the snapshots are copied behind each chunk's own event)."""
     results = []
     for overlap in (False, True):
         role = ChunkTiersAndSlots()
-        sched = make_scheduler(tiny_dir, role, kv_tier_budget=0.3, kv_int4="on")
+        sched = make_scheduler(tiny_dir, role, device, kv_tier_budget=0.3, kv_int4="on")
         sched.chunk_overlap = overlap
         applied_late = []
         real_apply = sched._apply_prefill
@@ -184,7 +187,7 @@ def test_overlapped_chunks_tier_as_serial_chunks_do(tiny_dir):
         outs = run(sched)
         assert sorted(role.tiers) == [(0, 16), (16, 32), (32, 48)]
         for (a, b), (snap, row) in role.slots.items():
-            assert snap is not None and torch.equal(snap, row), (overlap, a, b)  # the row is unchanged until the re-tier
+            assert snap is not None and torch.equal(snap, row.cpu()), (overlap, a, b)  # unchanged until the re-tier
         results.append(({k: v.tolist() for k, v in role.tiers.items()},
                         [t for o in outs for t in o.new_output_ids], applied_late))
     (serial_tiers, serial_out, serial_late), (over_tiers, over_out, over_late) = results
