@@ -24,7 +24,8 @@ What travels, by `--kv-tier-budget` b and `--kv-transfer-stream`:
                        ranked by the attention of its own last W queries (EngineTiering
                        .chunk_tiers); the pool keeps the chunk at the model dtype, so it is
                        quantized on the way out. The last chunk, and chunks not yet packed when
-                       the prompt ends, go at the final tiers (ranked by the whole prompt).
+                       the prompt ends, go at the final tiers (ranked by the whole prompt),
+                       packed before the re-tier moves the KV (_on_final_tiers)
     b < 1, "chunk-upgrade"  "chunk", then one replacing segment with the tokens whose final
                        tier is more precise than the one they streamed at (TIER_KEEP for the
                        rest): the decode holds max(streamed, final) precision per token
@@ -81,12 +82,18 @@ class _Range:
     end: int
     kind: str  # "stored": the pool's tiers; "int8" / "chunk": quantized on the way; "replace" / "upgrade"
     tiers: torch.Tensor | None = None  # "chunk": the wire tier per position, chosen when the chunk ended
+    # "chunk": the host slot ids of [start, end) as the chunk's launch left the row (None: read
+    # the table). Valid until the prompt's re-tier moves them; a chunk range still pending
+    # then is dropped (_finalize_chunks), and a packed one was enqueued before the re-tier.
+    slots: torch.Tensor | None = None
 
     def split(self) -> tuple["_Range", "_Range"]:
-        mid = (self.start + self.end) // 2
-        cut = None if self.tiers is None else mid - self.start
-        return (_Range(self.start, mid, self.kind, None if cut is None else self.tiers[:cut]),
-                _Range(mid, self.end, self.kind, None if cut is None else self.tiers[cut:]))
+        cut = (self.end - self.start) // 2
+        mid = self.start + cut
+        head = lambda t: None if t is None else t[:cut]  # noqa: E731
+        tail = lambda t: None if t is None else t[cut:]  # noqa: E731
+        return (_Range(self.start, mid, self.kind, head(self.tiers), head(self.slots)),
+                _Range(mid, self.end, self.kind, tail(self.tiers), tail(self.slots)))
 
 
 @dataclass
@@ -119,6 +126,7 @@ class PrefillRoom:
     launched: dict = field(default_factory=dict)  # chunk end -> time.time() that chunk was launched
     chunk_ends: list = field(default_factory=list)  # tiered "end": its chunks' ends (the first cuts the range)
     forward_end: float = 0.0  # time.time() its last chunk's forward ended
+    chunk_done: dict = field(default_factory=dict)  # chunk end -> CUDA event behind its kernels (trace)
 
 
 class PrefillRole(PDRole):
@@ -144,6 +152,8 @@ class PrefillRole(PDRole):
         settings, host = self.settings, self.host
         self.pool, self.table, self.tiering = ctx.pool, ctx.table, ctx.tiering
         self.tiered = ctx.tiering is not None
+        if self.tiered:
+            ctx.tiering.final_tiers_hook = self._on_final_tiers
         self.device = ctx.runner.device
         if self.fake:
             return
@@ -189,13 +199,31 @@ class PrefillRole(PDRole):
                     # launched before this one's after_forward reads its start
                     room.launched[s.start + s.length] = now
 
+    def after_launch(self, batch) -> None:
+        """Traced rooms on a GPU: an event right behind the chunk's kernels marks its end (with
+        overlapped chunks the next chunk is in the stream before this one's after_forward)."""
+        if not self.settings.trace or not str(self.device).startswith("cuda"):
+            return
+        rooms = [(s, r) for s in batch.slices
+                 if (r := self._room_of(s.req)) is not None and getattr(r, "trace", None) is not None]
+        if rooms:
+            done = torch.cuda.Event()
+            done.record()
+            for s, room in rooms:
+                room.chunk_done[s.start + s.length] = done
+
     def after_forward(self, batch) -> None:
         """The trace's chunk end; on a GPU it waits for the chunk's kernels (trace runs only)."""
         if not self.settings.trace or batch.mode != ForwardMode.EXTEND:
             return
         rooms = [(s, r) for s in batch.slices if (r := self._room_of(s.req)) is not None and r.trace is not None]
         if rooms and str(self.device).startswith("cuda"):
-            torch.cuda.synchronize()
+            events = [room.chunk_done.pop(s.start + s.length, None) for s, room in rooms]
+            if all(e is not None for e in events):
+                for e in events:
+                    e.synchronize()
+            else:
+                torch.cuda.synchronize()
         now = time.time()
         for s, room in rooms:
             end = s.start + s.length
@@ -243,10 +271,16 @@ class PrefillRole(PDRole):
             room.pending.append(_Range(start, end, "int8"))
         else:  # chunk streams: tiers at budget b for this chunk, from what is known now
             t0 = time.time()
-            room.pending.append(_Range(start, end, "chunk", self.tiering.chunk_tiers(req, start, end)))
+            tiers, slots = self.tiering.chunk_tiers(req, start, end, with_slots=True)
+            room.pending.append(_Range(start, end, "chunk", tiers, slots))
             if room.trace is not None:
                 room.trace.add(f"chunk_tier[{start}:{end}]", t0)
         room.streamed = end
+        if self.tiered and room.stream in CHUNK_STREAMS:
+            # pack now, while the next chunk (launched before this one's results were applied,
+            # when chunks overlap) computes: a range still pending when the prompt ends would
+            # go at the final tiers after the re-tier instead
+            self._pump(room)
 
     def last_chunk_tokens(self, req) -> int:
         """--kv-transfer-last-chunk for a tiered chunk stream's request: its last chunk is short,
@@ -450,6 +484,27 @@ class PrefillRole(PDRole):
             return torch.where(stored < sent, stored, torch.full_like(stored, TIER_KEEP))
         return stored
 
+    def _on_final_tiers(self, req, start: int, slots: torch.Tensor, tiers: torch.Tensor) -> None:
+        """A chunk stream's prompt end, after its final tiers are assigned and before the re-tier
+        moves its KV (EngineTiering.final_tiers_hook): what has not left yet (the last chunk,
+        and chunks the link has not taken) is packed now at the final tiers asked for, quantized
+        from the model-dtype rows on the way, so its write does not wait for the move. The
+        pack's kernels are enqueued ahead of the move's, which is what keeps the rows it reads
+        intact. A range the ring or the send buffer cannot take yet stays pending and is dropped
+        at on_prompt_done (_finalize_chunks): it then goes as the pool's stored codes. Where the
+        re-tier gets a more precise tier than asked (a short store), `chunk-upgrade` resends it."""
+        room = self._room_of(req)
+        if room is None or room.error or getattr(room, "stream", None) not in CHUNK_STREAMS:
+            return
+        n = len(req.origin_input_ids)
+        first = room.pending[0].start if room.pending else room.streamed  # packed in order: a suffix
+        if start + slots.numel() != n or not start <= first < n:
+            return  # positions before `start` are the cache's, at their cached tiers: stored codes
+        room.pending.clear()
+        room.pending.append(_Range(first, n, "chunk", tiers[first - start:], slots[first - start:]))
+        room.streamed = n
+        self._pump(room)
+
     def _finalize_chunks(self, room: PrefillRoom, n: int) -> None:
         """Prompt end of a chunk stream: chunk ranges not packed yet go at the final tiers
         instead (none of their bytes left), and the upgrade pass covers what did leave."""
@@ -466,7 +521,7 @@ class PrefillRole(PDRole):
         t0 = time.time()
         # the range's slot ids on the host: the one read-back of a pack (tiers, the live cut
         # and pack_segment's routing below all run on these, with no further host sync)
-        slots = self.table.read(req.req_pool_idx, rng.end, start=rng.start).cpu()
+        slots = rng.slots if rng.slots is not None else self.table.read(req.req_pool_idx, rng.end, start=rng.start).cpu()
         tiers = self._segment_tiers(room, rng, slots)
         if rng.kind == "upgrade" and bool((tiers == TIER_KEEP).all()):
             room.pending.popleft()  # no token's tier rose: nothing to resend

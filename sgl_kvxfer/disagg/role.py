@@ -11,6 +11,7 @@ holds the Scheduler itself.
                             role.set_link(rate, lat, ...)   POST /kv_transfer_link
     Scheduler.step          role.poll()                first, every iteration
                             role.before_forward(b, fb) EXTEND batches, before the forward
+                            role.after_launch(batch)   EXTEND batches, right after the launch
                             role.after_forward(batch)  every batch, results applied, before tiering
     Scheduler._after_batch  role.on_chunk(req, a, b)   a prefill chunk [a, b) of req finished
                             role.on_prompt_done(req)   True: req waits in the role (prefill)
@@ -82,6 +83,9 @@ class PDRole:
 
     def before_forward(self, batch, fb) -> None:
         pass
+
+    def after_launch(self, batch) -> None:
+        """An EXTEND batch's forward was just launched (its kernels may still run)."""
 
     def after_forward(self, batch) -> None:
         pass

@@ -8,12 +8,15 @@ both sides into its reply's `meta_info.kv_transfer.trace`:
     prefill  queue          arrival -> its first chunk is launched
              prefill[a:b]   one chunk's forward, positions [a, b): from its own launch (with
                             overlapped prefill the next chunk launches before this one's span
-                            is closed) to a device synchronize (a GPU chunk ends when its
-                            kernels do, and those of a chunk launched after it)
+                            is closed) to an event recorded behind its kernels (a GPU chunk
+                            ends when they do; a chunk launched after it is not waited for)
              chunk_tier[a:b]  tiers chosen for a streamed chunk (`--kv-transfer-stream chunk`)
              tier           the last chunk's end -> the prompt is tiered and cached; within it
                             (b < 1) tier_scores (the importance read back to the host),
-                            tier_retier (tiers assigned, KV moved to the int stores),
+                            tier_retier (tiers assigned, KV moved to the int stores; its
+                            parts tier_assign: the byte-budget search, tier_move: ids planned
+                            and the moves launched, tier_row: the row rewritten, which waits
+                            for the moves' kernels),
                             tier_evict (the retier's summed radix evictions for int-store room,
                             drawn from its start) and cache (the prompt into the radix cache)
              pack[s]        segment s: the gather-pack and checksum launched (on CPU: done)

@@ -19,6 +19,10 @@ prefix cache, joining the running set), run while the GPU computes. A decode bat
 only after the pending prefill is applied. Admission counts the pending prefill's requests
 against max_running_requests and the decode reserve; a request that could share a prefix with
 a prefill still in flight is admitted without that hit (it recomputes those tokens).
+Under SpectrumKV tiering, decode steps do not overlap (a step's demotion moves KV the next
+step would read) and only prefill batches of chunks with more prompt to come do
+(`Scheduler.chunk_overlap`): a batch that ends a prompt is applied before the next launch,
+since its re-tier moves that prompt's KV and rewrites its row.
 
 The host reads step N's tokens from a pinned buffer that a non-blocking copy fills right after
 N's argmax, and waits on an event recorded after that copy. A plain `.tolist()` would copy on

@@ -71,6 +71,11 @@ class Scheduler:
         # Overlapped decode (scheduler/overlap.py): CUDA only (a CPU forward is synchronous).
         self.overlap = (not config.disable_overlap_schedule and self.tiering is None
                         and str(runner.device).startswith("cuda"))
+        # Under tiering, prefill batches of chunks only (no slice ends its prompt) still overlap:
+        # tiering's after_forward does nothing for them (a prompt is re-tiered once it ends), so
+        # the host work of chunk N (a PD chunk stream's tiers and pack) runs while N + 1 computes.
+        self.chunk_overlap = (not config.disable_overlap_schedule and self.tiering is not None
+                              and str(runner.device).startswith("cuda"))
         if role is not None:
             role.start(RoleContext(runner, self.kv, self.tiering, retire=self._retire, requeue=self.enqueue_validated,
                                    admit=self.admit_prefilled, has_seat=self.has_running_seat))
@@ -210,12 +215,15 @@ class Scheduler:
         if batch.mode == ForwardMode.EXTEND:
             self.role.before_forward(batch, fb)
         logits = self.runner.forward(fb)
-        if self.tiering is not None:  # host work while the GPU runs the step (the cold tier's landing plan)
-            self.tiering.during_forward(batch)
+        if self.tiering is not None:
+            self.tiering.after_launch(batch)  # chunk snapshots, copied behind this forward only
+            self.tiering.during_forward(batch)  # host work while the GPU runs the step (the cold tier's landing plan)
+        if batch.mode == ForwardMode.EXTEND:
+            self.role.after_launch(batch)
         if self.overlap and batch.mode == ForwardMode.DECODE and all(overlap_ok(s.req, 0) for s in batch.slices):
             self.inflight = InflightBatch.launch(batch, logits, loc)  # applied next step
             return True
-        if self.overlap and batch.mode == ForwardMode.EXTEND and prefill_overlap_ok(batch):
+        if self._prefill_overlaps(batch):
             launched = InflightBatch.launch(batch, logits, loc)
             for s in batch.slices:  # the next prefill continues a chunked prompt from here
                 s.req.kv_len = s.start + s.length
@@ -227,6 +235,14 @@ class Scheduler:
         self._current = None
         self._after_batch(batch)
         return True
+
+    def _prefill_overlaps(self, batch) -> bool:
+        """Whether `batch` is applied after the next batch is launched (scheduler/overlap.py)."""
+        if batch.mode != ForwardMode.EXTEND or not prefill_overlap_ok(batch):
+            return False
+        if self.overlap:
+            return True
+        return self.chunk_overlap and not any(s.sample for s in batch.slices)
 
     def _recover(self, exc: Exception) -> None:
         """A batch raised (forward, sampling, a PD hook): end its requests, and those of any

@@ -76,6 +76,33 @@ class TierRecord:
     tier_map: torch.Tensor | None = None  # int8 [end - start] tiers got, kept only with keep_tier_maps
 
 
+@dataclass
+class _ChunkSnapshot:
+    """A streamed chunk's window scores and its row's slot ids, copied to the host behind `ready`."""
+    scores: torch.Tensor | None  # float32 [chunk end] (None: no window query was observed)
+    row: torch.Tensor  # int64 [chunk end]: the row's slot ids when the chunk was launched
+    ready: object = None  # torch.cuda.Event after both copies (None: already on the host)
+
+    @classmethod
+    def take(cls, scores: torch.Tensor | None, row: torch.Tensor) -> "_ChunkSnapshot":
+        if row.device.type != "cuda":
+            return cls(None if scores is None else scores.cpu().clone(), row.cpu().clone())
+        host_row = torch.empty(row.shape, dtype=row.dtype, pin_memory=True)
+        host_row.copy_(row, non_blocking=True)
+        host_scores = None
+        if scores is not None:
+            host_scores = torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True)
+            host_scores.copy_(scores, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(host_scores, host_row, ready)
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+
+
 def _counts(tiers: torch.Tensor) -> tuple[int, ...]:
     return tuple(torch.bincount(tiers.cpu().to(torch.int64), minlength=NUM_TIERS).tolist())
 
@@ -100,8 +127,11 @@ class EngineTiering:
         self.allocation = None  # layer_budget.LayerAllocation of the formats in use (profile mode)
         self.int4 = None  # probe.Int4Resolution once resolved
         self._acc: WeakKeyDictionary = WeakKeyDictionary()  # req -> ImportanceAccumulator
-        # PD chunk streams: req -> the accumulator of its current chunk's window (None between chunks)
+        # PD chunk streams: req -> {chunk end: the accumulator of that chunk's window}, until the
+        # chunk is launched; then req -> {chunk end: _ChunkSnapshot} until chunk_tiers reads it
+        # (with overlapped chunks the next chunk's window exists before this one is tiered)
         self._chunk_acc: WeakKeyDictionary = WeakKeyDictionary()
+        self._chunk_snap: WeakKeyDictionary = WeakKeyDictionary()
         self._tiered_len: WeakKeyDictionary = WeakKeyDictionary()  # req -> row prefix at final tiers
         # req -> {int tier: the last id its decode demotion got}: the next run continues that page
         # (decode tokens are private to the request until it finishes, so it holds the whole page)
@@ -112,6 +142,10 @@ class EngineTiering:
         self._evict_s = 0.0  # seconds _make_room spent evicting, summed
         # offline tools set this to read which tokens got which tier (one byte per token per record)
         self.keep_tier_maps = False
+        # PD prefill (chunk streams): called as hook(req, start, slots, tiers) once a prompt's
+        # final tiers are assigned and before its KV moves (slots: host ids of [start, kv_len));
+        # work it enqueues on the stream reads the model-dtype rows ahead of the move
+        self.final_tiers_hook = None
         self.cold = None
         if config.kv_cold_tier:
             from sgl_kvxfer.scheduler.cold_tier import ColdTier
@@ -193,8 +227,8 @@ class EngineTiering:
                                                                head_max=head_max)
             accs = [acc] if end > acc.window_start else []  # this chunk holds window queries
             if s.req in self._chunk_acc and end < n:  # a streamed chunk: its own window ranks it
-                self._chunk_acc[s.req] = ImportanceAccumulator(end, window, dev, fused_heads=True)
-                accs.append(self._chunk_acc[s.req])
+                chunk_acc = self._chunk_acc[s.req][end] = ImportanceAccumulator(end, window, dev, fused_heads=True)
+                accs.append(chunk_acc)
             if accs:
                 observed[i] = (accs, s.start)
         if observed:
@@ -212,6 +246,22 @@ class EngineTiering:
         if self.cold is not None and batch.mode != ForwardMode.EXTEND:
             self.cold.prepare()
 
+    def after_launch(self, batch) -> None:
+        """Right after an EXTEND batch's forward is launched: each streamed chunk's window scores
+        and its row's slot ids [0, chunk end) start copying to pinned host memory, behind an
+        event recorded after them. They sit in the stream before any later batch, so
+        chunk_tiers waits for this chunk alone, not for a chunk launched after it."""
+        if batch.mode != ForwardMode.EXTEND:
+            return
+        for s in batch.slices:
+            end = s.start + s.length
+            if s.req not in self._chunk_acc or end >= s.req.seq_len:  # not streamed, or the prompt's last chunk
+                continue
+            acc = self._chunk_acc[s.req].pop(end, None)  # (none in KV-norm mode)
+            scores = acc.scores() if acc is not None and acc.has_data else None
+            row = self.table.read(s.req.req_pool_idx, end)
+            self._chunk_snap.setdefault(s.req, {})[end] = _ChunkSnapshot.take(scores, row)
+
     def after_forward(self, batch, chunked) -> None:
         if self.cold is not None and batch.mode != ForwardMode.EXTEND:
             self.cold.land_prepared()  # before the demotion below rewrites rows a plan read
@@ -221,7 +271,9 @@ class EngineTiering:
             if req.req_pool_idx is None:
                 continue
             if batch.mode == ForwardMode.EXTEND:
-                if req is not chunked:
+                # a chunk with more prompt to come is not its prompt's end, even when it is
+                # applied after the next chunk was launched (overlapped: `chunked` is None then)
+                if req is not chunked and (s.sample or s.start + s.length >= req.seq_len):
                     self._tier_prefill(req)
             else:
                 run = self._decode_run(req, final=req.finished)
@@ -240,22 +292,32 @@ class EngineTiering:
     def rank_chunks(self, req) -> None:
         """PD chunk streams: from now on each chunk of req is also ranked on its own (its last W
         queries over keys [0, chunk end)), so chunk_tiers can tier it before the prompt ends."""
-        self._chunk_acc[req] = None
+        self._chunk_acc[req] = {}
 
-    def chunk_tiers(self, req, start: int, end: int) -> torch.Tensor:
+    def chunk_tiers(self, req, start: int, end: int, with_slots: bool = False):
         """Tiers at budget b for positions [start, end) of req (its chunk just ended), from the
         chunk's window attention (KV norms where none was observed). The pool is unchanged: the
-        prompt's final tiers still come from the whole prompt at its end."""
-        acc, self._chunk_acc[req] = self._chunk_acc.get(req), None
-        if self.config.kv_importance.startswith("attn") and acc is not None and acc.has_data and acc.num_tokens == end:
-            importance = token_importance(acc.scores().cpu(), self.config.kv_recency_lambda)[start:]
+        prompt's final tiers still come from the whole prompt at its end. With `with_slots`:
+        (tiers, the host slot ids of [start, end) as the chunk's launch left the row, or None
+        where no snapshot was taken); a later chunk still running on the GPU is not waited for."""
+        snaps = self._chunk_snap.get(req) or {}
+        snap = snaps.pop(end, None)
+        for stale in [e for e in snaps if e < end]:  # chunks never tiered (a failed room)
+            del snaps[stale]
+        if snap is not None:
+            snap.wait()
+        if self.config.kv_importance.startswith("attn") and snap is not None and snap.scores is not None:
+            importance = token_importance(snap.scores, self.config.kv_recency_lambda)[start:]
         else:
-            slots = self.table.read(req.req_pool_idx, end, start=start).cpu()
+            slots = snap.row[start:end] if snap is not None else self.table.read(req.req_pool_idx, end, start=start).cpu()
             importance = token_importance(self._norm_importance(slots), self.config.kv_recency_lambda)
         st = self.settings
         sinks = max(0, self.policy.sink_count(self.config.kv_sink_tokens) - start)
-        return assign_tiers(self.policy, importance, st.budget, self.layout, st.unit, sinks, st.int4_allowed,
-                            self.config.random_seed)
+        tiers = assign_tiers(self.policy, importance, st.budget, self.layout, st.unit, sinks, st.int4_allowed,
+                             self.config.random_seed)
+        if not with_slots:
+            return tiers
+        return tiers, (snap.row[start:end] if snap is not None else None)
 
     def mark_tiered(self, req, n: int) -> None:
         """Positions [0, n) of req are final (PD decode: the prompt came tiered from the
@@ -279,12 +341,12 @@ class EngineTiering:
         sinks = max(0, self.policy.sink_count(self.config.kv_sink_tokens) - start)
         t1 = time.time()
         evict0 = self._evict_s
-        self._retier(req, start, slots[start:], importance, sinks)
+        parts = self._retier(req, start, slots[start:], importance, sinks)
         t2 = time.time()
         # tier_evict: the summed time the retier spent evicting radix leaves for room in an int
         # store, drawn from the retier's start (the evictions interleave with its data moves)
         evict = self._evict_s - evict0
-        self.prefill_spans[req] = [("tier_scores", t0, t1), ("tier_retier", t1, t2)] + (
+        self.prefill_spans[req] = [("tier_scores", t0, t1), ("tier_retier", t1, t2), *parts] + (
             [("tier_evict", t1, t1 + evict)] if evict > 0 else [])
         self._tiered_len[req] = n
         self._tails.pop(req, None)  # a re-prefilled (retracted) request starts fresh pages
@@ -348,14 +410,25 @@ class EngineTiering:
                 out[t] = slot
         return out
 
-    def _retier(self, req, start: int, slots: torch.Tensor, importance: torch.Tensor, sinks: int) -> None:
+    def _retier(self, req, start: int, slots: torch.Tensor, importance: torch.Tensor, sinks: int) -> list:
+        """Assign and move one prompt run; returns the trace's parts of tier_retier: tier_assign
+        (the byte-budget search, host), tier_move (ids planned, KV moved: its launches, and the
+        host waits its index copies make) and tier_row (the row rewritten and the record kept:
+        the row's copy to the device waits for the moves' kernels)."""
         st = self.settings
+        t0 = time.time()
         tiers = assign_tiers(self.policy, importance, st.budget, self.layout, st.unit, sinks, st.int4_allowed,
                              self.config.random_seed)
         if self.cold is not None:  # copies of the tokens it drops, before their ids are freed
             self.cold.keep_dropped(req, start, slots, tiers)
+        t1 = time.time()
+        if self.final_tiers_hook is not None:
+            self.final_tiers_hook(req, start, slots, tiers)
+        t1b = time.time()
         new, got = self.allocator.retier(slots, tiers, self._make_room)
+        t2 = time.time()
         self._record(req, start, slots, tiers, new, got)
+        return [("tier_assign", t0, t1), ("tier_move", t1b, t2), ("tier_row", t2, time.time())]
 
     def _record(self, req, start: int, slots, tiers, new, got) -> None:
         """Rewrite the request's row at the new ids and keep the run's TierRecord."""

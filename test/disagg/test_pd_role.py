@@ -25,11 +25,11 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
-def make_scheduler(tiny_dir, role, **engine):
+def make_scheduler(tiny_dir, role, device="cpu", **engine):
     from sgl_kvxfer.scheduler.scheduler import Scheduler
     from sgl_kvxfer.scheduler.startup import create_runner
 
-    cfg = SchedulerConfig(engine=EngineConfig(model_path=tiny_dir, load_format="dummy", device="cpu",
+    cfg = SchedulerConfig(engine=EngineConfig(model_path=tiny_dir, load_format="dummy", device=device,
                                               max_total_tokens=2048, **engine), chunked_prefill_size=16,
                           max_running_requests=4)
     runner, _, _ = create_runner(cfg)
@@ -146,6 +146,55 @@ def test_chunk_tiers_meet_the_budget_chunk_by_chunk(tiny_dir, budget):
     assert role.tiers[(0, 16)][0] == 0  # a sink, pinned at fp16 in the first chunk
 
 
+class ChunkTiersAndSlots(ChunkTiers):
+    """Records each chunk's tiers, its snapshot slot ids, and the table's row when on_chunk runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.slots, self.launches = {}, []
+
+    def after_launch(self, batch):
+        self.launches.append([(s.start, s.start + s.length) for s in batch.slices])
+
+    def on_chunk(self, req, start, end):
+        tiers, slots = self.ctx.tiering.chunk_tiers(req, start, end, with_slots=True)
+        self.tiers[(start, end)] = tiers
+        self.slots[(start, end)] = (slots, self.ctx.table.read(req.req_pool_idx, end, start=start).clone())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU")])])
+def test_overlapped_chunks_tier_as_serial_chunks_do(tiny_dir, device):
+    """Chunks of a tiered prompt overlap (chunk_overlap): chunk N's results, tiers and pack come
+    after chunk N + 1 is launched. Each chunk's tiers, ranked from its own window snapshot, and
+    its snapshot's slot ids are those of the serial run; the sampled token is the same (on a
+    GPU the snapshots are copied behind each chunk's own event)."""
+    results = []
+    for overlap in (False, True):
+        role = ChunkTiersAndSlots()
+        sched = make_scheduler(tiny_dir, role, device, kv_tier_budget=0.3, kv_int4="on")
+        sched.chunk_overlap = overlap
+        applied_late = []
+        real_apply = sched._apply_prefill
+
+        def apply(sched=sched, real_apply=real_apply, applied_late=applied_late):
+            if sched.pending_prefill is not None:  # a chunk applied after the next was launched
+                applied_late.append(sched.pending_prefill.batch.slices[0].start)
+            real_apply()
+
+        sched._apply_prefill = apply
+        submit(sched, "c", 60)
+        outs = run(sched)
+        assert sorted(role.tiers) == [(0, 16), (16, 32), (32, 48)]
+        for (a, b), (snap, row) in role.slots.items():
+            assert snap is not None and torch.equal(snap, row.cpu()), (overlap, a, b)  # unchanged until the re-tier
+        results.append(({k: v.tolist() for k, v in role.tiers.items()},
+                        [t for o in outs for t in o.new_output_ids], applied_late))
+    (serial_tiers, serial_out, serial_late), (over_tiers, over_out, over_late) = results
+    assert serial_late == [] and over_late == [0, 16, 32]  # the overlap did happen, chunk by chunk
+    assert over_tiers == serial_tiers and over_out == serial_out
+
+
 class _Pool:
     layout = "tiered"
 
@@ -182,6 +231,40 @@ def test_chunks_not_packed_at_prompt_end_go_at_the_final_tiers():
     r = _Range(0, 10, "chunk", torch.arange(10))
     a, b = r.split()
     assert (a.start, a.end, b.start, b.end) == (0, 5, 5, 10) and b.tiers.tolist() == [5, 6, 7, 8, 9]
+
+
+def test_final_tiers_pack_the_rest_before_the_retier_moves_it(monkeypatch):
+    """A chunk stream's prompt end: once the final tiers exist and before the KV moves, the
+    rest of the prompt (the last chunk and any chunk not packed yet) is queued as one chunk
+    range at those tiers, with the host slot ids, and pumped; a prompt whose unsent part
+    starts inside the cached head is left to on_prompt_done (stored codes)."""
+    from types import SimpleNamespace as NS
+
+    from sgl_kvxfer.disagg.prefill import PrefillRole, PrefillRoom, _Range
+
+    role = object.__new__(PrefillRole)
+    room = PrefillRoom(1, stream="chunk")
+    pumped = []
+    monkeypatch.setattr(role, "_room_of", lambda req: room)
+    monkeypatch.setattr(role, "_pump", lambda r: pumped.append([(x.start, x.end, x.kind) for x in r.pending]))
+    req = NS(origin_input_ids=list(range(60)))
+    room.pending.append(_Range(32, 48, "chunk", torch.zeros(16)))  # the link had not taken it
+    room.streamed = 48
+    slots, tiers = torch.arange(100, 160), torch.arange(60, dtype=torch.int8) % 4
+    role._on_final_tiers(req, 0, slots, tiers)
+    assert pumped == [[(32, 60, "chunk")]] and room.streamed == 60
+    rng = room.pending[0]
+    assert rng.tiers.tolist() == tiers[32:].tolist() and rng.slots.tolist() == list(range(132, 160))
+
+    room2 = PrefillRoom(2, stream="chunk-upgrade")
+    monkeypatch.setattr(role, "_room_of", lambda req: room2)
+    room2.streamed = 0  # one chunk, its head from the prefix cache: [0, 8) is the cache's
+    role._on_final_tiers(req, 8, slots[8:], tiers[8:])
+    assert len(pumped) == 1 and not room2.pending and room2.streamed == 0
+    room3 = PrefillRoom(3, stream="end")
+    monkeypatch.setattr(role, "_room_of", lambda req: room3)
+    role._on_final_tiers(req, 0, slots, tiers)
+    assert len(pumped) == 1 and not room3.pending
 
 
 def test_end_stream_sends_the_first_chunk_then_the_rest_after_the_prompt(monkeypatch):
