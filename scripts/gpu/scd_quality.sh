@@ -109,7 +109,8 @@ fi
 # python process's start and keeps 10 s of itself for writing the artifacts (calib/budget.py), so
 # it exits near T_CAL - 25 s; the 15 s outside cover the last aligner turn's overrun (one step
 # and a held-out check) and a slow disk under the ~300 MB of reuse stats, before timeout's SIGINT
-# at T_CAL (which would still save the layers trained by then). The eval takes the rest: its rank
+# at T_CAL (the artifacts are still written, but the joint aligner pass a SIGINT cuts leaves
+# every Patch layer Reuse: the budget keeps it clear of that). The eval takes the rest: its rank
 # sweep starts a consumer only when the time its methods took says it ends 30 s before the limit
 T_CAL=$(( $(left) - T_EVAL_MIN )); [ $T_CAL -lt 60 ] && T_CAL=60
 stage calibrate $T_CAL python3 -m sgl_kvxfer.scd.calib --producer "$BASE" $CONSUMERS \

@@ -73,7 +73,8 @@ def unpack_field(block: torch.Tensor, tokens: int, elems: int, bits: int) -> tor
     """The inverse of pack_field: uint8 block of tokens * field_bytes(elems) -> float32 [tokens, elems]."""
     qb = (elems * bits + 7) // 8
     body = block[:tokens * qb].view(tokens, qb)
-    scale = block[tokens * qb:tokens * (qb + SCALE_BYTES)].clone().view(torch.bfloat16)  # a copy: an odd offset cannot be viewed
+    # a copy: a bf16 view needs an even offset, and the integers before may have left an odd one
+    scale = block[tokens * qb:tokens * (qb + SCALE_BYTES)].clone().view(torch.bfloat16)
     if bits == 8:
         q = body.contiguous().view(torch.int8)
     else:
