@@ -8,7 +8,7 @@ decodes greedily (task score) or scores the gold answer teacher-forced (KL and t
 against the oracle's distribution on the answer tokens). "oracle" is the consumer's own prefill
 of the same tokens, "base" the producer answering on its own. The codecs are the serving ones
 (ScdEncoder -> wire dtype -> ScdDecoder), at any nested rank level of the artifacts; "scd:int4",
-"reuse:int8" (CODE_QUANT) are the same fits with their codes quantised on the wire (scd/quant.py).
+"reuse:int8" (CODE_QUANT) are the same fits with their codes quantised on the wire (mem_cache/scd_quant.py).
 
 Diagnostics (DIAGNOSTICS: not wire methods, no bytes per token) bound one part of SCD:
 "scd-oracle-patch" is SCD's Reuse layers with its Patch layers replaced by the consumer's own

@@ -7,7 +7,7 @@ fields in the manifest's wire order (`ScdManifest.code_layout`), each token-majo
     payload = field 0 [n, *shape_0] | field 1 [n, *shape_1] | ...      (the codes' dtype)
     fields  = layer by layer: a Reuse layer -> k [Hkv, r_k], v [Hkv, r_v]; a Patch layer -> h [r_h]
 
-With a quantised wire dtype (manifest dtype "int8" / "int4", scd/quant.py) a field's block is
+With a quantised wire dtype (manifest dtype "int8" / "int4", mem_cache/scd_quant.py) a field's block is
 its integers [n, ceil(elems * bits / 8)] then its n bfloat16 scales; unpacking dequantises to
 float32 (a copy, not a view).
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvxfer.scd.quant import field_bytes, pack_field, unpack_field
+from sgl_kvxfer.mem_cache.scd_quant import field_bytes, pack_field, unpack_field
 
 Field = tuple[int, str, tuple[int, ...]]  # (layer, "k" | "v" | "h", per-token shape)
 

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvxfer.scd.identity import WILDCARD, ModelIdentity, as_identity, config_hash
-from sgl_kvxfer.scd.quant import WIRE_BITS, field_bytes
+from sgl_kvxfer.mem_cache.scd_quant import WIRE_BITS, field_bytes
 
 CODE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# every wire dtype of the codes: the float ones, and the quantised ones (quant.py: integers plus
+# every wire dtype of the codes: the float ones, and the quantised ones (mem_cache/scd_quant.py: integers plus
 # one bfloat16 scale per token and field; the codecs hand them over as float32 on the wire grid)
 WIRE_DTYPES = (*CODE_DTYPES, *WIRE_BITS)
 HEAD_MODES = ("joint", "per_head")

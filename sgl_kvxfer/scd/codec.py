@@ -14,7 +14,7 @@ Nested ranks: `encode_reuse(..., level=(r_k', r_v'))` sends the first columns of
 
 Shapes are token-major like the engine's KV pool: k, v [T, H, D]; positions LongTensor [T] (the
 absolute position of each token, as the engine rotated it). Codes are cast to the manifest's
-wire dtype; with a quantised one ("int8" / "int4", quant.py) the encoder returns float32 codes
+wire dtype; with a quantised one ("int8" / "int4", mem_cache/scd_quant.py) the encoder returns float32 codes
 already on the wire grid (per token and field: one scale), so the offline harness measures what
 the wire delivers and packing them is lossless. All arithmetic runs in float32.
 """
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from sgl_kvxfer.scd.artifacts import ScdArtifacts
-from sgl_kvxfer.scd.quant import fake_quant
+from sgl_kvxfer.mem_cache.scd_quant import fake_quant
 from sgl_kvxfer.scd.rotary import KeyRotary
 
 

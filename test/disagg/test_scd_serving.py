@@ -284,7 +284,7 @@ def test_int4_codes_over_the_wire(pair, reference):
     """Artifacts whose manifest sends int4 codes: the producer quantises and packs them, the
     consumer unpacks and decodes exactly as the in-process reference with the same artifacts, at
     the quantised bytes (integers + one bf16 scale per token and field)."""
-    from sgl_kvxfer.scd.quant import field_bytes
+    from sgl_kvxfer.mem_cache.scd_quant import field_bytes
 
     scd, oracle = reference
     bp = free_port()

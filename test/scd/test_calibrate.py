@@ -192,7 +192,7 @@ def test_joint_aligners_and_int4_codes(tiny_pair, tmp_path):
     """--aligner-joint trains every Patch layer's aligners in one pass; --code-dtype int4 puts the
     codes on the int4 wire grid (the aligners train on the codes as received), the manifest says
     so and its bytes per token count the integers and the per-token scales."""
-    from sgl_kvxfer.scd.quant import field_bytes
+    from sgl_kvxfer.mem_cache.scd_quant import field_bytes
 
     out = str(tmp_path / "art")
     report = calibrate(parse_args(_tiny_args(tiny_pair, tmp_path, out, "--patch-budget", "2", "--aligner-joint",

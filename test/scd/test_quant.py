@@ -9,7 +9,7 @@ from sgl_kvxfer.models.arch_config import ModelArchConfig
 from sgl_kvxfer.models.presets import write_preset_config
 from sgl_kvxfer.scd import ScdArtifacts, ScdDecoder, ScdEncoder
 from sgl_kvxfer.scd.artifacts import make_random_artifacts
-from sgl_kvxfer.scd.quant import fake_quant, field_bytes, pack_field, qmax, unpack_field
+from sgl_kvxfer.mem_cache.scd_quant import fake_quant, field_bytes, pack_field, qmax, unpack_field
 
 
 @pytest.mark.parametrize("bits", [8, 4])

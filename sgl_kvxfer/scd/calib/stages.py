@@ -13,7 +13,7 @@ from tqdm import tqdm
 from sgl_kvxfer.scd.calib import methods
 from sgl_kvxfer.scd.calib.aligner import train_aligners
 from sgl_kvxfer.scd.artifacts import CODE_DTYPES, ScdArtifacts, ScdManifest
-from sgl_kvxfer.scd.quant import WIRE_BITS, fake_quant
+from sgl_kvxfer.mem_cache.scd_quant import WIRE_BITS, fake_quant
 from sgl_kvxfer.scd.calib.budget import Budget
 from sgl_kvxfer.scd.calib.build import ReuseMoments, fit_reuse, patch_tensors
 from sgl_kvxfer.scd.codec import ScdDecoder, ScdEncoder, kv_projections
