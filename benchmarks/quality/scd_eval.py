@@ -12,7 +12,8 @@ SCD patch count), SCD; the diagnostic scd-oracle-patch (SCD's Reuse layers, its 
 restored to the consumer's own K/V: the bound of perfect aligners; --no-diagnostics leaves it
 out; marked "diagnostic", no bytes per token, left out of the Pareto front and the matched-bytes
 rows); then SCD and Reuse-only at every lower nested rank level of the
-artifacts (calibrate --rank-levels: the rank sweep, one consumer at a time, each started only
+artifacts (calibrate --rank-levels), and at every level with their codes quantised on the wire
+(--code-quant: "scd:int4@16:48", ...; the rank sweep, one consumer at a time, each started only
 when the time its methods took says it ends within --time-budget-s). Per method: task score, KL and top-1
 agreement against the oracle on the gold answer tokens, bytes per token, rebuild time.
 
@@ -56,6 +57,8 @@ def parse_args(argv=None):
     ap.add_argument("--rates", type=float, nargs="+", default=[1, 5, 25, 100, 200], help="link rates, Gbit/s")
     ap.add_argument("--wire-frac", type=float, default=0.25, help="the adaptive policy's wire budget (rank_policy.py)")
     ap.add_argument("--droid-k", type=int, default=None)
+    ap.add_argument("--code-quant", nargs="*", default=["int4", "int8"], choices=["int4", "int8"],
+                    help="also sweep SCD and Reuse-only with their codes at these quantised wire dtypes, every level")
     ap.add_argument("--diagnostics", action=argparse.BooleanOptionalAction, default=True,
                     help="also score the diagnostic rows (scd_harness.DIAGNOSTICS; not wire methods)")
     ap.add_argument("--device", default="auto")
@@ -104,6 +107,9 @@ def main(argv=None) -> str:
     variants = [(meth, meth, None) for meth in h.methods + (h.diagnostics if args.diagnostics else [])]
     sweep = [(f"{meth}@{a}:{b}", meth, (a, b)) for a, b in m.rank_levels for meth in ("scd", "reuse")
              if meth != "reuse" or h.reuse_art]
+    # quantised codes: every level, the top included, int4 first (the bytes under 1/8 of raw KV)
+    sweep += [(f"{meth}:{q}" + (f"@{a}:{b}" if (a, b) != m.levels[-1] else ""), f"{meth}:{q}", (a, b))
+              for q in args.code_quant for a, b in m.levels for meth in ("scd", "reuse") if f"{meth}:{q}" in h.quant]
     payload = {"benchmark": "scd_eval", "device": device_name(device), "commit": git_commit(),
                "dtype": str(dtype).replace("torch.", ""), "params": vars(args), "artifacts": os.path.abspath(args.artifacts),
                "manifest": {k: v for k, v in m.to_dict().items() if k not in ("producer", "consumers")},
@@ -196,7 +202,7 @@ def summarize(p: dict, h, variants) -> dict:
     for v in meths.values():
         v["bytes_vs_raw"] = v["bytes_per_token"] / raw if raw and v["bytes_per_token"] is not None else None
     points = sorted((v["bytes_per_token"], -v["score"], k) for k, v in meths.items()
-                    if k.split("@")[0] in ("scd", "reuse"))
+                    if family(k) in ("scd", "reuse"))
     front, best = [], -1.0
     for b, s, k in points:
         if -s > best:
@@ -205,9 +211,14 @@ def summarize(p: dict, h, variants) -> dict:
     return {"methods": meths, "pareto_scd_reuse": front, "matched_bytes": matched(meths)}
 
 
+def family(label: str) -> str:
+    """"scd:int4@16:48" -> "scd": the method a variant is, whatever its level and code dtype."""
+    return label.split("@")[0].split(":")[0]
+
+
 def matched(meths: dict) -> dict:
     """At the bytes of int4 producer KV and at 1/8 of raw KV: the best SCD and Reuse-only
-    variant that sends no more, with its score against the oracle's."""
+    variant (any level, any code dtype) that sends no more, with its score against the oracle's."""
     out = {}
     oracle = meths.get("oracle", {}).get("score")
     raw = meths.get("raw", {}).get("bytes_per_token")
@@ -217,7 +228,7 @@ def matched(meths: dict) -> dict:
             continue
         row = {"bytes_per_token": cap}
         for fam in ("scd", "reuse"):
-            cands = [(v["score"], k) for k, v in meths.items() if k.split("@")[0] == fam and v["bytes_per_token"] <= cap]
+            cands = [(v["score"], k) for k, v in meths.items() if family(k) == fam and v["bytes_per_token"] <= cap]
             if cands:
                 score, label = max(cands)
                 row[fam] = {"variant": label, "score": score, "bytes_per_token": meths[label]["bytes_per_token"],

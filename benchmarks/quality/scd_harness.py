@@ -7,7 +7,8 @@ prefill into the consumer's prefix cache; the consumer runs the last prompt toke
 decodes greedily (task score) or scores the gold answer teacher-forced (KL and top-1 agreement
 against the oracle's distribution on the answer tokens). "oracle" is the consumer's own prefill
 of the same tokens, "base" the producer answering on its own. The codecs are the serving ones
-(ScdEncoder -> wire dtype -> ScdDecoder), at any nested rank level of the artifacts.
+(ScdEncoder -> wire dtype -> ScdDecoder), at any nested rank level of the artifacts; "scd:int4",
+"reuse:int8" (CODE_QUANT) are the same fits with their codes quantised on the wire (mem_cache/scd_quant.py).
 
 Diagnostics (DIAGNOSTICS: not wire methods, no bytes per token) bound one part of SCD:
 "scd-oracle-patch" is SCD's Reuse layers with its Patch layers replaced by the consumer's own
@@ -30,6 +31,8 @@ from sgl_kvxfer.scd.calib import methods as M
 from sgl_kvxfer.scd.calib.forward import LlamaRunner, left_pad
 
 METHODS = ("oracle", "base", "raw", "int8", "int4", "reuse", "droidspeak", "scd")
+# SCD and Reuse-only with their codes at a quantised wire dtype: method "scd:int4", "reuse:int8", ...
+CODE_QUANT = ("int8", "int4")
 DIAGNOSTICS = {"scd-oracle-patch": "SCD with its Patch layers restored to the consumer's own K/V (perfect aligners)"}
 
 
@@ -68,6 +71,14 @@ class Harness:
         self.stats = self._load_stats()
         self.reuse_art = self.refit(all_layers=True) if self.stats else None
         self.enc_reuse = ScdEncoder(self.reuse_art) if self.reuse_art else None
+        # the same fits with the codes quantised on the wire: only the encoder's rounding differs
+        # (the decoders read float codes of any dtype), and the manifest's bytes per token
+        self.quant = {}
+        for q in CODE_QUANT:
+            for meth, art in (("scd", self.art), ("reuse", self.reuse_art)):
+                if art is not None:
+                    self.quant[f"{meth}:{q}"] = ScdArtifacts(dataclasses.replace(art.manifest, dtype=q), art.tensors)
+        self.enc_quant = {k: ScdEncoder(a) for k, a in self.quant.items()}
         self.consumers: dict[str, Consumer] = {}
         for name in m.consumer_names:
             mdir, lora = consumers.get(name) or _split_source(next(c.source for c in m.consumers if c.name == name))
@@ -123,6 +134,7 @@ class Harness:
                "scd": m.bytes_per_token_at(level)}
         if self.reuse_art:
             out["reuse"] = self.reuse_art.manifest.bytes_per_token_at(level)
+        out.update({k: a.manifest.bytes_per_token_at(level) for k, a in self.quant.items()})
         return out
 
     # ------------------------------------------------------------------ caches
@@ -144,6 +156,9 @@ class Harness:
             return M.scd_cache(state, self.enc_reuse, c.dec_reuse, c.proj, self.dtype, level)
         if method == "scd":
             return M.scd_cache(state, self.enc, c.dec, c.proj, self.dtype, level)
+        if method in self.enc_quant:  # "scd:int4", "reuse:int8", ...
+            dec = c.dec if method.startswith("scd:") else c.dec_reuse
+            return M.scd_cache(state, self.enc_quant[method], dec, c.proj, self.dtype, level)
         if method == "scd-oracle-patch":  # its rebuild time includes the consumer's prefill: not a speed
             own = c.runner.prefill_cache(ids, state.positions, state.valid)[0]
             return M.scd_cache(state, self.enc, c.dec, c.proj, self.dtype, level, patch_kv=own)

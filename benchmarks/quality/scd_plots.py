@@ -12,7 +12,7 @@ def plot(p: dict, path: str) -> None:
 
     fig, ax = plt.subplots(2, 3, figsize=(17, 9))
     s = p["summary"]["methods"]
-    main = [m for m in s if "@" not in m]
+    main = [m for m in s if "@" not in m and ":" not in m]  # the wire methods at the top level, bf16 codes
     cons = list(p["results"])
     w = 0.8 / max(1, len(cons))
     for j, c in enumerate(cons):
@@ -24,7 +24,9 @@ def plot(p: dict, path: str) -> None:
     ax[0, 0].legend(fontsize=7)
 
     a = ax[0, 1]
-    for fam, mk in (("scd", "o"), ("reuse", "s")):
+    fams = [("scd", "o"), ("reuse", "s")] + [(f"{m}:{q}", mk) for q, mk in (("int8", "^"), ("int4", "v"))
+                                             for m in ("scd", "reuse")]
+    for fam, mk in fams:  # each family's levels; the quantised-code ones too
         pts = sorted((v["bytes_per_token"], v["score"], k) for k, v in s.items() if k.split("@")[0] == fam)
         if pts:
             a.plot([x[0] for x in pts], [x[1] for x in pts], mk + "-", mfc="none", label=f"{fam} (rank sweep)")

@@ -11,10 +11,13 @@
 #
 # Time shares of WALL (default 540 s from the start): on a GPU the three specialists train side by
 # side (PARALLEL_TRAIN=1), T_TRAIN_EACH (100) s each plus 40 s of loading and held-out scoring;
-# calibration what is left minus T_EVAL_MIN (150 s; its six aligner layers share what its earlier
-# stages leave, at most 30 s each); the eval the rest. The eval's table includes the diagnostic
-# scd-oracle-patch row (scd_eval.py; one more variant beside the eight methods, each a consumer's
-# prefill on top of an SCD rebuild: about 1/8 more of the methods stage, which the sweep's budget absorbs). testbeds_x2.sh passes WALL = its own WALL less its set-up, less 20 s.
+# calibration what is left minus T_EVAL_MIN (180 s); its six Patch layers' aligners (3 consumers
+# each: 18 aligners) train in ONE stacked pass (--aligner-joint) over what its earlier stages leave,
+# so each layer gets the whole pass rather than a sixth of it; the eval the rest. The eval's table
+# includes the diagnostic scd-oracle-patch row, and its sweep SCD and Reuse-only at every level
+# with bf16 and int4 codes (scd_eval.py --code-quant; the sweep starts a consumer only when
+# the time its methods took says it ends inside the budget). testbeds_x2.sh passes WALL = its own
+# WALL less its set-up, less 20 s.
 #
 # Back in $OUT (6 files): specialists.tar (train_log.json + loss.png per specialist, no weights),
 # calibration.json, scd_eval_<device>.json / .png, stages.json (wall time and exit code per stage),
@@ -42,26 +45,34 @@ if [ "$DEVICE" = cuda ]; then
   # drift so far that raw producer KV keeps under a quarter of the oracle's score; a lower rate
   # keeps them closer to the base (the drift table of scd_eval.py measures how close)
   TRAIN="--method full --steps 3000 --time-limit-s ${T_TRAIN_EACH:-100} --batch-size 32 --lr ${TRAIN_LR:-5e-5} --warmup 30 --eval-n 50 --device cuda"
-  # the patch layers share what calibration's earlier stages leave of --time-budget-s (at most 30 s per
-  # layer, its three aligners trained side by side; a layer left no time stays Reuse)
   # Top level 32:64 (V at full rank: Reuse there is the ridge translator with no truncation) over
   # nested 4:12 / 8:28 / 16:48, so the sweep reaches past the point where Reuse meets raw KV
-  # (8:28 with six Patch layers: 6720 B/token, the most within int4 of raw KV's 7200); six
-  # Patch layers from the greedy order (the paper's k = 6: the auto rule picks k_min here, one
-  # layer dominating the gain); aligners on 3x the tokens, up to 30 s each layer (best step was
-  # the last at 4000 steps, 20 s); twice the calibration prefixes
+  # (8:28 with six Patch layers: 6720 B/token, the most within int4 of raw KV's 7200; 16:48 with
+  # int4 codes: 2796 B/token, under 1/8 of raw KV's 23040); six Patch layers from the greedy
+  # order (the paper's k = 6: the auto rule picks k_min here, one layer dominating the gain).
+  # Aligners: all six layers in one stacked pass over the time calibration's earlier stages
+  # leave (--aligner-joint; layer by layer at 25 s each, every aligner's best step was its last),
+  # 8192-token steps on 1/3 more sampled tokens, the loss weighted towards the consumer's own K/V
+  # (--aligner-h-weight 0.25: the K/V term is the error attention reads; the hidden-state term
+  # keeps the rest of h in check); patience 40 checks (2000 steps) for the larger, less noisy steps
   CALIB="--r-k 32 --r-v 64 --rank-levels 4:12,8:28,16:48 --r-h 128 --patch-budget 6 --k-max 6
-         --num-prefixes 768 --batch-size 32 --select-prompts 48 --aligner-hidden 512 --aligner-steps 15000
-         --aligner-patience 10 --aligner-time-s 30 --aligner-tokens 196608 --storage-dtype float16 --device cuda"
-  EVAL="--n 100 --batch-size 50 --device cuda"
+         --num-prefixes 768 --batch-size 32 --select-prompts 48 --aligner-hidden 512 --aligner-steps 200000
+         --aligner-joint --aligner-batch 8192 --aligner-lr ${ALIGNER_LR:-0.002} --aligner-h-weight 0.25
+         --aligner-patience 40 --aligner-time-s 400 --aligner-tokens 262144 --storage-dtype float16 --device cuda"
+  # int4 codes only (CODE_QUANT="int4 int8" adds the int8 rows): every level of them, 4:12 to
+  # 32:64, lands between 1788 and 3948 B/token, the region of the 1/8-of-raw-KV (2880) target
+  EVAL="--n 100 --batch-size 50 --code-quant ${CODE_QUANT:-int4} --device cuda"
   T_TRAIN=$(( ${T_TRAIN_EACH:-100} + 40 )); WALL=${WALL:-540}; PARALLEL_TRAIN=${PARALLEL_TRAIN:-1}
-  T_EVAL_MIN=${T_EVAL_MIN:-150}  # the table's methods for 3 x 100 items, drift and timings, then the sweep
+  # the table's methods for 3 x 100 items, drift and timings, then the sweep (6 bf16 + 8
+  # int4-code variants per consumer)
+  T_EVAL_MIN=${T_EVAL_MIN:-180}
 else
   BASE=$W/base
   python3 scripts/train/make_tiny_model.py --out "$BASE" --layers 4 --hidden 32 --heads 2 --kv-heads 1 --intermediate 64 || exit 1
   TRAIN="--method full --steps 2 --batch-size 2 --lr 1e-3 --warmup 1 --eval-n 1 --device cpu --save-dtype float32"
-  CALIB="--r-k 8 --r-v 8 --rank-levels 2:2,4:4 --r-h 16 --patch-budget 1 --pool 2 --num-prefixes 6 --batch-size 3
-         --select-prompts 3 --aligner-hidden 16 --aligner-steps 20 --aligner-tokens 256 --device cpu"
+  CALIB="--r-k 8 --r-v 8 --rank-levels 2:2,4:4 --r-h 16 --patch-budget 2 --pool 2 --num-prefixes 6 --batch-size 3
+         --select-prompts 3 --aligner-hidden 16 --aligner-steps 20 --aligner-tokens 256 --aligner-joint
+         --aligner-batch 64 --aligner-h-weight 0.25 --device cpu"
   EVAL="--quick --device cpu"
   T_TRAIN=900; WALL=5400; T_EVAL_MIN=1200  # toy sizes on a slow shared CPU: no device budget to keep
 fi
@@ -98,7 +109,8 @@ fi
 # python process's start and keeps 10 s of itself for writing the artifacts (calib/budget.py), so
 # it exits near T_CAL - 25 s; the 15 s outside cover the last aligner turn's overrun (one step
 # and a held-out check) and a slow disk under the ~300 MB of reuse stats, before timeout's SIGINT
-# at T_CAL (which would still save the layers trained by then). The eval takes the rest: its rank
+# at T_CAL (the artifacts are still written, but the joint aligner pass a SIGINT cuts leaves
+# every Patch layer Reuse: the budget keeps it clear of that). The eval takes the rest: its rank
 # sweep starts a consumer only when the time its methods took says it ends 30 s before the limit
 T_CAL=$(( $(left) - T_EVAL_MIN )); [ $T_CAL -lt 60 ] && T_CAL=60
 stage calibrate $T_CAL python3 -m sgl_kvxfer.scd.calib --producer "$BASE" $CONSUMERS \

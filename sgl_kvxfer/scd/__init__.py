@@ -3,6 +3,7 @@ its low-rank codes. See sgl_kvxfer/scd/README.md.
 
     artifacts   ScdManifest, ScdArtifacts (load/save/check_pair), make_random_artifacts
     codec       ScdEncoder (producer), ScdDecoder (one consumer), regenerate_kv, kv_projections
+    (mem_cache/scd_quant.py: int8 / int4 codes on the wire, per-token-per-field scale, packing)
     rank_policy the adaptive nested-rank choice of a producer
     calib/      offline: python -m sgl_kvxfer.scd.calib (paired prefills -> artifacts); the
                 serving runtime never imports it

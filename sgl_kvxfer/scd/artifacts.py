@@ -36,8 +36,12 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvxfer.scd.identity import WILDCARD, ModelIdentity, as_identity, config_hash
+from sgl_kvxfer.mem_cache.scd_quant import WIRE_BITS, field_bytes
 
 CODE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# every wire dtype of the codes: the float ones, and the quantised ones (mem_cache/scd_quant.py: integers plus
+# one bfloat16 scale per token and field; the codecs hand them over as float32 on the wire grid)
+WIRE_DTYPES = (*CODE_DTYPES, *WIRE_BITS)
 HEAD_MODES = ("joint", "per_head")
 MANIFEST = "manifest.json"
 PRODUCER_FILE = "producer.safetensors"
@@ -46,6 +50,13 @@ VERSION = 1
 
 class ScdPairError(ValueError):
     """The models do not match the pair the artifacts were calibrated for."""
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def consumer_file(name: str) -> str:
@@ -68,7 +79,7 @@ class ScdManifest:
     r_k: int
     r_v: int
     r_h: int
-    dtype: str = "bfloat16"  # the codes' dtype on the wire
+    dtype: str = "bfloat16"  # the codes' dtype on the wire (WIRE_DTYPES)
     aligner_hidden: int = 0  # m (0: linear aligners)
     # "joint": a layer's code [T, H, r] is ONE latent of H*r numbers fitted across its heads (same
     # bytes as per-head codes, never a worse fit); "per_head": one latent per head
@@ -93,8 +104,8 @@ class ScdManifest:
             raise ValueError(f"r_h must be in [1, hidden_size={self.hidden_size}], got {self.r_h}")
         if self.head_mode not in HEAD_MODES:
             raise ValueError(f"head_mode must be one of {HEAD_MODES}, got {self.head_mode!r}")
-        if self.dtype not in CODE_DTYPES:
-            raise ValueError(f"dtype must be one of {tuple(CODE_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in WIRE_DTYPES:
+            raise ValueError(f"dtype must be one of {WIRE_DTYPES}, got {self.dtype!r}")
         prev = (0, 0)
         for a, b in self.rank_levels:
             if not (1 <= a <= self.r_k and 1 <= b <= self.r_v) or (a, b) == (self.r_k, self.r_v) \
@@ -112,7 +123,14 @@ class ScdManifest:
 
     @property
     def code_dtype(self) -> torch.dtype:
-        return CODE_DTYPES[self.dtype]
+        """The dtype of the codes the codecs hand over (float32 for a quantised wire dtype: its
+        values on the wire grid)."""
+        return CODE_DTYPES.get(self.dtype, torch.float32)
+
+    @property
+    def wire_bits(self) -> int:
+        """Bits per code number of a quantised wire dtype; 0 for a float one."""
+        return WIRE_BITS.get(self.dtype, 0)
 
     def layer_kind(self, layer: int) -> str:
         """"reuse" or "patch"."""
@@ -142,6 +160,8 @@ class ScdManifest:
     def bytes_per_token_at(self, level: tuple[int, int] | None = None) -> int:
         """Bytes of codes per token (all layers) at `level` (default the top)."""
         r_k, r_v = level or (self.r_k, self.r_v)
+        if self.wire_bits:  # per field: its integers and one bfloat16 scale
+            return sum(field_bytes(_prod(shape), self.wire_bits) for _, _, shape in self.code_layout(level))
         elems = len(self.reuse_layers) * self.num_kv_heads * (r_k + r_v) + len(self.patch_layers) * self.r_h
         return elems * self.code_dtype.itemsize
 

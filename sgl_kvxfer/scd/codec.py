@@ -14,7 +14,9 @@ Nested ranks: `encode_reuse(..., level=(r_k', r_v'))` sends the first columns of
 
 Shapes are token-major like the engine's KV pool: k, v [T, H, D]; positions LongTensor [T] (the
 absolute position of each token, as the engine rotated it). Codes are cast to the manifest's
-wire dtype; all arithmetic runs in float32.
+wire dtype; with a quantised one ("int8" / "int4", mem_cache/scd_quant.py) the encoder returns float32 codes
+already on the wire grid (per token and field: one scale), so the offline harness measures what
+the wire delivers and packing them is lossless. All arithmetic runs in float32.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from sgl_kvxfer.scd.artifacts import ScdArtifacts
+from sgl_kvxfer.mem_cache.scd_quant import fake_quant
 from sgl_kvxfer.scd.rotary import KeyRotary
 
 
@@ -62,14 +65,18 @@ class ScdEncoder:
         kc = self.rotary.derope(k, positions) - self.k_mu[layer]
         zk = _project(kc, _prefix(self.k_enc[layer], r_k, self.manifest.num_kv_heads), r_k)
         zv = _project(v.float() - self.v_mu[layer], _prefix(self.v_enc[layer], r_v, self.manifest.num_kv_heads), r_v)
-        dt = self.manifest.code_dtype
-        return zk.to(dt), zv.to(dt)
+        return self._wire(zk), self._wire(zv)
+
+    def _wire(self, z: torch.Tensor) -> torch.Tensor:
+        """Codes [T, ...] as the wire carries them (one token's field per row)."""
+        bits = self.manifest.wire_bits
+        return fake_quant(z, bits) if bits else z.to(self.manifest.code_dtype)
 
     def encode_patch(self, layer: int, h_norm: torch.Tensor) -> torch.Tensor:
         """h_norm [T, hidden] (the producer's input_layernorm output at `layer`) -> zh [T, r_h]."""
         if layer not in self.h_enc:
             raise ValueError(f"layer {layer} is a {self.manifest.layer_kind(layer)} layer, not patch")
-        return ((h_norm.float() - self.h_mu[layer]) @ self.h_enc[layer]).to(self.manifest.code_dtype)
+        return self._wire((h_norm.float() - self.h_mu[layer]) @ self.h_enc[layer])
 
 
 class ScdDecoder:

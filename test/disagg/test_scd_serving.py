@@ -59,6 +59,9 @@ def pair(tmp_path_factory):
                                        consumers=(identify(dirs["a"], name="a"), identify(dirs["b"], name="b")))
         out[run] = str(root / run)
         type(arts)(manifest, arts.tensors).save(out[run])
+        if run == "arts":  # the same fits with int4 codes on the wire
+            out["arts_int4"] = str(root / "arts_int4")
+            type(arts)(dataclasses.replace(manifest, dtype="int4"), arts.tensors).save(out["arts_int4"])
     return {**dirs, **out}
 
 
@@ -96,12 +99,12 @@ def reference(pair):
     from sgl_kvxfer.scd.calib.forward import KVCache, LlamaRunner, left_pad
 
     models = {k: load_model(pair[k], "auto", torch.float32, "cpu", 0)[0] for k in ("producer", "a", "b")}
-    arts = ScdArtifacts.load(pair["arts"])
-    enc = ScdEncoder(arts)
+    loaded = {key: ScdArtifacts.load(pair[key]) for key in ("arts", "arts_int4")}
     layers = range(TINY["num_hidden_layers"])
 
-    def scd(consumer, prompt, steps, level=None):
-        dec, mc = ScdDecoder(arts, consumer), models[consumer]
+    def scd(consumer, prompt, steps, level=None, arts_key="arts"):
+        arts = loaded[arts_key]
+        enc, dec, mc = ScdEncoder(arts), ScdDecoder(arts, consumer), models[consumer]
         projs = kv_projections(mc)
         ids, valid, pos = left_pad([prompt[:-1]])
         taps = LlamaRunner(models["producer"]).forward(ids, pos, valid, kv_layers=layers, h_layers=PATCH)
@@ -275,3 +278,39 @@ def test_unclaimed_rooms_close_and_nothing_leaks(cluster):
             time.sleep(0.5)
     closed = transfer_state(cluster["P"])["kv_transfer"]["scd"]["rooms_closed"]
     assert closed.get("served", 0) >= 2 and closed.get("fan-out timed out", 0) >= 3, closed
+
+
+def test_int4_codes_over_the_wire(pair, reference):
+    """Artifacts whose manifest sends int4 codes: the producer quantises and packs them, the
+    consumer unpacks and decodes exactly as the in-process reference with the same artifacts, at
+    the quantised bytes (integers + one bf16 scale per token and field)."""
+    from sgl_kvxfer.mem_cache.scd_quant import field_bytes
+
+    scd, oracle = reference
+    bp = free_port()
+
+    def role(mode, model, *extra):
+        return [*COMMON, "--model-path", pair[model], "--disaggregation-mode", mode, "--scd-artifacts",
+                pair["arts_int4"], *extra]
+
+    p, da = start_all([(role("prefill", "producer", "--disaggregation-bootstrap-port", str(bp)), None, "scd_int4_prefill"),
+                       (role("decode", "a"), None, "scd_int4_decode")])
+    try:
+        prompt = prompt_ids(33, 11)
+        payload = {**body(prompt), "bootstrap_host": "127.0.0.1", "bootstrap_port": bp, "bootstrap_room": 9401}
+        with cf.ThreadPoolExecutor(2) as pool:
+            fp = pool.submit(requests.post, p.url + "/generate", json=payload, timeout=scaled(120))
+            fa = pool.submit(requests.post, da.url + "/generate", json=payload, timeout=scaled(120))
+            rp, ra = fp.result(), fa.result()
+        assert rp.status_code == 200 and ra.status_code == 200, ra.text
+        reply = ra.json()
+        kv = reply["meta_info"]["kv_transfer"]
+        assert kv["status"] == "ok", kv
+        per_token = 3 * (field_bytes(2 * 8, 4) + field_bytes(2 * 8, 4)) + field_bytes(32, 4)
+        assert kv["bytes"] == per_token * 32
+        ref_lp, ref_tokens = scd("a", prompt, 6, arts_key="arts_int4")
+        assert_matches(reply, ref_lp, ref_tokens)
+        # int4 is not the float codes: the reference moved, and the served reply followed it
+        assert (scd("a", prompt, 6)[0] - ref_lp).abs().max() > 1e-4
+    finally:
+        stop_all(p, da)

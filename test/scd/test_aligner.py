@@ -55,3 +55,23 @@ def test_step_cap_anneals_without_a_time_budget():
     z, targets, lin_ws, lin_bs, _ = _data(consumers=1, n=500)
     (_, r), = train_aligners(z, targets, lin_ws, lin_bs, width=8, steps=40, eval_every=10, patience=0)
     assert r["stopped"] == "max_steps" and r["lr_last"] == pytest.approx(0.05)
+
+
+def test_items_with_their_own_codes_equal_each_alone():
+    """Several patch layers in one pass: each item reads its own code (a list of z), and follows
+    the trajectory it would alone; h_weight 0 trains on the K/V-space term only."""
+    z1, t1, lw1, lb1, wk1 = _data(consumers=1, seed=1)
+    z2, t2, lw2, lb2, wk2 = _data(consumers=1, seed=2)
+    kw = dict(width=16, steps=120, lr=1e-2, batch=256, aux=1.0, seed=5, eval_every=20, patience=0, h_weight=0.0)
+    together = train_aligners([z1, z2], t1 + t2, lw1 + lw2, lb1 + lb2, w_kvs=wk1 + wk2, **kw)
+    for (p, r), z, t, lw, lb, wk in ((together[0], z1, t1, lw1, lb1, wk1), (together[1], z2, t2, lw2, lb2, wk2)):
+        (alone_p, alone_r), = train_aligners(z, t, lw, lb, w_kvs=wk, **kw)
+        assert r["best_step"] == alone_r["best_step"]
+        for k in ALIGNER_PARAMS:
+            assert torch.allclose(p[k], alone_p[k], atol=1e-5, rtol=1e-4), k
+        # the K/V-space error (what the consumer's attention reads) beats the linear start's
+        kv = lambda h: h @ wk[0].T  # noqa: E731
+        err = (kv(apply_aligner(p, z)) - kv(t[0])).pow(2).mean()
+        assert err < (kv(z @ lw[0] + lb[0]) - kv(t[0])).pow(2).mean()
+    with pytest.raises(ValueError, match="codes"):
+        train_aligners([z1], t1 + t2, lw1 + lw2, lb1 + lb2, width=4, steps=1)

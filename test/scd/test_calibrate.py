@@ -186,3 +186,29 @@ def test_sigint_while_aligners_train_saves_the_trained_layers(tiny_pair, tmp_pat
     assert report["patch_layers"] == greedy[:1]
     assert report["patch_dropped"] == {str(layer): "interrupted" for layer in greedy[1:]}
     assert ScdArtifacts.load(out).manifest.patch_layers == tuple(greedy[:1])
+
+
+def test_joint_aligners_and_int4_codes(tiny_pair, tmp_path):
+    """--aligner-joint trains every Patch layer's aligners in one pass; --code-dtype int4 puts the
+    codes on the int4 wire grid (the aligners train on the codes as received), the manifest says
+    so and its bytes per token count the integers and the per-token scales."""
+    from sgl_kvxfer.mem_cache.scd_quant import field_bytes
+
+    out = str(tmp_path / "art")
+    report = calibrate(parse_args(_tiny_args(tiny_pair, tmp_path, out, "--patch-budget", "2", "--aligner-joint",
+                                             "--code-dtype", "int4", "--aligner-h-weight", "0.1",
+                                             "--aligner-batch", "64")))
+    assert len(report["patch_layers"]) == 2 and not report["patch_dropped"]
+    for name in ("a", "b"):
+        assert set(report["aligners"][name]) == {str(x) for x in report["patch_layers"]}
+        assert all(r["joint"] and r["val_loss_best"] <= r["val_loss_linear"] for r in report["aligners"][name].values())
+    m = ScdArtifacts.load(out).manifest
+    assert m.dtype == "int4" and m.wire_bits == 4
+    h = m.num_kv_heads
+    assert m.bytes_per_token == 2 * (field_bytes(h * 8, 4) + field_bytes(h * 8, 4)) + 2 * field_bytes(16, 4)
+    import pytest
+
+    for bad in (["--code-dtype", "int3"], ["--aligner-batch", "0"], ["--aligner-aux", "0", "--aligner-h-weight", "0"],
+                ["--aligner-h-weight", "nan"]):
+        with pytest.raises(ValueError):
+            parse_args(["--consumer", "a=x", *bad])

@@ -50,6 +50,7 @@ def test_harness_same_model_full_rank_is_exact(tiny_pair, tmp_path, smollm2_path
     assert h.diagnostics == ["scd-oracle-patch"]
     exs = tasks.generate("qa", "eval", 3, seed=0)
     variants = [(m, m, None) for m in h.methods] + [("scd@4:4", "scd", (4, 4))]
+    variants += [(q, q, None) for q in ("scd:int8", "scd:int4", "reuse:int4")] + [("scd:int4@4:4", "scd:int4", (4, 4))]
     res = h.evaluate(h.consumers["self"], exs, variants, batch=3)
     for meth in ("base", "raw", "reuse", "droidspeak", "scd"):
         assert res[meth]["preds"] == res["oracle"]["preds"], meth
@@ -59,7 +60,13 @@ def test_harness_same_model_full_rank_is_exact(tiny_pair, tmp_path, smollm2_path
     assert res["int8"]["kl_sum"] < res["int4"]["kl_sum"]
     assert res["scd@4:4"]["kl_sum"] > res["scd"]["kl_sum"]  # a lower level is a coarser code
     assert all(s is not None for s in res["scd@4:4"]["scores"])
+    # quantised codes: int8 near the float codes, int4 coarser, the level still coarser; fewer bytes
+    kl = {k: res[k]["kl_sum"] / res[k]["tokens"] for k in res}
+    assert kl["scd"] < kl["scd:int8"] < kl["scd:int4"] < 0.5 and kl["scd:int4"] < kl["scd:int4@4:4"]
+    assert kl["reuse:int4"] > kl["reuse"]
     bpt = h.bytes_per_token()
+    assert bpt["scd:int4"] < bpt["scd:int8"] < bpt["scd"] and bpt["reuse:int4"] == bpt["scd:int4"]
+    assert h.bytes_per_token((4, 4))["scd:int4"] < bpt["scd:int4"]
     assert bpt["raw"] == 4 * 2 * 2 * 16 * 2 and bpt["int4"] < bpt["int8"] < bpt["raw"]
     assert h.bytes_per_token((4, 4))["scd"] == bpt["scd"] // 4
     t = h.timings(h.consumers["self"], tasks.chat_prompt_ids(h.tokenizer, exs[0]), variants, repeats=1)
@@ -84,7 +91,10 @@ def test_scd_eval_quick_writes_table_sweep_drift_and_adaptive(tiny_pair, tmp_pat
     p = json.load(open(path))
     meths = p["summary"]["methods"]
     assert {"oracle", "base", "raw", "int8", "int4", "reuse", "droidspeak", "scd", "scd@2:2", "reuse@4:4",
-            "scd-oracle-patch"} <= set(meths)
+            "scd-oracle-patch", "scd:int4", "scd:int4@2:2", "reuse:int8@4:4"} <= set(meths)
+    assert meths["scd:int4@2:2"]["bytes_per_token"] < meths["scd@2:2"]["bytes_per_token"]
+    # the matched rows consider every code dtype of a family
+    assert scd_eval.family("scd:int4@2:2") == "scd" and scd_eval.family("scd-oracle-patch") != "scd"
     # the diagnostic row: scored like the methods, marked, no bytes, off the front and the matched rows
     diag = meths["scd-oracle-patch"]
     assert diag["diagnostic"] and diag["bytes_per_token"] is None and 0 < diag["top1"] <= 1

@@ -19,7 +19,9 @@ A consumer is NAME=PATH: a model dir, or a peft LoRA adapter dir merged onto --c
   collect_h   second paired pass: input_layernorm outputs at the selected layers
   fit_patch   joint H subspace + ridge encoder, then per consumer an MLP aligner (Adam, early
               stopping on a held-out split; a layer's consumers train side by side), layers in
-              greedy order; each layer's turn (fit and training) at most --aligner-time-s
+              greedy order; each layer's turn (fit and training) at most --aligner-time-s. With
+              --aligner-joint every layer's H fit comes first, then all aligners of all layers
+              train in one stacked pass over the time left (at most --aligner-time-s)
   save        manifest.json, producer.safetensors, consumer_<name>.safetensors, calibration.json
 
 --time-budget-s bounds the whole process (from its start, imports included; a call of calibrate()
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_kvxfer.scd.artifacts import WIRE_DTYPES
 from sgl_kvxfer.scd.calib import stages
 from sgl_kvxfer.scd.calib.budget import Budget, process_start
 
@@ -75,7 +78,12 @@ class CalibConfig:
     time_budget_s: float = 0.0  # the whole run (0: none): the aligners share what the stages before leave
     aligner_lr: float = 1e-3
     aligner_tokens: int = 65536
-    aligner_aux: float = 1.0
+    aligner_aux: float = 1.0  # weight of the K/V-space term of the aligners' loss (aligner.py)
+    aligner_h_weight: float = 1.0  # weight of the hidden-state term
+    aligner_batch: int = 2048  # tokens per aligner step
+    # every patch layer's aligners in ONE stacked pass sharing the time left (instead of layer by
+    # layer, each its share): each layer gets every step of the pass
+    aligner_joint: bool = False
     ridge: float = 1e-4
     code_dtype: str = "bfloat16"
     storage_dtype: str = "float32"
@@ -107,9 +115,13 @@ class CalibConfig:
             raise ValueError(f"--rank-levels {self.rank_levels!r}: ascending pairs below (--r-k, --r-v)")
         if self.aligner_patience < 0 or not 0 <= self.aligner_time_s < 1e9 or not 0 <= self.time_budget_s < 1e9:
             raise ValueError("--aligner-patience, --aligner-time-s and --time-budget-s must be >= 0 and finite")
-        if self.code_dtype not in ("bfloat16", "float16", "float32") or self.storage_dtype not in (
-                "bfloat16", "float16", "float32"):
-            raise ValueError("code_dtype / storage_dtype: bfloat16, float16 or float32")
+        if self.code_dtype not in WIRE_DTYPES or self.storage_dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"--code-dtype: one of {WIRE_DTYPES}; --storage-dtype: bfloat16, float16 or float32")
+        if not (0 <= self.aligner_aux < 1e6 and 0 <= self.aligner_h_weight < 1e6) or \
+                self.aligner_aux + self.aligner_h_weight <= 0:
+            raise ValueError("--aligner-aux and --aligner-h-weight: finite, >= 0, not both 0")
+        if not 1 <= self.aligner_batch <= 1 << 20:
+            raise ValueError(f"--aligner-batch must be in [1, 2^20], got {self.aligner_batch}")
 
     @property
     def levels(self) -> tuple[tuple[int, int], ...]:
@@ -166,7 +178,8 @@ def calibrate(cfg: CalibConfig, started: float | None = None) -> dict:
             stages.drop_layers(dropped, order, "interrupted")
         else:
             with timer("fit_patch"):
-                patch_tensors, aligner_report, dropped = stages.fit_patch(cfg, env, h_data, order, budget)
+                fit = stages.fit_patch_joint if cfg.aligner_joint else stages.fit_patch
+                patch_tensors, aligner_report, dropped = fit(cfg, env, h_data, order, budget)
     patch = sorted(x for x in order if x not in dropped)
     left_at_save = budget.left()
     with timer("save"):

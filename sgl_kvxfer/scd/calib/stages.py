@@ -13,6 +13,7 @@ from tqdm import tqdm
 from sgl_kvxfer.scd.calib import methods
 from sgl_kvxfer.scd.calib.aligner import train_aligners
 from sgl_kvxfer.scd.artifacts import CODE_DTYPES, ScdArtifacts, ScdManifest
+from sgl_kvxfer.mem_cache.scd_quant import WIRE_BITS, fake_quant
 from sgl_kvxfer.scd.calib.budget import Budget
 from sgl_kvxfer.scd.calib.build import ReuseMoments, fit_reuse, patch_tensors
 from sgl_kvxfer.scd.codec import ScdDecoder, ScdEncoder, kv_projections
@@ -216,7 +217,6 @@ def fit_patch(cfg, env: Models, h_data, order, budget: Budget):
     moments, samples = h_data
     out, report, dropped = {}, {}, {}
     names = list(env.consumers)
-    code_dt = CODE_DTYPES[cfg.code_dtype]
     bar = tqdm(total=len(order), desc="train aligners (all consumers per layer)", unit="layer")
     for j, layer in enumerate(order):
         share = budget.layer_share(len(order) - j)
@@ -225,16 +225,14 @@ def fit_patch(cfg, env: Models, h_data, order, budget: Budget):
             break
         turn_end = budget.now() + share if share else None
         try:
-            fit = fit_joint(moments[layer], cfg.r_h, cfg.ridge)
-            h_a = samples[layer][0].float()
-            z = ((h_a - fit.mu_a[0].to(h_a.device)) @ fit.enc[0].to(h_a.device)).to(code_dt).float()
-            w_kvs = [torch.cat([env.projections[n][layer].w_k, env.projections[n][layer].w_v]).float() for n in names]
-            trained = train_aligners(z, [samples[layer][1 + i].float() for i in range(len(names))],
+            fit, z, w_kvs = _layer_code(cfg, env, moments, samples, layer)
+            trained = train_aligners(z, [samples[layer][1 + i] for i in range(len(names))],
                                      [fit.dec[i][0].to(z.device) for i in range(len(names))],
                                      [fit.mu_b[i][0].to(z.device) for i in range(len(names))], cfg.aligner_hidden,
-                                     cfg.aligner_steps, cfg.aligner_lr, w_kvs=w_kvs, aux=cfg.aligner_aux,
-                                     seed=cfg.seed + layer, patience=cfg.aligner_patience,
-                                     time_budget_s=max(1e-6, turn_end - budget.now()) if turn_end else 0.0)
+                                     cfg.aligner_steps, cfg.aligner_lr, cfg.aligner_batch, w_kvs=w_kvs,
+                                     aux=cfg.aligner_aux, seed=cfg.seed + layer, patience=cfg.aligner_patience,
+                                     time_budget_s=max(1e-6, turn_end - budget.now()) if turn_end else 0.0,
+                                     h_weight=cfg.aligner_h_weight)
         except KeyboardInterrupt:
             drop_layers(dropped, order[j:], "interrupted")
             break
@@ -246,6 +244,65 @@ def fit_patch(cfg, env: Models, h_data, order, budget: Budget):
         bar.update()
         out.update(patch_tensors(layer, fit, aligners))
     bar.close()
+    return out, report, dropped
+
+
+def wire_codes(z: torch.Tensor, code_dtype: str) -> torch.Tensor:
+    """Codes [T, r] as the consumer receives them (the wire dtype's rounding), float32."""
+    bits = WIRE_BITS.get(code_dtype)
+    return fake_quant(z, bits) if bits else z.to(CODE_DTYPES[code_dtype]).float()
+
+
+def _layer_code(cfg, env: Models, moments, samples, layer: int):
+    """A patch layer's joint H fit, the producer's codes of its sampled tokens (as received) and
+    each consumer's stacked [W_k; W_v]."""
+    fit = fit_joint(moments[layer], cfg.r_h, cfg.ridge)
+    h_a = samples[layer][0].float()
+    z = wire_codes((h_a - fit.mu_a[0].to(h_a.device)) @ fit.enc[0].to(h_a.device), cfg.code_dtype)
+    w_kvs = [torch.cat([env.projections[n][layer].w_k, env.projections[n][layer].w_v]).float() for n in env.consumers]
+    return fit, z, w_kvs
+
+
+def fit_patch_joint(cfg, env: Models, h_data, order, budget: Budget):
+    """fit_patch with every layer's aligners in ONE stacked pass (items: layer x consumer): the
+    H fits first, then training over what is left of the budget (capped at --aligner-time-s), so
+    every layer gets every step instead of a 1/len(order) share of the time. A SIGINT drops every
+    layer (none has finished). Same returns as fit_patch."""
+    moments, samples = h_data
+    names = list(env.consumers)
+    report, dropped = {}, {}
+    share = budget.layer_share(1)
+    if share is None:
+        drop_layers(dropped, order, "time")
+        return {}, report, dropped
+    end = budget.now() + share if share else None
+    fits, zs, targets, lin_ws, lin_bs, w_kvs = {}, [], [], [], [], []
+    try:
+        for layer in order:
+            fit, z, wk = _layer_code(cfg, env, moments, samples, layer)
+            fits[layer] = fit
+            for i in range(len(names)):
+                zs.append(z)
+                targets.append(samples[layer][1 + i])
+                lin_ws.append(fit.dec[i][0].to(z.device))
+                lin_bs.append(fit.mu_b[i][0].to(z.device))
+                w_kvs.append(wk[i])
+        left = max(1e-6, end - budget.now()) if end else 0.0
+        trained = train_aligners(zs, targets, lin_ws, lin_bs, cfg.aligner_hidden, cfg.aligner_steps, cfg.aligner_lr,
+                                 cfg.aligner_batch, w_kvs=w_kvs, aux=cfg.aligner_aux, seed=cfg.seed,
+                                 patience=cfg.aligner_patience, time_budget_s=left, h_weight=cfg.aligner_h_weight)
+    except KeyboardInterrupt:
+        drop_layers(dropped, order, "interrupted")
+        return {}, report, dropped
+    out = {}
+    for j, layer in enumerate(order):
+        aligners = {}
+        for i, name in enumerate(names):
+            params, rep = trained[j * len(names) + i]
+            aligners[name] = params
+            report.setdefault(name, {})[str(layer)] = {**rep, "h_fit_rel_err": round(float(fits[layer].rel_err[i][0]), 6),
+                                                       "turn_s": round(share, 3), "joint": True}
+        out.update(patch_tensors(layer, fits[layer], aligners))
     return out, report, dropped
 
 
