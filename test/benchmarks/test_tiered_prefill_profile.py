@@ -1,0 +1,68 @@
+"""benchmarks/pd/tiered_prefill_profile.py at toy size on CPU: main() runs every view per budget
+and writes the JSON the GPU call's summary reads; the warning capture groups by our frames."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import traceback
+
+
+def test_main_tiny_cpu(load_benchmark, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    mod = load_benchmark("pd/tiered_prefill_profile.py")
+    out = tmp_path / "out"
+    args = ["--device", "cpu", "--preset", "tiny", "--prompt", "96", "--chunk", "32", "--max-total-tokens", "4096",
+            "--warmup", "1", "--repeats", "1", "--budgets", "1.0", "0.3", "--out-dir", str(out)]
+    mod.main(args)
+    names = os.listdir(out)
+    assert len(names) == 1 and names[0].startswith("tiered_prefill_profile_") and names[0].endswith(".json")
+    data = json.loads((out / names[0]).read_text())
+    assert {"device", "commit", "command", "params", "budgets"} <= set(data)
+    assert set(data["budgets"]) == {"1.0", "0.3"}
+    for b, row in data["budgets"].items():
+        assert {"engine_kwargs", "plain_ms", "timed", "synced", "sync_debug", "cprofile", "torch_profiler"} <= set(row)
+        for view in ("timed", "synced", "cprofile", "torch_profiler"):
+            assert "error" not in row[view], row[view]
+            assert row[view]["wall_ms"] > 0
+        assert row["sync_debug"] == {"skipped": "sync debug mode needs CUDA"}
+        assert "tottime" in row["cprofile"] and "cumulative" in row["cprofile"]
+        assert {"top_kernels", "runtime_calls", "top_cpu_self"} <= set(row["torch_profiler"])
+    tiered = data["budgets"]["0.3"]
+    assert tiered["tiering"] and not data["budgets"]["1.0"]["tiering"]
+    for view in ("timed", "synced"):
+        funcs = tiered[view]["functions"]
+        assert funcs["EngineTiering._tier_prefill"]["calls"] == 1
+        assert funcs["TieredKVPool.move"]["calls"] >= 1
+        (spans,) = tiered[view]["spans_ms"]
+        assert {"tier_scores", "tier_assign", "tier_move", "tier_row"} <= {s[0] for s in spans}
+    assert not data["budgets"]["1.0"]["timed"]["functions"]  # no tiering: nothing wrapped
+
+
+def test_capture_warnings_counts_each_warning(load_benchmark):
+    mod = load_benchmark("pd/tiered_prefill_profile.py")
+
+    def fn():
+        for i in range(3):
+            warnings.warn(f"sync {i}")
+        return 7
+
+    value, sites = mod.capture_warnings(fn)
+    assert value == 7
+    assert sum(s["count"] for s in sites) == 3  # "always": repeats from one line are not swallowed
+    assert all(s["message"].startswith("sync") for s in sites)
+
+
+def test_frames_keep_the_innermost_package_frames(load_benchmark):
+    mod = load_benchmark("pd/tiered_prefill_profile.py")
+    pkg = mod.PKG
+    stack = [traceback.FrameSummary("/usr/lib/python3/runpy.py", 1, "run"),
+             traceback.FrameSummary(os.path.join(pkg, "scheduler", "tiering.py"), 10, "_retier"),
+             traceback.FrameSummary(os.path.join(pkg, "mem_cache", "tiered_pool.py"), 20, "move"),
+             traceback.FrameSummary("/site/torch/cuda/__init__.py", 30, "synchronize")]
+    assert mod._frames(stack, depth=1) == "sgl_kvxfer/mem_cache/tiered_pool.py:20:move"
+    assert mod._frames(stack) == ("sgl_kvxfer/mem_cache/tiered_pool.py:20:move <- "
+                                  "sgl_kvxfer/scheduler/tiering.py:10:_retier")
+    outside = stack[-1:]
+    assert mod._frames(outside).endswith("torch/cuda/__init__.py:30:synchronize")
