@@ -38,6 +38,7 @@ from sgl_kvxfer.mem_cache.allocator import TokenSlotAllocator
 from sgl_kvxfer.mem_cache.free_list import LazyFreeList
 from sgl_kvxfer.mem_cache.tiered_pool import INT_TIERS, TieredKVPool
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
+from sgl_kvxfer.utils.host_copy import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,9 @@ class TieredSlotAllocator(TokenSlotAllocator):
         return self._stores[tier].appendable(int(self.pool.page_offset(tier, torch.tensor(append_to))[0]))
 
     def free(self, slots: torch.Tensor) -> None:
+        if slots.device.type == "cpu":
+            self._free_host(slots)
+            return
         slots = slots.reshape(-1).to(self.device, torch.int64)
         slots = slots[slots != 0]
         if not slots.numel():
@@ -158,6 +162,26 @@ class TieredSlotAllocator(TokenSlotAllocator):
             ids = slots[tiers == t]
             if ids.numel():
                 self._stores[t].give((ids - self.pool.base(t)).cpu())
+                if t == TIER_INT4 and self.pool.cold is not None:  # host copies lose a holder
+                    self.pool.cold.release(ids)
+
+    def _free_host(self, slots: torch.Tensor) -> None:
+        """free() of host ids (the re-tier's): routed on the host, so no device op runs and the
+        host never waits for the queued moves; the fp16 ids reach the device free list through
+        one pinned non-blocking copy (stream-ordered before any later use of the list).
+        The same routing as the device path below, on the host."""
+        slots = slots.reshape(-1).to(torch.int64)
+        slots = slots[slots != 0]
+        if not slots.numel():
+            return
+        tiers = self.pool.tier_of(slots)
+        fp16 = slots[tiers == TIER_FP16]
+        if fp16.numel():
+            super().free(to_device(fp16, self.device))
+        for t in INT_TIERS:
+            ids = slots[tiers == t]
+            if ids.numel():
+                self._stores[t].give(ids - self.pool.base(t))
                 if t == TIER_INT4 and self.pool.cold is not None:  # host copies lose a holder
                     self.pool.cold.release(ids)
 
@@ -244,7 +268,8 @@ class TieredSlotAllocator(TokenSlotAllocator):
             short = idx.numel() - self.tail_room(tier, tail) - self.available_tier(tier)
             if short > 0 and make_room is not None:
                 make_room(tier, short)
-            got = self.alloc_tier(tier, idx.numel(), tail)
+            # host ids (the page lists live there): no device round trip for host slots
+            got = self.alloc_tier(tier, idx.numel(), tail, host=True)
             new[idx[: got.numel()]] = got.to(new.device)
             target[idx[got.numel():]] = tier - 1
         drop = (target == TIER_DROP) & (cur != TIER_DROP)

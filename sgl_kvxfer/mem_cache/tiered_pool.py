@@ -204,6 +204,19 @@ class TieredKVPool(KVPool):
             return x.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device)
 
+    def _to_device_many(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """_to_device of each host tensor of `xs`, as ONE copy per dtype: concatenated, staged
+        once (CUDA: one pinned block, one non-blocking DMA) and split into views of the result."""
+        out: list = [None] * len(xs)
+        by_dtype: dict = {}
+        for i, x in enumerate(xs):
+            by_dtype.setdefault(x.dtype, []).append(i)
+        for at in by_dtype.values():
+            flat = self._to_device(torch.cat([xs[i].reshape(-1) for i in at]))
+            for i, part in zip(at, flat.split([xs[i].numel() for i in at])):
+                out[i] = part.view(xs[i].shape)
+        return out
+
     def set_kv(self, layer_id, slots, k, v):
         self.set_kv_routed(layer_id, SlotRoute(tuple(slots.shape), list(self._split(slots.reshape(-1)))), k, v)
 
@@ -280,6 +293,14 @@ class TieredKVPool(KVPool):
         for tier in INT_TIERS:  # per-page key scales (KIVI): requantize instead of copying codes
             if not all(getattr(store, "relocatable", True) for store in self.stores[tier]):
                 same &= ts != tier
+        # every host index tensor below goes to the device in one staged copy (staged: its
+        # position in `host`, replaced by the device view after the planning)
+        host: list[torch.Tensor] = []
+
+        def stage(*xs):
+            host.extend(xs)
+            return tuple(range(len(host) - len(xs), len(host)))
+
         relocate = []
         for tier in INT_TIERS:
             m = same & (ts == tier)
@@ -287,15 +308,15 @@ class TieredKVPool(KVPool):
                 # one relocation launch per layer where no destination is also a source (the
                 # kernel reads and writes in one pass); else the torch gather-then-write
                 fused_ok = self._fused_relocate and not bool(torch.isin(dst[m], src[m]).any())
-                relocate.append((tier, tuple(map(self._to_device, self.page_offset(tier, src[m]))),
-                                 tuple(map(self._to_device, self.page_offset(tier, dst[m]))), fused_ok))
+                relocate.append((tier, stage(*self.page_offset(tier, src[m])), stage(*self.page_offset(tier, dst[m])),
+                                 fused_ok))
         rest = ~same
         capture = cap_src = None
         if self.cold is not None:  # NOTE: also for pure int4 relocations: the copies share the host rows
             capture = self.cold.begin_move(src, dst, ts, td, rest)
             if capture is not None:  # the demoted tokens' exact values: their fp16 rows
-                cap_src = self._to_device(src[rest][capture.sel.cpu()])
-                capture.sel = torch.arange(cap_src.numel(), device=self.device)
+                (cap_src,) = stage(src[rest][capture.sel.cpu()])
+                capture.sel = torch.arange(host[cap_src].numel(), device=self.device)
         # fp16 -> int (every re-tiering): one quantize-and-store launch per (layer, tier) on CUDA
         fused = []
         if self._fused_quantize and bool(rest.any()):
@@ -303,8 +324,14 @@ class TieredKVPool(KVPool):
             for tier in INT_TIERS:
                 m = down & (td == tier)
                 if bool(m.any()):
-                    fused.append((tier, self._to_device(src[m]), *map(self._to_device, self.page_offset(tier, dst[m]))))
+                    fused.append((tier, *stage(src[m], *self.page_offset(tier, dst[m]))))
             rest = rest & ~down
+        dev = self._to_device_many(host)
+        relocate = [(tier, tuple(dev[i] for i in s_at), tuple(dev[i] for i in d_at), ok)
+                    for tier, s_at, d_at, ok in relocate]
+        fused = [(tier, *(dev[i] for i in at)) for tier, *at in fused]
+        if cap_src is not None:
+            cap_src = dev[cap_src]
         requant = (self.route(src[rest]), self.route(dst[rest])) if bool(rest.any()) else None
         if fused:
             from sgl_kvxfer.kernels.tier_store import store_rows_quantized

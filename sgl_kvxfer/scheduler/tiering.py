@@ -48,6 +48,7 @@ from sgl_kvxfer.spectrum.byte_budget import assign_tiers
 from sgl_kvxfer.spectrum.importance import ImportanceAccumulator, KVNormAccumulator, token_importance
 from sgl_kvxfer.spectrum.policies import create_tier_policy
 from sgl_kvxfer.spectrum.tiers import NUM_TIERS, TIER_INT4, TIER_INT8
+from sgl_kvxfer.utils.host_copy import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -431,8 +432,10 @@ class EngineTiering:
         return [("tier_assign", t0, t1), ("tier_move", t1b, t2), ("tier_row", t2, time.time())]
 
     def _record(self, req, start: int, slots, tiers, new, got) -> None:
-        """Rewrite the request's row at the new ids and keep the run's TierRecord."""
-        self.table.write(req.req_pool_idx, start, new)
+        """Rewrite the request's row at the new ids and keep the run's TierRecord. Host ids go
+        up through pinned memory: the host does not wait for the moves queued before the write."""
+        row_ids = to_device(new, self.table.table.device) if new.device.type == "cpu" else new
+        self.table.write(req.req_pool_idx, start, row_ids)
         got = got.cpu()
         ratio = assignment_bytes(got, self.layout) / fp16_bytes(got.numel(), self.layout)
         self.records.append(TierRecord(req.rid, start, start + slots.numel(), _counts(tiers), _counts(got), ratio,

@@ -202,3 +202,18 @@ def test_config_flags_come_from_the_policy_registry():
     with pytest.raises(ValueError):
         EngineConfig(kv_tier_budget=0.5, page_size=16)
     assert not EngineConfig().tiering_enabled
+
+
+def test_to_device_many_keeps_order_shapes_and_dtypes():
+    """move's one staged copy: each tensor comes back equal, in its place, shape and dtype."""
+    from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
+
+    xs = [torch.arange(5), torch.tensor([7, 3], dtype=torch.int32), torch.empty(0, dtype=torch.int64),
+          torch.arange(6).view(2, 3), torch.tensor([9], dtype=torch.int32)]
+    pool = TieredKVPool.__new__(TieredKVPool)  # only its device matters here
+    pool.device = "cpu"
+    out = pool._to_device_many(xs)
+    assert len(out) == len(xs)
+    for x, y in zip(xs, out):
+        assert y.dtype == x.dtype and y.shape == x.shape and torch.equal(x, y)
+    assert pool._to_device_many([]) == []
