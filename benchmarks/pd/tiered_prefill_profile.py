@@ -35,6 +35,7 @@ import os
 import pstats
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -297,7 +298,7 @@ def summary_text(out: dict, budgets: list[float] | None = None) -> str:
         lines.append(f"\n=== budget {b} (tiering {'on' if row.get('tiering') else 'off'})")
         if "plain_ms" in row:
             p = row["plain_ms"]
-            lines.append(f"plain prompts ms: {' '.join(f'{x:.1f}' for x in p)} (median {sorted(p)[len(p) // 2]:.1f})")
+            lines.append(f"plain prompts ms: {' '.join(f'{x:.1f}' for x in p)} (median {statistics.median(p):.1f})")
         for view in ("timed", "synced"):
             v = row.get(view) or {}
             if "error" in v:
@@ -333,6 +334,12 @@ def summary_text(out: dict, budgets: list[float] | None = None) -> str:
             lines += ["  " + ln for ln in body[start:start + 20] if ln.strip()]
         elif v:
             lines.append(f"[cprofile] {v.get('error')}")
+    base = (out["budgets"].get("1.0") or {}).get("plain_ms")
+    for b, row in out["budgets"].items():
+        if b != "1.0" and base and row.get("plain_ms"):
+            med = statistics.median(row["plain_ms"]) / statistics.median(base)
+            lines.append(f"plain prompt median b={b} / b=1.0: {med:.3f} (this run, {len(base)} and "
+                         f"{len(row['plain_ms'])} prompts)")
     return "\n".join(lines)
 
 
@@ -343,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt", type=int, default=8192, help="prompt length (tokens)")
     ap.add_argument("--chunk", type=int, default=2048, help="chunked prefill size")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up prompts per budget")
-    ap.add_argument("--repeats", type=int, default=3, help="plain timed prompts per budget before the views")
+    ap.add_argument("--repeats", type=int, default=5, help="plain timed prompts per budget before the views")
     ap.add_argument("--views", nargs="+", default=list(VIEWS), choices=list(VIEWS))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")

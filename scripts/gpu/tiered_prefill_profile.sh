@@ -8,7 +8,7 @@
 # prefill 2048, 8192-token prompts, --kv-int4 on --kv-tier-staging 0.4, one process (one Engine)
 # per budget (BUDGETS "0.3 1.0": the tiered one first, so a short call still profiles it), each
 # under `timeout -s INT` with what is left of T_TOTAL; both write one JSON (`--merge`).
-# Per budget: warm-up prompts, plain timed prompts, then one prompt per view (timed spans and the
+# Per budget: 2 warm-up prompts, 5 plain timed prompts (their medians' ratio to b = 1.0 in the summary), then one prompt per view (timed spans and the
 # re-tier's functions unsynced / synced, sync-debug sites, cProfile, torch.profiler).
 # $OUT: tiered_prefill_profile_<device>.json, tiered_prefill_profile.txt (the summaries),
 # tiered_prefill_profile.log (progress and errors).
@@ -25,7 +25,7 @@ TXT="$OUT/tiered_prefill_profile.txt"
 if [ "$DEVICE" = cuda ]; then
   source scripts/gpu/env.sh >> "$LOG" 2>&1 || { echo "env.sh failed" | tee -a "$LOG"; exit 1; }
   ARGS=(--device cuda --preset llama-3-8b --prompt 8192 --chunk 2048 --max-total-tokens 40000
-        --mem-fraction-static 0.6 --attention-backend triton --warmup 2 --repeats 3)
+        --mem-fraction-static 0.6 --attention-backend triton --warmup 2 --repeats 5)
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   ARGS=(--device cpu --preset tiny --prompt 128 --chunk 64 --max-total-tokens 8192 --warmup 1 --repeats 1)
