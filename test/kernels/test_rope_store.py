@@ -52,7 +52,7 @@ def _check(T, Hq, Hkv, D, page, dtype, device, return_kv):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("return_kv", [False, True])
 @pytest.mark.parametrize("T,Hq,Hkv,D,page", [(1, 4, 2, 16, 16), (7, 4, 2, 16, 16), (21, 9, 3, 64, 16),
-                                             (5, 4, 4, 24, 32)])
+                                             (5, 4, 4, 24, 32), (9, 4, 2, 32, 1)])  # page 1: the tiered pool's fp16 rows
 def test_rope_store_small(T, Hq, Hkv, D, page, dtype, return_kv, device):
     _check(T, Hq, Hkv, D, page, dtype, device, return_kv)
 

@@ -149,6 +149,40 @@ def test_engine_triton_matches_torch_at_budget_half(tiny_dir):
         assert g["output_ids"][0] == r["output_ids"][0] and abs(gl[0][0] - rl[0][0]) < ATOL
 
 
+def test_fused_rope_store_into_fp16_rows_matches_unfused(tiny_dir, monkeypatch):
+    """forward_qkv's fused RoPE + store into the tiered pool's fp16 rows (kernels/rope_store.py
+    over the rows viewed as pages of one token), forced on under the interpreter by treating CPU
+    as CUDA: chunked prefill, re-tiering, a radix hit over int8/int4 prefixes and decode
+    demotions give the unfused path's tokens and logprobs."""
+    from sgl_kvxfer import Engine
+    from sgl_kvxfer.kernels import rope_store
+    from sgl_kvxfer.layers import fused_ops
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (70, 40)]
+    hit = prompts[0] + [rng.randrange(3, 256) for _ in range(5)]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    out, calls = {}, []
+    real_wants, real_store = fused_ops.wants_fused, rope_store.rope_store_kv
+    for fused in (False, True):
+        monkeypatch.setenv("SGL_KVXFER_FUSED_ELEMENTWISE", "1" if fused else "0")
+        if fused:
+            monkeypatch.setattr(fused_ops, "wants_fused", lambda dev, dt: real_wants("cuda" if dev == "cpu" else dev, dt))
+            monkeypatch.setattr(rope_store, "rope_store_kv", lambda *a, **kw: calls.append(kw) or real_store(*a, **kw))
+        with Engine(tiny_dir, load_format="dummy", dtype="bfloat16", device=DEVICE, attention_backend="triton",
+                    kv_tier_budget=0.5, kv_int4="on", kv_decode_recent=4, kv_quant_group_size=G,
+                    max_total_tokens=2048, chunked_prefill_size=32) as eng:
+            kw = dict(sampling_params=params, return_logprob=True, top_logprobs_num=2)
+            out[fused] = eng.generate(input_ids=prompts, **kw) + eng.generate(input_ids=[hit], **kw)
+            assert out[fused][-1]["meta_info"]["cached_tokens"] >= 32
+            eng.runner.allocator.debug_check()
+    assert any(c["return_kv"] for c in calls) and any(not c["return_kv"] for c in calls)  # extend and decode
+    assert_greedy_close(out[True], out[False], ATOL)
+    for g, r in zip(out[True], out[False]):
+        assert g["output_ids"][0] == r["output_ids"][0]
+        assert abs(g["meta_info"]["output_token_logprobs"][0][0] - r["meta_info"]["output_token_logprobs"][0][0]) < ATOL
+
+
 @pytest.mark.gpu
 def test_gpu_smollm2_shape_tiered_triton_vs_torch(tmp_path):
     """SmolLM2-shaped dummy model (9 q / 3 kv heads, D 64, 30 layers), bf16, budget 0.5 on GPU."""

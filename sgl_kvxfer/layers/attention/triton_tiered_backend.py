@@ -9,6 +9,8 @@ with per-tier page sizes, and each batch one set of FILLED block tables (mem_cac
                                         the decode split plan (host numbers only)
     prepare_graph_metadata (CUDA graph) the same with L = the context bound: every shape fixed,
                                         no host sync, so the engine replays it every step
+    forward_qkv (per layer)             RoPE + the new tokens' store (fp16 ids) in one launch
+                                        (fused elementwise kernels on) -> kernel over the layer view
     forward (per layer)                 store the new tokens (fp16 ids) -> kernel over the layer view
 
 Kernels: decode is kernels.tiered_pool_decode (one split-K launch per tier store that has pages,
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_kvxfer.forward_batch import ForwardBatch, ForwardMode
+from sgl_kvxfer.layers import fused_ops
 from sgl_kvxfer.layers.attention.base import AttentionBackend
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
 from sgl_kvxfer.mem_cache.tiered_rows import tier_block_tables, tier_layer_view
@@ -119,11 +122,33 @@ class TritonTieredAttentionBackend(AttentionBackend):
                                        self._decode_config)
 
     # ------------------------------------------------------------------ run
+    def forward_qkv(self, qkv, cos, sin, layer_id, batch):
+        """With the fused elementwise kernels on: RoPE, the new tokens' store into the fp16 rows
+        and q's layout in one launch (kernels/rope_store.py), then the tier kernels. The fp16
+        store's rows [R, Hkv, D] of a layer are its pages of one token ([R, Hkv, 1, D], the same
+        bytes), and new tokens always hold fp16 ids, which index those rows. Extend also gets
+        the new k/v back (its kernel reads them at full precision)."""
+        pool = self.kv_pool
+        if not (fused_ops.wants_fused(qkv.device.type, qkv.dtype) and cos.dtype == qkv.dtype
+                and pool.dtype == qkv.dtype and pool.stores_layer(layer_id)):
+            return super().forward_qkv(qkv, cos, sin, layer_id, batch)
+        from sgl_kvxfer.kernels.rope_store import rope_store_kv
+
+        k_rows, v_rows = pool.k16[layer_id], pool.v16[layer_id]
+        rows = (k_rows.shape[0], self.num_kv_heads, 1, self.head_dim)
+        q, k, v = rope_store_kv(qkv, cos, sin, batch.out_cache_loc, k_rows.view(rows), v_rows.view(rows),
+                                self.num_q_heads, self.num_kv_heads, return_kv=batch.mode != ForwardMode.DECODE)
+        return self._attend(q, k, v, layer_id, batch)
+
     def forward(self, q, k, v, layer_id, batch):
+        self.kv_pool.set_kv_fp16(layer_id, batch.out_cache_loc, k, v)  # new tokens: fp16 ids
+        return self._attend(q, k, v, layer_id, batch)
+
+    def _attend(self, q, k, v, layer_id, batch):
+        """Attention over the pool, the batch's new K/V already stored."""
         plan = batch.attn_metadata
         if batch.mode == ForwardMode.DECODE:
             self.tap_query(layer_id, q)
-            self.kv_pool.set_kv_fp16(layer_id, batch.out_cache_loc, k, v)  # new tokens: fp16 ids
             return self._decode(q.contiguous(), self._views[layer_id], plan.tables, sm_scale=self.scale,
                                 plan=plan.decode_plan, config=self._decode_config, tiers=self._tiers, check=False)
         return self._extend_kernel_path(q, k, v, layer_id, batch, plan)
@@ -131,7 +156,6 @@ class TritonTieredAttentionBackend(AttentionBackend):
     def _extend_kernel_path(self, q, k, v, layer_id, batch, plan):
         from sgl_kvxfer.kernels.extend_attention import extend_attention_tiered
 
-        self.kv_pool.set_kv_fp16(layer_id, batch.out_cache_loc, k, v)
         q, k, v = q.contiguous(), k.contiguous().to(q.dtype), v.contiguous().to(q.dtype)
         out = extend_attention_tiered(q, k, v, plan.qo_indptr, self._views[layer_id], plan.tables,
                                       sm_scale=self.scale, max_extend_len=plan.max_extend_len)
