@@ -171,6 +171,7 @@ class ScdDecodeRole(DecodeRole):
         # one copy to the device (the staging bytes are free to reuse once it returns: acked next)
         codes = unpack_codes(layout, payload[:layout.nbytes(end - start)].to(dev), end - start)
         positions = torch.arange(start, end, device=dev)
+        self.decoder.rotary.prime(positions, num_positions=end)  # every layer's RoPE: one lookup, no sync
         mark("unpack_codes")
         out = [None] * self.manifest.num_layers  # each layer's K/V depends on its own codes only
         for layer in self.manifest.reuse_layers:

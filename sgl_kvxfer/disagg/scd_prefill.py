@@ -9,6 +9,9 @@ every consumer that claims them (docs/pd_disaggregation.md, "SCD over PD").
                            first chunk that starts past 0 (its prefix came from the radix cache)
                            first queues the codes of that prefix as a segment of their own: they
                            cross the link and are rebuilt while this forward computes the rest
+    after_launch(b)        (and before_forward) such a segment is handed to the sender now, to
+                           the consumers whose claims are in (the inbox is read here too): the
+                           scheduler thread waits for the forward's results before its next poll
     on_chunk(req, a, b)    positions [a, b) are computed: the codes of every position not sent yet
                            (Reuse layers from the KV the pool holds, Patch layers from the zh
                            pool) become one segment in the send buffer, written to every
@@ -127,6 +130,7 @@ class ScdPrefillRole(PrefillRole):
         self._job_ids = itertools.count()
         self.encoded = {"rooms": 0, "tokens": 0, "bytes": 0}  # prefills whose codes were encoded (once each)
         self.rooms_closed: Counter = Counter()  # why rooms closed ("served", "fan-out timed out", ...)
+        self.early: list[ScdRoom] = []  # rooms whose cached prefix's codes were queued by before_forward
 
     def start(self, ctx) -> None:
         runner, settings = ctx.runner, self.settings
@@ -192,9 +196,26 @@ class ScdPrefillRole(PrefillRole):
                 # now, so its codes go out while this forward computes the rest (launched
                 # ahead of the forward in the stream; nothing here waits for them)
                 self._encode(room, s.start)
+                self.early.append(room)
+        self._send_early()
         super().before_forward(batch, fb)  # the trace's chunk starts (after that encode: prefill[a:b] is the forward)
         if self.patch_layers:
             fb.extras[HIDDEN_CAPTURE] = functools.partial(self._capture, fb.out_cache_loc)
+
+    def after_launch(self, batch) -> None:
+        super().after_launch(batch)
+        self._send_early()  # claims that came in while the forward was launched
+
+    def _send_early(self) -> None:
+        """Early segments (a cached prefix's codes) to every consumer that has claimed by now."""
+        if not self.early:
+            return
+        for msg in self.inbox.get_all_nowait():
+            self._on_message(msg)
+        now = time.monotonic()
+        for room in self.early:
+            self._pump(room, now)
+        self.early = [r for r in self.early if r.closing is None and not r.prompt_done and len(r.consumers) < self.fanout]
 
     def _capture(self, slots: torch.Tensor, layer: int, hidden: torch.Tensor) -> None:
         """hidden [T, hidden]: the batch's tokens, in the order of their KV slots `slots` [T]."""
@@ -274,6 +295,7 @@ class ScdPrefillRole(PrefillRole):
         t0 = time.time()
         slots = self.table.read(room.req.req_pool_idx, b, start=a)
         positions = torch.arange(a, b, device=slots.device)
+        self.encoder.rotary.prime(positions, num_positions=b)  # every layer's deRoPE: one lookup, no sync
         codes = {}
         level, layout = self.levels[room.level], self.layouts[room.level]
         for layer in self.manifest.reuse_layers:
