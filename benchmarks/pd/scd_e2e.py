@@ -100,7 +100,8 @@ def parse_args(argv=None):
     ap.add_argument("--rank-producer-args", default="",
                     help="the rank stage's prefill servers' own arguments, after --producer-args (they share one GPU)")
     ap.add_argument("--skip-shared", action="store_true")
-    ap.add_argument("--no-trace", action="store_true", help="no traced request per point (servers without --enable-pd-trace)")
+    ap.add_argument("--no-trace", action="store_true",
+                    help="no traced request per point (servers without --enable-pd-trace)")
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     ap.add_argument("--name", default="scd_e2e")

@@ -215,7 +215,8 @@ class ScdPrefillRole(PrefillRole):
         now = time.monotonic()
         for room in self.early:
             self._pump(room, now)
-        self.early = [r for r in self.early if r.closing is None and not r.prompt_done and len(r.consumers) < self.fanout]
+        self.early = [r for r in self.early
+                      if r.closing is None and not r.prompt_done and len(r.consumers) < self.fanout]
 
     def _capture(self, slots: torch.Tensor, layer: int, hidden: torch.Tensor) -> None:
         """hidden [T, hidden]: the batch's tokens, in the order of their KV slots `slots` [T]."""

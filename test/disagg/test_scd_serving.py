@@ -79,7 +79,8 @@ def cluster(pair):
          {"SGL_KVXFER_KV_TRANSFER_FAULT": f"corrupt@{ROOM_CORRUPT}"}, "scd_prefill"),
         (role("prefill", "producer", "arts", "--disaggregation-bootstrap-port", str(bp2), "--scd-rank", "2:2"),
          None, "scd_prefill_level"),
-        (role("decode", "a", "arts", "--enable-pd-trace"), None, "scd_decode_a"), (role("decode", "b", "arts"), None, "scd_decode_b"),
+        (role("decode", "a", "arts", "--enable-pd-trace"), None, "scd_decode_a"),
+        (role("decode", "b", "arts"), None, "scd_decode_b"),
         (role("decode", "a", "other"), None, "scd_decode_other")])
     try:
         router = start_router([(p.url, bp)], [da.url])
