@@ -25,6 +25,15 @@ to each of the N consumers at once (disagg/scd_fanout.py's no-router path). Scen
             codes of the whole prompt go out. Oracle: the specialist prefills document + question,
             each oracle request with a document of its own (cold: never in its radix cache).
 
+Phase trace: every server runs with --enable-pd-trace, the producer's tracing switched off
+(POST /kv_transfer_link) except for ONE extra request per point (N and rate; shared document and
+rate), run after that point's repeats and kept out of its timings (a traced producer waits for
+its kernels at each phase's end). Each of its consumers' trace is stored under the row's
+`trace` (disagg/trace.py, scd_prefill.py, scd_decode.py: the producer's queue, prefill[a:b],
+code[s], pack[s], wire[s], notice; the consumer's bootstrap, unpack[s], unpack_wait, admit,
+first_step; `ttft_ms` to the end of the first step, `rebuild_gpu_ms` the rebuild's device time
+by part) with its client-side TTFT; `summary.trace` condenses them.
+
 Link: the producer's in-engine pacing (`--kv-transfer-rate-gbps`, re-paced with POST
 /kv_transfer_link); rate 0 = unpaced (paced at 1e6 Gbit/s: no pacing delay). The transfer
 backend is `--transfer-backend` (passed to every server as --disaggregation-transfer-backend).
@@ -91,6 +100,8 @@ def parse_args(argv=None):
     ap.add_argument("--rank-producer-args", default="",
                     help="the rank stage's prefill servers' own arguments, after --producer-args (they share one GPU)")
     ap.add_argument("--skip-shared", action="store_true")
+    ap.add_argument("--no-trace", action="store_true",
+                    help="no traced request per point (servers without --enable-pd-trace)")
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     ap.add_argument("--name", default="scd_e2e")
@@ -138,6 +149,30 @@ def scd_request(p: dict, consumers: list, ids: list[int], timeout: float) -> lis
     if bad:
         raise RuntimeError(f"SCD transfers did not succeed: {bad}")
     return out
+
+
+def set_link(p: dict, rate: float, trace: bool = False) -> None:
+    """Pace the producer's link (0: unpaced); trace its rooms opened from now on or not."""
+    body_ = {"rate_gbps": rate or UNPACED_GBPS}
+    if p.get("trace"):
+        body_["trace"] = trace
+    requests.post(p["h"].url + "/kv_transfer_link", json=body_, timeout=30).raise_for_status()
+
+
+def traced_request(p: dict, consumers: list, ids: list[int], rate: float, timeout: float) -> list[dict] | None:
+    """One extra SCD request with the producer's trace on (its timing is not a row's: a traced
+    producer waits for its kernels); each consumer's trace and its client-side TTFT."""
+    if not p.get("trace"):
+        return None
+    set_link(p, rate, trace=True)
+    try:
+        out = scd_request(p, consumers, ids, timeout)
+    finally:
+        set_link(p, rate, trace=False)
+    return [{"client_ttft_ms": round(1e3 * t, 3), "trace": m.get("kv_transfer", {}).get("trace"),
+             "rebuild_gpu_ms": m.get("kv_transfer", {}).get("rebuild_gpu_ms"),
+             "segments": m.get("kv_transfer", {}).get("segments"), "wire_ms": m.get("kv_transfer", {}).get("wire_ms")}
+            for t, m in out]
 
 
 def oracle_request(consumers: list, ids: list[int], timeout: float) -> list[float]:
@@ -230,6 +265,7 @@ def main(argv=None) -> str:
                 for i in range(n_max):
                     flag, env = placement(args, gpus[i])
                     a = [*server_args, *flag, *shlex.split(args.consumer_args), "--random-seed", str(100 + i),
+                         *([] if args.no_trace else ["--enable-pd-trace"]),
                          "--scd-artifacts", arts, "--scd-consumer", names[i], "--disaggregation-mode", "decode"]
                     futs.append(pool.submit(start_server, a, env={**QUIET_HEALTH, **env}, name=f"scd_e2e_d{i}"))
                 errors = [f.exception() for f in futs if f.exception() is not None]
@@ -257,10 +293,11 @@ def main(argv=None) -> str:
     return path
 
 
-def producer_args(args, server_args, arts, n_fan: int, bp: int, rank: str = "top", extra: str = "") -> list[str]:
+def producer_args(args, server_args, arts, n_fan: int, bp: int, rank: str = "top", extra: str = "",
+                  trace: bool = False) -> list[str]:
     flag, _ = placement(args, args.producer_gpu)
     return [*server_args, *flag, *shlex.split(args.producer_args), *shlex.split(extra), "--scd-artifacts", arts,
-            "--scd-fanout", str(n_fan),
+            "--scd-fanout", str(n_fan), *(["--enable-pd-trace"] if trace else []),
             "--scd-rank", rank, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bp),
             "--kv-transfer-rate-gbps", str(UNPACED_GBPS)]
 
@@ -270,11 +307,13 @@ def run_fanout(args, server_args, arts, consumers, n_fan: int, res: dict, emit=l
     short keeps what finished)."""
     bp = free_port()
     _, env = placement(args, args.producer_gpu)
-    p = {"h": start_server(producer_args(args, server_args, arts, n_fan, bp), env={**QUIET_HEALTH, **env},
-                           name=f"scd_e2e_p{n_fan}"), "bp": bp}
+    p = {"h": start_server(producer_args(args, server_args, arts, n_fan, bp, trace=not args.no_trace),
+                           env={**QUIET_HEALTH, **env},
+                           name=f"scd_e2e_p{n_fan}"), "bp": bp, "trace": not args.no_trace}
     cons = consumers[:n_fan]
     seed = 1000 * n_fan
     try:
+        set_link(p, 0)  # started with --enable-pd-trace: untraced until a traced request asks
         for n in args.prompt_tokens:  # warm-up: kernels for these shapes, first-request costs
             scd_request(p, cons, ids_for(n, -n, args.vocab), args.timeout_s)
             oracle_request(cons, ids_for(n, -n - 1, args.vocab), args.timeout_s)
@@ -288,8 +327,7 @@ def run_fanout(args, server_args, arts, consumers, n_fan: int, res: dict, emit=l
             out.setdefault(str(n), {})["oracle"] = row(orc)
             print(f"N={n_fan} {n} tokens oracle: {out[str(n)]['oracle']}", flush=True)
         for rate in args.rates:
-            requests.post(p["h"].url + "/kv_transfer_link", json={"rate_gbps": rate or UNPACED_GBPS},
-                          timeout=30).raise_for_status()
+            set_link(p, rate)
             for n in args.prompt_tokens:
                 runs = [scd_request(p, cons, ids_for(n, seed := seed + 1, args.vocab), args.timeout_s)
                         for _ in range(args.repeats)]
@@ -299,6 +337,9 @@ def run_fanout(args, server_args, arts, consumers, n_fan: int, res: dict, emit=l
                                                 "wire_ms": med([k.get("wire_ms", 0) for k in kv]),
                                                 "link_gbps": med([k.get("link_gbps", 0) for k in kv])}
                 print(f"N={n_fan} {n} tokens {rate:g} Gbit/s: {out[str(n)][f'scd@{rate:g}']}", flush=True)
+                tr = traced_request(p, cons, ids_for(n, seed := seed + 1, args.vocab), rate, args.timeout_s)
+                if tr is not None:
+                    out[str(n)][f"scd@{rate:g}"]["trace"] = tr
             emit()
     finally:
         stop_all(p["h"])
@@ -316,11 +357,14 @@ def run_shared(args, p: dict, consumer, res: dict) -> None:
         oracle_request([consumer], fresh_doc(0) + ids_for(args.question_tokens, 3, args.vocab), args.timeout_s)
         out = res["shared"].setdefault(str(n), {})
         for rate in args.rates:
-            requests.post(p["h"].url + "/kv_transfer_link", json={"rate_gbps": rate or UNPACED_GBPS},
-                          timeout=30).raise_for_status()
+            set_link(p, rate)
             runs = [scd_request(p, [consumer], doc + ids_for(args.question_tokens, 100 + 10 * rate + i, args.vocab),
                                 args.timeout_s) for i in range(args.repeats)]
             out[f"scd@{rate:g}"] = row([[t for t, _ in r] for r in runs])
+            tr = traced_request(p, [consumer], doc + ids_for(args.question_tokens, 99 + 10 * rate, args.vocab), rate,
+                                args.timeout_s)
+            if tr is not None:
+                out[f"scd@{rate:g}"]["trace"] = tr
         orc = [oracle_request([consumer], fresh_doc(1 + i) + ids_for(args.question_tokens, 50 + i, args.vocab),
                               args.timeout_s) for i in range(args.repeats)]
         out["oracle"] = row(orc)
@@ -390,6 +434,12 @@ def summarize(res: dict) -> dict:
         for key, v in r.items():
             if key.startswith("scd@") and "oracle" in r:
                 out["shared"][f"{n} tokens {key}"] = r["oracle"]["mean_ms"] / v["mean_ms"]
+    out["trace"] = {}  # the traced request of each point: its consumers' phases (ms), median over them
+    for label, r in [(f"N={n_fan} {n} tokens {key}", v) for n_fan, by_n in res["fanout"].items()
+                     for n, rr in by_n.items() for key, v in rr.items()] + \
+            [(f"shared {n} tokens {key}", v) for n, rr in res["shared"].items() for key, v in rr.items()]:
+        if isinstance(r, dict) and r.get("trace"):
+            out["trace"][label] = trace_summary(r["trace"])
     for n, by_mode in res.get("ranks", {}).items():  # auto's TTFT over the best fixed mode's, per rate
         fixed = {m: r for m, r in by_mode.items() if m != "auto"}
         for key, v in by_mode.get("auto", {}).items():
@@ -399,6 +449,22 @@ def summarize(res: dict) -> dict:
             if best:
                 out["ranks"][f"{n} tokens {key}"] = {"auto_over_best_fixed": v["mean_ms"] / best}
     return out
+
+
+def trace_summary(traces: list[dict]) -> dict:
+    """Per phase kind (disagg/trace.py's by_phase_ms: summed over a kind's spans), the rebuild's
+    device time by part, the server-side TTFT (ttft_ms) and the client's: medians over the
+    traced request's consumers."""
+    rows = []
+    for t in traces:
+        tr = t.get("trace") or {}
+        row_ = {**{k: v for k, v in (tr.get("by_phase_ms") or {}).items()},
+                **{f"rebuild_gpu.{k}": v for k, v in (t.get("rebuild_gpu_ms") or {}).items()},
+                "critical_ms": tr.get("critical_ms"), "ttft_ms": tr.get("ttft_ms"),
+                "unaccounted_ms": tr.get("unaccounted_ms"), "client_ttft_ms": t.get("client_ttft_ms")}
+        rows.append({k: v for k, v in row_.items() if v is not None})
+    keys = sorted({k for r in rows for k in r})
+    return {k: round(med([r[k] for r in rows if k in r]), 3) for k in keys}
 
 
 def plot(p: dict, path: str) -> None:

@@ -14,15 +14,18 @@
 #   run kind nvidia-h100-x2, carry [.whl]           SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/scd_e2e.sh
 #
 #   TRANSFER_BACKEND=mooncake_tcp runs over TCP through host memory instead (no stage call needed
-#   when the carried .whl holds Mooncake's non-CUDA build); T_TOTAL (default 400 s) bounds the call.
+#   when the carried .whl holds Mooncake's non-CUDA build); T_TOTAL (default 285 s) bounds the call.
 #   CPU rehearsal (tiny preset, N = 2 / 1): DEVICE=cpu OUT=<dir> bash scripts/gpu/scd_e2e.sh
 #
 # Back in $OUT: scd_e2e_<shape>.json / .png (rewritten after each link rate and after the shared
-# document: a run cut short keeps what finished), scd_e2e.log, server_logs.txt. Expected wall time
+# document: a run cut short keeps what finished), scd_e2e.log, server_logs.txt. Each point (N and
+# rate, shared document and rate) also runs ONE traced request after its timed repeats
+# (--enable-pd-trace on every server, the producer's tracing on for that request only): its
+# per-phase breakdown is the row's `trace`, condensed in the JSON's summary.trace. Expected wall time
 # on H100 x2: the fan-outs and the shared document about 3.5 minutes (4 decode servers start once,
 # one prefill server per N; 27 requests per N, 28 for the shared document); the rank stage, last,
-# about 1 more minute (3 prefill servers at once, 6 + 4 x 3 x 3 requests); on an H100 x2 the whole
-# call took 303 s (a lower T_TOTAL cuts the rank stage short and keeps its finished rates).
+# about 1 more minute (3 prefill servers at once, 6 + 4 x 3 x 3 requests), so the default T_TOTAL
+# cuts the rank stage short and keeps its finished rates (T_TOTAL=400 runs it whole).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
@@ -54,7 +57,7 @@ assert build_has_cuda(), installed_build()" 2>&1 | tail -3; then
   # (8k tokens of codes at ranks 12 / 20 / 128 with 6 patch layers: 14,848 B/token, 122 MB)
   SERVER="--load-format dummy --dtype bfloat16 --device cuda --mem-fraction-static 0.95 --max-total-tokens 8600 --chunked-prefill-size 2048 --disable-cuda-graph --kv-transfer-buffer-mb 512 --log-level warning"
   NAME=scd_e2e_llama-3-8b_$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[1])")_x2
-  T_TOTAL=${T_TOTAL:-400}
+  T_TOTAL=${T_TOTAL:-285}
 else
   PRESET=tiny VOCAB=512
   # the GPU run's pool family (head-major pages of 64, PagedFp16KVPool) on the torch backend, and a

@@ -16,6 +16,15 @@ The room's steps are DecodeRole's (decode.py); what differs:
 
 Rebuilt KV is an approximation: it never enters the prefix cache (Req.share_prefix). A
 transfer fault (checksum, timeout, KVFailed) ends in a local prefill, as for KV.
+
+--enable-pd-trace (disagg/trace.py): a traced room's spans are DecodeRole's (bootstrap,
+unpack[s]: the segment's checksum and its rebuild launched, unpack_wait, admit) with the
+producer's (scd_prefill.py: code[s], pack[s], wire[s], ...). The first token here comes from the
+first decode step, so the rendered trace adds `ttft_ms` (arrival -> that step's end) beside
+`critical_ms` (arrival -> admission), and `rebuild_gpu_ms`: the rebuild's device time summed
+over segments, by part (unpack_codes, reuse: codes -> K/V of the Reuse layers, patch: aligned
+hidden states -> this model's K/V of the Patch layers, kv_write: into the pool), from CUDA
+timing events that nothing waits on (on a CPU, host time: the work is synchronous there).
 """
 from __future__ import annotations
 
@@ -32,7 +41,36 @@ from sgl_kvxfer.message.disagg import KVSegment, ScdClaimInfo
 logger = logging.getLogger(__name__)
 
 
+class _Marks:
+    """Part boundaries of a traced room's rebuilds: (name, CUDA timing event or host time). A
+    part's time runs from the mark before it; a "start" mark opens a segment."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.points = cuda, []
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.points.append((name, e))
+        else:
+            self.points.append((name, time.perf_counter()))
+
+    def durations_ms(self) -> dict:
+        if self.cuda and self.points:
+            self.points[-1][1].synchronize()  # done already: the room's last unpack was waited for
+        out = {}
+        for (_, a), (name, b) in zip(self.points, self.points[1:]):
+            if name != "start":
+                out[name] = out.get(name, 0.0) + (a.elapsed_time(b) if self.cuda else 1e3 * (b - a))
+        return {k: round(v, 3) for k, v in out.items()}
+
+
 class ScdDecodeRole(DecodeRole):
+    def __init__(self, settings, host: str):
+        super().__init__(settings, host)
+        self.marks: dict[int, _Marks] = {}  # --enable-pd-trace: room -> its rebuilds' part boundaries
+
     def start(self, ctx) -> None:
         runner, settings = ctx.runner, self.settings
         self.artifacts, self.consumer, self.manifest_id = load_consumer(settings.scd_artifacts, runner,
@@ -109,29 +147,40 @@ class ScdDecodeRole(DecodeRole):
         # the row owns the slots from here: a failure below frees them with the request's KV
         self.table.write(req.req_pool_idx, seg.start, slots)
         req.kv_len = seg.end
+        marks = None
+        if room.trace is not None:
+            marks = self.marks.setdefault(room.room, _Marks(str(self.pool.device).startswith("cuda")))
+            marks.mark("start")
         try:
-            self.pool.write_external(slots, self._rebuild(payload, seg.start, seg.end, layout))
+            kv = self._rebuild(payload, seg.start, seg.end, layout, marks)
+            self.pool.write_external(slots, kv)
+            if marks is not None:
+                marks.mark("kv_write")
         except (ValueError, RuntimeError) as e:
             self._end(room, f"rebuilding KV from codes failed: {type(e).__name__}: {e}")
             return False
         return True
 
-    def _rebuild(self, payload: torch.Tensor, start: int, end: int, layout: CodeLayout | None = None
-                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _rebuild(self, payload: torch.Tensor, start: int, end: int, layout: CodeLayout | None = None,
+                 marks: _Marks | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer (k post-RoPE, v) [end - start, Hkv, D] in the pool's dtype, from codes at
-        `layout`'s level (default the top)."""
+        `layout`'s level (default the top). `marks`: the trace's part boundaries."""
         dev, dtype = self.pool.device, self.pool.dtype
         layout = layout or self.code_layout
+        mark = marks.mark if marks is not None else (lambda name: None)
         # one copy to the device (the staging bytes are free to reuse once it returns: acked next)
         codes = unpack_codes(layout, payload[:layout.nbytes(end - start)].to(dev), end - start)
         positions = torch.arange(start, end, device=dev)
-        out = []
-        for layer in range(self.manifest.num_layers):
-            if layer in self.patch_layers:
-                out.append(self.decoder.regenerate_patch(layer, codes[(layer, "h")], positions,
-                                                         self.projections[layer], dtype))
-            else:
-                out.append(self.decoder.decode_reuse(layer, codes[(layer, "k")], codes[(layer, "v")], positions, dtype))
+        self.decoder.rotary.prime(positions, num_positions=end)  # every layer's RoPE: one lookup, no sync
+        mark("unpack_codes")
+        out = [None] * self.manifest.num_layers  # each layer's K/V depends on its own codes only
+        for layer in self.manifest.reuse_layers:
+            out[layer] = self.decoder.decode_reuse(layer, codes[(layer, "k")], codes[(layer, "v")], positions, dtype)
+        mark("reuse")
+        for layer in self.manifest.patch_layers:
+            out[layer] = self.decoder.regenerate_patch(layer, codes[(layer, "h")], positions, self.projections[layer],
+                                                       dtype)
+        mark("patch")
         return out
 
     def _succeed(self, room: DecodeRoom) -> None:
@@ -150,12 +199,30 @@ class ScdDecodeRole(DecodeRole):
             "link_gbps": room.wire_bytes * 8 / done.wire_seconds / 1e9 if done.wire_seconds else 0.0,
             # where the codes are: other consumers of a fan-out claim the same room (scd_fanout.py)
             "bootstrap_host": b.host, "bootstrap_port": b.port, "bootstrap_room": b.room}}
+        marks = self.marks.pop(room.room, None)
+        if marks is not None:
+            req.extra_meta["kv_transfer"]["rebuild_gpu_ms"] = marks.durations_ms()
         self.stats.outcome("ok")
         self.stats.tokens += n
         self._release_room(room)
+        if room.trace is not None:  # rendered at admission (DecodeRole.poll)
+            room.trace.add("done", time.time(), time.time())
+            self.traces[req] = (done.trace or [], room.trace)
         self.ready.append(req)
 
+    def after_forward(self, batch) -> None:
+        """--enable-pd-trace: the first token comes from this first decode step: `ttft_ms`."""
+        firsts = [s.req for s in batch.slices if s.req in self.first_steps] if self.first_steps else []
+        super().after_forward(batch)
+        for req in firsts:
+            trace = req.extra_meta.get("kv_transfer", {}).get("trace")
+            step = next((p for p in reversed(trace["phases"]) if p[0] == "d.first_step"), None) if trace else None
+            if step is not None:
+                trace["ttft_ms"] = round(step[1] + step[2], 3)
+                trace["by_phase_ms"]["d.first_step"] = step[2]
+
     def _end(self, room: DecodeRoom, reason: str, fallback: bool = True, notify: bool = True) -> None:
+        self.marks.pop(room.room, None)
         if fallback:
             room.req.share_prefix = True  # the local prefill computes exact KV
         super()._end(room, reason, fallback, notify)

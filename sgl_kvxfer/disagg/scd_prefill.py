@@ -5,11 +5,19 @@ every consumer that claims them (docs/pd_disaggregation.md, "SCD over PD").
                            the request takes a cached prefix like any other (see the zh pool)
     before_forward(b, fb)  installs the hidden-state capture (models/llama.py HIDDEN_CAPTURE) on
                            every forward: each Patch layer's input_layernorm output is encoded
-                           into the zh pool at the token's KV slot as the forward runs
+                           into the zh pool at the token's KV slot as the forward runs. A room's
+                           first chunk that starts past 0 (its prefix came from the radix cache)
+                           first queues the codes of that prefix as a segment of their own: they
+                           cross the link and are rebuilt while this forward computes the rest
+    after_launch(b)        (and before_forward) such a segment is handed to the sender now, to
+                           the consumers whose claims are in (the inbox is read here too): the
+                           scheduler thread waits for the forward's results before its next poll
     on_chunk(req, a, b)    positions [a, b) are computed: the codes of every position not sent yet
                            (Reuse layers from the KV the pool holds, Patch layers from the zh
                            pool) become one segment in the send buffer, written to every
-                           consumer that claimed the room so far
+                           consumer that claimed the room so far. Nothing here waits for the
+                           encode's kernels: the sender thread waits for an event behind them
+                           (and the device checksums) before the write
     on_prompt_done(req)    the last segment; the request's reply ends now and its KV goes to the
                            radix cache: the codes live on in the send buffer, under the room
 
@@ -31,6 +39,12 @@ own ring, sequence numbers and acks; the segments are shared (encoded once, writ
 The room closes when that many consumers have finished, or when nothing happened for
 --kv-transfer-timeout once its codes were complete (or a claim's request never came): its
 send-buffer bytes are freed, and a later claim gets KVFailed (that consumer prefills locally).
+
+--enable-pd-trace (disagg/trace.py): a traced room records the prefill's queue / prefill[a:b]
+spans, then per segment s `code[s]` (the projection of its KV and patch codes to the wire
+codes) and `pack[s]` (packed into the send buffer, checksums summed), each waiting for its
+kernels (traced rooms only: the untraced ones never wait), and per consumer its `wire[s]` and
+`notice`; its KVDone carries them to that consumer.
 """
 from __future__ import annotations
 
@@ -43,11 +57,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_kvxfer.disagg.buffers import wsum64
+from sgl_kvxfer.disagg.buffers import wsum64_async
 from sgl_kvxfer.disagg.prefill import PrefillRole
 from sgl_kvxfer.disagg.scd_common import ScdSetupError, load_producer, route_info
 from sgl_kvxfer.disagg.sender import NoticeJob, WriteJob
 from sgl_kvxfer.disagg.staging import RingWriter
+from sgl_kvxfer.disagg.trace import PhaseTrace
 from sgl_kvxfer.mem_cache.scd_payload import CodeLayout, pack_codes
 from sgl_kvxfer.message.disagg import KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVSegment
 from sgl_kvxfer.models.llama import HIDDEN_CAPTURE
@@ -62,7 +77,10 @@ class _Segment:
     end: int
     offset: int  # in the send buffer
     nbytes: int
-    checksums: list[int] | None = None  # GPU send buffer: wsum64, summed once for every consumer
+    # CUDA: an event behind the encode and pack (and the device checksums' copy to `sums`); every
+    # consumer's write waits for it in the sender thread, never the scheduler thread
+    ready: object | None = None
+    sums: torch.Tensor | None = None  # device send buffer: wsum64_async's host sums, once for every consumer
 
 
 @dataclass
@@ -75,6 +93,7 @@ class _Consumer:
     outcome: str | None = None  # "ok" or a failure reason, once finished
     wire_bytes: int = 0
     wire_seconds: float = 0.0
+    spans: list = field(default_factory=list)  # --enable-pd-trace: its wire[s] [name, start, end]
 
 
 @dataclass
@@ -94,6 +113,12 @@ class ScdRoom:
     inflight: int = 0
     closing: str | None = None  # why it closes; set once
     progress: float = field(default_factory=time.monotonic)
+    started: bool = False  # its request's first chunk was launched
+    # --enable-pd-trace (the fields PrefillRole's chunk hooks read and write)
+    trace: PhaseTrace | None = None
+    launched: dict = field(default_factory=dict)
+    chunk_done: dict = field(default_factory=dict)
+    forward_end: float = 0.0
 
 
 class ScdPrefillRole(PrefillRole):
@@ -101,10 +126,11 @@ class ScdPrefillRole(PrefillRole):
         super().__init__(settings, host)
         self.fanout = settings.scd_fanout
         self.closed: dict[int, tuple[str, float]] = {}  # room -> (why, forget after)
-        self._jobs: dict[int, tuple[int, str]] = {}  # write job id -> (room, decode_id)
+        self._jobs: dict[int, tuple[int, str, int]] = {}  # write job id -> (room, decode_id, segment index)
         self._job_ids = itertools.count()
         self.encoded = {"rooms": 0, "tokens": 0, "bytes": 0}  # prefills whose codes were encoded (once each)
         self.rooms_closed: Counter = Counter()  # why rooms closed ("served", "fan-out timed out", ...)
+        self.early: list[ScdRoom] = []  # rooms whose cached prefix's codes were queued by before_forward
 
     def start(self, ctx) -> None:
         runner, settings = ctx.runner, self.settings
@@ -153,11 +179,44 @@ class ScdPrefillRole(PrefillRole):
         n = len(req.origin_input_ids)
         room.req, room.limit, room.progress, room.opened = req, n - 1, time.monotonic(), time.monotonic()
         room.level = self.chooser.choose(n - 1, self._paced_gbps())
+        room.trace = None
+        if self.trace_on:
+            room.trace = PhaseTrace()
+            room.trace.add("arrival", time.time(), time.time())
         return False
 
     def before_forward(self, batch, fb) -> None:
+        for s in batch.slices:
+            room = self._room_of(s.req)
+            if room is None or room.started:
+                continue
+            room.started = True
+            if s.start > 0 and room.closing is None:
+                # the prefix came from the radix cache: its KV and patch codes are in the pools
+                # now, so its codes go out while this forward computes the rest (launched
+                # ahead of the forward in the stream; nothing here waits for them)
+                self._encode(room, s.start)
+                self.early.append(room)
+        self._send_early()
+        super().before_forward(batch, fb)  # the trace's chunk starts (after that encode: prefill[a:b] is the forward)
         if self.patch_layers:
             fb.extras[HIDDEN_CAPTURE] = functools.partial(self._capture, fb.out_cache_loc)
+
+    def after_launch(self, batch) -> None:
+        super().after_launch(batch)
+        self._send_early()  # claims that came in while the forward was launched
+
+    def _send_early(self) -> None:
+        """Early segments (a cached prefix's codes) to every consumer that has claimed by now."""
+        if not self.early:
+            return
+        for msg in self.inbox.get_all_nowait():
+            self._on_message(msg)
+        now = time.monotonic()
+        for room in self.early:
+            self._pump(room, now)
+        self.early = [r for r in self.early
+                      if r.closing is None and not r.prompt_done and len(r.consumers) < self.fanout]
 
     def _capture(self, slots: torch.Tensor, layer: int, hidden: torch.Tensor) -> None:
         """hidden [T, hidden]: the batch's tokens, in the order of their KV slots `slots` [T]."""
@@ -190,6 +249,8 @@ class ScdPrefillRole(PrefillRole):
                                           "scd_manifest": self.manifest_id[:12], "bytes": nbytes,
                                           "scd_level": list(self.levels[room.level]),
                                           "bytes_per_token": nbytes / max(1, room.limit), "fanout": self.fanout}}
+        if room.trace is not None:  # the producer's side up to its last segment's codes
+            req.extra_meta["kv_transfer"]["trace"] = list(room.trace.spans)
         return False
 
     def abort(self, rid: str, abort_all: bool) -> None:
@@ -231,8 +292,11 @@ class ScdPrefillRole(PrefillRole):
         a, b = room.encoded, min(upto, room.limit)
         if b <= a:
             return
+        seq, trace = len(room.segments), room.trace
+        t0 = time.time()
         slots = self.table.read(room.req.req_pool_idx, b, start=a)
         positions = torch.arange(a, b, device=slots.device)
+        self.encoder.rotary.prime(positions, num_positions=b)  # every layer's deRoPE: one lookup, no sync
         codes = {}
         level, layout = self.levels[room.level], self.layouts[room.level]
         for layer in self.manifest.reuse_layers:
@@ -240,6 +304,12 @@ class ScdPrefillRole(PrefillRole):
             codes[(layer, "k")], codes[(layer, "v")] = self.encoder.encode_reuse(layer, k, v, positions, level)
         for layer in self.patch_layers:
             codes[(layer, "h")] = self.zh_pool[layer][slots]
+        cuda = positions.device.type == "cuda"
+        if trace is not None:
+            if cuda:  # traced rooms only: the span ends with the encode's kernels
+                torch.cuda.current_stream().synchronize()
+            trace.add(f"code[{seq}]", t0)
+            t0 = time.time()
         nbytes = layout.nbytes(b - a)
         off = self.send_alloc.alloc(nbytes)
         if off is None:
@@ -247,12 +317,19 @@ class ScdPrefillRole(PrefillRole):
             return
         payload = self.buffer[off:off + nbytes]
         pack_codes(layout, codes, payload)
-        sums = None
+        # nothing here waits for the kernels: the sender thread waits for `ready` before it reads
+        # the bytes or the sums (a host buffer gets its xxh3 there)
+        ready, sums = None, None
         if self.buffer.on_device:
-            sums = wsum64(payload)  # tolist() also waits for the pack
-        elif positions.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # the codes must be in host memory before a write
-        room.segments.append(_Segment(a, b, off, nbytes, sums))
+            sums, ready = wsum64_async(payload)
+        elif cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        if trace is not None:
+            if ready is not None:
+                ready.synchronize()
+            trace.add(f"pack[{seq}]", t0)
+        room.segments.append(_Segment(a, b, off, nbytes, ready, sums))
         room.encoded, room.progress = b, time.monotonic()
 
     # ------------------------------------------------------------------ claims and transfers
@@ -312,14 +389,15 @@ class ScdPrefillRole(PrefillRole):
                 if dst is None:
                     break  # the decode has not acked enough yet
                 job = next(self._job_ids)
-                self._jobs[job] = (room.room, c.claim.decode_id)
+                self._jobs[job] = (room.room, c.claim.decode_id, seq)
                 segment = KVSegment(room.room, seq, seg.start, seg.end, None, (0, 0, 0), dst, seg.nbytes, 0, [],
                                     codes=True)
                 # NOTE: every consumer's write reads the same send-buffer bytes (never rewritten
                 # while the room is open); only the KVSegment (ring offset, seq) is per consumer
                 self.sender.submit(WriteJob(room.room, job, self.buffer[seg.offset:seg.offset + seg.nbytes],
                                             c.claim.session, c.claim.region_addr + dst, c.claim.reply_to, segment,
-                                            seg.checksums, self.buffer.checksum_kind))
+                                            None, self.buffer.checksum_kind if self.buffer.on_device else "xxh3",
+                                            seg.ready, seg.sums))
                 c.sent += 1
                 c.inflight += 1
                 room.inflight += 1
@@ -327,14 +405,18 @@ class ScdPrefillRole(PrefillRole):
                     and not c.done_queued:
                 c.done_queued = True
                 room.notices.append((c.claim.decode_id, "done"))
-                self.sender.submit(NoticeJob(room.room, c.claim.reply_to, KVDone(
-                    room.room, c.sent, room.first_token, 0, c.wire_bytes, wire_seconds=c.wire_seconds,
-                    tail_seconds=now - room.prompt_done_at)))
+                done = KVDone(room.room, c.sent, room.first_token, 0, c.wire_bytes, wire_seconds=c.wire_seconds,
+                              tail_seconds=now - room.prompt_done_at)
+                if room.trace is not None:  # the room's spans and this consumer's writes
+                    done.trace = [*room.trace.spans, *c.spans, ["notice", time.time(), time.time()]]
+                    if self.gc_pauses is not None:
+                        done.trace.extend(self.gc_pauses.spans(room.trace.start_of("arrival") or 0.0, time.time()))
+                self.sender.submit(NoticeJob(room.room, c.claim.reply_to, done))
 
     def _on_result(self, res) -> None:
         room = self.rooms.get(res.room)
         if res.seq >= 0:
-            _, decode_id = self._jobs.pop(res.seq, (None, None))
+            _, decode_id, seq = self._jobs.pop(res.seq, (None, None, None))
             if room is None:
                 return
             room.inflight -= 1
@@ -348,6 +430,10 @@ class ScdPrefillRole(PrefillRole):
                     c.wire_seconds += res.write_seconds
                     self.stats.moved(res.nbytes)
                     self.chooser.observe_write(res.nbytes, res.write_seconds)
+                    if room.trace is not None:
+                        if res.ready_wait is not None:  # the sender waiting for the encode's kernels
+                            c.spans.append([f"pack_wait[{seq}]", *res.ready_wait])
+                        c.spans.append([f"wire[{seq}]", res.write_start, res.write_end])
         elif room is not None and room.notices:
             decode_id, kind = room.notices.popleft()
             c = room.consumers.get(decode_id)

@@ -74,11 +74,13 @@ def cluster(pair):
 
     bp2 = free_port()
     p, p2, da, db, dx = start_all([
-        (role("prefill", "producer", "arts", "--disaggregation-bootstrap-port", str(bp), "--scd-fanout", "2"),
+        (role("prefill", "producer", "arts", "--disaggregation-bootstrap-port", str(bp), "--scd-fanout", "2",
+              "--enable-pd-trace"),
          {"SGL_KVXFER_KV_TRANSFER_FAULT": f"corrupt@{ROOM_CORRUPT}"}, "scd_prefill"),
         (role("prefill", "producer", "arts", "--disaggregation-bootstrap-port", str(bp2), "--scd-rank", "2:2"),
          None, "scd_prefill_level"),
-        (role("decode", "a", "arts"), None, "scd_decode_a"), (role("decode", "b", "arts"), None, "scd_decode_b"),
+        (role("decode", "a", "arts", "--enable-pd-trace"), None, "scd_decode_a"),
+        (role("decode", "b", "arts"), None, "scd_decode_b"),
         (role("decode", "a", "other"), None, "scd_decode_other")])
     try:
         router = start_router([(p.url, bp)], [da.url])
@@ -259,6 +261,35 @@ def test_a_lower_rank_level_and_a_cached_prefix(cluster, reference):
     assert rp["meta_info"]["cached_tokens"] >= 32  # the second prompt's prefix came from the radix cache
     levels = transfer_state(cluster["P2"])["kv_transfer"]["scd"]["level_counts"]
     assert levels["2:2"] == 2 and levels["8:8"] == 0
+
+
+def test_traced_phases_and_a_cached_document_goes_ahead_of_the_question(cluster, reference):
+    """P and a trace (--enable-pd-trace): the reply's trace holds the SCD phases of both sides,
+    and `ttft_ms` ends with the consumer's first decode step. A document already in P's radix
+    cache goes out as a segment of its own, coded before the question's forward is launched,
+    and the consumer still decodes exactly as from a full prefill's codes."""
+    scd, _ = reference
+    doc = prompt_ids(40, 21)
+    for i, room in enumerate((9501, 9502)):
+        prompt = doc + prompt_ids(9, 22 + i)
+        rp, (ra,) = direct(cluster, body(prompt), room, ["a"])
+        assert rp.status_code == 200 and ra.status_code == 200, ra.text
+        reply = ra.json()
+        assert_matches(reply, *scd("a", prompt, 6))
+    kv = reply["meta_info"]["kv_transfer"]
+    cached = rp.json()["meta_info"]["cached_tokens"]
+    assert kv["status"] == "ok" and cached >= 32
+    trace = kv["trace"]
+    phases = {name: (start, dur) for name, start, dur in trace["phases"]}
+    for name in ("p.queue", "p.code[0]", "p.pack[0]", "p.wire[0]", "p.notice", "d.bootstrap", "d.unpack[0]",
+                 "d.admit", "d.first_step"):
+        assert name in phases, (name, sorted(phases))
+    first_forward = min(start for name, start, _ in trace["phases"] if name.startswith("p.prefill["))
+    assert phases["p.pack[0]"][0] + phases["p.pack[0]"][1] <= first_forward + 1e-3  # the document's codes first
+    assert trace["ttft_ms"] >= trace["critical_ms"] > 0
+    assert trace["ttft_ms"] == pytest.approx(sum(phases["d.first_step"]), abs=1e-2)
+    assert set(kv["rebuild_gpu_ms"]) == {"unpack_codes", "reuse", "patch", "kv_write"}
+    assert kv["segments"] >= 2  # the cached document, then the question's chunk(s)
 
 
 def test_unclaimed_rooms_close_and_nothing_leaks(cluster):

@@ -119,6 +119,25 @@ def test_derope_rope_exact(preset):
     assert torch.allclose(yarn.derope(yarn.rope(x, pos), pos), x, atol=1e-5)
 
 
+def test_primed_positions_share_one_lookup_and_give_the_same_rotation(monkeypatch):
+    """prime(positions, num_positions=bound): every later rope / derope of that same tensor reuses
+    its cos / sin (one lookup per segment, no positions.max() sync) and rotates exactly as an
+    unprimed call; another tensor of equal values is looked up afresh."""
+    arch = ModelArchConfig.from_hf_dict(PRESETS["llama-3-8b"])
+    rot, fresh = KeyRotary.from_arch(arch), KeyRotary.from_arch(arch)
+    pos = torch.arange(4090, 4100)
+    x = torch.randn(len(pos), 2, arch.head_dim)
+    want_rope, want_derope = fresh.rope(x, pos), fresh.derope(x, pos)
+    calls = []
+    real = rot.rotary.cos_sin
+    monkeypatch.setattr(rot.rotary, "cos_sin", lambda p, dt, n=None: calls.append(n) or real(p, dt, n))
+    rot.prime(pos, num_positions=4100)
+    for _ in range(3):
+        assert torch.equal(rot.rope(x, pos), want_rope) and torch.equal(rot.derope(x, pos), want_derope)
+    assert calls == [4100]
+    assert torch.equal(rot.rope(x, pos.clone()), want_rope) and calls == [4100, None]
+
+
 def test_engine_kv_equals_runner_kv_and_patch_regeneration(tiny_pair):
     """Our offline forward captures exactly the post-RoPE K/V the engine's pool stores, and the
     consumer's K/V regenerated from its own input_layernorm output equal its stored K/V."""
