@@ -54,8 +54,10 @@ assert build_has_cuda(), installed_build()" 2>&1 | tail -3; then
         --producer-gpu 0 --consumer-gpu 1 --gpu-placement flag --transfer-backend "$BACKEND"
         --producer-args "${PRODUCER_ARGS:---max-total-tokens 40000}")
   # 4 decode servers share GPU1: 15 GiB of weights, a 1.05 GiB pool and a 512 MB transfer buffer each
+  # and CUDA graphs of batch 1-4 (SCD_GRAPH_BS): the consumer's first token comes from its first
+  # decode step, which a decode server runs as a graph replay
   # (8k tokens of codes at ranks 12 / 20 / 128 with 6 patch layers: 14,848 B/token, 122 MB)
-  SERVER="--load-format dummy --dtype bfloat16 --device cuda --mem-fraction-static 0.95 --max-total-tokens 8600 --chunked-prefill-size 2048 --disable-cuda-graph --kv-transfer-buffer-mb 512 --log-level warning"
+  SERVER="--load-format dummy --dtype bfloat16 --device cuda --mem-fraction-static 0.95 --max-total-tokens 8600 --chunked-prefill-size 2048 --cuda-graph-max-bs ${SCD_GRAPH_BS:-4} --kv-transfer-buffer-mb 512 --log-level warning"
   NAME=scd_e2e_llama-3-8b_$(python3 -c "import torch; print(torch.cuda.get_device_name(0).split()[1])")_x2
   T_TOTAL=${T_TOTAL:-285}
 else
