@@ -39,7 +39,9 @@ class PackStream:
 
     def __init__(self, device, cuda=torch.cuda):
         self.cuda = cuda
-        self.stream = cuda.Stream(device=device)
+        # high priority: the link waits for the pack, so its few small kernels take SMs ahead
+        # of the next chunk's GEMM blocks as those retire (the forward hardly notices)
+        self.stream = cuda.Stream(device=device, priority=-1)
         self.dirty = False  # side work launched since the last join
 
     @classmethod

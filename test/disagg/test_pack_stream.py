@@ -22,7 +22,7 @@ class FakeCuda:
         fake = self
 
         class Stream:
-            def __init__(self, device=None, name="side"):
+            def __init__(self, device=None, priority=0, name="side"):
                 self.name = name
 
             def wait_event(self, ev):
