@@ -2,7 +2,8 @@
 stand-in for torch.cuda's stream API, which chunks get an event at launch, which ranges pack on
 the side stream (after which event), and where the compute stream joins it; on a GPU, a pack on
 the side stream runs beside a long kernel on the compute stream, gives a compute-stream pack's
-bytes, and a re-tier after the role's hook cannot change what it read."""
+bytes, and a re-tier after the role's hook cannot change what it read; through a scheduler,
+the real role's segments are byte for byte those of compute-stream packs."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -248,3 +249,115 @@ def test_side_stream_pack_runs_beside_the_next_chunk_and_the_retier_waits_for_it
     torch.cuda.synchronize()
     assert torch.equal(out, ref) and wsum64_values(sums) == wsum64_values(ref_sums)
     assert bool((new.cpu() != host)[wire != 0].all())  # the re-tier did move the int tokens
+
+
+# ---------------------------------------------------------------- the role in a scheduler
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from sgl_kvxfer.models.presets import write_dummy_tokenizer, write_preset_config
+
+    d = str(tmp_path_factory.mktemp("tiny"))
+    write_dummy_tokenizer(write_preset_config("tiny", d), 512)
+    return d
+
+
+def capturing_prefill(side: bool):
+    """The prefill role's chunk-stream path with the link cut off: a room per request, claimed
+    at once with a ring that takes everything; each write job is kept, none reports."""
+    from sgl_kvxfer.disagg.buffers import TransferBuffer
+    from sgl_kvxfer.disagg.prefill import PrefillRole, PrefillRoom
+    from sgl_kvxfer.disagg.role import PDRole
+    from sgl_kvxfer.disagg.staging import RingWriter, StagingAllocator
+
+    class CapturingPrefill(PrefillRole):
+        def start(self, ctx):
+            PDRole.start(self, ctx)
+            self.pool, self.table, self.tiering, self.tiered = ctx.pool, ctx.table, ctx.tiering, True
+            ctx.tiering.final_tiers_hook = self._on_final_tiers
+            self.device = ctx.runner.device
+            self.packs = PackStream.create(self.device) if side else None
+            self.buffer = TransferBuffer(1 << 22, str(self.device), True)
+            self.send_alloc = StagingAllocator(self.buffer.numel())
+            self.jobs, self.side_packs = [], 0
+            self.sender = NS(submit=self.jobs.append, cancelled=set(), drain=lambda: [])
+            self.wake, self.inbox, self.monitor = NS(drain=lambda: None), NS(get_all_nowait=lambda: []), None
+
+        def transfers(self, req):
+            return True
+
+        def on_new_request(self, req):
+            room = self.rooms[req.rid] = PrefillRoom(req.rid, req=req, stream="chunk")
+            room.claim, room.ring = NS(session="s", region_addr=0, reply_to="r"), RingWriter(1 << 22)
+            self.tiering.rank_chunks(req)
+            return False
+
+        def _room_of(self, req):
+            room = self.rooms.get(req.rid)
+            return room if room is not None and room.req is req else None
+
+        def has_work(self):
+            return False  # (nothing reports: a finished prompt's room would wait forever)
+
+    settings = NS(backend="capture", stream="chunk", trace=False, last_chunk=0, claim_deadline_s=1e9, timeout_s=1e9)
+    role = CapturingPrefill(settings, "127.0.0.1")
+    return role
+
+
+def captured(role) -> list:
+    """Each write job's (positions, tiers, tier counts, payload bytes, checksums), once packed."""
+    from sgl_kvxfer.disagg.buffers import wsum64_values
+
+    out = []
+    for job in role.jobs:
+        if job.ready is not None:
+            job.ready.synchronize()
+        seg = job.segment
+        out.append(((seg.start, seg.end), seg.tiers, tuple(seg.lens), job.payload.cpu().clone(),
+                    None if job.sums is None else wsum64_values(job.sums)))
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU")])])
+def test_side_stream_chunk_packs_send_the_bytes_of_compute_stream_packs(tiny_dir, device):
+    """A tiered chunk-stream prompt through the scheduler with overlapped chunks (on a GPU) and
+    the real role: its segments (each chunk's own, then the rest at the final tiers, packed
+    before the re-tier) carry the same positions, tiers and bytes whether chunk packs run on the
+    side stream or on the compute stream (on CPU: no side stream either way)."""
+    from sgl_kvxfer.config import EngineConfig, SchedulerConfig
+    from sgl_kvxfer.message import TokenizedGenerateReq
+    from sgl_kvxfer.sampling.params import SamplingParams
+    from sgl_kvxfer.scheduler.scheduler import Scheduler
+    from sgl_kvxfer.scheduler.startup import create_runner
+
+    runs = []
+    for side in (False, True):
+        role = capturing_prefill(side)
+        cfg = SchedulerConfig(engine=EngineConfig(model_path=tiny_dir, load_format="dummy", device=device,
+                                                  max_total_tokens=2048, kv_tier_budget=0.3, kv_int4="on"),
+                              chunked_prefill_size=16, max_running_requests=4)
+        runner, _, _ = create_runner(cfg)
+        sched = Scheduler(cfg, runner, None, role=role)
+        assert sched.chunk_overlap == (device == "cuda")
+        if role.packs is not None:  # count the packs that run on the side stream
+            real_after = role.packs.after
+
+            def after(event, role=role, real_after=real_after):
+                role.side_packs += 1
+                return real_after(event)
+
+            role.packs.after = after
+        sched.handle(TokenizedGenerateReq(rid="c", input_ids=[(7 * i) % 400 + 50 for i in range(60)],
+                                          sampling=SamplingParams.from_dict({"max_new_tokens": 3, "temperature": 0,
+                                                                             "ignore_eos": True})))
+        for _ in range(50):
+            sched.step()
+            if role.rooms["c"].prompt_done:
+                break
+        runs.append((captured(role), role.side_packs))
+    (plain, none), (sided, n_side) = runs
+    assert none == 0 and n_side == (3 if device == "cuda" else 0)  # chunks [0, 16), [16, 32), [32, 48)
+    assert [p[0] for p in plain] == [(0, 16), (16, 32), (32, 48), (48, 60)]
+    assert len(sided) == len(plain)
+    for a, b in zip(plain, sided):
+        assert a[:3] == b[:3] and torch.equal(a[3], b[3]) and a[4] == b[4], a[0]
