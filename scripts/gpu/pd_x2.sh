@@ -88,7 +88,7 @@ assert build_has_cuda(), installed_build()" 2>&1 | tail -3 | tee "$OUT/pd_x2.log
   GOODPUT=(--input-len 4096 --output-len 128 --seconds-per-rate 2)
   TTFT_NAME=ttft_vs_bandwidth_llama-3-8b_${GPU}_x2 GOODPUT_NAME=goodput_llama-3-8b_${GPU}_x2
   T_TESTS=${T_TESTS:-50} T_TTFT=${T_TTFT:-300} T_GOODPUT=${T_GOODPUT:-170} T_TOTAL=${T_TOTAL:-530}
-  TESTS=(test/disagg/test_gpu_transfer.py test/disagg/test_pd_units.py test/disagg/test_pd_role.py)
+  TESTS=(test/disagg/test_gpu_transfer.py test/disagg/test_pd_units.py test/disagg/test_pd_role.py test/disagg/test_pack_stream.py)
 else  # the CPU rehearsal: the same stages on the tiny preset, two CPU servers per setup
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   MODEL=/tmp/pdx2_tiny VOCAB=512 PRESET=tiny

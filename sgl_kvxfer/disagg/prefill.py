@@ -25,7 +25,9 @@ What travels, by `--kv-tier-budget` b and `--kv-transfer-stream`:
                        .chunk_tiers); the pool keeps the chunk at the model dtype, so it is
                        quantized on the way out. The last chunk, and chunks not yet packed when
                        the prompt ends, go at the final tiers (ranked by the whole prompt),
-                       packed before the re-tier moves the KV (_on_final_tiers)
+                       packed before the re-tier moves the KV (_on_final_tiers). On a GPU
+                       a chunk's pack runs on a side stream after that chunk's kernels, beside
+                       the next chunk's forward (pack_stream.py)
     b < 1, "chunk-upgrade"  "chunk", then one replacing segment with the tokens whose final
                        tier is more precise than the one they streamed at (TIER_KEEP for the
                        rest): the decode holds max(streamed, final) precision per token
@@ -47,6 +49,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import msgspec
@@ -57,6 +60,7 @@ from sgl_kvxfer.disagg import create_transfer_engine
 from sgl_kvxfer.disagg.base import KVPoll
 from sgl_kvxfer.disagg.buffers import TransferBuffer, wsum64_async
 from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, Fault, TransferStats, register_prefill_rank
+from sgl_kvxfer.disagg.pack_stream import PackStream
 from sgl_kvxfer.disagg.peers import PeerMonitor, endpoint_peer
 from sgl_kvxfer.disagg.role import PDRole
 from sgl_kvxfer.disagg.sender import NoticeJob, SenderThread, WriteJob
@@ -86,14 +90,17 @@ class _Range:
     # the table). Valid until the prompt's re-tier moves them; a chunk range still pending
     # then is dropped (_finalize_chunks), and a packed one was enqueued before the re-tier.
     slots: torch.Tensor | None = None
+    # "chunk" on CUDA: the event behind the chunk's kernels (PackStream.mark at its launch); the
+    # range is packed on the role's side stream after it (None: packed on the current stream)
+    after: object = None
 
     def split(self) -> tuple["_Range", "_Range"]:
         cut = (self.end - self.start) // 2
         mid = self.start + cut
         head = lambda t: None if t is None else t[:cut]  # noqa: E731
         tail = lambda t: None if t is None else t[cut:]  # noqa: E731
-        return (_Range(self.start, mid, self.kind, head(self.tiers), head(self.slots)),
-                _Range(mid, self.end, self.kind, tail(self.tiers), tail(self.slots)))
+        return (_Range(self.start, mid, self.kind, head(self.tiers), head(self.slots), self.after),
+                _Range(mid, self.end, self.kind, tail(self.tiers), tail(self.slots), self.after))
 
 
 @dataclass
@@ -127,12 +134,15 @@ class PrefillRoom:
     chunk_ends: list = field(default_factory=list)  # tiered "end": its chunks' ends (the first cuts the range)
     forward_end: float = 0.0  # time.time() its last chunk's forward ended
     chunk_done: dict = field(default_factory=dict)  # chunk end -> CUDA event behind its kernels (trace)
+    chunk_marks: dict = field(default_factory=dict)  # tiered chunk streams on CUDA: chunk end ->
+    # the event behind its kernels, until on_chunk queues its range (its pack waits for it alone)
 
 
 class PrefillRole(PDRole):
     mode = "prefill"
     intercepts_prefill = True
     peer_kind = "decode"
+    packs: PackStream | None = None  # the side stream of chunk-stream packs (CUDA only)
 
     def __init__(self, settings, host: str):
         self.settings = settings
@@ -157,6 +167,7 @@ class PrefillRole(PDRole):
         self.device = ctx.runner.device
         if self.fake:
             return
+        self.packs = PackStream.create(self.device) if self.tiered else None
         self.engine = create_transfer_engine(settings.backend, host, settings.rate_gbps, settings.latency_ms,
                                              settings.ib_device, settings.gpu_id)
         self.buffer = TransferBuffer(settings.buffer_bytes, self.device, self.engine.gpu_memory)
@@ -200,17 +211,32 @@ class PrefillRole(PDRole):
                     room.launched[s.start + s.length] = now
 
     def after_launch(self, batch) -> None:
-        """Traced rooms on a GPU: an event right behind the chunk's kernels marks its end (with
-        overlapped chunks the next chunk is in the stream before this one's after_forward)."""
-        if not self.settings.trace or not str(self.device).startswith("cuda"):
+        """On a GPU, an event right behind the chunk's kernels marks its end (with overlapped
+        chunks the next chunk is in the stream before this one's results are applied): a traced
+        room's chunk span waits for it, and a tiered chunk stream packs the chunk on the side
+        stream after it (pack_stream.py; not the prompt's last chunk, packed at the final tiers)."""
+        if not str(self.device).startswith("cuda"):
             return
-        rooms = [(s, r) for s in batch.slices
-                 if (r := self._room_of(s.req)) is not None and getattr(r, "trace", None) is not None]
-        if rooms:
+        traced, marked = [], []
+        for s in batch.slices:
+            room, end = self._room_of(s.req), s.start + s.length
+            if room is None:
+                continue
+            if self.settings.trace and getattr(room, "trace", None) is not None:
+                traced.append((room, end))
+            if self.packs is not None and getattr(room, "stream", None) in CHUNK_STREAMS and end < s.req.seq_len:
+                marked.append((room, end))
+        if not (traced or marked):
+            return
+        if self.packs is not None:
+            done = self.packs.mark()
+        else:
             done = torch.cuda.Event()
             done.record()
-            for s, room in rooms:
-                room.chunk_done[s.start + s.length] = done
+        for room, end in traced:
+            room.chunk_done[end] = done
+        for room, end in marked:
+            room.chunk_marks[end] = done
 
     def after_forward(self, batch) -> None:
         """The trace's chunk end; on a GPU it waits for the chunk's kernels (trace runs only)."""
@@ -272,7 +298,10 @@ class PrefillRole(PDRole):
         else:  # chunk streams: tiers at budget b for this chunk, from what is known now
             t0 = time.time()
             tiers, slots = self.tiering.chunk_tiers(req, start, end, with_slots=True)
-            room.pending.append(_Range(start, end, "chunk", tiers, slots))
+            after = room.chunk_marks.pop(end, None)
+            for stale in [e for e in room.chunk_marks if e < end]:  # (none in order; a retry's)
+                del room.chunk_marks[stale]
+            room.pending.append(_Range(start, end, "chunk", tiers, slots, after))
             if room.trace is not None:
                 room.trace.add(f"chunk_tier[{start}:{end}]", t0)
         room.streamed = end
@@ -363,6 +392,7 @@ class PrefillRole(PDRole):
             self._service_room(room, now)
         while self.ended and next(iter(self.ended.values()))[1] <= now:
             del self.ended[next(iter(self.ended))]
+        self._join_packs()  # the step's forward and frees come after every pack launched so far
 
     # ------------------------------------------------------------------ peer liveness (role.py)
     def _decode_of(self, room) -> str | None:
@@ -485,6 +515,14 @@ class PrefillRole(PDRole):
         return stored
 
     def _on_final_tiers(self, req, start: int, slots: torch.Tensor, tiers: torch.Tensor) -> None:
+        try:
+            self._pack_final(req, start, slots, tiers)
+        finally:
+            # NOTE: the re-tier moves the prompt's rows and frees its fp16 ones right after this
+            # hook: its kernels (and any later reuse of those rows) queue behind every side pack
+            self._join_packs()
+
+    def _pack_final(self, req, start: int, slots: torch.Tensor, tiers: torch.Tensor) -> None:
         """A chunk stream's prompt end, after its final tiers are assigned and before the re-tier
         moves its KV (EngineTiering.final_tiers_hook): what has not left yet (the last chunk,
         and chunks the link has not taken) is packed now at the final tiers asked for, quantized
@@ -503,7 +541,7 @@ class PrefillRole(PDRole):
         room.pending.clear()
         room.pending.append(_Range(first, n, "chunk", tiers[first - start:], slots[first - start:]))
         room.streamed = n
-        self._pump(room)
+        self._pump(room)  # (on the current stream: these ranges carry no chunk event)
 
     def _finalize_chunks(self, room: PrefillRoom, n: int) -> None:
         """Prompt end of a chunk stream: chunk ranges not packed yet go at the final tiers
@@ -544,16 +582,19 @@ class PrefillRole(PDRole):
             room.ring.ack(seq)  # undo the placement; retry next poll
             return False
         payload = self.buffer[src:src + lay.total_bytes]
-        pack_segment(self.pool, slots[live], tiers[live], payload)
         # nothing here waits for the pack: on CUDA the sender thread waits for `ready` (recorded
-        # after the pack and, for a device buffer, the checksums summed where the bytes are)
-        # before it reads the bytes; a host buffer gets its xxh3 there
-        ready, host_sums = None, None
-        if self.buffer.on_device:
-            host_sums, ready = wsum64_async(payload)
-        elif torch.cuda.is_available():
-            ready = torch.cuda.Event()
-            ready.record()
+        # after the pack and, for a device buffer, the checksums summed where the bytes are, on
+        # the stream that ran them) before it reads the bytes; a host buffer gets its xxh3 there.
+        # A chunk's own range packs on the side stream after that chunk's kernels (pack_stream.py)
+        side = self.packs is not None and rng.after is not None
+        with self.packs.after(rng.after) if side else nullcontext():
+            pack_segment(self.pool, slots[live], tiers[live], payload)
+            ready, host_sums = None, None
+            if self.buffer.on_device:
+                host_sums, ready = wsum64_async(payload)
+            elif torch.cuda.is_available():
+                ready = torch.cuda.Event()
+                ready.record()
         if rng.kind == "chunk":
             if room.sent_tiers is None:
                 room.sent_tiers = torch.full((len(req.origin_input_ids),), -1, dtype=torch.int16)
@@ -591,6 +632,15 @@ class PrefillRole(PDRole):
         self.sender.submit(NoticeJob(room.room, room.claim.reply_to, msg))
 
     # ------------------------------------------------------------------ endings
+    def _join_packs(self) -> None:
+        """NOTE: side-stream packs read pool rows that only compute-stream kernels change. Every
+        place after which the request's rows may move, be freed or be reused (the final re-tier,
+        a failed or finished room, the end of each poll: before the step's forward, after an
+        abort's or a failed batch's frees) joins first, so those kernels queue behind the packs.
+        No host wait."""
+        if self.packs is not None:
+            self.packs.join()
+
     def _check_deadline(self, room: PrefillRoom, now: float) -> None:
         if room.error or room.state == KVPoll.SUCCESS or room.done_queued:
             return
@@ -607,6 +657,7 @@ class PrefillRole(PDRole):
                 self._fail(room, "transfer stalled")
 
     def _fail(self, room: PrefillRoom, reason: str) -> None:
+        self._join_packs()  # the scheduler may free the request's KV next (an abort)
         if room.error is None:
             room.error = reason
             room.state = KVPoll.FAILED
@@ -638,6 +689,7 @@ class PrefillRole(PDRole):
                                           "transfer_ms": 1e3 * (time.monotonic() - (room.first_write or time.monotonic()))}}
         if room.trace is not None:
             req.extra_meta["kv_transfer"]["trace"] = room.trace.spans
+        self._join_packs()  # (its packs have all run: the sender waited for each `ready`)
         self.ctx.retire(req)
 
     def set_link(self, rate_gbps: float, latency_ms: float, stream: str | None = None,

@@ -1,0 +1,69 @@
+"""The prefill role's side CUDA stream for chunk-stream packs.
+
+With overlapped chunks (Scheduler.chunk_overlap) chunk k + 1 is already on the compute stream
+when chunk k's pack is launched; on that stream the pack would queue behind k + 1's whole
+forward while the link idles. On the side stream the pack waits for chunk k's kernels alone
+(an event recorded right behind them at launch) and runs beside k + 1 (a GEMM-bound forward
+next to a small memory-bound gather / quantize).
+
+    compute:  [ chunk k ]*[ chunk k+1 .................. ]  J  [ chunk k+2 ...
+    side:                 [ pack k | wsum64 | ready ]
+              * = after(k), recorded at launch          J = join(): compute waits for side
+
+Invariants (stream safety):
+  - Everything a side pack allocates on the device (index tensors, scratch, the checksums and
+    their pinned host copy) is allocated while the side stream is current, so the caching
+    allocators hand its blocks out again only in the side stream's order. Its inputs from the
+    compute stream are the pool and the send buffer, which are never freed. A device tensor a
+    pack caches for later use on any stream (wsum64's multipliers) is made by a blocking copy
+    and never freed. A send-buffer region is reused only after its write reported, i.e. after
+    the sender thread waited for its pack's `ready`.
+  - The pool rows a side pack reads are written only by compute-stream kernels: the pack's own
+    chunk and those before it (behind `after(k)`), then nothing until the request's rows move or
+    are freed and reused. join() orders every compute-stream kernel enqueued after it behind
+    every side pack launched before it; the role joins before any of that can happen (the
+    prompt's re-tier, a failed or finished room, each poll's end).
+  - `ready` (what the sender thread waits for before it reads the bytes) is recorded on the side
+    stream after the pack and the checksums, so it completes only once both have run.
+Off CUDA there is no stream (create returns None): the role packs in program order.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+class PackStream:
+    """A side stream of one CUDA device. `cuda` is torch.cuda (a stand-in in CPU tests)."""
+
+    def __init__(self, device, cuda=torch.cuda):
+        self.cuda = cuda
+        # high priority: the link waits for the pack, so its few small kernels take SMs ahead
+        # of the next chunk's GEMM blocks as those retire (the forward hardly notices)
+        self.stream = cuda.Stream(device=device, priority=-1)
+        self.dirty = False  # side work launched since the last join
+
+    @classmethod
+    def create(cls, device) -> "PackStream | None":
+        return cls(device) if str(device).startswith("cuda") else None
+
+    def mark(self):
+        """An event recorded on the current (compute) stream, right behind what is queued on it."""
+        ev = self.cuda.Event()
+        ev.record()
+        return ev
+
+    @contextmanager
+    def after(self, event):
+        """Run the block's device work on the side stream, after `event` (a mark()) completes."""
+        self.stream.wait_event(event)
+        self.dirty = True  # (also when the block raises: some of its work may be queued)
+        with self.cuda.stream(self.stream):
+            yield self.stream
+
+    def join(self) -> None:
+        """The compute stream waits (on the device; the host does not) for all side work so far."""
+        if self.dirty:
+            self.cuda.current_stream().wait_stream(self.stream)
+            self.dirty = False
