@@ -130,12 +130,16 @@ def _prefix_slots(bt_row_ptr, fill_row_ptr, n_tok, n_pages, l0, offs,
         j = l // PAGE
         s = l % PAGE
         if FILLED:
+            # page ids and fills load side by side (the page load is masked by the listing, not
+            # by the fill): no load waits for another; a page id read for a slot past its fill
+            # is a listed page's id and is only used under tmask
             live = j < n_pages
             fill = tl.load(fill_row_ptr + j, mask=live, other=0)
+            page = tl.load(bt_row_ptr + j, mask=live, other=0).to(tl.int64)
             tmask = s < fill
         else:
             tmask = l < n_tok
-        page = tl.load(bt_row_ptr + j, mask=tmask, other=0).to(tl.int64)
+            page = tl.load(bt_row_ptr + j, mask=tmask, other=0).to(tl.int64)
     return page, s, tmask
 
 
