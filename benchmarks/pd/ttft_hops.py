@@ -1,6 +1,6 @@
 """Where a PD request's time to first token goes outside the decode's phase trace.
 
-    python benchmarks/pd/ttft_hops.py [--prompt 512] [--repeats 7] [--server-args "..."] [--out F]
+    python benchmarks/pd/ttft_hops.py [--prompt 512] [--repeats 7] [--server-args "..."] [--out-dir DIR]
 
 Starts a prefill P and a decode D (both `--enable-pd-trace`), a single server S and the real
 `sglang_router` in front of P and D, then for `--repeats` streamed requests of one prompt length:
@@ -13,7 +13,7 @@ Starts a prefill P and a decode D (both `--enable-pd-trace`), a single server S 
               P's reply has ended, so max(d_first, p_end) is the TTFT it can give)
     single    S's client TTFT
 
-Medians with [min, max]; the JSON (`--out`) keeps every request. CPU numbers show fixed costs
+Medians with [min, max], printed; with `--out-dir`, ttft_hops.json there keeps every request. CPU numbers show fixed costs
 (loop wake-ups, hops, the order of the prefill's reply), not GPU speeds.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ import requests
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common.report import device_name, write_json  # noqa: E402
 from common.sglang_clients import first_chunk  # noqa: E402
 
 from sgl_kvxfer.testing.servers import free_port, start_router, start_server, stop_all  # noqa: E402
@@ -86,7 +87,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--server-args", default=DEFAULT_SERVER_ARGS)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
     if args.prompt < 1 or args.repeats < 1:
         ap.error("--prompt and --repeats must be positive")
@@ -118,12 +119,12 @@ def main() -> None:
             rows["direct"].append(direct(p.url, d.url, body(args.prompt, next(seed)), 50_000 + i, bp))
             t, _ = first_chunk(s.url, body(args.prompt, next(seed)), time.perf_counter(), 600)
             rows["single"].append({"ttft_ms": 1e3 * t})
-        result = {"prompt": args.prompt, "repeats": args.repeats, "server_args": args.server_args,
-                  "summary": {k: summary(v) for k, v in rows.items()}, "rows": rows}
+        device = common[common.index("--device") + 1] if "--device" in common else "cpu"
+        result = {"device": device_name(device), "prompt": args.prompt, "repeats": args.repeats,
+                  "server_args": args.server_args, "summary": {k: summary(v) for k, v in rows.items()}, "rows": rows}
         print(json.dumps(result["summary"], indent=1))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+        if args.out_dir:
+            print("wrote", write_json("ttft_hops", result, args.out_dir))
     finally:
         stop_all(*reversed(handles))
 
