@@ -184,9 +184,9 @@ class DecodeRole(PDRole):
         while self.ready and self.ctx.has_seat():
             req = self.ready.pop(0)
             spans = self.traces.pop(req, None)
-            if spans is not None:  # admission queues the first token: the critical path ends here
+            self.ctx.admit(req)  # radix insert, tier marks, then the first token queued
+            if spans is not None:  # the critical path ends here; the queued output holds req.extra_meta
                 self._close_trace(req, *spans)
-            self.ctx.admit(req)
 
     def server_info(self) -> dict:
         extra = {} if self.fake else {"staging_used_bytes": self.regions.used_bytes(), "endpoint": self.decode_id,

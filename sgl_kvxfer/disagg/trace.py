@@ -29,11 +29,17 @@ both sides into its reply's `meta_info.kv_transfer.trace`:
              unpack[s]      segment s: checksum verified, slots allocated, unpack launched
              unpack_wait    GPU staging: the last unpack's kernels finishing (its acks wait on them)
              admit          KVDone handled -> the first token is queued to the client
-             first_step     the request's first decode step (after the first token: not in TTFT)
+             emit           streamed replies: the first token queued -> its chunk written on the
+                            decode's HTTP stream (detokenizer and HTTP-server hops; not in critical_ms)
+             first_step     the request's first decode step (after the first token is queued; it
+                            runs once the scheduler's loop has sent that token out)
 
-`critical_ms` runs from the earlier arrival to the first token queued; `unaccounted_ms` is the
-part of it no span covers (message hops, loop wake-ups, ...), and `gaps` lists each uncovered
-stretch over 1 ms with the spans around it.
+`critical_ms` runs from the earlier arrival to the first token queued in the decode's scheduler;
+`unaccounted_ms` is the part of it no span covers (message hops, loop wake-ups, ...), and `gaps`
+lists each uncovered stretch over 1 ms with the spans around it. `first_token_time` is when the
+first token was queued (time.time() seconds), which d.emit is measured from. What a client sees
+beyond critical_ms + d.emit is its own path: the router's hops (it relays the decode's stream only
+once the prefill's reply has ended) and the wire.
 """
 from __future__ import annotations
 
@@ -116,4 +122,21 @@ def render(prefill: list[list], decode: list[list], arrivals: list[float], first
     return {"phases": [[n, round(1e3 * (s - t0), 3), round(1e3 * (e - s), 3)] for n, s, e in spans],
             "by_phase_ms": {k: round(v, 3) for k, v in by_kind.items()},
             "critical_ms": round(1e3 * (first_token - t0), 3), "unaccounted_ms": round(1e3 * unaccounted, 3),
-            "gaps": gaps}
+            "gaps": gaps, "first_token_time": first_token}
+
+
+def with_emit(snapshot: dict, written_at: float) -> dict:
+    """`snapshot` (a streamed reply's, after its first chunk was written at `written_at`) with
+    the d.emit span in its PD trace; unchanged when it carries no trace or has the span. The
+    snapshot's meta dicts are shared with the request's state: copied, never changed in place."""
+    meta = snapshot.get("meta_info")
+    kv = meta.get("kv_transfer") if isinstance(meta, dict) else None
+    trace = kv.get("trace") if isinstance(kv, dict) else None
+    if not isinstance(trace, dict) or "first_token_time" not in trace:
+        return snapshot
+    phases = trace.get("phases", [])
+    if any(p[0] == "d.emit" for p in phases):
+        return snapshot
+    emit = ["d.emit", trace["critical_ms"], round(1e3 * (written_at - trace["first_token_time"]), 3)]
+    trace = {**trace, "phases": [*phases, emit], "by_phase_ms": {**trace.get("by_phase_ms", {}), "d.emit": emit[2]}}
+    return {**snapshot, "meta_info": {**meta, "kv_transfer": {**kv, "trace": trace}}}

@@ -62,6 +62,7 @@ class Scheduler:
         self.role = PDRole()  # replaced below once the pool and tiering exist
         self._role_prefill = False
         self._joined = False  # requests joined `running` from outside a batch (PD decode)
+        self._deferred = False  # the last step returned before its forward to let the role's outputs out
         self.inflight: InflightBatch | None = None  # decode step launched, not applied
         self._current = None  # (batch, out_cache_loc) between allocation and apply: _recover
         self._unapplied: list[InflightBatch] = []  # taken off inflight / pending_prefill, being applied
@@ -195,6 +196,13 @@ class Scheduler:
 
     def _step(self) -> bool:
         self.role.poll()
+        # NOTE: what this poll produced (a PD decode's admitted first token, a PD prefill's
+        # finished reply) goes out before the forward: return, the caller flushes the outbox and
+        # steps again. Not twice in a row, so a stream of admissions cannot starve the forward.
+        if self.outbox and not self._deferred:
+            self._deferred = True
+            return True
+        self._deferred = False
         if self.inflight is not None:
             return self._step_overlapped()
         batch = self._prefill_batch()

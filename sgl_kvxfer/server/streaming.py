@@ -12,9 +12,11 @@ import asyncio
 import json
 import logging
 import math
+import time
 
 from fastapi.responses import StreamingResponse
 
+from sgl_kvxfer.disagg.trace import with_emit
 from sgl_kvxfer.server.errors import internal_error_message, stream_error_event
 from sgl_kvxfer.tokenizer.validation import RequestError
 
@@ -115,13 +117,18 @@ async def iter_snapshots(tm, states):
 
 
 async def sse_merge(tm, states, is_batch: bool, extra=None):
+    written: dict[int, float] = {}  # item -> when its first chunk was written (the PD trace's d.emit)
     try:
         async for i, snapshot in iter_snapshots(tm, states):
+            if i in written:
+                snapshot = with_emit(snapshot, written[i])
             if is_batch:
                 snapshot["index"] = i
             if extra is not None:
                 snapshot.update(extra(i))
             yield sse(snapshot)
+            # the response resumes this generator once the chunk's bytes went to the transport
+            written.setdefault(i, time.time())
     except RequestError as e:
         yield stream_error_event(str(e), e.status_code)
     except Exception as e:  # noqa: BLE001 (a bug must still end the stream in the route's error shape)

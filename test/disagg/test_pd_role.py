@@ -116,6 +116,46 @@ def test_a_role_hands_requests_back_through_its_context(tiny_dir):
     assert outs[-1].rid == "x" and len(outs[-1].new_output_ids) + sum(len(o.new_output_ids) for o in outs[:-1]) == 3
 
 
+class Finisher(PDRole):
+    """Holds every request after the first and ends it in its next poll (as a decode role admits a
+    prefilled request or ends a room there): the poll queues the request's output."""
+
+    def __init__(self):
+        self.held, self.forwards = [], 0
+
+    def on_new_request(self, req):
+        if req.rid == "running":
+            return False
+        self.held.append(req)
+        return True
+
+    def poll(self):
+        while self.held:
+            req = self.held.pop()
+            req.finish({"type": "length", "length": 0})
+            self.ctx.retire(req)
+
+    def after_forward(self, batch):
+        self.forwards += 1
+
+    def has_work(self):
+        return bool(self.held)
+
+
+def test_what_the_role_poll_queues_goes_out_before_the_next_forward(tiny_dir):
+    sched = make_scheduler(tiny_dir, Finisher())
+    submit(sched, "running", 20, max_new=50)
+    while not sched.running:
+        sched.step()
+    sched.take_outputs()
+    submit(sched, "polled", 10)
+    forwards = sched.role.forwards
+    assert sched.step()
+    # the step's poll ended "polled": its output leaves before "running"'s next decode step
+    assert [o.rid for o in sched.take_outputs()] == ["polled"] and sched.role.forwards == forwards
+    assert sched.step() and sched.role.forwards == forwards + 1  # then the forward runs
+
+
 class ChunkTiers(PDRole):
     intercepts_prefill = True
 
@@ -361,6 +401,22 @@ def test_trace_render_finds_the_uncovered_stretches():
                                           ["d.unpack[0]", "d.admit"]]
     assert t["by_phase_ms"]["p.prefill"] == pytest.approx(40.0)
     assert [p[0] for p in t["phases"]][:2] == ["p.queue", "d.bootstrap"]
+
+
+def test_the_emit_span_runs_from_the_first_token_queued_to_its_chunk_written():
+    from sgl_kvxfer.disagg.trace import render, with_emit
+
+    trace = render([["queue", 10.0, 10.1]], [["admit", 10.1, 10.2]], [10.0], 10.2)
+    assert trace["critical_ms"] == pytest.approx(200.0) and trace["first_token_time"] == 10.2
+    kv = {"status": "ok", "trace": trace}
+    snapshot = {"text": "a", "meta_info": {"id": "r", "kv_transfer": kv}}
+    out = with_emit(snapshot, 10.25)
+    assert out["meta_info"]["kv_transfer"]["trace"]["phases"][-1] == ["d.emit", pytest.approx(200.0), pytest.approx(50.0)]
+    assert out["meta_info"]["kv_transfer"]["trace"]["by_phase_ms"]["d.emit"] == pytest.approx(50.0)
+    assert kv["trace"] is trace and all(p[0] != "d.emit" for p in trace["phases"])  # the shared state is untouched
+    assert with_emit(out, 11.0) is out  # one span per request
+    plain = {"text": "a", "meta_info": {"id": "r"}}
+    assert with_emit(plain, 11.0) is plain
 
 
 def test_ib_device_forms_of_sglang(tmp_path):
