@@ -229,16 +229,6 @@ def repair_pages(pool, plans: list, stats: dict) -> None:
         stats["repacked_tokens"] += src.numel()
 
 
-def grow_original(original: torch.Tensor | None, n: int) -> torch.Tensor:
-    """A request's original-slot map (position -> the slot it was given, -1: none kept) with
-    room for positions [0, n)."""
-    if original is None:
-        return torch.full((max(n, 1),), -1, dtype=torch.int64)
-    if original.numel() >= n:
-        return original
-    return torch.cat([original, torch.full((n - original.numel(),), -1, dtype=torch.int64)])
-
-
 def copies_fit(holes: Holes, pool, allocator) -> bool:
     """Whether plan_copies can take every holed token's copy from its own int store's free pages
     as they are now (each request on fresh pages of its own), with no make_room and no fp16
@@ -260,30 +250,25 @@ def rewrite_rows(plans: list, owned: torch.Tensor, table: torch.Tensor, allocato
     -> the owned slots they replace, for the caller to free (after the write is enqueued; the
     allocator's free may sync, so a landing run during the forward defers it). Ownership is one host bool per global id (`owned`:
     an id is owned by at most one request; updated here), so no per-entry Python runs here but
-    one slice write per request of the original slots."""
+    the dict update of the original slots."""
     plans = [p for p in plans if p[2].numel()]
     if not plans:
         return torch.zeros(0, dtype=torch.int64)
     at = torch.cat([p[2] for p in plans])
     slots = torch.cat([p[3] for p in plans])
     cur = torch.cat([p[4] for p in plans])
-    sizes = [p[2].numel() for p in plans]
-    who = torch.repeat_interleave(torch.arange(len(plans)), torch.tensor(sizes))
+    who = torch.repeat_interleave(torch.arange(len(plans)), torch.tensor([p[2].numel() for p in plans]))
     was_owned = owned[cur]
-    # the entries a request was given: kept to write back at release (state.original: the
-    # given slot per position, -1 where the row holds its given slot). A position whose entry
-    # is kept already holds an owned slot now, so it is never overwritten.
+    # the entries a request was given: kept to write back at release. A position already in
+    # `original` holds an owned slot now, so it is never overwritten.
     given = ~was_owned
+    given_at, given_cur = at[given].tolist(), cur[given].tolist()
     a = 0
-    for (_, state, *_), n in zip(plans, sizes):
-        seg = given[a:a + n]
-        pos, val = at[a:a + n][seg], cur[a:a + n][seg]
+    for (_, state, *_), n in zip(plans, torch.bincount(who[given], minlength=len(plans)).tolist()):
+        fresh = dict(zip(given_at[a:a + n], given_cur[a:a + n]))
         a += n
-        if not pos.numel():
-            continue
-        state.original = grow_original(state.original, int(pos.max()) + 1)
-        fresh = state.original[pos] < 0
-        state.original[pos[fresh]] = val[fresh]
+        fresh.update((k, state.original[k]) for k in fresh.keys() & state.original.keys())
+        state.original.update(fresh)
     drop = cur[was_owned]
     owned[drop] = False
     owned[slots] = True

@@ -80,9 +80,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _ReqState:
-    # position -> the slot the request was given (host int64, -1 where the row holds it still);
-    # None until a landing replaces a given entry
-    original: torch.Tensor | None = None
+    original: dict = field(default_factory=dict)  # position -> the slot the request was given
     promoted: set = field(default_factory=set)    # positions promoted (or in flight)
     dropped: dict = field(default_factory=dict)   # dropped position -> its host row (owned by this request)
     finalizer: object = None                      # frees `dropped` if the request vanishes unreleased
@@ -487,12 +485,12 @@ class ColdTier:
             if state.dropped:
                 self.store.free_rows(torch.tensor(list(state.dropped.values()), dtype=torch.int64))
         self._free_orphans()
-        if state is None or state.original is None or req.req_pool_idx is None:
+        if state is None or not state.original or req.req_pool_idx is None:
             return
-        positions = (state.original >= 0).nonzero().squeeze(1)  # position order (the owned slots are freed in it)
-        if not positions.numel():
-            return
-        slots = state.original[positions]
+        positions = torch.tensor(list(state.original.keys()), dtype=torch.int64)
+        slots = torch.tensor(list(state.original.values()), dtype=torch.int64)
+        order = positions.argsort()  # position order (the owned slots are freed in it)
+        positions, slots = positions[order], slots[order]
         table = self.table.table
         dev = self.pool._to_device(torch.stack([positions, slots]))
         # the owned slots the row holds there: from the host mirror (a landing wrote them, so it is
