@@ -101,10 +101,10 @@ class StepClock:
 
         def step(*args, **kwargs):
             t = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
+            ran = real(*args, **kwargs)
+            if ran:  # a step that ran a batch (not an idle poll)
                 ms.append(time.perf_counter() - t)
+            return ran
         self.scheduler.step = step
         return self
 
@@ -118,14 +118,15 @@ def graph_replays(engine) -> int:
 
 
 def timed_window(engine, prompts, n1: int, n2: int) -> tuple[float, list[float], int, int]:
-    """One timed generate(n2) -> (its seconds, the wall times of its scheduler steps
-    [n1 - 1, n2 - 1) (decode steps n1 - 1 .. n2 - 2; index 0 is the prefill), fewest cached
-    prompt tokens, graph replays in the call)."""
+    """One timed generate(n2) -> (its seconds, the wall times of its decode steps n1 - 1 .. n2 - 2
+    (the call's last n2 - 1 steps that ran are its decode steps 1 .. n2 - 1, whatever prefill
+    steps came before), fewest cached prompt tokens, graph replays in the call)."""
     gc.collect()
     replays = graph_replays(engine)
     with StepClock(engine) as clock:
         t, c = timed_generate(engine, prompts, n2)
-    return t, clock.ms[n1 - 1:n2 - 1], c, graph_replays(engine) - replays
+    decode = clock.ms[len(clock.ms) - (n2 - 1):]
+    return t, decode[n1 - 2:n2 - 2], c, graph_replays(engine) - replays
 
 
 def set_mode(cold, mode: str, args) -> None:
