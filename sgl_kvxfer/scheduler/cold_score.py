@@ -105,6 +105,9 @@ def cap(picks: list, max_tokens: int) -> tuple[list, int]:
     -> (the picks kept, the number of positions that wait)."""
     # every stretch of the pass at once: elements are the picks' positions, concatenated
     sizes = [p[1].numel() for p in picks]
+    total = sum(sizes)
+    if total <= max_tokens:  # nothing waits: no stretch needs ranking
+        return picks, 0
     pos = torch.cat([p[1] for p in picks])
     mass = torch.cat([p[3] for p in picks])
     score = torch.cat([p[4] for p in picks])  # the strongest hit within `radius` of each position
@@ -115,9 +118,6 @@ def cap(picks: list, max_tokens: int) -> tuple[list, int]:
     first = start.nonzero().squeeze(1)
     size = torch.bincount(sid, minlength=first.numel())
     best = torch.zeros(first.numel()).scatter_reduce_(0, sid, score, "amax")
-    total = pos.numel()
-    if total <= max_tokens:
-        return picks, 0
     # strongest first; ties in pass order (a stable sort over stretches in pass order)
     order = torch.sort(-best, stable=True).indices
     cum = size[order].cumsum(0)
