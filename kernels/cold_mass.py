@@ -1,6 +1,8 @@
 """Decode attention mass per key, read straight from the tiered pool: the cold tier's scoring pass.
 
     pool_token_mass(q, rows, lens, k16, int8, int4, b8, b4, scale, out) -> out   (max-accumulated)
+    pool_token_mass_layers(qs, rows, lens, k16s, int8s, int4s, b8, b4, scale, out) -> out
+                                          (several layers: one launch each, one torch tail for all)
     pool_token_mass_reference(...)                                               (torch: same result)
 
 q      [n, Hq, D] one decode query per row (a probed layer's tap, rows gathered)
@@ -139,39 +141,58 @@ def _check_int(store: TierPages, tier: int, hkv: int, d: int, group: int, page: 
 def pool_token_mass(q: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, k16: torch.Tensor, int8: TierPages,
                     int4: TierPages, b8: int, b4: int, scale: float, out: torch.Tensor, tile: int = 16) -> torch.Tensor:
     """out = max(out, per-key head-max attention probability) (module docstring). No host sync."""
-    n, hq, d = q.shape
-    _, hkv, d16 = k16.shape
-    assert d16 == d and hq % hkv == 0 and d & (d - 1) == 0 and d >= 16, (q.shape, k16.shape)
-    assert q.is_contiguous() and k16.stride(-1) == 1 and rows.dtype == torch.int64 and rows.stride(-1) == 1
+    return pool_token_mass_layers([q], rows, lens, [k16], [int8], [int4], b8, b4, scale, out, tile)
+
+
+def pool_token_mass_layers(qs: list, rows: torch.Tensor, lens: torch.Tensor, k16s: list, int8s: list, int4s: list,
+                           b8: int, b4: int, scale: float, out: torch.Tensor, tile: int = 16) -> torch.Tensor:
+    """pool_token_mass of several layers at once (qs[l] against the stores k16s[l], int8s[l],
+    int4s[l]): one logits launch per layer into one buffer [L, n, Hq, W], then ONE torch tail
+    for all of them: out = max(out, max over layers and heads of p). The same values as one
+    pool_token_mass call per layer (a max of maxes), in a third of the launches for two layers."""
+    assert len(qs) == len(k16s) == len(int8s) == len(int4s) >= 1
+    n, hq, d = qs[0].shape
     assert out.dtype == torch.float32 and out.shape == rows.shape and out.is_contiguous() and rows.shape[0] == n
-    assert lens.shape == (n,)
-    group, page = int8.group_size, int8.page
-    _check_int(int8, TIER_INT8, hkv, d, group, page)
-    _check_int(int4, TIER_INT4, hkv, d, group, page)
-    assert group & (group - 1) == 0 and d % group == 0
+    assert rows.dtype == torch.int64 and rows.stride(-1) == 1 and lens.shape == (n,)
     width = rows.shape[1]
     if n == 0 or width == 0:
         return out
     tiles = triton.cdiv(width, tile)
     qk_scale = float(scale) * LOG2E
-    part_m = torch.empty((n, hq, tiles), dtype=torch.float32, device=q.device)
+    dev = qs[0].device
+    part_m = torch.empty((len(qs), n, hq, tiles), dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
-    logits = torch.empty((n, hq, width), dtype=torch.float32, device=q.device)
+    logits = torch.empty((len(qs), n, hq, width), dtype=torch.float32, device=dev)
     lens = lens.contiguous()
+    for at, (q, k16, int8, int4) in enumerate(zip(qs, k16s, int8s, int4s)):
+        _launch_logits(q, rows, lens, k16, int8, int4, b8, b4, qk_scale, part_m[at], part_l[at], logits[at], tile)
+    # log2-sum-exp2 per (layer, row, query head) of the tiles' parts (empty tiles: m NEG_BIG, l 0)
+    top = part_m.amax(dim=3, keepdim=True)
+    lse = top + torch.log2((part_l * torch.exp2(part_m - top)).sum(dim=3, keepdim=True).clamp_min(1e-30))
+    # masked logits are NEG_BIG: their probability is 0 (also in a row with no live key)
+    p = torch.where(logits > 0.5 * _MASKED, torch.exp2(logits - lse), 0.0).amax(dim=2).amax(dim=0)
+    torch.maximum(out, p, out=out)
+    return out
+
+
+def _launch_logits(q, rows, lens, k16, int8: TierPages, int4: TierPages, b8: int, b4: int, qk_scale: float,
+                   part_m, part_l, logits, tile: int) -> None:
+    """One _logits_kernel launch: the logits [n, Hq, W] and tile parts [n, Hq, T] of one layer."""
+    n, hq, d = q.shape
+    _, hkv, d16 = k16.shape
+    assert d16 == d and hq % hkv == 0 and d & (d - 1) == 0 and d >= 16, (q.shape, k16.shape)
+    assert q.is_contiguous() and k16.stride(-1) == 1
+    group, page = int8.group_size, int8.page
+    _check_int(int8, TIER_INT8, hkv, d, group, page)
+    _check_int(int4, TIER_INT4, hkv, d, group, page)
+    assert group & (group - 1) == 0 and d % group == 0
     k8, k4 = (x if x.numel() else torch.zeros(2, dtype=torch.uint8, device=q.device) for x in (int8.k, int4.k))
     stores = (k16, k8, k8.view(torch.float16), k4, k4.view(torch.float16))
     strides = (k16.stride(0), k16.stride(1), int8.k.stride(0), int8.k.stride(1), int4.k.stride(0), int4.k.stride(1))
-    _logits_kernel[(n, tiles)](q, rows, lens, *stores, part_m, part_l, logits, width, b8, b4, qk_scale,
-                               q.stride(0), rows.stride(0), *strides, part_m.stride(0), part_m.stride(1),
-                               logits.stride(0), logits.stride(1), **launch_constants(hq, hkv, d, group, page, tile),
-                               num_warps=NUM_WARPS)
-    # log2-sum-exp2 per (row, query head) of the tiles' parts (empty tiles: m NEG_BIG, l 0)
-    top = part_m.amax(dim=2, keepdim=True)
-    lse = top + torch.log2((part_l * torch.exp2(part_m - top)).sum(dim=2, keepdim=True).clamp_min(1e-30))
-    # masked logits are NEG_BIG: their probability is 0 (also in a row with no live key)
-    p = torch.where(logits > 0.5 * _MASKED, torch.exp2(logits - lse), 0.0).amax(dim=1)
-    torch.maximum(out, p, out=out)
-    return out
+    _logits_kernel[(n, part_m.shape[-1])](q, rows, lens, *stores, part_m, part_l, logits, rows.shape[1], b8, b4,
+                                          qk_scale, q.stride(0), rows.stride(0), *strides, part_m.stride(0),
+                                          part_m.stride(1), logits.stride(0), logits.stride(1),
+                                          **launch_constants(hq, hkv, d, group, page, tile), num_warps=NUM_WARPS)
 
 
 def pool_token_mass_reference(q, rows, lens, k16, int8: TierPages, int4: TierPages, b8: int, b4: int, scale: float,

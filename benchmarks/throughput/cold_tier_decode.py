@@ -15,11 +15,24 @@ After the prefill, modes alternate within every repeat (interleaved, so drift hi
     uncapped@I (--uncapped) on@first interval with no cap on the tokens a pass promotes
              (--kv-promote-max-tokens 0): what the cap changes in cost and counters
 
-    step = (T(n2) - T(n1)) / (n2 - n1)     per repeat (e2e_decode.py's protocol; prompts cached)
+    step      per repeat, the mean wall time of the generate(n2) call's scheduler steps
+              [n1 - 1, n2 - 1): n2 - n1 decode steps of the steady state, a whole number of
+              scoring intervals when n2 - n1 is a multiple of them; the prefill step, the first
+              decode steps and the final step (the final demotion, the release) are left out.
+              Each step ends in the sampled tokens' device -> host read, so its wall time is the
+              step's time with no added sync.
+    e2e_step  (T(n2) - T(n1)) / (n2 - n1) per repeat (e2e_decode.py's protocol; prompts cached):
+              kept beside it; it also carries the final step's demotion and release, which only
+              the n2 call has, and any slow call start of either call.
 
-and reports each mode's fastest step, the per-repeat spread, and the slowdown of each mode
-against `off` (fastest over fastest, and the median of the per-repeat ratios), with the cold
-tier's counters over the timed calls. Each timed call also records the fewest prompt tokens any
+Every timed call starts after gc.collect() (a collection that falls into a call is not counted
+in one mode only), and the modes rotate their order from repeat to repeat (mode k of repeat r
+runs at place (k - r) mod M), so no mode always follows the same one (its leftovers: a copy job
+still running, host allocator state). The report gives each mode's median and fastest step, the
+per-repeat spread, the slowdown against `off` (median over median, and the median of the paired
+per-repeat ratios), the median of the pooled per-step times (`step_s_p50_steps`: an idle step),
+the same for e2e_step, the graph replays per timed call, and the cold tier's counters over the
+timed calls. Each timed call also records the fewest prompt tokens any
 request found cached (`cached_tokens_min`: a prompt evicted from the radix cache is recomputed
 inside the timed call). `repeats_requested` / `repeats_ran` say how many repeats ran; with fewer
 than --repeats (budget, interrupt) or fewer than 5, `ratio_note` says the ratios are not the
@@ -49,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import os
 import random
 import signal
@@ -72,6 +86,47 @@ COUNTERS = ("scoring_passes", "scored_tokens", "promotions", "promoted_tokens", 
 
 
 NEVER = 1.0 + 1e-6  # a threshold no probability reaches: scoring without promotions
+
+
+class StepClock:
+    """Wall time of each scheduler step of the calls made inside it (perf_counter around
+    Scheduler.step, no sync: each decode step ends in its tokens' device -> host read)."""
+
+    def __init__(self, engine):
+        self.scheduler, self.ms = engine.scheduler, []
+
+    def __enter__(self) -> "StepClock":
+        real = self.real = self.scheduler.step
+        ms = self.ms
+
+        def step(*args, **kwargs):
+            t = time.perf_counter()
+            ran = real(*args, **kwargs)
+            if ran:  # a step that ran a batch (not an idle poll)
+                ms.append(time.perf_counter() - t)
+            return ran
+        self.scheduler.step = step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.scheduler.step  # the class's method shows through again
+
+
+def graph_replays(engine) -> int:
+    graphs = engine.runner.graph_runner
+    return graphs.replays if graphs is not None else 0
+
+
+def timed_window(engine, prompts, n1: int, n2: int) -> tuple[float, list[float], int, int]:
+    """One timed generate(n2) -> (its seconds, the wall times of its decode steps n1 - 1 .. n2 - 2
+    (the call's last n2 - 1 steps that ran are its decode steps 1 .. n2 - 1, whatever prefill
+    steps came before), fewest cached prompt tokens, graph replays in the call)."""
+    gc.collect()
+    replays = graph_replays(engine)
+    with StepClock(engine) as clock:
+        t, c = timed_generate(engine, prompts, n2)
+    decode = clock.ms[len(clock.ms) - (n2 - 1):]
+    return t, decode[n1 - 2:n2 - 2], c, graph_replays(engine) - replays
 
 
 def set_mode(cold, mode: str, args) -> None:
@@ -119,8 +174,9 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                    help="skip the synchronized per-part breakdown call of each mode")
     args = p.parse_args(argv)
-    if not 0 < args.kv_tier_budget < 1 or args.n2 <= args.n1 or args.repeats < 1 or min(args.intervals) < 1:
-        p.error("--kv-tier-budget in (0, 1), --n2 > --n1, --repeats >= 1, --intervals >= 1")
+    if (not 0 < args.kv_tier_budget < 1 or args.n1 < 2 or args.n2 <= args.n1 or args.repeats < 1
+            or min(args.intervals) < 1):
+        p.error("--kv-tier-budget in (0, 1), --n1 >= 2, --n2 > --n1, --repeats >= 1, --intervals >= 1")
     for t in (args.kv_promote_threshold, args.forced_threshold):
         if t is not None and not 0 < t <= 1:
             p.error("thresholds must be in (0, 1]")
@@ -150,7 +206,9 @@ def main(argv: list[str] | None = None) -> str:
     result = {"benchmark": "cold_tier_decode", "device": device, "commit": git_commit(), "torch": torch.__version__,
               "params": vars(args), "pool_plan": plan, "modes": {}, "partial": True, "phases": {},
               "reached": "engine start", "repeats_requested": args.repeats, "repeats_ran": 0, "breakdown": {}}
-    steps = {m: [] for m in modes}
+    steps = {m: [] for m in modes}  # per repeat: mean of the window's step times
+    e2e = {m: [] for m in modes}  # per repeat: (T(n2) - T(n1)) / (n2 - n1)
+    calls = {m: [] for m in modes}  # per repeat: {"t_n1", "t_n2", "step_ms", "graph_replays", "place"}
     cached = {m: [] for m in modes}  # per timed call: the fewest prompt tokens any request found cached
     counters = {m: dict.fromkeys(COUNTERS, 0) for m in modes}
 
@@ -159,7 +217,7 @@ def main(argv: list[str] | None = None) -> str:
         if phase is not None:
             result["phases"][phase] = seconds
             print(f"{phase}: {seconds:.1f} s (at {time.time() - t_start:.1f} s)", flush=True)
-        summarize(result, steps, counters, modes, args)
+        summarize(result, steps, e2e, calls, counters, modes, args)
         for mode, row in result["modes"].items():
             row["cached_tokens_min"] = cached[mode][:row["repeats"]]
         return write_json(name, result, args.out_dir)
@@ -217,12 +275,17 @@ def main(argv: list[str] | None = None) -> str:
                     print(f"time budget: stopping after {rep} of {args.repeats} repeats", flush=True)
                     break
                 t0 = time.time()
-                for mode in modes:
+                shift = rep % len(modes)
+                for place, mode in enumerate(modes[shift:] + modes[:shift]):
                     set_mode(cold, mode, args)
                     before = dict(cold.stats)
+                    gc.collect()
                     t1, c1 = timed_generate(engine, prompts, args.n1)
-                    t2, c2 = timed_generate(engine, prompts, args.n2)
-                    steps[mode].append((t2 - t1) / (args.n2 - args.n1))
+                    t2, window, c2, replays = timed_window(engine, prompts, args.n1, args.n2)
+                    steps[mode].append(statistics.fmean(window))
+                    e2e[mode].append((t2 - t1) / (args.n2 - args.n1))
+                    calls[mode].append({"t_n1": t1, "t_n2": t2, "step_ms": [round(1e3 * x, 3) for x in window],
+                                        "graph_replays": replays, "place": place})
                     cached[mode].append((c1, c2))
                     for k in COUNTERS:
                         counters[mode][k] += cold.stats[k] - before[k]
@@ -253,8 +316,11 @@ def main(argv: list[str] | None = None) -> str:
     if result.get("ratio_note"):
         print("NOTE:", result["ratio_note"], flush=True)
     for mode, row in result["modes"].items():
-        print(f"{mode:8s} step {1e3 * row['step_s_min']:.2f} ms (median {1e3 * row['step_s_median']:.2f}, "
-              f"max {1e3 * row['step_s_max']:.2f}) {row.get('slowdown_min_over_min', 0.0):+.2%} vs off; "
+        print(f"{mode:8s} step median {1e3 * row['step_s_median']:.2f} ms (min {1e3 * row['step_s_min']:.2f}, "
+              f"max {1e3 * row['step_s_max']:.2f}, idle step {1e3 * (row['step_s_p50_steps'] or 0):.2f}) "
+              f"{row.get('slowdown_median_over_median', 0.0):+.2%} vs off (median of ratios "
+              f"{row.get('slowdown_median_of_ratios', 0.0):+.2%}); e2e step median "
+              f"{1e3 * row['e2e_step_s_median']:.2f} ms {row.get('e2e_slowdown_median_over_median', 0.0):+.2%}; "
               f"{row['counters']}", flush=True)
     print("wrote", path)
     return path
@@ -275,24 +341,32 @@ def breakdown(engine, prompts, n: int) -> dict:
     return row
 
 
-def summarize(result: dict, steps: dict, counters: dict, modes: list[str], args) -> None:
+def summarize(result: dict, steps: dict, e2e: dict, calls: dict, counters: dict, modes: list[str], args) -> None:
     """result["modes"] from the repeats every mode has finished (a cut repeat counts for none)."""
     n = min(len(v) for v in steps.values()) if steps else 0
     result["repeats_ran"] = n
     result["ratio_note"] = (None if n >= max(5, args.repeats) else
                             f"{n} of {args.repeats} repeats ran: the ratios are not the >= 5-repeat number")
-    base = steps.get("off", [])[:n]
+    base, base_e2e = steps.get("off", [])[:n], e2e.get("off", [])[:n]
     result["modes"] = {}
     for mode in modes:
-        s = steps[mode][:n]
+        s, se = steps[mode][:n], e2e[mode][:n]
         if not s:
             continue
+        pooled = [x for c in calls[mode][:n] for x in c["step_ms"]]
         row = {"step_s_min": min(s), "step_s_median": statistics.median(s), "step_s_max": max(s), "steps_s": s,
-               "decode_tok_s": args.batch / min(s), "counters": counters[mode], "repeats": len(s)}
+               "step_s_p50_steps": 1e-3 * statistics.median(pooled) if pooled else None,
+               "e2e_step_s_median": statistics.median(se), "e2e_steps_s": se,
+               "decode_tok_s": args.batch / statistics.median(s), "counters": counters[mode], "repeats": len(s),
+               "calls": calls[mode][:n]}
         if mode != "off" and base:
             ratios = [a / b - 1 for a, b in zip(s, base)]
-            row.update(slowdown_min_over_min=min(s) / min(base) - 1, slowdown_ratios=ratios,
-                       slowdown_median_of_ratios=statistics.median(ratios))
+            ratios_e2e = [a / b - 1 for a, b in zip(se, base_e2e)]
+            row.update(slowdown_median_over_median=statistics.median(s) / statistics.median(base) - 1,
+                       slowdown_min_over_min=min(s) / min(base) - 1, slowdown_ratios=ratios,
+                       slowdown_median_of_ratios=statistics.median(ratios),
+                       e2e_slowdown_median_over_median=statistics.median(se) / statistics.median(base_e2e) - 1,
+                       e2e_slowdown_ratios=ratios_e2e)
         result["modes"][mode] = row
 
 

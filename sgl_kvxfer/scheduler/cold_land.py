@@ -150,11 +150,17 @@ def plan_copies(holes: Holes, pool, allocator, make_room, states, stats: dict) -
 
 def page_keys(pool, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(page key, offset in page) of int ids, int8 pages numbered first, then int4's
-    (the pool's page_offset per store, in one key space)."""
+    (the pool's page_offset per store, in one key space). Where the int8 store is a whole
+    number of pages (the pools the engine builds) the int4 pages follow on with no gap, so the
+    key is one shift of (id - base(INT8)); a power-of-two page takes shifts and masks."""
     b8, b4, page = pool.base(TIER_INT8), pool.base(TIER_INT4), pool.page_size
-    is4 = ids >= b4
-    r = torch.where(is4, ids - b4, ids - b8)
-    return r // page + is4 * (-(-(b4 - b8) // page)), r % page
+    r = ids - b8
+    pad = -(b4 - b8) % page  # int4 ids move up by this to start on a page boundary
+    if pad:
+        r = r + (ids >= b4) * pad
+    if page & (page - 1) == 0:
+        return r >> (page.bit_length() - 1), r & (page - 1)
+    return r // page, r % page
 
 
 def holed_rows(pool, j: torch.Tensor, replaced: torch.Tensor, after: torch.Tensor) -> tuple:
@@ -163,24 +169,28 @@ def holed_rows(pool, j: torch.Tensor, replaced: torch.Tensor, after: torch.Tenso
     within a row, after rows `j` gave up ids `replaced`. Each row held a prefix [0, count)
     of every page it touches (mem_cache/README.md section 7), so on a page it took ids from
     it still holds [0, h), h the smallest offset it gave up there: only its tokens past h
-    move (to fresh pages), the head stays where it is. Only the pages the rows took ids
-    from are looked at; every row at once."""
+    move (to fresh pages), the head stays where it is. Every row at once, dense: h per
+    (row that gave up an int id, page key) in one small table (PAGE where untouched, so
+    nothing there moves), read by every position of those rows in one gather; rows that
+    gave up no int id are not looked at."""
     b8 = pool.base(TIER_INT8)
     empty = torch.zeros(0, dtype=torch.int64)
     hit = replaced >= b8
     if not bool(hit.any()):
         return empty, empty
-    span = pool.id_end  # > every page key: row * span + key never collides
+    page = pool.page_size
     gave, gave_off = page_keys(pool, replaced[hit])
-    touched, inv = (j[hit] * span + gave).unique(return_inverse=True)
-    head = torch.full((touched.numel(),), pool.page_size, dtype=torch.int64)
-    head.scatter_reduce_(0, inv, gave_off, "amin")  # h per (row, page) touched
-    rj, rpos = (after >= b8).nonzero(as_tuple=True)
-    key, off = page_keys(pool, after[rj, rpos])
-    key = rj * span + key
-    at = torch.searchsorted(touched, key).clamp_(max=touched.numel() - 1)
-    move = (touched[at] == key) & (off > head[at])
-    return rj[move], rpos[move]
+    rows, inv = j[hit].unique(return_inverse=True)  # the rows that gave up int ids, ascending
+    keys = int(page_keys(pool, torch.tensor([pool.id_end - 1]))[0][0]) + 1  # page keys are [0, keys)
+    head = torch.full((rows.numel() * keys,), page, dtype=torch.int64)
+    head.scatter_reduce_(0, inv * keys + gave, gave_off, "amin")
+    sub = after.index_select(0, rows)
+    is_int = sub >= b8
+    key, off = page_keys(pool, sub.clamp_(min=b8))
+    at = torch.arange(rows.numel())[:, None] * keys + key
+    move = is_int & (off > head[at])
+    rj, rpos = move.nonzero(as_tuple=True)
+    return rows[rj], rpos
 
 
 def copy_slots(old: torch.Tensor, pool, allocator, make_room) -> torch.Tensor | None:

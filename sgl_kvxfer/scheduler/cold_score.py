@@ -23,8 +23,7 @@ def due_block(reqs: list, pool, store, table: torch.Tensor, states) -> tuple:
     Host work: the promoted and dropped positions of the requests that have any."""
     dev = pool._to_device
     width = max(r.kv_len for r in reqs)
-    lens = dev(torch.tensor([r.kv_len for r in reqs], dtype=torch.int64))
-    idx = dev(torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64))
+    lens, idx = dev(torch.tensor([[r.kv_len for r in reqs], [r.req_pool_idx for r in reqs]], dtype=torch.int64))
     inside = torch.arange(width, device=table.device)[None, :] < lens[:, None]
     block = table[idx, :width].to(torch.int64).masked_fill_(~inside, 0)
     if store.row_of.numel():
@@ -82,9 +81,12 @@ def select(reqs: list, block, mass, cand, near, kept, threshold: float, radius: 
     if not at.numel():
         return []
     j, pos = at[:, 0], at[:, 1]
-    ints = torch.stack([j, pos, block[j, pos]]).cpu()  # two device -> host copies for the picks
-    vals = torch.stack([mass[j, pos], score[j, pos]]).cpu()
-    j, pos, old = ints
+    # ONE device -> host copy for the picks: float64 holds the int64 ids (< 2^53) and the float32
+    # masses exactly
+    both = torch.stack([j.double(), pos.double(), block[j, pos].double(), mass[j, pos].double(),
+                        score[j, pos].double()]).cpu()
+    j, pos, old = both[:3].to(torch.int64)
+    vals = both[3:].to(torch.float32)
     bounds = torch.bincount(j, minlength=len(reqs)).cumsum(0).tolist()
     picks, a = [], 0
     for n, b in enumerate(bounds):
@@ -103,6 +105,9 @@ def cap(picks: list, max_tokens: int) -> tuple[list, int]:
     -> (the picks kept, the number of positions that wait)."""
     # every stretch of the pass at once: elements are the picks' positions, concatenated
     sizes = [p[1].numel() for p in picks]
+    total = sum(sizes)
+    if total <= max_tokens:  # nothing waits: no stretch needs ranking
+        return picks, 0
     pos = torch.cat([p[1] for p in picks])
     mass = torch.cat([p[3] for p in picks])
     score = torch.cat([p[4] for p in picks])  # the strongest hit within `radius` of each position
@@ -113,9 +118,6 @@ def cap(picks: list, max_tokens: int) -> tuple[list, int]:
     first = start.nonzero().squeeze(1)
     size = torch.bincount(sid, minlength=first.numel())
     best = torch.zeros(first.numel()).scatter_reduce_(0, sid, score, "amax")
-    total = pos.numel()
-    if total <= max_tokens:
-        return picks, 0
     # strongest first; ties in pass order (a stable sort over stretches in pass order)
     order = torch.sort(-best, stable=True).indices
     cum = size[order].cumsum(0)

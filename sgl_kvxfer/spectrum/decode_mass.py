@@ -89,7 +89,7 @@ def pool_mass(pool, layers: list[int], queries: dict, block: torch.Tensor, lens:
     masked; lens [n] the row lengths, block already 0 past them).
 
     kernel True: kernels/cold_mass.py reads the pool's stores in place (one launch a layer and a
-    few torch ops on its logits, no key copy, no host sync; int stores must be page-head blocks); False: TieredKVPool.route on
+    few torch ops on all layers' logits, no key copy, no host sync; int stores must be page-head blocks); False: TieredKVPool.route on
     the host and get_k_routed, a padded key block per layer (the CPU path and KIVI pages).
     None: the kernel where it applies (CUDA, page-head blocks in every probed layer)."""
     from sgl_kvxfer.kernels.paged_layout import TierPages
@@ -100,13 +100,14 @@ def pool_mass(pool, layers: list[int], queries: dict, block: torch.Tensor, lens:
             isinstance(pool.stores[t][layer], TierPages) for t in (TIER_INT8, TIER_INT4) for layer in layers)
     mass = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
     if kernel:
-        from sgl_kvxfer.kernels.cold_mass import pool_token_mass
+        from sgl_kvxfer.kernels.cold_mass import pool_token_mass_layers
 
-        b8, b4 = pool.base(TIER_INT8), pool.base(TIER_INT4)
-        for layer in layers:
-            pool_token_mass(queries[layer], block, lens, pool.k16[layer], pool.stores[TIER_INT8][layer],
-                            pool.stores[TIER_INT4][layer], b8, b4, scale, mass)
-        return mass
+        # one launch per layer, one torch tail for all of them
+        return pool_token_mass_layers([queries[layer] for layer in layers], block, lens,
+                                      [pool.k16[layer] for layer in layers],
+                                      [pool.stores[TIER_INT8][layer] for layer in layers],
+                                      [pool.stores[TIER_INT4][layer] for layer in layers],
+                                      pool.base(TIER_INT8), pool.base(TIER_INT4), scale, mass)
     route = pool.route(block)
     valid = block != 0
     for layer in layers:

@@ -4,7 +4,7 @@ rows, G = D and G < D, max-accumulation across calls."""
 import pytest
 import torch
 
-from sgl_kvxfer.kernels.cold_mass import pool_token_mass, pool_token_mass_reference
+from sgl_kvxfer.kernels.cold_mass import pool_token_mass, pool_token_mass_layers, pool_token_mass_reference
 from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
 from sgl_kvxfer.mem_cache.tiered_allocator import TieredSlotAllocator
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
@@ -71,6 +71,26 @@ def test_accumulates_max_over_calls():
     b = pool_token_mass(-q, *args, torch.zeros(rows.shape, device=DEVICE))
     both = pool_token_mass(-q, *args, a.clone())
     torch.testing.assert_close(both, torch.maximum(a, b))
+
+
+def test_layers_in_one_tail_match_one_call_per_layer():
+    """pool_token_mass_layers (one logits launch per layer, one tail) gives what one
+    pool_token_mass call per layer max-accumulated gives, on top of what `out` held."""
+    lens = [50, 7]
+    pool, rows = _pool_rows(2, 32, 32, torch.float32, lens, seed=11)
+    g = torch.Generator().manual_seed(5)
+    qs = [(torch.randn(len(lens), 8, 32, generator=g) * 0.5).to(DEVICE) for _ in range(2)]
+    rows_d, lens_d = rows.to(DEVICE), torch.tensor(lens, device=DEVICE)
+    b8, b4 = pool.base(TIER_INT8), pool.base(TIER_INT4)
+    start = torch.rand(rows.shape, generator=g).to(DEVICE) * 0.05
+    want = start.clone()
+    for layer in range(2):
+        pool_token_mass(qs[layer], rows_d, lens_d, pool.k16[layer], pool.stores[TIER_INT8][layer],
+                        pool.stores[TIER_INT4][layer], b8, b4, 0.4, want)
+    got = pool_token_mass_layers(qs, rows_d, lens_d, list(pool.k16[:2]), list(pool.stores[TIER_INT8][:2]),
+                                 list(pool.stores[TIER_INT4][:2]), b8, b4, 0.4, start.clone())
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert bool((got > start).any())  # the layers' masses reached past what out held
 
 
 def test_checks():

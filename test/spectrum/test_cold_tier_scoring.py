@@ -147,6 +147,49 @@ def test_landing_moves_only_the_tails_past_each_hole(seed):
         cold.release_request(r)
 
 
+@pytest.mark.parametrize("b8,b4,page", [(100, 100 + 64 * 3, 64), (100, 150, 16), (7, 55, 12), (0, 40, 8)])
+def test_page_keys_and_holed_rows_match_a_per_page_walk(b8, b4, page):
+    """page_keys numbers int8 pages first, then int4's from the next key (aligned or not, power
+    of two page or not); holed_rows names, row-major, exactly the tokens a walk over each
+    (row, page given up) names: those on the page past the smallest offset the row gave up
+    there. Rows that gave up no int id (or only fp16 ids) name nothing."""
+    from sgl_kvxfer.scheduler.cold_land import page_keys
+    from sgl_kvxfer.spectrum.tiers import TIER_INT4, TIER_INT8
+
+    id_end = b4 + 6 * page + 5
+    pool = SimpleNamespace(page_size=page, id_end=id_end,
+                           base=lambda t: {TIER_INT8: b8, TIER_INT4: b4}[t])
+    ids = torch.arange(b8, id_end)
+    key, off = page_keys(pool, ids)
+    is4 = ids >= b4
+    want_off = torch.where(is4, ids - b4, ids - b8) % page
+    want_key = torch.where(is4, (ids - b4) // page + -(-(b4 - b8) // page), (ids - b8) // page)
+    assert torch.equal(key, want_key) and torch.equal(off, want_off)
+    g = torch.Generator().manual_seed(page)
+    for trial in range(6):
+        n, w = 4, 40
+        after = torch.randint(1, id_end, (n, w), generator=g)
+        after[:, ::5] = 0  # dropped / padding
+        k = int(torch.randint(1, 12, (1,), generator=g))
+        j = torch.randint(0, n - 1, (k,), generator=g)  # the last row never gives anything up
+        replaced = torch.randint(1, id_end, (k,), generator=g)
+        got_j, got_pos = holed_rows(pool, j, replaced, after)
+        want = []
+        for r in range(n):
+            heads = {}
+            for jj, rep in zip(j.tolist(), replaced.tolist()):
+                if jj == r and rep >= b8:
+                    kk, oo = (int(x) for x in page_keys(pool, torch.tensor([rep])))
+                    heads[kk] = min(heads.get(kk, page), oo)
+            for pos in range(w):
+                s = int(after[r, pos])
+                if s >= b8:
+                    kk, oo = (int(x) for x in page_keys(pool, torch.tensor([s])))
+                    if kk in heads and oo > heads[kk]:
+                        want.append((r, pos))
+        assert list(zip(got_j.tolist(), got_pos.tolist())) == want
+
+
 def test_copies_on_a_worker_thread_land_what_inline_copies_land():
     """The promotion copy job off the scheduler thread (as on CUDA): once its job ran, the
     landing is the one the inline copy gives."""
