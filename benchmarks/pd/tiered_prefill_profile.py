@@ -86,6 +86,15 @@ def generate(engine, ids: list[int], device: str) -> float:
     return ms
 
 
+def allocator_counts(device: str) -> dict:
+    """The CUDA caching allocator's counters a slow step can come from: a retry (cached blocks
+    released to fit an allocation) and device mallocs / frees (each can stall the host)."""
+    if not device.startswith("cuda"):
+        return {}
+    st = torch.cuda.memory_stats()
+    return {k: int(st.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+
+
 # ---------------------------------------------------------------------- timers on the re-tier path
 class FunctionTimers:
     """Instance-attribute wrappers over the re-tier's functions: calls and host ms per function
@@ -251,7 +260,7 @@ VIEWS = {"timed": lambda e, i, d: view_timed(e, i, d, synced=False),
 # ---------------------------------------------------------------------- driver
 def engine_kwargs(a, budget: float) -> dict:
     kw = dict(load_format="dummy", dtype=a.dtype, device=a.device, chunked_prefill_size=a.chunk,
-              max_prefill_tokens=a.chunk, max_total_tokens=a.max_total_tokens, disable_cuda_graph=True,
+              max_prefill_tokens=a.chunk, max_total_tokens=a.max_total_tokens, disable_cuda_graph=not a.cuda_graph,
               kv_tier_staging=a.kv_tier_staging, log_level="warning")
     if a.attention_backend:
         kw["attention_backend"] = a.attention_backend
@@ -273,7 +282,14 @@ def profile_budget(a, model_dir: str, budget: float, prompts: Prompts, out: dict
         row["tiering"] = getattr(engine.scheduler, "tiering", None) is not None
         log(f"b={budget}: engine up in {row['engine_start_s']:.1f} s, warm-up x{a.warmup}")
         row["warmup_ms"] = [generate(engine, prompts.next(), a.device) for _ in range(a.warmup)]
-        row["plain_ms"] = [generate(engine, prompts.next(), a.device) for _ in range(a.repeats)]
+        row["plain_ms"], row["plain_detail"] = [], []
+        for _ in range(a.repeats):  # unsynced timers on the re-tier path: which part a slow prompt spends in
+            alloc0 = allocator_counts(a.device)
+            with FunctionTimers(engine, a.device, synced=False) as timers:
+                row["plain_ms"].append(generate(engine, prompts.next(), a.device))
+            alloc1 = allocator_counts(a.device)
+            row["plain_detail"].append({"ms": row["plain_ms"][-1], **timers.result(),
+                                        "allocator": {k: alloc1[k] - alloc0[k] for k in alloc0}})
         save()
         for name in a.views:
             log(f"b={budget}: view {name}")
@@ -299,6 +315,11 @@ def summary_text(out: dict, budgets: list[float] | None = None) -> str:
         if "plain_ms" in row:
             p = row["plain_ms"]
             lines.append(f"plain prompts ms: {' '.join(f'{x:.1f}' for x in p)} (median {statistics.median(p):.1f})")
+            for i, d in enumerate(row.get("plain_detail", [])):
+                f = d.get("functions", {})
+                part = " ".join(f"{k.split('.')[-1]}:{v['total_ms']:.1f}" for k, v in f.items()
+                                if k.split(".")[-1] in ("_retier", "move", "free", "_plan_retier", "_record"))
+                lines.append(f"  prompt {i}: {d['ms']:.1f} ms  {part}  allocator {d.get('allocator')}")
         for view in ("timed", "synced"):
             v = row.get(view) or {}
             if "error" in v:
@@ -358,6 +379,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-total-tokens", type=int, default=40000)
     ap.add_argument("--mem-fraction-static", type=float, default=None)
     ap.add_argument("--kv-tier-staging", type=float, default=0.4)
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="capture decode CUDA graphs as a server does (their memory is not free for the prefill)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=".")
     ap.add_argument("--merge", action="store_true",

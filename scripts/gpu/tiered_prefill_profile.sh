@@ -8,10 +8,13 @@
 # prefill 2048, 8192-token prompts, --kv-int4 on --kv-tier-staging 0.4, one process (one Engine)
 # per budget (BUDGETS "0.3 1.0": the tiered one first, so a short call still profiles it), each
 # under `timeout -s INT` with what is left of T_TOTAL; both write one JSON (`--merge`).
-# Per budget: 2 warm-up prompts, 5 plain timed prompts (their medians' ratio to b = 1.0 in the summary), then one prompt per view (timed spans and the
+# Per budget: 2 warm-up prompts, REPEATS (5) plain timed prompts (their medians' ratio to b = 1.0 in
+# the summary; per prompt the re-tier's functions, unsynced, and the CUDA allocator's retries and
+# device mallocs / frees), then one prompt per view (timed spans and the
 # re-tier's functions unsynced / synced, sync-debug sites, cProfile, torch.profiler).
 # $OUT: tiered_prefill_profile_<device>.json, tiered_prefill_profile.txt (the summaries),
 # tiered_prefill_profile.log (progress and errors).
+# MAX_TOKENS (40000), MEM_FRACTION (0.6) and EXTRA_ARGS (e.g. --cuda-graph) set the engine as a server is.
 # CPU rehearsal at toy size: DEVICE=cpu OUT=/tmp/x bash scripts/gpu/tiered_prefill_profile.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -24,8 +27,8 @@ TXT="$OUT/tiered_prefill_profile.txt"
 : "${T_TOTAL=200}" "${BUDGETS=0.3 1.0}"
 if [ "$DEVICE" = cuda ]; then
   source scripts/gpu/env.sh >> "$LOG" 2>&1 || { echo "env.sh failed" | tee -a "$LOG"; exit 1; }
-  ARGS=(--device cuda --preset llama-3-8b --prompt 8192 --chunk 2048 --max-total-tokens 40000
-        --mem-fraction-static 0.6 --attention-backend triton --warmup 2 --repeats 5)
+  ARGS=(--device cuda --preset llama-3-8b --prompt 8192 --chunk 2048 --max-total-tokens ${MAX_TOKENS:-40000}
+        --mem-fraction-static ${MEM_FRACTION:-0.6} --attention-backend triton --warmup 2 --repeats ${REPEATS:-5} ${EXTRA_ARGS:-})
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   ARGS=(--device cpu --preset tiny --prompt 128 --chunk 64 --max-total-tokens 8192 --warmup 1 --repeats 1)
