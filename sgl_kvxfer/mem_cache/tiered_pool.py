@@ -282,7 +282,8 @@ class TieredKVPool(KVPool):
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy tokens src -> dst in every layer, quantizing into dst's store. Ids of the same
         int tier on both sides copy their codes bit for bit (relocation, not requantization);
-        fp16 -> int on CUDA is one quantize-and-store launch per (layer, tier) (tier_store.py).
+        fp16 -> int on CUDA is one quantize-and-store launch per tier for all layers of the stacked
+        stores where the move is only that (every re-tier), else one per (layer, tier) (tier_store.py).
         Which store each id is in is worked out once, on the host; the layer loop runs no sync.
         KIVI pages (per-page key scales) requantize instead of relocating, and take fp16 rows
         through their own torch write. With a cold tier, every fp16 -> int4 token's fp16 values

@@ -472,8 +472,10 @@ class EngineTiering:
             total = acc.totals()
         return normalize_importance(total.cpu())  # on the host: the copy is the one wait
 
-    # gathered rows of one _stacked_norms step at most, in float32 bytes (a bound on its memory)
-    _NORM_CHUNK_BYTES = 256 << 20
+    # one _stacked_norms gather's K rows in float32 bytes at most (its transient peak is about
+    # three times this: K and V gathered, each upcast): a decode run's 32 layers of a few hundred
+    # tokens fit in one gather, a 16k-token prompt takes one layer per gather as the loop did
+    _NORM_CHUNK_BYTES = 64 << 20
 
     def _stacked_norms(self, slots: torch.Tensor) -> torch.Tensor | None:
         """KVNormAccumulator's summed per-layer norms of fp16 ids `slots`, from the pool's
