@@ -12,6 +12,10 @@ The scheduler calls two hooks per batch (both no-ops for requests they do not co
     after_forward(batch, chunked)  EXTEND, prefill complete: score, assign, re-tier private tokens
                                  DECODE: demote generated tokens older than the recent window
 
+after_forward runs after process_logits read the step's tokens (decode steps under tiering do not
+overlap, scheduler/overlap.py), so the GPU is idle while it runs: a demotion's host work and its
+two waits (its rows to the host, its KV-norm totals back) add to the step's time in full.
+
 Prefill rule (runs before the prompt enters the radix cache):
 
     row:  [ matched prefix (cache-owned) | private tokens ...................... ]
