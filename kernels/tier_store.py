@@ -1,4 +1,5 @@
-"""Quantize fp16 slot rows into an int tier's page-head blocks, one launch per (layer, tier).
+"""Quantize fp16 slot rows into an int tier's page-head blocks: one launch per tier for every layer of
+the stacked stores (rows and pages of all layers as one [L * R] / [L * pages] store), else per (layer, tier).
 
     store_rows_quantized(k_rows, v_rows, src, dst, page, off) -> None
     store_rows_quantized_reference(...)                      (torch: tier_codec + TierPages.write)

@@ -146,30 +146,15 @@ class TieredSlotAllocator(TokenSlotAllocator):
         return self._stores[tier].appendable(int(self.pool.page_offset(tier, torch.tensor(append_to))[0]))
 
     def free(self, slots: torch.Tensor) -> None:
-        if slots.device.type == "cpu":
-            self._free_host(slots)
-            return
-        slots = slots.reshape(-1).to(self.device, torch.int64)
-        slots = slots[slots != 0]
-        if not slots.numel():
-            return
-        if bool((slots < self.pool.base(TIER_INT8)).all()):
-            super().free(slots)
-            return
-        tiers = self.pool.tier_of(slots)
-        super().free(slots[tiers == TIER_FP16])
-        for t in INT_TIERS:
-            ids = slots[tiers == t]
-            if ids.numel():
-                self._stores[t].give((ids - self.pool.base(t)).cpu())
-                if t == TIER_INT4 and self.pool.cold is not None:  # host copies lose a holder
-                    self.pool.cold.release(ids)
+        """Device ids come to the host in ONE copy (a wait for the queued work) and are routed
+        there: routing them on the device took a wait per mask (slot 0, fp16 only, each int
+        tier) and per int store's copy back, e.g. for every radix leaf an eviction frees."""
+        self._free_host(slots.cpu())
 
     def _free_host(self, slots: torch.Tensor) -> None:
-        """free() of host ids (the re-tier's): routed on the host, so no device op runs and the
-        host never waits for the queued moves; the fp16 ids reach the device free list through
-        one pinned non-blocking copy (stream-ordered before any later use of the list).
-        The same routing as the device path below, on the host."""
+        """free() on host ids: routed on the host, so no device op runs and the host never waits
+        for the queued moves (the re-tier's ids are host ids); the fp16 ids reach the device free
+        list through one pinned non-blocking copy (stream-ordered before any later use of it)."""
         slots = slots.reshape(-1).to(torch.int64)
         slots = slots[slots != 0]
         if not slots.numel():

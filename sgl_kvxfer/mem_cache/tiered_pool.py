@@ -282,7 +282,8 @@ class TieredKVPool(KVPool):
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy tokens src -> dst in every layer, quantizing into dst's store. Ids of the same
         int tier on both sides copy their codes bit for bit (relocation, not requantization);
-        fp16 -> int on CUDA is one quantize-and-store launch per (layer, tier) (tier_store.py).
+        fp16 -> int on CUDA is one quantize-and-store launch per tier for all layers of the stacked
+        stores where the move is only that (every re-tier), else one per (layer, tier) (tier_store.py).
         Which store each id is in is worked out once, on the host; the layer loop runs no sync.
         KIVI pages (per-page key scales) requantize instead of relocating, and take fp16 rows
         through their own torch write. With a cold tier, every fp16 -> int4 token's fp16 values
@@ -318,22 +319,37 @@ class TieredKVPool(KVPool):
                 (cap_src,) = stage(src[rest][capture.sel.cpu()])
                 capture.sel = torch.arange(host[cap_src].numel(), device=self.device)
         # fp16 -> int (every re-tiering): one quantize-and-store launch per (layer, tier) on CUDA
-        fused = []
+        fused, stacked = [], []
         if self._fused_quantize and bool(rest.any()):
             down = rest & (ts == TIER_FP16) & (td != TIER_FP16)
+            # a pure fp16 -> int move (every re-tier) into stacked stores: ONE launch per tier for
+            # every layer, over the [L * rows] rows and [L * pages] pages (layer l's row r is row
+            # l * rows + r, its page p page l * pages + p): the same kernel on the same rows, so
+            # the same codes as the per-layer launches. Only with nothing else in the move (no
+            # relocation or requantization ordered per layer around it).
+            whole = not relocate and not bool((rest & ~down).any())
             for tier in INT_TIERS:
                 m = down & (td == tier)
                 if bool(m.any()):
-                    fused.append((tier, *stage(src[m], *self.page_offset(tier, dst[m]))))
+                    if whole and self.stacked_store(tier) is not None:
+                        page, off = self.page_offset(tier, dst[m])
+                        layers = torch.arange(self.num_layers)[:, None]
+                        rows = self._k16_all.shape[1]
+                        stacked.append((tier, *stage((layers * rows + src[m]).reshape(-1),
+                                                     (layers * self.num_pages(tier) + page).reshape(-1),
+                                                     off.repeat(self.num_layers))))
+                    else:
+                        fused.append((tier, *stage(src[m], *self.page_offset(tier, dst[m]))))
             rest = rest & ~down
         dev = self._to_device_many(host)
         relocate = [(tier, tuple(dev[i] for i in s_at), tuple(dev[i] for i in d_at), ok)
                     for tier, s_at, d_at, ok in relocate]
         fused = [(tier, *(dev[i] for i in at)) for tier, *at in fused]
+        stacked = [(tier, *(dev[i] for i in at)) for tier, *at in stacked]
         if cap_src is not None:
             cap_src = dev[cap_src]
         requant = (self.route(src[rest]), self.route(dst[rest])) if bool(rest.any()) else None
-        if fused:
+        if fused or stacked:
             from sgl_kvxfer.kernels.tier_store import store_rows_quantized
         if any(r[3] for r in relocate):
             from sgl_kvxfer.kernels.tier_relocate import relocate_codes
@@ -356,6 +372,12 @@ class TieredKVPool(KVPool):
             if requant is not None:
                 k, v = self.get_kv_routed(layer_id, requant[0])
                 self.set_kv_routed(layer_id, requant[1], k, v)
+        if stacked:  # after the captures above read the fp16 rows (which it only reads too)
+            L, rows = self._k16_all.shape[:2]
+            k_all = self._k16_all.view(L * rows, *self._k16_all.shape[2:])
+            v_all = self._v16_all.view(L * rows, *self._v16_all.shape[2:])
+            for tier, rows_at, page, off in stacked:
+                store_rows_quantized(k_all, v_all, rows_at, self.stacked_store(tier), page, off)
         if capture is not None:
             self.cold.end_move(capture)
 

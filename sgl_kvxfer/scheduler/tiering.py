@@ -12,6 +12,10 @@ The scheduler calls two hooks per batch (both no-ops for requests they do not co
     after_forward(batch, chunked)  EXTEND, prefill complete: score, assign, re-tier private tokens
                                  DECODE: demote generated tokens older than the recent window
 
+after_forward runs after process_logits read the step's tokens (decode steps under tiering do not
+overlap, scheduler/overlap.py), so the GPU is idle while it runs: a demotion's host work and its
+two waits (its rows to the host, its KV-norm totals back) add to the step's time in full.
+
 Prefill rule (runs before the prompt enters the radix cache):
 
     row:  [ matched prefix (cache-owned) | private tokens ...................... ]
@@ -45,7 +49,8 @@ import torch
 from sgl_kvxfer.forward_batch import ForwardMode
 from sgl_kvxfer.spectrum.budget import KVLayout, assignment_bytes, fp16_bytes
 from sgl_kvxfer.spectrum.byte_budget import assign_tiers
-from sgl_kvxfer.spectrum.importance import ImportanceAccumulator, KVNormAccumulator, token_importance
+from sgl_kvxfer.spectrum.importance import (ImportanceAccumulator, KVNormAccumulator, normalize_importance,
+                                             token_importance)
 from sgl_kvxfer.spectrum.policies import create_tier_policy
 from sgl_kvxfer.spectrum.tiers import NUM_TIERS, TIER_INT4, TIER_INT8
 from sgl_kvxfer.utils.host_copy import to_device
@@ -368,13 +373,23 @@ class EngineTiering:
         pass over the layers for all of them, the tiers assigned per run (each run normalized on
         its own, as a lone run would be), then one retier_runs: each run on its own pages (the
         free tail of its previous run's last page first), one data move (fp16 -> int: one
-        quantize-and-store launch per layer and tier on CUDA)."""
-        rows = [self.table.read(req.req_pool_idx, end, start=start) for req, start, end in runs]
-        slots = torch.cat(rows).cpu()
+        quantize-and-store launch per tier for all layers on CUDA). The host reads the device
+        table once (each run's row from its oldest live tail's position, so the tails are checked
+        on that copy); everything after it runs on host ids."""
+        spans = []  # (req, start, end, first position read: the oldest tail's, else start)
+        for req, start, end in runs:
+            tails = self._tails.get(req) or {}
+            spans.append((req, start, end, min([start, *(pos for _, pos in tails.values())])))
+        host = torch.cat([self.table.read(req.req_pool_idx, end, start=lo) for req, _, end, lo in spans]).cpu()
+        rows, at = [], 0
+        for req, start, end, lo in spans:
+            rows.append((host[at:at + end - lo], lo))
+            at += end - lo
+        slots = torch.cat([row[start - lo:] for (row, lo), (_, start, _, _) in zip(rows, spans)])
         joint = self._norm_importance(slots)  # normalized over every run's tokens
         st, parts, pos = self.settings, [], 0
-        for (req, start, end), row in zip(runs, rows):
-            n = row.numel()
+        for (req, start, end, _), (row, lo) in zip(spans, rows):
+            n = end - start
             run_slots, imp = slots[pos:pos + n], joint[pos:pos + n]
             pos += n
             if len(runs) > 1:  # renormalized over the run alone (a lone run's scores are already)
@@ -383,33 +398,30 @@ class EngineTiering:
                                  self.config.random_seed)
             if self.cold is not None:  # copies of the tokens it drops, before their ids are freed
                 self.cold.keep_dropped(req, start, run_slots, tiers)
-            parts.append((run_slots, tiers, self._live_tails(req)))
+            parts.append((run_slots, tiers, self._live_tails(req, row, lo)))
         results = self.allocator.retier_runs(parts, self._make_room)
         for (req, start, end), (run_slots, tiers, _), (new, got) in zip(runs, parts, results):
+            # host ids in, host ids out (retier_runs plans on the host): no copy back below
             self._record(req, start, run_slots, tiers, new, got)
             self._tiered_len[req] = end
             tails = dict(self._tails.get(req) or {})
-            new_cpu, got_cpu = new.cpu(), got.cpu()
             if self.cold is not None:  # its host mirror of the row follows the rewrite
-                self.cold.note_rows(req, start, new_cpu)
-            moved = new_cpu != run_slots
+                self.cold.note_rows(req, start, new)
+            moved = new != run_slots
             for t in (TIER_INT8, TIER_INT4):
-                idx = (moved & (got_cpu == t)).nonzero().squeeze(1)
+                idx = (moved & (got == t)).nonzero().squeeze(1)
                 if idx.numel():
-                    tails[t] = (int(new_cpu[idx[-1]]), start + int(idx[-1]))  # (id, row position)
+                    tails[t] = (int(new[idx[-1]]), start + int(idx[-1]))  # (id, row position)
             self._tails[req] = tails
 
-    def _live_tails(self, req) -> dict | None:
+    def _live_tails(self, req, row: torch.Tensor, lo: int) -> dict | None:
         """{tier: id} of the request's previous decode runs' last pages, each only if the row still
-        holds that id at its position (a request retracted and recomputed starts afresh)."""
+        holds that id at its position (a request retracted and recomputed starts afresh). row: the
+        host copy of the request's row from position lo (lo <= every tail's position)."""
         tails = self._tails.get(req)
         if not tails:
             return None
-        out = {}
-        for t, (slot, pos) in tails.items():
-            if int(self.table.read(req.req_pool_idx, pos + 1, start=pos)[0]) == slot:
-                out[t] = slot
-        return out
+        return {t: slot for t, (slot, pos) in tails.items() if int(row[pos - lo]) == slot}
 
     def _retier(self, req, start: int, slots: torch.Tensor, importance: torch.Tensor, sinks: int) -> list:
         """Assign and move one prompt run; returns the trace's parts of tier_retier: tier_assign
@@ -450,14 +462,49 @@ class EngineTiering:
             self._evict_s += time.perf_counter() - t0
 
     def _norm_importance(self, slots: torch.Tensor) -> torch.Tensor:
-        """KV-norm importance of `slots`, accumulated on the pool's device (one copy back)."""
-        acc = KVNormAccumulator(slots.numel(), device=self.pool.device)
-        route = self.pool.route(slots)
-        for layer_id in range(self.pool.num_layers):
-            if not self.pool.stores_layer(layer_id):  # FusedKV reconstruction layer: nothing stored
-                continue
-            acc.add_layer(*self.pool.get_kv_routed(layer_id, route))
-        return acc.scores().cpu()
+        """KV-norm importance of host ids `slots`, accumulated on the pool's device (one copy
+        back). Where every id is an fp16 row of a pool that keeps every layer's rows in one
+        tensor, the layers are read in a few gathers (_stacked_norms); else one read per layer."""
+        total = self._stacked_norms(slots)
+        if total is None:
+            acc = KVNormAccumulator(slots.numel(), device=self.pool.device)
+            route = self.pool.route(slots)
+            for layer_id in range(self.pool.num_layers):
+                if not self.pool.stores_layer(layer_id):  # FusedKV reconstruction layer: nothing stored
+                    continue
+                acc.add_layer(*self.pool.get_kv_routed(layer_id, route))
+            total = acc.totals()
+        return normalize_importance(total.cpu())  # on the host: the copy is the one wait
+
+    # one _stacked_norms gather's K rows in float32 bytes at most (its transient peak is about
+    # three times this: K and V gathered, each upcast): a decode run's 32 layers of a few hundred
+    # tokens fit in one gather, a 16k-token prompt takes one layer per gather as the loop did
+    _NORM_CHUNK_BYTES = 64 << 20
+
+    def _stacked_norms(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """KVNormAccumulator's summed per-layer norms of fp16 ids `slots`, from the pool's
+        [L, rows, Hkv, D] tensors: each gather takes several layers (all of them for a decode
+        run), so a step runs a handful of launches instead of ~10 per layer. Each layer's norm
+        is the per-layer path's; their sum over layers is one reduction instead of L running adds
+        (equal to float32 rounding). None: a pool without stacked rows, or ids outside the fp16
+        store."""
+        from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
+
+        pool = self.pool
+        flat = slots.reshape(-1)
+        if not isinstance(pool, TieredKVPool) or not flat.numel() or bool((flat >= pool.base(TIER_INT8)).any()):
+            return None
+        k_all, v_all = pool.stacked_rows()
+        L, _, H, D = k_all.shape
+        rows = to_device(flat.to(torch.int64), k_all.device)
+        total = torch.zeros(flat.numel(), dtype=torch.float32, device=k_all.device)
+        step = max(1, self._NORM_CHUNK_BYTES // max(1, flat.numel() * H * D * 4))
+        for l0 in range(0, L, step):
+            k = k_all[l0:l0 + step].index_select(1, rows)  # [l, n, Hkv, D]
+            v = v_all[l0:l0 + step].index_select(1, rows)
+            norm = 0.5 * (k.float().norm(dim=-1).mean(dim=-1) + v.float().norm(dim=-1).mean(dim=-1))
+            total += norm.sum(0)
+        return total
 
     # ------------------------------------------------------------------ int4 decision
     def set_int4(self, resolution) -> None:

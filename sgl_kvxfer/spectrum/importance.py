@@ -68,6 +68,11 @@ def ranking_order(importance: torch.Tensor, num_sink: int = 0) -> torch.Tensor:
     return torch.cat([torch.arange(s, dtype=torch.int64), rest])
 
 
+def normalize_importance(total: torch.Tensor) -> torch.Tensor:
+    """Scores summing to 1 from accumulated totals (RuntimeError where nothing accumulated)."""
+    return _normalize(total)
+
+
 def _normalize(total: torch.Tensor) -> torch.Tensor:
     denom = total.sum()
     if denom <= 0:
@@ -211,6 +216,10 @@ class KVNormAccumulator:
     @property
     def has_data(self) -> bool:
         return self.num_layers > 0
+
+    def totals(self) -> torch.Tensor:
+        """The per-token sums over the layers fed so far (scores() before normalizing)."""
+        return self._total
 
     def scores(self) -> torch.Tensor:
         return _normalize(self._total)

@@ -106,3 +106,36 @@ def _assert_codes_close(got, want, page, off, tier, max_flip_frac):
             x, y = torch.cat([x & 15, x >> 4], -1), torch.cat([y & 15, y >> 4], -1)
         d = (x.int() - y.int()).abs()
         assert int(d.max()) <= 1 and float((d > 0).float().mean()) < max_flip_frac
+
+
+def test_pool_move_retier_is_one_launch_per_tier(monkeypatch):
+    """A pure fp16 -> int move into stacked stores quantizes every layer in one launch per tier;
+    the codes are those of a launch per layer (same kernel, same rows)."""
+    import sgl_kvxfer.kernels.tier_store as ts
+    from sgl_kvxfer.mem_cache.tier_plan import TierStorePlan
+    from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
+
+    L = 3
+    pools = [TieredKVPool(64, L, 2, 32, torch.float16, DEVICE, TierStorePlan(40, 32, 32), group_size=32,
+                          page_size=16) for _ in range(2)]
+    g = torch.Generator().manual_seed(2)
+    for a, b in zip(pools[0].k16 + pools[0].v16, pools[1].k16 + pools[1].v16):
+        a.copy_(torch.randn(a.shape, generator=g).to(a.dtype))
+        b.copy_(a)
+    for p in pools:
+        p._fused_quantize = True
+    src = torch.tensor([3, 4, 5, 9, 11, 12])
+    base1, base2 = pools[0].base(1), pools[0].base(2)
+    dst = torch.tensor([base1, base1 + 1, base2, base2 + 1, base2 + 16, base1 + 2])
+    launches = []
+    real = ts.store_rows_quantized
+    monkeypatch.setattr(ts, "store_rows_quantized", lambda *a: (launches.append(a[3]), real(*a)))
+    pools[0].move(src, dst)
+    assert len(launches) == 2 and all(s.k.shape[0] == L * pools[0].num_pages(s.tier) for s in launches)
+    for t in (1, 2):  # the per-layer launches by hand on the twin pool
+        m = pools[1].tier_of(dst) == t
+        page, off = (x.to(DEVICE) for x in pools[1].page_offset(t, dst[m]))
+        for layer in range(L):
+            real(pools[1].k16[layer], pools[1].v16[layer], src[m].to(DEVICE), pools[1].stores[t][layer], page, off)
+        for a, b in zip(pools[0].stores[t], pools[1].stores[t]):
+            assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)

@@ -169,3 +169,76 @@ def test_decode_demotion_keeps_recent_window(tiered, prose):
     tiers = tree.match_tiers(tree.match_prefix(prose[:100] + out["output_ids"][:-1])[1])
     assert (tiers[100:kv_len - 4] > 0).all() and (tiers[kv_len - 4:] == 0).all()  # window cached fp16
     tiered.scheduler.kv.allocator.debug_check()
+
+
+def test_decode_demotion_runs_on_host_ids(tiered, prose, monkeypatch):
+    """Each demotion reads the device table once per due run (its tails are checked on that
+    copy, not read back per tier), scores all layers through the stacked rows, and the pages
+    its runs continue are the tails the previous run left."""
+    tiering = tiered.scheduler.tiering
+    table, reads, calls, stacked, live = tiering.table, [0], [], [], []
+    read = table.read
+
+    def counted_read(*a, **kw):
+        reads[0] += 1
+        return read(*a, **kw)
+
+    demote, norms, tails = tiering._demote_runs, tiering._stacked_norms, tiering._live_tails
+
+    def counted_demote(runs):
+        before = reads[0]
+        demote(runs)
+        calls.append((len(runs), reads[0] - before))
+
+    def seen_norms(slots):
+        out = norms(slots)
+        stacked.append(out is not None)
+        return out
+
+    def seen_tails(req, row, lo):
+        out = tails(req, row, lo)
+        live.append(out)
+        return out
+
+    monkeypatch.setattr(table, "read", counted_read)
+    monkeypatch.setattr(tiering, "_demote_runs", counted_demote)
+    monkeypatch.setattr(tiering, "_stacked_norms", seen_norms)
+    monkeypatch.setattr(tiering, "_live_tails", seen_tails)
+    tiered.flush_cache()
+    with tiering.using(decode_recent=4):
+        tiered.generate(input_ids=[prose[:100], prose[100:190]],
+                        sampling_params={"max_new_tokens": 24, "temperature": 0, "ignore_eos": True})
+    assert calls and all(n_reads == n_runs for n_runs, n_reads in calls), calls
+    assert any(n_runs == 2 for n_runs, _ in calls)  # both requests demoted in one call
+    assert stacked and all(stacked)  # decode runs are fp16 ids: the stacked pass
+    assert any(t for t in live)  # a later run continued its previous run's page
+    tiered.scheduler.kv.allocator.debug_check()
+
+
+def test_stacked_norms_equal_the_per_layer_pass(tiered):
+    """_stacked_norms sums the per-layer KVNormAccumulator norms in one reduction: equal to
+    float32 rounding; int ids take the per-layer path (None)."""
+    from sgl_kvxfer.spectrum.importance import KVNormAccumulator
+
+    tiering = tiered.scheduler.tiering
+    pool = tiering.pool
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randint(1, pool.num_slots(0), (37,), generator=g)
+    saved = [(x, x[slots].clone()) for x in (pool.k16[0], pool.v16[1])]
+    for x, _ in saved:  # rows with data in them (restored below)
+        x[slots] = torch.randn(x[slots].shape, generator=g).to(x.dtype)
+    try:
+        acc = KVNormAccumulator(slots.numel())
+        for layer in range(pool.num_layers):
+            acc.add_layer(pool.k16[layer][slots], pool.v16[layer][slots])
+        got = tiering._stacked_norms(slots)
+        torch.testing.assert_close(got, acc.totals(), rtol=1e-6, atol=0)
+        tiering._NORM_CHUNK_BYTES = 1  # one layer per gather: the same sums
+        try:
+            torch.testing.assert_close(tiering._stacked_norms(slots), acc.totals(), rtol=1e-6, atol=0)
+        finally:
+            del tiering._NORM_CHUNK_BYTES
+        assert tiering._stacked_norms(torch.tensor([1, pool.base(1)])) is None
+    finally:
+        for x, old in saved:
+            x[slots] = old
