@@ -15,8 +15,8 @@ both sides into its reply's `meta_info.kv_transfer.trace`:
                             (b < 1) tier_scores (the importance read back to the host),
                             tier_retier (tiers assigned, KV moved to the int stores; its
                             parts tier_assign: the byte-budget search, tier_move: ids planned
-                            and the moves launched, tier_row: the row rewritten, which waits
-                            for the moves' kernels),
+                            and the moves launched, tier_row: the row rewritten, queued
+                            behind the moves without a host wait),
                             tier_evict (the retier's summed radix evictions for int-store room,
                             drawn from its start) and cache (the prompt into the radix cache)
              pack[s]        segment s: the gather-pack and checksum launched (on CPU: done)

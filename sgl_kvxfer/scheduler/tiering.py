@@ -425,9 +425,9 @@ class EngineTiering:
 
     def _retier(self, req, start: int, slots: torch.Tensor, importance: torch.Tensor, sinks: int) -> list:
         """Assign and move one prompt run; returns the trace's parts of tier_retier: tier_assign
-        (the byte-budget search, host), tier_move (ids planned, KV moved: its launches, and the
-        host waits its index copies make) and tier_row (the row rewritten and the record kept:
-        the row's copy to the device waits for the moves' kernels)."""
+        (the byte-budget search, host), tier_move (ids planned on the host, the moves launched
+        behind one staged index copy) and tier_row (the row's new ids queued through pinned
+        memory behind the moves, and the record kept; the host does not wait for the moves)."""
         st = self.settings
         t0 = time.time()
         tiers = assign_tiers(self.policy, importance, st.budget, self.layout, st.unit, sinks, st.int4_allowed,
