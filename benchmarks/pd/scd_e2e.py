@@ -171,6 +171,8 @@ def traced_request(p: dict, consumers: list, ids: list[int], rate: float, timeou
         set_link(p, rate, trace=False)
     return [{"client_ttft_ms": round(1e3 * t, 3), "trace": m.get("kv_transfer", {}).get("trace"),
              "rebuild_gpu_ms": m.get("kv_transfer", {}).get("rebuild_gpu_ms"),
+             "rebuild_host_ms": m.get("kv_transfer", {}).get("rebuild_host_ms"),
+             "rebuild_cuda_alloc": m.get("kv_transfer", {}).get("rebuild_cuda_alloc"),
              "segments": m.get("kv_transfer", {}).get("segments"), "wire_ms": m.get("kv_transfer", {}).get("wire_ms")}
             for t, m in out]
 
@@ -460,6 +462,8 @@ def trace_summary(traces: list[dict]) -> dict:
         tr = t.get("trace") or {}
         row_ = {**{k: v for k, v in (tr.get("by_phase_ms") or {}).items()},
                 **{f"rebuild_gpu.{k}": v for k, v in (t.get("rebuild_gpu_ms") or {}).items()},
+                **{f"rebuild_host.{k}": v for k, v in (t.get("rebuild_host_ms") or {}).items()},
+                **{f"rebuild_cuda_alloc.{k}": v for k, v in (t.get("rebuild_cuda_alloc") or {}).items()},
                 "critical_ms": tr.get("critical_ms"), "ttft_ms": tr.get("ttft_ms"),
                 "unaccounted_ms": tr.get("unaccounted_ms"), "client_ttft_ms": t.get("client_ttft_ms")}
         rows.append({k: v for k, v in row_.items() if v is not None})

@@ -24,10 +24,14 @@ first decode step, so the rendered trace adds `ttft_ms` (arrival -> that step's 
 `critical_ms` (arrival -> admission), and `rebuild_gpu_ms`: the rebuild's device time summed
 over segments, by part (unpack_codes, reuse: codes -> K/V of the Reuse layers, patch: aligned
 hidden states -> this model's K/V of the Patch layers, kv_write: into the pool), from CUDA
-timing events that nothing waits on (on a CPU, host time: the work is synchronous there).
+timing events that nothing waits on (on a CPU, host time: the work is synchronous there);
+`rebuild_host_ms`: the same parts' host time (launches, and any wait inside them; a segment's
+unpack[s] span less these is its checksum and slot allocation), and on CUDA
+`rebuild_cuda_alloc`: the caching allocator's retries and device mallocs over the room's rebuilds.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -42,28 +46,49 @@ logger = logging.getLogger(__name__)
 
 
 class _Marks:
-    """Part boundaries of a traced room's rebuilds: (name, CUDA timing event or host time). A
-    part's time runs from the mark before it; a "start" mark opens a segment."""
+    """Part boundaries of a traced room's rebuilds: (name, CUDA timing event or None, host time).
+    A part's time runs from the mark before it; a "start" mark opens a segment. Beside the device
+    time, the host time of each part (the launches and any wait inside them) and, on CUDA, the
+    caching allocator's retries (a retry frees cached blocks: a device sync) and device mallocs
+    over the room's rebuilds."""
 
     def __init__(self, cuda: bool):
         self.cuda, self.points = cuda, []
+        self.alloc0 = _alloc_counts() if cuda else None
 
     def mark(self, name: str) -> None:
+        e = None
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
-            self.points.append((name, e))
-        else:
-            self.points.append((name, time.perf_counter()))
+        self.points.append((name, e, time.perf_counter()))
 
     def durations_ms(self) -> dict:
         if self.cuda and self.points:
             self.points[-1][1].synchronize()  # done already: the room's last unpack was waited for
         out = {}
-        for (_, a), (name, b) in zip(self.points, self.points[1:]):
+        for (_, a, ha), (name, b, hb) in zip(self.points, self.points[1:]):
             if name != "start":
-                out[name] = out.get(name, 0.0) + (a.elapsed_time(b) if self.cuda else 1e3 * (b - a))
+                out[name] = out.get(name, 0.0) + (a.elapsed_time(b) if self.cuda else 1e3 * (hb - ha))
         return {k: round(v, 3) for k, v in out.items()}
+
+    def host_ms(self) -> dict:
+        out = {}
+        for (_, _, ha), (name, _, hb) in zip(self.points, self.points[1:]):
+            if name != "start":
+                out[name] = out.get(name, 0.0) + 1e3 * (hb - ha)
+        return {k: round(v, 3) for k, v in out.items()}
+
+    def alloc_delta(self) -> dict | None:
+        if self.alloc0 is None:
+            return None
+        now = _alloc_counts()
+        return {k: now[k] - self.alloc0[k] for k in now}
+
+
+def _alloc_counts() -> dict:
+    stats = torch.cuda.memory_stats()
+    return {"retries": int(stats.get("num_alloc_retries", 0)), "device_mallocs": int(stats.get("num_device_alloc", 0))}
 
 
 class ScdDecodeRole(DecodeRole):
@@ -169,7 +194,14 @@ class ScdDecodeRole(DecodeRole):
         layout = layout or self.code_layout
         mark = marks.mark if marks is not None else (lambda name: None)
         # one copy to the device (the staging bytes are free to reuse once it returns: acked next)
-        codes = unpack_codes(layout, payload[:layout.nbytes(end - start)].to(dev), end - start)
+        raw = payload[:layout.nbytes(end - start)].to(dev)
+        if not layout.bits and layout.dtype != torch.float32:
+            # every field widened to float32 in one exact cast, not one cast per field (the
+            # decoder computes in float32: each layer's .float() is then a no-op); the fields
+            # keep their order, so the float32 layout's offsets address the widened bytes
+            raw = raw.view(layout.dtype).float().view(torch.uint8)
+            layout = dataclasses.replace(layout, dtype=torch.float32)
+        codes = unpack_codes(layout, raw, end - start)
         positions = torch.arange(start, end, device=dev)
         self.decoder.rotary.prime(positions, num_positions=end)  # every layer's RoPE: one lookup, no sync
         mark("unpack_codes")
@@ -202,6 +234,10 @@ class ScdDecodeRole(DecodeRole):
         marks = self.marks.pop(room.room, None)
         if marks is not None:
             req.extra_meta["kv_transfer"]["rebuild_gpu_ms"] = marks.durations_ms()
+            req.extra_meta["kv_transfer"]["rebuild_host_ms"] = marks.host_ms()
+            alloc = marks.alloc_delta()
+            if alloc is not None:
+                req.extra_meta["kv_transfer"]["rebuild_cuda_alloc"] = alloc
         self.stats.outcome("ok")
         self.stats.tokens += n
         self._release_room(room)

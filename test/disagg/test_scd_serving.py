@@ -289,6 +289,9 @@ def test_traced_phases_and_a_cached_document_goes_ahead_of_the_question(cluster,
     assert trace["ttft_ms"] >= trace["critical_ms"] > 0
     assert trace["ttft_ms"] == pytest.approx(sum(phases["d.first_step"]), abs=1e-2)
     assert set(kv["rebuild_gpu_ms"]) == {"unpack_codes", "reuse", "patch", "kv_write"}
+    assert set(kv["rebuild_host_ms"]) == set(kv["rebuild_gpu_ms"])
+    unpacked = sum(dur for name, _, dur in trace["phases"] if name.startswith("d.unpack["))
+    assert 0 < sum(kv["rebuild_host_ms"].values()) <= unpacked + 0.05  # parts of the unpack spans
     assert kv["segments"] >= 2  # the cached document, then the question's chunk(s)
 
 

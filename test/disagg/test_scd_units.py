@@ -280,3 +280,38 @@ def test_level_chooser():
     auto.observe_write(10, 1.0)  # a small write times latency: ignored
     assert auto.link_gbps == pytest.approx(100.0) and auto.choose(1000) == 2
     assert auto.info()["level_counts"] == {"2:2": 1, "4:4": 1, "8:8": 3}
+
+
+def test_the_consumers_rebuild_equals_the_codecs_per_layer_decode(tiny):
+    """The consumer widens a segment's codes to float32 in one cast: each layer's K/V is still
+    exactly the decoder's from that layer's wire codes."""
+    from sgl_kvxfer.disagg.scd_decode import ScdDecodeRole
+    from sgl_kvxfer.scd.codec import KVProjection, ScdDecoder
+
+    arts = make_random_artifacts(tiny.arch, ["c0"], 8, 16, 32, patch_layers=[1], seed=3)
+    m, layout = arts.manifest, CodeLayout.from_manifest(arts.manifest)
+    assert layout.dtype != torch.float32 and not layout.bits  # the widened path
+    g = torch.Generator().manual_seed(0)
+    kv_out = m.num_kv_heads * m.head_dim
+    hidden = tiny.arch.hidden_size
+    role = ScdDecodeRole.__new__(ScdDecodeRole)
+    role.pool = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.bfloat16)
+    role.code_layout, role.manifest = layout, m
+    role.decoder = ScdDecoder(arts, "c0", "cpu")
+    role.projections = [KVProjection(torch.randn(kv_out, hidden, generator=g).to(torch.bfloat16),
+                                     torch.randn(kv_out, hidden, generator=g).to(torch.bfloat16))
+                        for _ in range(m.num_layers)]
+    start, end = 3, 10
+    n = end - start
+    codes = {(layer, kind): torch.randn(n, *shape, generator=g).to(layout.dtype) for layer, kind, shape in layout.fields}
+    payload = torch.zeros(layout.nbytes(n), dtype=torch.uint8)
+    pack_codes(layout, codes, payload)
+    got = role._rebuild(payload, start, end)
+    positions = torch.arange(start, end)
+    ref = ScdDecoder(arts, "c0", "cpu")
+    for layer in range(m.num_layers):
+        if layer in m.reuse_layers:
+            want = ref.decode_reuse(layer, codes[(layer, "k")], codes[(layer, "v")], positions, torch.bfloat16)
+        else:
+            want = ref.regenerate_patch(layer, codes[(layer, "h")], positions, role.projections[layer], torch.bfloat16)
+        assert torch.equal(got[layer][0], want[0]) and torch.equal(got[layer][1], want[1]), layer
