@@ -31,6 +31,8 @@ unpack[s] span less these is its checksum and slot allocation), and on CUDA
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import logging
 import time
@@ -89,6 +91,25 @@ class _Marks:
 def _alloc_counts() -> dict:
     stats = torch.cuda.memory_stats()
     return {"retries": int(stats.get("num_alloc_retries", 0)), "device_mallocs": int(stats.get("num_device_alloc", 0))}
+
+
+@contextlib.contextmanager
+def tf32_matmuls(on: bool):
+    """float32 matmuls on TF32 tensor cores while `on` (the rebuild's GEMMs on a GPU). The
+    rebuilt K/V are rounded to the pool's bf16 / fp16, whose 7 / 10 mantissa bits are no finer
+    than TF32's 10-bit inputs, so the pool holds what full float32 would give to within its own
+    rounding. HAZARD: the flag is process-wide; the rebuild runs on the scheduler thread, and no
+    other thread of a decode server runs float32 matmuls meanwhile."""
+    if not on:
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    old = matmul.allow_tf32
+    matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = old
 
 
 class ScdDecodeRole(DecodeRole):
@@ -206,13 +227,15 @@ class ScdDecodeRole(DecodeRole):
         self.decoder.rotary.prime(positions, num_positions=end)  # every layer's RoPE: one lookup, no sync
         mark("unpack_codes")
         out = [None] * self.manifest.num_layers  # each layer's K/V depends on its own codes only
-        for layer in self.manifest.reuse_layers:
-            out[layer] = self.decoder.decode_reuse(layer, codes[(layer, "k")], codes[(layer, "v")], positions, dtype)
-        mark("reuse")
-        for layer in self.manifest.patch_layers:
-            out[layer] = self.decoder.regenerate_patch(layer, codes[(layer, "h")], positions, self.projections[layer],
+        with tf32_matmuls(dev.type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
+            for layer in self.manifest.reuse_layers:
+                out[layer] = self.decoder.decode_reuse(layer, codes[(layer, "k")], codes[(layer, "v")], positions,
                                                        dtype)
-        mark("patch")
+            mark("reuse")
+            for layer in self.manifest.patch_layers:
+                out[layer] = self.decoder.regenerate_patch(layer, codes[(layer, "h")], positions,
+                                                           self.projections[layer], dtype)
+            mark("patch")
         return out
 
     def _succeed(self, room: DecodeRoom) -> None:
