@@ -202,7 +202,7 @@ class ScdDecodeRole(DecodeRole):
             self.pool.write_external(slots, kv)
             if marks is not None:
                 marks.mark("kv_write")
-        except (ValueError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 (kv_len has moved on: any failure ends the room here, never a retry)
             self._end(room, f"rebuilding KV from codes failed: {type(e).__name__}: {e}")
             return False
         return True
@@ -227,7 +227,8 @@ class ScdDecodeRole(DecodeRole):
         self.decoder.rotary.prime(positions, num_positions=end)  # every layer's RoPE: one lookup, no sync
         mark("unpack_codes")
         out = [None] * self.manifest.num_layers  # each layer's K/V depends on its own codes only
-        with tf32_matmuls(dev.type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
+        # (the pool keeps the device it was given: a torch.device or a string such as "cuda:0")
+        with tf32_matmuls(torch.device(dev).type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
             for layer in self.manifest.reuse_layers:
                 out[layer] = self.decoder.decode_reuse(layer, codes[(layer, "k")], codes[(layer, "v")], positions,
                                                        dtype)

@@ -299,7 +299,7 @@ def test_the_consumers_rebuild_equals_the_codecs_per_layer_decode(tiny, device):
     kv_out = m.num_kv_heads * m.head_dim
     hidden = tiny.arch.hidden_size
     role = ScdDecodeRole.__new__(ScdDecodeRole)
-    role.pool = types.SimpleNamespace(device=torch.device(device), dtype=torch.bfloat16)
+    role.pool = types.SimpleNamespace(device=device, dtype=torch.bfloat16)  # a string, as the engine passes it
     role.code_layout, role.manifest = layout, m
     role.decoder = ScdDecoder(arts, "c0", device)
     role.projections = [KVProjection(torch.randn(kv_out, hidden, generator=g).to(torch.bfloat16).to(device),
@@ -325,3 +325,27 @@ def test_the_consumers_rebuild_equals_the_codecs_per_layer_decode(tiny, device):
                 assert torch.equal(g_, w_), layer
             else:  # TF32 inputs against float32: a few bf16 ulps of the largest value
                 assert (g_.float() - w_.float()).abs().max() <= 2 ** -6 * w_.float().abs().max(), layer
+
+
+def test_any_rebuild_failure_ends_the_room_instead_of_a_retry():
+    """The row has moved on to the segment's end before the rebuild: a failure of any type ends
+    the room (a local prefill takes over), never an exception the next poll would retry."""
+    from sgl_kvxfer.disagg.scd_decode import ScdDecodeRole
+
+    role = ScdDecodeRole.__new__(ScdDecodeRole)
+    ended = []
+    req = types.SimpleNamespace(bootstrap=types.SimpleNamespace(room=7), kv_len=0,
+                                origin_input_ids=list(range(20)), req_pool_idx=0)
+    role.rooms = {7: types.SimpleNamespace(room=7, trace=None)}
+    role.layout_by_bpt = {4: object()}
+    role.kv = types.SimpleNamespace(alloc=lambda reqs, ns, starts: torch.arange(1, 9))
+    role.table = types.SimpleNamespace(write=lambda *a: None)
+    role._end = lambda room, reason, *a, **kw: ended.append(reason)
+
+    def broken(*a, **kw):
+        raise AttributeError("'str' object has no attribute 'type'")
+
+    role._rebuild = broken
+    seg = types.SimpleNamespace(codes=True, start=0, end=8, nbytes=32)
+    assert role._write_segment(req, seg, torch.zeros(32, dtype=torch.uint8)) is False
+    assert ended and ended[0].startswith("rebuilding KV from codes failed: AttributeError")
