@@ -375,7 +375,7 @@ def test_scd_e2e(tmp_path):
 # ---------------------------------------------------------------------------- SpectrumKV retrieval test bed
 def test_cold_tier_decode(tmp_path):
     out = run_bench("throughput/cold_tier_decode.py", ["--preset", "tiny", "--context", "96", "--batch", "2",
-                                                        "--n1", "1", "--n2", "3", "--repeats", "1", "--device", "cpu",
+                                                        "--n1", "2", "--n2", "4", "--repeats", "1", "--device", "cpu",
                                                         "--backend", "torch", "--intervals", "1",
                                                         "--forced-threshold", "0.001", "--score-only", "--uncapped",
                                                         "--kv-promote-max-tokens", "8"], tmp_path)
@@ -412,7 +412,7 @@ def test_cold_tier_decode(tmp_path):
 def test_cold_tier_decode_time_budget(tmp_path):
     """A budget the first repeat already overruns: that repeat is kept, the rest not started."""
     out = run_bench("throughput/cold_tier_decode.py", ["--preset", "tiny", "--context", "64", "--batch", "2",
-                                                        "--n1", "1", "--n2", "3", "--repeats", "3", "--device", "cpu",
+                                                        "--n1", "2", "--n2", "4", "--repeats", "3", "--device", "cpu",
                                                         "--backend", "torch", "--intervals", "1",
                                                         "--time-budget-s", "0.001"], tmp_path)
     data = result(out, "cold_tier_decode_tiny", ("modes", "phases"), png=False)
@@ -443,7 +443,7 @@ def test_cold_tier_decode_interrupted_keeps_the_phases(tmp_path, monkeypatch, ca
     monkeypatch.setattr(bench, "timed_generate", timed_generate)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        path = bench.main(["--preset", "tiny", "--context", "64", "--batch", "2", "--n1", "1", "--n2", "3",
+        path = bench.main(["--preset", "tiny", "--context", "64", "--batch", "2", "--n1", "2", "--n2", "4",
                            "--device", "cpu", "--backend", "torch", "--intervals", "1", "--out-dir",
                            str(tmp_path / "out")])
     finally:
