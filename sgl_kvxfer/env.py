@@ -94,5 +94,19 @@ FUSEDKV_DATA = EnvVar(
     "folder of {domain}_{train,calib,eval}.jsonl (or their token files) for FusedKV conversion and "
     "training when no --train-data / --data-dir is given (sgl_kvxfer/fusedkv/data.py)")
 
+GC_FREEZE = EnvVar(
+    "SGL_KVXFER_GC_FREEZE", "auto",
+    "1: the scheduler moves every object alive after its start-up (the model, kernel caches, CUDA "
+    "graphs) out of the garbage collector's scans (gc.freeze), so a collection of the oldest "
+    "generation scans only what requests allocate; auto: 1 when the model runs on a GPU; 0: collect "
+    "as Python does (utils/host_runtime.py)")
+
+SCHEDULER_THREADS = EnvVar(
+    "SGL_KVXFER_SCHEDULER_THREADS", "auto",
+    "torch intra-op threads of the scheduler process: auto (1 when the model runs on a GPU, where "
+    "the host's tensor work is id bookkeeping of at most a few hundred thousand elements; torch's "
+    "default on CPU), 0 (torch's default), or a count (utils/host_runtime.py)")
+
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, KERNEL_CACHE, CPU_ISA,
-       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, KV_BUFFER, SCD_DATA, TIERED_DECODE_CONFIG, FUSEDKV_DATA)
+       DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, KV_BUFFER, SCD_DATA, TIERED_DECODE_CONFIG, FUSEDKV_DATA,
+       GC_FREEZE, SCHEDULER_THREADS)

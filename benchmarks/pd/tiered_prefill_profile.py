@@ -9,7 +9,9 @@ prompts of random ids (Triton compiles stay out), then one more prompt of `--pro
 
     timed     wall time, the tiering's own spans (EngineTiering.prefill_spans: tier_scores,
               tier_retier, tier_assign, tier_move, tier_row) and the host time of the re-tier's
-              functions (_retier, allocator.retier_runs / _plan_retier / free, pool.move), unsynced
+              functions (_retier, allocator.retier_runs / _plan_retier / free, pool.move), unsynced;
+              per prompt also the collector's runs (GCStats) and, for each re-tier, the scheduler
+              thread's wall and CPU time, context switches and collections (HostClock)
     synced    the same functions timed with a device sync before and after each (their GPU work
               and the queue they wait for included), reported apart from `timed`
     sync_debug  torch.cuda.set_sync_debug_mode("warn"): every synchronizing CUDA call, grouped by
@@ -34,6 +36,7 @@ import io
 import os
 import pstats
 import random
+import resource
 import shutil
 import statistics
 import sys
@@ -46,6 +49,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.report import device_name, git_commit  # noqa: E402
+
+from sgl_kvxfer.utils.host_runtime import GCStats  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG = os.path.join(REPO, "sgl_kvxfer")
@@ -108,6 +113,8 @@ class FunctionTimers:
         self.device, self.synced = device, synced
         self.stats: dict[str, list[float]] = collections.defaultdict(list)
         self.spans: list[list] = []
+        self.gc = GCStats()  # the whole prompt's collections
+        self.retier_host: list[dict] = []  # per _tier_prefill call: HostClock.since
         self.targets = []
         if self.tiering is not None:
             alloc, pool = self.tiering.allocator, self.tiering.pool
@@ -123,6 +130,7 @@ class FunctionTimers:
         def timed(*a, **kw):
             if self.synced:
                 sync(self.device)
+            host0 = HostClock.now(self.gc) if name == "_tier_prefill" else None
             t = time.perf_counter()
             try:
                 return plain(*a, **kw)
@@ -130,6 +138,8 @@ class FunctionTimers:
                 if self.synced:
                     sync(self.device)
                 self.stats[label].append(1e3 * (time.perf_counter() - t))
+                if host0 is not None:
+                    self.retier_host.append(HostClock.since(host0, HostClock.now(self.gc)))
                 if name == "_tier_prefill" and a:
                     spans = self.tiering.prefill_spans.get(a[0])
                     if spans:
@@ -145,6 +155,7 @@ class FunctionTimers:
         return self
 
     def __exit__(self, *exc):
+        self.gc.close()
         for obj, name in self.targets:
             if name in vars(obj):  # the wrapper is an instance attribute: the method shows again
                 delattr(obj, name)
@@ -152,7 +163,26 @@ class FunctionTimers:
     def result(self) -> dict:
         return {"functions": {k: {"calls": len(v), "total_ms": sum(v), "max_ms": max(v)}
                               for k, v in self.stats.items()},
-                "spans_ms": self.spans}
+                "spans_ms": self.spans, "gc": self.gc.snapshot(), "retier_host": self.retier_host}
+
+
+class HostClock:
+    """What the scheduler thread went through in a stretch: wall and its own CPU time (wall far
+    above CPU: it waited, on the GIL, a device sync or the OS), its voluntary / involuntary
+    context switches (involuntary: the OS preempted it), the collections inside and its minor
+    page faults (first touches of fresh host memory)."""
+
+    @staticmethod
+    def now(gc_stats: GCStats) -> tuple:
+        ru = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
+        return (time.perf_counter(), time.thread_time(), ru.ru_nvcsw, ru.ru_nivcsw,
+                sum(gc_stats.count), sum(gc_stats.seconds), ru.ru_minflt)
+
+    @staticmethod
+    def since(a: tuple, b: tuple) -> dict:
+        return {"wall_ms": round(1e3 * (b[0] - a[0]), 3), "cpu_ms": round(1e3 * (b[1] - a[1]), 3),
+                "vcsw": b[2] - a[2], "ivcsw": b[3] - a[3], "gc_collections": b[4] - a[4],
+                "gc_ms": round(1e3 * (b[5] - a[5]), 3), "minor_faults": b[6] - a[6]}
 
 
 # ---------------------------------------------------------------------- views
@@ -280,6 +310,7 @@ def profile_budget(a, model_dir: str, budget: float, prompts: Prompts, out: dict
     try:
         row["engine_start_s"] = time.time() - t0
         row["tiering"] = getattr(engine.scheduler, "tiering", None) is not None
+        row["host_runtime"] = {**getattr(engine, "host_runtime", {}), "cpus": len(os.sched_getaffinity(0))}
         log(f"b={budget}: engine up in {row['engine_start_s']:.1f} s, warm-up x{a.warmup}")
         row["warmup_ms"] = [generate(engine, prompts.next(), a.device) for _ in range(a.warmup)]
         row["plain_ms"], row["plain_detail"] = [], []
@@ -311,7 +342,8 @@ def summary_text(out: dict, budgets: list[float] | None = None) -> str:
     for b, row in out["budgets"].items():
         if budgets is not None and float(b) not in budgets:
             continue
-        lines.append(f"\n=== budget {b} (tiering {'on' if row.get('tiering') else 'off'})")
+        lines.append(f"\n=== budget {b} (tiering {'on' if row.get('tiering') else 'off'})"
+                     + (f" host {row['host_runtime']}" if row.get("host_runtime") else ""))
         if "plain_ms" in row:
             p = row["plain_ms"]
             lines.append(f"plain prompts ms: {' '.join(f'{x:.1f}' for x in p)} (median {statistics.median(p):.1f})")
@@ -320,6 +352,11 @@ def summary_text(out: dict, budgets: list[float] | None = None) -> str:
                 part = " ".join(f"{k.split('.')[-1]}:{v['total_ms']:.1f}" for k, v in f.items()
                                 if k.split(".")[-1] in ("_retier", "move", "free", "_plan_retier", "_record"))
                 lines.append(f"  prompt {i}: {d['ms']:.1f} ms  {part}  allocator {d.get('allocator')}")
+                g, hosts = d.get("gc") or {}, d.get("retier_host") or []
+                host = " ".join(f"re-tier wall {h['wall_ms']:.1f} cpu {h['cpu_ms']:.1f} ms csw {h['vcsw']}/{h['ivcsw']} "
+                                f"gc {h['gc_collections']} ({h['gc_ms']:.1f} ms) faults {h['minor_faults']}" for h in hosts)
+                if g or host:
+                    lines.append(f"    host: {host}  prompt gc {g.get('collections')} {g.get('total_ms', 0):.1f} ms")
         for view in ("timed", "synced"):
             v = row.get(view) or {}
             if "error" in v:

@@ -17,6 +17,8 @@ both sides into its reply's `meta_info.kv_transfer.trace`:
                             parts tier_assign: the byte-budget search, tier_move: ids planned
                             and the moves launched, tier_row: the row rewritten, queued
                             behind the moves without a host wait),
+                            tier_retier_cpu (the scheduler thread's CPU time in tier_retier,
+                            drawn from its start: far below tier_retier, the thread waited),
                             tier_evict (the retier's summed radix evictions for int-store room,
                             drawn from its start) and cache (the prompt into the radix cache)
              pack[s]        segment s: the gather-pack and checksum launched (on CPU: done)

@@ -37,6 +37,9 @@ class Engine:
         from sgl_kvxfer.detokenizer.byte_level import ByteLevelDecoder
 
         ByteLevelDecoder.of(self.tokenizer)  # build its table now, not on the first request
+        from sgl_kvxfer.utils.host_runtime import settle_scheduler_host
+
+        self.host_runtime = settle_scheduler_host(self.runner.device)  # last: start-up objects exist
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
@@ -80,6 +83,9 @@ class Engine:
         runner, self.scheduler, self.runner = self.runner, None, None
         runner.close()
         del runner
+        from sgl_kvxfer.utils.host_runtime import release_scheduler_host
+
+        release_scheduler_host(getattr(self, "host_runtime", None))  # frozen objects are never collected
         gc.collect()  # the model and graph runners hold reference cycles
         if torch.cuda.is_available():
             torch.cuda.synchronize()

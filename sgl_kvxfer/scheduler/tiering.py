@@ -345,14 +345,17 @@ class EngineTiering:
             attn = self._norm_importance(slots)
         importance = token_importance(attn, self.settings.recency_lambda)[start:]
         sinks = max(0, self.policy.sink_count(self.config.kv_sink_tokens) - start)
-        t1 = time.time()
+        t1, cpu1 = time.time(), time.thread_time()
         evict0 = self._evict_s
         parts = self._retier(req, start, slots[start:], importance, sinks)
-        t2 = time.time()
+        t2, cpu = time.time(), time.thread_time() - cpu1
         # tier_evict: the summed time the retier spent evicting radix leaves for room in an int
-        # store, drawn from the retier's start (the evictions interleave with its data moves)
+        # store, drawn from the retier's start (the evictions interleave with its data moves);
+        # tier_retier_cpu: the scheduler thread's CPU time in the retier, drawn the same way (far
+        # below tier_retier: the thread waited, on the OS, the GIL or the device)
         evict = self._evict_s - evict0
-        self.prefill_spans[req] = [("tier_scores", t0, t1), ("tier_retier", t1, t2), *parts] + (
+        self.prefill_spans[req] = [("tier_scores", t0, t1), ("tier_retier", t1, t2), *parts,
+                                   ("tier_retier_cpu", t1, min(t2, t1 + cpu))] + (
             [("tier_evict", t1, t1 + evict)] if evict > 0 else [])
         self._tiered_len[req] = n
         self._tails.pop(req, None)  # a re-prefilled (retracted) request starts fresh pages

@@ -122,6 +122,7 @@ async def get_server_info(request: Request):
         "status": "ready",
         "max_total_num_tokens": info.get("max_total_num_tokens"), "max_req_input_len": info.get("max_req_input_len"),
         "startup_time": app.state.startup_time, "kv_events": None, "internal_states": states,
+        "host_runtime": info.get("host_runtime"),
         "version": SGLANG_VERSION, "frontend": "python",
     })
     return JSONResponse(flat)

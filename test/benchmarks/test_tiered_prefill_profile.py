@@ -36,7 +36,15 @@ def test_main_tiny_cpu(load_benchmark, tmp_path, monkeypatch):
         assert funcs["EngineTiering._tier_prefill"]["calls"] == 1
         assert funcs["TieredKVPool.move"]["calls"] >= 1
         (spans,) = tiered[view]["spans_ms"]
-        assert {"tier_scores", "tier_assign", "tier_move", "tier_row"} <= {s[0] for s in spans}
+        assert {"tier_scores", "tier_assign", "tier_move", "tier_row", "tier_retier_cpu"} <= {s[0] for s in spans}
+        # the re-tier's host facts (wall vs CPU, context switches, collections) and the prompt's collections
+        (host,) = tiered[view]["retier_host"]
+        assert {"wall_ms", "cpu_ms", "vcsw", "ivcsw", "gc_collections", "gc_ms", "minor_faults"} <= set(host)
+        assert host["wall_ms"] >= 0 and host["cpu_ms"] >= 0
+        assert len(tiered[view]["gc"]["collections"]) == 3
+    (detail,) = tiered["plain_detail"]
+    assert len(detail["retier_host"]) == 1 and "gc" in detail
+    assert tiered["host_runtime"]["cpus"] >= 1 and "torch_threads" in tiered["host_runtime"]
     assert not data["budgets"]["1.0"]["timed"]["functions"]  # no tiering: nothing wrapped
 
 

@@ -1,0 +1,111 @@
+"""The scheduler process's host runtime: the garbage collector and torch's intra-op threads.
+
+Two host hazards sit on a prompt's critical path (the re-tier at a tiered prompt's end runs
+about a hundred small host tensor ops and a few Python loops):
+
+- A collection of the oldest generation scans every tracked object, and a served model's
+  process holds many from its start-up (modules, kernel caches, CUDA graphs). gc.freeze() after
+  start-up moves them to the permanent generation: later collections scan only what requests
+  allocate.
+- torch runs a host op over more than its grain size (32768 elements) on every intra-op thread,
+  and the op ends at a barrier: one worker the OS has descheduled stalls the op for a time
+  slice. On a GPU the host's tensors are ids and masks of at most a few hundred thousand
+  elements, where one thread is as fast and waits on no other.
+
+`settle_scheduler_host` applies both (env.GC_FREEZE, env.SCHEDULER_THREADS) once the scheduler
+is built; `GCStats` counts the collections a stretch of work runs into.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+import torch
+
+from sgl_kvxfer import env
+
+logger = logging.getLogger("sgl_kvxfer.host_runtime")
+
+
+def scheduler_threads(device: str, spec: str | None) -> int | None:
+    """Intra-op thread count for `spec` (env.SCHEDULER_THREADS) on `device`; None: leave torch's."""
+    spec = (spec or "auto").strip().lower()
+    if spec == "auto":
+        return 1 if str(device).startswith("cuda") else None
+    try:
+        n = int(spec)
+    except ValueError:
+        raise ValueError(f"{env.SCHEDULER_THREADS.name} must be auto or a thread count >= 0, got {spec!r}") from None
+    if n < 0:
+        raise ValueError(f"{env.SCHEDULER_THREADS.name} must be auto or a thread count >= 0, got {spec!r}")
+    return n or None
+
+
+def gc_freeze_wanted(device: str, spec: str | None) -> bool:
+    """Whether to freeze for `spec` (env.GC_FREEZE: auto = on a GPU, 1, 0) on `device`."""
+    spec = (spec or "auto").strip().lower()
+    if spec == "auto":
+        return str(device).startswith("cuda")
+    if spec in ("1", "true", "yes", "on"):
+        return True
+    if spec in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{env.GC_FREEZE.name} must be auto, 1 or 0, got {spec!r}")
+
+
+def settle_scheduler_host(device: str) -> dict:
+    """Cap the intra-op threads and freeze the start-up objects; returns what was applied
+    (torch_threads, gc_frozen: the permanent generation's size, 0 when not frozen).
+    NOTE: a frozen object is never collected: whoever tears the scheduler down in a process
+    that lives on (Engine.shutdown) calls `release_scheduler_host` before its gc.collect()."""
+    n = scheduler_threads(device, env.SCHEDULER_THREADS.get())
+    if n is not None and n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    frozen = 0
+    if gc_freeze_wanted(device, env.GC_FREEZE.get()):
+        gc.collect()  # garbage frozen now would never be freed: collect it first
+        gc.freeze()
+        frozen = gc.get_freeze_count()
+    facts = {"torch_threads": torch.get_num_threads(), "gc_frozen": frozen}
+    logger.info("scheduler host: %s", facts)
+    return facts
+
+
+def release_scheduler_host(facts: dict | None) -> None:
+    """Undo the freeze of `settle_scheduler_host` (its `facts`): the frozen objects go back to
+    the oldest generation, where a collection can free the torn-down scheduler's cycles."""
+    if facts and facts.get("gc_frozen"):
+        gc.unfreeze()
+
+
+class GCStats:
+    """Collections and their time since construction (or the last `reset`), per generation,
+    through gc.callbacks. Call `close` when done: the callback runs on every collection."""
+
+    def __init__(self):
+        self._start: float | None = None
+        self.reset()
+        gc.callbacks.append(self._on_gc)
+
+    def reset(self) -> None:
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            g = min(max(int(info.get("generation", 2)), 0), 2)
+            self.count[g] += 1
+            self.seconds[g] += time.perf_counter() - self._start
+            self._start = None
+
+    def snapshot(self) -> dict:
+        """{"collections": [gen0, gen1, gen2], "ms": [...], "total_ms": ...}."""
+        ms = [round(1e3 * s, 3) for s in self.seconds]
+        return {"collections": list(self.count), "ms": ms, "total_ms": round(sum(ms), 3)}
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
