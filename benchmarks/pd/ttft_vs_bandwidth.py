@@ -128,7 +128,20 @@ def trace_summary(traces: list[dict]) -> dict:
             "unaccounted_ms": statistics.median(t["unaccounted_ms"] for t in traces),
             "max_gap": max(gaps, key=lambda g: g[2], default=None),
             "by_phase_ms": {k: statistics.median(t["by_phase_ms"].get(k, 0.0) for t in traces) for k in kinds},
+            "per_request": [request_host_ms(t) for t in traces],
             "example": traces[len(traces) // 2]}
+
+
+RETIER_PHASES = ("p.tier", "p.tier_retier", "p.tier_retier_cpu", "p.tier_assign", "p.tier_move")
+
+
+def request_host_ms(trace: dict) -> dict:
+    """One traced request's re-tier (wall and the scheduler thread's CPU time) and collector
+    pauses: a slow request among fast ones shows which it spent its time in."""
+    phases = trace["by_phase_ms"]
+    gc_ms = sum(v for k, v in phases.items() if k[2:].startswith("gc"))
+    return {"critical_ms": trace["critical_ms"], **{k: phases[k] for k in RETIER_PHASES if k in phases},
+            "gc_ms": round(gc_ms, 3)}
 
 
 def _prefill_traced(trace: dict) -> bool:
