@@ -9,12 +9,15 @@
 # per budget (BUDGETS "0.3 1.0": the tiered one first, so a short call still profiles it), each
 # under `timeout -s INT` with what is left of T_TOTAL; both write one JSON (`--merge`).
 # Per budget: 2 warm-up prompts, REPEATS (5) plain timed prompts (their medians' ratio to b = 1.0 in
-# the summary; per prompt the re-tier's functions, unsynced, and the CUDA allocator's retries and
-# device mallocs / frees), then one prompt per view (timed spans and the
+# the summary; per prompt the re-tier's functions, unsynced, the CUDA allocator's retries and
+# device mallocs / frees, the collector's runs and the re-tier's wall / CPU time, context switches
+# and page faults), then one prompt per view (timed spans and the
 # re-tier's functions unsynced / synced, sync-debug sites, cProfile, torch.profiler).
 # $OUT: tiered_prefill_profile_<device>.json, tiered_prefill_profile.txt (the summaries),
 # tiered_prefill_profile.log (progress and errors).
 # MAX_TOKENS (40000), MEM_FRACTION (0.6) and EXTRA_ARGS (e.g. --cuda-graph) set the engine as a server is.
+# SGL_KVXFER_GC_FREEZE=0 / SGL_KVXFER_SCHEDULER_THREADS=0: without the scheduler's collector freeze /
+# single intra-op thread (sgl_kvxfer/utils/host_runtime.py), to compare against the defaults.
 # CPU rehearsal at toy size: DEVICE=cpu OUT=/tmp/x bash scripts/gpu/tiered_prefill_profile.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
