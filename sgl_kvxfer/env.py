@@ -103,9 +103,9 @@ GC_FREEZE = EnvVar(
 
 SCHEDULER_THREADS = EnvVar(
     "SGL_KVXFER_SCHEDULER_THREADS", "auto",
-    "torch intra-op threads of the scheduler process: auto (1 when the model runs on a GPU, where "
-    "the host's tensor work is id bookkeeping of at most a few hundred thousand elements; torch's "
-    "default on CPU), 0 (torch's default), or a count (utils/host_runtime.py)")
+    "torch intra-op threads of the scheduler process: auto (1 when the model runs on a GPU without "
+    "a cold tier, where the host's tensor work is id bookkeeping of at most a few hundred thousand "
+    "elements; else torch's default), 0 (torch's default), or a count (utils/host_runtime.py)")
 
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, KERNEL_CACHE, CPU_ISA,
        DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, KV_BUFFER, SCD_DATA, TIERED_DECODE_CONFIG, FUSEDKV_DATA,

@@ -37,9 +37,9 @@ class Engine:
         from sgl_kvxfer.detokenizer.byte_level import ByteLevelDecoder
 
         ByteLevelDecoder.of(self.tokenizer)  # build its table now, not on the first request
-        from sgl_kvxfer.utils.host_runtime import settle_scheduler_host
+        from sgl_kvxfer.utils.host_runtime import has_host_compute, settle_scheduler_host
 
-        self.host_runtime = settle_scheduler_host(self.runner.device)  # last: start-up objects exist
+        self.host_runtime = settle_scheduler_host(self.runner.device, has_host_compute(self.scheduler))  # last: start-up objects exist
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,

@@ -18,9 +18,9 @@ def run_scheduler_process(server_args: ServerArgs, ready_conn) -> None:
     logging.basicConfig(level=server_args.log_level.upper(), format="[scheduler] %(asctime)s %(levelname)s %(message)s")
     try:
         scheduler, info = build_scheduler(server_args)
-        from sgl_kvxfer.utils.host_runtime import settle_scheduler_host
+        from sgl_kvxfer.utils.host_runtime import has_host_compute, settle_scheduler_host
 
-        info["host_runtime"] = settle_scheduler_host(scheduler.runner.device)  # last: start-up objects exist
+        info["host_runtime"] = settle_scheduler_host(scheduler.runner.device, has_host_compute(scheduler))  # last: start-up objects exist
         inbox = PullQueue(server_args.ipc_addr("scheduler_input"), "scheduler", bind=True)
         outbox = PushQueue(server_args.ipc_addr("detokenizer_input"))
     except Exception as exc:  # report start-up failures to the launcher instead of hanging it

@@ -10,7 +10,8 @@ about a hundred small host tensor ops and a few Python loops):
 - torch runs a host op over more than its grain size (32768 elements) on every intra-op thread,
   and the op ends at a barrier: one worker the OS has descheduled stalls the op for a time
   slice. On a GPU the host's tensors are ids and masks of at most a few hundred thousand
-  elements, where one thread is as fast and waits on no other.
+  elements, where one thread is as fast and waits on no other (unless a cold tier gathers
+  host rows: `host_compute`).
 
 `settle_scheduler_host` applies both (env.GC_FREEZE, env.SCHEDULER_THREADS) once the scheduler
 is built; `GCStats` counts the collections a stretch of work runs into.
@@ -28,11 +29,18 @@ from sgl_kvxfer import env
 logger = logging.getLogger("sgl_kvxfer.host_runtime")
 
 
-def scheduler_threads(device: str, spec: str | None) -> int | None:
-    """Intra-op thread count for `spec` (env.SCHEDULER_THREADS) on `device`; None: leave torch's."""
+def has_host_compute(scheduler) -> bool:
+    """Whether `scheduler` does bulk host tensor work: a cold tier (host-row gathers)."""
+    return getattr(getattr(scheduler, "tiering", None), "cold", None) is not None
+
+
+def scheduler_threads(device: str, spec: str | None, host_compute: bool = False) -> int | None:
+    """Intra-op thread count for `spec` (env.SCHEDULER_THREADS) on `device`; None: leave torch's.
+    `host_compute`: the scheduler does bulk host tensor work (the cold tier's host-row gathers),
+    which `auto` leaves on torch's threads."""
     spec = (spec or "auto").strip().lower()
     if spec == "auto":
-        return 1 if str(device).startswith("cuda") else None
+        return 1 if str(device).startswith("cuda") and not host_compute else None
     try:
         n = int(spec)
     except ValueError:
@@ -54,12 +62,12 @@ def gc_freeze_wanted(device: str, spec: str | None) -> bool:
     raise ValueError(f"{env.GC_FREEZE.name} must be auto, 1 or 0, got {spec!r}")
 
 
-def settle_scheduler_host(device: str) -> dict:
+def settle_scheduler_host(device: str, host_compute: bool = False) -> dict:
     """Cap the intra-op threads and freeze the start-up objects; returns what was applied
     (torch_threads, gc_frozen: the permanent generation's size, 0 when not frozen).
     NOTE: a frozen object is never collected: whoever tears the scheduler down in a process
     that lives on (Engine.shutdown) calls `release_scheduler_host` before its gc.collect()."""
-    n = scheduler_threads(device, env.SCHEDULER_THREADS.get())
+    n = scheduler_threads(device, env.SCHEDULER_THREADS.get(), host_compute)
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)
     frozen = 0

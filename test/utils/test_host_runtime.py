@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from sgl_kvxfer import env
-from sgl_kvxfer.utils.host_runtime import (GCStats, gc_freeze_wanted, release_scheduler_host, scheduler_threads,
-                                           settle_scheduler_host)
+from sgl_kvxfer.utils.host_runtime import (GCStats, gc_freeze_wanted, has_host_compute, release_scheduler_host,
+                                           scheduler_threads, settle_scheduler_host)
 
 
 def test_scheduler_threads_auto_caps_gpu_only():
@@ -17,6 +17,20 @@ def test_scheduler_threads_auto_caps_gpu_only():
     assert scheduler_threads("cpu", "auto") is None  # CPU models compute on these threads
     assert scheduler_threads("cuda", "0") is None
     assert scheduler_threads("cpu", "3") == 3
+    assert scheduler_threads("cuda", "auto", host_compute=True) is None  # a cold tier's host gathers
+    assert scheduler_threads("cuda", "2", host_compute=True) == 2
+
+
+def test_host_compute_is_a_cold_tier():
+    class Tiering:
+        cold = None
+
+    class Sched:
+        tiering = Tiering()
+
+    assert not has_host_compute(Sched()) and not has_host_compute(object())
+    Sched.tiering.cold = object()
+    assert has_host_compute(Sched())
 
 
 @pytest.mark.parametrize("spec", ["-1", "many"])
