@@ -4,6 +4,7 @@
                        tiers=(0, 1, 2), check=True) -> o
     plan_tiered_pool_decode(batch_size, num_kv_heads, max_tokens, device, config=None) -> TieredDecodePlan
     served_config(head_dim, kv_group, override=None) -> TieredDecodeConfig   (SERVED_CONFIGS per head shape)
+    served_int_page(head_dim, kv_group) -> int | None   (the int page that config was timed at)
     tiered_pool_decode_reference(q, layer, tables, sm_scale=None, q_int=None) -> o   (torch, fp32)
     qk_int8_rounded_q(q) -> q~   (the q that qk_int8 attends with)
 
@@ -151,8 +152,16 @@ INTERPRET_CONFIG = TieredDecodeConfig(tile16=16, tile8=16, tile4=16, stages16=1,
 # several pages a step), the timings are not.
 SERVED_CONFIGS: dict[tuple[int, int], TieredDecodeConfig] = {
     (64, 3): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, warps16=4, split_waves=3),  # SmolLM2
-    (128, 4): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, min_steps=8, stages4=5),  # Llama-3-8B
+    (128, 4): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, min_steps=8, stages4=5, row_splits=False),  # Llama-3-8B
 }
+# The int page (--kv-tier-page-size) each SERVED_CONFIGS entry was timed at. The H100 sweep at
+# c7b4604 (benchmarks/results/attention_*.json, sweep.rows) timed its served Llama-3-8B config at
+# the engine's default 64-token pages too: batch 8, 32k, b = 0.5 mix 239.6 us, against 211.1 us
+# for the same knobs with row_splits off at page 256 (int8 223.6 / 195.7 us, int4 147.3 / 111.1
+# us; row_splits only touches the fp16 tier, 366.6-368.7 us either way). The engine's page is an
+# EngineConfig field (it sizes the pool), so the kernel cannot pick it: e2e_decode.py passes this
+# page unless told another, and records what it served.
+SERVED_INT_PAGE: dict[tuple[int, int], int] = {(64, 3): 256, (128, 4): 256}
 
 
 def served_config(head_dim: int, kv_group: int, override: Optional[str] = None) -> TieredDecodeConfig:
@@ -169,6 +178,28 @@ def served_config(head_dim: int, kv_group: int, override: Optional[str] = None) 
             raise ValueError(f"tiered decode config override must be a JSON object, got {override!r}")
         return TieredDecodeConfig(**fields)
     return SERVED_CONFIGS.get((head_dim, kv_group), DEFAULT_CONFIG)
+
+
+def served_int_page(head_dim: int, kv_group: int) -> Optional[int]:
+    """The int page the served config of this shape was timed at (None: no tuned entry)."""
+    return SERVED_INT_PAGE.get((head_dim, kv_group))
+
+
+def describe_served(head_dim: int, kv_group: int, override: Optional[str] = None) -> dict:
+    """What served_config picks and why, for benchmark records: {"source": "interpreter" |
+    "override" | "table" | "default", "config": its fields, "tuned_int_page": the page the
+    table's entry was timed at (None off the table)}."""
+    from dataclasses import asdict
+
+    cfg = served_config(head_dim, kv_group, override)
+    if is_interpret():
+        source = "interpreter"
+    elif override:
+        source = "override"
+    else:
+        source = "table" if (head_dim, kv_group) in SERVED_CONFIGS else "default"
+    page = served_int_page(head_dim, kv_group) if source == "table" else None
+    return {"source": source, "config": asdict(cfg), "tuned_int_page": page}
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ import torch
 from sgl_kvxfer.kernels.testing import TIER_ATOL, build_random_cache, build_random_paged_cache, exact_attention
 from sgl_kvxfer.kernels.tiered_pool_decode import (
     DEFAULT_CONFIG, INTERPRET_CONFIG, TieredDecodeConfig, TieredDecodePlan, plan_tiered_pool_decode,
-    SERVED_CONFIGS, qk_int8_rounded_q, served_config, tiered_pool_decode, tiered_pool_decode_reference, with_config,
+    SERVED_CONFIGS, SERVED_INT_PAGE, describe_served, qk_int8_rounded_q, served_config, served_int_page,
+    tiered_pool_decode, tiered_pool_decode_reference, with_config,
 )
 
 GPU = torch.cuda.is_available()
@@ -260,6 +261,23 @@ def test_served_config_override(monkeypatch):
     for bad in ("[1]", '{"tile8": 100}', '{"nope": 1}', "{"):
         with pytest.raises((TypeError, ValueError)):
             served_config(128, 4, bad)
+
+
+def test_served_int_page_and_record(monkeypatch):
+    """Every tuned config names the int page it was timed at, and the record a benchmark keeps
+    says where the served config came from."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert set(SERVED_INT_PAGE) == set(SERVED_CONFIGS)
+    assert all(p >= 16 and p & (p - 1) == 0 for p in SERVED_INT_PAGE.values())
+    rec = describe_served(128, 4)
+    assert rec["source"] == "table" and rec["tuned_int_page"] == served_int_page(128, 4)
+    assert TieredDecodeConfig(**rec["config"]) == SERVED_CONFIGS[(128, 4)]
+    assert describe_served(128, 4, '{"tile8": 128}')["source"] == "override"
+    assert describe_served(96, 5) == {"source": "default", "config": describe_served(96, 5)["config"],
+                                      "tuned_int_page": None}
+    assert served_int_page(96, 5) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert describe_served(128, 4)["source"] == "interpreter"
 
 
 # ---- GPU: real shapes, every tier alone and mixed, both dtypes, the sweep's knobs
