@@ -433,6 +433,9 @@ def run_point(args, model_dir, preset, arch, dtype, context, batch, budget, back
            "weight_bytes": plan["weight_bytes"], "weight_bytes_read_per_step": weight_bytes_read(arch, dtype)}
     if served is not None:
         row["attention_config"] = served
+        print(f"ctx {context} batch {batch} b={budget:g} {backend}: tiered decode config from {served['source']}, "
+              f"int page {served['int_page']} ({served['int_page_source']}), one_launch "
+              f"{served['config'].get('one_launch')}", flush=True)
     ok, need, free = fits(args.device, plan, int(args.headroom_gib * 2**30))
     row.update(bytes_needed=need, bytes_free=free)
     tag = f"ctx {context} batch {batch} b={budget:g} {backend}"
