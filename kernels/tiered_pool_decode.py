@@ -4,6 +4,7 @@
                        tiers=(0, 1, 2), check=True) -> o
     plan_tiered_pool_decode(batch_size, num_kv_heads, max_tokens, device, config=None) -> TieredDecodePlan
     served_config(head_dim, kv_group, override=None) -> TieredDecodeConfig   (SERVED_CONFIGS per head shape)
+    served_int_page(head_dim, kv_group) -> int | None   (the int page that config was timed at)
     tiered_pool_decode_reference(q, layer, tables, sm_scale=None, q_int=None) -> o   (torch, fp32)
     qk_int8_rounded_q(q) -> q~   (the q that qk_int8 attends with)
 
@@ -92,7 +93,12 @@ class TieredDecodeConfig:
     merge_prefetch: the merge issues the next chunk's partial loads before it reduces this chunk
     (two chunks live: compiled for sm_90 by Triton 3.9 the kernels take more registers, e.g. the
     fp16 kernel at 8 warps 109 -> 166, one program per SM instead of two; off by default, a sweep
-    knob)."""
+    knob).
+    one_launch: every launched tier in one grid, each program a byte-equal share of its request's
+    steps over all tiers (_tiered_one_launch.py; int tiers with G = D and no qk_int8, else the
+    per-tier launches): no launch, ramp and tail per small tier, S partials to merge instead of
+    S per tier. Tiles and stages stay per tier (min_steps does not apply), the warps are one
+    number: the int8 tier's (else int4's, else fp16's)."""
 
     tile16: int = 128
     tile8: int = 256
@@ -113,6 +119,7 @@ class TieredDecodeConfig:
     min_steps: int = 0
     row_splits: bool = True
     merge_prefetch: bool = False
+    one_launch: bool = False
 
     def __post_init__(self):
         for name in ("tile16", "tile8", "tile4"):
@@ -151,8 +158,16 @@ INTERPRET_CONFIG = TieredDecodeConfig(tile16=16, tile8=16, tile4=16, stages16=1,
 # several pages a step), the timings are not.
 SERVED_CONFIGS: dict[tuple[int, int], TieredDecodeConfig] = {
     (64, 3): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, warps16=4, split_waves=3),  # SmolLM2
-    (128, 4): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, min_steps=8, stages4=5),  # Llama-3-8B
+    (128, 4): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, min_steps=8, stages4=5, row_splits=False),  # Llama-3-8B
 }
+# The int page (--kv-tier-page-size) each SERVED_CONFIGS entry was timed at. The H100 sweep at
+# c7b4604 (benchmarks/results/attention_*.json, sweep.rows) timed its served Llama-3-8B config at
+# the engine's default 64-token pages too: batch 8, 32k, b = 0.5 mix 239.6 us, against 211.1 us
+# for the same knobs with row_splits off at page 256 (int8 223.6 / 195.7 us, int4 147.3 / 111.1
+# us; row_splits only touches the fp16 tier, 366.6-368.7 us either way). The engine's page is an
+# EngineConfig field (it sizes the pool), so the kernel cannot pick it: e2e_decode.py passes this
+# page unless told another, and records what it served.
+SERVED_INT_PAGE: dict[tuple[int, int], int] = {(64, 3): 256, (128, 4): 256}
 
 
 def served_config(head_dim: int, kv_group: int, override: Optional[str] = None) -> TieredDecodeConfig:
@@ -169,6 +184,28 @@ def served_config(head_dim: int, kv_group: int, override: Optional[str] = None) 
             raise ValueError(f"tiered decode config override must be a JSON object, got {override!r}")
         return TieredDecodeConfig(**fields)
     return SERVED_CONFIGS.get((head_dim, kv_group), DEFAULT_CONFIG)
+
+
+def served_int_page(head_dim: int, kv_group: int) -> Optional[int]:
+    """The int page the served config of this shape was timed at (None: no tuned entry)."""
+    return SERVED_INT_PAGE.get((head_dim, kv_group))
+
+
+def describe_served(head_dim: int, kv_group: int, override: Optional[str] = None) -> dict:
+    """What served_config picks and why, for benchmark records: {"source": "interpreter" |
+    "override" | "table" | "default", "config": its fields, "tuned_int_page": the page the
+    table's entry was timed at (None off the table)}."""
+    from dataclasses import asdict
+
+    cfg = served_config(head_dim, kv_group, override)
+    if is_interpret():
+        source = "interpreter"
+    elif override:
+        source = "override"
+    else:
+        source = "table" if (head_dim, kv_group) in SERVED_CONFIGS else "default"
+    page = served_int_page(head_dim, kv_group) if source == "table" else None
+    return {"source": source, "config": asdict(cfg), "tuned_int_page": page}
 
 
 @dataclass(frozen=True)
@@ -231,11 +268,91 @@ def _launch(kernel, grid, args, kw, tier, tile, warps, stages) -> None:
                 raise
 
 
+# (tiers, head_dim, kv_group, config) whose one_launch kernel did not fit the GPU: per-tier launches
+ONE_LAUNCH_TOO_BIG: set = set()
+
+
 def fallbacks() -> list[dict]:
-    """The launches that ran another (tile, stages) than asked for, as LAUNCHED recorded them."""
+    """The launches that ran another (tile, stages) than asked for, as LAUNCHED recorded them, and
+    the one_launch configs that ran per tier (ONE_LAUNCH_TOO_BIG)."""
     return [{"tier": k[0], "asked": {"tile": k[2], "warps": k[3], "stages": k[4]},
              "ran": {"tile": v[0], "stages": v[1]}, "head_dim": dict(k[1]).get("HEAD_DIM")}
-            for k, v in LAUNCHED.items() if v != (k[2], k[4])]
+            for k, v in LAUNCHED.items() if v != (k[2], k[4])] + \
+        [{"one_launch": "out of resources: per-tier launches", "tiers": list(k[0]), "head_dim": k[1]}
+         for k in ONE_LAUNCH_TOO_BIG]
+
+
+def _one_launch(q, layer: TieredKVLayer, tables: TieredBlockTables, out, plan: TieredDecodePlan,
+                config: TieredDecodeConfig, tiers: tuple, sm_scale: float) -> bool:
+    """config.one_launch: every tier of `tiers` in one grid (B * Hkv, S) (_tiered_one_launch.py).
+    False (nothing launched) where that kernel does not fit the GPU: the caller launches per tier."""
+    from triton.runtime.errors import OutOfResources
+
+    from ._tiered_one_launch import _one_launch_kernel
+
+    B, Hq, D = q.shape
+    Hkv = layer.num_kv_heads
+    kv_group = Hq // Hkv
+    S = plan.num_splits
+    key = (tuple(tiers), D, kv_group, config)
+    if key in ONE_LAUNCH_TOO_BIG:
+        return False
+    direct = S == 1
+    fused = plan.counters is not None and not direct
+    if direct:
+        o_part = lse_part = out  # unused
+        so, sl = (0, 0, 0), (0, 0)
+    else:
+        o_part = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+        so, sl = (o_part.stride(0), o_part.stride(1), o_part.stride(2)), (lse_part.stride(0), lse_part.stride(1))
+    interp = is_interpret()
+    bt, ln = tables.tables, tables.lens
+    fills = tables.fills if tables.filled else bt
+    npg = tables.num_pages if tables.filled else ln
+    per_tier, kw = [], {}
+    for t, sfx, halves in ((TIER_FP16, "16", 0), (TIER_INT8, "8", 1), (TIER_INT4, "4", 2)):
+        tile, _, stages = config.launch(t)
+        kw.update({f"HAS{sfx}": t in tiers, f"TILE{sfx}": tile, f"STAGES{sfx}": stages})
+        if t not in tiers:  # placeholders, never read (HAS = False)
+            per_tier += [q] * (2 if t == TIER_FP16 else 4) + [ln[0]] * 4 + [0] * 4
+            kw.update({f"PAGE{sfx}": 16, f"W{sfx}": 1})
+            if halves:
+                kw[f"FAST{sfx}"] = False
+            continue
+        tp, page = layer[t], layer.page_size_of(t)
+        stores = [tp.k, tp.v] if t == TIER_FP16 else [tp.k, tp.v, tp.k.view(torch.float16), tp.v.view(torch.float16)]
+        per_tier += stores + [bt[t], fills[t], ln[t], npg[t], bt[t].stride(0), fills[t].stride(0), tp.k.stride(0),
+                              tp.k.stride(1)]
+        # the weight of a step: the K + V bytes it reads per kv head (codes, scales and zeros)
+        kw.update({f"PAGE{sfx}": page,
+                   f"W{sfx}": tile * 2 * (2 * D if t == TIER_FP16 else D // halves + 4)})
+        if halves:
+            kw[f"FAST{sfx}"] = config.fast_cvt and not interp and tile * (D // halves) >= 8 * 32 * _one_launch_warps(
+                config, tiers)
+    warps = _one_launch_warps(config, tiers)
+    try:
+        _one_launch_kernel[(B * Hkv, S)](
+            q, o_part, lse_part, out, plan.counters if fused else ln[0], *per_tier,
+            q.stride(0), q.stride(1), *so, *sl, out.stride(0), out.stride(1), S, sm_scale * LOG2E,
+            NUM_KV_HEADS=Hkv, KV_GROUP=kv_group, BLOCK_G=max(16, next_pow2(kv_group)), HEAD_DIM=D,
+            FILLED=tables.filled, DOT_F32=interp and q.dtype == torch.bfloat16, DOT_CVT=config.dot_cvt,
+            SUB_CVT=config.sub_cvt and config.dot_cvt, DIRECT=direct, FUSED_MERGE=fused, FENCE=not interp,
+            MERGE_H=next_pow2(kv_group), MERGE_S=merge_step(warps), MERGE_PF=config.merge_prefetch,
+            num_warps=warps, num_stages=max(kw[f"STAGES{x}"] for x in ("16", "8", "4")), **kw)
+    except OutOfResources:
+        ONE_LAUNCH_TOO_BIG.add(key)
+        return False
+    if not direct and not fused:
+        _merge_kernel[(B * Hkv,)](
+            o_part, lse_part, out, S, *so, *sl, out.stride(0), out.stride(1),
+            NUM_KV_HEADS=Hkv, KV_GROUP=kv_group, MERGE_H=next_pow2(kv_group), HEAD_DIM=D, MERGE_S=MERGE_S,
+            MERGE_PF=config.merge_prefetch, num_warps=4)
+    return True
+
+
+def _one_launch_warps(config: TieredDecodeConfig, tiers) -> int:
+    return config.warps8 if TIER_INT8 in tiers else config.warps4 if TIER_INT4 in tiers else config.warps16
 
 
 def _check(q, layer: TieredKVLayer, tables: TieredBlockTables, tiers) -> None:
@@ -286,6 +403,10 @@ def tiered_pool_decode(
     if plan is None:
         width = max(int(tables.tables[t].shape[1]) * layer.page_size_of(t) for t in tiers)
         plan = plan_tiered_pool_decode(B, Hkv, width, q.device, config)
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    if config.one_launch and len(tiers) > 1 and layer.group_size == D and not config.qk_int8:
+        if _one_launch(q, layer, tables, out, plan, config, tiers, sm_scale):
+            return out
     S = plan.num_splits
     n_total = S * len(tiers)
     direct = n_total == 1

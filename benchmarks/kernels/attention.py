@@ -27,7 +27,8 @@ median per call, with the min and max over the replays. Bytes = what the kernel 
 payload with scales and zeros, q read, o written; GB/s = bytes / median; speed = SDPA ms / ms;
 % of SDPA bandwidth = GB/s over SDPA's at the same point.
 
---sweep-configs: before the measurement, the served config of the tiered decode and every
+--sweep-configs: before the measurement, the served config of the tiered decode (at the int page
+it was tuned at, SERVED_INT_PAGE, as e2e_decode.py serves it) and every
 --configs entry (TieredDecodeConfig fields; "int_page" sets the layout's int page size) are timed
 at --sweep-points on the fp16 / int8 / int4 / mix layouts (each layout built once per point and
 int page, shared by the configs and the table). Among the configs whose every output matches the
@@ -164,11 +165,13 @@ def tiered_timing(B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, entry=None,
     """One tiered variant at one config. layout: an EngineLayout, or a callable (mix, int page) ->
     layout (the sweep's cache), or None (built here). parts: a multi-tier mix also times each
     tier's launch alone on the same layout (res["parts"])."""
-    from sgl_kvxfer.kernels.tiered_pool_decode import (fallbacks, plan_tiered_pool_decode, served_config,
-                                                       tiered_pool_decode, tiered_pool_decode_reference)
+    from sgl_kvxfer.kernels.tiered_pool_decode import (describe_served, fallbacks, plan_tiered_pool_decode,
+                                                       served_config, tiered_pool_decode,
+                                                       tiered_pool_decode_reference)
 
     cfg, page = split_config(entry)
-    cfg = cfg or served_config(D, Hq // Hkv)
+    if cfg is None:  # the served config at the int page it was tuned at: what e2e_decode.py serves
+        cfg, page = served_config(D, Hq // Hkv), describe_served(D, Hq // Hkv)["tuned_int_page"]
     if layout is None:
         layout = tiered_layout(B, ctx, Hkv, D, q, mix, dev, max_bytes, page)
     elif callable(layout):  # a cache: (mix, int page) -> layout
@@ -193,7 +196,9 @@ def tiered_timing(B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, entry=None,
                                                                  tiers=(t,), check=False) for tb in layout.tables],
                               dev, iters)
             res["parts"][f"tier{t}"] = {k: p[k] for k in ("ms", "ms_min", "ms_max")}
-    ran_other = [f for f in fallbacks() if f["tier"] in tiers and f["head_dim"] == D and f["asked"] == asked(f["tier"])]
+    ran_other = [f for f in fallbacks() if f["head_dim"] == D and (
+        ("tier" in f and f["tier"] in tiers and f["asked"] == asked(f["tier"]))
+        or ("one_launch" in f and cfg.one_launch and tuple(f["tiers"]) == tuple(tiers)))]
     if ran_other:  # a config past the GPU's shared memory ran with fewer stages / a smaller tile
         res["fallbacks"] = ran_other
     if B * ctx <= CHECK_TOKENS:

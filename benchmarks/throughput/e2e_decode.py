@@ -76,6 +76,29 @@ def engine_kwargs(args, plan: dict, budget: float, backend: str, batch: int) -> 
     return kw
 
 
+def served_attention(args, arch, budget: float, backend: str) -> tuple[int | None, dict | None]:
+    """(int page, record) of a tiered triton engine: the page is --kv-tier-page-size, else the one
+    the served decode config was timed at (kernels/tiered_pool_decode.SERVED_INT_PAGE; a config
+    from the table only), else the engine's default (None). The record is what the engine's
+    backend serves, worked out by the same function (served_config) under the same
+    SGL_KVXFER_TIERED_DECODE_CONFIG in the process that starts the engine: config fields, its
+    source and the int page. Other engines: (--kv-tier-page-size, None)."""
+    if budget >= 1.0 or backend != "triton":
+        return args.kv_tier_page_size, None
+    from sgl_kvxfer import env
+    from sgl_kvxfer.config import EngineConfig
+    from sgl_kvxfer.kernels.tiered_pool_decode import describe_served, served_int_page
+
+    group = arch.num_attention_heads // arch.num_key_value_heads
+    rec = describe_served(arch.head_dim, group, env.TIERED_DECODE_CONFIG.get())
+    # the tuned page goes with the tuned config only (an override or the interpreter: the engine's)
+    page = args.kv_tier_page_size or (served_int_page(arch.head_dim, group) if rec["source"] == "table" else None)
+    rec["int_page"] = page or EngineConfig().kv_tier_page_size
+    rec["int_page_source"] = ("--kv-tier-page-size" if args.kv_tier_page_size else
+                              "SERVED_INT_PAGE" if page else "EngineConfig default")
+    return page, rec
+
+
 def timed_generate(engine, prompts, n: int) -> tuple[float, int]:
     """(seconds, fewest prompt tokens any request found cached)."""
     params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
@@ -273,7 +296,9 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--kv-tier-budgets", type=float, nargs="+", default=[1.0, 0.5, 0.25],
                    help="one engine per budget; 1.0 = untiered pool, < 1 = SpectrumKV tiers")
     p.add_argument("--kv-tier-policy", default="greedy")
-    p.add_argument("--kv-tier-page-size", type=int, default=None, help="the int stores' page (default: the engine's)")
+    p.add_argument("--kv-tier-page-size", type=int, default=None,
+                   help="the int stores' page (default: the page the served tiered decode config was timed "
+                   "at, kernels/tiered_pool_decode.SERVED_INT_PAGE, else the engine's)")
     p.add_argument("--backends", nargs="+", default=["triton"], help="attention backends, one engine each")
     p.add_argument("--n1", type=int, default=16, help="decode tokens of the short generate call")
     p.add_argument("--n2", type=int, default=80, help="decode tokens of the long generate call")
@@ -400,10 +425,17 @@ def run_child(args, preset, arch, dtype) -> str:
 
 def run_point(args, model_dir, preset, arch, dtype, context, batch, budget, backend, bandwidths) -> dict:
     """One engine at (batch, context, budget, backend), or the record of why it did not run."""
-    plan = plan_pool(arch, dtype, context, batch, budget, args.n2, args.kv_tier_policy, args.kv_tier_page_size)
+    page, served = served_attention(args, arch, budget, backend)
+    args = argparse.Namespace(**{**vars(args), "kv_tier_page_size": page})  # the pool plan and the engine
+    plan = plan_pool(arch, dtype, context, batch, budget, args.n2, args.kv_tier_policy, page)
     plan["weight_bytes"] = weight_bytes_resident(arch, dtype)
     row = {"context": context, "batch": batch, "kv_tier_budget": budget, "backend": backend, "pool_plan": plan,
            "weight_bytes": plan["weight_bytes"], "weight_bytes_read_per_step": weight_bytes_read(arch, dtype)}
+    if served is not None:
+        row["attention_config"] = served
+        print(f"ctx {context} batch {batch} b={budget:g} {backend}: tiered decode config from {served['source']}, "
+              f"int page {served['int_page']} ({served['int_page_source']}), one_launch "
+              f"{served['config'].get('one_launch')}", flush=True)
     ok, need, free = fits(args.device, plan, int(args.headroom_gib * 2**30))
     row.update(bytes_needed=need, bytes_free=free)
     tag = f"ctx {context} batch {batch} b={budget:g} {backend}"

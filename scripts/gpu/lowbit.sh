@@ -138,7 +138,13 @@ for s in $STAGES; do
       # flight, as one int8 step); int4 two steps ahead (5 stages: 82 KB, still two programs per SM;
       # 3 and 4 stages both hold one step ahead); four programs per SM (more splits); 64-row fp16
       # steps at 4 warps; int8 tensor cores for q.K; 128-token steps at three per SM
-      default_configs='[{"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8},
+      # first the served Llama-3-8B knobs in one launch over all tiers (one_launch: its same-run
+      # A/B against the served row), then the served knobs at 64-token int pages (the engine's
+      # default page) without and with one_launch
+      default_configs='[{"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "stages4": 5, "row_splits": false, "one_launch": true},
+        {"int_page": 64, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "stages4": 5, "row_splits": false},
+        {"int_page": 64, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "stages4": 5, "row_splits": false, "one_launch": true},
+        {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "stages4": 5, "row_splits": false},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "min_steps": 8, "stages4": 5, "merge_prefetch": true},
         {"int_page": 256, "dot_cvt": true, "sub_cvt": true, "warps16": 4, "split_waves": 3},

@@ -167,6 +167,10 @@ def test_e2e_decode(tmp_path):
     full, half = data["rows"]
     assert half["kv_fraction_of_fp16"] < 0.75 and half["pool_plan"]["stores"]["n8"] > 0
     assert half["engine_kwargs"]["max_total_tokens"] == half["pool_plan"]["pool_tokens"]
+    # the tiered engine's row names the decode config it served (the interpreter's, on the CPU)
+    served = half["attention_config"]
+    assert served["source"] == "interpreter" and served["int_page_source"] == "EngineConfig default"
+    assert "attention_config" not in full
     for r in data["rows"]:
         assert {"decode_tok_s", "fraction_of_roofline_copy", "fraction_of_roofline_sdpa", "bytes_needed"} <= set(r)
 

@@ -11,7 +11,8 @@ import torch
 from sgl_kvxfer.kernels.testing import TIER_ATOL, build_random_cache, build_random_paged_cache, exact_attention
 from sgl_kvxfer.kernels.tiered_pool_decode import (
     DEFAULT_CONFIG, INTERPRET_CONFIG, TieredDecodeConfig, TieredDecodePlan, plan_tiered_pool_decode,
-    SERVED_CONFIGS, qk_int8_rounded_q, served_config, tiered_pool_decode, tiered_pool_decode_reference, with_config,
+    SERVED_CONFIGS, SERVED_INT_PAGE, describe_served, qk_int8_rounded_q, served_config, served_int_page,
+    tiered_pool_decode, tiered_pool_decode_reference, with_config,
 )
 
 GPU = torch.cuda.is_available()
@@ -152,6 +153,53 @@ def test_tier_subsets_and_direct_write(tiers):
         _close(*_run(lens, 4, 2, 32, 32, (1, 16, 16), splits=splits, tiers=tiers))
 
 
+def _one_launch_only(monkeypatch):
+    """The per-tier kernels must not run: one_launch covers the call alone."""
+    from sgl_kvxfer.kernels import tiered_pool_decode as mod
+
+    class NotLaunched:
+        def __getitem__(self, grid):
+            raise AssertionError("a per-tier kernel launched under one_launch")
+
+    monkeypatch.setattr(mod, "_fp16_tier_kernel", NotLaunched())
+    monkeypatch.setattr(mod, "_int_tier_kernel", NotLaunched())
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("filled", [True, False])
+def test_one_launch_byte_shares(monkeypatch, splits, fused, filled):
+    """one_launch: one grid over every tier, each program a byte share of its request's steps
+    (shares that cut inside a tier, empty shares, requests with an empty tier or no token)."""
+    _one_launch_only(monkeypatch)
+    cfg = with_config(BASE, one_launch=True)
+    lens = [(21, 70, 45), (2, 3, 90), (0, 0, 0), (37, 0, 5), (0, 17, 0)]
+    for pages in ((1, 16, 16), (4, 16, 32)):
+        _close(*_run(lens, 4, 2, 32, 32, pages, splits=splits, fused=fused, filled=filled, config=cfg))
+
+
+@pytest.mark.parametrize("knobs", [dict(), dict(dot_cvt=True), dict(dot_cvt=True, sub_cvt=True),
+                                   dict(tile8=32, tile4=32, tile16=32)])
+@pytest.mark.parametrize("tiers", [(0, 1, 2), (1, 2), (0, 1), (0, 2)])
+def test_one_launch_tiers_and_conversions(monkeypatch, knobs, tiers):
+    """one_launch over tier subsets, the dot-layout conversions, and steps of several pages (tile
+    32 over 16-token pages) or inside one (64-token pages)."""
+    _one_launch_only(monkeypatch)
+    cfg = with_config(BASE, one_launch=True, **knobs)
+    lens = [tuple(n if t in tiers else 0 for t, n in enumerate(l)) for l in [(9, 100, 70), (3, 33, 1), (0, 16, 48)]]
+    for pages in ((1, 16, 16), (16, 64, 64)):
+        _close(*_run(lens, 8, 2, 64, 64, pages, splits=2, config=cfg, tiers=tiers))
+
+
+def test_one_launch_bf16_and_fallbacks():
+    """bf16 q; G < D and qk_int8 take the per-tier launches (one_launch covers G = D, fp16 q . K)."""
+    cfg = with_config(BASE, one_launch=True)
+    lens = [(5, 40, 23), (30, 0, 0), (1, 2, 3)]
+    _close(*_run(lens, 8, 2, 64, 64, (1, 16, 16), dtype=torch.bfloat16, splits=3, config=cfg), torch.bfloat16)
+    _close(*_run(lens, 8, 2, 64, 16, (1, 16, 16), splits=3, config=cfg))
+    _close(*_run(lens, 8, 2, 64, 64, (1, 16, 16), splits=3, config=with_config(cfg, qk_int8=True)))
+
+
 def test_empty_tiers_and_requests():
     for lens in ([(0, 40, 0), (0, 0, 0)], [(0, 0, 37), (0, 0, 0)], [(0, 0, 0)]):
         _close(*_run(lens, 4, 2, 32, 32, (1, 16, 16), splits=3))
@@ -262,6 +310,23 @@ def test_served_config_override(monkeypatch):
             served_config(128, 4, bad)
 
 
+def test_served_int_page_and_record(monkeypatch):
+    """Every tuned config names the int page it was timed at, and the record a benchmark keeps
+    says where the served config came from."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert set(SERVED_INT_PAGE) == set(SERVED_CONFIGS)
+    assert all(p >= 16 and p & (p - 1) == 0 for p in SERVED_INT_PAGE.values())
+    rec = describe_served(128, 4)
+    assert rec["source"] == "table" and rec["tuned_int_page"] == served_int_page(128, 4)
+    assert TieredDecodeConfig(**rec["config"]) == SERVED_CONFIGS[(128, 4)]
+    assert describe_served(128, 4, '{"tile8": 128}')["source"] == "override"
+    assert describe_served(96, 5) == {"source": "default", "config": describe_served(96, 5)["config"],
+                                      "tuned_int_page": None}
+    assert served_int_page(96, 5) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert describe_served(128, 4)["source"] == "interpreter"
+
+
 # ---- GPU: real shapes, every tier alone and mixed, both dtypes, the sweep's knobs
 
 @pytest.mark.gpu
@@ -284,7 +349,9 @@ def test_real_shapes_gpu(Hq, Hkv, D, mix, dtype):
                                    dict(tile16=128, warps16=8, stages16=2), dict(G=32),
                                    dict(dot_cvt=True), dict(dot_cvt=True, sub_cvt=True),
                                    dict(dot_cvt=True, sub_cvt=True, tile8=128, tile4=128),
-                                   dict(row_splits=False), dict(merge_prefetch=True)])
+                                   dict(row_splits=False), dict(merge_prefetch=True),
+                                   dict(one_launch=True), dict(one_launch=True, dot_cvt=True, sub_cvt=True, stages4=5),
+                                   dict(one_launch=True, fused_merge=False)])
 def test_knobs_gpu(knobs):
     knobs = dict(knobs)
     G = knobs.pop("G", 128)
