@@ -7,9 +7,10 @@ The room's steps are DecodeRole's (decode.py); what differs:
                 this consumer; anything else fails the request with 400 and the reason (a
                 misconfigured pair is not a transfer fault: no local prefill hides it)
     claim       names the artifacts (ScdClaimInfo); the staging region is sized for codes
-    segment     verified as usual, then rebuilt layer by layer into freshly allocated slots:
-                Reuse layers decode_reuse (low-rank decode + RoPE), Patch layers align_patch and
-                this model's own W_k / W_v + RoPE; `KVPool.write_external` stores them
+    segment     verified as usual, then rebuilt into freshly allocated slots: Reuse layers by
+                low-rank decode + RoPE, Patch layers by aligner and this model's own W_k / W_v +
+                RoPE, each kind for all its layers at once (scd/rebuild.py: a fixed few dozen
+                launches per segment); `KVPool.write_layers` stores each kind in one write
     done        codes cover positions [0, n - 1): the request joins the running batch with
                 kv_len = n - 1 and no token, and its first decode step computes the last prompt
                 position with this model and samples the first token
@@ -123,9 +124,12 @@ class ScdDecodeRole(DecodeRole):
                                                                         settings.scd_consumer)
         self.manifest = self.artifacts.manifest
         from sgl_kvxfer.scd.codec import ScdDecoder, kv_projections
+        from sgl_kvxfer.scd.rebuild import StackedRebuild
 
         self.decoder = ScdDecoder(self.artifacts, self.consumer, runner.device)
         self.projections = kv_projections(runner.model)
+        # stacked decoders, aligners and float32 W_k / W_v on the device once, not per segment
+        self.stacked = StackedRebuild(self.decoder, self.projections, runner.device)
         self.code_layout = CodeLayout.from_manifest(self.manifest)  # the top level: the largest
         # a segment's level is read from its bytes per token (distinct per level; scd_prefill.py)
         self.layout_by_bpt = {lay.bytes_per_token: lay for lay in
@@ -198,8 +202,8 @@ class ScdDecodeRole(DecodeRole):
             marks = self.marks.setdefault(room.room, _Marks(str(self.pool.device).startswith("cuda")))
             marks.mark("start")
         try:
-            kv = self._rebuild(payload, seg.start, seg.end, layout, marks)
-            self.pool.write_external(slots, kv)
+            for layer_ids, k, v in self._rebuild(payload, seg.start, seg.end, layout, marks):
+                self.pool.write_layers(slots, layer_ids, k, v)
             if marks is not None:
                 marks.mark("kv_write")
         except Exception as e:  # noqa: BLE001 (kv_len has moved on: any failure ends the room here, never a retry)
@@ -208,9 +212,10 @@ class ScdDecodeRole(DecodeRole):
         return True
 
     def _rebuild(self, payload: torch.Tensor, start: int, end: int, layout: CodeLayout | None = None,
-                 marks: _Marks | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer (k post-RoPE, v) [end - start, Hkv, D] in the pool's dtype, from codes at
-        `layout`'s level (default the top). `marks`: the trace's part boundaries."""
+                 marks: _Marks | None = None) -> list:
+        """The segment's K/V as layer groups (layer ids, k post-RoPE, v [L', end - start, Hkv, D]
+        in the pool's dtype; scd/rebuild.py), from codes at `layout`'s level (default the top).
+        `marks`: the trace's part boundaries."""
         dev, dtype = self.pool.device, self.pool.dtype
         layout = layout or self.code_layout
         mark = marks.mark if marks is not None else (lambda name: None)
@@ -226,18 +231,11 @@ class ScdDecodeRole(DecodeRole):
         positions = torch.arange(start, end, device=dev)
         self.decoder.rotary.prime(positions, num_positions=end)  # every layer's RoPE: one lookup, no sync
         mark("unpack_codes")
-        out = [None] * self.manifest.num_layers  # each layer's K/V depends on its own codes only
-        # (the pool keeps the device it was given: a torch.device or a string such as "cuda:0")
+        # every Reuse layer in one batched GEMM per K / V, every Patch layer likewise (scd/rebuild.py):
+        # a segment costs the same few dozen launches at 63 tokens as at 8128 (the pool keeps the
+        # device it was given: a torch.device or a string such as "cuda:0")
         with tf32_matmuls(torch.device(dev).type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
-            for layer in self.manifest.reuse_layers:
-                out[layer] = self.decoder.decode_reuse(layer, codes[(layer, "k")], codes[(layer, "v")], positions,
-                                                       dtype)
-            mark("reuse")
-            for layer in self.manifest.patch_layers:
-                out[layer] = self.decoder.regenerate_patch(layer, codes[(layer, "h")], positions,
-                                                           self.projections[layer], dtype)
-            mark("patch")
-        return out
+            return self.stacked.rebuild(codes, positions, dtype, mark)
 
     def _succeed(self, room: DecodeRoom) -> None:
         req, done = room.req, room.done
