@@ -312,7 +312,10 @@ def test_the_consumers_rebuild_equals_the_codecs_per_layer_decode(tiny, device):
     codes = {(layer, kind): torch.randn(n, *shape, generator=g).to(layout.dtype) for layer, kind, shape in layout.fields}
     payload = torch.zeros(layout.nbytes(n), dtype=torch.uint8)
     pack_codes(layout, codes, payload)
-    got = per_layer(role._rebuild(payload, start, end), m.num_layers)
+    chunks = list(role._rebuild(payload, start, end, max_tokens=4))  # [0, 4), [4, 7): chunked as served
+    assert [(a, b) for a, b, _ in chunks] == [(0, 4), (4, 7)]
+    parts = [per_layer(groups, m.num_layers) for _, _, groups in chunks]
+    got = [tuple(torch.cat([p[layer][j] for p in parts]) for j in range(2)) for layer in range(m.num_layers)]
     assert torch.backends.cuda.matmul.allow_tf32 is False  # the rebuild's TF32 stays inside it
     positions = torch.arange(start, end, device=device)
     ref = ScdDecoder(arts, "c0", device)
