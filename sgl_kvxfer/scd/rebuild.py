@@ -48,7 +48,9 @@ class StackedRebuild:
                 t = torch.stack([decoder.aligners[l][name] for l in self.patch]).to(self.device)
                 self.aligner[name] = t.unsqueeze(1) if t.dim() == 2 else t
             self.has_mlp = self.aligner["w1"].shape[-1] > 0
-            # W^T [Lp, hidden, H*D] float32, contiguous (F.linear's h @ W^T, no per-call transpose copy)
+            # W^T [Lp, hidden, H*D] float32, contiguous (F.linear's h @ W^T, no per-call transpose copy).
+            # NOTE: copies of the model's weights at construction (the engine never updates weights
+            # in place; a server that did would have to rebuild this object)
             projs = [projections[l] for l in self.patch]
             self.w_k_t = torch.stack([p.w_k.float().t() for p in projs]).contiguous().to(self.device)
             self.w_v_t = torch.stack([p.w_v.float().t() for p in projs]).contiguous().to(self.device)
