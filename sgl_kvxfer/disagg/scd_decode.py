@@ -7,9 +7,10 @@ The room's steps are DecodeRole's (decode.py); what differs:
                 this consumer; anything else fails the request with 400 and the reason (a
                 misconfigured pair is not a transfer fault: no local prefill hides it)
     claim       names the artifacts (ScdClaimInfo); the staging region is sized for codes
-    segment     verified as usual, then rebuilt layer by layer into freshly allocated slots:
-                Reuse layers decode_reuse (low-rank decode + RoPE), Patch layers align_patch and
-                this model's own W_k / W_v + RoPE; `KVPool.write_external` stores them
+    segment     verified as usual, then rebuilt into freshly allocated slots: Reuse layers by
+                low-rank decode + RoPE, Patch layers by aligner and this model's own W_k / W_v +
+                RoPE, each kind for all its layers at once (scd/rebuild.py: a fixed few dozen
+                launches per segment); `KVPool.write_layers` stores each kind in one write
     done        codes cover positions [0, n - 1): the request joins the running batch with
                 kv_len = n - 1 and no token, and its first decode step computes the last prompt
                 position with this model and samples the first token
@@ -45,6 +46,10 @@ from sgl_kvxfer.mem_cache.scd_payload import CodeLayout, unpack_codes
 from sgl_kvxfer.message.disagg import KVSegment, ScdClaimInfo
 
 logger = logging.getLogger(__name__)
+
+# tokens per rebuild chunk: at the Llama-3-8B shape (26 Reuse layers of 8 x 128) a chunk's float32
+# K or V over all Reuse layers is 218 MB; a chunk costs a fixed few dozen launches
+REBUILD_CHUNK_TOKENS = 2048
 
 
 class _Marks:
@@ -123,9 +128,12 @@ class ScdDecodeRole(DecodeRole):
                                                                         settings.scd_consumer)
         self.manifest = self.artifacts.manifest
         from sgl_kvxfer.scd.codec import ScdDecoder, kv_projections
+        from sgl_kvxfer.scd.rebuild import StackedRebuild
 
         self.decoder = ScdDecoder(self.artifacts, self.consumer, runner.device)
         self.projections = kv_projections(runner.model)
+        # stacked decoders, aligners and float32 W_k / W_v on the device once, not per segment
+        self.stacked = StackedRebuild(self.decoder, self.projections, runner.device)
         self.code_layout = CodeLayout.from_manifest(self.manifest)  # the top level: the largest
         # a segment's level is read from its bytes per token (distinct per level; scd_prefill.py)
         self.layout_by_bpt = {lay.bytes_per_token: lay for lay in
@@ -198,46 +206,48 @@ class ScdDecodeRole(DecodeRole):
             marks = self.marks.setdefault(room.room, _Marks(str(self.pool.device).startswith("cuda")))
             marks.mark("start")
         try:
-            kv = self._rebuild(payload, seg.start, seg.end, layout, marks)
-            self.pool.write_external(slots, kv)
-            if marks is not None:
-                marks.mark("kv_write")
+            for a, b, groups in self._rebuild(payload, seg.start, seg.end, layout, marks):
+                for layer_ids, k, v in groups:
+                    self.pool.write_layers(slots[a:b], layer_ids, k, v)
+                if marks is not None:
+                    marks.mark("kv_write")
         except Exception as e:  # noqa: BLE001 (kv_len has moved on: any failure ends the room here, never a retry)
             self._end(room, f"rebuilding KV from codes failed: {type(e).__name__}: {e}")
             return False
         return True
 
     def _rebuild(self, payload: torch.Tensor, start: int, end: int, layout: CodeLayout | None = None,
-                 marks: _Marks | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer (k post-RoPE, v) [end - start, Hkv, D] in the pool's dtype, from codes at
-        `layout`'s level (default the top). `marks`: the trace's part boundaries."""
+                 marks: _Marks | None = None, max_tokens: int = REBUILD_CHUNK_TOKENS):
+        """Yields (a, b, layer groups) per chunk of at most `max_tokens` of the segment's tokens:
+        the K/V of its tokens [a, b) (segment-relative) as (layer ids, k post-RoPE, v
+        [L', b - a, Hkv, D]) in the pool's dtype (scd/rebuild.py), from codes at `layout`'s level
+        (default the top). The caller stores a chunk before asking for the next: a chunk's
+        float32 intermediates over all Reuse layers at once are what bounds the rebuild's memory.
+        `marks`: the trace's part boundaries."""
         dev, dtype = self.pool.device, self.pool.dtype
         layout = layout or self.code_layout
         mark = marks.mark if marks is not None else (lambda name: None)
+        n = end - start
         # one copy to the device (the staging bytes are free to reuse once it returns: acked next)
-        raw = payload[:layout.nbytes(end - start)].to(dev)
+        raw = payload[:layout.nbytes(n)].to(dev)
         if not layout.bits and layout.dtype != torch.float32:
             # every field widened to float32 in one exact cast, not one cast per field (the
             # decoder computes in float32: each layer's .float() is then a no-op); the fields
             # keep their order, so the float32 layout's offsets address the widened bytes
             raw = raw.view(layout.dtype).float().view(torch.uint8)
             layout = dataclasses.replace(layout, dtype=torch.float32)
-        codes = unpack_codes(layout, raw, end - start)
+        codes = unpack_codes(layout, raw, n)
         positions = torch.arange(start, end, device=dev)
-        self.decoder.rotary.prime(positions, num_positions=end)  # every layer's RoPE: one lookup, no sync
         mark("unpack_codes")
-        out = [None] * self.manifest.num_layers  # each layer's K/V depends on its own codes only
-        # (the pool keeps the device it was given: a torch.device or a string such as "cuda:0")
+        # every Reuse layer in one batched GEMM per K / V, every Patch layer likewise (scd/rebuild.py):
+        # a chunk costs the same few dozen launches at 63 tokens as at 2048 (the pool keeps the
+        # device it was given: a torch.device or a string such as "cuda:0")
         with tf32_matmuls(torch.device(dev).type == "cuda" and dtype in (torch.bfloat16, torch.float16)):
-            for layer in self.manifest.reuse_layers:
-                out[layer] = self.decoder.decode_reuse(layer, codes[(layer, "k")], codes[(layer, "v")], positions,
-                                                       dtype)
-            mark("reuse")
-            for layer in self.manifest.patch_layers:
-                out[layer] = self.decoder.regenerate_patch(layer, codes[(layer, "h")], positions,
-                                                           self.projections[layer], dtype)
-            mark("patch")
-        return out
+            for a in range(0, n, max_tokens):
+                b = min(n, a + max_tokens)
+                pos = positions[a:b]
+                self.decoder.rotary.prime(pos, num_positions=start + b)  # the chunk's RoPE: one lookup, no sync
+                yield a, b, self.stacked.rebuild({key: c[a:b] for key, c in codes.items()}, pos, dtype, mark)
 
     def _succeed(self, room: DecodeRoom) -> None:
         req, done = room.req, room.done

@@ -64,5 +64,12 @@ class KVPool(ABC):
             if self.stores_layer(layer_id):
                 self.set_kv(layer_id, slots, k, v)
 
+    def write_layers(self, slots: torch.Tensor, layer_ids: tuple[int, ...], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [len(layer_ids), n, Hkv, D] at `slots` [n] of the listed layers (the storing
+        ones). Families whose layers share one allocation override it with one write."""
+        for i, layer_id in enumerate(layer_ids):
+            if self.stores_layer(layer_id):
+                self.set_kv(layer_id, slots, k[i], v[i])
+
     def read_external(self, slots: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [self.get_kv(layer_id, slots) for layer_id in range(self.num_layers) if self.stores_layer(layer_id)]

@@ -19,6 +19,7 @@ import torch
 
 from sgl_kvxfer.mem_cache.fp16_pool import Fp16KVPool
 from sgl_kvxfer.mem_cache.kv_pool import KVPool
+from sgl_kvxfer.utils.host_copy import int64_to_device
 
 
 class PagedFp16KVPool(KVPool):
@@ -33,8 +34,12 @@ class PagedFp16KVPool(KVPool):
         shape = (self.num_pages + 2, num_kv_heads, page_size, head_dim)
         self.scratch_slot = (self.num_pages + 1) * page_size
         # empty(): lazy on CPU; only the padding page must read as zeros (masked rows * 0).
-        self.k_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # One allocation per K / V with a view per layer: write_layers stores many layers in one
+        # index_put (an SCD segment's rebuilt layers).
+        self.k_all = torch.empty((num_layers, *shape), dtype=dtype, device=device)
+        self.v_all = torch.empty((num_layers, *shape), dtype=dtype, device=device)
+        self.k_buffer, self.v_buffer = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
+        self._layer_ids: dict[tuple[int, ...], torch.Tensor] = {}  # write_layers' index tensors
         for buf in self.k_buffer + self.v_buffer:
             buf[0].zero_()
 
@@ -49,6 +54,25 @@ class PagedFp16KVPool(KVPool):
         # Advanced indices split by a slice: the indexed view is [n, Hkv, D], like k and v.
         self.k_buffer[layer_id][page, :, off] = k.to(self.dtype)
         self.v_buffer[layer_id][page, :, off] = v.to(self.dtype)
+
+    def write_external(self, slots, layers_kv):
+        """set_kv for every layer, with the slots' (page, offset) computed once, not per layer."""
+        page, off = slots // self.page_size, slots % self.page_size
+        for layer_id, (k, v) in enumerate(layers_kv):
+            self.k_buffer[layer_id][page, :, off] = k.to(self.dtype)
+            self.v_buffer[layer_id][page, :, off] = v.to(self.dtype)
+
+    def write_layers(self, slots, layer_ids, k, v):
+        """k, v [len(layer_ids), n, Hkv, D] at `slots` [n] of those layers: one index_put each.
+
+            k_all[layer, page, :, off]  <-  indices [L', n] broadcast (layer x slot), then Hkv, D
+        """
+        ids = self._layer_ids.get(layer_ids)
+        if ids is None:
+            ids = self._layer_ids[layer_ids] = int64_to_device((layer_ids,), self.device)  # no host wait
+        page, off = (slots // self.page_size)[None, :], (slots % self.page_size)[None, :]
+        self.k_all[ids[:, None], page, :, off] = k.to(self.dtype)
+        self.v_all[ids[:, None], page, :, off] = v.to(self.dtype)
 
     def get_kv(self, layer_id, slots):
         page, off = slots // self.page_size, slots % self.page_size

@@ -291,6 +291,7 @@ def test_the_consumers_rebuild_equals_the_codecs_per_layer_decode(tiny, device):
         pytest.skip("needs CUDA")
     from sgl_kvxfer.disagg.scd_decode import ScdDecodeRole
     from sgl_kvxfer.scd.codec import KVProjection, ScdDecoder
+    from sgl_kvxfer.scd.rebuild import StackedRebuild, per_layer
 
     arts = make_random_artifacts(tiny.arch, ["c0"], 8, 16, 32, patch_layers=[1], seed=3)
     m, layout = arts.manifest, CodeLayout.from_manifest(arts.manifest)
@@ -305,12 +306,16 @@ def test_the_consumers_rebuild_equals_the_codecs_per_layer_decode(tiny, device):
     role.projections = [KVProjection(torch.randn(kv_out, hidden, generator=g).to(torch.bfloat16).to(device),
                                      torch.randn(kv_out, hidden, generator=g).to(torch.bfloat16).to(device))
                         for _ in range(m.num_layers)]
+    role.stacked = StackedRebuild(role.decoder, role.projections, device)
     start, end = 3, 10
     n = end - start
     codes = {(layer, kind): torch.randn(n, *shape, generator=g).to(layout.dtype) for layer, kind, shape in layout.fields}
     payload = torch.zeros(layout.nbytes(n), dtype=torch.uint8)
     pack_codes(layout, codes, payload)
-    got = role._rebuild(payload, start, end)
+    chunks = list(role._rebuild(payload, start, end, max_tokens=4))  # [0, 4), [4, 7): chunked as served
+    assert [(a, b) for a, b, _ in chunks] == [(0, 4), (4, 7)]
+    parts = [per_layer(groups, m.num_layers) for _, _, groups in chunks]
+    got = [tuple(torch.cat([p[layer][j] for p in parts]) for j in range(2)) for layer in range(m.num_layers)]
     assert torch.backends.cuda.matmul.allow_tf32 is False  # the rebuild's TF32 stays inside it
     positions = torch.arange(start, end, device=device)
     ref = ScdDecoder(arts, "c0", device)
