@@ -91,8 +91,10 @@ def timed_generate(engine, prompts, n: int) -> tuple[float, int]:
 class StepBreakdown:
     """One extra generate(n2), every decode forward and every tiering hook synchronized and timed:
     how a step splits into model forward (graph replay or eager), SpectrumKV bookkeeping (decode
-    demotion: importance, retier) and the rest of the host loop. Syncs cost a little, so this run
-    is not the throughput number."""
+    demotion: importance, retier) and the rest of the host loop. Syncs cost a little and make
+    overlapped decode steps run one after another (each forward ends synchronized before the
+    previous step is applied), so this run is not the throughput number; its forward and hook
+    times per step stay each part's own."""
 
     def __init__(self, engine):
         self.runner, self.tiering = engine.runner, getattr(engine.scheduler, "tiering", None)
