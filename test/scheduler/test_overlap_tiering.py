@@ -158,11 +158,11 @@ def test_cold_tier_overlap_matches_plain_and_gives_every_slot_back(tiny_dir, int
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("budget", [0.5, 0.25])
-def test_tiered_overlap_on_cuda_graphs(smollm2_path, budget):
+@pytest.mark.parametrize("budget,cold", [(0.5, False), (0.25, True)])
+def test_tiered_overlap_on_cuda_graphs(smollm2_path, budget, cold):
     """CUDA, bf16, CUDA graphs, tiered: with fixed lengths the overlapped run reproduces the plain
-    one token for token, through demotions every R = 4 steps and cold-tier scoring passes (at a
-    threshold nothing reaches: the passes drain, nothing lands, so both runs read the same KV);
+    one token for token, through demotions every R = 4 steps and (cold) cold-tier scoring passes
+    (at a threshold nothing reaches: the passes drain, nothing lands, so both runs read the same KV);
     with natural EOS every slot comes back."""
     import torch
 
@@ -171,9 +171,10 @@ def test_tiered_overlap_on_cuda_graphs(smollm2_path, budget):
     if not torch.cuda.is_available():
         pytest.skip("CUDA only")
     with Engine(smollm2_path, device="cuda", dtype="bfloat16", max_total_tokens=20000, kv_tier_budget=budget,
-                kv_int4="on", kv_decode_recent=4, kv_cold_tier=True, kv_promote_threshold=1.0 + 1e-6,
-                kv_promote_interval=8) as engine:
+                kv_int4="on", kv_decode_recent=4, kv_cold_tier=cold, kv_promote_interval=8) as engine:
         sched = engine.scheduler
+        if cold:
+            sched.tiering.cold.threshold = 1.0 + 1e-6  # no probability reaches it (the config caps it at 1)
         assert sched.overlap and sched.tiering is not None and engine.runner.graph_runner is not None
         fixed = [{"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}] * len(PROMPTS)
         plain = _run(engine, False, fixed)
