@@ -19,8 +19,9 @@ After the prefill, modes alternate within every repeat (interleaved, so drift hi
               [n1 - 1, n2 - 1): n2 - n1 decode steps of the steady state, a whole number of
               scoring intervals when n2 - n1 is a multiple of them; the prefill step, the first
               decode steps and the final step (the final demotion, the release) are left out.
-              Each step ends in the sampled tokens' device -> host read, so its wall time is the
-              step's time with no added sync.
+              Each step holds one read of sampled tokens to the host (overlapped decode: step
+              N + 1 launched, then N's tokens read and applied), so its wall time is the time
+              between read-backs, with no added sync.
     e2e_step  (T(n2) - T(n1)) / (n2 - n1) per repeat (e2e_decode.py's protocol; prompts cached):
               kept beside it; it also carries the final step's demotion and release, which only
               the n2 call has, and any slow call start of either call.
@@ -90,7 +91,7 @@ NEVER = 1.0 + 1e-6  # a threshold no probability reaches: scoring without promot
 
 class StepClock:
     """Wall time of each scheduler step of the calls made inside it (perf_counter around
-    Scheduler.step, no sync: each decode step ends in its tokens' device -> host read)."""
+    Scheduler.step, no sync: each decode step holds one read of tokens to the host)."""
 
     def __init__(self, engine):
         self.scheduler, self.ms = engine.scheduler, []
@@ -120,7 +121,8 @@ def graph_replays(engine) -> int:
 def timed_window(engine, prompts, n1: int, n2: int) -> tuple[float, list[float], int, int]:
     """One timed generate(n2) -> (its seconds, the wall times of its decode steps n1 - 1 .. n2 - 2
     (the call's last n2 - 1 steps that ran are its decode steps 1 .. n2 - 1, whatever prefill
-    steps came before), fewest cached prompt tokens, graph replays in the call)."""
+    steps came before; overlapped, they are the steps that apply decode forwards 1 .. n2 - 1,
+    the last of them launching nothing), fewest cached prompt tokens, graph replays in the call)."""
     gc.collect()
     replays = graph_replays(engine)
     with StepClock(engine) as clock:

@@ -62,6 +62,8 @@ def engine_kwargs(args, plan: dict, budget: float, backend: str, batch: int) -> 
               max_prefill_tokens=args.chunk)
     if args.context_length:
         kw["context_length"] = args.context_length
+    if args.disable_overlap_schedule:  # the serialized baseline of overlapped decode
+        kw["disable_overlap_schedule"] = True
     if args.device != "cpu":
         # what others use now + the weights + the pool (+1 GiB), as a fraction: the pool is then
         # exactly max_total_tokens (engine/memory.py caps it there)
@@ -114,8 +116,10 @@ def timed_generate(engine, prompts, n: int) -> tuple[float, int]:
 class StepBreakdown:
     """One extra generate(n2), every decode forward and every tiering hook synchronized and timed:
     how a step splits into model forward (graph replay or eager), SpectrumKV bookkeeping (decode
-    demotion: importance, retier) and the rest of the host loop. Syncs cost a little, so this run
-    is not the throughput number."""
+    demotion: importance, retier) and the rest of the host loop. Syncs cost a little and make
+    overlapped decode steps run one after another (each forward ends synchronized before the
+    previous step is applied), so this run is not the throughput number; its forward and hook
+    times per step stay each part's own."""
 
     def __init__(self, engine):
         self.runner, self.tiering = engine.runner, getattr(engine.scheduler, "tiering", None)
@@ -316,6 +320,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="run each engine in a child process (its GPU memory is all back when it exits, "
                    "so every point finds the card as empty as the first); default: on CUDA only")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="apply every decode step before the next launches (the engine's flag): the baseline")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--child-point", default=None, help=argparse.SUPPRESS)  # JSON: one point, in a child

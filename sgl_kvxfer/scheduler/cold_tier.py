@@ -199,6 +199,14 @@ class ColdTier:
             if not self.cuda:
                 self._land()
 
+    def pass_due(self, batch) -> bool:
+        """Whether on_decode(batch) would run a scoring pass: some unfinished request of the
+        step reaches its first decode step or a multiple of `interval` (reads state only)."""
+        if not self.enabled:
+            return False
+        steps, interval = self.decode_steps, self.interval
+        return any(s.req.finished_reason is None and steps.get(s.req, 0) % interval == 0 for s in batch.slices)
+
     def _score(self, batch, due: list[int]) -> None:
         """One pass over the due requests, on the pool's device: the rows, their candidates, the
         masses and the picks are [n, W] device tensors (W the longest row); the host reads back

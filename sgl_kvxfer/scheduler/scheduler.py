@@ -70,9 +70,9 @@ class Scheduler:
         self.pending_prefill: InflightBatch | None = None  # prefill launched, not applied
         self.tiering = create_engine_tiering(self)  # SpectrumKV; None at kv_tier_budget 1
         # Overlapped decode (scheduler/overlap.py): CUDA only (a CPU forward is synchronous).
-        self.overlap = (not config.disable_overlap_schedule and self.tiering is None
-                        and str(runner.device).startswith("cuda"))
-        # Under tiering, prefill batches of chunks only (no slice ends its prompt) still overlap:
+        # Under tiering too: a step whose apply moves KV drains first (EngineTiering.apply_drains).
+        self.overlap = not config.disable_overlap_schedule and str(runner.device).startswith("cuda")
+        # Under tiering, prefill batches of chunks only (no slice ends its prompt) overlap:
         # tiering's after_forward does nothing for them (a prompt is re-tiered once it ends), so
         # the host work of chunk N (a PD chunk stream's tiers and pack) runs while N + 1 computes.
         self.chunk_overlap = (not config.disable_overlap_schedule and self.tiering is not None
@@ -203,12 +203,15 @@ class Scheduler:
             self._deferred = True
             return True
         self._deferred = False
-        if self.inflight is not None:
-            return self._step_overlapped()
-        batch = self._prefill_batch()
         applied = False
+        if self.inflight is not None:
+            if not self._drains(self.inflight):
+                return self._step_overlapped()
+            self._drain()  # then the next batch launches below, in this same step
+            applied = True
+        batch = self._prefill_batch()
         if batch is None:
-            applied = self.pending_prefill is not None
+            applied = applied or self.pending_prefill is not None
             self._apply_prefill()  # decode needs the prefilled requests running, with their first token
             batch = self._decode_batch()
         if batch is None:
@@ -248,8 +251,8 @@ class Scheduler:
         """Whether `batch` is applied after the next batch is launched (scheduler/overlap.py)."""
         if batch.mode != ForwardMode.EXTEND or not prefill_overlap_ok(batch):
             return False
-        if self.overlap:
-            return True
+        if self.tiering is None:
+            return self.overlap
         return self.chunk_overlap and not any(s.sample for s in batch.slices)
 
     def _recover(self, exc: Exception) -> None:
@@ -324,6 +327,18 @@ class Scheduler:
         self.inflight = nxt  # invariant: an in-flight step has a running request
         return True
 
+    def _drains(self, inf: InflightBatch) -> bool:
+        """Whether the in-flight decode step is applied before the next one launches: under
+        tiering, when applying it demotes KV or runs a cold-tier scoring pass."""
+        return self.tiering is not None and self.tiering.apply_drains(inf.batch)
+
+    def _drain(self) -> None:
+        """Apply the in-flight decode step with nothing launched after it (serialized)."""
+        prev, self.inflight = self.inflight, None
+        self._unapplied.append(prev)
+        self._apply_inflight(prev)
+        self._unapplied.clear()
+
     def _apply_prefill(self) -> None:
         """Apply the pending prefill (prefill_overlap_ok): its kv_lens were set at launch; now
         its first tokens, finish checks and the bookkeeping of _after_batch."""
@@ -359,7 +374,14 @@ class Scheduler:
         ids = prev.tokens if len(keep) == len(slices) else prev.tokens[int64_to_device((keep,), prev.tokens.device)]
         self._current = (batch, loc)
         fb = prepare_decode(batch, loc, self.runner.req_to_token.table, self.runner.device, input_ids=ids)
+        if self.tiering is not None:
+            self.tiering.before_forward(batch, fb)
         logits = self.runner.forward(fb)
+        if self.tiering is not None:
+            # NOTE: the cold tier's landing is enqueued behind this forward, and prev's apply
+            # (demotion of requests prev finishes, their rows given back) behind it too: the
+            # forward reads the rows and slots it was launched with (stream order)
+            self.tiering.during_forward(batch)
         launched = InflightBatch.launch(batch, logits, loc)
         self._current = None
         return launched

@@ -12,9 +12,12 @@ The scheduler calls two hooks per batch (both no-ops for requests they do not co
     after_forward(batch, chunked)  EXTEND, prefill complete: score, assign, re-tier private tokens
                                  DECODE: demote generated tokens older than the recent window
 
-after_forward runs after process_logits read the step's tokens (decode steps under tiering do not
-overlap, scheduler/overlap.py), so the GPU is idle while it runs: a demotion's host work and its
-two waits (its rows to the host, its KV-norm totals back) add to the step's time in full.
+after_forward runs when the step's tokens are applied. On CUDA decode steps overlap (overlap.py):
+the next step is usually launched before this one is applied, and after_forward's host work runs
+while the GPU computes it. A step whose apply demotes a running request's tokens or runs a
+cold-tier scoring pass drains (apply_drains): nothing is launched after it until its
+after_forward is done, so that demotion's host work and its two waits (its rows to the host, its
+KV-norm totals back) add to the step's time in full, once every R steps per request.
 
 Prefill rule (runs before the prompt enters the radix cache):
 
@@ -290,6 +293,22 @@ class EngineTiering:
         if self.cold is not None and batch.mode != ForwardMode.EXTEND:
             self.cold.on_decode(batch)
 
+    def apply_drains(self, batch) -> bool:
+        """Whether applying decode step `batch` (launched, its tokens not yet applied) must run
+        with no later step in flight (scheduler/overlap.py): it demotes a running request's
+        generated tokens, or a cold-tier scoring pass falls due (the pass reads the taps of this
+        step's queries, which a later forward overwrites, and the rows as this step leaves them).
+        A request that this step finishes is left out: its final demotion and release run behind
+        the next step, which holds only its void token and reads the row it was launched with."""
+        if batch.mode == ForwardMode.EXTEND:
+            return False
+        for s in batch.slices:
+            req = s.req
+            if req.finished_reason is None and req.req_pool_idx is not None \
+                    and self._decode_run(req, final=False, kv_len=s.start + s.length) is not None:
+                return True
+        return self.cold is not None and self.cold.pass_due(batch)
+
     def release_request(self, req) -> None:
         """The request's KV is about to be cached or freed: the cold tier gives its row back."""
         if self.cold is not None:
@@ -360,13 +379,14 @@ class EngineTiering:
         self._tiered_len[req] = n
         self._tails.pop(req, None)  # a re-prefilled (retracted) request starts fresh pages
 
-    def _decode_run(self, req, final: bool):
-        """(req, start, end) of the generated tokens due for demotion, or None."""
+    def _decode_run(self, req, final: bool, kv_len: int | None = None):
+        """(req, start, end) of the generated tokens due for demotion once req's row holds
+        `kv_len` tokens (default: req.kv_len), or None."""
         done = self._tiered_len.get(req)
         recent = self.settings.decode_recent
         if done is None or self.policy.keep_drop:
             return None
-        end = req.kv_len - recent
+        end = (req.kv_len if kv_len is None else kv_len) - recent
         if end - done < (1 if final else recent):
             return None
         return req, done, end
