@@ -225,7 +225,7 @@ print(json.dumps(c, separators=(',', ':')) if c else '-', pg or '-')" "$attn" 2>
         continue
       fi
       stage e2e "$(lim "${T_E2E:-600}")" $WORK/lowbit_e2e.log "$PY" benchmarks/throughput/e2e_decode.py --out-dir "$OUT" \
-        "${args[@]}" ${page[@]+"${page[@]}"} --kv-tier-budgets ${E2E_BUDGETS:-0.5 0.25 1.0}
+        "${args[@]}" ${page[@]+"${page[@]}"} --kv-tier-budgets ${E2E_BUDGETS:-0.5 0.25 1.0} ${E2E_ARGS:-}
       grep -E "tok/s|breakdown|skipped|error" $WORK/lowbit_e2e.log | cut -c1-400 >> "$LOG"
       rm -f $WORK/lowbit_e2e.log
       ;;
