@@ -62,7 +62,7 @@ def engine_kwargs(args, plan: dict, budget: float, backend: str, batch: int) -> 
               max_prefill_tokens=args.chunk)
     if args.context_length:
         kw["context_length"] = args.context_length
-    if args.disable_overlap_schedule:  # the serialized baseline of overlapped decode
+    if getattr(args, "disable_overlap_schedule", False):  # the serialized baseline of overlapped decode
         kw["disable_overlap_schedule"] = True
     if args.device != "cpu":
         # what others use now + the weights + the pool (+1 GiB), as a fraction: the pool is then
