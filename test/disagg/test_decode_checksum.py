@@ -161,7 +161,10 @@ def test_gpu_staging_launches_sums_without_a_host_wait(monkeypatch, kind):
     want = block_checksums(data, kind, BLOCK_BYTES)
     dev = data.cuda()
     dev[BLOCK_BYTES + 5] ^= 0x01
-    torch.cuda._sleep(200_000_000)
+    for size in (dev.numel(), SEG_BYTES):  # first-use costs (multipliers, pinned blocks) are not the point
+        PendingChecksums(dev[:size], kind, BLOCK_BYTES).wait()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
     t0 = time.time()
     pending = PendingChecksums(dev, kind, BLOCK_BYTES)
     assert time.time() - t0 < 0.05 and not pending.ready()
@@ -173,7 +176,8 @@ def test_gpu_staging_launches_sums_without_a_host_wait(monkeypatch, kind):
     room = _room(role)
     _land(role, room, 0, kind)
     _land(role, room, 1, kind, corrupt=True)
-    torch.cuda._sleep(200_000_000)  # the segments' sums queue behind this
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # the segments' sums queue behind this
     role._advance(room, time.monotonic())
     assert [s for s, _ in role.written] == [0, 1] and 5 in role.rooms and _acks(role) == []
     torch.cuda.synchronize()
