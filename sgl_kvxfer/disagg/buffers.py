@@ -118,10 +118,56 @@ def block_checksums(payload: torch.Tensor, kind: str, block_bytes: int = BLOCK_B
 
 def first_bad_block(payload: torch.Tensor, checksums: list[int], kind: str, block_bytes: int) -> int | None:
     """Index of the first block whose checksum differs (a corrupt or short write), or None."""
-    got = block_checksums(payload, kind, block_bytes)
-    if len(got) != len(checksums):
-        return min(len(got), len(checksums))
-    return next((i for i, (a, b) in enumerate(zip(got, checksums)) if a != b), None)
+    return _first_mismatch(block_checksums(payload, kind, block_bytes), checksums)
+
+
+def _first_mismatch(got: list[int], want: list[int]) -> int | None:
+    if len(got) != len(want):
+        return min(len(got), len(want))
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+
+
+class PendingChecksums:
+    """A payload's block checksums launched without a host wait (the decode's GPU staging).
+
+    wsum64 of a GPU payload: summed on the device, the sums copied to pinned host memory.
+    xxh3 of a GPU payload: the bytes copied to pinned host memory, hashed once there. An event
+    recorded after the copy says when `first_bad` may run. A host payload is summed at once
+    (event None). NOTE: the payload's bytes must stay put until `ready()`: the sums and the
+    copy read them on the current stream, after whatever was queued there before the launch."""
+
+    def __init__(self, payload: torch.Tensor, kind: str, block_bytes: int):
+        if kind not in CHECKSUMS:
+            raise ValueError(f"unknown checksum kind {kind!r}")
+        self.kind, self.block_bytes = kind, block_bytes
+        self.event = None
+        self.host: torch.Tensor | None = None
+        self.values: list[int] | None = None
+        if not payload.is_cuda or payload.numel() == 0:
+            self.values = block_checksums(payload, kind, block_bytes)
+        elif kind == "wsum64":
+            assert block_bytes == BLOCK_BYTES
+            self.host, self.event = wsum64_async(payload)
+        else:
+            self.host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
+            self.host.copy_(payload, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def first_bad(self, checksums: list[int]) -> int | None:
+        """first_bad_block's answer for the launched payload; only once ready()."""
+        if self.values is None:
+            host, self.host = self.host, None
+            self.values = wsum64_values(host) if self.kind == "wsum64" else \
+                block_checksums(host, self.kind, self.block_bytes)
+        return _first_mismatch(self.values, checksums)
 
 
 class TransferBuffer:

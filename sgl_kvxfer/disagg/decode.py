@@ -7,10 +7,12 @@ a room here (disagg/base.py has the states):
                        the timeout: D may come before P registered), send KVRegister (the prefill
                        watches this decode from now on), take a staging region and a request
                        row (they may wait on the load), send KVClaim
-    WAITING_FOR_INPUT  \\ each KVSegment: verify its block checksums in the staging region,
-    TRANSFERRING       / allocate slots (a tiered pool: in each token's tier store), unpack, ack
-    SUCCESS            KVDone with every segment in: the request joins the running batch with
-                       its prompt KV and first token, its prefill skipped
+    WAITING_FOR_INPUT  \\ each KVSegment: launch its block checksums over the staging region,
+    TRANSFERRING       / allocate slots (a tiered pool: in each token's tier store), unpack; the
+                       sums are read when their event is done (no host wait on the GPU), and a
+                       segment is acked once its sums match and its unpack is done
+    SUCCESS            KVDone with every segment in, unpacked and verified: the request joins the
+                       running batch with its prompt KV and first token, its prefill skipped
     FAILED             bad checksum, KVFailed, no progress within --kv-transfer-timeout, prefill
                        unreachable (peers.py: seen within seconds of its death; a request for a
                        prefill already seen dead fails at once): everything the room held is
@@ -34,7 +36,7 @@ import torch
 
 from sgl_kvxfer.disagg import create_transfer_engine
 from sgl_kvxfer.disagg.base import KVPoll
-from sgl_kvxfer.disagg.buffers import TransferBuffer, first_bad_block
+from sgl_kvxfer.disagg.buffers import PendingChecksums, TransferBuffer
 from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, TransferStats, fetch_prefill_route
 from sgl_kvxfer.disagg.peers import PeerMonitor
 from sgl_kvxfer.disagg.prefill import TIER_KEEP
@@ -68,7 +70,9 @@ class DecodeRoom:
     claimed_at: float = 0.0
     wire_bytes: int = 0
     trace: PhaseTrace | None = None  # --enable-pd-trace
-    acks: deque = field(default_factory=deque)  # (seq, CUDA event): unpacked from GPU staging, not acked
+    acks: deque = field(default_factory=deque)  # (seq, CUDA event or None): unpacked, not acked
+    # seq -> (PendingChecksums, the prefill's checksums): launched, not yet compared
+    unverified: dict = field(default_factory=dict)
 
 
 class DecodeRole(PDRole):
@@ -225,13 +229,14 @@ class DecodeRole(PDRole):
         if room.state in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING):
             self._unpack_ready(room)
             complete = room.done is not None and room.unpacked == room.done.segments
-            if complete and room.acks:  # the first token waits on these kernels: wait here, not a poll later
-                t0 = time.time()
-                room.acks[-1][1].synchronize()
-                if room.trace is not None:
-                    room.trace.add("unpack_wait", t0)
-            self._ack_unpacked(room)
-        if room.state == KVPoll.TRANSFERRING and room.done is not None and room.unpacked == room.done.segments:
+            if complete and room.room in self.rooms:  # the first token waits on these kernels: wait here, not a poll later
+                self._wait_room(room)
+            if room.room in self.rooms and self._verify(room):
+                self._ack_unpacked(room)
+        if room.room not in self.rooms:
+            return
+        if room.state == KVPoll.TRANSFERRING and room.done is not None and room.unpacked == room.done.segments \
+                and not room.unverified:
             self._succeed(room)
         elif room.room in self.rooms and now - room.progress > self.settings.timeout_s:
             self._end(room, "timeout" if room.state != KVPoll.BOOTSTRAPPING else "prefill unreachable")
@@ -302,33 +307,65 @@ class DecodeRole(PDRole):
             self._end(room, "prefill failed: " + msg.reason, notify=False)
 
     def _unpack_ready(self, room: DecodeRoom) -> None:
+        """Launch each arrived segment's checksums, then its unpack, in seq order.
+        NOTE: a segment is unpacked before its sums are read. Its KV is in slots of a request
+        no decode step sees until `_succeed` (every sum compared first); a mismatch ends the
+        room (`_verify`), which frees those slots. Kernels still queued on them run before any
+        kernel of a later owner (one stream)."""
         while room.unpacked in room.segments:
             seg = room.segments[room.unpacked]
             t0 = time.time()
             payload = self.staging[room.region + seg.offset:room.region + seg.offset + seg.nbytes]
-            bad = first_bad_block(payload, seg.checksums, seg.checksum_kind, seg.block_bytes)
-            if bad is not None:
-                self._end(room, f"checksum mismatch in segment {seg.seq} block {bad}")
-                return
+            if seg.seq not in room.unverified:  # launched once: a retry (no KV room) reuses it
+                room.unverified[seg.seq] = (PendingChecksums(payload, seg.checksum_kind, seg.block_bytes),
+                                            seg.checksums)
             if not self._write_segment(room.req, seg, payload):
                 return  # no KV room yet (retried next poll; the prefill waits for the ack), or failed
             del room.segments[room.unpacked]
             room.unpacked += 1
             room.wire_bytes += seg.nbytes
             self.stats.moved(seg.nbytes)
+            event = None
             if self.staging.on_device:  # NOTE: the unpack kernels still read the staging bytes
                 event = torch.cuda.Event()
                 event.record()
-                room.acks.append((seg.seq, event))
-            else:  # copied out of host memory already
-                self._push(room.endpoint, KVAck(room.room, self.decode_id, seg.seq))
+            room.acks.append((seg.seq, event))  # host staging: copied out of host memory already
             if room.trace is not None:
                 room.trace.add(f"unpack[{seg.seq}]", t0)
 
+    def _verify(self, room: DecodeRoom) -> bool:
+        """Compare the sums whose event is done, in seq order (no wait). False: a mismatch
+        ended the room (the request is prefilled here; nothing it received is read)."""
+        while room.unverified:
+            seq, (pending, want) = next(iter(room.unverified.items()))
+            if not pending.ready():
+                return True
+            bad = pending.first_bad(want)
+            if bad is not None:
+                self._end(room, f"checksum mismatch in segment {seq} block {bad}")
+                return False
+            del room.unverified[seq]
+        return True
+
+    def _wait_room(self, room: DecodeRoom) -> None:
+        """Every segment is in: wait for its sums, then its unpack kernels, each a trace span.
+        The sums' events precede the unpack's on the stream, so the second wait is the rest."""
+        if room.unverified:
+            t0 = time.time()
+            next(reversed(room.unverified.values()))[0].wait()
+            if room.trace is not None:
+                room.trace.add("checksum_wait", t0)
+        if room.acks and room.acks[-1][1] is not None:
+            t0 = time.time()
+            room.acks[-1][1].synchronize()
+            if room.trace is not None:
+                room.trace.add("unpack_wait", t0)
+
     def _ack_unpacked(self, room: DecodeRoom) -> None:
-        """Ack GPU-staged segments whose unpack kernels are done: only then may the prefill write
-        over their ring bytes (and the room's region go back, at success)."""
-        while room.acks and room.acks[0][1].query():
+        """Ack segments whose sums matched and whose unpack kernels are done: only then may the
+        prefill write over their ring bytes (and the room's region go back, at success)."""
+        while room.acks and room.acks[0][0] not in room.unverified and \
+                (room.acks[0][1] is None or room.acks[0][1].query()):
             self._push(room.endpoint, KVAck(room.room, self.decode_id, room.acks.popleft()[0]))
 
     def _write_segment(self, req, seg: KVSegment, payload: torch.Tensor) -> bool:

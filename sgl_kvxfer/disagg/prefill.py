@@ -175,7 +175,7 @@ class PrefillRole(PDRole):
         self.send_alloc = StagingAllocator(self.buffer.numel())
         self.wake = WakeChannel()
         self.sender = SenderThread(self.engine, Fault.parse(env.KV_TRANSFER_FAULT.get()), self.wake,
-                                   torch.cuda.current_device() if self.buffer.on_device else None)
+                                   torch.cuda.current_device() if self.buffer.on_device else None, coalesce=True)
         self.inbox = PullQueue(f"tcp://{host}:*", "kv_prefill", bind=True)
         self.monitor = PeerMonitor()  # the KV inboxes of decodes that claimed open rooms
         p = self.pool

@@ -8,6 +8,11 @@ scheduler thread); GPU buffers arrive with their checksums (computed on the devi
 
     scheduler thread --WriteJob / NoticeJob--> [queue] --> sender thread --write--> decode memory
                     <----------- SendResult ----------                  --KVSegment / KVDone / KVFailed--> decode
+
+Coalescing (`coalesce`, while the link is not paced: disagg/shaped.py): WriteJobs queued behind the one taken, of the same
+room and decode, whose bytes follow each other exactly both in the send buffer and in the
+decode's ring, go out as one engine write (an engine write has a fixed cost per call). Each
+segment's KVSegment follows that write; each job still reports its own SendResult.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from sgl_kvxfer.message.disagg import KVDone, KVSegment
 from sgl_kvxfer.message.queue import PushQueue
 
 logger = logging.getLogger(__name__)
+_NOTHING = object()  # SenderThread._run: no job held over from coalescing
 
 
 @dataclass
@@ -67,8 +73,10 @@ class SendResult:
 
 
 class SenderThread:
-    def __init__(self, engine: TransferEngine, faults: list[Fault] | None = None, wake=None, device=None):
+    def __init__(self, engine: TransferEngine, faults: list[Fault] | None = None, wake=None, device=None,
+                 coalesce: bool = False):
         self.engine = engine
+        self.coalesce = coalesce
         self.faults = faults or []
         self.wake = wake  # WakeChannel: notified after each result (its push end is this thread's)
         self.device = device  # CUDA device of GPU buffers (a thread's current device is its own)
@@ -105,26 +113,70 @@ class SenderThread:
     def _run(self) -> None:
         if self.device is not None:
             torch.cuda.set_device(self.device)
+        held = _NOTHING  # a job taken while coalescing that did not join it runs next (None: stop)
         while True:
-            job = self.jobs.get()
+            job, held = (held, _NOTHING) if held is not _NOTHING else (self.jobs.get(), _NOTHING)
             if job is None:
                 return
             if isinstance(job, NoticeJob) and isinstance(job.msg, (KVDone,)) and job.room in self.cancelled:
                 self._report(SendResult(job.room, -1, "room cancelled"))
                 continue
+            group = [job]
             try:
                 if isinstance(job, WriteJob):
-                    self._report(self._write(job))
+                    if self.coalesce and not getattr(self.engine, "paced", False):
+                        held = self._gather(group)  # NOTE: held before a possible raise below
+                    for result in (self._write(job),) if len(group) == 1 else self._write_group(group):
+                        self._report(result)
                 else:
                     self._push(job.reply_to, job.msg)
                     self._report(SendResult(job.room, -1, None))
             except Exception as e:  # never let one room's failure stop the thread
                 logger.warning("KV transfer of room %s failed: %s: %s", job.room, type(e).__name__, e)
-                self._report(SendResult(job.room, getattr(job, "seq", -1), f"{type(e).__name__}: {e}"))
+                for failed in group:  # every job of a coalesced write reports
+                    self._report(SendResult(failed.room, getattr(failed, "seq", -1), f"{type(e).__name__}: {e}"))
 
-    def _write(self, job: WriteJob) -> SendResult:
-        payload = job.payload
-        nbytes = payload.numel()
+    def _gather(self, group: list[WriteJob]):
+        """Append to `group` the queued WriteJobs that continue it exactly; the first job that
+        does not (or _NOTHING: the queue is empty) is returned to run next."""
+        while True:
+            try:
+                nxt = self.jobs.get_nowait()
+            except queue.Empty:
+                return _NOTHING
+            last = group[-1]
+            nbytes = last.payload.numel()
+            if not (isinstance(nxt, WriteJob) and nxt.room == last.room and nxt.peer == last.peer
+                    and nxt.reply_to == last.reply_to and nxt.payload.device == last.payload.device
+                    and last.payload.data_ptr() + nbytes == nxt.payload.data_ptr()
+                    and last.dst_addr + nbytes == nxt.dst_addr
+                    and not Fault.for_room(self.faults, last.room).kind):
+                return nxt
+            group.append(nxt)
+
+    def _write_group(self, group: list[WriteJob]) -> list[SendResult]:
+        """One engine write for jobs whose bytes are contiguous on both sides (`_gather`)."""
+        waits = [self._prepare(job) for job in group]
+        room, total = group[0].room, sum(job.payload.numel() for job in group)
+        if room in self.cancelled:
+            return [SendResult(room, job.seq, "room cancelled before its write", ready_wait=w)
+                    for job, w in zip(group, waits)]
+        wall_start, write_start = time.time(), time.perf_counter()
+        try:
+            self.engine.write(group[0].peer, group[0].payload.data_ptr(), group[0].dst_addr, total)
+        except TransferError as e:
+            return [SendResult(room, job.seq, str(e), ready_wait=w) for job, w in zip(group, waits)]
+        seconds = time.perf_counter() - write_start
+        out = []
+        for job, waited in zip(group, waits):
+            self._push(job.reply_to, job.segment)
+            share = seconds * job.payload.numel() / total if total else 0.0  # the link's time, by bytes
+            out.append(SendResult(room, job.seq, None, job.payload.numel(), share, wall_start, wall_start + seconds,
+                                  waited))
+        return out
+
+    def _prepare(self, job: WriteJob) -> tuple[float, float] | None:
+        """Wait for the job's pack, fill in its segment's checksums; the wait's span (or None)."""
         waited = None
         if job.ready is not None:
             t = time.time()
@@ -133,9 +185,15 @@ class SenderThread:
         if job.checksums is None and job.sums is not None:
             job.checksums = wsum64_values(job.sums)
         if job.checksums is None:
-            job.checksums, job.checksum_kind = block_checksums(payload, "xxh3", BLOCK_BYTES), "xxh3"
+            job.checksums, job.checksum_kind = block_checksums(job.payload, "xxh3", BLOCK_BYTES), "xxh3"
         job.segment.checksums, job.segment.checksum_kind = job.checksums, job.checksum_kind
         job.segment.block_bytes = BLOCK_BYTES
+        return waited
+
+    def _write(self, job: WriteJob) -> SendResult:
+        payload = job.payload
+        nbytes = payload.numel()
+        waited = self._prepare(job)
         sent = nbytes
         fault = Fault.for_room(self.faults, job.room)
         if fault.kind == "delay":

@@ -28,6 +28,11 @@ class ShapedTransferEngine(TransferEngine):
             self.rate_bps = rate_gbps * 1e9 if rate_gbps > 0 else float("inf")
             self.latency_s = latency_ms / 1e3
 
+    @property
+    def paced(self) -> bool:
+        """Whether writes are held to a rate or a latency (rate 0 and latency 0: not)."""
+        return self.rate_bps != float("inf") or self.latency_s > 0
+
     def session_id(self) -> str:
         return self.inner.session_id()
 
