@@ -202,7 +202,8 @@ def test_tiered_overlap_on_cuda_graphs_dummy_weights(tiny_dir, budget, cold):
     rng = random.Random(1)
     ids = [[rng.randrange(3, 500) for _ in range(200 + 37 * i)] for i in range(6)]
     fixed = [{"max_new_tokens": 40 + 3 * i, "temperature": 0, "ignore_eos": True} for i in range(6)]
-    with Engine(tiny_dir, load_format="dummy", device="cuda", dtype="bfloat16", max_total_tokens=20000,
+    with Engine(tiny_dir, load_format="dummy", device="cuda", dtype="bfloat16", attention_backend="triton",
+                max_total_tokens=20000,
                 kv_tier_budget=budget, kv_int4="on", kv_decode_recent=4, kv_cold_tier=cold,
                 kv_promote_interval=8) as engine:
         sched = engine.scheduler
