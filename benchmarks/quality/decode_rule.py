@@ -1,4 +1,4 @@
-"""Justifies the decode-token rule (sgl_kvxfer/scheduler/tiering.py): demote generated tokens
+"""Justifies the decode-token rule (sgl_kvxfer/scheduler/tier_decode.py): demote generated tokens
 older than the newest R, versus never demoting them, at the same prefill budget.
 
     python benchmarks/quality/decode_rule.py --quick

@@ -27,17 +27,19 @@ import time
 
 # (module, attribute path inside it); "Class.method" patches the class, "func" the module
 # global (the name as the *calling* module sees it, for functions imported by name).
+# A method is patched on the class that defines it: Scheduler's step loop, batch formation and
+# output handling are its mixins (scheduler/step_loop.py, batch_formation.py, outcomes.py).
 TARGETS = (
     ("sgl_kvxfer.scheduler.scheduler", "Scheduler.step"),
-    ("sgl_kvxfer.scheduler.scheduler", "Scheduler._prefill_batch"),
-    ("sgl_kvxfer.scheduler.scheduler", "Scheduler._decode_batch"),
-    ("sgl_kvxfer.scheduler.scheduler", "Scheduler._launch_followup"),
-    ("sgl_kvxfer.scheduler.scheduler", "Scheduler._apply_inflight"),
-    ("sgl_kvxfer.scheduler.scheduler", "Scheduler._apply_prefill"),
-    ("sgl_kvxfer.scheduler.scheduler", "Scheduler._after_batch"),
-    ("sgl_kvxfer.scheduler.scheduler", "prepare_batch"),
-    ("sgl_kvxfer.scheduler.scheduler", "prepare_decode"),
-    ("sgl_kvxfer.scheduler.scheduler", "process_logits"),
+    ("sgl_kvxfer.scheduler.batch_formation", "BatchFormationMixin._prefill_batch"),
+    ("sgl_kvxfer.scheduler.batch_formation", "BatchFormationMixin._decode_batch"),
+    ("sgl_kvxfer.scheduler.step_loop", "StepLoopMixin._launch_followup"),
+    ("sgl_kvxfer.scheduler.step_loop", "StepLoopMixin._apply_inflight"),
+    ("sgl_kvxfer.scheduler.step_loop", "StepLoopMixin._apply_prefill"),
+    ("sgl_kvxfer.scheduler.outcomes", "OutcomesMixin._after_batch"),
+    ("sgl_kvxfer.scheduler.step_loop", "prepare_batch"),
+    ("sgl_kvxfer.scheduler.step_loop", "prepare_decode"),
+    ("sgl_kvxfer.scheduler.step_loop", "process_logits"),
     ("sgl_kvxfer.scheduler.kv_lifecycle", "KVLifecycle.alloc"),
     ("sgl_kvxfer.scheduler.kv_lifecycle", "KVLifecycle.cache"),
     ("sgl_kvxfer.scheduler.kv_lifecycle", "KVLifecycle.admit"),

@@ -94,7 +94,7 @@ def _reference(engine, prompts, params):
 def test_small_pool_32_concurrent(smollm2_path, engine, monkeypatch, force_retraction):
     """A pool far smaller than 32 requests need: admission queues them (default) or, with the
     decode reserve disabled, decode runs out of KV and retracts + recomputes. Outputs must not change."""
-    import sgl_kvxfer.scheduler.scheduler as sched
+    import sgl_kvxfer.scheduler.batch_formation as sched
     from sgl_kvxfer import Engine
 
     prompts = [f"Request {i}: the number after {i} is" for i in range(32)]

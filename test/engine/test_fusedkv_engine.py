@@ -110,7 +110,7 @@ def test_prefill_skip_logits_equal_full_prefill(model_dir):
 def test_radix_chunked_retraction_unchanged(model_dir, monkeypatch):
     """Shared prefixes (radix hits), 16-token chunks and, with the decode reserve off in a small
     pool, retractions: greedy outputs equal a one-request-at-a-time run with neither."""
-    import sgl_kvxfer.scheduler.scheduler as sched
+    import sgl_kvxfer.scheduler.batch_formation as sched
     from sgl_kvxfer import Engine
 
     rng = random.Random(5)

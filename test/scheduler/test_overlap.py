@@ -60,7 +60,7 @@ def test_overlap_matches_plain_and_frees_every_slot(smollm2_path, page_size):
 def test_overlap_with_abort_and_retraction(smollm2_path, monkeypatch):
     """A pool too small for the batch (decode reserve off: decode retracts) and an abort that
     lands while a step is in flight: every other request still gets the plain outputs."""
-    import sgl_kvxfer.scheduler.scheduler as sched_mod
+    import sgl_kvxfer.scheduler.batch_formation as sched_mod
     from sgl_kvxfer import Engine
 
     prompts = [f"Item {i}: the history of the number {i * 37} in mathematics is" for i in range(12)]
