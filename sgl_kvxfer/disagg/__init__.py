@@ -11,7 +11,16 @@
     shaped.py            a link of a chosen rate and latency, paced inside the engine
     common.py            settings, bootstrap client, block checksums, counters
     sender.py            the prefill's sender thread (checksums, writes, notices)
-    prefill.py, decode.py  the scheduler's prefill / decode roles (I/O and policy, no fork)
+    prefill.py, decode.py  the scheduler's prefill / decode roles (I/O and policy, no fork); each
+                         role class mixes in its parts from the files below
+    prefill_room.py      a prefill room's state, the wire constants (TIER_KEEP, the streams)
+    prefill_send.py      decode messages in; packs, writes and KVDone out; write results
+    prefill_chunks.py    tiered chunk streams: chunk tiers, side-stream packs, the final tiers
+    prefill_endings.py   a prefill room's end: abort, dead decode, deadline, failure, finish
+    decode_room.py       a decode room's state
+    decode_receive.py    segments in: checksums launched, unpack, sums compared, acks
+    decode_unpack.py     slots per tier, the row written; the request made ready to decode
+    decode_fallback.py   a failed decode room: freed, quarantined, prefilled locally
     scd_prefill.py, scd_decode.py, scd_common.py
                          SCD over PD (--scd-artifacts): the prefill ships low-rank codes that
                          several decode servers with other weights rebuild their KV from

@@ -36,7 +36,7 @@ class DisaggSettings:
     gpu_id: int = 0  # --base-gpu-id: picks this GPU's HCAs from an ib-device mapping
     trace: bool = False  # --enable-pd-trace (disagg/trace.py)
     claim_timeout_s: float = 5.0  # --kv-claim-timeout (prefill.py)
-    last_chunk: int = 0  # --kv-transfer-last-chunk (prefill.py: last_chunk_tokens)
+    last_chunk: int = 0  # --kv-transfer-last-chunk (prefill_chunks.py: last_chunk_tokens)
 
     @property
     def claim_deadline_s(self) -> float:

@@ -20,62 +20,47 @@ a room here (disagg/base.py has the states):
                        the right answer)
 
 Input logprobs are the prefill's (the router prepends them): a PD request never reports its own.
+
+The role class lives here with the room's bootstrap and its steps; its parts are mixins in their
+own files, and imports point one way (decode.py -> the parts -> decode_room.py):
+
+    decode_room.py       DecodeRoom
+    decode_receive.py    segments in: checksums launched (PendingChecksums), unpack, sums, acks
+    decode_unpack.py     slots per tier, the row written, the request made ready (admission)
+    decode_fallback.py   a failed room: freed, its region quarantined, the request prefilled here
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from weakref import WeakKeyDictionary
 
 import msgspec
-import numpy as np
 import torch
 
 from sgl_kvxfer.disagg import create_transfer_engine
 from sgl_kvxfer.disagg.base import KVPoll
-from sgl_kvxfer.disagg.buffers import PendingChecksums, TransferBuffer
+from sgl_kvxfer.disagg.buffers import TransferBuffer
 from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, TransferStats, fetch_prefill_route
+from sgl_kvxfer.disagg.decode_fallback import DecodeFallback
+from sgl_kvxfer.disagg.decode_receive import DecodeReceive
+from sgl_kvxfer.disagg.decode_room import DecodeRoom
+from sgl_kvxfer.disagg.decode_unpack import DecodeUnpack
 from sgl_kvxfer.disagg.peers import PeerMonitor
-from sgl_kvxfer.disagg.prefill import TIER_KEEP
 from sgl_kvxfer.disagg.role import PDRole
 from sgl_kvxfer.disagg.staging import StagingAllocator
-from sgl_kvxfer.disagg.trace import PhaseTrace, render
+from sgl_kvxfer.disagg.trace import PhaseTrace
 from sgl_kvxfer.forward_batch import ForwardMode
-from sgl_kvxfer.mem_cache.kv_payload import unpack_segment
-from sgl_kvxfer.message.disagg import (KVAck, KVCancel, KVClaim, KVDone, KVFailed, KVLayoutInfo, KVRegister,
-                                      KVSegment)
+from sgl_kvxfer.message.disagg import KVClaim, KVLayoutInfo, KVRegister
 from sgl_kvxfer.message.queue import PullQueue, PushQueue
-from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class DecodeRoom:
-    room: int
-    req: object
-    state: KVPoll = KVPoll.BOOTSTRAPPING
-    route: Future | None = None
-    endpoint: str = ""  # the prefill's KV manager (tcp://)
-    region: int | None = None  # offset in the staging buffer
-    region_bytes: int = 0
-    segments: dict = field(default_factory=dict)  # seq -> KVSegment not yet unpacked
-    unpacked: int = 0
-    done: KVDone | None = None
-    created: float = field(default_factory=time.monotonic)
-    progress: float = field(default_factory=time.monotonic)
-    claimed_at: float = 0.0
-    wire_bytes: int = 0
-    trace: PhaseTrace | None = None  # --enable-pd-trace
-    acks: deque = field(default_factory=deque)  # (seq, CUDA event or None): unpacked, not acked
-    # seq -> (PendingChecksums, the prefill's checksums): launched, not yet compared
-    unverified: dict = field(default_factory=dict)
 
 
-class DecodeRole(PDRole):
+class DecodeRole(DecodeReceive, DecodeUnpack, DecodeFallback, PDRole):
     mode = "decode"
     peer_kind = "prefill"
 
@@ -296,242 +281,12 @@ class DecodeRole(PDRole):
     def _scd_claim(self):
         return None  # an SCD consumer names its artifacts (scd_decode.py)
 
-    def _on_message(self, room: DecodeRoom, msg) -> None:
-        room.progress = time.monotonic()
-        if isinstance(msg, KVSegment):
-            room.segments[msg.seq] = msg
-            room.state = KVPoll.TRANSFERRING
-        elif isinstance(msg, KVDone):
-            room.done, room.state = msg, KVPoll.TRANSFERRING
-        elif isinstance(msg, KVFailed):
-            self._end(room, "prefill failed: " + msg.reason, notify=False)
-
-    def _unpack_ready(self, room: DecodeRoom) -> None:
-        """Launch each arrived segment's checksums, then its unpack, in seq order.
-        NOTE: a segment is unpacked before its sums are read. Its KV is in slots of a request
-        no decode step sees until `_succeed` (every sum compared first); a mismatch ends the
-        room (`_verify`), which frees those slots. Kernels still queued on them run before any
-        kernel of a later owner (one stream)."""
-        while room.unpacked in room.segments:
-            seg = room.segments[room.unpacked]
-            t0 = time.time()
-            payload = self.staging[room.region + seg.offset:room.region + seg.offset + seg.nbytes]
-            if seg.seq not in room.unverified:  # launched once: a retry (no KV room) reuses it
-                room.unverified[seg.seq] = (PendingChecksums(payload, seg.checksum_kind, seg.block_bytes),
-                                            seg.checksums)
-            if not self._write_segment(room.req, seg, payload):
-                return  # no KV room yet (retried next poll; the prefill waits for the ack), or failed
-            del room.segments[room.unpacked]
-            room.unpacked += 1
-            room.wire_bytes += seg.nbytes
-            self.stats.moved(seg.nbytes)
-            event = None
-            if self.staging.on_device:  # NOTE: the unpack kernels still read the staging bytes
-                event = torch.cuda.Event()
-                event.record()
-            room.acks.append((seg.seq, event))  # host staging: copied out of host memory already
-            if room.trace is not None:
-                room.trace.add(f"unpack[{seg.seq}]", t0)
-
-    def _verify(self, room: DecodeRoom) -> bool:
-        """Compare the sums whose event is done, in seq order (no wait). False: a mismatch
-        ended the room (the request is prefilled here; nothing it received is read)."""
-        while room.unverified:
-            seq, (pending, want) = next(iter(room.unverified.items()))
-            if not pending.ready():
-                return True
-            bad = pending.first_bad(want)
-            if bad is not None:
-                self._end(room, f"checksum mismatch in segment {seq} block {bad}")
-                return False
-            del room.unverified[seq]
-        return True
-
-    def _wait_room(self, room: DecodeRoom) -> None:
-        """Every segment is in: wait for its sums, then its unpack kernels, each a trace span.
-        The sums' events precede the unpack's on the stream, so the second wait is the rest."""
-        if room.unverified:
-            t0 = time.time()
-            next(reversed(room.unverified.values()))[0].wait()
-            if room.trace is not None:
-                room.trace.add("checksum_wait", t0)
-        if room.acks and room.acks[-1][1] is not None:
-            t0 = time.time()
-            room.acks[-1][1].synchronize()
-            if room.trace is not None:
-                room.trace.add("unpack_wait", t0)
-
-    def _ack_unpacked(self, room: DecodeRoom) -> None:
-        """Ack segments whose sums matched and whose unpack kernels are done: only then may the
-        prefill write over their ring bytes (and the room's region go back, at success)."""
-        while room.acks and room.acks[0][0] not in room.unverified and \
-                (room.acks[0][1] is None or room.acks[0][1].query()):
-            self._push(room.endpoint, KVAck(room.room, self.decode_id, room.acks.popleft()[0]))
-
-    def _write_segment(self, req, seg: KVSegment, payload: torch.Tensor) -> bool:
-        """Allocate slots for the segment's positions, unpack, update the row. False: no room."""
-        n = seg.end - seg.start
-        tiers = torch.zeros(n, dtype=torch.int16) if seg.tiers is None else \
-            torch.from_numpy(np.frombuffer(seg.tiers, dtype=np.uint8).astype(np.int16))
-        if bool((tiers == TIER_DROP).any()) and not self.pool.drops_tokens:
-            self._end(self.rooms[req.bootstrap.room], "the payload drops tokens; a decode pool that masks "
-                      "dropped tokens is tiered (--kv-tier-budget < 1)")
-            return False
-        if not seg.replaces and seg.start != req.kv_len:
-            # the row's positions must be written in order from 0: a hole would be decoded
-            # from whatever slot ids the row held before (and freed twice by release)
-            self._end(self.rooms[req.bootstrap.room],
-                      f"KV for positions [{seg.start}, {seg.end}) does not continue [0, {req.kv_len})")
-            return False
-        change = tiers != TIER_KEEP
-        row = req.req_pool_idx
-        old = self.table.read(row, seg.end, start=seg.start).clone()
-        new = self._alloc_positions(req, seg, tiers, change)
-        if new is None:
-            return False
-        live = change & (tiers != TIER_DROP)
-        by_tier = tuple(new[(live & (tiers == t)).to(new.device)] for t in (TIER_FP16, TIER_INT8, TIER_INT4))
-        unpack_segment(self.pool, payload, seg.lens, by_tier)
-        row_slots = torch.where(change.to(old.device), new.to(old.device), old)
-        self.table.write(row, seg.start, row_slots)
-        req.kv_len = max(req.kv_len, seg.end)  # positions [0, kv_len) hold slots (release frees them)
-        if seg.replaces and self.tiered:  # the streamed int8 copies of replaced tokens
-            self.kv.allocator.free(old[change.to(old.device) & (old != 0)])
-            # what stays of a streamed int8 page may now start past its slot 0: relocate it
-            # (prefix-fill invariant, mem_cache/tiered_allocator.py)
-            self.table.write(row, seg.start, self.kv.allocator.repack(row_slots, self.kv.make_room_tier))
-        return True
-
-    def _alloc_positions(self, req, seg, tiers, change) -> torch.Tensor | None:
-        """New slot per changed position (0 for a drop); None when the pool has no room.
-        Tiered pool: each tier's positions in position order, one alloc_tier call per tier (the
-        int stores fill fresh pages in that order: the prefix-fill invariant)."""
-        n = seg.end - seg.start
-        out = torch.zeros(n, dtype=torch.int64, device=self.table.table.device)
-        if not self.tiered:
-            if seg.replaces:  # overwrite in place: same slots, new values
-                return self.table.read(req.req_pool_idx, seg.end, start=seg.start).clone()
-            slots = self.kv.alloc([req], [n], [seg.start])
-            return slots
-        alloc = self.kv.allocator
-        for t in (TIER_FP16, TIER_INT8, TIER_INT4):
-            idx = (change & (tiers == t)).nonzero().squeeze(1)
-            if not idx.numel():
-                continue
-            if t == TIER_FP16:
-                if not self.kv.make_room(idx.numel()):
-                    alloc.free(out[out != 0])
-                    return None
-                got = alloc.alloc(idx.numel())
-            else:
-                got = alloc.alloc_tier(t, idx.numel())
-                short = idx.numel() - got.numel()
-                if short and self.kv.make_room(short):  # the rest lands in fp16 (dequantized)
-                    got = torch.cat([got, alloc.alloc(short)])
-                if got.numel() < idx.numel():
-                    alloc.free(torch.cat([out[out != 0], got]))
-                    return None
-            out[idx.to(out.device)] = got.to(out.device)
-        return out
-
-    # ------------------------------------------------------------------ endings
-    def _succeed(self, room: DecodeRoom) -> None:
-        req, done = room.req, room.done
-        n = len(req.origin_input_ids)
-        if req.kv_len != n:
-            self._end(room, f"the prefill's KV covered {req.kv_len} of the prompt's {n} positions")
-            return
-        req.output_ids.append(done.first_token)
-        req.cached_tokens = done.cached_tokens
-        if req.return_logprob and done.output_token_logprob is not None:
-            req.output_token_logprobs.append(done.output_token_logprob)
-            req.output_top_logprobs.extend(done.output_top_logprobs or [])
-            req.output_token_ids_logprobs.extend(done.output_token_ids_logprobs or [])
-        seconds = time.monotonic() - room.claimed_at
-        req.extra_meta = {"kv_transfer": {
-            "status": "ok", "bytes": room.wire_bytes, "bytes_per_token": room.wire_bytes / n, "segments": room.unpacked,
-            "transfer_ms": 1e3 * seconds,  # claim -> every segment unpacked (includes the prefill's compute)
-            "wire_ms": 1e3 * done.wire_seconds,  # the link's busy time for this room
-            "tail_ms": 1e3 * done.tail_seconds,  # prompt done -> last write: what the prefill did not hide
-            "link_gbps": room.wire_bytes * 8 / done.wire_seconds / 1e9 if done.wire_seconds else 0.0}}
-        self.stats.outcome("ok")
-        self.stats.tokens += n
-        self._release_room(room)
-        if room.trace is not None:
-            room.trace.add("done", time.time(), time.time())
-            self.traces[req] = (done.trace or [], room.trace)
-        self.ready.append(req)
-
-    def _close_trace(self, req, prefill: list, trace: PhaseTrace) -> None:
-        """Render the trace into the reply: the first token is queued now."""
-        now = time.time()
-        trace.add("admit", trace.start_of("done"), now)
-        arrivals = [t for t in (trace.start_of("arrival"), next((s for n, s, _ in prefill if n == "arrival"), None))
-                    if t is not None]
-        spans = [x for x in trace.spans if x[0] not in ("arrival", "done")]
-        req.extra_meta["kv_transfer"]["trace"] = render([x for x in prefill if x[0] != "arrival"], spans, arrivals, now)
-        self.first_steps[req] = (now, min(arrivals))
-
-    def _end(self, room: DecodeRoom, reason: str, fallback: bool = True, notify: bool = True) -> None:
-        """Fail the room: free what it holds; the request is prefilled here (or was aborted)."""
-        logger.warning("PD room %d: %s%s", room.room, reason, "; prefilling locally" if fallback else "")
-        self.routes.pop(self._peer(room.req.bootstrap), None)  # ask that prefill afresh next time
-        if notify and room.endpoint and room.region is not None:
-            self._push(room.endpoint, KVCancel(room.room, self.decode_id, reason))
-        req = room.req
-        self.kv.release(req)
-        req.output_ids.clear()
-        if room.region is not None and room.claimed_at:  # the prefill knows this region
-            if self.monitor.is_dead(self._peer(room.req.bootstrap)):  # a dead prefill writes nothing late
-                self.regions.free(room.region)
-            else:
-                self.quarantine.append((time.monotonic() + self.settings.timeout_s, room.region))
-            room.region = None
-        self._release_room(room)
-        if fallback:
-            self.stats.outcome("fallback:" + reason.split(":")[0].split(" in ")[0])
-            req.extra_meta = {"kv_transfer": {"status": "fallback: " + reason}}
-            self.ctx.requeue(req)
-
-    def _reject(self, room: DecodeRoom, reason: str) -> None:
-        """A prefill this server cannot take KV from (not a transfer fault): the request fails
-        with 400 and the reason; no local prefill hides a misconfigured pair."""
-        req = room.req
-        self._end(room, reason, fallback=False)
-        self.stats.outcome("rejected")
-        req.finish({"type": "abort", "message": reason, "status_code": 400, "err_type": "BadRequestError"})
-        self.ctx.retire(req)
-
-    def _release_room(self, room: DecodeRoom) -> None:
-        self.rooms.pop(room.room, None)
-        if room.region is not None:
-            self.regions.free(room.region)
-            room.region = None
-        if room.route is not None:
-            room.route.cancel()
-
+    # ------------------------------------------------------------------ messages out
     def _push(self, endpoint: str, msg) -> None:
         sock = self.peers.get(endpoint)
         if sock is None:
             sock = self.peers[endpoint] = PushQueue(endpoint)
         sock.put(msg)
-
-    def _admit_fake(self, req) -> None:
-        """SGLang's fake backend: the prompt's KV slots are allocated and left unwritten, and the
-        first token is a placeholder (the last prompt token); outputs are meaningless."""
-        n = len(req.origin_input_ids)
-        if not self.kv.admit_external(req):
-            self.ctx.requeue(req)
-            return
-        slots = self.kv.alloc([req], [n], [0])
-        if slots is None:
-            self.kv.release(req)
-            self.ctx.requeue(req)
-            return
-        self.table.write(req.req_pool_idx, 0, slots)
-        req.kv_len = n
-        req.output_ids.append(req.origin_input_ids[-1])
-        self.ready.append(req)
 
     def close(self) -> None:
         super().close()

@@ -1,4 +1,4 @@
-"""The decode role's deferred checksums (disagg/decode.py): a segment's sums are launched with its
+"""The decode role's deferred checksums (disagg/decode_receive.py): a segment's sums are launched with its
 unpack and compared when their event is done; a segment is acked, and a room admitted, only once
 its sums match; a mismatch fails the room as before (KVCancel, slots freed, a local prefill).
 CPU tests stand in for a pending CUDA event; the GPU test runs the real one."""
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sgl_kvxfer.disagg import decode as decode_mod
+from sgl_kvxfer.disagg import decode_receive
 from sgl_kvxfer.disagg.base import KVPoll
 from sgl_kvxfer.disagg.buffers import BLOCK_BYTES, PendingChecksums, TransferBuffer, block_checksums
 from sgl_kvxfer.disagg.common import TransferStats
@@ -84,7 +85,7 @@ class _HeldChecksums(PendingChecksums):
 
 @pytest.fixture
 def held(monkeypatch):
-    monkeypatch.setattr(decode_mod, "PendingChecksums", _HeldChecksums)
+    monkeypatch.setattr(decode_receive, "PendingChecksums", _HeldChecksums)
     _HeldChecksums.held = True
     return _HeldChecksums
 

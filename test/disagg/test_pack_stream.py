@@ -68,7 +68,7 @@ class Buffer:
 
 def make_role(monkeypatch, device="cuda:0"):
     """A PrefillRole with no engine: rooms by request, a stand-in tiering, buffers and sender."""
-    from sgl_kvxfer.disagg import prefill
+    from sgl_kvxfer.disagg import prefill_send
     from sgl_kvxfer.disagg.prefill import PrefillRole
     from sgl_kvxfer.disagg.staging import StagingAllocator
 
@@ -83,8 +83,8 @@ def make_role(monkeypatch, device="cuda:0"):
     role.send_alloc, role.buffer = StagingAllocator(1 << 16), Buffer(1 << 16)
     role.jobs, role.packed = [], []
     role.sender = NS(submit=role.jobs.append, cancelled=set())
-    monkeypatch.setattr(prefill, "segment_layout", lambda pool, counts: NS(total_bytes=64, lens=counts))
-    monkeypatch.setattr(prefill, "pack_segment",
+    monkeypatch.setattr(prefill_send, "segment_layout", lambda pool, counts: NS(total_bytes=64, lens=counts))
+    monkeypatch.setattr(prefill_send, "pack_segment",
                         lambda pool, slots, tiers, out: role.packed.append((fake.current, slots.tolist())))
     return role, fake
 
