@@ -78,6 +78,18 @@ def native_cpu_ops():
 
 
 @pytest.fixture(scope="module")
+def tiny_preset_dir(tmp_path_factory) -> str:
+    """A dummy-weights model dir of the `tiny` preset (models/presets.py) with a dummy tokenizer
+    of the preset's vocabulary."""
+    from sgl_kvxfer.models.presets import PRESETS, write_dummy_tokenizer, write_preset_config
+
+    d = str(tmp_path_factory.mktemp("tiny"))
+    write_preset_config("tiny", d)
+    write_dummy_tokenizer(d, PRESETS["tiny"]["vocab_size"])
+    return d
+
+
+@pytest.fixture(scope="module")
 def tiny_dir(request, tmp_path_factory) -> str:
     """A dummy-weights model dir of the requesting test module's `TINY` config (tiny_models.py)."""
     from tiny_models import write_tiny_model

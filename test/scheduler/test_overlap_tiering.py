@@ -119,18 +119,8 @@ def test_tiered_overlap_with_logprobs_and_disabled_overlap(smollm2_path):
         assert not engine.scheduler.overlap and not engine.scheduler.chunk_overlap
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from sgl_kvxfer.models.presets import PRESETS, write_dummy_tokenizer, write_preset_config
-
-    d = str(tmp_path_factory.mktemp("tiny"))
-    write_preset_config("tiny", d)
-    write_dummy_tokenizer(d, PRESETS["tiny"]["vocab_size"])
-    return d
-
-
 @pytest.mark.parametrize("interval", [2, 5])
-def test_cold_tier_overlap_matches_plain_and_gives_every_slot_back(tiny_dir, interval):
+def test_cold_tier_overlap_matches_plain_and_gives_every_slot_back(tiny_preset_dir, interval):
     """The cold tier promotes (a low threshold on dummy weights), lands and gives rows back: a
     scoring pass drains its step only, so every step between passes and demotions overlaps."""
     from sgl_kvxfer import Engine
@@ -138,7 +128,7 @@ def test_cold_tier_overlap_matches_plain_and_gives_every_slot_back(tiny_dir, int
     rng = random.Random(0)
     ids = [[rng.randrange(3, 500) for _ in range(300)] for _ in range(3)]
     params = [{"max_new_tokens": 12 + 7 * i, "temperature": 0, "ignore_eos": True} for i in range(3)]
-    with Engine(tiny_dir, load_format="dummy", dtype="bfloat16", device="cpu", attention_backend="torch",
+    with Engine(tiny_preset_dir, load_format="dummy", dtype="bfloat16", device="cpu", attention_backend="torch",
                 max_total_tokens=6000, kv_tier_budget=0.3, kv_int4="on", kv_decode_recent=8, kv_cold_tier=True,
                 kv_promote_threshold=1e-3, kv_promote_interval=interval, kv_promote_radius=2) as engine:
         cold = engine.scheduler.tiering.cold
@@ -189,7 +179,7 @@ def test_tiered_overlap_on_cuda_graphs(smollm2_path, budget, cold):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("budget,cold", [(0.5, False), (0.25, True)])
-def test_tiered_overlap_on_cuda_graphs_dummy_weights(tiny_dir, budget, cold):
+def test_tiered_overlap_on_cuda_graphs_dummy_weights(tiny_preset_dir, budget, cold):
     """The CUDA-graph case above on random weights (no model files needed on the GPU host): the
     overlapped run reproduces the plain one token for token through demotions every R = 4 steps
     and, with the cold tier, its draining scoring passes; every slot comes back."""
@@ -202,7 +192,7 @@ def test_tiered_overlap_on_cuda_graphs_dummy_weights(tiny_dir, budget, cold):
     rng = random.Random(1)
     ids = [[rng.randrange(3, 500) for _ in range(200 + 37 * i)] for i in range(6)]
     fixed = [{"max_new_tokens": 40 + 3 * i, "temperature": 0, "ignore_eos": True} for i in range(6)]
-    with Engine(tiny_dir, load_format="dummy", device="cuda", dtype="bfloat16", attention_backend="triton",
+    with Engine(tiny_preset_dir, load_format="dummy", device="cuda", dtype="bfloat16", attention_backend="triton",
                 max_total_tokens=20000,
                 kv_tier_budget=budget, kv_int4="on", kv_decode_recent=4, kv_cold_tier=cold,
                 kv_promote_interval=8) as engine:

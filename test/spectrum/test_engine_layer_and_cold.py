@@ -12,21 +12,12 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from sgl_kvxfer.models.presets import PRESETS, write_dummy_tokenizer, write_preset_config
-
-    d = str(tmp_path_factory.mktemp("tiny"))
-    write_preset_config("tiny", d)
-    write_dummy_tokenizer(d, PRESETS["tiny"]["vocab_size"])
-    return d
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_dir):
+def engines(tiny_preset_dir):
     from sgl_kvxfer import Engine
 
-    with Engine(tiny_dir, **KW) as plain, Engine(tiny_dir, kv_cold_tier=True, kv_promote_threshold=0.05,
-                                                  kv_promote_interval=2, kv_promote_radius=2, **KW) as cold:
+    with Engine(tiny_preset_dir, **KW) as plain, Engine(tiny_preset_dir, kv_cold_tier=True,
+                                                         kv_promote_threshold=0.05, kv_promote_interval=2,
+                                                         kv_promote_radius=2, **KW) as cold:
         yield plain, cold
 
 
@@ -76,12 +67,12 @@ def test_cold_tier_promotes_and_gives_every_slot_back(engines):
     assert cold.scheduler.tiering.cold.store.rows_in_use == 0
 
 
-def test_kivi_and_layer_profile_run_through_the_engine(tiny_dir, tmp_path):
+def test_kivi_and_layer_profile_run_through_the_engine(tiny_preset_dir, tmp_path):
     """The formats come from the flags, before the pool is built; the pool never changes them."""
     from sgl_kvxfer import Engine
 
     ids = prompts(2, 400, seed=2)
-    with Engine(tiny_dir, **{**KW, "kv_tier_budget": 0.2, "kv_tier_policy": "kivi"}) as kivi:
+    with Engine(tiny_preset_dir, **{**KW, "kv_tier_budget": 0.2, "kv_tier_policy": "kivi"}) as kivi:
         info = extra(kivi)
         assert set(info["kv_int_formats"]["int4"]) == {"int2c"}
         kivi.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})
@@ -94,7 +85,7 @@ def test_kivi_and_layer_profile_run_through_the_engine(tiny_dir, tmp_path):
     path = str(tmp_path / "profile.json")
     LayerProfile(2, (0.5, 0.0), (0.3, 0.001), 0.1).save(path)
     # at b = 0.4 the uniform plan's int8 share pays part of layer 0's upgrade, lowering layer 1 the rest
-    with Engine(tiny_dir, **{**KW, "kv_tier_budget": 0.4, "kv_layer_budget": "profile",
+    with Engine(tiny_preset_dir, **{**KW, "kv_tier_budget": 0.4, "kv_layer_budget": "profile",
                              "kv_layer_profile": path}) as layered:
         info = extra(layered)
         assert info["kv_int_formats"]["int4"] == ["int8", "int2c"]
@@ -134,13 +125,13 @@ def test_cli_flags_parse():
         assert exc.value.code == 2, bad
 
 
-def test_cold_tier_probes_the_profiles_most_sensitive_layers(tiny_dir, tmp_path):
+def test_cold_tier_probes_the_profiles_most_sensitive_layers(tiny_preset_dir, tmp_path):
     """The taps are installed by the runner, from the flags, before any graph is captured."""
     from sgl_kvxfer import Engine
 
     path = str(tmp_path / "profile.json")
     LayerProfile(2, (0.1, 0.7), (0.3, 0.001), 0.1).save(path)
-    with Engine(tiny_dir, kv_cold_tier=True, kv_promote_layers=1, kv_layer_profile=path, **KW) as cold:
+    with Engine(tiny_preset_dir, kv_cold_tier=True, kv_promote_layers=1, kv_layer_profile=path, **KW) as cold:
         manager = cold.scheduler.tiering.cold
         assert manager.layers == [1] and sorted(cold.runner.attn_backend.query_taps) == [1]
         assert len(cold.generate(input_ids=prompts(1, 200), sampling_params=GREEDY)[0]["output_ids"]) == 12
