@@ -15,7 +15,7 @@
                          role class mixes in its parts from the files below
     prefill_room.py      a prefill room's state, the wire constants (TIER_KEEP, the streams)
     prefill_send.py      decode messages in; packs, writes and KVDone out; write results
-    prefill_chunks.py    tiered chunk streams: chunk tiers, side-stream packs, the final tiers
+    prefill_chunks.py    chunk streams: untiered chunks and chunk tiers, side-stream packs, the final tiers
     prefill_endings.py   a prefill room's end: abort, dead decode, deadline, failure, finish
     decode_room.py       a decode room's state
     decode_receive.py    segments in: checksums launched, unpack, sums compared, acks

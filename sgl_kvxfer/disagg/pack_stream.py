@@ -26,12 +26,40 @@ Invariants (stream safety):
   - `ready` (what the sender thread waits for before it reads the bytes) is recorded on the side
     stream after the pack and the checksums, so it completes only once both have run.
 Off CUDA there is no stream (create returns None): the role packs in program order.
+
+Which ranges pack on the side stream: every chunk of an untiered pool (the last one too: it
+leaves as stored), and every chunk but the last of a tiered chunk stream (the last is packed at
+the prompt's final tiers, on the compute stream, ahead of the re-tier's moves). Each carries its
+host slot ids from a RowSnapshot taken at its launch, so packing it reads nothing back from a
+stream that may hold a later chunk.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 import torch
+
+
+class RowSnapshot:
+    """A request row's slot ids copied to the host behind the chunk just launched: an event
+    after the copy, not a host wait (a plain `.cpu()` would also wait for every batch launched
+    after it). The copy sits in the compute stream ahead of any later launch."""
+
+    def __init__(self, row: torch.Tensor):
+        if row.device.type != "cuda":
+            self.row, self.ready = row.cpu().clone(), None
+            return
+        self.row = torch.empty(row.shape, dtype=row.dtype, pin_memory=True)
+        self.row.copy_(row, non_blocking=True)
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def host(self) -> torch.Tensor:
+        """The ids, once the copy is done (waits for the chunk it was taken behind, no later one)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+        return self.row
 
 
 class PackStream:

@@ -49,7 +49,7 @@ imports point one way (prefill.py -> the parts -> prefill_room.py):
 
     prefill_room.py      PrefillRoom, the ranges it queues, TIER_KEEP and the stream names
     prefill_send.py      decode messages in, packs / writes / KVDone out, the writes' results
-    prefill_chunks.py    the tiered chunk streams: chunk tiers, side-stream packs, final tiers
+    prefill_chunks.py    chunk streams: untiered chunks and chunk tiers, side-stream packs, final tiers
     prefill_endings.py   aborts, a dead decode, deadlines, failure and finish
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ class PrefillRole(PrefillChunkStream, PrefillSender, PrefillEndings, PDRole):
     mode = "prefill"
     intercepts_prefill = True
     peer_kind = "decode"
-    packs: PackStream | None = None  # the side stream of chunk-stream packs (CUDA only)
+    packs: PackStream | None = None  # the side stream of chunk packs (CUDA only)
 
     def __init__(self, settings, host: str):
         self.settings = settings
@@ -113,7 +113,7 @@ class PrefillRole(PrefillChunkStream, PrefillSender, PrefillEndings, PDRole):
         self.device = ctx.runner.device
         if self.fake:
             return
-        self.packs = PackStream.create(self.device) if self.tiered else None
+        self.packs = PackStream.create(self.device)
         self.engine = create_transfer_engine(settings.backend, host, settings.rate_gbps, settings.latency_ms,
                                              settings.ib_device, settings.gpu_id)
         self.buffer = TransferBuffer(settings.buffer_bytes, self.device, self.engine.gpu_memory)
@@ -229,13 +229,18 @@ class PrefillRole(PrefillChunkStream, PrefillSender, PrefillEndings, PDRole):
             # further pack in series on the tail
             cut = [e for e in room.chunk_ends if room.streamed < e < n][:1]
             bounds = [room.streamed, *cut, n]
-            room.pending.extend(_Range(a, b, "stored") for a, b in zip(bounds, bounds[1:]))
+            if self.tiered:
+                room.pending.extend(_Range(a, b, "stored") for a, b in zip(bounds, bounds[1:]))
+            else:  # the last chunk, on the side stream after its kernels (prefill_chunks.py)
+                room.pending.append(self._stored_range(room, room.streamed, n))
             room.streamed = n
         room.prompt_done, room.prompt_done_at = True, time.monotonic()
         if room.state == KVPoll.BOOTSTRAPPING and room.claim is not None:
             room.state = KVPoll.TRANSFERRING
         if room.error:
             self._finish(room)
+        elif not self.tiered:
+            self._pump(room)  # the last chunk's pack and write start now, not at the next poll
         return True
 
     def has_work(self) -> bool:

@@ -1,5 +1,6 @@
-"""The prefill role's tiered chunk streams ("chunk", "chunk-upgrade"): tiers at each chunk's end,
-side-stream packs, and the prompt end at the final tiers (mixed into PrefillRole, prefill.py).
+"""The prefill role's chunk streams (mixed into PrefillRole, prefill.py): an untiered pool's
+chunks as stored, and the tiered "chunk" / "chunk-upgrade" streams (tiers at each chunk's end,
+the prompt end at the final tiers); on CUDA each packs on the side stream after its chunk.
 
 Invariants:
 - A chunk's range is packed after that chunk's kernels (its PackStream mark) and before the
@@ -14,6 +15,7 @@ import time
 
 import torch
 
+from sgl_kvxfer.disagg.pack_stream import RowSnapshot
 from sgl_kvxfer.disagg.prefill_room import CHUNK_STREAMS, PrefillRoom, _Range
 
 
@@ -23,18 +25,25 @@ class PrefillChunkStream:
     def after_launch(self, batch) -> None:
         """On a GPU, an event right behind the chunk's kernels marks its end (with overlapped
         chunks the next chunk is in the stream before this one's results are applied): a traced
-        room's chunk span waits for it, and a tiered chunk stream packs the chunk on the side
-        stream after it (pack_stream.py; not the prompt's last chunk, packed at the final tiers)."""
+        room's chunk span waits for it, and the chunk packs on the side stream after it
+        (pack_stream.py): every chunk of an untiered pool, with its row's slot ids snapshotted
+        behind it; every chunk but the last of a tiered chunk stream (the last is packed at the
+        final tiers)."""
         if not str(self.device).startswith("cuda"):
             return
-        traced, marked = [], []
+        traced, marked, rows = [], [], []
         for s in batch.slices:
             room, end = self._room_of(s.req), s.start + s.length
             if room is None:
                 continue
             if self.settings.trace and getattr(room, "trace", None) is not None:
                 traced.append((room, end))
-            if self.packs is not None and getattr(room, "stream", None) in CHUNK_STREAMS and end < s.req.seq_len:
+            if self.packs is None or getattr(room, "chunk_rows", None) is None:
+                continue  # (an SCD producer's room streams codes, not KV ranges)
+            if not self.tiered:  # every chunk, the last too: each leaves as the pool stores it
+                marked.append((room, end))
+                rows.append((room, s.req, end))
+            elif room.stream in CHUNK_STREAMS and end < s.req.seq_len:
                 marked.append((room, end))
         if not (traced or marked):
             return
@@ -47,6 +56,8 @@ class PrefillChunkStream:
             room.chunk_done[end] = done
         for room, end in marked:
             room.chunk_marks[end] = done
+        for room, req, end in rows:  # queued behind this chunk's kernels, ahead of any later launch
+            room.chunk_rows[end] = RowSnapshot(self.table.read(req.req_pool_idx, end))
 
     def on_chunk(self, req, start: int, end: int) -> None:
         room = self._room_of(req)
@@ -59,7 +70,7 @@ class PrefillChunkStream:
         # first chunk start past 0, and the decode needs those cached positions too
         start = room.streamed
         if not self.tiered:
-            room.pending.append(_Range(start, end, "stored"))
+            room.pending.append(self._stored_range(room, start, end))
         elif room.stream == "int8":
             room.pending.append(_Range(start, end, "int8"))
         else:  # chunk streams: tiers at budget b for this chunk, from what is known now
@@ -72,11 +83,25 @@ class PrefillChunkStream:
             if room.trace is not None:
                 room.trace.add(f"chunk_tier[{start}:{end}]", t0)
         room.streamed = end
-        if self.tiered and room.stream in CHUNK_STREAMS:
+        if not self.tiered or room.stream in CHUNK_STREAMS:
             # pack now, while the next chunk (launched before this one's results were applied,
             # when chunks overlap) computes: a range still pending when the prompt ends would
             # go at the final tiers after the re-tier instead
             self._pump(room)
+
+    def _stored_range(self, room: PrefillRoom, start: int, end: int) -> _Range:
+        """Positions [start, end) as the pool stores them (an untiered pool). On CUDA, with the
+        row snapshot of the chunk that ends at `end`, the range carries its host slot ids and
+        packs on the side stream after that chunk's kernels: the scheduler thread never waits
+        for a chunk launched after it (reading the row here would wait for the whole stream)."""
+        snap = room.chunk_rows.pop(end, None)
+        after = room.chunk_marks.pop(end, None)
+        for stale in [e for e in room.chunk_rows if e < end]:  # (none in order; a retry's)
+            room.chunk_rows.pop(stale)
+            room.chunk_marks.pop(stale, None)
+        if snap is None or after is None:
+            return _Range(start, end, "stored")
+        return _Range(start, end, "stored", None, snap.host()[start:end], after)
 
     def last_chunk_tokens(self, req) -> int:
         """--kv-transfer-last-chunk for a tiered chunk stream's request: its last chunk is short,

@@ -80,5 +80,7 @@ class PrefillRoom:
     chunk_ends: list = field(default_factory=list)  # tiered "end": its chunks' ends (the first cuts the range)
     forward_end: float = 0.0  # time.time() its last chunk's forward ended
     chunk_done: dict = field(default_factory=dict)  # chunk end -> CUDA event behind its kernels (trace)
-    chunk_marks: dict = field(default_factory=dict)  # tiered chunk streams on CUDA: chunk end ->
-    # the event behind its kernels, until on_chunk queues its range (its pack waits for it alone)
+    chunk_marks: dict = field(default_factory=dict)  # chunk streams and untiered pools on CUDA: chunk
+    # end -> the event behind its kernels, until its range is queued (its pack waits for it alone)
+    chunk_rows: dict = field(default_factory=dict)  # untiered pools on CUDA: chunk end -> RowSnapshot
+    # of the row [0, end) as that chunk's launch left it (the range's host slot ids)

@@ -1,7 +1,8 @@
 """Output handling and failure isolation (a mixin of `Scheduler`): what an applied batch
 does to the queues, and what a batch that raised does.
 
-`_after_batch` runs the role's and tiering's after-forward hooks, then moves each request on:
+`_after_batch` runs the role's and tiering's after-forward hooks (under tiering, a prompt's
+streamed first token is sent before its re-tier, through `send_early`), then moves each request on:
 finished requests retire (their KV cached, an output sent), ended prompts join `running` and
 stream outputs go to the outbox. `_recover` ends a failed batch's requests with a 500.
 
@@ -31,10 +32,12 @@ class OutcomesMixin:
 
     def _after_batch(self, batch: ScheduleBatch) -> None:
         self.role.after_forward(batch)
-        if self.tiering is not None:  # re-tier finished prefills, demote old decode tokens
-            self.tiering.after_forward(batch, self.chunked)
         interval = self.config.stream_interval
         extend = batch.mode == ForwardMode.EXTEND
+        if self.tiering is not None:  # re-tier finished prefills, demote old decode tokens
+            if extend and self.send_early is not None:
+                self._send_first_tokens(batch, interval)
+            self.tiering.after_forward(batch, self.chunked)
         if not extend:
             self._count_generated(len(batch.slices))
         for s in batch.slices:  # hot: every request of every decode step
@@ -58,6 +61,21 @@ class OutcomesMixin:
                 self.running.append(req)
             if req.stream and len(req.output_ids) - req.sent_output_len >= (req.sampling.stream_interval or interval):
                 self.outbox.append(make_output(req))
+
+    def _send_first_tokens(self, batch: ScheduleBatch, interval: int) -> None:
+        """The streamed first tokens of prompts this batch ended go out now, ahead of the
+        prompt's re-tier (scoring, tier assignment, the KV moves): the client's first token does
+        not wait for host bookkeeping its value does not depend on; the re-tier delays the next
+        decode step instead. Left to the outbox: a request that ended (its final output follows
+        its KV into the cache) and a PD request (its tokens reach the client from the decode)."""
+        outs = []
+        for s in batch.slices:
+            req = s.req
+            if s.sample and req.stream and req.finished_reason is None and req.bootstrap is None \
+                    and len(req.output_ids) - req.sent_output_len >= (req.sampling.stream_interval or interval):
+                outs.append(make_output(req))  # (advances sent_output_len: the loop below sends no copy)
+        if outs:
+            self.send_early(outs)
 
     def _retire(self, req: Req) -> None:
         if req in self.running:

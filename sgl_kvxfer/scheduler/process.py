@@ -1,6 +1,7 @@
 """Scheduler process: entry point and main loop (server mode I/O over zmq)."""
 from __future__ import annotations
 
+import functools
 import logging
 import traceback
 
@@ -59,13 +60,15 @@ def build_scheduler(server_args: ServerArgs):
 
 def event_loop(scheduler, inbox: PullQueue, outbox: PushQueue) -> None:
     """Receive, poll the PD role, schedule + forward, send results. What the role produced
-    (a PD request's first token) goes out before the step's forward. When nothing ran, sleep on
+    (a PD request's first token) goes out before the step's forward; under tiering a prompt's
+    streamed first token goes out during the step, before its re-tier (`Scheduler.send_early`). When nothing ran, sleep on
     the sockets (the role's include the wake channel its sender thread signals): up to 1 s idle,
     5 ms while the role has work (its bootstrap lookups run in threads that signal nothing).
     No message and no request stops the loop: `step` and `poll_role` contain a failure
     (Scheduler._recover), a message that raises is logged, and an output that cannot be sent
     ends its request with a 500."""
     sockets = [inbox] + scheduler.role.wake_sockets()
+    scheduler.send_early = functools.partial(send_outputs, outbox)  # (a tiered prompt's first token)
 
     def flush() -> bool:
         outputs = scheduler.take_outputs()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from typing import Callable
 
 from sgl_kvxfer.config import SchedulerConfig
 from sgl_kvxfer.disagg.role import PDRole, RoleContext
@@ -52,6 +53,9 @@ class Scheduler(StepLoopMixin, BatchFormationMixin, OutcomesMixin):
         self.running: list[Req] = []  # decoding
         self.chunked: Req | None = None  # mid-prefill, holds KV
         self.outbox: list[ReqOutput] = []
+        # the server's sender of outputs that must not wait for the step's end (None: the outbox
+        # only; the offline Engine): a tiered prompt's first token goes out before its re-tier
+        self.send_early: Callable[[list[ReqOutput]], None] | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._arrivals = itertools.count()
         self.stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated": 0, "gen_throughput": 0.0}

@@ -180,6 +180,43 @@ def test_the_final_retier_and_the_endings_wait_for_the_side_stream(monkeypatch):
     assert len(joins()) == 4
 
 
+def test_an_untiered_pool_packs_every_chunk_on_the_side_stream_from_its_row_snapshot(monkeypatch):
+    """fp16 KV (no tiering): every chunk, the prompt's last one too, gets an event and a snapshot
+    of its row at launch; its range carries the snapshot's slot ids and packs on the side stream
+    after its own chunk's event (the scheduler thread reads nothing back from the stream)."""
+    role, fake = make_role(monkeypatch)
+    role.tiered = False
+    rows = {0: torch.arange(100, 148)}  # the request-to-token row of req_pool_idx 0
+    reads = []
+
+    def read(idx, end, start=0):
+        reads.append((idx, start, end))
+        return rows[idx][start:end]
+
+    role.table = NS(read=read)
+    monkeypatch.setattr("sgl_kvxfer.disagg.prefill_send.wire_tier_of",
+                        lambda pool, slots: torch.zeros(slots.numel(), dtype=torch.int8))
+    req, room = open_room(role, "end", 48, claimed=True)
+    req.req_pool_idx = 0
+    for start in (0, 16, 32):
+        role.after_launch(NS(slices=[NS(req=req, start=start, length=16)]))
+    assert list(room.chunk_marks) == list(room.chunk_rows) == [16, 32, 48]  # the last chunk too
+    assert reads == [(0, 0, 16), (0, 0, 32), (0, 0, 48)]
+    role.on_chunk(req, 0, 16)
+    role.on_chunk(req, 16, 32)
+    assert role.packed == [("side", list(range(100, 116))), ("side", list(range(116, 132)))]
+    assert [x for x in fake.log if x[1] == "wait_event"] == [("side", "wait_event", 1), ("side", "wait_event", 2)]
+    role.pool = NS()
+    role.on_prompt_done(req)  # the last chunk: as stored, after its own event
+    assert role.packed[-1] == ("side", list(range(132, 148))) and fake.log[-1] == ("side", "wait_event", 3)
+    assert len(reads) == 3 and not room.chunk_rows and not room.chunk_marks  # no read-back at the pack
+    # a chunk launched with no snapshot (none taken: e.g. the role started mid-prompt) reads the row
+    req2, room2 = open_room(role, "end", 32, claimed=True)
+    req2.req_pool_idx = 0
+    role.on_chunk(req2, 0, 16)
+    assert role.packed[-1] == ("main", list(range(100, 116))) and reads[-1] == (0, 0, 16)
+
+
 @pytest.mark.gpu
 def test_side_stream_pack_runs_beside_the_next_chunk_and_the_retier_waits_for_it():
     """On a GPU: the pack of chunk k, on the side stream after chunk k's event, finishes while a
@@ -261,9 +298,10 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
-def capturing_prefill(side: bool):
-    """The prefill role's chunk-stream path with the link cut off: a room per request, claimed
-    at once with a ring that takes everything; each write job is kept, none reports."""
+def capturing_prefill(side: bool, tiered: bool = True):
+    """The prefill role's chunk-stream path (or, untiered, its fp16 chunks) with the link cut
+    off: a room per request, claimed at once with a ring that takes everything; each write job
+    is kept, none reports."""
     from sgl_kvxfer.disagg.buffers import TransferBuffer
     from sgl_kvxfer.disagg.prefill import PrefillRole, PrefillRoom
     from sgl_kvxfer.disagg.role import PDRole
@@ -272,8 +310,9 @@ def capturing_prefill(side: bool):
     class CapturingPrefill(PrefillRole):
         def start(self, ctx):
             PDRole.start(self, ctx)
-            self.pool, self.table, self.tiering, self.tiered = ctx.pool, ctx.table, ctx.tiering, True
-            ctx.tiering.final_tiers_hook = self._on_final_tiers
+            self.pool, self.table, self.tiering, self.tiered = ctx.pool, ctx.table, ctx.tiering, tiered
+            if tiered:
+                ctx.tiering.final_tiers_hook = self._on_final_tiers
             self.device = ctx.runner.device
             self.packs = PackStream.create(self.device) if side else None
             self.buffer = TransferBuffer(1 << 22, str(self.device), True)
@@ -288,7 +327,8 @@ def capturing_prefill(side: bool):
         def on_new_request(self, req):
             room = self.rooms[req.rid] = PrefillRoom(req.rid, req=req, stream="chunk")
             room.claim, room.ring = NS(session="s", region_addr=0, reply_to="r"), RingWriter(1 << 22)
-            self.tiering.rank_chunks(req)
+            if tiered:
+                self.tiering.rank_chunks(req)
             return False
 
         def _room_of(self, req):
@@ -317,13 +357,15 @@ def captured(role) -> list:
     return out
 
 
+@pytest.mark.parametrize("tiered", [True, False], ids=["tiered", "fp16"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU")])])
-def test_side_stream_chunk_packs_send_the_bytes_of_compute_stream_packs(tiny_dir, device):
-    """A tiered chunk-stream prompt through the scheduler with overlapped chunks (on a GPU) and
-    the real role: its segments (each chunk's own, then the rest at the final tiers, packed
-    before the re-tier) carry the same positions, tiers and bytes whether chunk packs run on the
-    side stream or on the compute stream (on CPU: no side stream either way)."""
+def test_side_stream_chunk_packs_send_the_bytes_of_compute_stream_packs(tiny_dir, device, tiered):
+    """A tiered chunk-stream prompt (or an fp16 one) through the scheduler with overlapped chunks
+    (on a GPU) and the real role: its segments (each chunk's own, then the rest at the final
+    tiers, packed before the re-tier; fp16: every chunk as stored, the last one too) carry the
+    same positions, tiers and bytes whether chunk packs run on the side stream or on the compute
+    stream (on CPU: no side stream either way)."""
     from sgl_kvxfer.config import EngineConfig, SchedulerConfig
     from sgl_kvxfer.message import TokenizedGenerateReq
     from sgl_kvxfer.sampling.params import SamplingParams
@@ -332,9 +374,10 @@ def test_side_stream_chunk_packs_send_the_bytes_of_compute_stream_packs(tiny_dir
 
     runs = []
     for side in (False, True):
-        role = capturing_prefill(side)
+        role = capturing_prefill(side, tiered)
         cfg = SchedulerConfig(engine=EngineConfig(model_path=tiny_dir, load_format="dummy", device=device,
-                                                  max_total_tokens=2048, kv_tier_budget=0.3, kv_int4="on"),
+                                                  max_total_tokens=2048, kv_tier_budget=0.3 if tiered else 1.0,
+                                                  kv_int4="on" if tiered else "auto"),
                               chunked_prefill_size=16, max_running_requests=4)
         runner, _, _ = create_runner(cfg)
         sched = Scheduler(cfg, runner, None, role=role)
@@ -356,7 +399,8 @@ def test_side_stream_chunk_packs_send_the_bytes_of_compute_stream_packs(tiny_dir
                 break
         runs.append((captured(role), role.side_packs))
     (plain, none), (sided, n_side) = runs
-    assert none == 0 and n_side == (3 if device == "cuda" else 0)  # chunks [0, 16), [16, 32), [32, 48)
+    # tiered: chunks [0, 16), [16, 32), [32, 48); fp16: [48, 60) too
+    assert none == 0 and n_side == ((3 if tiered else 4) if device == "cuda" else 0)
     assert [p[0] for p in plain] == [(0, 16), (16, 32), (32, 48), (48, 60)]
     assert len(sided) == len(plain)
     for a, b in zip(plain, sided):
