@@ -47,10 +47,14 @@ class DecodeUnpack:
         new = self._alloc_positions(req, seg, tiers, change)
         if new is None:
             return False
-        live = change & (tiers != TIER_DROP)
-        by_tier = tuple(new[(live & (tiers == t)).to(new.device)] for t in (TIER_FP16, TIER_INT8, TIER_INT4))
+        if seg.tiers is None:  # every position at the model dtype, none kept or dropped: the
+            # masks below would each read the device ids back (a host wait behind queued steps)
+            by_tier, row_slots = (new, new[:0], new[:0]), new.to(old.device)
+        else:
+            live = change & (tiers != TIER_DROP)
+            by_tier = tuple(new[(live & (tiers == t)).to(new.device)] for t in (TIER_FP16, TIER_INT8, TIER_INT4))
+            row_slots = torch.where(change.to(old.device), new.to(old.device), old)
         unpack_segment(self.pool, payload, seg.lens, by_tier)
-        row_slots = torch.where(change.to(old.device), new.to(old.device), old)
         self.table.write(row, seg.start, row_slots)
         req.kv_len = max(req.kv_len, seg.end)  # positions [0, kv_len) hold slots (release frees them)
         if seg.replaces and self.tiered:  # the streamed int8 copies of replaced tokens
