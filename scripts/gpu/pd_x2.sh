@@ -6,6 +6,10 @@
 #   run kind nvidia-h100-x2, carry [.carry_pdx2_a]        bash scripts/gpu/pd_x2.sh stage
 #   run kind nvidia-h100-x2, carry [.whl, .carry_pdx2_b]  SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/pd_x2.sh
 #
+# .carry_pdx2_b holds what goodput needs (sglang.bench_serving); with T_GOODPUT=0 the run needs
+# only the stage's installs, so both fit one call: carry [.carry_pdx2_a, .whl],
+#   bash scripts/gpu/pd_x2.sh stage && T_GOODPUT=0 SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/pd_x2.sh
+#
 # stage (about 1 min): Mooncake's engine, sglang-router and rdma-core's libraries into /tmp/site and
 #   /tmp/pdlibs, then a 2-process GPU0 -> GPU1 write through sgl_kvxfer's engine (the GPU test).
 # run (stages end by T_TOTAL, 530 s from the start; each under `timeout -s INT`, results rewritten
@@ -59,12 +63,18 @@ if [ "$DEVICE" = cuda ]; then
   export LD_LIBRARY_PATH=/tmp/pdlibs/lib/x86_64-linux-gnu:$LD_LIBRARY_PATH  # libnl (libibverbs1 links it)
   # huggingface_hub 2.x is not installed: the machine's transformers wants < 2, and bench_serving
   # imports transformers too (the machine's hub serves both)
+  # .carry_pdx2_b (bench_serving: sglang and its client dependencies) only where goodput runs:
+  # ttft and the tests need none of it, so a call without it fits the stage's carry beside it
   rest=()
-  for w in .carry_pdx2_b/*.whl; do case $w in */huggingface_hub-*) ;; *) rest+=("$w") ;; esac; done
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      "${rest[@]}" || exit 1
-  [ -d /tmp/site/sglang ] || python3 -c "import zipfile, sys; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/site')" \
-      .carry_pdx2_b/sglang_0.5.23_py.zip || exit 1
+  for w in .carry_pdx2_b/*.whl; do [ -f "$w" ] || continue; case $w in */huggingface_hub-*) ;; *) rest+=("$w") ;; esac; done
+  if [ ${#rest[@]} -gt 0 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "${rest[@]}" || exit 1
+  fi
+  if [ ! -d /tmp/site/sglang ] && [ -f .carry_pdx2_b/sglang_0.5.23_py.zip ]; then
+    python3 -c "import zipfile, sys; zipfile.ZipFile(sys.argv[1]).extractall('/tmp/site')" \
+        .carry_pdx2_b/sglang_0.5.23_py.zip || exit 1
+  fi
   export MC_INTRANODE_NVLINK=true  # Mooncake's intra-node NVLink transport (both servers on this host)
   # the stage call's installs live in /tmp of this warm machine: without them, stop in seconds
   python3 -c "
@@ -88,6 +98,10 @@ assert build_has_cuda(), installed_build()" 2>&1 | tail -3 | tee "$OUT/pd_x2.log
   GOODPUT=(--input-len 4096 --output-len 128 --seconds-per-rate 2)
   TTFT_NAME=ttft_vs_bandwidth_llama-3-8b_${GPU}_x2 GOODPUT_NAME=goodput_llama-3-8b_${GPU}_x2
   T_TESTS=${T_TESTS:-50} T_TTFT=${T_TTFT:-300} T_GOODPUT=${T_GOODPUT:-170} T_TOTAL=${T_TOTAL:-530}
+  if [ "$T_GOODPUT" -gt 0 ] && [ ! -d /tmp/site/sglang ]; then
+    echo "goodput runs sglang.bench_serving: carry .carry_pdx2_b on this machine first, or T_GOODPUT=0" | tee -a "$OUT/pd_x2.log"
+    exit 3
+  fi
   TESTS=(test/disagg/test_gpu_transfer.py test/disagg/test_pd_units.py test/disagg/test_pd_role.py test/disagg/test_pack_stream.py)
 else  # the CPU rehearsal: the same stages on the tiny preset, two CPU servers per setup
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
