@@ -107,6 +107,12 @@ SCHEDULER_THREADS = EnvVar(
     "a cold tier, where the host's tensor work is id bookkeeping of at most a few hundred thousand "
     "elements; else torch's default), 0 (torch's default), or a count (utils/host_runtime.py)")
 
+PD_COMPUTE_STREAM = EnvVar(
+    "SGL_KVXFER_PD_COMPUTE_STREAM", "auto",
+    "auto: a PD prefill server whose KV leaves from GPU memory runs its model on a CUDA stream of its "
+    "own instead of the legacy default stream, which Mooncake's NVLink copies synchronize with "
+    "(sgl_kvxfer/disagg/pack_stream.py); 0: the default stream")
+
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, KERNEL_CACHE, CPU_ISA,
        DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, KV_BUFFER, SCD_DATA, TIERED_DECODE_CONFIG, FUSEDKV_DATA,
-       GC_FREEZE, SCHEDULER_THREADS)
+       GC_FREEZE, SCHEDULER_THREADS, PD_COMPUTE_STREAM)

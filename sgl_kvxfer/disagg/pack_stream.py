@@ -40,6 +40,30 @@ from contextlib import contextmanager
 import torch
 
 
+def leave_legacy_stream(device, spec: str | None) -> bool:
+    """Run this thread's CUDA work on a stream of its own instead of the legacy default stream
+    (`spec`: env.PD_COMPUTE_STREAM, auto or 0). True when it did.
+
+    Hazard removed: Mooncake's intra-node NVLink transport copies with a synchronous cudaMemcpy,
+    which runs on the legacy default stream of the sender thread's device; that stream orders
+    against every blocking stream there, torch's default stream among them. With the model on
+    the default stream, a chunk's KV write started during the next chunk's forward waits for
+    that whole forward (each write took one chunk's compute time). A stream created by torch is
+    non-blocking: the copy runs beside the forward.
+    NOTE: call it from the thread that runs the model, once the start-up work is queued; it
+    waits for the device first, so what start-up made on the default stream is complete."""
+    spec = (spec or "auto").strip().lower()
+    if spec in ("0", "off", "false", "no") or not str(device).startswith("cuda"):
+        return False
+    if spec != "auto":
+        raise ValueError(f"SGL_KVXFER_PD_COMPUTE_STREAM must be auto or 0, got {spec!r}")
+    if torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
+        return False  # already off the default stream
+    torch.cuda.synchronize(device)
+    torch.cuda.set_stream(torch.cuda.Stream(device=device))
+    return True
+
+
 class RowSnapshot:
     """A request row's slot ids copied to the host behind the chunk just launched: an event
     after the copy, not a host wait (a plain `.cpu()` would also wait for every batch launched

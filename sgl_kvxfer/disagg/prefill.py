@@ -65,7 +65,7 @@ from sgl_kvxfer.disagg import create_transfer_engine
 from sgl_kvxfer.disagg.base import KVPoll
 from sgl_kvxfer.disagg.buffers import TransferBuffer
 from sgl_kvxfer.disagg.common import FAKE_BOOTSTRAP_HOST, Fault, TransferStats, register_prefill_rank
-from sgl_kvxfer.disagg.pack_stream import PackStream
+from sgl_kvxfer.disagg.pack_stream import PackStream, leave_legacy_stream
 from sgl_kvxfer.disagg.peers import PeerMonitor
 from sgl_kvxfer.disagg.prefill_chunks import PrefillChunkStream
 from sgl_kvxfer.disagg.prefill_endings import PrefillEndings
@@ -118,6 +118,7 @@ class PrefillRole(PrefillChunkStream, PrefillSender, PrefillEndings, PDRole):
                                              settings.ib_device, settings.gpu_id)
         self.buffer = TransferBuffer(settings.buffer_bytes, self.device, self.engine.gpu_memory)
         self.engine.register(self.buffer.data_ptr(), self.buffer.numel())
+        self.own_stream = self.buffer.on_device and leave_legacy_stream(self.device, env.PD_COMPUTE_STREAM.get())
         self.send_alloc = StagingAllocator(self.buffer.numel())
         self.wake = WakeChannel()
         self.sender = SenderThread(self.engine, Fault.parse(env.KV_TRANSFER_FAULT.get()), self.wake,
@@ -131,6 +132,8 @@ class PrefillRole(PrefillChunkStream, PrefillSender, PrefillEndings, PDRole):
         logger.info("PD prefill: KV sender %s on %s (%s), endpoint %s, %d MiB send buffer in %s memory",
                     settings.backend, self.engine.session_id(), self.engine.describe(), self.inbox.endpoint,
                     settings.buffer_bytes >> 20, self.buffer.location)
+        if self.own_stream:
+            logger.info("PD prefill: the model runs on its own CUDA stream (KV copies do not wait for it)")
 
     def _registration(self, host: str) -> dict:
         """This rank's PUT /route body (bootstrap_server.py)."""

@@ -67,11 +67,13 @@ class OutcomesMixin:
         prompt's re-tier (scoring, tier assignment, the KV moves): the client's first token does
         not wait for host bookkeeping its value does not depend on; the re-tier delays the next
         decode step instead. Left to the outbox: a request that ended (its final output follows
-        its KV into the cache) and a PD request (its tokens reach the client from the decode)."""
+        its KV into the cache) and a request whose KV a PD prefill sends (its tokens reach the client
+        from the decode; a prefill server's own request, with no peer, is streamed here)."""
         outs = []
         for s in batch.slices:
             req = s.req
-            if s.sample and req.stream and req.finished_reason is None and req.bootstrap is None \
+            if s.sample and req.stream and req.finished_reason is None \
+                    and not (self._role_prefill and self.role.transfers(req)) \
                     and len(req.output_ids) - req.sent_output_len >= (req.sampling.stream_interval or interval):
                 outs.append(make_output(req))  # (advances sent_output_len: the loop below sends no copy)
         if outs:

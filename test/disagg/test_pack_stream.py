@@ -405,3 +405,54 @@ def test_side_stream_chunk_packs_send_the_bytes_of_compute_stream_packs(tiny_dir
     assert len(sided) == len(plain)
     for a, b in zip(plain, sided):
         assert a[:3] == b[:3] and torch.equal(a[3], b[3]) and a[4] == b[4], a[0]
+
+
+def test_leave_legacy_stream_settings():
+    from sgl_kvxfer.disagg.pack_stream import leave_legacy_stream
+
+    assert not leave_legacy_stream("cpu", "auto") and not leave_legacy_stream("cuda:0", "0")
+    with pytest.raises(ValueError, match="auto or 0"):
+        leave_legacy_stream("cuda:0", "sometimes")
+
+
+@pytest.mark.gpu
+def test_a_legacy_stream_copy_waits_for_default_stream_work_and_not_for_our_stream():
+    """The hazard leave_legacy_stream removes, on a GPU: a copy another thread issues on the
+    legacy default stream (what Mooncake's NVLink transport does) waits for a long kernel on the
+    default stream, and not for one on the stream leave_legacy_stream installs."""
+    import threading
+
+    from sgl_kvxfer.disagg.pack_stream import leave_legacy_stream
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    src = torch.ones(1 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+
+    def copy_took() -> bool:
+        """Whether the other thread's legacy-stream copy finished while the kernel still runs."""
+        busy = torch.cuda.Event()
+        torch.cuda._sleep(1_500_000_000)  # about a second on the current stream
+        busy.record()
+        out = {}
+
+        def legacy_copy():
+            with torch.cuda.stream(torch.cuda.default_stream()):
+                dst.copy_(src)
+                torch.cuda.default_stream().synchronize()
+            out["kernel_still_running"] = not busy.query()
+
+        t = threading.Thread(target=legacy_copy)
+        t.start()
+        t.join()
+        torch.cuda.synchronize()
+        return out["kernel_still_running"]
+
+    torch.cuda.synchronize()
+    assert not copy_took()  # default stream: the copy waited for the kernel
+    done = []
+    t = threading.Thread(target=lambda: done.append((leave_legacy_stream("cuda", "auto"), copy_took())))
+    t.start()
+    t.join()
+    assert done == [(True, True)]  # own stream: the copy ran beside it
+    assert torch.equal(dst, src)

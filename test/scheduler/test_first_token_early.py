@@ -81,3 +81,22 @@ def test_no_early_send_without_a_sender_or_without_tiering(tiny_preset_dir, budg
     submit(sched, "a", 100, 3)
     outs = run(sched, [])
     assert sum(len(o.new_output_ids) for o in outs if o.rid == "a") == 3
+
+
+def test_a_pd_prefill_sends_early_only_what_it_does_not_transfer(tiny_preset_dir, monkeypatch):
+    """On a PD prefill server the tokens of a request whose KV leaves reach the client from the
+    decode: only a request with no peer (its own) is streamed from here."""
+    from types import SimpleNamespace as NS
+
+    import sgl_kvxfer.scheduler.outcomes as outcomes
+
+    sched = make_scheduler(tiny_preset_dir)
+    sent = []
+    sched.send_early = sent.extend
+    sched._role_prefill = True
+    sched.role = NS(transfers=lambda req: req.rid == "pd")
+    monkeypatch.setattr(outcomes, "make_output", lambda req: req.rid)
+    reqs = [NS(rid=rid, stream=True, finished_reason=None, output_ids=[5], sent_output_len=0,
+               sampling=NS(stream_interval=None)) for rid in ("pd", "own")]
+    sched._send_first_tokens(NS(slices=[NS(req=r, sample=True) for r in reqs]), 1)
+    assert sent == ["own"]
