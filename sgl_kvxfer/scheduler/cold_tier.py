@@ -196,25 +196,29 @@ class ColdTier:
         """After a decode step (and its demotion): score the requests due (their first decode
         step, then every `interval`). Off CUDA (copies are synchronous) it lands finished copies
         before and after; on CUDA landing is planned while the next forward replays (prepare)
-        and applied after it (land_prepared), never here. A pass held for `batch` (hold) reads
-        the held taps and, on CUDA, runs on the side stream; the hold ends here."""
+        and applied after it (land_prepared), never here, except after a pass held for `batch`
+        (hold): that pass reads the held taps and, on CUDA, runs on the side stream; the hold
+        ends with it, and the landing it kept back runs right after it."""
         held, self._held = self._held, None
         held = held if held is not None and held.batch is batch else None
         self._free_orphans()
         if not self.cuda:
             self._land()
-        if not self.enabled:
-            return
-        due = []
-        for i, s in enumerate(batch.slices):
-            n = self.decode_steps.get(s.req, 0)
-            self.decode_steps[s.req] = n + 1
-            if n % self.interval == 0:
-                due.append(i)
-        if due:
-            self._score(batch, due, held)
-            if not self.cuda:
-                self._land()
+        if self.enabled:
+            due = []
+            for i, s in enumerate(batch.slices):
+                n = self.decode_steps.get(s.req, 0)
+                self.decode_steps[s.req] = n + 1
+                if n % self.interval == 0:
+                    due.append(i)
+            if due:
+                self._score(batch, due, held)
+                if not self.cuda:
+                    self._land()
+        if held is not None and self.cuda:
+            # what prepare and land_prepared skipped while held, enqueued behind the next forward
+            # (attended from the step after it, as a landing in that forward's window is)
+            self._land()
 
     def pass_due(self, batch) -> bool:
         """Whether on_decode(batch) would run a scoring pass: some unfinished request of the
@@ -233,9 +237,11 @@ class ColdTier:
                    the next one, and an event is recorded behind the copy (`after`)
             rows   the next forward only appends one token per request at its kv_len, which the
                    pass masks out; a landing rewrites ids of old positions, so none runs from
-                   here until the pass has read back (prepare and land_prepared skip). The pass
-                   then runs on the side stream after `after`, beside the next forward, and its
-                   host reads wait for its own kernels only
+                   here until the pass has read back: prepare and land_prepared skip, and
+                   on_decode lands right after the pass, behind the next forward (off CUDA all
+                   of it runs in program order). The pass runs on the side stream after
+                   `after`, beside the next forward, and its host reads wait for its own kernels
+                   only
 
         NOTE: what else runs between `after` and the pass touches no id of a live row: the next
         forward writes its new slots; the step's finished requests' final demotion and release
@@ -245,6 +251,10 @@ class ColdTier:
         if not self.pass_due(batch):
             self._held = None
             return
+        if self._prepared is not None:
+            # a plan of the last forward's window that did not fit: it goes in now (behind
+            # `batch`'s forward, before any demotion of its apply rewrites a row it read)
+            self._land()
         n = len(batch.slices)
         taps = {layer: self.taps[layer][:n].clone() for layer in self.layers}
         after = None
