@@ -39,6 +39,12 @@ the candidate counts, then the picked positions (with old ids, masses, cap score
 landing plans from are host mirrors (_ReqState.row): a snapshot the side stream copies with the
 pass's copy, then every row write applied on the host too (landings, note_rows from demotion).
 
+Overlapped decode (scheduler/overlap.py): a pass due on step N runs while step N + 1 is in
+flight. hold() copies N's taps before N + 1 launches and keeps landings back until the pass has
+read back; on CUDA the pass's device work runs on the side stream after that copy, so its reads
+wait for its own kernels, not for N + 1's forward; the pass's fp16 ids reach the host through a
+non-blocking copy (_host_ids) that every reader of them waits for.
+
 A landed dropped position's row entry goes from 0 to an fp16 slot: the attention backends mask
 slot 0 per forward from the row, so it is attended from the next step on.
 
