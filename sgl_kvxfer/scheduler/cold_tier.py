@@ -41,7 +41,7 @@ pass's copy, then every row write applied on the host too (landings, note_rows f
 
 Overlapped decode (scheduler/overlap.py): a pass due on step N runs while step N + 1 is in
 flight. hold() copies N's taps before N + 1 launches and keeps landings back until the pass has
-read back; on CUDA the pass's device work runs on the side stream after that copy, so its reads
+read back; on CUDA the pass's device work runs on its own stream after that copy, so its reads
 wait for its own kernels, not for N + 1's forward; the pass's fp16 ids reach the host through a
 non-blocking copy (_host_ids) that every reader of them waits for.
 
@@ -130,6 +130,10 @@ class ColdTier:
             self.set_probe_layers(probe_layers(pool.num_layers, config.kv_promote_layers, ranking))
         self.cuda = str(pool.device).startswith("cuda")
         self.side = torch.cuda.Stream(device=pool.device) if self.cuda else None
+        # a held pass's own stream (hold), apart from the copies on `side`, so its read-backs wait
+        # for its kernels alone; high priority: it runs beside the next forward and the host waits
+        # for it, so its few small kernels take SMs ahead of that forward's blocks
+        self.score_stream = torch.cuda.Stream(device=pool.device, priority=-1) if self.cuda else None
         self.worker = CopyWorker(threaded=self.cuda)  # CUDA: the host gather off the scheduler thread
         self.states: WeakKeyDictionary = WeakKeyDictionary()
         self.decode_steps: WeakKeyDictionary = WeakKeyDictionary()  # req -> decode steps seen
@@ -203,7 +207,7 @@ class ColdTier:
         step, then every `interval`). Off CUDA (copies are synchronous) it lands finished copies
         before and after; on CUDA landing is planned while the next forward replays (prepare)
         and applied after it (land_prepared), never here, except after a pass held for `batch`
-        (hold): that pass reads the held taps and, on CUDA, runs on the side stream; the hold
+        (hold): that pass reads the held taps and, on CUDA, runs on `score_stream`; the hold
         ends with it, and the landing it kept back runs right after it."""
         held, self._held = self._held, None
         held = held if held is not None and held.batch is batch else None
@@ -245,9 +249,9 @@ class ColdTier:
                    pass masks out; a landing rewrites ids of old positions, so none runs from
                    here until the pass has read back: prepare and land_prepared skip, and
                    on_decode lands right after the pass, behind the next forward (off CUDA all
-                   of it runs in program order). The pass runs on the side stream after
-                   `after`, beside the next forward, and its host reads wait for its own kernels
-                   only
+                   of it runs in program order). On CUDA the pass runs on `score_stream`
+                   after `after`, beside the next forward, and its host reads wait for its own
+                   kernels only
 
         NOTE: what else runs between `after` and the pass touches no id of a live row: the next
         forward writes its new slots; the step's finished requests' final demotion and release
@@ -275,7 +279,7 @@ class ColdTier:
         only the candidate counts and the picked positions (with their old ids, masses and cap
         scores): a fixed number of small device -> host copies a pass, none of them [n, W].
         `held` (hold): the taps copied before the next launch, and on CUDA the pass's device
-        work on the side stream after them; the promotions are issued on the compute stream."""
+        work on `score_stream` after them; the promotions are issued on the compute stream."""
         live = [i for i in due if batch.slices[i].req.req_pool_idx is not None
                 and batch.slices[i].req.finished_reason is None]
         if not live:
@@ -300,16 +304,18 @@ class ColdTier:
             self._issue([p[:3] for p in picks], block, {id(r): j for j, r in enumerate(reqs)})
 
     def _pass_stream(self, held: _HeldPass | None):
-        """Where a pass's device work runs: the current stream, or (a held pass on CUDA) the side
-        stream once the held taps are copied. NOTE: every tensor the pass makes is allocated while
-        the side stream is current, so its memory is reused only in that stream's order; the held
-        taps come from the compute stream and are marked used by the side stream."""
+        """Where a pass's device work runs: the current stream, or (a held pass on CUDA)
+        `score_stream` once the held taps are copied. NOTE: every tensor the pass makes is
+        allocated while that stream is current, so its memory is reused only in its order; the
+        held taps come from the compute stream and are marked used by it. The pass's last
+        read-back synchronizes the stream, so what the promotion reads of it later (the block,
+        for the row mirror's snapshot on `side`) is complete."""
         if held is None or not self.cuda:
             return nullcontext()
-        self.side.wait_event(held.after)
+        self.score_stream.wait_event(held.after)
         for t in held.taps.values():
-            t.record_stream(self.side)
-        return torch.cuda.stream(self.side)
+            t.record_stream(self.score_stream)
+        return torch.cuda.stream(self.score_stream)
 
     # the pass's pieces (cold_score.py); benchmarks/throughput/cold_tier_breakdown.py times them by name
     def _due_block(self, reqs: list) -> tuple:
@@ -352,8 +358,9 @@ class ColdTier:
         idx = torch.tensor(rows, dtype=torch.int64)
         if self.cuda:
             snap = torch.empty((len(rows), block.shape[1]), dtype=torch.int64, pin_memory=True)
-            # behind the compute stream (the caller made side wait for it), where `block` was made
-            # unless the pass ran on the side stream; NOTE: read after this thread drops it
+            # behind the compute stream (the caller made side wait for it), where `block` was made,
+            # or after the held pass's stream, which its read-back synchronized; NOTE: read after
+            # this thread drops it
             block.record_stream(self.side)
             with torch.cuda.stream(self.side):
                 snap.copy_(block.index_select(0, self.pool._to_device(idx)), non_blocking=True)
@@ -524,7 +531,7 @@ class ColdTier:
     def before_forward(self) -> None:
         """Before a decode forward: landing happens around the forward (prepare, land_prepared)
         where the scheduler calls prepare; else here, so a copy issued after step N serves N + 1."""
-        if not self._hooked:
+        if not self._hooked and self._held is None:
             self._land()
 
     def _land(self) -> None:

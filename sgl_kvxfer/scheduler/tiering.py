@@ -25,7 +25,7 @@ while the GPU computes it. A step whose apply demotes a running request's tokens
 host work and its two waits (its rows to the host, its KV-norm totals back) add to the step's time
 in full, once every R steps per request. A step on which a cold-tier scoring pass falls due does
 not drain: before the next launch its query taps are copied (before_next_launch, ColdTier.hold),
-and its pass runs in after_forward on the cold tier's side stream, beside the next forward.
+and its pass runs in after_forward on the cold tier's scoring stream, beside the next forward.
 """
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ class EngineTiering(TierSettingsMixin, PrefillRetierMixin, DecodeDemotionMixin, 
         release run behind the next step, which holds only its void token and reads the row it
         was launched with. A cold-tier scoring pass due on `batch` does not drain: it reads the
         taps copied before the next launch (before_next_launch) and, on CUDA, runs on the cold
-        tier's side stream beside the next forward."""
+        tier's scoring stream beside the next forward."""
         if batch.mode == ForwardMode.EXTEND:
             return False
         for s in batch.slices:
