@@ -253,3 +253,34 @@ def test_tiered_overlap_on_cuda_graphs_dummy_weights(tiny_preset_dir, budget, co
         assert counts.drains > 0 and counts.followups > counts.drains and not counts.unsafe, vars(counts)
         assert not cold or sum(counts.passes) > 0, vars(counts)  # passes ran with a step in flight
         _assert_no_leak(engine)
+
+
+@pytest.mark.gpu
+def test_cold_tier_promotes_beside_the_next_forward_on_cuda_graphs(tiny_preset_dir):
+    """CUDA graphs, random weights, a threshold low enough to promote: scoring passes run with
+    the next step in flight (the held taps, the scoring stream), their promotions are issued and
+    land, and every slot and host copy comes back. Landing timing depends on the copy thread, so
+    outputs are not compared with the plain scheduler's here (the CPU test pins the picks)."""
+    import torch
+
+    from sgl_kvxfer import Engine
+
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA only")
+    rng = random.Random(2)
+    ids = [[rng.randrange(3, 500) for _ in range(300 + 41 * i)] for i in range(4)]
+    params = [{"max_new_tokens": 30 + 5 * i, "temperature": 0, "ignore_eos": True} for i in range(4)]
+    with Engine(tiny_preset_dir, load_format="dummy", device="cuda", dtype="bfloat16", attention_backend="triton",
+                max_total_tokens=20000, kv_tier_budget=0.3, kv_int4="on", kv_decode_recent=8, kv_cold_tier=True,
+                kv_promote_threshold=1e-3, kv_promote_interval=2, kv_promote_radius=2) as engine:
+        sched = engine.scheduler
+        cold = sched.tiering.cold
+        assert sched.overlap and engine.runner.graph_runner is not None
+        counts = _Counts(sched)
+        out = _run(engine, True, params, prompts=ids)
+        assert [len(o) for o, _ in out] == [p["max_new_tokens"] for p in params]
+        assert sum(counts.passes) > 0 and counts.followups > 0 and not counts.unsafe, vars(counts)
+        assert cold.stats["promoted_tokens"] > 0 and cold.stats["landed"] > 0, cold.stats
+        assert cold.server_info()["pending"] == 0
+        _assert_no_leak(engine)
+        assert cold.store.rows_in_use == 0
