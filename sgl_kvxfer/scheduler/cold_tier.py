@@ -522,7 +522,7 @@ class ColdTier:
     def land_prepared(self) -> None:
         """After a decode forward, before its demotion rewrites rows: apply what prepare planned
         during it and free what it deferred. Where the scheduler does not call prepare, the whole
-        landing runs here. Nothing while a pass is held (hold): it lands at the next step."""
+        landing runs here. Nothing while a pass is held (hold): on_decode lands after that pass."""
         if self._held is not None:
             return
         if self._prepared is not None or self._free_later or (self.pending and not self._hooked):
