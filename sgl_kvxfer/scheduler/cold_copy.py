@@ -23,6 +23,7 @@ class PromotionCopy:
     def __init__(self):
         self.event = None  # CUDA event after the copy's device work (set by the job); None: no device work
         self.keep: tuple = ()  # staging tensors the device copy reads: alive until every landing of the pass
+        self.ids_ready = None  # CUDA event: the pass's fp16 ids are on the host (ColdTier._host_ids); None: they are
         self.error: BaseException | None = None
         self._ran = threading.Event()
 
@@ -36,6 +37,12 @@ class PromotionCopy:
         if self.error is not None:
             raise RuntimeError("a cold-tier promotion copy failed") from self.error
         return self.event is None or self.event.query()
+
+    def wait_ids(self) -> None:
+        """Block until the pass's fp16 ids have reached the host (a copy behind the step in flight
+        when the pass ran: done once that step is)."""
+        if self.ids_ready is not None:
+            self.ids_ready.synchronize()
 
     def wait(self, stream=None) -> None:
         self._ran.wait()

@@ -157,7 +157,8 @@ def host_rows(store, dropped: dict, positions: torch.Tensor, old: torch.Tensor) 
 def copy_job(pool, store, side, copy, rows: torch.Tensor, new: torch.Tensor) -> None:
     """A pass's copy (CUDA: on the copy worker's thread, cold_copy.py): host rows `rows` gathered
     into one pinned staging buffer [2, layers, M, Hkv, D], one host -> device copy on the side
-    stream `side`, one fp16 store write per layer at slots `new`, one event recorded on `copy`.
+    stream `side`, one fp16 store write per layer at slots `new` (host or device ids), one event
+    recorded on `copy`.
     `side` None (off CUDA): the store is written inline, no event."""
     cuda = side is not None
     stage = torch.empty((2, pool.num_layers, rows.numel(), pool.num_kv_heads, pool.head_dim), dtype=pool.dtype,
@@ -168,7 +169,9 @@ def copy_job(pool, store, side, copy, rows: torch.Tensor, new: torch.Tensor) -> 
             pool.set_kv_fp16(layer, new, stage[0, layer], stage[1, layer])
         return
     with torch.cuda.device(side.device), torch.cuda.stream(side):
-        dst = new.pin_memory().to(pool.device, non_blocking=True)
+        # device ids (the pass's one allocation) are used in place: the side stream waited for the
+        # compute stream that made them
+        dst = new if new.is_cuda else new.pin_memory().to(pool.device, non_blocking=True)
         dev = stage.to(pool.device, non_blocking=True)
         for layer in range(pool.num_layers):
             pool.set_kv_fp16(layer, dst, dev[0, layer], dev[1, layer])

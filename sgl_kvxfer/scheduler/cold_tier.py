@@ -39,6 +39,12 @@ the candidate counts, then the picked positions (with old ids, masses, cap score
 landing plans from are host mirrors (_ReqState.row): a snapshot the side stream copies with the
 pass's copy, then every row write applied on the host too (landings, note_rows from demotion).
 
+Overlapped decode (scheduler/overlap.py): a pass due on step N runs while step N + 1 is in
+flight. hold() copies N's taps before N + 1 launches and keeps landings back until the pass has
+read back; on CUDA the pass's device work runs on its own stream after that copy, so its reads
+wait for its own kernels, not for N + 1's forward; the pass's fp16 ids reach the host through a
+non-blocking copy (_host_ids) that every reader of them waits for.
+
 A landed dropped position's row entry goes from 0 to an fp16 slot: the attention backends mask
 slot 0 per forward from the row, so it is attended from the next step on.
 
@@ -62,6 +68,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from weakref import WeakKeyDictionary
 
@@ -94,6 +101,16 @@ class _ReqState:
     patches: list = field(default_factory=list)   # (start, ids) written while the snapshot fills
 
 
+@dataclass
+class _HeldPass:
+    """What a scoring pass due on decode step `batch` reads that the step launched behind it
+    overwrites, taken before that launch (ColdTier.hold)."""
+    batch: object
+    rows: dict      # id(req) -> its row in the taps (the launch order; the apply drops void rows)
+    taps: dict      # layer -> [B, Hq, D] copy of the taps' rows [0, B), made on the compute stream
+    after: object   # CUDA event recorded right behind that copy (None off CUDA)
+
+
 class ColdTier:
     def __init__(self, config, runner, allocator, table, make_room, ranking: list[int] | None = None):
         pool = runner.kv_pool
@@ -113,6 +130,10 @@ class ColdTier:
             self.set_probe_layers(probe_layers(pool.num_layers, config.kv_promote_layers, ranking))
         self.cuda = str(pool.device).startswith("cuda")
         self.side = torch.cuda.Stream(device=pool.device) if self.cuda else None
+        # a held pass's own stream (hold), apart from the copies on `side`, so its read-backs wait
+        # for its kernels alone; high priority: it runs beside the next forward and the host waits
+        # for it, so its few small kernels take SMs ahead of that forward's blocks
+        self.score_stream = torch.cuda.Stream(device=pool.device, priority=-1) if self.cuda else None
         self.worker = CopyWorker(threaded=self.cuda)  # CUDA: the host gather off the scheduler thread
         self.states: WeakKeyDictionary = WeakKeyDictionary()
         self.decode_steps: WeakKeyDictionary = WeakKeyDictionary()  # req -> decode steps seen
@@ -122,6 +143,9 @@ class ColdTier:
         self._prepared: Holes | None = None
         self._free_later: list[torch.Tensor] = []
         self._hooked = False  # the scheduler calls prepare() during its decode forwards
+        # a pass due on the step being applied while the next one is in flight (hold): no
+        # landing runs from hold until that pass has read its rows back (on_decode)
+        self._held: _HeldPass | None = None
         # global id -> owned by a request's row (promoted slots and page-repair copies; one owner each)
         self._owned = torch.zeros(pool.id_end, dtype=torch.bool)
         self._orphans: list[dict] = []  # `dropped` maps of requests collected without release_request
@@ -182,22 +206,29 @@ class ColdTier:
         """After a decode step (and its demotion): score the requests due (their first decode
         step, then every `interval`). Off CUDA (copies are synchronous) it lands finished copies
         before and after; on CUDA landing is planned while the next forward replays (prepare)
-        and applied after it (land_prepared), never here."""
+        and applied after it (land_prepared), never here, except after a pass held for `batch`
+        (hold): that pass reads the held taps and, on CUDA, runs on `score_stream`; the hold
+        ends with it, and the landing it kept back runs right after it."""
+        held, self._held = self._held, None
+        held = held if held is not None and held.batch is batch else None
         self._free_orphans()
         if not self.cuda:
             self._land()
-        if not self.enabled:
-            return
-        due = []
-        for i, s in enumerate(batch.slices):
-            n = self.decode_steps.get(s.req, 0)
-            self.decode_steps[s.req] = n + 1
-            if n % self.interval == 0:
-                due.append(i)
-        if due:
-            self._score(batch, due)
-            if not self.cuda:
-                self._land()
+        if self.enabled:
+            due = []
+            for i, s in enumerate(batch.slices):
+                n = self.decode_steps.get(s.req, 0)
+                self.decode_steps[s.req] = n + 1
+                if n % self.interval == 0:
+                    due.append(i)
+            if due:
+                self._score(batch, due, held)
+                if not self.cuda:
+                    self._land()
+        if held is not None and self.cuda:
+            # what prepare and land_prepared skipped while held, enqueued behind the next forward
+            # (attended from the step after it, as a landing in that forward's window is)
+            self._land()
 
     def pass_due(self, batch) -> bool:
         """Whether on_decode(batch) would run a scoring pass: some unfinished request of the
@@ -207,39 +238,96 @@ class ColdTier:
         steps, interval = self.decode_steps, self.interval
         return any(s.req.finished_reason is None and steps.get(s.req, 0) % interval == 0 for s in batch.slices)
 
-    def _score(self, batch, due: list[int]) -> None:
+    def hold(self, batch) -> None:
+        """Decode step `batch` is launched and the next step is about to launch before it is
+        applied (scheduler/overlap.py). Where a pass falls due on `batch`, keep what it reads:
+
+            taps   the next forward overwrites them: the rows [0, B) of every probed layer's tap
+                   are copied now, on the compute stream behind `batch`'s forward and ahead of
+                   the next one, and an event is recorded behind the copy (`after`)
+            rows   the next forward only appends one token per request at its kv_len, which the
+                   pass masks out; a landing rewrites ids of old positions, so none runs from
+                   here until the pass has read back: prepare and land_prepared skip, and
+                   on_decode lands right after the pass, behind the next forward (off CUDA all
+                   of it runs in program order). On CUDA the pass runs on `score_stream`
+                   after `after`, beside the next forward, and its host reads wait for its own
+                   kernels only
+
+        NOTE: what else runs between `after` and the pass touches no id of a live row: the next
+        forward writes its new slots; the step's finished requests' final demotion and release
+        rewrite their own rows and free their own ids (borrowed prompt ids stay locked by the
+        live requests in the radix cache); decode demotion of a running request drains the step
+        (EngineTiering.apply_drains), so it never runs here."""
+        if not self.pass_due(batch):
+            self._held = None
+            return
+        if self._prepared is not None:
+            # a plan of the last forward's window that did not fit: it goes in now (behind
+            # `batch`'s forward, before any demotion of its apply rewrites a row it read)
+            self._land()
+        n = len(batch.slices)
+        taps = {layer: self.taps[layer][:n].clone() for layer in self.layers}
+        after = None
+        if self.cuda:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.pool.device))
+        self._held = _HeldPass(batch, {id(s.req): i for i, s in enumerate(batch.slices)}, taps, after)
+
+    def _score(self, batch, due: list[int], held: _HeldPass | None = None) -> None:
         """One pass over the due requests, on the pool's device: the rows, their candidates, the
         masses and the picks are [n, W] device tensors (W the longest row); the host reads back
         only the candidate counts and the picked positions (with their old ids, masses and cap
-        scores): a fixed number of small device -> host copies a pass, none of them [n, W]."""
+        scores): a fixed number of small device -> host copies a pass, none of them [n, W].
+        `held` (hold): the taps copied before the next launch, and on CUDA the pass's device
+        work on `score_stream` after them; the promotions are issued on the compute stream."""
         live = [i for i in due if batch.slices[i].req.req_pool_idx is not None
                 and batch.slices[i].req.finished_reason is None]
         if not live:
             return
         reqs = [batch.slices[i].req for i in live]
-        block, lens, cand, near, kept = self._due_block(reqs)
-        counts = cand.sum(dim=1).cpu()  # one device -> host copy: requests with nothing to score drop out
-        if not bool(counts.any()):
-            return
-        self.stats["scoring_passes"] += 1
-        self.stats["scored_tokens"] += int(counts.sum())
-        mass = self._mass(self.pool._to_device(torch.tensor(live, dtype=torch.int64)), block, lens)
-        # a request without candidates is left out whole (its promoted hot tokens bring nothing)
-        has = self.pool._to_device(counts > 0)[:, None]
-        picks = self._select(reqs, block, mass, cand & has, near & has, kept & has)
+        taps = self.taps if held is None else held.taps
+        rows = live if held is None else [held.rows[id(r)] for r in reqs]
+        with self._pass_stream(held):
+            block, lens, cand, near, kept = self._due_block(reqs)
+            counts = cand.sum(dim=1).cpu()  # one device -> host copy: requests with nothing to score drop out
+            if not bool(counts.any()):
+                return
+            self.stats["scoring_passes"] += 1
+            self.stats["scored_tokens"] += int(counts.sum())
+            mass = self._mass(self.pool._to_device(torch.tensor(rows, dtype=torch.int64)), block, lens, taps)
+            # a request without candidates is left out whole (its promoted hot tokens bring nothing)
+            has = self.pool._to_device(counts > 0)[:, None]
+            picks = self._select(reqs, block, mass, cand & has, near & has, kept & has)
         if picks and self.max_tokens:
             picks = self._cap(picks)
         if picks:
             self._issue([p[:3] for p in picks], block, {id(r): j for j, r in enumerate(reqs)})
+
+    def _pass_stream(self, held: _HeldPass | None):
+        """Where a pass's device work runs: the current stream, or (a held pass on CUDA)
+        `score_stream` once the held taps are copied. NOTE: every tensor the pass makes is
+        allocated while that stream is current, so its memory is reused only in its order; the
+        held taps come from the compute stream and are marked used by it. The pass's last
+        read-back synchronizes the stream, so what the promotion reads of it later (the block,
+        for the row mirror's snapshot on `side`) is complete."""
+        if held is None or not self.cuda:
+            return nullcontext()
+        self.score_stream.wait_event(held.after)
+        for t in held.taps.values():
+            t.record_stream(self.score_stream)
+        return torch.cuda.stream(self.score_stream)
 
     # the pass's pieces (cold_score.py); benchmarks/throughput/cold_tier_breakdown.py times them by name
     def _due_block(self, reqs: list) -> tuple:
         """block, lens, cand, near, kept of the due `reqs` (cold_score.due_block)."""
         return due_block(reqs, self.pool, self.store, self.table.table, self.states)
 
-    def _mass(self, rows: torch.Tensor, block: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """mass [n, W] of the taps' rows `rows` over the probed layers (cold_score.pass_mass)."""
-        return pass_mass(self.pool, self.taps, self.layers, rows, block, lens, self.scale, self.kernel)
+    def _mass(self, rows: torch.Tensor, block: torch.Tensor, lens: torch.Tensor, taps: dict | None = None
+              ) -> torch.Tensor:
+        """mass [n, W] of the rows `rows` of `taps` (default: the live taps) over the probed
+        layers (cold_score.pass_mass)."""
+        return pass_mass(self.pool, self.taps if taps is None else taps, self.layers, rows, block, lens, self.scale,
+                         self.kernel)
 
     def _select(self, reqs: list, block, mass, cand, near, kept) -> list:
         """The pass's picks, read back once (cold_score.select)."""
@@ -269,12 +357,13 @@ class ColdTier:
             return
         idx = torch.tensor(rows, dtype=torch.int64)
         if self.cuda:
-            src = block.index_select(0, self.pool._to_device(idx))  # on the compute stream, before side's wait
-            snap = torch.empty(src.shape, dtype=torch.int64, pin_memory=True)
-            self.side.wait_stream(torch.cuda.current_stream(self.pool.device))
+            snap = torch.empty((len(rows), block.shape[1]), dtype=torch.int64, pin_memory=True)
+            # behind the compute stream (the caller made side wait for it), where `block` was made,
+            # or after the held pass's stream, which its read-back synchronized; NOTE: read after
+            # this thread drops it
+            block.record_stream(self.side)
             with torch.cuda.stream(self.side):
-                snap.copy_(src, non_blocking=True)
-            src.record_stream(self.side)  # NOTE: the side stream reads it after this thread drops it
+                snap.copy_(block.index_select(0, self.pool._to_device(idx)), non_blocking=True)
         else:
             snap, copy = block.index_select(0, idx).cpu(), None
         for n, req in enumerate(reqs):
@@ -330,7 +419,8 @@ class ColdTier:
         if self.allocator.available_size() < total:
             self.make_room(TIER_FP16, total)
         whole = self.allocator.alloc(total)  # one allocation (and one device -> host read) for the pass
-        parts = whole.cpu().split(sizes) if whole is not None else [None] * len(picks)
+        copy = PromotionCopy()
+        parts = self._host_ids(whole, copy).split(sizes) if whole is not None else [None] * len(picks)
         for (req, positions, old), new in zip(picks, parts):
             if new is None:  # short of room for all: request by request, as far as it goes
                 m = positions.numel()
@@ -340,7 +430,7 @@ class ColdTier:
                 if new is None:
                     self.stats["no_room"] += 1
                     continue
-                new = new.cpu()
+                new = new.cpu()  # NOTE: a sync (with a step in flight, a wait for it): only when short of room
             state = self._state(req)
             # a dropped position's row is the request's (keep_dropped), the rest the int4 ids'
             rows = host_rows(self.store, state.dropped, positions, old)
@@ -349,11 +439,12 @@ class ColdTier:
             return
         if self.cuda:  # the new slots' last users come first
             self.side.wait_stream(torch.cuda.current_stream(pool.device))
-        copy = PromotionCopy()
         if block is not None:
             fresh = [b[0] for b in batch if self._state(b[0]).row is None]
             self._snapshot(fresh, block, [row_of[id(r)] for r in fresh], copy)
-        rows_all, new_all = torch.cat([b[4] for b in batch]), torch.cat([b[3] for b in batch])
+        rows_all = torch.cat([b[4] for b in batch])
+        # the one allocation on the device (its host ids may still be in flight), else the host ids
+        new_all = whole if whole is not None and self.cuda else torch.cat([b[3] for b in batch])
         self.worker.submit(copy, lambda c: copy_job(pool, self.store, self.side, c, rows_all, new_all))
         token_bytes = 2 * pool.num_layers * pool.num_kv_heads * pool.head_dim * pool.k16[0].element_size()
         for req, positions, old, new, _, n_drop in batch:
@@ -366,6 +457,20 @@ class ColdTier:
             self.stats["restored_dropped"] += n_drop
             self.stats["restored_dropped_bytes_h2d"] += n_drop * token_bytes
         self.stats["staging_copies"] += 1
+
+    def _host_ids(self, ids: torch.Tensor, copy: PromotionCopy) -> torch.Tensor:
+        """The fp16 ids `ids` of a pass's allocation on the host. On CUDA without a wait: one
+        non-blocking copy to pinned memory on the compute stream (behind a step in flight, if
+        any), an event behind it on `copy` (ids_ready). Every reader of these host ids waits for
+        it: the landing through the pass's copy (the side stream waits for the compute stream
+        before the copy), release_request through copy.wait_ids()."""
+        if not self.cuda:
+            return ids.cpu()
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids, non_blocking=True)
+        copy.ids_ready = torch.cuda.Event()
+        copy.ids_ready.record(torch.cuda.current_stream(self.pool.device))
+        return host
 
     def wait_copies(self) -> None:
         """Block until every pending promotion's copy job has run (tests, shutdown); landing
@@ -384,7 +489,7 @@ class ColdTier:
         Otherwise the plan waits for land_prepared, after the forward, where make_room and the
         fp16 fallback may sync. Never waits; a step with nothing pending runs no torch op."""
         self._hooked = True
-        if self._prepared is not None or not self.pending:
+        if self._prepared is not None or not self.pending or self._held is not None:
             return
         self._prepare(in_forward=True)
 
@@ -417,14 +522,16 @@ class ColdTier:
     def land_prepared(self) -> None:
         """After a decode forward, before its demotion rewrites rows: apply what prepare planned
         during it and free what it deferred. Where the scheduler does not call prepare, the whole
-        landing runs here."""
+        landing runs here. Nothing while a pass is held (hold): on_decode lands after that pass."""
+        if self._held is not None:
+            return
         if self._prepared is not None or self._free_later or (self.pending and not self._hooked):
             self._land()
 
     def before_forward(self) -> None:
         """Before a decode forward: landing happens around the forward (prepare, land_prepared)
         where the scheduler calls prepare; else here, so a copy issued after step N serves N + 1."""
-        if not self._hooked:
+        if not self._hooked and self._held is None:
             self._land()
 
     def _land(self) -> None:
@@ -483,6 +590,7 @@ class ColdTier:
                 continue
             if p.event is not None:  # NOTE: the copy may still write p.new: wait for its job, order the reuse
                 p.event.wait(torch.cuda.current_stream(self.pool.device) if self.cuda else None)
+                p.event.wait_ids()  # p.new's host ids are in
             self.allocator.free(p.new)
             self.stats["cancelled"] += 1
         self.pending = keep

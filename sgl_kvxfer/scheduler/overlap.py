@@ -21,19 +21,27 @@ against max_running_requests and the decode reserve; a request that could share 
 a prefill still in flight is admitted without that hit (it recomputes those tokens).
 Under SpectrumKV tiering, decode steps overlap except where applying step N must run with
 nothing launched after it (`EngineTiering.apply_drains`): N demotes a running request's
-generated tokens (once every R = kv_decode_recent steps per request), or a cold-tier scoring
-pass falls due (a request's first decode step, then every kv_promote_interval steps: the pass
-reads the taps of N's queries, which N + 1's forward overwrites). Such a step drains: N is
-applied (demotion, pass), then N + 1 launches in the same scheduler step, as the plain path
-does. Every other step's tiering host work runs behind N + 1: the cold tier plans and enqueues
-its landing behind N + 1's forward (`during_forward`), and applying N lands what did not fit,
-frees deferred slots, and demotes and releases the requests N finishes (N + 1 holds only their
-void tokens and reads the rows it was launched with). Only prefill batches of chunks with more
-prompt to come overlap (`Scheduler.chunk_overlap`): a batch that ends a prompt is applied
-before the next launch, since its re-tier moves that prompt's KV and rewrites its row.
+generated tokens (once every R = kv_decode_recent steps per request). Such a step drains: N is
+applied (demotion), then N + 1 launches in the same scheduler step, as the plain path does.
+Every other step's tiering host work runs behind N + 1: the cold tier plans and enqueues its
+landing behind N + 1's forward (`during_forward`), and applying N lands what did not fit, frees
+deferred slots, and demotes and releases the requests N finishes (N + 1 holds only their void
+tokens and reads the rows it was launched with). A cold-tier scoring pass due on N (a request's
+first decode step, then every kv_promote_interval steps) overlaps too: before N + 1 launches,
+`EngineTiering.before_next_launch` copies the taps of N's queries (which N + 1's forward
+overwrites) behind N's forward; applying N runs the pass on the cold tier's scoring stream after
+that copy, beside N + 1's forward, and no landing runs between that copy and the pass's
+read-back (ColdTier.hold), so the pass reads the rows as N left them; its promotions land from
+a later step on. Only prefill batches of chunks with more prompt to come overlap
+(`Scheduler.chunk_overlap`): a batch that ends a prompt is applied before the next launch,
+since its re-tier moves that prompt's KV and rewrites its row.
 
     host:  launch N+1 | apply N |           | apply N+1, demote | launch N+2 | apply ...
     GPU:   ..][ fwd N+1 .................. ]  idle (drain)      [ fwd N+2 ...
+
+    host:  hold taps N | launch N+1 | apply N: pass (reads back) | launch N+2 | apply N+1
+    GPU:   ..][ fwd N ]*[ fwd N+1 ..........................    ][ fwd N+2 ...
+    score:             [ pass N ]                 * = taps copy, event
 
 The host reads step N's tokens from a pinned buffer that a non-blocking copy fills right after
 N's argmax, and waits on an event recorded after that copy. A plain `.tolist()` would copy on
@@ -44,7 +52,9 @@ of max(host, GPU)).
 NOTE: correctness rests on stream order. Step N + 1 reads N's sampled ids, table rows and KV
 slots on the device after N wrote them; a slot or row freed on the host while N + 1 is in
 flight is only reused by work enqueued after N + 1 (the cold tier's side stream waits on the
-compute stream before it writes promoted slots).
+compute stream before it writes promoted slots). A scoring pass on its own stream reads only
+ids of its running requests' rows below their kv_len, which nothing enqueued between the taps
+copy and its read-back writes or frees (ColdTier.hold states why).
 """
 from __future__ import annotations
 

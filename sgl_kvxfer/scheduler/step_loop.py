@@ -7,8 +7,10 @@ when each may overlap and why it is safe.
 
 Invariants and hazards:
 - results apply in launch order: a pending prefill is applied before a later batch is applied;
-- an in-flight step has a running request; a step whose apply moves KV under tiering drains
+- an in-flight step has a running request; a step whose apply demotes KV under tiering drains
   (`_drains`, EngineTiering.apply_drains): nothing is launched after it until it is applied;
+  a step applied with the next one in flight first lets tiering keep what its apply reads that
+  the next forward overwrites (EngineTiering.before_next_launch: a cold-tier pass's query taps);
 - `_current` holds (batch, out_cache_loc) between allocation and apply and `_unapplied` the
   steps taken off `inflight` / `pending_prefill`, so `_recover` (outcomes.py) can free their KV.
 """
@@ -93,6 +95,8 @@ class StepLoopMixin:
         apply the in-flight step while the GPU runs the next one (scheduler/overlap.py)."""
         prev, self.inflight = self.inflight, None
         self._unapplied.append(prev)
+        if self.tiering is not None:  # what prev's apply reads that the next forward overwrites
+            self.tiering.before_next_launch(prev.batch)
         nxt = None
         if not self.waiting and self.chunked is None and not self._joined:  # new requests: regroup first
             nxt = self._launch_followup(prev)
@@ -108,7 +112,7 @@ class StepLoopMixin:
 
     def _drains(self, inf: InflightBatch) -> bool:
         """Whether the in-flight decode step is applied before the next one launches: under
-        tiering, when applying it demotes KV or runs a cold-tier scoring pass."""
+        tiering, when applying it demotes a running request's KV."""
         return self.tiering is not None and self.tiering.apply_drains(inf.batch)
 
     def _drain(self) -> None:

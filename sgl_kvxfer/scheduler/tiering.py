@@ -20,10 +20,12 @@ The scheduler calls two hooks per batch (both no-ops for requests they do not co
 
 after_forward runs when the step's tokens are applied. On CUDA decode steps overlap (overlap.py):
 the next step is usually launched before this one is applied, and after_forward's host work runs
-while the GPU computes it. A step whose apply demotes a running request's tokens or runs a
-cold-tier scoring pass drains (apply_drains): nothing is launched after it until its
-after_forward is done, so that demotion's host work and its two waits (its rows to the host, its
-KV-norm totals back) add to the step's time in full, once every R steps per request.
+while the GPU computes it. A step whose apply demotes a running request's tokens drains
+(apply_drains): nothing is launched after it until its after_forward is done, so that demotion's
+host work and its two waits (its rows to the host, its KV-norm totals back) add to the step's time
+in full, once every R steps per request. A step on which a cold-tier scoring pass falls due does
+not drain: before the next launch its query taps are copied (before_next_launch, ColdTier.hold),
+and its pass runs in after_forward on the cold tier's scoring stream, beside the next forward.
 """
 from __future__ import annotations
 
@@ -171,13 +173,22 @@ class EngineTiering(TierSettingsMixin, PrefillRetierMixin, DecodeDemotionMixin, 
         if self.cold is not None and batch.mode != ForwardMode.EXTEND:
             self.cold.on_decode(batch)
 
+    def before_next_launch(self, batch) -> None:
+        """Decode step `batch` is launched, not applied, and the next step launches now (overlapped,
+        scheduler/overlap.py): a cold-tier scoring pass due on `batch` keeps the taps of its
+        queries, which the next forward overwrites, and holds the landings until it has run
+        (ColdTier.hold)."""
+        if self.cold is not None:
+            self.cold.hold(batch)
+
     def apply_drains(self, batch) -> bool:
         """Whether applying decode step `batch` (launched, its tokens not yet applied) must run
         with no later step in flight (scheduler/overlap.py): it demotes a running request's
-        generated tokens, or a cold-tier scoring pass falls due (the pass reads the taps of this
-        step's queries, which a later forward overwrites, and the rows as this step leaves them).
-        A request that this step finishes is left out: its final demotion and release run behind
-        the next step, which holds only its void token and reads the row it was launched with."""
+        generated tokens. A request that this step finishes is left out: its final demotion and
+        release run behind the next step, which holds only its void token and reads the row it
+        was launched with. A cold-tier scoring pass due on `batch` does not drain: it reads the
+        taps copied before the next launch (before_next_launch) and, on CUDA, runs on the cold
+        tier's scoring stream beside the next forward."""
         if batch.mode == ForwardMode.EXTEND:
             return False
         for s in batch.slices:
@@ -185,7 +196,7 @@ class EngineTiering(TierSettingsMixin, PrefillRetierMixin, DecodeDemotionMixin, 
             if req.finished_reason is None and req.req_pool_idx is not None \
                     and self._decode_run(req, final=False, kv_len=s.start + s.length) is not None:
                 return True
-        return self.cold is not None and self.cold.pass_due(batch)
+        return False
 
     def release_request(self, req) -> None:
         """The request's KV is about to be cached or freed: the cold tier gives its row back."""

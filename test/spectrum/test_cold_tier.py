@@ -180,6 +180,85 @@ def test_promotion_on_cuda_is_async_and_exact():
     assert torch.equal(table.read(0, N).cpu(), new.cpu())
 
 
+def test_a_held_pass_reads_the_taps_of_its_step_and_holds_the_landing():
+    """hold (the next step launches before this one is applied, scheduler/overlap.py): the pass
+    reads the taps as they were at hold, not what the next forward writes into them, and the
+    landing hooks of the next forward's window and of this step's apply (prepare, land_prepared)
+    land nothing until the pass has run."""
+    cold, pool, alloc, table, data, req, row = setup(interval=1)
+    batch = SimpleNamespace(slices=[SimpleNamespace(req=req)])
+    aim(cold, data, 13)
+    cold._score(batch, [0])  # a promotion waiting to land (off CUDA its copy is done at once)
+    assert len(cold.pending) == 1 and cold.stats["landed"] == 0
+    aim(cold, data, 22)  # this step's queries
+    cold.hold(batch)
+    aim(cold, data, 5)  # the next forward's queries overwrite the taps
+    cold.prepare()
+    cold.land_prepared()
+    assert len(cold.pending) == 1 and cold.stats["landed"] == 0 and cold._prepared is None
+    cold.on_decode(batch)  # the held pass; off CUDA on_decode lands in program order
+    assert cold._held is None and not cold.pending
+    assert cold.states[req].promoted == {12, 13, 14, 21, 22, 23} and cold.stats["landed"] == 6
+    cold.hold(SimpleNamespace(slices=[]))  # nothing due: nothing held
+    assert cold._held is None
+    cold.release_request(req)
+    assert torch.equal(table.read(0, N).cpu(), row)
+    alloc.debug_check()
+
+
+@pytest.mark.gpu
+def test_held_pass_on_cuda_runs_beside_the_next_forward():
+    """CUDA: a pass held before the next launch (as Scheduler._step_overlapped does) reads the
+    taps copied at hold, runs on the side stream and reads its picks back while a long kernel
+    (the next forward, which overwrites the taps) still runs on the compute stream; its fp16 ids
+    reach the host behind that kernel; the promotion then lands exact."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pool = TieredKVPool(128, L, H, D, torch.float16, "cuda", TierStorePlan(96, 32, 64), group_size=D, page_size=PAGE)
+    alloc = TieredSlotAllocator(pool, "cuda")
+    runner = SimpleNamespace(kv_pool=pool, attn_backend=TorchAttentionBackend(pool, HQ, H, D), max_running_requests=4,
+                             graph_runner=None)
+    config = SimpleNamespace(kv_promote_threshold=0.3, kv_promote_interval=1, kv_promote_radius=0,
+                             kv_cold_tier_tokens=64, kv_promote_layers=2)
+    table = ReqToTokenPool(4, 256, "cuda")
+    cold = ColdTier(config, runner, alloc, table, lambda tier, n: None)
+    k = torch.randn(N, H, D, device="cuda", dtype=torch.float16)
+    slots = alloc.alloc(N)
+    for layer in range(L):
+        pool.set_kv(layer, slots, k, k)
+    new, _ = alloc.retier(slots.cpu(), torch.full((N,), TIER_INT4, dtype=torch.int8))
+    table.write(0, 0, new.cuda())
+    req = Req(0, N)
+    batch = SimpleNamespace(slices=[SimpleNamespace(req=req)])
+
+    def aim_cuda(pos):
+        for layer in cold.layers:
+            cold.taps[layer][0] = (k[pos] / k[pos].norm(dim=-1, keepdim=True) * 30).repeat_interleave(HQ // H, 0)
+    block, lens, *_ = cold._due_block([req])
+    cold._mass(pool._to_device(torch.tensor([0])), block, lens)  # the scoring kernel compiled before the window
+    torch.cuda.synchronize()
+    aim_cuda(7)  # this step's queries
+    cold.hold(batch)
+    aim_cuda(20)  # the next forward's, on the compute stream behind hold's copy
+    torch.cuda._sleep(1_000_000_000)  # the rest of that forward
+    busy = torch.cuda.Event()
+    busy.record()
+    cold.prepare()  # the next forward's window: held, no landing
+    cold.on_decode(batch)
+    assert not busy.query()  # the pass read back without waiting for the compute stream
+    assert cold.stats["promotions"] == 1 and cold.states[req].promoted == {7}
+    cold.wait_copies()
+    torch.cuda.synchronize()
+    cold.prepare()
+    cold.land_prepared()
+    now = table.read(0, N).cpu()
+    assert cold.stats["landed"] == 1 and int(pool.tier_of(now[7:8])) == TIER_FP16
+    kk, _ = pool.get_kv(0, now[7:8].cuda())
+    assert torch.equal(kk, k[7:8])
+    cold.release_request(req)
+    assert torch.equal(table.read(0, N).cpu(), new.cpu())
+
+
 def test_no_room_for_the_page_repair_keeps_the_row():
     cold, pool, alloc, table, data, req, row = setup()
     # int stores: allocate every free page; fp16: leave exactly the 3 slots the promotion takes
