@@ -1,6 +1,8 @@
 """The jitted kernels of tiered_pool_decode.py (its module docstring describes them): one per tier
 family (fp16 rows / int8 and int4 page-head blocks), their shared epilogue with the fused merge,
-and the separate merge."""
+and the separate merge. Their loop bodies are step helpers (_fp16_step; _int_q_halves and the
+_fold_* steps for G = D) that the one-launch kernel (_tiered_one_launch.py) runs too: one source
+for the loads, conversions, folding and online softmax of both paths."""
 from __future__ import annotations
 
 import triton
@@ -20,6 +22,18 @@ def _split_range(n_pages, split, n_split, PAGE: tl.constexpr, TILE: tl.constexpr
     lo = (split * steps) // n_split
     hi = ((split + 1) * steps) // n_split
     return lo * TILE, hi * TILE
+
+
+@triton.jit
+def _request_pages(len_ptr, npg_ptr, b, PAGE: tl.constexpr, FILLED: tl.constexpr):
+    """Request b's tokens in a tier and its listed pages (FILLED: the table's count; dense: whole
+    pages up to the last token)."""
+    n_tok = tl.load(len_ptr + b)
+    if FILLED:
+        n_pages = tl.load(npg_ptr + b)
+    else:
+        n_pages = tl.cdiv(n_tok, PAGE)
+    return n_tok, n_pages
 
 
 @triton.jit
@@ -169,6 +183,54 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, n_total,
 # ---------------------------------------------------------------------------------------------
 # fp16 tier
 
+@triton.jit
+def _fp16_step(q, k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, hi, head_off, stride_p, qk_scale,
+               m_i, l_i, acc, offs_t, offs_d,
+               HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, TILE: tl.constexpr, FILLED: tl.constexpr,
+               DOT_F32: tl.constexpr, ROWS: tl.constexpr):
+    """One step of the fp16 tier, virtual slots [l0, l0 + TILE), into (m_i, l_i, acc [G, D]) ->
+    the updated state. ROWS (PAGE < TILE): the step's slots from hi on (the split's end) are not
+    this split's. The body of _fp16_tier_kernel's loop and of the one-launch kernel's fp16 loop."""
+    if PAGE >= TILE:
+        page, s0, tm = _page_of_step(bt_row, fill_row, n_tok, n_pages, l0, offs_t, PAGE, TILE, FILLED)
+        rows = page * stride_p + head_off + (s0 + offs_t).to(tl.int64) * HEAD_DIM
+    else:  # TILE / PAGE pages a step, page id (and fill) per slot; PAGE 1: a row gather
+        slot = l0 + offs_t
+        j = slot // PAGE
+        s = slot % PAGE
+        if ROWS:
+            listed = slot < hi  # this split's slots: every one of them lies in a listed page
+        else:
+            listed = j < n_pages
+        # NOTE: page ids and fills load side by side (no load waits on a loaded value but the
+        # rows on their page ids), so the software pipeline prefetches both a stage ahead
+        page = tl.load(bt_row + j, mask=listed, other=0).to(tl.int64)
+        if FILLED:
+            fill = tl.load(fill_row + j, mask=listed, other=0)
+            tm = s < fill
+        else:
+            tm = (slot < n_tok) & listed
+        rows = page * stride_p + head_off + s.to(tl.int64) * HEAD_DIM
+    rows = tl.multiple_of(rows, 8)
+    # NOTE: no load waits on a loaded fill (it would hold the rows back a pipeline stage): the
+    # rows of listed pages load whole, the fills only mask the scores. So every slot of a
+    # listed page must hold finite values (0 * NaN in P @ V would poison the row): the
+    # engine's fp16 store is zero-initialized and written with finite K / V only.
+    if PAGE >= TILE:  # the step lies in a listed page
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :])
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :])
+    else:
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=listed[:, None], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=listed[:, None], other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s_qk = tl.dot(q, tl.trans(k)) * qk_scale
+    s_qk = tl.where(tm[None, :], s_qk, float("-inf"))
+    m_i, l_i, alpha, p = _softmax_update(m_i, l_i, s_qk)
+    return m_i, l_i, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
 @triton.jit(do_not_specialize=["split_base", "n_total"])  # one binary for every split count
 def _fp16_tier_kernel(
     q_ptr, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, k_ptr, v_ptr,
@@ -201,11 +263,7 @@ def _fp16_tier_kernel(
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=gmask[:, None], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    n_tok = tl.load(len_ptr + b)
-    if FILLED:
-        n_pages = tl.load(npg_ptr + b)
-    else:
-        n_pages = tl.cdiv(n_tok, PAGE)
+    n_tok, n_pages = _request_pages(len_ptr, npg_ptr, b, PAGE, FILLED)
     if ROWS:
         n_slots = n_pages.to(tl.int64) * PAGE
         lo = ((split * n_slots) // tl.num_programs(1)).to(tl.int32)
@@ -219,44 +277,8 @@ def _fp16_tier_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     for l0 in tl.range(lo, hi, TILE):
-        if PAGE >= TILE:
-            page, s0, tm = _page_of_step(bt_row, fill_row, n_tok, n_pages, l0, offs_t, PAGE, TILE, FILLED)
-            rows = page * stride_p + head_off + (s0 + offs_t).to(tl.int64) * HEAD_DIM
-        else:  # TILE / PAGE pages a step, page id (and fill) per slot; PAGE 1: a row gather
-            l = l0 + offs_t
-            j = l // PAGE
-            s = l % PAGE
-            if ROWS:
-                listed = l < hi  # this split's slots: every one of them lies in a listed page
-            else:
-                listed = j < n_pages
-            # NOTE: page ids and fills load side by side (no load waits on a loaded value but the
-            # rows on their page ids), so the software pipeline prefetches both a stage ahead
-            page = tl.load(bt_row + j, mask=listed, other=0).to(tl.int64)
-            if FILLED:
-                fill = tl.load(fill_row + j, mask=listed, other=0)
-                tm = s < fill
-            else:
-                tm = (l < n_tok) & listed
-            rows = page * stride_p + head_off + s.to(tl.int64) * HEAD_DIM
-        rows = tl.multiple_of(rows, 8)
-        # NOTE: no load waits on a loaded fill (it would hold the rows back a pipeline stage): the
-        # rows of listed pages load whole, the fills only mask the scores. So every slot of a
-        # listed page must hold finite values (0 * NaN in P @ V would poison the row): the
-        # engine's fp16 store is zero-initialized and written with finite K / V only.
-        if PAGE >= TILE:  # the step lies in a listed page
-            k = tl.load(k_ptr + rows[:, None] + offs_d[None, :])
-            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :])
-        else:
-            k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=listed[:, None], other=0.0)
-            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=listed[:, None], other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s_qk = tl.dot(q, tl.trans(k)) * qk_scale
-        s_qk = tl.where(tm[None, :], s_qk, float("-inf"))
-        m_i, l_i, alpha, p = _softmax_update(m_i, l_i, s_qk)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i, l_i, acc = _fp16_step(q, k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, hi, head_off, stride_p,
+                                   qk_scale, m_i, l_i, acc, offs_t, offs_d, HEAD_DIM, PAGE, TILE, FILLED, DOT_F32, ROWS)
     _finish(acc, acc, m_i, l_i, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, b, kv_head, pid_bh,
             split_base + split, n_total, offs_g, gmask,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
@@ -340,6 +362,106 @@ def _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
     return kq, vq, srow, tm
 
 
+@triton.jit
+def _int_q_halves(q_ptr, q_rows, gmask, HALVES: tl.constexpr, W: tl.constexpr, KT: tl.constexpr):
+    """q rows of an int tier's program -> (qa, qb, q_sum, qa16, qb16): the fp32 low / high halves
+    [G, W] (HALVES 1: qb is qa), their sum over D (the zero-point term of every folded score, no
+    softmax scale yet) and the fp16 dot operands (KT and HALVES 2: qb16 holds q / 16)."""
+    offs_c = tl.arange(0, W)
+    qa = tl.load(q_ptr + q_rows[:, None] + offs_c[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    q_sum = tl.sum(qa, 1)
+    qb = qa
+    if HALVES == 2:
+        qb = tl.load(q_ptr + q_rows[:, None] + W + offs_c[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        q_sum += tl.sum(qb, 1)
+    qa16 = qa.to(tl.float16)
+    qb16 = qb.to(tl.float16)
+    if KT and HALVES == 2:
+        # the high nibbles convert as 16 * hi: q's high half takes the 1/16 instead of every score
+        # (a power of two: the same fp16 mantissas wherever q / 16 stays normal, |q| >= 2^-10)
+        qb16 = (qb * 0.0625).to(tl.float16)
+    return qa, qb, q_sum, qa16, qb16
+
+
+@triton.jit
+def _fold_scales(ks_ptr, vs_ptr, srow2, tm, K_MUL, ZERO_OFF: tl.constexpr, TILE: tl.constexpr):
+    """G = D: one step's per-slot K scale (times K_MUL), K zero, V scale and V zero [TILE] fp32;
+    ZERO_OFF = PAGE * NG, the fp16 distance from a block's scales to its zeros.
+
+    NOTE: unmasked, like the codes: a slot mask along the scales' contiguous axis would make each a
+    2-byte load outside the cp.async pipeline (the pipeliner skips loads under 4 bytes), paid in
+    full every step. A masked slot's K scale / zero only reach its score (set to -inf); its V scale
+    / zero are zeroed here (garbage may be NaN). V's scale and zero load as one [TILE, 2] tensor:
+    the software pipeliner prefetches only loads that feed a tl.dot operand, and the zero alone
+    feeds none (the zero-point sum)."""
+    ks = tl.reshape(tl.load(ks_ptr + srow2), (TILE,)).to(tl.float32) * K_MUL
+    kz = tl.reshape(tl.load(ks_ptr + srow2 + ZERO_OFF), (TILE,)).to(tl.float32)
+    vsz = tl.load(vs_ptr + srow2[:, :, None] + tl.arange(0, 2)[None, None, :] * ZERO_OFF)
+    vs, vz = tl.split(tl.reshape(vsz, (TILE, 2)).to(tl.float32))
+    return ks, kz, tl.where(tm, vs, 0.0), tl.where(tm, vz, 0.0)
+
+
+@triton.jit
+def _fold_qk_fp16(qa16, qb16, kq, HALVES: tl.constexpr, KT: tl.constexpr, FAST_CVT: tl.constexpr,
+                  SUBK: tl.constexpr):
+    """G = D, fp16 q . K on one step's raw codes -> qk [G, TILE] fp32, before the K scale and zero
+    (SUBK: in units of 2^-24; KT: K read [W, TILE], converted in the dot operand layout)."""
+    if KT:
+        if HALVES == 1:
+            qk = tl.dot(qa16, _cvt_u8_one(kq, FAST_CVT, SUBK))
+        else:  # qb16 holds q / 16 (_int_q_halves)
+            qk = tl.dot(qb16, _cvt_hi16_one(kq, FAST_CVT, SUBK))
+            qk = tl.dot(qa16, _cvt_lo_one(kq, FAST_CVT, SUBK), qk)
+    else:
+        if HALVES == 1:
+            qk = tl.dot(qa16, tl.trans(_cvt_u8(kq, FAST_CVT)))
+        else:
+            k_lo, k_hi = _cvt_nibbles(kq, FAST_CVT)
+            qk = tl.dot(qa16, tl.trans(k_lo))
+            qk = tl.dot(qb16, tl.trans(k_hi), qk)
+    return qk
+
+
+@triton.jit
+def _fold_update(qk, ks, kz, vs, vz, tm, vq, q_sum, m_i, l_i, acc_a, acc_b,
+                 HALVES: tl.constexpr, DOT_CVT: tl.constexpr, FAST_CVT: tl.constexpr, SUBV: tl.constexpr):
+    """G = D: one step's scores (qk * ks + q_sum * kz, the softmax scale already in ks and q_sum),
+    online softmax and P @ V on V's raw codes -> (m_i, l_i, acc_a, acc_b).
+
+    DOT_CVT: acc_a in units of U_V, acc_b in units of 16 * U_V (U_V = 2^-24 with SUBV, else 1);
+    _fold_acc_rescale takes them out after the loop. HALVES 1: acc_b stays as it is."""
+    U_V: tl.constexpr = 5.9604644775390625e-08 if SUBV else 1.0
+    s_qk = qk * ks[None, :] + q_sum[:, None] * kz[None, :]
+    s_qk = tl.where(tm[None, :], s_qk, float("-inf"))
+    m_i, l_i, alpha, p = _softmax_update(m_i, l_i, s_qk)
+    pw = (p * vs[None, :]).to(tl.float16)
+    zero = tl.sum(p * vz[None, :], 1)[:, None]
+    if DOT_CVT:
+        if HALVES == 1:
+            acc_a = tl.dot(pw, _cvt_u8_one(vq, FAST_CVT, SUBV), acc_a * alpha[:, None]) + zero * U_V
+        else:
+            acc_a = tl.dot(pw, _cvt_lo_one(vq, FAST_CVT, SUBV), acc_a * alpha[:, None]) + zero * U_V
+            acc_b = tl.dot(pw, _cvt_hi16_one(vq, FAST_CVT, SUBV), acc_b * alpha[:, None]) + zero * (16.0 * U_V)
+    elif HALVES == 1:
+        acc_a = tl.dot(pw, _cvt_u8(vq, FAST_CVT), acc_a * alpha[:, None]) + zero
+    else:
+        v_lo, v_hi = _cvt_nibbles(vq, FAST_CVT)
+        acc_a = tl.dot(pw, v_lo, acc_a * alpha[:, None]) + zero
+        acc_b = tl.dot(pw, v_hi, acc_b * alpha[:, None]) + zero
+    return m_i, l_i, acc_a, acc_b
+
+
+@triton.jit
+def _fold_acc_rescale(acc_a, acc_b, HALVES: tl.constexpr, DOT_CVT: tl.constexpr, SUBV: tl.constexpr):
+    """After _fold_update's loop: the accumulators back to plain units (exact: powers of two)."""
+    U_V: tl.constexpr = 5.9604644775390625e-08 if SUBV else 1.0
+    if SUBV:
+        acc_a = acc_a * 16777216.0  # 2^24
+    if DOT_CVT and HALVES == 2:
+        acc_b = acc_b * (0.0625 / U_V)  # the high accumulator held 16 * U_V * ((p * vs) @ hi + zero)
+    return acc_a, acc_b
+
+
 @triton.jit(do_not_specialize=["split_base", "n_total"])  # one binary for every split count
 def _int_tier_kernel(
     q_ptr, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
@@ -372,7 +494,7 @@ def _int_tier_kernel(
     KT: tl.constexpr = DOT_CVT and FOLD and not QK_INT8
     SUBK: tl.constexpr = SUB_CVT and KT
     SUBV: tl.constexpr = SUB_CVT and DOT_CVT and FOLD
-    U_V: tl.constexpr = 5.9604644775390625e-08 if SUBV else 1.0
+    FOLD_CVT: tl.constexpr = DOT_CVT and FOLD
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // NUM_KV_HEADS
@@ -381,18 +503,7 @@ def _int_tier_kernel(
     offs_c = tl.arange(0, W)
     gmask = offs_g < KV_GROUP
     q_rows = b * stride_qb + (kv_head * KV_GROUP + offs_g) * stride_qh
-    qa = tl.load(q_ptr + q_rows[:, None] + offs_c[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-    q_sum = tl.sum(qa, 1)  # the zero-point term of every folded score
-    qb = qa
-    if HALVES == 2:
-        qb = tl.load(q_ptr + q_rows[:, None] + W + offs_c[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-        q_sum += tl.sum(qb, 1)
-    qa16 = qa.to(tl.float16)
-    qb16 = qb.to(tl.float16)
-    if KT and HALVES == 2:
-        # the high nibbles convert as 16 * hi: q's high half takes the 1/16 instead of every score
-        # (a power of two: the same fp16 mantissas wherever q / 16 stays normal, |q| >= 2^-10)
-        qb16 = (qb * 0.0625).to(tl.float16)
+    qa, qb, q_sum, qa16, qb16 = _int_q_halves(q_ptr, q_rows, gmask, HALVES, W, KT)
     if QK_INT8:
         qmax = tl.max(tl.abs(qa), 1)
         if HALVES == 2:
@@ -414,11 +525,7 @@ def _int_tier_kernel(
     if SUBK:
         K_MUL = qk_scale * 16777216.0  # 2^24: exact
     q_sum = q_sum * qk_scale
-    n_tok = tl.load(len_ptr + b)
-    if FILLED:
-        n_pages = tl.load(npg_ptr + b)
-    else:
-        n_pages = tl.cdiv(n_tok, PAGE)
+    n_tok, n_pages = _request_pages(len_ptr, npg_ptr, b, PAGE, FILLED)
     lo, hi = _split_range(n_pages, split, tl.num_programs(1), PAGE, TILE)
     bt_row = bt_ptr + b * stride_bt
     fill_row = fill_ptr + b * stride_f
@@ -430,18 +537,7 @@ def _int_tier_kernel(
         kq, vq, srow2, tm = _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
                                             stride_p, stride_h, PAGE, TILE, W, NG, FILLED, KT)
         if FOLD:
-            # NOTE: unmasked, like the codes: a slot mask along the scales' contiguous axis would
-            # make each a 2-byte load outside the cp.async pipeline (the pipeliner skips loads
-            # under 4 bytes), paid in full every step. A masked slot's K scale / zero only reach
-            # its score (set to -inf); its V scale / zero are zeroed here (garbage may be NaN).
-            # V's scale and zero load as one [TILE, 2] tensor: the software pipeliner prefetches only
-            # loads that feed a tl.dot operand, and the zero alone feeds none (the zero-point sum)
-            ks = tl.reshape(tl.load(ks_ptr + srow2), (TILE,)).to(tl.float32) * K_MUL
-            kz = tl.reshape(tl.load(ks_ptr + srow2 + PAGE * NG), (TILE,)).to(tl.float32)
-            vsz = tl.load(vs_ptr + srow2[:, :, None] + tl.arange(0, 2)[None, None, :] * (PAGE * NG))
-            vs, vz = tl.split(tl.reshape(vsz, (TILE, 2)).to(tl.float32))
-            vs = tl.where(tm, vs, 0.0)
-            vz = tl.where(tm, vz, 0.0)
+            ks, kz, vs, vz = _fold_scales(ks_ptr, vs_ptr, srow2, tm, K_MUL, PAGE * NG, TILE)
             # ---- scores on raw codes
             if QK_INT8:
                 if HALVES == 1:
@@ -452,37 +548,10 @@ def _int_tier_kernel(
                     qi = tl.dot(qa8, tl.trans((kq & 15).to(tl.int8, bitcast=True)), out_dtype=tl.int32)
                     qi += tl.dot(qb8, tl.trans((kq >> 4).to(tl.int8, bitcast=True)), out_dtype=tl.int32)
                     qk = qi.to(tl.float32) * q_sc[:, None]
-            elif KT:
-                if HALVES == 1:
-                    qk = tl.dot(qa16, _cvt_u8_one(kq, FAST_CVT, SUBK))
-                else:  # qb16 holds q / 16 (above)
-                    qk = tl.dot(qb16, _cvt_hi16_one(kq, FAST_CVT, SUBK))
-                    qk = tl.dot(qa16, _cvt_lo_one(kq, FAST_CVT, SUBK), qk)
             else:
-                if HALVES == 1:
-                    qk = tl.dot(qa16, tl.trans(_cvt_u8(kq, FAST_CVT)))
-                else:
-                    k_lo, k_hi = _cvt_nibbles(kq, FAST_CVT)
-                    qk = tl.dot(qa16, tl.trans(k_lo))
-                    qk = tl.dot(qb16, tl.trans(k_hi), qk)
-            s_qk = qk * ks[None, :] + q_sum[:, None] * kz[None, :]
-            s_qk = tl.where(tm[None, :], s_qk, float("-inf"))
-            m_i, l_i, alpha, p = _softmax_update(m_i, l_i, s_qk)
-            pw = (p * vs[None, :]).to(tl.float16)
-            zero = tl.sum(p * vz[None, :], 1)[:, None]
-            if DOT_CVT:
-                # acc_a in units of U_V, acc_b in units of 16 * U_V (taken out after the loop)
-                if HALVES == 1:
-                    acc_a = tl.dot(pw, _cvt_u8_one(vq, FAST_CVT, SUBV), acc_a * alpha[:, None]) + zero * U_V
-                else:
-                    acc_a = tl.dot(pw, _cvt_lo_one(vq, FAST_CVT, SUBV), acc_a * alpha[:, None]) + zero * U_V
-                    acc_b = tl.dot(pw, _cvt_hi16_one(vq, FAST_CVT, SUBV), acc_b * alpha[:, None]) + zero * (16.0 * U_V)
-            elif HALVES == 1:
-                acc_a = tl.dot(pw, _cvt_u8(vq, FAST_CVT), acc_a * alpha[:, None]) + zero
-            else:
-                v_lo, v_hi = _cvt_nibbles(vq, FAST_CVT)
-                acc_a = tl.dot(pw, v_lo, acc_a * alpha[:, None]) + zero
-                acc_b = tl.dot(pw, v_hi, acc_b * alpha[:, None]) + zero
+                qk = _fold_qk_fp16(qa16, qb16, kq, HALVES, KT, FAST_CVT, SUBK)
+            m_i, l_i, acc_a, acc_b = _fold_update(qk, ks, kz, vs, vz, tm, vq, q_sum, m_i, l_i, acc_a, acc_b,
+                                                  HALVES, DOT_CVT, FAST_CVT, SUBV)
         else:
             # ---- G < D: per-element dequantization, plain dots
             srow = tl.reshape(srow2, (TILE,))
@@ -507,10 +576,7 @@ def _int_tier_kernel(
                 v_hi = _dequant_half(v_hi, vs_ptr, vs_ptr + PAGE * NG, srow, offs_c, tm, W, GROUP_SIZE)
                 acc_a = tl.dot(p16, v_lo, acc_a * alpha[:, None])
                 acc_b = tl.dot(p16, v_hi, acc_b * alpha[:, None])
-    if SUBV:
-        acc_a = acc_a * 16777216.0  # 2^24
-    if DOT_CVT and FOLD and HALVES == 2:
-        acc_b = acc_b * (0.0625 / U_V)  # the high accumulator held 16 * U_V * ((p * vs) @ hi + zero)
+    acc_a, acc_b = _fold_acc_rescale(acc_a, acc_b, HALVES, FOLD_CVT, SUBV)
     _finish(acc_a, acc_b, m_i, l_i, o_part_ptr, lse_part_ptr, out_ptr, cnt_ptr, b, kv_head, pid_bh,
             split_base + split, n_total, offs_g, gmask,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,

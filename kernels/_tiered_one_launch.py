@@ -16,8 +16,9 @@ Each tier's steps run in its own loop (its tile and stages), with its own (m, l,
 states combine once per tier (log2-sum-exp), so one partial per program leaves, and the fused
 merge reduces S partials, not 3 S. Tiers without tokens in a program run zero steps.
 Scope: int tiers with one scale and zero per token-head (G = D) and fp16 q . K (no qk_int8);
-tiered_pool_decode falls back to per-tier launches otherwise. The loop bodies are those of
-_tiered_decode_kernels.py (same conversions, same folding); a change there must land here.
+tiered_pool_decode falls back to per-tier launches otherwise. The loop bodies are the step helpers
+of _tiered_decode_kernels.py that the per-tier kernels run too (_fp16_step; _int_q_halves and the
+_fold_* steps), so both paths convert and fold the same way.
 """
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ import triton
 import triton.language as tl
 
 from ._split_k import NEG_BIG
-from ._tiered_decode_kernels import _finish, _int_step_codes, _page_of_step, _softmax_update
-from ._tiles import _cvt_hi16_one, _cvt_lo_one, _cvt_nibbles, _cvt_u8, _cvt_u8_one
+from ._tiered_decode_kernels import (
+    _finish, _fold_acc_rescale, _fold_qk_fp16, _fold_scales, _fold_update, _fp16_step, _int_q_halves,
+    _int_step_codes, _request_pages,
+)
 
 
 @triton.jit
@@ -60,34 +63,9 @@ def _fp16_loop(q_ptr, q_rows, gmask, lo, hi, k_ptr, v_ptr, bt_row, fill_row, n_t
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     for l0 in tl.range(lo, hi, TILE, num_stages=STAGES):
-        # NOTE: rows of listed pages load whole (the fills mask the scores only): every slot of a
-        # listed fp16 page holds finite values (module doc of tiered_pool_decode.py)
-        if PAGE >= TILE:  # the step lies in a listed page
-            page, s0, tm = _page_of_step(bt_row, fill_row, n_tok, n_pages, l0, offs_t, PAGE, TILE, FILLED)
-            rows = tl.multiple_of(page * stride_p + head_off + (s0 + offs_t).to(tl.int64) * HEAD_DIM, 8)
-            k = tl.load(k_ptr + rows[:, None] + offs_d[None, :])
-            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :])
-        else:  # TILE / PAGE pages a step; PAGE 1: the row gather
-            sl = l0 + offs_t
-            j = sl // PAGE
-            s = sl % PAGE
-            listed = j < n_pages
-            page = tl.load(bt_row + j, mask=listed, other=0).to(tl.int64)
-            if FILLED:
-                fill = tl.load(fill_row + j, mask=listed, other=0)
-                tm = s < fill
-            else:
-                tm = (sl < n_tok) & listed
-            rows = tl.multiple_of(page * stride_p + head_off + s.to(tl.int64) * HEAD_DIM, 8)
-            k = tl.load(k_ptr + rows[:, None] + offs_d[None, :], mask=listed[:, None], other=0.0)
-            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :], mask=listed[:, None], other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s_qk = tl.dot(q, tl.trans(k)) * qk_scale
-        s_qk = tl.where(tm[None, :], s_qk, float("-inf"))
-        m_i, l_i, alpha, p = _softmax_update(m_i, l_i, s_qk)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i, l_i, acc = _fp16_step(q, k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, hi, head_off, stride_p,
+                                   qk_scale, m_i, l_i, acc, offs_t, offs_d, HEAD_DIM, PAGE, TILE, FILLED, DOT_F32,
+                                   False)
     return acc, m_i, l_i
 
 
@@ -101,21 +79,10 @@ def _int_fold_loop(q_ptr, q_rows, gmask, lo, hi, k_ptr, v_ptr, ks_ptr, vs_ptr, b
     int4's low / high halves are joined into acc's two halves at the end."""
     HALVES: tl.constexpr = TIER
     W: tl.constexpr = HEAD_DIM // HALVES
-    KT: tl.constexpr = DOT_CVT
+    KT: tl.constexpr = DOT_CVT  # no qk_int8 here: K reads [W, TILE] whenever the dots convert
     SUBK: tl.constexpr = SUB_CVT and KT
     SUBV: tl.constexpr = SUB_CVT and DOT_CVT
-    U_V: tl.constexpr = 5.9604644775390625e-08 if SUBV else 1.0
-    offs_c = tl.arange(0, W)
-    qa = tl.load(q_ptr + q_rows[:, None] + offs_c[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-    q_sum = tl.sum(qa, 1)
-    qb = qa
-    if HALVES == 2:
-        qb = tl.load(q_ptr + q_rows[:, None] + W + offs_c[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-        q_sum += tl.sum(qb, 1)
-    qa16 = qa.to(tl.float16)
-    qb16 = qb.to(tl.float16)
-    if KT and HALVES == 2:
-        qb16 = (qb * 0.0625).to(tl.float16)  # the high nibbles convert as 16 * hi
+    qa, qb, q_sum, qa16, qb16 = _int_q_halves(q_ptr, q_rows, gmask, HALVES, W, KT)
     K_MUL = qk_scale
     if SUBK:
         K_MUL = qk_scale * 16777216.0  # 2^24: exact
@@ -127,48 +94,11 @@ def _int_fold_loop(q_ptr, q_rows, gmask, lo, hi, k_ptr, v_ptr, ks_ptr, vs_ptr, b
     for l0 in tl.range(lo, hi, TILE, num_stages=STAGES):
         kq, vq, srow2, tm = _int_step_codes(k_ptr, v_ptr, bt_row, fill_row, n_tok, n_pages, l0, kv_head,
                                             stride_p, stride_h, PAGE, TILE, W, 1, FILLED, KT)
-        # NOTE: scales and zeros load unmasked (a masked slot's K terms reach only its -inf score;
-        # its V scale / zero are zeroed here), as in _int_tier_kernel
-        ks = tl.reshape(tl.load(ks_ptr + srow2), (TILE,)).to(tl.float32) * K_MUL
-        kz = tl.reshape(tl.load(ks_ptr + srow2 + PAGE), (TILE,)).to(tl.float32)
-        vsz = tl.load(vs_ptr + srow2[:, :, None] + tl.arange(0, 2)[None, None, :] * PAGE)
-        vs, vz = tl.split(tl.reshape(vsz, (TILE, 2)).to(tl.float32))
-        vs = tl.where(tm, vs, 0.0)
-        vz = tl.where(tm, vz, 0.0)
-        if KT:
-            if HALVES == 1:
-                qk = tl.dot(qa16, _cvt_u8_one(kq, FAST_CVT, SUBK))
-            else:
-                qk = tl.dot(qb16, _cvt_hi16_one(kq, FAST_CVT, SUBK))
-                qk = tl.dot(qa16, _cvt_lo_one(kq, FAST_CVT, SUBK), qk)
-        else:
-            if HALVES == 1:
-                qk = tl.dot(qa16, tl.trans(_cvt_u8(kq, FAST_CVT)))
-            else:
-                k_lo, k_hi = _cvt_nibbles(kq, FAST_CVT)
-                qk = tl.dot(qa16, tl.trans(k_lo))
-                qk = tl.dot(qb16, tl.trans(k_hi), qk)
-        s_qk = qk * ks[None, :] + q_sum[:, None] * kz[None, :]
-        s_qk = tl.where(tm[None, :], s_qk, float("-inf"))
-        m_i, l_i, alpha, p = _softmax_update(m_i, l_i, s_qk)
-        pw = (p * vs[None, :]).to(tl.float16)
-        zero = tl.sum(p * vz[None, :], 1)[:, None]
-        if DOT_CVT:
-            if HALVES == 1:
-                acc_a = tl.dot(pw, _cvt_u8_one(vq, FAST_CVT, SUBV), acc_a * alpha[:, None]) + zero * U_V
-            else:
-                acc_a = tl.dot(pw, _cvt_lo_one(vq, FAST_CVT, SUBV), acc_a * alpha[:, None]) + zero * U_V
-                acc_b = tl.dot(pw, _cvt_hi16_one(vq, FAST_CVT, SUBV), acc_b * alpha[:, None]) + zero * (16.0 * U_V)
-        elif HALVES == 1:
-            acc_a = tl.dot(pw, _cvt_u8(vq, FAST_CVT), acc_a * alpha[:, None]) + zero
-        else:
-            v_lo, v_hi = _cvt_nibbles(vq, FAST_CVT)
-            acc_a = tl.dot(pw, v_lo, acc_a * alpha[:, None]) + zero
-            acc_b = tl.dot(pw, v_hi, acc_b * alpha[:, None]) + zero
-    if SUBV:
-        acc_a = acc_a * 16777216.0  # 2^24
-    if DOT_CVT and HALVES == 2:
-        acc_b = acc_b * (0.0625 / U_V)
+        ks, kz, vs, vz = _fold_scales(ks_ptr, vs_ptr, srow2, tm, K_MUL, PAGE, TILE)
+        qk = _fold_qk_fp16(qa16, qb16, kq, HALVES, KT, FAST_CVT, SUBK)
+        m_i, l_i, acc_a, acc_b = _fold_update(qk, ks, kz, vs, vz, tm, vq, q_sum, m_i, l_i, acc_a, acc_b,
+                                              HALVES, DOT_CVT, FAST_CVT, SUBV)
+    acc_a, acc_b = _fold_acc_rescale(acc_a, acc_b, HALVES, DOT_CVT, SUBV)
     if HALVES == 2:
         # [G, W] low and high halves -> [G, D]: dims [0, W) from acc_a, [W, D) from acc_b
         acc_a = tl.reshape(tl.permute(tl.join(acc_a, acc_b), (0, 2, 1)), (BLOCK_G, HEAD_DIM))
@@ -208,25 +138,13 @@ def _one_launch_kernel(
     steps8 = tl.full([], 0, tl.int64)
     steps4 = tl.full([], 0, tl.int64)
     if HAS16:
-        n16 = tl.load(len16_ptr + b)
-        if FILLED:
-            p16 = tl.load(npg16_ptr + b)
-        else:
-            p16 = tl.cdiv(n16, PAGE16)
+        n16, p16 = _request_pages(len16_ptr, npg16_ptr, b, PAGE16, FILLED)
         steps16 = tl.cdiv(p16.to(tl.int64) * PAGE16, TILE16)
     if HAS8:
-        n8 = tl.load(len8_ptr + b)
-        if FILLED:
-            p8 = tl.load(npg8_ptr + b)
-        else:
-            p8 = tl.cdiv(n8, PAGE8)
+        n8, p8 = _request_pages(len8_ptr, npg8_ptr, b, PAGE8, FILLED)
         steps8 = tl.cdiv(p8.to(tl.int64) * PAGE8, TILE8)
     if HAS4:
-        n4 = tl.load(len4_ptr + b)
-        if FILLED:
-            p4 = tl.load(npg4_ptr + b)
-        else:
-            p4 = tl.cdiv(n4, PAGE4)
+        n4, p4 = _request_pages(len4_ptr, npg4_ptr, b, PAGE4, FILLED)
         steps4 = tl.cdiv(p4.to(tl.int64) * PAGE4, TILE4)
     base8 = steps16 * W16
     base4 = base8 + steps8 * W8
