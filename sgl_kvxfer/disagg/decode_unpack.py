@@ -67,7 +67,8 @@ class DecodeUnpack:
     def _alloc_positions(self, req, seg, tiers, change) -> torch.Tensor | None:
         """New slot per changed position (0 for a drop); None when the pool has no room.
         Tiered pool: each tier's positions in position order, one alloc_tier call per tier (the
-        int stores fill fresh pages in that order: the prefix-fill invariant)."""
+        int stores fill fresh pages in that order: the prefix-fill invariant); a short store
+        first evicts cache leaves for its pages, and what it still lacks lands in fp16."""
         n = seg.end - seg.start
         out = torch.zeros(n, dtype=torch.int64, device=self.table.table.device)
         if not self.tiered:
@@ -86,6 +87,12 @@ class DecodeUnpack:
                     return None
                 got = alloc.alloc(idx.numel())
             else:
+                # a store full of cached pages gives its pages back first (as the re-tier's
+                # make_room does): tokens it cannot take land in fp16 dequantized, which sends
+                # the whole segment's unpack down the per-layer path (kv_payload.unpack_segment)
+                missing = idx.numel() - alloc.available_tier(t)
+                if missing > 0:
+                    self.kv.make_room_tier(t, missing)
                 got = alloc.alloc_tier(t, idx.numel())
                 short = idx.numel() - got.numel()
                 if short and self.kv.make_room(short):  # the rest lands in fp16 (dequantized)
