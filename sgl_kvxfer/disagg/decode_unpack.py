@@ -23,6 +23,19 @@ from sgl_kvxfer.message.disagg import KVSegment
 from sgl_kvxfer.spectrum.tiers import TIER_DROP, TIER_FP16, TIER_INT4, TIER_INT8
 
 
+def _timed_evictions(fn, spent: list[float], tree):
+    """fn (a make_room), adding to spent[0] the host time of each call that evicted cache
+    leaves (the radix tree's evictable size fell; a call that only found room adds nothing)."""
+    def call(*args):
+        t, before = time.time(), tree.evictable_size() if tree is not None else 0
+        try:
+            return fn(*args)
+        finally:
+            if tree is not None and tree.evictable_size() < before:
+                spent[0] += time.time() - t
+    return call
+
+
 class DecodeUnpack:
     """DecodeRole's unpack and admit steps; reads the role's pool, table, kv and stats."""
 
@@ -43,31 +56,48 @@ class DecodeUnpack:
             return False
         change = tiers != TIER_KEEP
         row = req.req_pool_idx
+        room = self.rooms.get(req.bootstrap.room)
+        trace = room.trace if room is not None else None
+        evict_s = [0.0]  # summed host time of the evictions this segment makes (alloc and repack)
+        t0 = time.time()
         old = self.table.read(row, seg.end, start=seg.start).clone()
-        new = self._alloc_positions(req, seg, tiers, change)
+        new = self._alloc_positions(req, seg, tiers, change, evict_s)
         if new is None:
             return False
-        if seg.tiers is None:  # every position at the model dtype, none kept or dropped: the
-            # masks below would each read the device ids back (a host wait behind queued steps)
+        t1 = time.time()
+        if seg.tiers is None:  # every position at the model dtype, none kept or dropped
             by_tier, row_slots = (new, new[:0], new[:0]), new.to(old.device)
         else:
+            # each tier's positions picked on the host, gathered by index on the device: a
+            # boolean mask over device ids would read them back (a host wait behind queued steps)
             live = change & (tiers != TIER_DROP)
-            by_tier = tuple(new[(live & (tiers == t)).to(new.device)] for t in (TIER_FP16, TIER_INT8, TIER_INT4))
+            by_tier = tuple(new[(live & (tiers == t)).nonzero().squeeze(1).to(new.device)]
+                            for t in (TIER_FP16, TIER_INT8, TIER_INT4))
             row_slots = torch.where(change.to(old.device), new.to(old.device), old)
         unpack_segment(self.pool, payload, seg.lens, by_tier)
+        t2 = time.time()
         self.table.write(row, seg.start, row_slots)
         req.kv_len = max(req.kv_len, seg.end)  # positions [0, kv_len) hold slots (release frees them)
         if seg.replaces and self.tiered:  # the streamed int8 copies of replaced tokens
             self.kv.allocator.free(old[change.to(old.device) & (old != 0)])
             # what stays of a streamed int8 page may now start past its slot 0: relocate it
             # (prefix-fill invariant, mem_cache/tiered_allocator.py)
-            self.table.write(row, seg.start, self.kv.allocator.repack(row_slots, self.kv.make_room_tier))
+            make_room = _timed_evictions(self.kv.make_room_tier, evict_s, self.kv.tree)
+            self.table.write(row, seg.start, self.kv.allocator.repack(row_slots, make_room))
+        if trace is not None:  # parts of unpack[s] (decode_receive.py); evict drawn from alloc's start
+            trace.add(f"unpack_alloc[{seg.seq}]", t0, t1)
+            if evict_s[0] > 0:
+                trace.add(f"unpack_evict[{seg.seq}]", t0, t0 + evict_s[0])
+            trace.add(f"unpack_write[{seg.seq}]", t1, t2)
+            trace.add(f"unpack_row[{seg.seq}]", t2)
         return True
 
-    def _alloc_positions(self, req, seg, tiers, change) -> torch.Tensor | None:
+    def _alloc_positions(self, req, seg, tiers, change, evict_s: list[float]) -> torch.Tensor | None:
         """New slot per changed position (0 for a drop); None when the pool has no room.
         Tiered pool: each tier's positions in position order, one alloc_tier call per tier (the
-        int stores fill fresh pages in that order: the prefix-fill invariant)."""
+        int stores fill fresh pages in that order: the prefix-fill invariant); a short store
+        first evicts cache leaves for its pages, and what it still lacks lands in fp16.
+        evict_s[0] gains the host time of the calls that evicted."""
         n = seg.end - seg.start
         out = torch.zeros(n, dtype=torch.int64, device=self.table.table.device)
         if not self.tiered:
@@ -76,19 +106,28 @@ class DecodeUnpack:
             slots = self.kv.alloc([req], [n], [seg.start])
             return slots
         alloc = self.kv.allocator
+        tree = self.kv.tree
+        make_room = _timed_evictions(self.kv.make_room, evict_s, tree)
+        make_room_tier = _timed_evictions(self.kv.make_room_tier, evict_s, tree)
         for t in (TIER_FP16, TIER_INT8, TIER_INT4):
             idx = (change & (tiers == t)).nonzero().squeeze(1)
             if not idx.numel():
                 continue
             if t == TIER_FP16:
-                if not self.kv.make_room(idx.numel()):
+                if not make_room(idx.numel()):
                     alloc.free(out[out != 0])
                     return None
                 got = alloc.alloc(idx.numel())
             else:
+                # a store full of cached pages gives its pages back first (as the re-tier's
+                # make_room does): tokens it cannot take land in fp16 dequantized, which sends
+                # the whole segment's unpack down the per-layer path (kv_payload.unpack_segment)
+                missing = idx.numel() - alloc.available_tier(t)
+                if missing > 0:
+                    make_room_tier(t, missing)
                 got = alloc.alloc_tier(t, idx.numel())
                 short = idx.numel() - got.numel()
-                if short and self.kv.make_room(short):  # the rest lands in fp16 (dequantized)
+                if short and make_room(short):  # the rest lands in fp16 (dequantized)
                     got = torch.cat([got, alloc.alloc(short)])
                 if got.numel() < idx.numel():
                     alloc.free(torch.cat([out[out != 0], got]))

@@ -406,6 +406,10 @@ def unpack_segment(pool: KVPool, payload: torch.Tensor, lens, slots_by_tier: tup
     route16 = pool.route(slots_by_tier[TIER_FP16]) if tiered and lay.lens[TIER_FP16] else None
     if _unpack_stacked(pool, payload, lay, slots_by_tier, direct, route16):
         return
+    # an int tier some of whose tokens the caller placed elsewhere (fp16 where its store was
+    # short) is written dequantized, routed once here for every layer
+    routes = {t: pool.route(slots_by_tier[t]) for t in (TIER_INT8, TIER_INT4)
+              if tiered and lay.lens[t] and t not in direct}
     pos = 0
     for layer in range(pool.num_layers):
         if not pool.stores_layer(layer):
@@ -430,7 +434,10 @@ def unpack_segment(pool: KVPool, payload: torch.Tensor, lens, slots_by_tier: tup
             else:
                 k = tc.dequantize(kq, ks, kz, _BITS[tier], g, dtype)
                 v = tc.dequantize(vq, vs, vz, _BITS[tier], g, dtype)
-                pool.set_kv(layer, slots, k, v)
+                if tier in routes:
+                    pool.set_kv_routed(layer, routes[tier], k, v)
+                else:
+                    pool.set_kv(layer, slots, k, v)
     assert pos == lay.total_bytes, (pos, lay.total_bytes)
 
 

@@ -201,3 +201,40 @@ def test_pack_fast_path_all_model_dtype():
     slots, _ = fill(pool, alloc, 9)
     fast, ref = _both(pool, slots, None)
     assert torch.equal(fast, ref)
+
+
+def test_an_int_tier_partly_placed_in_fp16_is_routed_once_and_written_as_set_kv_would(monkeypatch):
+    """The decode's fallback: a short int store's tokens land in fp16 slots. That tier is written
+    dequantized through one host route for all layers (not a device split per layer), leaving
+    the pool as per-layer set_kv of the dequantized codes does."""
+    src, sa = tiered()
+    slots, _ = fill(src, sa, 12)
+    slots, _ = sa.retier(slots, torch.tensor([0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 0, 1], dtype=torch.int8))
+    wire = wire_tier_of(src, slots)
+    lens = tier_counts(wire)
+    buf = torch.empty(segment_layout(src, lens).total_bytes, dtype=torch.uint8)
+    pack_segment(src, slots, wire, buf)
+    pools = []
+    for routed in (True, False):
+        dst, da = tiered()
+        i8 = torch.cat([da.alloc_tier(TIER_INT8, 3), da.alloc(lens[1] - 3)])  # the store ran short
+        got = (da.alloc(lens[0]), i8, da.alloc(lens[2]))  # int4: all in fp16
+        if routed:
+            splits = []
+            real = dst._split
+            monkeypatch.setattr(dst, "_split", lambda flat: splits.append(1) or real(flat))
+            unpack_segment(dst, buf, lens, got)
+            assert len(splits) == 3  # the fp16 tier's route and one per int tier, for every layer
+        else:  # the reference: each layer's dequantized codes through set_kv
+            for layer in range(L):
+                for t in (TIER_FP16, TIER_INT8, TIER_INT4):
+                    ids = slots[wire == t]
+                    if t == TIER_FP16:
+                        k, v = src.get_kv(layer, ids)
+                    else:
+                        kq, vq, ks, kz, vs, vz = src.stores[t][layer].codes(*src.page_offset(t, ids))
+                        bits = 8 if t == TIER_INT8 else 4
+                        k, v = dequantize(kq, ks, kz, bits, G, src.dtype), dequantize(vq, vs, vz, bits, G, src.dtype)
+                    dst.set_kv(layer, got[t], k, v)
+        pools.append([*dst.stacked_rows(), *(x for t in (TIER_INT8, TIER_INT4) for x in dst.stacked_store(t).tensors())])
+    assert all(torch.equal(a, b) for a, b in zip(*pools))
