@@ -142,6 +142,17 @@ def cuda_setup():
     return pool, alloc, table, cold, k, new, req
 
 
+def assert_landed_exact(cold, pool, table, k, new, req):
+    """Position 7 landed once, back in fp16 with its exact K; releasing the row gives back its
+    int4 ids (`new`), as before the promotion."""
+    now = table.read(0, N).cpu()
+    assert cold.stats["landed"] == 1 and int(pool.tier_of(now[7:8])) == TIER_FP16
+    kk, _ = pool.get_kv(0, now[7:8].cuda())
+    assert torch.equal(kk, k[7:8])
+    cold.release_request(req)
+    assert torch.equal(table.read(0, N).cpu(), new.cpu())
+
+
 @pytest.mark.gpu
 def test_promotion_on_cuda_is_async_and_exact():
     if not torch.cuda.is_available():
@@ -165,12 +176,7 @@ def test_promotion_on_cuda_is_async_and_exact():
     assert not busy.query()  # it did not wait for the device
     assert cold._prepared is None and cold.stats["landed"] == 1
     cold.land_prepared()  # after that forward: the deferred frees
-    now = table.read(0, N).cpu()
-    assert cold.stats["landed"] == 1 and int(pool.tier_of(now[7:8])) == TIER_FP16
-    kk, _ = pool.get_kv(0, now[7:8].cuda())
-    assert torch.equal(kk, k[7:8])
-    cold.release_request(req)
-    assert torch.equal(table.read(0, N).cpu(), new.cpu())
+    assert_landed_exact(cold, pool, table, k, new, req)
 
 
 def test_a_held_pass_reads_the_taps_of_its_step_and_holds_the_landing():
@@ -230,12 +236,7 @@ def test_held_pass_on_cuda_runs_beside_the_next_forward():
     torch.cuda.synchronize()
     cold.prepare()
     cold.land_prepared()
-    now = table.read(0, N).cpu()
-    assert cold.stats["landed"] == 1 and int(pool.tier_of(now[7:8])) == TIER_FP16
-    kk, _ = pool.get_kv(0, now[7:8].cuda())
-    assert torch.equal(kk, k[7:8])
-    cold.release_request(req)
-    assert torch.equal(table.read(0, N).cpu(), new.cpu())
+    assert_landed_exact(cold, pool, table, k, new, req)
 
 
 def test_no_room_for_the_page_repair_keeps_the_row():
