@@ -1,11 +1,13 @@
 """Where a tiered prefill's time goes: one in-process Engine per budget, one prompt per view.
 
     python benchmarks/pd/tiered_prefill_profile.py [--budgets 1.0 0.3] [--preset llama-3-8b]
-        [--prompt 8192] [--chunk 2048] [--device cuda] [--out-dir DIR]
+        [--prompt 8192] [--chunk 2048] [--device cuda] [--rank-chunks] [--out-dir DIR]
 
 Per budget (b < 1: `--kv-tier-budget b --kv-int4 on`), an Engine on dummy weights serves `--warmup`
 prompts of random ids (Triton compiles stay out), then one more prompt of `--prompt` random ids
-(max_new_tokens 1, nothing cached) for each view, each view on its own prompt:
+(max_new_tokens 1, nothing cached) for each view, each view on its own prompt. With `--rank-chunks`
+(b < 1) it also times prompts ranked chunk by chunk as a PD chunk stream ranks them (ChunkRanking:
+each chunk's window observer and its `chunk_tiers`, no pack or wire), and the views run that way:
 
     timed     wall time, the tiering's own spans (EngineTiering.prefill_spans: tier_scores,
               tier_retier, tier_assign, tier_move, tier_row) and the host time of the re-tier's
@@ -282,6 +284,60 @@ def view_torch_profiler(engine, ids, device) -> dict:
                              for e in cpu_ops]}
 
 
+class ChunkRanking:
+    """What a PD prefill's tiered chunk stream adds to each prompt (disagg/prefill_chunks.py), on
+    one engine: every chunk but the last is ranked by its own window queries (`rank_chunks`, the
+    per-layer window observer) and tiered when its results are applied (`chunk_tiers`, which waits
+    for that chunk's snapshot). The packs and the wire are not part of it. Records, per prompt,
+    the host ms from the prompt's first launch at which each chunk was launched and tiered."""
+
+    def __init__(self, engine, on: bool):
+        self.tiering = getattr(engine.scheduler, "tiering", None)
+        self.on = on and self.tiering is not None
+        self.launched: list[float] = []
+        self.tiered: list[float] = []
+        self._t0 = None
+
+    def __enter__(self):
+        if not self.on:
+            return self
+        from sgl_kvxfer.forward_batch import ForwardMode
+
+        tiering, plain_before, plain_after = self.tiering, self.tiering.before_forward, self.tiering.after_forward
+
+        def before_forward(batch, fb):
+            if batch.mode == ForwardMode.EXTEND:
+                if self._t0 is None:
+                    self._t0 = time.perf_counter()
+                self.launched.append(1e3 * (time.perf_counter() - self._t0))
+                for s in batch.slices:
+                    if s.start == 0 and s.req not in tiering._chunk_acc:
+                        tiering.rank_chunks(s.req)
+            return plain_before(batch, fb)
+
+        def after_forward(batch, chunked):
+            if batch.mode == ForwardMode.EXTEND:
+                for s in batch.slices:
+                    end = s.start + s.length
+                    if end < s.req.prompt_len and s.req in tiering._chunk_acc:  # (seq_len counts the new token)
+                        tiering.chunk_tiers(s.req, s.start, end)
+                        self.tiered.append(1e3 * (time.perf_counter() - self._t0))
+            return plain_after(batch, chunked)
+
+        tiering.before_forward, tiering.after_forward = before_forward, after_forward
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            for name in ("before_forward", "after_forward"):
+                if name in vars(self.tiering):
+                    delattr(self.tiering, name)
+
+    def result(self) -> dict:
+        return {"chunk_launch_ms": [round(x, 2) for x in self.launched],
+                "chunk_tiered_ms": [round(x, 2) for x in self.tiered]} if self.on else {}
+
+
 VIEWS = {"timed": lambda e, i, d: view_timed(e, i, d, synced=False),
          "synced": lambda e, i, d: view_timed(e, i, d, synced=True),
          "sync_debug": view_sync_debug, "cprofile": view_cprofile, "torch_profiler": view_torch_profiler}
@@ -321,11 +377,18 @@ def profile_budget(a, model_dir: str, budget: float, prompts: Prompts, out: dict
             alloc1 = allocator_counts(a.device)
             row["plain_detail"].append({"ms": row["plain_ms"][-1], **timers.result(),
                                         "allocator": {k: alloc1[k] - alloc0[k] for k in alloc0}})
+        if a.rank_chunks and row["tiering"]:  # the same prompts with a PD chunk stream's ranking
+            row["ranked_ms"], row["ranked_detail"] = [], []
+            for _ in range(a.repeats):
+                with ChunkRanking(engine, True) as ranking:
+                    row["ranked_ms"].append(generate(engine, prompts.next(), a.device))
+                row["ranked_detail"].append(ranking.result())
         save()
         for name in a.views:
             log(f"b={budget}: view {name}")
             try:
-                row[name] = VIEWS[name](engine, prompts.next(), a.device)
+                with ChunkRanking(engine, a.rank_chunks):
+                    row[name] = VIEWS[name](engine, prompts.next(), a.device)
             except Exception as exc:  # one view's failure keeps the others
                 row[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
                 log(f"b={budget}: view {name} failed: {exc}")
@@ -357,6 +420,12 @@ def summary_text(out: dict, budgets: list[float] | None = None) -> str:
                                 f"gc {h['gc_collections']} ({h['gc_ms']:.1f} ms) faults {h['minor_faults']}" for h in hosts)
                 if g or host:
                     lines.append(f"    host: {host}  prompt gc {g.get('collections')} {g.get('total_ms', 0):.1f} ms")
+        if row.get("ranked_ms"):
+            p = row["ranked_ms"]
+            lines.append(f"chunk-ranked prompts ms: {' '.join(f'{x:.1f}' for x in p)} (median {statistics.median(p):.1f};"
+                         f" plain {statistics.median(row['plain_ms']):.1f})")
+            for d in row.get("ranked_detail", []):
+                lines.append(f"  launched {d.get('chunk_launch_ms')} tiered {d.get('chunk_tiered_ms')}")
         for view in ("timed", "synced"):
             v = row.get(view) or {}
             if "error" in v:
@@ -418,6 +487,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-tier-staging", type=float, default=0.4)
     ap.add_argument("--cuda-graph", action="store_true",
                     help="capture decode CUDA graphs as a server does (their memory is not free for the prefill)")
+    ap.add_argument("--rank-chunks", action="store_true",
+                    help="b < 1: also time prompts ranked chunk by chunk as a PD chunk stream ranks them "
+                         "(ChunkRanking), and run the views that way")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=".")
     ap.add_argument("--merge", action="store_true",

@@ -48,6 +48,26 @@ def test_main_tiny_cpu(load_benchmark, tmp_path, monkeypatch):
     assert not data["budgets"]["1.0"]["timed"]["functions"]  # no tiering: nothing wrapped
 
 
+def test_rank_chunks_ranks_every_chunk_but_the_last(load_benchmark, tmp_path, monkeypatch):
+    """--rank-chunks: each ranked prompt's chunks are launched in order and every chunk but the
+    last is tiered on its own; a budget without tiering records no ranking."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    mod = load_benchmark("pd/tiered_prefill_profile.py")
+    out = tmp_path / "out"
+    args = ["--device", "cpu", "--preset", "tiny", "--prompt", "96", "--chunk", "32", "--max-total-tokens", "4096",
+            "--warmup", "1", "--repeats", "2", "--budgets", "1.0", "0.3", "--views", "timed", "--rank-chunks",
+            "--out-dir", str(out)]
+    data = mod.main(args)
+    tiered = data["budgets"]["0.3"]
+    assert len(tiered["ranked_ms"]) == 2 and all(ms > 0 for ms in tiered["ranked_ms"])
+    for detail in tiered["ranked_detail"]:
+        launched, ranked = detail["chunk_launch_ms"], detail["chunk_tiered_ms"]
+        assert len(launched) == 3 and launched == sorted(launched)  # 96 tokens in chunks of 32
+        assert len(ranked) == 2 and ranked == sorted(ranked)
+    assert "ranked_ms" not in data["budgets"]["1.0"]
+    assert "error" not in tiered["timed"]
+
+
 def test_capture_warnings_counts_each_warning(load_benchmark):
     mod = load_benchmark("pd/tiered_prefill_profile.py")
 
