@@ -4,7 +4,7 @@ and transfer stream.
     python benchmarks/pd/ttft_vs_bandwidth.py [--prompts 2000 4000 8000] [--budgets 1.0 0.5 0.3]
         [--rates 1 10 25 100] [--streams end chunk-upgrade] [--variant-rates 10] [--repeats 1]
         [--more-prompts 2000] [--more-rates 200] [--more-seconds 60] [--server-args "..."] [--prefill-args "..."] [--decode-args "..."] [--reference single|prefill]
-        [--peer-copy] [--trace] [--out-dir DIR]
+        [--peer-copy] [--trace] [--profile-dir DIR [--profile-rows ...]] [--out-dir DIR]
 
 For each budget b, in the order given, one prefill / decode pair starts behind
 `sglang_router.launch_router --pd-disaggregation`. Its points (prompt, link rate R (0: unpaced),
@@ -21,7 +21,10 @@ streamed chunk. The decode's `meta_info.kv_transfer` gives the bytes on the wire
 after the timed ones with the prefill's trace switched on (POST /kv_transfer_link): a traced
 chunk waits for its kernels, so the timed requests run untraced; the traced ones' TTFTs are
 kept apart (`traced_ttft_ms`). Streams other than `end` run at `--variant-rates` only (all
-rates when it is omitted).
+rates when it is omitted). With `--profile-dir`, each point (or those `--profile-rows` names)
+sends one more untraced request under the prefill server's torch profiler (POST /start_profile,
+/stop_profile); the row names its trace file (`profile`), which benchmarks/pd/trace_timeline.py
+reads as per-stream GPU busy time, idle gaps and overlap.
 
 The reference at each budget is a server computing the prompt alone: `--reference single`
 starts a non-disaggregated server (server + prefill args); `--reference prefill` asks the PD
@@ -148,18 +151,47 @@ def _prefill_traced(trace: dict) -> bool:
     return any(name.startswith("p.") for name in trace["by_phase_ms"])
 
 
+def profile_id(label: str, n: int) -> str:
+    """A trace file's stem for a row: its label and prompt length, in file-name-safe characters."""
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in f"{label}_{n}").strip("_")
+
+
+def profiled_request(url: str, n: int, vocab: int, extra: dict | None, profile_url: str, out_dir: str,
+                     pid: str) -> str:
+    """One more request of n tokens with the torch profiler of the server at `profile_url` running
+    (POST /start_profile ... /stop_profile); returns the trace file's name in `out_dir`."""
+    r = requests.post(f"{profile_url}/start_profile", json={"output_dir": out_dir, "profile_id": pid,
+                                                             "activities": ["CPU", "GPU"]}, timeout=60)
+    if r.status_code != 200:
+        raise RuntimeError(f"/start_profile answered {r.status_code}: {r.text}")
+    try:
+        ttft(url, prompt_ids(n, next(_PROMPT_SEEDS), vocab), extra)
+    finally:
+        r = requests.post(f"{profile_url}/stop_profile", timeout=300)
+    if r.status_code != 200:
+        raise RuntimeError(f"/stop_profile answered {r.status_code}: {r.text}")
+    return f"{pid}-TP-0.trace.json.gz"
+
+
 def measure(url: str, n: int, repeats: int, vocab: int, label: str, extra: dict | None = None,
-            trace_repeats: int = 0, prefill_url: str | None = None, link: tuple | None = None) -> dict:
+            trace_repeats: int = 0, prefill_url: str | None = None, link: tuple | None = None,
+            profile_dir: str | None = None) -> dict:
     """`repeats` requests of n tokens; their TTFT, and the transfer's medians when KV moved.
     With `trace_repeats` (PD through the router, `link` = (rate, stream, latency)): the timed
     requests run with the prefill's trace off (a traced chunk waits for its kernels), then
-    `trace_repeats` traced requests give the row's phase trace and `traced_ttft_ms`."""
+    `trace_repeats` traced requests give the row's phase trace and `traced_ttft_ms`. With
+    `profile_dir`: then one untraced request under the torch profiler of the server at
+    `prefill_url` (the prefill server, or the server itself), its trace file named in `profile`."""
     if trace_repeats:
         set_link(prefill_url, *link, trace=False)
     runs = [ttft(url, prompt_ids(n, next(_PROMPT_SEEDS), vocab), extra) for _ in range(repeats)]
     if trace_repeats:
         set_link(prefill_url, *link, trace=True)
         traced = [ttft(url, prompt_ids(n, next(_PROMPT_SEEDS), vocab), extra) for _ in range(trace_repeats)]
+        set_link(prefill_url, *link, trace=False)
+    profile = None
+    if profile_dir:
+        profile = profiled_request(url, n, vocab, extra, prefill_url or url, profile_dir, profile_id(label, n))
     times = [1e3 * t for t, _ in runs]
     row = {"ttft_ms": statistics.median(times), "ttft_min_ms": min(times), "ttft_max_ms": max(times),
            "runs_ms": times}
@@ -177,6 +209,8 @@ def measure(url: str, n: int, repeats: int, vocab: int, label: str, extra: dict 
                 raise RuntimeError(f"{label}: a request sent with the prefill's trace on has no prefill spans")
             row["trace"] = trace_summary(traces)
             row["traced_ttft_ms"] = [1e3 * t for t, _ in traced]
+    if profile:
+        row["profile"] = profile
     extra_s = "".join(f", {k} {row[k]:.1f}" for k in ("wire_ms", "tail_ms", "link_gbps") if k in row)
     if "trace" in row:
         extra_s += f", unaccounted {row['trace']['unaccounted_ms']:.1f} ms"
@@ -331,7 +365,8 @@ def run_budget(server_args: list[str], budget: float, args, res: dict, save, clo
                 if args.reference == "prefill":
                     warm_up(p.url, [n], args.vocab, NO_PEER)
                     res["reference"].setdefault(key, {})[str(n)] = measure(
-                        p.url, n, repeats_for(n, args), args.vocab, f"reference b={budget} (prefill, no peer)", NO_PEER)
+                        p.url, n, repeats_for(n, args), args.vocab, f"reference b={budget} (prefill, no peer)", NO_PEER,
+                        profile_dir=args.profile_dir if profiled(args, "reference") else None)
                     save()
                 set_link(p.url, 0.0, stream, args.latency_ms, args.last_chunk)
                 warm_up(router, [n], args.vocab)
@@ -342,12 +377,20 @@ def run_budget(server_args: list[str], budget: float, args, res: dict, save, clo
             name = f"b={budget} {stream} {rate_name(rate)}"
             res["pd"].setdefault(name, {})[str(n)] = measure(
                 router, n, repeats_for(n, args), args.vocab, f"PD {name}", trace_repeats=args.trace_repeats if args.trace else 0,
-                prefill_url=p.url, link=(rate, stream, args.latency_ms, args.last_chunk))
+                prefill_url=p.url, link=(rate, stream, args.latency_ms, args.last_chunk),
+                profile_dir=args.profile_dir if profiled(args, name) else None)
             save()
     finally:
         stop_all(*reversed(handles))
         timing["end_s"] = clock()
         save()
+
+
+def profiled(args, name: str) -> bool:
+    """Whether the row `name` ("reference", or "b=<b> <stream> <rate>") gets a profiled request."""
+    if not args.profile_dir:
+        return False
+    return not args.profile_rows or any(part in f"{name}" for part in args.profile_rows)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -463,6 +506,11 @@ def main() -> None:
                     help="PD servers with --enable-pd-trace: the timed requests run untraced, then "
                          "--trace-repeats traced ones give each row its phase trace")
     ap.add_argument("--trace-repeats", type=int, default=1, help="traced requests per point (with --trace)")
+    ap.add_argument("--profile-dir", default=None,
+                    help="after each point, one more request under the prefill server's torch profiler "
+                         "(/start_profile, /stop_profile): its trace goes here (benchmarks/pd/trace_timeline.py reads it)")
+    ap.add_argument("--profile-rows", nargs="*", default=[],
+                    help="profile only rows whose name contains one of these (e.g. 'reference' 'b=0.3 chunk@1024 10')")
     ap.add_argument("--vocab", type=int, default=49152, help="token ids are drawn below this")
     ap.add_argument("--name", default="ttft_vs_bandwidth", help="result file name (without extension)")
     ap.add_argument("--out-dir", default=None, help="where the JSON and PNG go (default benchmarks/results)")

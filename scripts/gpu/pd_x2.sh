@@ -31,7 +31,12 @@
 #   REPEATS=5 REPEATS_LONG=1   warm requests per point (REPEATS_LONG from 16k tokens up)
 #   GOODPUT_RATES="4 8 16"     goodput's request rates (2 s of arrivals each, at least 8 requests,
 #                              128-token outputs; a rate that does not fit T_GOODPUT is skipped)
-# $OUT gets ttft_vs_bandwidth_*.{json,png}, goodput_*.{json,png}, gpu_tests.log, pd_x2.log (7 files).
+#   PROFILE_ROWS="reference|b=0.3 chunk@1024 10"  ('|'-separated; unset: none) one more request per
+#                              such row under the prefill server's torch profiler: traces in
+#                              $OUT/profiles, read by benchmarks/pd/trace_timeline.py into
+#                              $OUT/trace_timeline.txt
+# $OUT gets ttft_vs_bandwidth_*.{json,png}, goodput_*.{json,png}, gpu_tests.log, pd_x2.log (7 files);
+# with PROFILE_ROWS also profiles/*.trace.json.gz and trace_timeline.{txt,json}.
 # CPU rehearsal at toy size: DEVICE=cpu OUT=/tmp/x bash scripts/gpu/pd_x2.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -121,6 +126,11 @@ fi
 read -ra BUDGETS <<< "$BUDGETS"; read -ra PROMPTS <<< "$PROMPTS"; read -ra RATES <<< "$RATES"
 read -ra STREAMS <<< "$STREAMS"; read -ra VARIANT_RATES <<< "$VARIANT_RATES"; read -ra GOODPUT_RATES <<< "$GOODPUT_RATES"
 read -ra MORE_PROMPTS <<< "$MORE_PROMPTS"; read -ra MORE_RATES <<< "$MORE_RATES"
+PROFILE=()
+if [ -n "${PROFILE_ROWS:-}" ]; then
+  IFS='|' read -ra ROWS <<< "$PROFILE_ROWS"
+  PROFILE=(--profile-dir "$OUT/profiles" --profile-rows "${ROWS[@]}")
+fi
 python3 -c "
 from sgl_kvxfer.models.presets import write_preset_config as w, write_dummy_tokenizer as t
 t(w('$PRESET', '$MODEL'), $VOCAB)" || exit 1
@@ -139,7 +149,12 @@ t(w('$PRESET', '$MODEL'), $VOCAB)" || exit 1
       --more-seconds "$MORE_S" --deadline-s "$T_TTFT" --streams "${STREAMS[@]}" --variant-rates "${VARIANT_RATES[@]}" --repeats "$REPEATS" \
       --repeats-long "$REPEATS_LONG" --long-prompt 16384 --reference prefill --trace --peer-copy --vocab $((VOCAB - 256)) \
       --server-args "$SERVER" --prefill-args "--base-gpu-id 0" --decode-args "--base-gpu-id 1" \
-      --name "$TTFT_NAME" --out-dir "$OUT"
+      --name "$TTFT_NAME" --out-dir "$OUT" "${PROFILE[@]}"
+  if [ ${#PROFILE[@]} -gt 0 ] && ls "$OUT"/profiles/*.trace.json.gz > /dev/null 2>&1; then
+    python3 benchmarks/pd/trace_timeline.py "$OUT"/profiles/*.trace.json.gz --json "$OUT/trace_timeline.json" \
+        > "$OUT/trace_timeline.txt" 2>&1
+    head -c 6000 "$OUT/trace_timeline.txt"
+  fi
   if [ "$T_GOODPUT" -gt 0 ]; then
     T_GOODPUT=$(( $(left) < T_GOODPUT ? $(left) : T_GOODPUT )); [ "$T_GOODPUT" -ge 1 ] || T_GOODPUT=1
     echo "== goodput ($(date +%T), ${T_GOODPUT} s)"

@@ -18,3 +18,17 @@ def test_per_request_keeps_retier_and_gc(load_benchmark):
     assert per[1]["p.tier_retier"] == 62.0 and per[1]["p.tier_retier_cpu"] == 9.0 and per[1]["gc_ms"] == 5.0
     assert per[0]["gc_ms"] == 0 and "p.tier_move" not in per[0]  # phases a trace lacks stay out
     assert out["by_phase_ms"]["p.tier_retier"] == 5.0  # the median hides the slow one
+
+
+def test_profile_rows_pick_rows_by_name_and_ids_are_file_safe(load_benchmark):
+    import argparse
+
+    mod = load_benchmark("pd/ttft_vs_bandwidth.py")
+    assert mod.profile_id("PD b=0.3 chunk@1024 10", 8192) == "PD_b_0.3_chunk_1024_10_8192"
+    off = argparse.Namespace(profile_dir=None, profile_rows=["b=0.3"])
+    assert not mod.profiled(off, "b=0.3 end 10")
+    some = argparse.Namespace(profile_dir="/x", profile_rows=["reference", "chunk@1024 10"])
+    assert mod.profiled(some, "reference") and mod.profiled(some, "b=0.3 chunk@1024 10")
+    assert not mod.profiled(some, "b=0.3 end 10")
+    every = argparse.Namespace(profile_dir="/x", profile_rows=[])
+    assert mod.profiled(every, "b=1.0 end unpaced")
