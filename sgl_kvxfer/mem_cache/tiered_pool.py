@@ -199,6 +199,14 @@ class TieredKVPool(KVPool):
                  for tier, pos, where in self._split(flat)]
         return SlotRoute(tuple(slots.shape), parts)
 
+    def fp16_route(self, slots: torch.Tensor) -> SlotRoute:
+        """route() of ids the caller knows are all fp16 ids (a prompt's own tokens before its
+        re-tier): the ids stay on their device and nothing is read back, so building it never
+        waits for the stream (route's one host copy waits for everything queued before it, e.g.
+        the previous chunk's whole forward when chunks overlap). Wrong ids would read the wrong
+        rows: only the caller can know this holds."""
+        return SlotRoute(tuple(slots.shape), [(TIER_FP16, None, slots.reshape(-1))])
+
     def _to_device(self, x: torch.Tensor) -> torch.Tensor:
         if str(self.device).startswith("cuda"):
             return x.pin_memory().to(self.device, non_blocking=True)

@@ -121,7 +121,7 @@ class EngineTiering(TierSettingsMixin, PrefillRetierMixin, DecodeDemotionMixin, 
         if not self.config.kv_importance.startswith("attn"):
             return
         head_max = self.config.kv_importance == "attn-max"
-        observed, dev, window = {}, fb.input_ids.device, self.config.kv_importance_window
+        observed, rows, dev, window = {}, {}, fb.input_ids.device, self.config.kv_importance_window
         for i, s in enumerate(batch.slices):
             n, end = s.req.seq_len, s.start + s.length
             acc = self._acc.get(s.req)
@@ -136,6 +136,9 @@ class EngineTiering(TierSettingsMixin, PrefillRetierMixin, DecodeDemotionMixin, 
                 accs.append(chunk_acc)
             if accs:
                 observed[i] = (accs, s.start)
+                # the row on the host, and whether every id in it is fp16: with no cached prefix
+                # the row holds only this prompt's own tokens, fp16 until its re-tier
+                rows[i] = (s.req.req_pool_idx, s.req.prefix_len == 0)
         if observed:
             def observe(layer_id, i, q, keys):  # q: the chunk's queries, positions [start, start + len)
                 if i in observed:
@@ -143,6 +146,7 @@ class EngineTiering(TierSettingsMixin, PrefillRetierMixin, DecodeDemotionMixin, 
                     for acc in accs:
                         acc.add_range(q, keys, start)  # host-known positions: no sync per layer
             observe.requests = frozenset(observed)  # backends that compute keys only for these
+            observe.rows = rows  # (triton_tiered_backend routes their keys without a host sync)
             fb.extras["attn_observer"] = observe
 
     def during_forward(self, batch) -> None:

@@ -9,6 +9,7 @@
 On CPU the kernel runs under TRITON_INTERPRET=1 (test/conftest.py); bf16 dots run in fp32 there.
 """
 import random
+import sys
 
 import pytest
 import torch
@@ -298,3 +299,41 @@ def test_engine_kernel_paths_wired_with_references(tiny_dir, monkeypatch):
         assert g["output_ids"] == r["output_ids"]
         gl, rl = g["meta_info"]["output_token_logprobs"], r["meta_info"]["output_token_logprobs"]
         assert max(abs(a[0] - b[0]) for a, b in zip(gl, rl)) < ATOL
+
+
+def test_fp16_route_reads_the_same_keys_as_route():
+    pool, alloc = _pool(torch.float32)
+    slots = alloc.alloc(12)
+    pool.set_kv_fp16(0, slots, torch.randn(12, HKV, D), torch.randn(12, HKV, D))
+    row = slots.view(3, 4)
+    a, b = pool.get_k_routed(0, pool.route(row)), pool.get_k_routed(0, pool.fp16_route(row))
+    assert a.shape == b.shape == (3, 4, HKV, D) and torch.equal(a, b)
+
+
+def test_observer_routes_a_prompts_own_row_on_the_device_and_a_cached_prefix_through_the_host(tiny_dir, monkeypatch):
+    """Importance capture's key route: a prompt with no cached prefix (every id its own, fp16
+    until its re-tier) is routed without reading its row back; one behind a radix hit (cached
+    ids may be int ids) reads it back once per forward."""
+    from sgl_kvxfer import Engine
+
+    calls = {"route": 0, "fp16_route": 0}
+    for name in calls:
+        plain = getattr(TieredKVPool, name)
+
+        def counted(self, slots, _plain=plain, _name=name):
+            if sys._getframe(1).f_code.co_name == "_extend_kernel_path":  # the observer's (retier routes too)
+                calls[_name] += 1
+            return _plain(self, slots)
+
+        monkeypatch.setattr(TieredKVPool, name, counted)
+    rng = random.Random(3)
+    stem = [rng.randrange(3, 256) for _ in range(40)]
+    params = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    with Engine(tiny_dir, load_format="dummy", dtype="bfloat16", device=DEVICE, attention_backend="triton",
+                kv_tier_budget=0.5, kv_int4="on", kv_tier_page_size=16, max_total_tokens=2048,
+                chunked_prefill_size=32, disable_cuda_graph=True) as eng:
+        eng.generate(input_ids=stem + [7] * 30, sampling_params=params)
+        own = dict(calls)
+        eng.generate(input_ids=stem + [9] * 30, sampling_params=params)  # a radix hit on the stem
+    assert own["fp16_route"] >= 1 and own["route"] == 0
+    assert calls["route"] >= 1

@@ -35,6 +35,17 @@ from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
 
 logger = logging.getLogger(__name__)
 
+
+def _staged(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """A host list on `device` without a host wait: on CUDA through pinned memory, non-blocking.
+    (A pageable copy may wait for the stream, which with overlapped chunks still holds the
+    previous chunk's forward.)"""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class _TieredPlan:
     tables: object  # kernels.paged_layout.TieredBlockTables (filled): decode keys / extend prefixes
@@ -102,10 +113,9 @@ class TritonTieredAttentionBackend(AttentionBackend):
         indptr = [0]
         for n in batch.extend_seq_lens:
             indptr.append(indptr[-1] + n)
-        prefix = torch.tensor(batch.extend_prefix_lens, dtype=torch.int64, device=dev)
+        prefix = _staged(batch.extend_prefix_lens, torch.int64, dev)
         tables = self._tables(batch, prefix, max(batch.extend_prefix_lens))
-        batch.attn_metadata = _TieredPlan(tables, torch.tensor(indptr, dtype=torch.int32, device=dev),
-                                          max(batch.extend_seq_lens))
+        batch.attn_metadata = _TieredPlan(tables, _staged(indptr, torch.int32, dev), max(batch.extend_seq_lens))
 
     def prepare_graph_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
         """Decode plan from device tensors only: tables of the fixed width max_seq_len built by
@@ -163,13 +173,21 @@ class TritonTieredAttentionBackend(AttentionBackend):
         if observer is not None:  # importance capture: (window queries, every key) of its requests
             start = 0
             wanted = getattr(observer, "requests", None)
-            # each request's key route is worked out once per forward (one host copy of its row),
-            # so the per-layer key gathers below run no host sync
+            rows = getattr(observer, "rows", {})  # i -> (its req_to_token row, all its ids fp16)
+            # each request's key route is worked out once per forward, so the per-layer key gathers
+            # below run no host sync. NOTE: with overlapped chunks the previous chunk is still on
+            # the stream here; a row known on the host and all fp16 (no cached prefix: its own
+            # tokens, fp16 until the prompt's re-tier) is routed on the device and waits for
+            # nothing; otherwise route() reads the row back, which waits for that chunk
             routes = batch.extras.setdefault("attn_observer_routes", {})
             for i, (prefix, n) in enumerate(zip(batch.extend_prefix_lens, batch.extend_seq_lens)):
                 if wanted is None or i in wanted:
                     if i not in routes:
-                        routes[i] = self.kv_pool.route(batch.req_to_token[batch.req_pool_indices[i], :prefix + n])
+                        row_idx, own = rows.get(i, (None, False))
+                        if row_idx is None:
+                            row_idx = batch.req_pool_indices[i]
+                        row = batch.req_to_token[row_idx, :prefix + n]
+                        routes[i] = self.kv_pool.fp16_route(row) if own else self.kv_pool.route(row)
                     keys = self.kv_pool.get_k_routed(layer_id, routes[i])
                     observer(layer_id, i, q[start:start + n], keys)
                 start += n
