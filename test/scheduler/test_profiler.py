@@ -1,7 +1,11 @@
 """SchedulerProfiler (scheduler/profiler.py): the /start_profile state machine on CPU."""
+import functools
 import gzip
 import json
+import multiprocessing as mp
 import os
+import signal
+import time
 
 import pytest
 import torch
@@ -73,3 +77,28 @@ def test_gpu_activity_records_cuda_kernels(tmp_path):
     assert prof.stop()[0]
     events = _trace_events(trace_path(str(tmp_path), "g"))
     assert any(e.get("cat") == "kernel" for e in events)
+
+
+def _record_until_sigterm(folder, ready):
+    from types import SimpleNamespace
+
+    from sgl_kvxfer.scheduler import process
+
+    scheduler = SimpleNamespace(profiler=SchedulerProfiler())
+    scheduler.profiler.start(ProfileReq(start=True, output_dir=folder, activities=["CPU"], profile_id="t"))
+    signal.signal(signal.SIGTERM, functools.partial(process._write_profile_then_die, scheduler))
+    ready.set()
+    while True:
+        time.sleep(0.05)
+
+
+def test_sigterm_writes_a_running_capture_then_dies_by_sigterm(tmp_path):
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_record_until_sigterm, args=(str(tmp_path), ready))
+    proc.start()
+    assert ready.wait(120)
+    proc.terminate()
+    proc.join(60)
+    assert proc.exitcode == -signal.SIGTERM  # as without the handler: the launcher sees the same exit
+    assert isinstance(_trace_events(trace_path(str(tmp_path), "t")), list)
