@@ -69,6 +69,7 @@ class TokenizerManager:
         self._flush_waiters: list[asyncio.Future] = []
         self._link_waiters: list[asyncio.Future] = []
         self._profile_waiters: list[asyncio.Future] = []
+        self._profile_lock = asyncio.Lock()  # one profile round trip at a time (see `profile`)
         self._send = None
         self._recv = None
         self._loop_task = None
@@ -287,8 +288,11 @@ class TokenizerManager:
                                       timeout)
 
     async def profile(self, request: ProfileReq, timeout: float = 10.0) -> ProfileResult:
-        """Start or stop the scheduler's torch.profiler capture (/start_profile, /stop_profile)."""
-        return await self._round_trip(self._profile_waiters, request, timeout)
+        """Start or stop the scheduler's torch.profiler capture (/start_profile, /stop_profile).
+        NOTE: a reply resolves every waiter before it (`_resolve`), which is right for queries but
+        not for commands: the lock keeps one in flight, so each caller gets its own reply."""
+        async with self._profile_lock:
+            return await self._round_trip(self._profile_waiters, request, timeout)
 
     async def health_generate(self, timeout: float = HEALTH_CHECK_TIMEOUT) -> bool:
         """Healthy if the scheduler sends anything back in time. The probe request is answered
