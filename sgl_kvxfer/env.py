@@ -59,6 +59,11 @@ DECODE_LONGEST_FIRST = EnvVar(
     "the triton backend's decode attention serves a batch's requests longest first (one argsort "
     "per batch; kernels/README.md); 0: in batch order")
 
+TORCH_PROFILER_DIR = EnvVar(
+    "SGLANG_TORCH_PROFILER_DIR", None,
+    "SGLang's name, read as SGLang reads it: where POST /start_profile writes its trace when the "
+    "request names no output_dir (default: the system temp folder; sgl_kvxfer/scheduler/profiler.py)")
+
 # The data checkouts share (eval prose, SCD corpora): ../shared/data beside the repository, where
 # dev machines and CI keep it. Never a fixed machine path; each use also takes a variable or flag.
 SHARED_DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),

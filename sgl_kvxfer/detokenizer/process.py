@@ -1,7 +1,7 @@
 """Detokenizer process main loop.
 
     scheduler --BatchTokenIDOut--> [ DetokenizerManager ] --BatchStrOut--> tokenizer manager
-              --InternalState / FlushCacheResult-------------------------> (forwarded as is)
+              --InternalState / *Result (flush, KV link, profile)---------> (forwarded as is)
 
 Invariant: one `IncrementalDetokenizer` per live rid, created on the rid's first `ReqOutput`
 and dropped on the one that carries a finish_reason, so state never outlives a request. A rid
@@ -69,7 +69,7 @@ class DetokenizerManager:
     def handle(self, msg):
         if isinstance(msg, BatchTokenIDOut):
             return BatchStrOut(outputs=msg.outputs, texts=self._texts(msg.outputs))
-        return msg  # InternalState, FlushCacheResult and SetKVLinkResult go through unchanged
+        return msg  # InternalState and the *Result replies (flush, KV link, profile) go through unchanged
 
 
 def run_detokenizer_process(server_args: ServerArgs, conn) -> None:

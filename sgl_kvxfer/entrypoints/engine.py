@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from sgl_kvxfer.config import ServerArgs
-from sgl_kvxfer.message import TokenizedGenerateReq
+from sgl_kvxfer.message import ProfileReq, TokenizedGenerateReq
 from sgl_kvxfer.sampling.params import SamplingParams
 
 
@@ -62,6 +62,19 @@ class Engine:
     def flush_cache(self) -> bool:
         return self._live().flush_cache().success
 
+    def start_profile(self, **fields: Any) -> None:
+        """A torch.profiler capture of the scheduler's steps (SGLang's /start_profile fields:
+        output_dir, num_steps, activities, with_stack, record_shapes, profile_id)."""
+        ok, message = self._live().profiler.start(ProfileReq(start=True, **fields))
+        if not ok:
+            raise ValueError(message)
+
+    def stop_profile(self) -> None:
+        """Stop the capture and write `<output_dir>/<profile_id>-TP-0.trace.json.gz`."""
+        ok, message = self._live().profiler.stop()
+        if not ok:
+            raise ValueError(message)
+
     def get_server_info(self) -> dict:
         import msgspec
 
@@ -80,6 +93,7 @@ class Engine:
         Idempotent; `generate` afterwards raises."""
         if self.runner is None:
             return
+        self.scheduler.profiler.close()  # a running capture writes its trace
         runner, self.scheduler, self.runner = self.runner, None, None
         runner.close()
         del runner

@@ -58,6 +58,18 @@ class SetKVLinkReq(msgspec.Struct, tag=True):
     last_chunk: int | None = None
 
 
+class ProfileReq(msgspec.Struct, tag=True):
+    """Start (POST /start_profile, SGLang's fields) or stop (POST /stop_profile) a torch.profiler
+    trace of the scheduler (scheduler/profiler.py). None: the scheduler's default."""
+    start: bool
+    output_dir: str | None = None
+    num_steps: int | None = None  # stop after this many steps that ran a forward
+    activities: list[str] | None = None  # "CPU", "GPU"
+    with_stack: bool = False
+    record_shapes: bool = False
+    profile_id: str | None = None
+
+
 # ---------------------------------------------------------------- from the scheduler
 class ReqOutput(msgspec.Struct):
     """One request's progress since the previous ReqOutput for the same rid.
@@ -115,6 +127,11 @@ class SetKVLinkResult(msgspec.Struct, tag=True):
     message: str = ""
 
 
+class ProfileResult(msgspec.Struct, tag=True):
+    success: bool
+    message: str = ""
+
+
 # ---------------------------------------------------------------- to the tokenizer manager
 class BatchStrOut(msgspec.Struct, tag=True):
     """Detokenized outputs: `texts[i]` is the cumulative text of `outputs[i].rid` (stop-trimmed
@@ -123,9 +140,9 @@ class BatchStrOut(msgspec.Struct, tag=True):
     texts: list[str]
 
 
-ToScheduler = TokenizedGenerateReq | AbortReq | FlushCacheReq | GetInternalStateReq | SetKVLinkReq
-ToDetokenizer = BatchTokenIDOut | InternalState | FlushCacheResult | SetKVLinkResult
-ToTokenizer = BatchStrOut | InternalState | FlushCacheResult | SetKVLinkResult
+ToScheduler = TokenizedGenerateReq | AbortReq | FlushCacheReq | GetInternalStateReq | SetKVLinkReq | ProfileReq
+ToDetokenizer = BatchTokenIDOut | InternalState | FlushCacheResult | SetKVLinkResult | ProfileResult
+ToTokenizer = BatchStrOut | InternalState | FlushCacheResult | SetKVLinkResult | ProfileResult
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {

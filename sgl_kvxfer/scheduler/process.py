@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import signal
 import traceback
 
 from sgl_kvxfer.config import ServerArgs
@@ -29,7 +31,21 @@ def run_scheduler_process(server_args: ServerArgs, ready_conn) -> None:
         ready_conn.send({"status": "error", "error": f"{type(exc).__name__}: {exc}"})
         return
     ready_conn.send({"status": "ready", **info})
+    signal.signal(signal.SIGTERM, functools.partial(_write_profile_then_die, scheduler))
     event_loop(scheduler, inbox, outbox)
+
+
+def _write_profile_then_die(scheduler, signum, frame) -> None:
+    """SIGTERM (the launcher's stop): a running /start_profile capture writes its trace, then
+    the process dies by SIGTERM as it would without this handler.
+    Hazard: the launcher SIGKILLs a child still alive 5 s after SIGTERM; a longer export leaves
+    only its temporary file (the trace's final name is written by rename, never half)."""
+    try:
+        scheduler.profiler.close()
+    except Exception:  # noqa: BLE001 (the process must die either way)
+        logger.exception("scheduler: the running profile could not be written at shutdown")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def build_scheduler(server_args: ServerArgs):

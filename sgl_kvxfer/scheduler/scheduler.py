@@ -23,13 +23,14 @@ from typing import Callable
 from sgl_kvxfer.config import SchedulerConfig
 from sgl_kvxfer.disagg.role import PDRole, RoleContext
 from sgl_kvxfer.message import (HEALTH_CHECK_RID_PREFIX, AbortReq, FlushCacheReq, FlushCacheResult,
-                                GetInternalStateReq, InternalState, ReqOutput, SetKVLinkReq, SetKVLinkResult,
-                                TokenizedGenerateReq)
+                                GetInternalStateReq, InternalState, ProfileReq, ProfileResult, ReqOutput,
+                                SetKVLinkReq, SetKVLinkResult, TokenizedGenerateReq)
 from sgl_kvxfer.scheduler.batch_formation import (INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO,  # noqa: F401
                                                   NEW_TOKEN_RATIO_DECAY, BatchFormationMixin)
 from sgl_kvxfer.scheduler.kv_lifecycle import KVLifecycle
 from sgl_kvxfer.scheduler.outcomes import MAX_FAILED_STEPS, OutcomesMixin  # noqa: F401
 from sgl_kvxfer.scheduler.overlap import InflightBatch
+from sgl_kvxfer.scheduler.profiler import SchedulerProfiler
 from sgl_kvxfer.scheduler.req import Req
 from sgl_kvxfer.scheduler.results import FinishChecker, make_output
 from sgl_kvxfer.scheduler.step_loop import StepLoopMixin
@@ -70,6 +71,8 @@ class Scheduler(StepLoopMixin, BatchFormationMixin, OutcomesMixin):
         self._current = None  # (batch, out_cache_loc) between allocation and apply: _recover
         self._unapplied: list[InflightBatch] = []  # taken off inflight / pending_prefill, being applied
         self._failed_steps = 0  # consecutive steps that raised outside any batch
+        self.profiler = SchedulerProfiler()  # /start_profile's capture
+        self.forwards = 0  # forwards launched (step_loop.py): the profiler counts steps that ran one
         self.pending_prefill: InflightBatch | None = None  # prefill launched, not applied
         self.tiering = create_engine_tiering(self)  # SpectrumKV; None at kv_tier_budget 1
         # Overlapped decode (scheduler/overlap.py): CUDA only (a CPU forward is synchronous).
@@ -101,6 +104,8 @@ class Scheduler(StepLoopMixin, BatchFormationMixin, OutcomesMixin):
         if isinstance(msg, SetKVLinkReq):
             return SetKVLinkResult(*self.role.set_link(msg.rate_gbps, msg.latency_ms, msg.stream, msg.trace,
                                                                 msg.last_chunk))
+        if isinstance(msg, ProfileReq):
+            return ProfileResult(*(self.profiler.start(msg) if msg.start else self.profiler.stop()))
         raise TypeError(f"scheduler got an unexpected message {type(msg).__name__}")
 
     def _add_request(self, msg: TokenizedGenerateReq) -> None:
@@ -188,13 +193,16 @@ class Scheduler(StepLoopMixin, BatchFormationMixin, OutcomesMixin):
 
     def step(self) -> bool:
         """Schedule, run and apply one batch. Returns False when there was nothing to run."""
+        forwards = self.forwards
         try:
             ran = self._step()
         except Exception as e:  # noqa: BLE001 (the batch's requests fail; the scheduler goes on)
             self._recover(e)
-            return True
-        self._current = None
-        self._failed_steps = 0
+            ran = True
+        else:
+            self._current = None
+            self._failed_steps = 0
+        self.profiler.after_step(self.forwards > forwards)
         return ran
 
     def take_outputs(self) -> list[ReqOutput]:

@@ -61,6 +61,7 @@ class StepLoopMixin:
         if batch.mode == ForwardMode.EXTEND:
             self.role.before_forward(batch, fb)
         logits = self.runner.forward(fb)
+        self.forwards += 1
         if self.tiering is not None:
             self.tiering.after_launch(batch)  # chunk snapshots, copied behind this forward only
             self.tiering.during_forward(batch)  # host work while the GPU runs the step (the cold tier's landing plan)
@@ -160,6 +161,7 @@ class StepLoopMixin:
         if self.tiering is not None:
             self.tiering.before_forward(batch, fb)
         logits = self.runner.forward(fb)
+        self.forwards += 1
         if self.tiering is not None:
             # NOTE: the cold tier's landing is enqueued behind this forward, and prev's apply
             # (demotion of requests prev finishes, their rows given back) behind it too: the

@@ -12,7 +12,7 @@ import hmac
 import json
 
 EXEMPT_PREFIXES = ("/health", "/ready")
-ADMIN_PATHS = ("/flush_cache", "/abort_request", "/kv_transfer_link")
+ADMIN_PATHS = ("/flush_cache", "/abort_request", "/kv_transfer_link", "/start_profile", "/stop_profile")
 
 
 def _bearer(headers: list[tuple[bytes, bytes]]) -> str | None:

@@ -1,4 +1,5 @@
-"""SGLang's native routes: /generate, health, model/server info, flush, abort, load, metrics."""
+"""SGLang's native routes: /generate, health, model/server info, flush, abort, load, metrics,
+profiling."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from sgl_kvxfer.message import ProfileReq
 from sgl_kvxfer.server.errors import contract_error, openai_error, read_json_body, request_error
 from sgl_kvxfer.server.redact import redact_command
 from sgl_kvxfer.server.streaming import SSEResponse, collect, dumps, sse_merge
@@ -129,6 +131,7 @@ async def get_server_info(request: Request):
 
 
 MAX_FLUSH_WAIT_S = 600.0
+PROFILE_WRITE_TIMEOUT_S = 300.0  # /stop_profile waits for the export of a long capture
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
@@ -215,8 +218,50 @@ async def metrics(request: Request):
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
-@router.api_route("/start_profile", methods=["GET", "POST"])
-@router.api_route("/stop_profile", methods=["GET", "POST"])
-async def profile_stub():
-    return PlainTextResponse("Profiling is not supported by sgl_kvxfer.\n")
+_PROFILE_TYPES = {"output_dir": str, "num_steps": int, "activities": list, "with_stack": bool,
+                  "record_shapes": bool, "profile_id": str}
+_PROFILE_UNSUPPORTED = ("start_step", "profile_by_stage", "merge_profiles", "profile_prefix", "profile_stages")
 
+
+def _profile_fields(body) -> dict:
+    """SGLang's ProfileReqInput fields, type-checked (their values: scheduler/profiler.py);
+    ValueError names the field. A field of SGLang's that is not implemented fails unless unset."""
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object of SGLang's /start_profile fields")
+    for key in _PROFILE_UNSUPPORTED:
+        if body.get(key):
+            raise ValueError(f"{key} is not supported by sgl_kvxfer")
+    fields = {k: v for k, v in body.items() if k in _PROFILE_TYPES and v is not None}
+    for key, value in fields.items():
+        kind = _PROFILE_TYPES[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)) \
+                or (key == "activities" and not all(isinstance(a, str) for a in value)):
+            raise ValueError(f"{key} must be {'a list of str' if kind is list else kind.__name__}, got {value!r}")
+    return fields
+
+
+@router.api_route("/start_profile", methods=["GET", "POST"])
+async def start_profile(request: Request):
+    """A torch.profiler trace of the scheduler (the process that runs the model) to
+    <output_dir>/<profile_id>-TP-0.trace.json.gz; it ends at /stop_profile or after num_steps
+    steps that ran a forward. Profiling slows the server down while it records."""
+    body, err = await read_json_body(request)
+    if err is not None:
+        return err
+    try:
+        fields = _profile_fields(body)
+    except ValueError as e:
+        return PlainTextResponse(f"{e}\n", status_code=400)
+    result = await _tm(request).profile(ProfileReq(start=True, **fields))
+    return PlainTextResponse("Start profiling.\n" if result.success else f"{result.message}\n",
+                             status_code=200 if result.success else 400)
+
+
+@router.api_route("/stop_profile", methods=["GET", "POST"])
+async def stop_profile(request: Request):
+    """Stop the capture; the reply comes once the trace is written."""
+    result = await _tm(request).profile(ProfileReq(start=False), timeout=PROFILE_WRITE_TIMEOUT_S)
+    return PlainTextResponse("Stop profiling. This will take some time.\n" if result.success
+                             else f"{result.message}\n", status_code=200 if result.success else 400)

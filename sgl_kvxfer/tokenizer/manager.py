@@ -7,7 +7,7 @@ Invariants:
 - `self._states` holds exactly the rids whose handler is still waiting; a handler that stops
   waiting (finish, disconnect, error) pops its rid, and if the request was unfinished it also
   sends AbortReq so the scheduler frees the request's KV (and counts it as aborted once).
-- Round trips (internal state, flush) are FIFO: the scheduler answers in order, so each reply
+- Round trips (internal state, flush, KV link, profile) are FIFO: the scheduler answers in order, so each reply
   resolves every waiter registered before it was asked.
 - An error while handling one request's output fails that request (500), never the receive
   loop: every other request keeps streaming.
@@ -25,8 +25,8 @@ from http import HTTPStatus
 
 from sgl_kvxfer.config import ServerArgs
 from sgl_kvxfer.message import (HEALTH_CHECK_RID_PREFIX, AbortReq, BatchStrOut, FlushCacheReq, FlushCacheResult,
-                                GetInternalStateReq, InternalState, SetKVLinkReq, SetKVLinkResult,
-                                TokenizedGenerateReq)
+                                GetInternalStateReq, InternalState, ProfileReq, ProfileResult, SetKVLinkReq,
+                                SetKVLinkResult, TokenizedGenerateReq)
 from sgl_kvxfer.message.disagg import BootstrapInfo
 from sgl_kvxfer.message.queue import AsyncPullQueue, PushQueue
 from sgl_kvxfer.sampling.params import SamplingParams
@@ -68,6 +68,8 @@ class TokenizerManager:
         self._state_waiters: list[asyncio.Future] = []
         self._flush_waiters: list[asyncio.Future] = []
         self._link_waiters: list[asyncio.Future] = []
+        self._profile_waiters: list[asyncio.Future] = []
+        self._profile_lock = asyncio.Lock()  # one profile round trip at a time (see `profile`)
         self._send = None
         self._recv = None
         self._loop_task = None
@@ -109,6 +111,8 @@ class TokenizerManager:
                 self._resolve(self._flush_waiters, msg)
             elif isinstance(msg, SetKVLinkResult):
                 self._resolve(self._link_waiters, msg)
+            elif isinstance(msg, ProfileResult):
+                self._resolve(self._profile_waiters, msg)
 
     def _on_output(self, state: ReqState, out, text: str) -> None:
         now = time.perf_counter()
@@ -282,6 +286,13 @@ class TokenizerManager:
                           timeout: float = 10.0) -> SetKVLinkResult:
         return await self._round_trip(self._link_waiters, SetKVLinkReq(rate_gbps, latency_ms, stream, trace, last_chunk),
                                       timeout)
+
+    async def profile(self, request: ProfileReq, timeout: float = 10.0) -> ProfileResult:
+        """Start or stop the scheduler's torch.profiler capture (/start_profile, /stop_profile).
+        NOTE: a reply resolves every waiter before it (`_resolve`), which is right for queries but
+        not for commands: the lock keeps one in flight, so each caller gets its own reply."""
+        async with self._profile_lock:
+            return await self._round_trip(self._profile_waiters, request, timeout)
 
     async def health_generate(self, timeout: float = HEALTH_CHECK_TIMEOUT) -> bool:
         """Healthy if the scheduler sends anything back in time. The probe request is answered

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import gzip
 import json
 import re
 import subprocess
@@ -134,6 +135,19 @@ def test_router_generate_is_token_identical_to_a_single_server(cluster):
         assert meta["kv_transfer"]["status"] == "ok" and meta["prompt_tokens"] == ref["meta_info"]["prompt_tokens"]
         # bytes on the wire per token: the model dtype's full KV (fp32 on CPU: 2 x 30 x 3 x 64 x 4)
         assert meta["kv_transfer"]["bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+
+
+def test_profile_of_the_prefill_server_while_a_request_goes_through(cluster, tmp_path):
+    """/start_profile on the prefill server records its scheduler's steps (the prompt's forward
+    and the KV hand-off around it) until /stop_profile writes the trace."""
+    p = cluster["P"].url
+    body = {"output_dir": str(tmp_path), "profile_id": "pd", "activities": ["CPU"]}
+    r = requests.post(p + "/start_profile", json=body, timeout=scaled(30))
+    assert r.status_code == 200, r.text
+    assert post(cluster["router"].url, greedy(PROMPTS[1]))["meta_info"]["kv_transfer"]["status"] == "ok"
+    assert requests.post(p + "/stop_profile", timeout=scaled(120)).status_code == 200
+    with gzip.open(tmp_path / "pd-TP-0.trace.json.gz") as f:
+        assert any("aten::" in e.get("name", "") for e in json.load(f)["traceEvents"])
 
 
 def test_a_prompt_whose_head_the_prefill_cached_arrives_whole(cluster):

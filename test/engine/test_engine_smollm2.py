@@ -152,3 +152,20 @@ def test_missing_model_path():
 
     with pytest.raises(FileNotFoundError, match="/no/such/model"):
         Engine("/no/such/model")
+
+
+def test_profile_of_the_engines_steps(engine, tmp_path):
+    import gzip
+    import json
+
+    engine.start_profile(output_dir=str(tmp_path), num_steps=2, activities=["CPU"], profile_id="e")
+    engine.generate(PROMPTS[0], {"max_new_tokens": 4, "temperature": 0})  # the 2nd forward step writes it
+    with gzip.open(tmp_path / "e-TP-0.trace.json.gz") as f:
+        assert json.load(f)["traceEvents"]
+    with pytest.raises(ValueError, match="No profile is running"):
+        engine.stop_profile()
+    engine.start_profile(output_dir=str(tmp_path), profile_id="f")
+    with pytest.raises(ValueError, match="already running"):
+        engine.start_profile(output_dir=str(tmp_path))
+    engine.stop_profile()
+    assert (tmp_path / "f-TP-0.trace.json.gz").exists()

@@ -9,8 +9,9 @@ from __future__ import annotations
 import time
 
 from sgl_kvxfer.message import (AbortReq, BatchTokenIDOut, FlushCacheReq, FlushCacheResult, GetInternalStateReq,
-                                InternalState, ReqOutput, TokenizedGenerateReq)
+                                InternalState, ProfileReq, ProfileResult, ReqOutput, TokenizedGenerateReq)
 from sgl_kvxfer.message.queue import PullQueue, PushQueue
+from sgl_kvxfer.scheduler.profiler import SchedulerProfiler
 
 TICK = 0.005
 CONTEXT = 2048
@@ -39,6 +40,7 @@ def run_fake_scheduler(server_args, ready_conn):
                      "context_len": CONTEXT, "vocab_size": 49152, "model_path": path, "tokenizer_path": path,
                      "architectures": ["LlamaForCausalLM"], "model_type": "llama", "load_format": "auto"})
     live: dict[str, list] = {}  # rid -> [req, produced]
+    profiler = SchedulerProfiler()  # the real one: a tick that produced tokens counts as a forward step
     while True:
         msgs = inbox.get_all_nowait() or ([m] if (m := inbox.get(timeout=TICK if live else 0.5)) else [])
         outs = []
@@ -61,6 +63,9 @@ def run_fake_scheduler(server_args, ready_conn):
                                          cache_hit_rate=0.0))
             elif isinstance(msg, FlushCacheReq):
                 outbox.put(FlushCacheResult(success=not live, message="" if not live else "requests running"))
+            elif isinstance(msg, ProfileReq):
+                outbox.put(ProfileResult(*(profiler.start(msg) if msg.start else profiler.stop())))
+        profiler.after_step(bool(live))
         for rid, entry in list(live.items()):
             req, done = entry
             tok = req.input_ids[done % len(req.input_ids)]

@@ -1,7 +1,11 @@
 """HTTP-layer tests over the model-free fake scheduler: auth, exact error envelopes, SSE
 framing, batch interleaving, disconnect abort, and process hygiene. Fast (no weights)."""
+import glob
+import gzip
 import json
+import os
 import re
+import tempfile
 import time
 
 import pytest
@@ -35,6 +39,8 @@ def test_auth(auth_server):
     assert requests.get(url + "/metrics", headers=bearer).status_code == 200
     assert requests.post(url + "/flush_cache", headers=bearer).status_code == 401
     assert requests.post(url + "/flush_cache", headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 200
+    for path in ("/start_profile", "/stop_profile"):  # admin routes, as in SGLang
+        assert requests.post(url + path, headers=bearer).status_code == 401, path
 
 
 def test_server_info_never_echoes_a_key(auth_server):
@@ -161,13 +167,51 @@ def test_abort_counters_move_for_every_kind_of_abort(fake_server):
     assert _metric(url, "num_aborted_requests_total") == before + 6  # none counted twice
 
 
+def test_profile_routes(fake_server, tmp_path):
+    url = fake_server.url
+    r = requests.post(url + "/stop_profile")
+    assert r.status_code == 400 and r.text == "No profile is running.\n"
+    for body, word in (({"activities": ["CPU", "MEM"]}, "activities"), ({"num_steps": -1}, "num_steps"),
+                       ({"num_steps": "2"}, "num_steps"), ({"start_step": 3}, "start_step"),
+                       ({"output_dir": str(tmp_path / "f" / "sub")}, "output_dir")):
+        (tmp_path / "f").write_text("")  # a file where output_dir needs a folder
+        r = requests.post(url + "/start_profile", json={"activities": ["CPU"], **body})
+        assert r.status_code == 400 and word in r.text, (body, r.text)
+    # started by POST, stopped by POST: the trace is written before the reply
+    r = requests.post(url + "/start_profile", json={"output_dir": str(tmp_path), "profile_id": "a"})
+    assert r.status_code == 200 and r.text == "Start profiling.\n"
+    r = requests.get(url + "/start_profile", json={"output_dir": str(tmp_path)})
+    assert r.status_code == 400 and "already running" in r.text
+    r = requests.post(url + "/stop_profile")
+    assert r.status_code == 200 and r.text == "Stop profiling. This will take some time.\n"
+    with gzip.open(tmp_path / "a-TP-0.trace.json.gz") as f:
+        assert "traceEvents" in json.load(f)
+    # num_steps: the capture ends by itself during a request, and /stop_profile has nothing to stop
+    r = requests.post(url + "/start_profile", json={"output_dir": str(tmp_path), "profile_id": "b", "num_steps": 3,
+                                                    "activities": ["CPU"], "record_shapes": True})
+    assert r.status_code == 200
+    body = {"text": "hello there", "sampling_params": {"max_new_tokens": 8}}
+    assert requests.post(url + "/generate", json=body).status_code == 200
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "b-TP-0.trace.json.gz").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (tmp_path / "b-TP-0.trace.json.gz").exists()
+    assert requests.post(url + "/stop_profile").status_code == 400
+    # a bare GET takes every default: the folder is the system's temp folder, the id a timestamp
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "*-TP-0.trace.json.gz")))
+    assert requests.get(url + "/start_profile").status_code == 200
+    assert requests.get(url + "/stop_profile").status_code == 200
+    written = set(glob.glob(os.path.join(tempfile.gettempdir(), "*-TP-0.trace.json.gz"))) - before
+    assert len(written) == 1
+    os.remove(written.pop())
+
+
 def test_sigterm_stops_all_children(auth_server):
     assert len(auth_server.children()) >= 2
     assert auth_server.stop() == []
 
 
 def test_child_crash_takes_server_down():
-    import os
     import signal
 
     handle = start_server(["--log-level", "warning"], fake=True, name="fake_crash")

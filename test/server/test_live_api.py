@@ -2,6 +2,7 @@
 routes through the official client, malformed requests, disconnect-abort, 64 concurrent
 streams, metrics (the live_server fixture checks that its SIGTERM leaves no child behind)."""
 import asyncio
+import gzip
 import json
 import time
 
@@ -283,3 +284,18 @@ def test_info_health_metrics_routes(live_server):
     gen_total = [line for line in metrics.splitlines() if line.startswith("sglang:generation_tokens_total")]
     assert float(gen_total[0].split()[-1]) > 0
 
+
+
+def test_profile_captures_the_schedulers_forward_steps(live_server, tmp_path):
+    """num_steps ends the capture at the scheduler step that ran its last counted forward: the
+    trace is on disk by the time /generate (8 forward steps) answers."""
+    r = requests.post(live_server.url + "/start_profile", timeout=scaled(30),
+                      json={"output_dir": str(tmp_path), "num_steps": 2, "profile_id": "live"})
+    assert r.status_code == 200 and r.text == "Start profiling.\n"
+    r = gen(live_server.url, {"text": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert r.status_code == 200
+    path = tmp_path / "live-TP-0.trace.json.gz"
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    assert any("aten::" in e.get("name", "") for e in events)  # the model's ops, recorded in the scheduler
+    assert requests.post(live_server.url + "/stop_profile", timeout=scaled(30)).status_code == 400  # ended itself
