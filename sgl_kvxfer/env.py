@@ -118,6 +118,11 @@ PD_COMPUTE_STREAM = EnvVar(
     "own instead of the legacy default stream, which Mooncake's NVLink copies synchronize with "
     "(sgl_kvxfer/disagg/pack_stream.py); 0: the default stream")
 
+WINDOW_MASS = EnvVar(
+    "SGL_KVXFER_WINDOW_MASS", "1",
+    "on CUDA, SpectrumKV's prefill importance capture sums each layer's window attention in one Triton "
+    "launch (kernels/window_mass.py); 0: the torch path (its reference)")
+
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, KERNEL_CACHE, CPU_ISA,
        DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, KV_BUFFER, SCD_DATA, TIERED_DECODE_CONFIG, FUSEDKV_DATA,
-       GC_FREEZE, SCHEDULER_THREADS, PD_COMPUTE_STREAM)
+       GC_FREEZE, SCHEDULER_THREADS, PD_COMPUTE_STREAM, WINDOW_MASS)

@@ -34,6 +34,8 @@ from typing import Sequence
 
 import torch
 
+from sgl_kvxfer import env
+
 DEFAULT_WINDOW = 32
 
 
@@ -145,8 +147,24 @@ class ImportanceAccumulator:
             raise ValueError(f"got {t} keys for a {self.num_tokens}-token request")
         if q_start + t_q > t:
             raise ValueError(f"queries up to position {q_start + t_q - 1} need their keys; got T={t}")
+        if not self.head_max and self.window_kernel(q) and self._mass.device == q.device:
+            # one launch per layer instead of the torch path's dozen: on a prefill the host
+            # launches them all, layer after layer (kernels/window_mass.py)
+            from sgl_kvxfer.kernels.window_mass import window_mass
+
+            d = q.shape[-1]
+            window_mass(q[lo:], k.to(q.dtype), q_start + lo, 1.0 / math.sqrt(d) if scale is None else scale,
+                        self._mass, logit_softcap, sliding_window)
+            self.num_rows += (t_q - lo) * hq
+            return
         pos = torch.arange(q_start + lo, q_start + t_q, device=q.device)
         self._accumulate(q[lo:], k, pos, scale, logit_softcap, sliding_window)
+
+    @staticmethod
+    def window_kernel(q: torch.Tensor) -> bool:
+        """Whether add_range sums through kernels/window_mass.py: on CUDA unless
+        SGL_KVXFER_WINDOW_MASS=0 (the torch path is its reference, and the CPU path)."""
+        return q.is_cuda and env.WINDOW_MASS.get_bool()
 
     def _accumulate(self, q, k, pos, scale, logit_softcap, sliding_window) -> None:
         """The windowed rows q [W', Hq, D] at positions pos [W'] (device) over keys k [T, Hkv, D]."""
