@@ -23,7 +23,7 @@ from sgl_kvxfer.scheduler.overlap import (InflightBatch, continues_overlapped, o
                                           void_slot_owned)
 from sgl_kvxfer.scheduler.req import Req
 from sgl_kvxfer.scheduler.results import process_logits
-from sgl_kvxfer.utils.host_copy import int64_to_device
+from sgl_kvxfer.utils.host_copy import int64_to_device, wait_releasing_gil
 
 
 class StepLoopMixin:
@@ -78,6 +78,7 @@ class StepLoopMixin:
             self.pending_prefill = launched
             return True
         self._apply_prefill()  # results apply in launch order
+        wait_releasing_gil(self.runner.device)
         process_logits(batch, logits, self.checker)  # sets every slice's kv_len before anything else
         self._current = None
         self._after_batch(batch)

@@ -43,3 +43,15 @@ def int64_to_device(lists, device: torch.device | str) -> torch.Tensor:
     if not len(buf):
         return torch.empty(0, dtype=torch.int64, device=device)
     return to_device(torch.frombuffer(buf, dtype=torch.int64), device)
+
+
+def wait_releasing_gil(device: torch.device | str) -> None:
+    """On CUDA, block until everything queued on the current stream has run, through an event:
+    Event.synchronize waits with the GIL released. Called before a batch's results are read
+    back: a read that blocks may keep the GIL for the whole forward, and this process's other
+    Python threads (the PD prefill's KV sender between two writes) would stall with it."""
+    if torch.device(device).type != "cuda":
+        return
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()

@@ -31,19 +31,10 @@ from sgl_kvxfer.layers.attention.base import AttentionBackend
 from sgl_kvxfer.mem_cache.tiered_pool import TieredKVPool
 from sgl_kvxfer.mem_cache.tiered_rows import tier_block_tables, tier_layer_view
 from sgl_kvxfer.spectrum.tiers import TIER_FP16, TIER_INT4, TIER_INT8
+from sgl_kvxfer.utils.host_copy import int64_to_device
 from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
 
 logger = logging.getLogger(__name__)
-
-
-def _staged(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
-    """A host list on `device` without a host wait: on CUDA through pinned memory, non-blocking.
-    (A pageable copy may wait for the stream, which with overlapped chunks still holds the
-    previous chunk's forward.)"""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -113,9 +104,9 @@ class TritonTieredAttentionBackend(AttentionBackend):
         indptr = [0]
         for n in batch.extend_seq_lens:
             indptr.append(indptr[-1] + n)
-        prefix = _staged(batch.extend_prefix_lens, torch.int64, dev)
+        prefix = int64_to_device([batch.extend_prefix_lens], dev)
         tables = self._tables(batch, prefix, max(batch.extend_prefix_lens))
-        batch.attn_metadata = _TieredPlan(tables, _staged(indptr, torch.int32, dev), max(batch.extend_seq_lens))
+        batch.attn_metadata = _TieredPlan(tables, int64_to_device([indptr], dev).to(torch.int32), max(batch.extend_seq_lens))
 
     def prepare_graph_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
         """Decode plan from device tensors only: tables of the fixed width max_seq_len built by
