@@ -15,7 +15,7 @@
 # run (stages end by T_TOTAL, 530 s from the start; each under `timeout -s INT`, results rewritten
 #   after every point, so a stage cut short keeps what it measured):
 #   tests    (T_TESTS, 50 s; 0 skips)  the GPU-marked tests of the PD transfer path
-#   ttft     (T_TTFT, 300 s)   benchmarks/pd/ttft_vs_bandwidth.py at the Llama-3-8B shape, one
+#   ttft     (T_TTFT, 300 s; 0 skips) benchmarks/pd/ttft_vs_bandwidth.py at the Llama-3-8B shape, one
 #                              prefill / decode pair per budget, phase traces, a GPU0 -> GPU1 copy
 #   goodput  (T_GOODPUT, 170 s; 0 skips) benchmarks/pd/goodput.py: 1 prefill + 1 decode vs 2 co-located,
 #                              --deadline-s 15 s short of the stage (rates that cannot finish: skipped)
@@ -142,6 +142,7 @@ t(w('$PRESET', '$MODEL'), $VOCAB)" || exit 1
   fi
   # the call ends by T_TOTAL s: ttft leaves goodput its T_GOODPUT, goodput takes what is left
   left() { echo $(( T_TOTAL - (SECONDS - START) )); }
+  if [ "$T_TTFT" -gt 0 ]; then
   T_TTFT=$(( $(left) - T_GOODPUT < T_TTFT ? $(left) - T_GOODPUT : T_TTFT )); [ "$T_TTFT" -ge 1 ] || T_TTFT=1  # 0: no limit
   echo "== ttft_vs_bandwidth ($(date +%T), ${T_TTFT} s)"
   timeout -s INT "$T_TTFT" python3 benchmarks/pd/ttft_vs_bandwidth.py --budgets "${BUDGETS[@]}" \
@@ -154,6 +155,7 @@ t(w('$PRESET', '$MODEL'), $VOCAB)" || exit 1
     python3 benchmarks/pd/trace_timeline.py "$OUT"/profiles/*.trace.json.gz --json "$OUT/trace_timeline.json" \
         > "$OUT/trace_timeline.txt" 2>&1
     head -c 6000 "$OUT/trace_timeline.txt"
+  fi
   fi
   if [ "$T_GOODPUT" -gt 0 ]; then
     T_GOODPUT=$(( $(left) < T_GOODPUT ? $(left) : T_GOODPUT )); [ "$T_GOODPUT" -ge 1 ] || T_GOODPUT=1
