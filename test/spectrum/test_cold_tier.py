@@ -138,8 +138,21 @@ def test_full_host_store_copies_what_fits():
 def cuda_setup():
     """A CUDA tiered pool whose N tokens all sit in int4 (one request's row), and its cold tier:
     (pool, alloc, table, cold, the tokens' K = V, their int4 ids, the request)."""
-    pool, alloc, table, cold, k, new, req = cuda_setup()
-    return pool, alloc, table, cold, k, new, req
+    pool = TieredKVPool(128, L, H, D, torch.float16, "cuda", TierStorePlan(96, 32, 64), group_size=D, page_size=PAGE)
+    alloc = TieredSlotAllocator(pool, "cuda")
+    runner = SimpleNamespace(kv_pool=pool, attn_backend=TorchAttentionBackend(pool, HQ, H, D), max_running_requests=4,
+                             graph_runner=None)
+    config = SimpleNamespace(kv_promote_threshold=0.3, kv_promote_interval=1, kv_promote_radius=0,
+                             kv_cold_tier_tokens=64, kv_promote_layers=2)
+    table = ReqToTokenPool(4, 256, "cuda")
+    cold = ColdTier(config, runner, alloc, table, lambda tier, n: None)
+    k = torch.randn(N, H, D, device="cuda", dtype=torch.float16)
+    slots = alloc.alloc(N)
+    for layer in range(L):
+        pool.set_kv(layer, slots, k, k)
+    new, _ = alloc.retier(slots.cpu(), torch.full((N,), TIER_INT4, dtype=torch.int8))
+    table.write(0, 0, new.cuda())
+    return pool, alloc, table, cold, k, new, Req(0, N)
 
 
 def assert_landed_exact(cold, pool, table, k, new, req):
