@@ -147,7 +147,7 @@ class ImportanceAccumulator:
             raise ValueError(f"got {t} keys for a {self.num_tokens}-token request")
         if q_start + t_q > t:
             raise ValueError(f"queries up to position {q_start + t_q - 1} need their keys; got T={t}")
-        if not self.head_max and self.window_kernel(q) and self._mass.device == q.device:
+        if not self.head_max and self.window_kernel(q, k) and self._mass.device == q.device:
             # one launch per layer instead of the torch path's dozen: on a prefill the host
             # launches them all, layer after layer (kernels/window_mass.py)
             from sgl_kvxfer.kernels.window_mass import window_mass
@@ -161,10 +161,13 @@ class ImportanceAccumulator:
         self._accumulate(q[lo:], k, pos, scale, logit_softcap, sliding_window)
 
     @staticmethod
-    def window_kernel(q: torch.Tensor) -> bool:
+    def window_kernel(q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether add_range sums through kernels/window_mass.py: on CUDA unless
-        SGL_KVXFER_WINDOW_MASS=0 (the torch path is its reference, and the CPU path)."""
-        return q.is_cuda and env.WINDOW_MASS.get_bool()
+        SGL_KVXFER_WINDOW_MASS=0, for a power-of-two head dim >= 16 (the kernel's tiles) and
+        rows with unit stride; otherwise the torch path (its reference, and the CPU path)."""
+        d = q.shape[-1]
+        return (q.is_cuda and env.WINDOW_MASS.get_bool() and d >= 16 and d & (d - 1) == 0
+                and q.stride(-1) == 1 and k.stride(-1) == 1)
 
     def _accumulate(self, q, k, pos, scale, logit_softcap, sliding_window) -> None:
         """The windowed rows q [W', Hq, D] at positions pos [W'] (device) over keys k [T, Hkv, D]."""

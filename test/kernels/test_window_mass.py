@@ -49,10 +49,21 @@ def test_accumulator_kernel_path_matches_its_torch_path(monkeypatch):
     q2, k2 = _qk(16, 40, 4, 2, 16, torch.float32, seed=2)
     scores = {}
     for kernel in (False, True):
-        monkeypatch.setattr(ImportanceAccumulator, "window_kernel", staticmethod(lambda q, _on=kernel: _on))
+        monkeypatch.setattr(ImportanceAccumulator, "window_kernel", staticmethod(lambda q, k, _on=kernel: _on))
         acc = ImportanceAccumulator(40, window=20, device=DEVICE, fused_heads=True)
         acc.add_range(q1, k1, 0)     # positions [0, 24): the window's first 4 rows only
         acc.add_range(q2, k2, 24)    # positions [24, 40): all window rows
         scores[kernel] = acc.scores()
         assert acc.num_rows == 20 * 4
     torch.testing.assert_close(scores[True], scores[False], rtol=1e-4, atol=1e-6)
+
+
+def test_accumulator_takes_the_kernel_only_where_it_applies(monkeypatch):
+    monkeypatch.setattr("torch.Tensor.is_cuda", property(lambda self: True))
+    pick = ImportanceAccumulator.window_kernel
+    assert pick(torch.zeros(2, 4, 64), torch.zeros(8, 2, 64))
+    assert not pick(torch.zeros(2, 4, 80), torch.zeros(8, 2, 80))  # head dim 80: not a power of two
+    assert not pick(torch.zeros(2, 4, 8), torch.zeros(8, 2, 8))
+    assert not pick(torch.zeros(2, 4, 64), torch.zeros(8, 2, 128)[..., ::2])  # strided rows
+    monkeypatch.setenv("SGL_KVXFER_WINDOW_MASS", "0")
+    assert not pick(torch.zeros(2, 4, 64), torch.zeros(8, 2, 64))

@@ -106,7 +106,8 @@ class TritonTieredAttentionBackend(AttentionBackend):
             indptr.append(indptr[-1] + n)
         prefix = int64_to_device([batch.extend_prefix_lens], dev)
         tables = self._tables(batch, prefix, max(batch.extend_prefix_lens))
-        batch.attn_metadata = _TieredPlan(tables, int64_to_device([indptr], dev).to(torch.int32), max(batch.extend_seq_lens))
+        batch.attn_metadata = _TieredPlan(tables, int64_to_device([indptr], dev).to(torch.int32),
+                                          max(batch.extend_seq_lens))
 
     def prepare_graph_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
         """Decode plan from device tensors only: tables of the fixed width max_seq_len built by
