@@ -46,6 +46,9 @@ class SchedulerProfiler:
 
         if self.recording:
             return False, f"A profile is already running (its trace goes to {self._path}); stop it first."
+        pid = req.profile_id
+        if pid is not None and (pid in (".", "..") or "/" in pid or "\\" in pid or "\x00" in pid):
+            return False, f"profile_id must be a plain file-name stem (no path separators), got {pid!r}."
         if req.num_steps is not None and req.num_steps <= 0:
             return False, f"num_steps must be a positive integer, got {req.num_steps}."
         wanted = req.activities if req.activities is not None else list(ACTIVITIES)

@@ -43,6 +43,9 @@ def test_errors_leave_the_state_as_it_was(tmp_path):
     assert not ok and "activities" in msg and not prof.recording
     ok, msg = prof.start(ProfileReq(start=True, output_dir=str(tmp_path), num_steps=-1))
     assert not ok and "num_steps" in msg
+    for bad in ("../escape", "a/b", "..", "nul\x00"):  # the trace stays inside output_dir
+        ok, msg = prof.start(ProfileReq(start=True, output_dir=str(tmp_path), profile_id=bad))
+        assert not ok and "profile_id" in msg and not prof.recording
     blocker = tmp_path / "file"
     blocker.write_text("")
     ok, msg = prof.start(ProfileReq(start=True, output_dir=str(blocker / "sub")))
