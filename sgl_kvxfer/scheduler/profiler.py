@@ -62,7 +62,7 @@ class SchedulerProfiler:
         output_dir = req.output_dir or TORCH_PROFILER_DIR.get() or tempfile.gettempdir()
         try:
             os.makedirs(output_dir, exist_ok=True)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a NUL or an unencodable character in the path
             return False, f"output_dir {output_dir!r} cannot be created: {e}"
         if not os.access(output_dir, os.W_OK):
             return False, f"output_dir {output_dir!r} is not writable."

@@ -46,6 +46,9 @@ def test_errors_leave_the_state_as_it_was(tmp_path):
     for bad in ("../escape", "a/b", "..", "nul\x00"):  # the trace stays inside output_dir
         ok, msg = prof.start(ProfileReq(start=True, output_dir=str(tmp_path), profile_id=bad))
         assert not ok and "profile_id" in msg and not prof.recording
+    for bad in (str(tmp_path / "nul\x00dir"), str(tmp_path / "lone\ud800")):  # refused, not raised
+        ok, msg = prof.start(ProfileReq(start=True, output_dir=bad))
+        assert not ok and "output_dir" in msg and not prof.recording
     blocker = tmp_path / "file"
     blocker.write_text("")
     ok, msg = prof.start(ProfileReq(start=True, output_dir=str(blocker / "sub")))

@@ -173,7 +173,9 @@ def test_profile_routes(fake_server, tmp_path):
     assert r.status_code == 400 and r.text == "No profile is running.\n"
     for body, word in (({"activities": ["CPU", "MEM"]}, "activities"), ({"num_steps": -1}, "num_steps"),
                        ({"num_steps": "2"}, "num_steps"), ({"start_step": 3}, "start_step"),
-                       ({"output_dir": str(tmp_path / "f" / "sub")}, "output_dir")):
+                       ({"output_dir": str(tmp_path / "f" / "sub")}, "output_dir"),
+                       ({"output_dir": str(tmp_path / "nul\x00")}, "output_dir"), ({"profile_id": "../x"}, "profile_id"),
+                       ({"with_stack": "yes"}, "with_stack"), ({"activities": [1]}, "activities")):
         (tmp_path / "f").write_text("")  # a file where output_dir needs a folder
         r = requests.post(url + "/start_profile", json={"activities": ["CPU"], **body})
         assert r.status_code == 400 and word in r.text, (body, r.text)
