@@ -49,17 +49,7 @@ def _stream(e: dict):
 
 def union_ms(intervals: list[tuple[float, float]]) -> float:
     """Length (ms) of the union of [start, end) intervals given in microseconds."""
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total / 1e3
+    return sum(e - s for s, e in _merged(intervals)) / 1e3
 
 
 def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
