@@ -15,7 +15,9 @@
 # re-tier's functions unsynced / synced, sync-debug sites, cProfile, torch.profiler).
 # $OUT: tiered_prefill_profile_<device>.json, tiered_prefill_profile.txt (the summaries),
 # tiered_prefill_profile.log (progress and errors).
-# MAX_TOKENS (40000), MEM_FRACTION (0.6) and EXTRA_ARGS (e.g. --cuda-graph) set the engine as a server is.
+# MAX_TOKENS (40000), MEM_FRACTION (0.6) and EXTRA_ARGS (e.g. --cuda-graph) set the engine as a server is;
+# PROMPT (8192) the prompt length, VIEWS (default all) the views, e.g. "timed torch_profiler". A
+# 32768-token prompt needs the fp16 staging store to hold it: MAX_TOKENS=100000 (0.4 of it).
 # SGL_KVXFER_GC_FREEZE=0 / SGL_KVXFER_SCHEDULER_THREADS=0: without the scheduler's collector freeze /
 # single intra-op thread (sgl_kvxfer/utils/host_runtime.py), to compare against the defaults.
 # CPU rehearsal at toy size: DEVICE=cpu OUT=/tmp/x bash scripts/gpu/tiered_prefill_profile.sh
@@ -30,8 +32,8 @@ TXT="$OUT/tiered_prefill_profile.txt"
 : "${T_TOTAL=200}" "${BUDGETS=0.3 1.0}"
 if [ "$DEVICE" = cuda ]; then
   source scripts/gpu/env.sh >> "$LOG" 2>&1 || { echo "env.sh failed" | tee -a "$LOG"; exit 1; }
-  ARGS=(--device cuda --preset llama-3-8b --prompt 8192 --chunk 2048 --max-total-tokens ${MAX_TOKENS:-40000}
-        --mem-fraction-static ${MEM_FRACTION:-0.6} --attention-backend triton --warmup 2 --repeats ${REPEATS:-5} ${EXTRA_ARGS:-})
+  ARGS=(--device cuda --preset llama-3-8b --prompt ${PROMPT:-8192} --chunk 2048 --max-total-tokens ${MAX_TOKENS:-40000}
+        --mem-fraction-static ${MEM_FRACTION:-0.6} --attention-backend triton --warmup 2 --repeats ${REPEATS:-5} ${VIEWS:+--views $VIEWS} ${EXTRA_ARGS:-})
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   ARGS=(--device cpu --preset tiny --prompt 128 --chunk 64 --max-total-tokens 8192 --warmup 1 --repeats 1)
