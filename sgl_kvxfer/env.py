@@ -112,6 +112,13 @@ SCHEDULER_THREADS = EnvVar(
     "a cold tier, where the host's tensor work is id bookkeeping of at most a few hundred thousand "
     "elements; else torch's default), 0 (torch's default), or a count (utils/host_runtime.py)")
 
+GIL_SWITCH_US = EnvVar(
+    "SGL_KVXFER_GIL_SWITCH_US", "auto",
+    "the scheduler process's GIL switch interval in microseconds (sys.setswitchinterval): how long a "
+    "thread back from a blocking call (the KV sender after a Mooncake write, which releases the GIL) "
+    "waits while the scheduler thread runs Python before it is made to yield; auto: 200 when the "
+    "model runs on a GPU, else Python's own (5000); 0: Python's own (utils/host_runtime.py)")
+
 PD_COMPUTE_STREAM = EnvVar(
     "SGL_KVXFER_PD_COMPUTE_STREAM", "auto",
     "auto: a PD prefill server whose KV leaves from GPU memory runs its model on a CUDA stream of its "
@@ -125,4 +132,4 @@ WINDOW_MASS = EnvVar(
 
 ALL = (MODEL_CACHE, PROBE_CACHE, STARTUP_TIMEOUT, COMMIT, FUSED_ELEMENTWISE, CPU_KERNELS, KERNEL_CACHE, CPU_ISA,
        DECODE_LONGEST_FIRST, PROBE_PROSE, KV_TRANSFER_FAULT, KV_BUFFER, SCD_DATA, TIERED_DECODE_CONFIG, FUSEDKV_DATA,
-       GC_FREEZE, SCHEDULER_THREADS, PD_COMPUTE_STREAM, WINDOW_MASS)
+       GC_FREEZE, SCHEDULER_THREADS, GIL_SWITCH_US, PD_COMPUTE_STREAM, WINDOW_MASS)

@@ -1,7 +1,7 @@
 """Mooncake's GPU-to-GPU write against a plain peer copy, by size and by what else the writer runs.
 
     python benchmarks/pd/mooncake_write.py [--sizes-mib 16 64 256 512 1024] [--repeats 10]
-        [--loads idle gemm gil] [--threads 1 2 4] [--out-dir DIR]
+        [--loads idle gemm gil gil@200] [--threads 1 2 4] [--out-dir DIR]
 
 PD on one host moves KV with Mooncake's CUDA build over NVLink (MC_INTRANODE_NVLINK): the
 prefill's sender thread calls `MooncakeTransferEngine.write` once per packed segment. This
@@ -14,7 +14,7 @@ GPU 0 registers its own and, for each size, times
     mooncake xN   the same bytes as N equal writes issued at once from N threads through the raw
                   engine (`transfer_sync_write`), wall clock from the first start to the last end
     torch         `dst.copy_(src)` GPU 0 -> GPU 1 in the writer (the peer copy ttft_vs_bandwidth
-                  holds the KV rate against), synchronized on both GPUs
+                  holds the KV rate against), its streams synchronized on both GPUs
 
 under each load in the writer process:
 
@@ -23,6 +23,8 @@ under each load in the writer process:
                   forward's share of the GPU beside the write)
     gil           a thread runs pure Python without pause (the scheduler's host work; a write
                   releases the GIL inside Mooncake and must take it back to return)
+    gil@US        the same with the GIL switch interval at US microseconds during the load
+                  (sys.setswitchinterval; the servers' SGL_KVXFER_GIL_SWITCH_US)
 
 `repeats` timed runs after two warm-ups; the JSON keeps the median, min, max and every run in
 GB/s (1e9 bytes per second). The receiver checks the last write's bytes by their device checksum,
@@ -79,10 +81,15 @@ def _receiver(nbytes: int, conn) -> None:
 class _Load:
     """A background load in the writer process, started and stopped around one measurement."""
 
-    def __init__(self, kind: str):
-        self.kind, self._stop, self._thread = kind, threading.Event(), None
+    def __init__(self, spec: str):
+        self.kind, _, switch_us = spec.partition("@")
+        self.switch_s = int(switch_us) / 1e6 if switch_us else None
+        self._stop, self._thread, self._switch_before = threading.Event(), None, None
 
     def __enter__(self):
+        if self.switch_s is not None:
+            self._switch_before = sys.getswitchinterval()
+            sys.setswitchinterval(self.switch_s)
         if self.kind == "idle":
             return self
         target = {"gemm": self._gemm, "gil": self._gil}[self.kind]
@@ -95,6 +102,8 @@ class _Load:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
+        if self._switch_before is not None:
+            sys.setswitchinterval(self._switch_before)
 
     def _gemm(self) -> None:
         import torch
@@ -161,9 +170,10 @@ def _writer(args, conn, results) -> None:
             raise RuntimeError(f"a split write failed: {errors}")
 
     def peer_copy(nbytes: int) -> None:
+        # the copy's own streams, not the whole devices: the gemm load's side stream is not waited for
         peer_dst[:nbytes].copy_(buf.tensor[:nbytes])
-        torch.cuda.synchronize(1)
-        torch.cuda.synchronize(0)
+        torch.cuda.current_stream(1).synchronize()
+        torch.cuda.current_stream(0).synchronize()
 
     rows = []
     for load in args.loads:
@@ -178,7 +188,7 @@ def _writer(args, conn, results) -> None:
                 for method, fn in methods.items():
                     row = {"load": load, "mib": mib, "method": method, **_summary(nbytes, _timed(fn, args.repeats))}
                     rows.append(row)
-                    print(f"{load:5s} {mib:5d} MiB {method:12s} {row['GBps']:7.1f} GB/s "
+                    print(f"{load:8s} {mib:5d} MiB {method:12s} {row['GBps']:7.1f} GB/s "
                           f"[{row['min_GBps']:.1f}, {row['max_GBps']:.1f}] {row['ms']:.3f} ms", flush=True)
     # the last write's bytes, checked where they landed
     n = max_bytes
@@ -221,13 +231,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[16, 64, 256, 512, 1024])
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--loads", nargs="+", default=["idle", "gemm", "gil"], choices=["idle", "gemm", "gil"])
+    p.add_argument("--loads", nargs="+", default=["idle", "gemm", "gil", "gil@200"],
+                   help="idle, gemm, gil, or gil@US (the GIL switch interval at US microseconds)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--out-dir", default=None)
     p.add_argument("--timeout-s", type=float, default=240.0)
     args = p.parse_args(argv)
     if args.repeats < 1 or min(args.sizes_mib) < 1 or min(args.threads) < 1:
         p.error("--repeats, --sizes-mib and --threads take positive integers")
+    for load in args.loads:
+        kind, at, us = load.partition("@")
+        if kind not in ("idle", "gemm", "gil") or (at and not (us.isdigit() and int(us) > 0)):
+            p.error(f"--loads: {load!r} is not idle, gemm, gil or KIND@US with US > 0 microseconds")
 
     import torch
 

@@ -46,3 +46,15 @@ def test_bad_arguments_are_refused(load_benchmark):
     mod = load_benchmark("pd/mooncake_write.py")
     with pytest.raises(SystemExit):
         mod.main(["--repeats", "0"])
+
+
+def test_a_load_with_a_switch_interval_sets_and_restores_it(load_benchmark):
+    import sys
+
+    mod = load_benchmark("pd/mooncake_write.py")
+    before = sys.getswitchinterval()
+    with mod._Load("idle@300") as load:
+        assert load.kind == "idle" and sys.getswitchinterval() == pytest.approx(300e-6)
+    assert sys.getswitchinterval() == before
+    with pytest.raises(SystemExit):
+        mod.main(["--loads", "gil@0"])

@@ -1,14 +1,17 @@
-"""utils/host_runtime.py: the scheduler's intra-op thread cap and collector freeze, and GCStats."""
+"""utils/host_runtime.py: the scheduler's intra-op thread cap, GIL switch interval and collector
+freeze, and GCStats."""
 from __future__ import annotations
 
 import gc
+import sys
 
 import pytest
 import torch
 
 from sgl_kvxfer import env
-from sgl_kvxfer.utils.host_runtime import (GCStats, gc_freeze_wanted, has_host_compute, release_scheduler_host,
-                                           scheduler_threads, settle_scheduler_host)
+from sgl_kvxfer.utils.host_runtime import (AUTO_GIL_SWITCH_US, GCStats, gc_freeze_wanted, gil_switch_us,
+                                           has_host_compute, release_scheduler_host, scheduler_threads,
+                                           settle_scheduler_host)
 
 
 def test_scheduler_threads_auto_caps_gpu_only():
@@ -49,9 +52,33 @@ def test_gc_freeze_wanted():
 def test_settle_on_cpu_changes_nothing_by_default(monkeypatch):
     monkeypatch.delenv(env.GC_FREEZE.name, raising=False)
     monkeypatch.delenv(env.SCHEDULER_THREADS.name, raising=False)
-    threads = torch.get_num_threads()
+    monkeypatch.delenv(env.GIL_SWITCH_US.name, raising=False)
+    threads, switch = torch.get_num_threads(), sys.getswitchinterval()
     facts = settle_scheduler_host("cpu")
-    assert facts == {"torch_threads": threads, "gc_frozen": 0}
+    assert facts == {"torch_threads": threads, "gil_switch_us": round(switch * 1e6),
+                     "gil_switch_was_us": round(switch * 1e6), "gc_frozen": 0}
+    assert sys.getswitchinterval() == switch
+
+
+def test_gil_switch_us():
+    assert gil_switch_us("cuda", "auto") == AUTO_GIL_SWITCH_US and gil_switch_us("cuda:1", None) == 200
+    assert gil_switch_us("cpu", "auto") is None  # Python's own interval
+    assert gil_switch_us("cuda", "0") is None and gil_switch_us("cpu", "50") == 50
+    for spec in ("fast", "-1", "0.5"):
+        with pytest.raises(ValueError, match="SGL_KVXFER_GIL_SWITCH_US"):
+            gil_switch_us("cuda", spec)
+
+
+def test_settle_sets_the_switch_interval_and_release_restores_it(monkeypatch):
+    monkeypatch.setenv(env.GIL_SWITCH_US.name, "300")
+    before = sys.getswitchinterval()
+    try:
+        facts = settle_scheduler_host("cpu")
+        assert facts["gil_switch_us"] == 300 and sys.getswitchinterval() == pytest.approx(300e-6)
+        release_scheduler_host(facts)
+        assert sys.getswitchinterval() == pytest.approx(before)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_settle_freezes_and_release_unfreezes(monkeypatch):
