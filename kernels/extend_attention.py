@@ -245,8 +245,20 @@ def _attend_prefix_tier(
     return acc, m_i, l_i
 
 
+def prefix_bucket(max_prefix_len: Optional[int]) -> int:
+    """The autotuner's bucket for a launch whose longest cached prefix is `max_prefix_len` tokens:
+    0 for none (or not given), else its next power of two, clamped to [1024, 32768]. A prompt's
+    first chunk reads no prefix and a chunk deep in a long prompt mostly its prefix; the config
+    fastest for one is not for the other, and a key without the bucket keeps whichever the first
+    launch (a warm-up's first chunk) tuned. Each bucket is tuned at its first launch."""
+    if not max_prefix_len or max_prefix_len <= 0:
+        return 0
+    return min(max(next_pow2(int(max_prefix_len)), 1024), 32768)
+
+
 @triton.autotune(configs=_EXTEND_CONFIGS,
-                 key=["HEAD_DIM", "PAGE16", "PAGE8", "PAGE4", "BLOCK_G", "GROUP_SIZE", "FILLED", "FOLD", "DOT_F32"])
+                 key=["HEAD_DIM", "PAGE16", "PAGE8", "PAGE4", "BLOCK_G", "GROUP_SIZE", "FILLED", "FOLD", "DOT_F32",
+                      "PREFIX_BUCKET"])
 @triton.jit
 def _extend_tiered_kernel(
     q_ptr, kn_ptr, vn_ptr, o_ptr, qo_indptr_ptr, tile_req_ptr, tile_blk_ptr,
@@ -258,7 +270,7 @@ def _extend_tiered_kernel(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_on, stride_oh,
     stride_bt16, stride_bt8, stride_bt4, stride_f16, stride_f8, stride_f4,
     stride_p16, stride_h16, stride_p8, stride_h8, stride_p4, stride_h4,
-    qk_scale,
+    qk_scale, PREFIX_BUCKET,  # PREFIX_BUCKET: the autotuner's key only (prefix_bucket), unused here
     KV_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr,
     PAGE16: tl.constexpr, PAGE8: tl.constexpr, PAGE4: tl.constexpr, FILLED: tl.constexpr,
@@ -351,6 +363,7 @@ def extend_attention_tiered(
     layer: TieredKVLayer, prefix_tables: TieredBlockTables, sm_scale: Optional[float] = None,
     max_extend_len: Optional[int] = None, out: Optional[torch.Tensor] = None, check: bool = True,
     tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None, fold_scales: bool = True,
+    max_prefix_len: Optional[int] = None,
 ) -> torch.Tensor:
     """check=False skips the layout checks of `layer` and `prefix_tables` (callers that
     checked them once, e.g. an attention backend running many layers over one batch).
@@ -358,7 +371,9 @@ def extend_attention_tiered(
     doc), which reads no host value of the batch (max_extend_len is then unused).
     Tiers may have different page sizes (any power of two, 1 included); prefix_tables may be in
     the dense or the filled form (paged_layout.py). fold_scales (G = D only): apply the int
-    tiers' per-token scale / zero outside the inner products (see _prefix_step)."""
+    tiers' per-token scale / zero outside the inner products (see _prefix_step).
+    max_prefix_len: the batch's longest cached prefix, a host integer the scheduler knows: the
+    launch is tuned per prefix_bucket of it (None: bucket 0, as a batch without a prefix)."""
     if check:
         layer.check(uniform=False)
     N, Hq, D = q.shape
@@ -401,7 +416,8 @@ def extend_attention_tiered(
         launch, tile_args = functools.partial(_launch_tiled, (tiles[0].shape[0], Hkv)), tiles
     else:
         # the autotuner's key: its key arguments and every tensor argument's dtype
-        tune_key = (D, pages, block_g, layer.group_size, filled, dot_f32, fold, q.dtype, k_new.dtype,
+        bucket = prefix_bucket(max_prefix_len)
+        tune_key = (D, pages, block_g, layer.group_size, filled, dot_f32, fold, bucket, q.dtype, k_new.dtype,
                     out.dtype, qo_indptr.dtype, f16.k.dtype, i8.k.dtype, i4.k.dtype, bt[0].dtype, bt[1].dtype,
                     bt[2].dtype,
                     ln[0].dtype, ln[1].dtype, ln[2].dtype, fills[0].dtype, npg[0].dtype)
@@ -419,7 +435,7 @@ def extend_attention_tiered(
         fills[0].stride(0), fills[1].stride(0), fills[2].stride(0),
         f16.k.stride(0), f16.k.stride(1), i8.k.stride(0), i8.k.stride(1),
         i4.k.stride(0), i4.k.stride(1),
-        sm_scale * LOG2E,
+        sm_scale * LOG2E, bucket if tiles is None else 0,
         KV_GROUP=kv_group, BLOCK_G=block_g, HEAD_DIM=D, GROUP_SIZE=layer.group_size,
         PAGE16=pages[0], PAGE8=pages[1], PAGE4=pages[2], FILLED=filled, FOLD=fold, DOT_F32=dot_f32,
         TILED=tiles is not None,

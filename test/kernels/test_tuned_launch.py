@@ -48,3 +48,26 @@ def test_rejects_an_autotuner_with_hooks():
 
     with pytest.raises(ValueError, match="hooks"):
         TunedLauncher(_zeroed)
+
+
+def test_prefix_bucket_steps():
+    assert [ea.prefix_bucket(n) for n in (None, 0, 1, 1024, 1025, 5000, 16384, 30000, 100000)] == \
+        [0, 0, 1024, 1024, 2048, 8192, 16384, 32768, 32768]
+
+
+def test_a_new_prefix_bucket_is_tuned_apart_with_the_same_result(monkeypatch):
+    """max_prefix_len picks the tuning bucket: a launch in a new bucket goes through the autotuner
+    (a key of its own there too), one in a known bucket does not; results never depend on it."""
+    launcher = TunedLauncher(ea._extend_tiered_kernel)
+    monkeypatch.setattr(ea, "_launch_extend", launcher)
+    args = _inputs(32)
+    plain = ea.extend_attention_tiered(*args)
+    calls = []
+    plain_run = ea._extend_tiered_kernel.run
+    monkeypatch.setattr(ea._extend_tiered_kernel, "run", lambda *a, **k: calls.append(1) or plain_run(*a, **k))
+    hinted = ea.extend_attention_tiered(*args, max_prefix_len=20)
+    assert len(calls) == 1 and len(launcher.configs) == 2
+    again = ea.extend_attention_tiered(*args, max_prefix_len=900)  # the same bucket (1024)
+    assert len(calls) == 1
+    torch.testing.assert_close(plain, hinted, atol=0, rtol=0)
+    torch.testing.assert_close(hinted, again, atol=0, rtol=0)

@@ -44,6 +44,7 @@ class _TritonPlan:
     even_splits: bool = False  # decode: each request spreads its own pages over the splits
     request_order: torch.Tensor | None = None  # decode: int32 [B], longest request first
     tiles: tuple | None = None  # graph extend: (tile_req, tile_blk), the kernel's tiled launch
+    max_prefix_len: int = 0  # extend: the longest cached prefix (the extend kernel's tuning bucket)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -97,7 +98,8 @@ class TritonAttentionBackend(AttentionBackend):
         decode = batch.mode == ForwardMode.DECODE
         plan = self._split_plan(tables) if decode else None
         batch.attn_metadata = _TritonPlan(tables, qo_indptr, max_extend, plan,
-                                          request_order=self._request_order(tables) if decode else None)
+                                          request_order=self._request_order(tables) if decode else None,
+                                          max_prefix_len=0 if decode else max(lens_cpu))
 
     def prepare_graph_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
         """Decode plan from device tensors only (no host sync, no seq_lens_cpu): block tables
@@ -175,4 +177,4 @@ class TritonAttentionBackend(AttentionBackend):
                                 even_splits=plan.even_splits, request_order=plan.request_order)
         return self._extend(q, k.contiguous(), v.contiguous(), plan.qo_indptr, self.layers[layer_id],
                             plan.tables, sm_scale=self.scale, max_extend_len=plan.max_extend_len, check=False,
-                            tiles=plan.tiles)
+                            tiles=plan.tiles, max_prefix_len=plan.max_prefix_len)

@@ -42,6 +42,7 @@ class _TieredPlan:
     tables: object  # kernels.paged_layout.TieredBlockTables (filled): decode keys / extend prefixes
     qo_indptr: torch.Tensor | None = None  # extend: int32 [B + 1]
     max_extend_len: int = 1
+    max_prefix_len: int = 0  # extend: the longest cached prefix (the extend kernel's tuning bucket)
     decode_plan: object = None  # kernels.tiered_pool_decode.TieredDecodePlan (decode)
 
 
@@ -107,7 +108,7 @@ class TritonTieredAttentionBackend(AttentionBackend):
         prefix = int64_to_device([batch.extend_prefix_lens], dev)
         tables = self._tables(batch, prefix, max(batch.extend_prefix_lens))
         batch.attn_metadata = _TieredPlan(tables, int64_to_device([indptr], dev).to(torch.int32),
-                                          max(batch.extend_seq_lens))
+                                          max(batch.extend_seq_lens), max(batch.extend_prefix_lens))
 
     def prepare_graph_metadata(self, batch: ForwardBatch, max_seq_len: int) -> None:
         """Decode plan from device tensors only: tables of the fixed width max_seq_len built by
@@ -160,7 +161,8 @@ class TritonTieredAttentionBackend(AttentionBackend):
 
         q, k, v = q.contiguous(), k.contiguous().to(q.dtype), v.contiguous().to(q.dtype)
         out = extend_attention_tiered(q, k, v, plan.qo_indptr, self._views[layer_id], plan.tables,
-                                      sm_scale=self.scale, max_extend_len=plan.max_extend_len)
+                                      sm_scale=self.scale, max_extend_len=plan.max_extend_len,
+                                      max_prefix_len=plan.max_prefix_len)
         observer = batch.extras.get("attn_observer")
         if observer is not None:  # importance capture: (window queries, every key) of its requests
             start = 0
