@@ -10,7 +10,9 @@ A prefill chunk of `--chunk` new tokens attends to a cached prefix of each `--pr
     pages   the paged fp16 pool (`--attention-backend triton` at b = 1.0): pages of 64 tokens,
             each kv head's 64 rows contiguous (page-head blocks), dense tables in page order
     rows    the tiered pool's fp16 store (b < 1): one row of all kv heads per slot (page size 1),
-            filled tables over consecutive slots, as a fresh prompt's are
+            filled tables over consecutive slots, as a fresh store hands them out
+    scattered  the same store, the prefix's slots a random permutation: a prompt's rows after
+            other prompts' were freed in an order of their own (LazyFreeList.sort_merged)
 
 and `kernels/extend_attention.py` runs it at every config of its autotuner, one at a time (the
 jitted kernel at that config, as `TunedLauncher` launches a tuned one). CUDA events, `--iters`
@@ -36,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.report import device_name, triton_interpreter_for, write_json  # noqa: E402
 
-LAYOUTS = ("pages", "rows")
+LAYOUTS = ("pages", "rows", "scattered")
 PAGE = 64
 
 
@@ -51,13 +53,15 @@ def build(layout: str, prefix: int, num_kv_heads: int, head_dim: int, dtype, dev
                                       fill=0.0)
         tables = TieredBlockTables((torch.arange(n, **i32)[None], torch.zeros(1, 1, **i32), torch.zeros(1, 1, **i32)),
                                    tuple(torch.tensor([x], **i32) for x in (prefix, 0, 0)))
-    elif layout == "rows":
+    elif layout in ("rows", "scattered"):
         n = max(1, prefix)
         layer = allocate_tiered_layer((n, 1, 1), (1, 16, 16), num_kv_heads, head_dim, head_dim, dtype, device,
                                       fill=0.0)
         zeros = torch.zeros(1, 1, **i32)
         fills = torch.ones(1, n, **i32) if prefix else torch.zeros(1, 1, **i32)
-        tables = TieredBlockTables((torch.arange(n, **i32)[None], zeros, zeros),
+        slots = torch.arange(n, **i32) if layout == "rows" else \
+            torch.randperm(n, generator=torch.Generator().manual_seed(n)).to(**i32)
+        tables = TieredBlockTables((slots[None], zeros, zeros),
                                    tuple(torch.tensor([x], **i32) for x in (prefix, 0, 0)),
                                    fills=(fills, zeros, zeros),
                                    num_pages=tuple(torch.tensor([x], **i32) for x in (prefix, 0, 0)))
@@ -139,7 +143,7 @@ def summarize(rows: list[dict]) -> dict:
     """Per layout and prefix: the fastest config and its ms, and the ms of the config fastest
     at the smallest prefix (what a key tuned on a first chunk keeps); rows vs pages at each
     prefix, both at their fastest config."""
-    out: dict = {"best": {}, "first_chunk_pick": {}, "rows_vs_pages": {}}
+    out: dict = {"best": {}, "first_chunk_pick": {}, "rows_vs_pages": {}, "scattered_vs_pages": {}}
     for layout in sorted({r["layout"] for r in rows}):
         mine = [r for r in rows if r["layout"] == layout]
         lo = min(r["prefix"] for r in mine)
@@ -153,8 +157,9 @@ def summarize(rows: list[dict]) -> dict:
                                                                "vs_best": kept["ms"] / best["ms"]}
     for key, best in out["best"].items():
         layout, at = key.split(" ")
-        if layout == "rows" and f"pages {at}" in out["best"]:
-            out["rows_vs_pages"][at] = best["ms"] / out["best"][f"pages {at}"]["ms"]
+        if layout != "pages" and f"pages {at}" in out["best"]:
+            out["rows_vs_pages" if layout == "rows" else "scattered_vs_pages"][at] = \
+                best["ms"] / out["best"][f"pages {at}"]["ms"]
     return out
 
 
@@ -187,7 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefixes", type=int, nargs="+", default=[0, 8192, 30720])
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HKV", "D"))
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    p.add_argument("--layouts", nargs="+", default=["pages", "rows"], choices=LAYOUTS)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", default="cuda")
