@@ -11,8 +11,8 @@ A prefill chunk of `--chunk` new tokens attends to a cached prefix of each `--pr
             each kv head's 64 rows contiguous (page-head blocks), dense tables in page order
     rows    the tiered pool's fp16 store (b < 1): one row of all kv heads per slot (page size 1),
             filled tables over consecutive slots, as a fresh store hands them out
-    scattered  the same store, the prefix's slots a random permutation: a prompt's rows after
-            other prompts' were freed in an order of their own (LazyFreeList.sort_merged)
+    scattered  the same store, the prefix's slots a random permutation (a prompt's rows after
+            other prompts' rows were freed in an order of their own)
 
 and `kernels/extend_attention.py` runs it at every config of its autotuner, one at a time (the
 jitted kernel at that config, as `TunedLauncher` launches a tuned one). CUDA events, `--iters`

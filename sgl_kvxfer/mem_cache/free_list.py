@@ -5,11 +5,6 @@ check runs), so freeing costs no concatenation on the hot path.
 
 Invariants: ids in [first, last] only; an id is either in the list (free, possibly still queued)
 or owned by exactly one holder. Double free is a bug that `check()` finds (tests call it).
-
-`sort_merged`: a merge sorts the free ids, so the allocations after it hand out ascending ids,
-mostly consecutive runs. Without it the freed ids follow in the order they were freed (a
-re-tier frees a prompt's fp16 rows tier by tier), and the next prompt's rows are scattered over
-the store, which a kernel that gathers rows by id reads with less locality.
 """
 from __future__ import annotations
 
@@ -17,9 +12,8 @@ import torch
 
 
 class LazyFreeList:
-    def __init__(self, first: int, last: int, device: str, sort_merged: bool = False):
+    def __init__(self, first: int, last: int, device: str):
         self.first, self.last, self.device = first, last, device
-        self.sort_merged = sort_merged
         self.reset()
 
     def reset(self) -> None:
@@ -55,6 +49,4 @@ class LazyFreeList:
 
     def _merge(self) -> None:
         self._free = torch.cat([self._free] + self._queued)
-        if self.sort_merged:
-            self._free = torch.sort(self._free).values
         self._queued, self._queued_count = [], 0

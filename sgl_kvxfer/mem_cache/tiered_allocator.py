@@ -113,8 +113,6 @@ class TieredSlotAllocator(TokenSlotAllocator):
     def __init__(self, pool: TieredKVPool, device: str = "cpu"):
         self.pool = pool
         super().__init__(pool.num_slots(TIER_FP16), device)
-        # a prompt's fp16 rows in ascending runs: the extend kernel gathers them by id (free_list.py)
-        self._slots.sort_merged = True
         pool.bind_occupancy(self.used_counts)
 
     def clear(self) -> None:
