@@ -42,20 +42,27 @@ def has_host_compute(scheduler) -> bool:
     return getattr(getattr(scheduler, "tiering", None), "cold", None) is not None
 
 
+def _auto_or_count(spec: str | None, auto_value: int | None, var, what: str) -> int | None:
+    """`spec` of an "auto or a count >= 0" variable (`var`): auto -> `auto_value`, 0 -> None
+    (leave the default), n -> n; anything else is a ValueError naming `var` and `what` it counts."""
+    spec = (spec or "auto").strip().lower()
+    if spec == "auto":
+        return auto_value
+    try:
+        n = int(spec)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{var.name} must be auto or {what} >= 0, got {spec!r}")
+    return n or None
+
+
 def scheduler_threads(device: str, spec: str | None, host_compute: bool = False) -> int | None:
     """Intra-op thread count for `spec` (env.SCHEDULER_THREADS) on `device`; None: leave torch's.
     `host_compute`: the scheduler does bulk host tensor work (the cold tier's host-row gathers),
     which `auto` leaves on torch's threads."""
-    spec = (spec or "auto").strip().lower()
-    if spec == "auto":
-        return 1 if str(device).startswith("cuda") and not host_compute else None
-    try:
-        n = int(spec)
-    except ValueError:
-        raise ValueError(f"{env.SCHEDULER_THREADS.name} must be auto or a thread count >= 0, got {spec!r}") from None
-    if n < 0:
-        raise ValueError(f"{env.SCHEDULER_THREADS.name} must be auto or a thread count >= 0, got {spec!r}")
-    return n or None
+    auto = 1 if str(device).startswith("cuda") and not host_compute else None
+    return _auto_or_count(spec, auto, env.SCHEDULER_THREADS, "a thread count")
 
 
 def gc_freeze_wanted(device: str, spec: str | None) -> bool:
@@ -76,16 +83,8 @@ AUTO_GIL_SWITCH_US = 200
 def gil_switch_us(device: str, spec: str | None) -> int | None:
     """The GIL switch interval in microseconds for `spec` (env.GIL_SWITCH_US) on `device`; None:
     leave Python's."""
-    spec = (spec or "auto").strip().lower()
-    if spec == "auto":
-        return AUTO_GIL_SWITCH_US if str(device).startswith("cuda") else None
-    try:
-        us = int(spec)
-    except ValueError:
-        raise ValueError(f"{env.GIL_SWITCH_US.name} must be auto or microseconds >= 0, got {spec!r}") from None
-    if us < 0:
-        raise ValueError(f"{env.GIL_SWITCH_US.name} must be auto or microseconds >= 0, got {spec!r}")
-    return us or None
+    auto = AUTO_GIL_SWITCH_US if str(device).startswith("cuda") else None
+    return _auto_or_count(spec, auto, env.GIL_SWITCH_US, "microseconds")
 
 
 def settle_scheduler_host(device: str, host_compute: bool = False) -> dict:
