@@ -15,8 +15,9 @@ A prefill chunk of `--chunk` new tokens attends to a cached prefix of each `--pr
             other prompts' rows were freed in an order of their own)
 
 and `kernels/extend_attention.py` runs it at every config of its autotuner, one at a time (the
-jitted kernel at that config, as `TunedLauncher` launches a tuned one). CUDA events, `--iters`
-timed launches after 3 warm-ups, median and spread in ms; every config's output is checked
+jitted kernel at that config, as `TunedLauncher` launches a tuned one). Eager launches timed by
+common/bandwidth.py's `time_rotating` (CUDA events, `--iters` timed after 3 warm-ups), median and
+spread in ms; every config's output is checked
 against the first config's (they differ only in summation order).
 
 The summary names, per layout and prefix, the fastest config, and the time at a long prefix of
@@ -29,13 +30,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common.bandwidth import time_rotating  # noqa: E402
 from common.report import device_name, triton_interpreter_for, write_json  # noqa: E402
 
 LAYOUTS = ("pages", "rows", "scattered")
@@ -74,28 +75,6 @@ def build(layout: str, prefix: int, num_kv_heads: int, head_dim: int, dtype, dev
     return layer, tables
 
 
-def time_config(fn, iters: int, device: str) -> list[float]:
-    """ms of each of `iters` launches of fn after 3 warm-ups (CUDA events; wall clock on CPU)."""
-    import time
-
-    for _ in range(3):
-        fn()
-    runs = []
-    for _ in range(iters):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            runs.append(start.elapsed_time(end))
-        else:
-            t = time.perf_counter()
-            fn()
-            runs.append(1e3 * (time.perf_counter() - t))
-    return runs
-
-
 def measure(args) -> list[dict]:
     from sgl_kvxfer.kernels import extend_attention as ea
 
@@ -119,16 +98,16 @@ def measure(args) -> list[dict]:
                         ea._extend_tiered_kernel.fn[grid](*a, **kw, **_options)
 
                     ea._launch_extend = launch
-                    runs = time_config(lambda: ea.extend_attention_tiered(q, k, v, indptr, layer, tables,
-                                                                          max_extend_len=args.chunk),
-                                       args.iters, args.device)
+                    timed = time_rotating([lambda: ea.extend_attention_tiered(q, k, v, indptr, layer, tables,
+                                                                              max_extend_len=args.chunk)],
+                                          torch.device(args.device), iters=args.iters, warmup=3, graph=False)
                     out = ea.extend_attention_tiered(q, k, v, indptr, layer, tables, max_extend_len=args.chunk).float()
                     first_out = out if first_out is None else first_out
                     diff = float((out - first_out).abs().max())
                     if not diff <= 0.05:  # configs change only the summation order (NaN fails too)
                         raise RuntimeError(f"{layout} prefix {prefix}: {config} differs from {configs[0]} by {diff}")
                     row = {"layout": layout, "prefix": prefix, "config": str(config), "options": options,
-                           "ms": statistics.median(runs), "min_ms": min(runs), "max_ms": max(runs),
+                           "ms": timed["ms"], "min_ms": timed["ms_min"], "max_ms": timed["ms_max"],
                            "max_abs_diff_vs_first_config": diff}
                     rows.append(row)
                     print(f"{layout:5s} prefix {prefix:6d} {row['ms']:8.3f} ms [{row['min_ms']:.3f}, "
