@@ -57,19 +57,30 @@ from .tuned_launch import TunedLauncher
 # chunks, smaller pages (the fp16 rows at PAGE 1, int pages of 16-32) are gathered BLOCK_P / PAGE
 # pages a step. 64 is what the kernel read per step at the pure-fp16 pool's PAGE 64 before.
 PREFIX_TILE = 64
+# The launch's passes (constexpr PASS of _extend_kernel):
+PASS_ALL = 0  # every tier + the new tokens in one program (the tiled launch)
+PASS_FP16 = 1  # the fp16 prefix + the new tokens; writes the rows' log2-sum-exp when asked
+PASS_INT = 2  # the int8 / int4 prefix alone, merged in place into PASS_FP16's output by its lse
 if is_interpret():
-    _EXTEND_CONFIGS = [triton.Config({"BLOCK_ROWS": 16, "BLOCK_N": 16, "BLOCK_P": 16}, num_warps=4, num_stages=1)]
+    _FP16_CONFIGS = [triton.Config({"BLOCK_ROWS": 16, "BLOCK_N": 16, "BLOCK_P": 16}, num_warps=4, num_stages=1)]
 else:
     # NOTE: BLOCK_ROWS < 64 keeps tl.dot on mma.sync. With 64+ rows Triton 3.6 picks wgmma
     # and its TritonGPUOptimizeDotOperands pass crashes on the reshape/join-fed (dequantized)
     # K operand (seen on H200, 2026-11); revisit with a newer Triton or a staged fp16 copy.
-    _EXTEND_CONFIGS = [
-        triton.Config({"BLOCK_ROWS": r, "BLOCK_N": n, "BLOCK_P": PREFIX_TILE}, num_warps=w, num_stages=s)
-        for r, n, w, s in ((32, 64, 4, 2), (32, 32, 2, 3), (16, 64, 2, 2), (32, 64, 4, 3))
+    # So only PASS_FP16, which reads no int tier, is tuned over 64-128 rows (16-32 new tokens x
+    # the query heads of one kv head: each prefix tile read 2-4x less often than at 32 rows);
+    # the two 32-row configs are the picks of the kernel's earlier one-pass form.
+    _FP16_CONFIGS = [
+        triton.Config({"BLOCK_ROWS": r, "BLOCK_N": n, "BLOCK_P": p}, num_warps=w, num_stages=s)
+        for r, n, p, w, s in ((128, 64, 64, 8, 2), (128, 64, 64, 4, 3), (128, 64, 128, 8, 2),
+                              (64, 64, 64, 4, 3), (32, 32, 64, 2, 3), (32, 64, 64, 4, 3))
     ]
 # The tiled (graph) launch's config: the host builds tiles for its BLOCK_ROWS, so it is not tuned.
 GRAPH_CONFIG = (dict(BLOCK_ROWS=16, BLOCK_N=16, BLOCK_P=16, num_warps=4, num_stages=1) if is_interpret()
                 else dict(BLOCK_ROWS=32, BLOCK_N=64, BLOCK_P=PREFIX_TILE, num_warps=4, num_stages=2))
+# PASS_INT's config, fixed: it merges into its output in place, so it cannot be autotuned (the
+# autotuner's timing runs would merge again and again). BLOCK_N is unused there.
+INT_PASS_CONFIG = GRAPH_CONFIG
 
 
 def graph_block_tokens(kv_group: int) -> int:
@@ -256,12 +267,9 @@ def prefix_bucket(max_prefix_len: Optional[int]) -> int:
     return min(max(next_pow2(int(max_prefix_len)), 1024), 32768)
 
 
-@triton.autotune(configs=_EXTEND_CONFIGS,
-                 key=["HEAD_DIM", "PAGE16", "PAGE8", "PAGE4", "BLOCK_G", "GROUP_SIZE", "FILLED", "FOLD", "DOT_F32",
-                      "PREFIX_BUCKET"])
 @triton.jit
-def _extend_tiered_kernel(
-    q_ptr, kn_ptr, vn_ptr, o_ptr, qo_indptr_ptr, tile_req_ptr, tile_blk_ptr,
+def _extend_kernel(
+    q_ptr, kn_ptr, vn_ptr, o_ptr, lse_ptr, qo_indptr_ptr, tile_req_ptr, tile_blk_ptr,
     k16_ptr, v16_ptr,
     k8_ptr, v8_ptr, h8k_ptr, h8v_ptr,
     k4_ptr, v4_ptr, h4k_ptr, h4v_ptr,
@@ -276,7 +284,14 @@ def _extend_tiered_kernel(
     PAGE16: tl.constexpr, PAGE8: tl.constexpr, PAGE4: tl.constexpr, FILLED: tl.constexpr,
     FOLD: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, TILED: tl.constexpr,
+    PASS: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
+    """PASS_ALL: o = attention over every tier of the prefix and the causal new tokens.
+    PASS_FP16: the same over the fp16 prefix and the new tokens only (int tiers not read, so no
+    dequantized dot operand: the 64+-row configs compile); WRITE_LSE stores each row's
+    log2-sum-exp in lse [N, Hq] fp32. PASS_INT: the int8 / int4 prefix only, merged into o by
+    that lse: o = (2^lse o + 2^lse_int o_int) / (2^lse + 2^lse_int); a request without int
+    tokens returns at once and keeps PASS_FP16's o."""
     if TILED:
         tile = tl.program_id(0)
         b = tl.load(tile_req_ptr + tile)
@@ -290,6 +305,16 @@ def _extend_tiered_kernel(
     n_new = tl.load(qo_indptr_ptr + b + 1) - q_start
     if blk * BLOCK_T >= n_new:
         return
+    npg16 = tl.load(npg16_ptr + b)  # listed pages (filled form; the dense form passes lens, unused)
+    npg8 = tl.load(npg8_ptr + b)
+    npg4 = tl.load(npg4_ptr + b)
+    if PASS == 2:
+        if FILLED:
+            no_int = npg8 + npg4 == 0
+        else:
+            no_int = tl.load(len8_ptr + b) + tl.load(len4_ptr + b) == 0
+        if no_int:
+            return
 
     offs_r = tl.arange(0, BLOCK_ROWS)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -299,7 +324,7 @@ def _extend_tiered_kernel(
     head = kv_head * KV_GROUP + g
     row_q = (q_start + tok).to(tl.int64) * stride_qn + head * stride_qh
     q = tl.load(q_ptr + row_q[:, None] + offs_d[None, :], mask=rmask[:, None], other=0.0)
-    if FOLD:
+    if FOLD and PASS != 1:
         q_sum = tl.sum(q.to(tl.float32), 1)  # the zero-point term of every int-tier score
     else:
         q_sum = tl.zeros([BLOCK_ROWS], dtype=tl.float32)  # unused
@@ -308,25 +333,39 @@ def _extend_tiered_kernel(
     m_i = tl.full([BLOCK_ROWS], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
 
-    # ---- cached prefix: every tier, every listed page (non-causal: all precede the new tokens)
-    npg16 = tl.load(npg16_ptr + b)  # listed pages (filled form; the dense form passes lens, unused)
-    npg8 = tl.load(npg8_ptr + b)
-    npg4 = tl.load(npg4_ptr + b)
-    acc, m_i, l_i = _attend_prefix_tier(
-        acc, m_i, l_i, q, q_sum, bt16_ptr + b * stride_bt16, fill16_ptr + b * stride_f16,
-        tl.load(len16_ptr + b), npg16,
-        k16_ptr, v16_ptr, k16_ptr, k16_ptr, stride_p16, stride_h16, kv_head, qk_scale,
-        0, PAGE16, BLOCK_P, HEAD_DIM, GROUP_SIZE, FILLED, FOLD, DOT_F32)
-    acc, m_i, l_i = _attend_prefix_tier(
-        acc, m_i, l_i, q, q_sum, bt8_ptr + b * stride_bt8, fill8_ptr + b * stride_f8,
-        tl.load(len8_ptr + b), npg8,
-        k8_ptr, v8_ptr, h8k_ptr, h8v_ptr, stride_p8, stride_h8, kv_head, qk_scale,
-        1, PAGE8, BLOCK_P, HEAD_DIM, GROUP_SIZE, FILLED, FOLD, DOT_F32)
-    acc, m_i, l_i = _attend_prefix_tier(
-        acc, m_i, l_i, q, q_sum, bt4_ptr + b * stride_bt4, fill4_ptr + b * stride_f4,
-        tl.load(len4_ptr + b), npg4,
-        k4_ptr, v4_ptr, h4k_ptr, h4v_ptr, stride_p4, stride_h4, kv_head, qk_scale,
-        2, PAGE4, BLOCK_P, HEAD_DIM, GROUP_SIZE, FILLED, FOLD, DOT_F32)
+    # ---- cached prefix: its tiers of this pass, every listed page (non-causal: all precede the
+    # new tokens)
+    if PASS != 2:
+        acc, m_i, l_i = _attend_prefix_tier(
+            acc, m_i, l_i, q, q_sum, bt16_ptr + b * stride_bt16, fill16_ptr + b * stride_f16,
+            tl.load(len16_ptr + b), npg16,
+            k16_ptr, v16_ptr, k16_ptr, k16_ptr, stride_p16, stride_h16, kv_head, qk_scale,
+            0, PAGE16, BLOCK_P, HEAD_DIM, GROUP_SIZE, FILLED, FOLD, DOT_F32)
+    if PASS != 1:
+        acc, m_i, l_i = _attend_prefix_tier(
+            acc, m_i, l_i, q, q_sum, bt8_ptr + b * stride_bt8, fill8_ptr + b * stride_f8,
+            tl.load(len8_ptr + b), npg8,
+            k8_ptr, v8_ptr, h8k_ptr, h8v_ptr, stride_p8, stride_h8, kv_head, qk_scale,
+            1, PAGE8, BLOCK_P, HEAD_DIM, GROUP_SIZE, FILLED, FOLD, DOT_F32)
+        acc, m_i, l_i = _attend_prefix_tier(
+            acc, m_i, l_i, q, q_sum, bt4_ptr + b * stride_bt4, fill4_ptr + b * stride_f4,
+            tl.load(len4_ptr + b), npg4,
+            k4_ptr, v4_ptr, h4k_ptr, h4v_ptr, stride_p4, stride_h4, kv_head, qk_scale,
+            2, PAGE4, BLOCK_P, HEAD_DIM, GROUP_SIZE, FILLED, FOLD, DOT_F32)
+
+    row_o = (q_start + tok).to(tl.int64) * stride_on + head * stride_oh
+    if PASS == 2:  # merge with PASS_FP16's rows (every row of this request sees its int tokens)
+        row_l = (q_start + tok).to(tl.int64) * (KV_GROUP * tl.num_programs(1)) + head
+        lse16 = tl.load(lse_ptr + row_l, mask=rmask, other=0.0)
+        o16 = tl.load(o_ptr + row_o[:, None] + offs_d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        lse_int = tl.where(l_i > 0, m_i + tl.log2(l_safe), NEG_BIG)
+        m_both = tl.maximum(lse16, lse_int)
+        w16 = tl.exp2(lse16 - m_both)
+        w_int = tl.exp2(lse_int - m_both)
+        o = (o16 * w16[:, None] + (acc / l_safe[:, None]) * w_int[:, None]) / (w16 + w_int)[:, None]
+        tl.store(o_ptr + row_o[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=rmask[:, None])
+        return
 
     # ---- new tokens, causal: row token i sees new tokens j <= i
     offs_n = tl.arange(0, BLOCK_N)
@@ -353,9 +392,18 @@ def _extend_tiered_kernel(
         m_i = m_new
 
     o = acc / l_i[:, None]
-    row_o = (q_start + tok).to(tl.int64) * stride_on + head * stride_oh
     tl.store(o_ptr + row_o[:, None] + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
              mask=rmask[:, None])
+    if WRITE_LSE:  # l_i > 0: a row always sees its own token
+        row_l = (q_start + tok).to(tl.int64) * (KV_GROUP * tl.num_programs(1)) + head
+        tl.store(lse_ptr + row_l, m_i + tl.log2(l_i), mask=rmask)
+
+
+_TUNE_KEY = ["HEAD_DIM", "PAGE16", "PAGE8", "PAGE4", "BLOCK_G", "GROUP_SIZE", "FILLED", "FOLD", "DOT_F32",
+             "PREFIX_BUCKET", "PASS", "WRITE_LSE"]
+# PASS_FP16's launches go through the autotuner (TunedLauncher); PASS_ALL and PASS_INT run at
+# fixed configs (_launch_fixed).
+_extend_fp16_kernel = triton.autotune(configs=_FP16_CONFIGS, key=_TUNE_KEY)(_extend_kernel)
 
 
 def extend_attention_tiered(
@@ -363,7 +411,7 @@ def extend_attention_tiered(
     layer: TieredKVLayer, prefix_tables: TieredBlockTables, sm_scale: Optional[float] = None,
     max_extend_len: Optional[int] = None, out: Optional[torch.Tensor] = None, check: bool = True,
     tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None, fold_scales: bool = True,
-    max_prefix_len: Optional[int] = None,
+    max_prefix_len: Optional[int] = None, int_tiers: bool = True,
 ) -> torch.Tensor:
     """check=False skips the layout checks of `layer` and `prefix_tables` (callers that
     checked them once, e.g. an attention backend running many layers over one batch).
@@ -373,7 +421,12 @@ def extend_attention_tiered(
     the dense or the filled form (paged_layout.py). fold_scales (G = D only): apply the int
     tiers' per-token scale / zero outside the inner products (see _prefix_step).
     max_prefix_len: the batch's longest cached prefix, a host integer the scheduler knows: the
-    launch is tuned per prefix_bucket of it (None: bucket 0, as a batch without a prefix)."""
+    launch is tuned per prefix_bucket of it (None: bucket 0, as a batch without a prefix).
+    int_tiers: whether the prefix may hold int8 / int4 tokens. False (the paged fp16 pool, or a
+    caller that knows every prefix is fp16; check=True verifies it): one PASS_FP16 launch at its
+    wgmma-sized configs. True: PASS_FP16 over the fp16 prefix and the new tokens, then PASS_INT
+    merging the int tiers in (its programs return at once for a request without int tokens).
+    The tiled launch is always one PASS_ALL launch."""
     if check:
         layer.check(uniform=False)
     N, Hq, D = q.shape
@@ -406,49 +459,63 @@ def extend_attention_tiered(
     fold = fold_scales and layer.group_size == D
     dot_f32 = is_interpret() and q.dtype == torch.bfloat16
 
+    if check and not int_tiers:  # (a host sync: callers on the hot path pass check=False)
+        counts = (npg[1], npg[2]) if filled else (ln[1], ln[2])
+        if any(bool((c[:B] != 0).any()) for c in counts):
+            raise ValueError("int_tiers=False, but the prefix tables list int8 / int4 tokens")
+
     def grid(meta):
         block_t = max(1, meta["BLOCK_ROWS"] // block_g)
         return (B, Hkv, triton.cdiv(max_extend_len, block_t))
 
+    bucket = prefix_bucket(max_prefix_len) if tiles is None else 0
+    lse = qo_indptr  # a placeholder pointer unless PASS_FP16 writes the rows' lse for PASS_INT
     if tiles is not None:
         assert block_g <= GRAPH_CONFIG["BLOCK_ROWS"], "the tiled launch needs kv_group <= its BLOCK_ROWS"
         assert tiles[0].dtype == tiles[1].dtype == torch.int32 and tiles[0].shape == tiles[1].shape
-        launch, tile_args = functools.partial(_launch_tiled, (tiles[0].shape[0], Hkv)), tiles
+        launches = [(functools.partial(_launch_fixed, (tiles[0].shape[0], Hkv), GRAPH_CONFIG), PASS_ALL)]
+        tile_args = tiles
     else:
+        if int_tiers:
+            lse = torch.empty((N, Hq), dtype=torch.float32, device=q.device)
         # the autotuner's key: its key arguments and every tensor argument's dtype
-        bucket = prefix_bucket(max_prefix_len)
-        tune_key = (D, pages, block_g, layer.group_size, filled, dot_f32, fold, bucket, q.dtype, k_new.dtype,
-                    out.dtype, qo_indptr.dtype, f16.k.dtype, i8.k.dtype, i4.k.dtype, bt[0].dtype, bt[1].dtype,
-                    bt[2].dtype,
+        tune_key = (D, pages, block_g, layer.group_size, filled, dot_f32, fold, bucket, int_tiers, q.dtype,
+                    k_new.dtype, out.dtype, lse.dtype, qo_indptr.dtype, f16.k.dtype, i8.k.dtype, i4.k.dtype,
+                    bt[0].dtype, bt[1].dtype, bt[2].dtype,
                     ln[0].dtype, ln[1].dtype, ln[2].dtype, fills[0].dtype, npg[0].dtype)
-        launch, tile_args = functools.partial(_launch_extend, tune_key, grid), (qo_indptr, qo_indptr)
-    launch(
-        q, k_new, v_new, out, qo_indptr, *tile_args,
-        f16.k, f16.v,
-        i8.k, i8.v, i8.k.view(torch.float16), i8.v.view(torch.float16),
-        i4.k, i4.v, i4.k.view(torch.float16), i4.v.view(torch.float16),
-        bt[0], bt[1], bt[2], ln[0], ln[1], ln[2],
-        fills[0], fills[1], fills[2], npg[0], npg[1], npg[2],
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
-        out.stride(0), out.stride(1),
-        bt[0].stride(0), bt[1].stride(0), bt[2].stride(0),
-        fills[0].stride(0), fills[1].stride(0), fills[2].stride(0),
-        f16.k.stride(0), f16.k.stride(1), i8.k.stride(0), i8.k.stride(1),
-        i4.k.stride(0), i4.k.stride(1),
-        sm_scale * LOG2E, bucket if tiles is None else 0,
-        KV_GROUP=kv_group, BLOCK_G=block_g, HEAD_DIM=D, GROUP_SIZE=layer.group_size,
-        PAGE16=pages[0], PAGE8=pages[1], PAGE4=pages[2], FILLED=filled, FOLD=fold, DOT_F32=dot_f32,
-        TILED=tiles is not None,
-    )
+        launches = [(functools.partial(_launch_fp16, tune_key, grid), PASS_FP16)]
+        if int_tiers:
+            fixed = (B, Hkv, triton.cdiv(max_extend_len, max(1, INT_PASS_CONFIG["BLOCK_ROWS"] // block_g)))
+            launches.append((functools.partial(_launch_fixed, fixed, INT_PASS_CONFIG), PASS_INT))
+        tile_args = (qo_indptr, qo_indptr)
+    args = (q, k_new, v_new, out, lse, qo_indptr, *tile_args,
+            f16.k, f16.v,
+            i8.k, i8.v, i8.k.view(torch.float16), i8.v.view(torch.float16),
+            i4.k, i4.v, i4.k.view(torch.float16), i4.v.view(torch.float16),
+            bt[0], bt[1], bt[2], ln[0], ln[1], ln[2],
+            fills[0], fills[1], fills[2], npg[0], npg[1], npg[2],
+            q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+            out.stride(0), out.stride(1),
+            bt[0].stride(0), bt[1].stride(0), bt[2].stride(0),
+            fills[0].stride(0), fills[1].stride(0), fills[2].stride(0),
+            f16.k.stride(0), f16.k.stride(1), i8.k.stride(0), i8.k.stride(1),
+            i4.k.stride(0), i4.k.stride(1),
+            sm_scale * LOG2E, bucket)
+    constexprs = dict(KV_GROUP=kv_group, BLOCK_G=block_g, HEAD_DIM=D, GROUP_SIZE=layer.group_size,
+                      PAGE16=pages[0], PAGE8=pages[1], PAGE4=pages[2], FILLED=filled, FOLD=fold,
+                      DOT_F32=dot_f32, TILED=tiles is not None)
+    for launch, pass_ in launches:  # in order on one stream: PASS_INT reads PASS_FP16's o and lse
+        launch(*args, **constexprs, PASS=pass_, WRITE_LSE=pass_ == PASS_FP16 and int_tiers)
     return out
 
 
-_launch_extend = TunedLauncher(_extend_tiered_kernel)
+_launch_fp16 = TunedLauncher(_extend_fp16_kernel)
 
 
-def _launch_tiled(grid, *args, **kwargs) -> None:
-    """The tiled launch at GRAPH_CONFIG, past the autotuner (its tiles are built for that config)."""
-    _extend_tiered_kernel.fn[grid](*args, **kwargs, **GRAPH_CONFIG)
+def _launch_fixed(grid, config, *args, **kwargs) -> None:
+    """A launch at a fixed config, past the autotuner: the tiled launch (its tiles are built for
+    GRAPH_CONFIG) and PASS_INT (in place: INT_PASS_CONFIG)."""
+    _extend_kernel[grid](*args, **kwargs, **config)
 
 
 def extend_attention_tiered_reference(q, k_new, v_new, qo_indptr, layer: TieredKVLayer,

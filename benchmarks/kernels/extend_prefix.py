@@ -15,7 +15,10 @@ A prefill chunk of `--chunk` new tokens attends to a cached prefix of each `--pr
             other prompts' rows were freed in an order of their own)
 
 and `kernels/extend_attention.py` runs it at every config of its autotuner, one at a time (the
-jitted kernel at that config, as `TunedLauncher` launches a tuned one). Eager launches timed by
+jitted kernel at that config, as `TunedLauncher` launches a tuned one): the one fp16 launch
+(`int_tiers=False`, as the paged pool's backend runs it) and, with `--int-pass`, the tiered
+backend's two launches (the fp16 pass writing each row's log2-sum-exp, then the int pass, whose
+programs find no int token here and return). Eager launches timed by
 common/bandwidth.py's `time_rotating` (CUDA events, `--iters` timed after 3 warm-ups), median and
 spread in ms; every config's output is checked
 against the first config's (they differ only in summation order).
@@ -83,38 +86,46 @@ def measure(args) -> list[dict]:
     g = torch.Generator(device=args.device).manual_seed(0)
     q, k, v = (torch.randn(args.chunk, h, d, generator=g, device=args.device).to(dtype) for h in (hq, hkv, hkv))
     indptr = torch.tensor([0, args.chunk], dtype=torch.int32, device=args.device)
-    configs = list(ea._extend_tiered_kernel.configs)
+    configs = list(ea._extend_fp16_kernel.configs)
     rows = []
-    tuned = ea._launch_extend
+    tuned = ea._launch_fp16
+    passes = [False, True] if args.int_pass else [False]
     try:
         for layout in args.layouts:
             for prefix in args.prefixes:
                 layer, tables = build(layout, prefix, hkv, d, dtype, args.device)
                 first_out = None
-                for config in configs:
-                    options = config.all_kwargs()
+                for int_tiers in passes if layout != "pages" else [False]:
+                    for config in configs:
+                        options = config.all_kwargs()
 
-                    def launch(key, grid, *a, _options=options, **kw):
-                        ea._extend_tiered_kernel.fn[grid](*a, **kw, **_options)
+                        def launch(key, grid, *a, _options=options, **kw):
+                            ea._extend_fp16_kernel.fn[grid](*a, **kw, **_options)
 
-                    ea._launch_extend = launch
-                    timed = time_rotating([lambda: ea.extend_attention_tiered(q, k, v, indptr, layer, tables,
-                                                                              max_extend_len=args.chunk)],
-                                          torch.device(args.device), iters=args.iters, warmup=3, graph=False)
-                    out = ea.extend_attention_tiered(q, k, v, indptr, layer, tables, max_extend_len=args.chunk).float()
-                    first_out = out if first_out is None else first_out
-                    diff = float((out - first_out).abs().max())
-                    if not diff <= 0.05:  # configs change only the summation order (NaN fails too)
-                        raise RuntimeError(f"{layout} prefix {prefix}: {config} differs from {configs[0]} by {diff}")
-                    row = {"layout": layout, "prefix": prefix, "config": str(config), "options": options,
-                           "ms": timed["ms"], "min_ms": timed["ms_min"], "max_ms": timed["ms_max"],
-                           "max_abs_diff_vs_first_config": diff}
-                    rows.append(row)
-                    print(f"{layout:5s} prefix {prefix:6d} {row['ms']:8.3f} ms [{row['min_ms']:.3f}, "
-                          f"{row['max_ms']:.3f}] {config}", flush=True)
+                        ea._launch_fp16 = launch
+
+                        def run(_int_tiers=int_tiers):
+                            return ea.extend_attention_tiered(q, k, v, indptr, layer, tables, max_extend_len=args.chunk,
+                                                              int_tiers=_int_tiers, check=False)
+
+                        timed = time_rotating([run], torch.device(args.device), iters=args.iters, warmup=3,
+                                              graph=False)
+                        out = run().float()
+                        first_out = out if first_out is None else first_out
+                        diff = float((out - first_out).abs().max())
+                        if not diff <= 0.05:  # configs change only the summation order (NaN fails too)
+                            raise RuntimeError(f"{layout} prefix {prefix}: {config} differs from {configs[0]} "
+                                               f"by {diff}")
+                        name = layout + ("+int" if int_tiers else "")
+                        row = {"layout": name, "prefix": prefix, "config": str(config), "options": options,
+                               "ms": timed["ms"], "min_ms": timed["ms_min"], "max_ms": timed["ms_max"],
+                               "max_abs_diff_vs_first_config": diff}
+                        rows.append(row)
+                        print(f"{name:9s} prefix {prefix:6d} {row['ms']:8.3f} ms [{row['min_ms']:.3f}, "
+                              f"{row['max_ms']:.3f}] {config}", flush=True)
                 del layer, tables
     finally:
-        ea._launch_extend = tuned
+        ea._launch_fp16 = tuned
     return rows
 
 
@@ -122,7 +133,7 @@ def summarize(rows: list[dict]) -> dict:
     """Per layout and prefix: the fastest config and its ms, and the ms of the config fastest
     at the smallest prefix (what a key tuned on a first chunk keeps); rows vs pages at each
     prefix, both at their fastest config."""
-    out: dict = {"best": {}, "first_chunk_pick": {}, "rows_vs_pages": {}, "scattered_vs_pages": {}}
+    out: dict = {"best": {}, "first_chunk_pick": {}}
     for layout in sorted({r["layout"] for r in rows}):
         mine = [r for r in rows if r["layout"] == layout]
         lo = min(r["prefix"] for r in mine)
@@ -137,7 +148,7 @@ def summarize(rows: list[dict]) -> dict:
     for key, best in out["best"].items():
         layout, at = key.split(" ")
         if layout != "pages" and f"pages {at}" in out["best"]:
-            out["rows_vs_pages" if layout == "rows" else "scattered_vs_pages"][at] = \
+            out.setdefault(f"{layout.replace('+', '_')}_vs_pages", {})[at] = \
                 best["ms"] / out["best"][f"pages {at}"]["ms"]
     return out
 
@@ -174,6 +185,8 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", nargs="+", default=["pages", "rows"], choices=LAYOUTS)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--int-pass", action="store_true",
+                   help="also time rows / scattered with the int pass after the fp16 one (layout name '+int')")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)

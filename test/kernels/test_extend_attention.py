@@ -111,6 +111,35 @@ def test_extend_filled_tiled_launch():
                  pages=(1, 16, 32), tiled=True)
 
 
+# int_tiers=False: the one PASS_FP16 launch (the paged fp16 pool; a prefix known to be all fp16)
+@pytest.mark.parametrize("pages,filled", [((1, 16, 16), True), ((16, 16, 16), False), ((64, 16, 16), True)])
+def test_extend_fp16_only_pass(pages, filled):
+    _check_paged([(45, 0, 0), (0, 0, 0), (7, 0, 0)], [9, 20, 3], Hq=4, Hkv=2, D=32, G=32, pages=pages,
+                 filled=filled, int_tiers=False)
+
+
+def test_extend_fp16_only_pass_rejects_int_tokens():
+    with pytest.raises(ValueError, match="int_tiers=False"):
+        _check_paged([(5, 3, 0)], [4], Hq=2, Hkv=1, D=16, G=16, pages=(1, 16, 16), int_tiers=False)
+
+
+def test_extend_int_pass_merges_per_request():
+    """Requests with and without int tokens in one batch: PASS_INT merges only the first kind and
+    leaves the others' PASS_FP16 rows as they were."""
+    args = ([(9, 0, 0), (4, 30, 17), (0, 0, 0), (0, 0, 21)], [6, 8, 5, 3])
+    kw = dict(Hq=4, Hkv=2, D=32, G=32, pages=(1, 16, 16))
+    both = _check_paged(*args, **kw)
+    layer, tables = build_random_paged_cache(args[0], 2, 32, 32, (1, 16, 16), torch.float16, DEVICE, seed=5,
+                                             filled=True)
+    q, k, v, ind = _inputs(args[1], 4, 2, 32, torch.float16, DEVICE)
+    for t in (1, 2):  # the same batch with every int tier hidden: only requests 0 and 2 keep their rows
+        tables.num_pages[t].zero_()
+    fp16_only = extend_attention_tiered(q, k, v, ind, layer, tables, int_tiers=False)
+    for lo, hi in ((0, 6), (14, 19)):
+        torch.testing.assert_close(both[lo:hi], fp16_only[lo:hi], atol=ATOL, rtol=0)
+    assert (both[6:14] - fp16_only[6:14]).abs().max() > 0.05
+
+
 def test_extend_mixed_prefix_small():
     _check([(17, 5, 20), (0, 0, 0), (2, 0, 16)], [5, 9, 3], Hq=4, Hkv=2, D=32, G=16, PAGE=16)
 
@@ -158,3 +187,14 @@ def test_extend_filled_real_shapes_gpu(Hq, Hkv, D, G, pages, dtype):
     prefix, new = [(500, 1000, 2000), (0, 0, 0), (64, 640, 0), (0, 3000, 1500)], [700, 1024, 33, 129]
     _check_paged(prefix, new, Hq, Hkv, D, G, pages, dtype=dtype, device="cuda")
     _check_paged(prefix + [(0, 0, 0)], new + [0], Hq, Hkv, D, G, pages, dtype=dtype, device="cuda", tiled=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq,Hkv,D", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("pages,filled", [((1, 64, 64), True), ((64, 64, 64), False)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_extend_fp16_only_real_shapes_gpu(Hq, Hkv, D, pages, filled, dtype):
+    """PASS_FP16 alone at its 64-128-row configs (wgmma on sm_90)."""
+    prefix, new = [(3000, 0, 0), (0, 0, 0), (640, 0, 0), (4500, 0, 0)], [700, 1024, 33, 129]
+    _check_paged(prefix, new, Hq, Hkv, D, D, pages, filled=filled, dtype=dtype, device="cuda",
+                 int_tiers=False, max_prefix_len=4500)

@@ -22,16 +22,16 @@ def _inputs(D):
 
 
 def test_second_launch_bypasses_the_autotuner_with_the_same_result(monkeypatch):
-    launcher = TunedLauncher(ea._extend_tiered_kernel)
-    monkeypatch.setattr(ea, "_launch_extend", launcher)
+    launcher = TunedLauncher(ea._extend_fp16_kernel)
+    monkeypatch.setattr(ea, "_launch_fp16", launcher)
     args = _inputs(32)
     first = ea.extend_attention_tiered(*args)
     assert len(launcher.configs) == 1
     (options,) = launcher.configs.values()
-    assert options in [c.all_kwargs() for c in ea._extend_tiered_kernel.configs]
+    assert options in [c.all_kwargs() for c in ea._extend_fp16_kernel.configs]
     calls = []
-    plain_run = ea._extend_tiered_kernel.run
-    monkeypatch.setattr(ea._extend_tiered_kernel, "run", lambda *a, **k: calls.append(1) or plain_run(*a, **k))
+    plain_run = ea._extend_fp16_kernel.run
+    monkeypatch.setattr(ea._extend_fp16_kernel, "run", lambda *a, **k: calls.append(1) or plain_run(*a, **k))
     second = ea.extend_attention_tiered(*args)
     assert not calls, "the second launch with the same key must not go through Autotuner.run"
     torch.testing.assert_close(first, second, atol=0, rtol=0)
@@ -58,13 +58,13 @@ def test_prefix_bucket_steps():
 def test_a_new_prefix_bucket_is_tuned_apart_with_the_same_result(monkeypatch):
     """max_prefix_len picks the tuning bucket: a launch in a new bucket goes through the autotuner
     (a key of its own there too), one in a known bucket does not; results never depend on it."""
-    launcher = TunedLauncher(ea._extend_tiered_kernel)
-    monkeypatch.setattr(ea, "_launch_extend", launcher)
+    launcher = TunedLauncher(ea._extend_fp16_kernel)
+    monkeypatch.setattr(ea, "_launch_fp16", launcher)
     args = _inputs(32)
     plain = ea.extend_attention_tiered(*args)
     calls = []
-    plain_run = ea._extend_tiered_kernel.run
-    monkeypatch.setattr(ea._extend_tiered_kernel, "run", lambda *a, **k: calls.append(1) or plain_run(*a, **k))
+    plain_run = ea._extend_fp16_kernel.run
+    monkeypatch.setattr(ea._extend_fp16_kernel, "run", lambda *a, **k: calls.append(1) or plain_run(*a, **k))
     hinted = ea.extend_attention_tiered(*args, max_prefix_len=20)
     assert len(calls) == 1 and len(launcher.configs) == 2
     again = ea.extend_attention_tiered(*args, max_prefix_len=900)  # the same bucket (1024)

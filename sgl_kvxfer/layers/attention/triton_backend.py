@@ -177,4 +177,5 @@ class TritonAttentionBackend(AttentionBackend):
                                 even_splits=plan.even_splits, request_order=plan.request_order)
         return self._extend(q, k.contiguous(), v.contiguous(), plan.qo_indptr, self.layers[layer_id],
                             plan.tables, sm_scale=self.scale, max_extend_len=plan.max_extend_len, check=False,
-                            tiles=plan.tiles, max_prefix_len=plan.max_prefix_len)
+                            tiles=plan.tiles, max_prefix_len=plan.max_prefix_len,
+                            int_tiers=False)  # the int tiers are placeholders here

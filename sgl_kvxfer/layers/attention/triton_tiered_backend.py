@@ -83,6 +83,8 @@ class TritonTieredAttentionBackend(AttentionBackend):
                 raise ValueError("the Triton tiered kernels read the codec's int8 / int4 in every layer; per-layer "
                                  "budgets and KIVI store other formats: use --attention-backend torch")
             self._views = [tier_layer_view(pool, layer) for layer in range(pool.num_layers)]
+            for view in self._views:  # checked once here: the launches below pass check=False
+                view.check(uniform=False)
             self._views_of = pool.stores
             # decode launches only the stores that can hold a token (an empty one is a placeholder)
             self._tiers = tuple(t for t in (TIER_FP16, TIER_INT8, TIER_INT4) if pool.num_slots(t) > 0)
@@ -162,7 +164,8 @@ class TritonTieredAttentionBackend(AttentionBackend):
         q, k, v = q.contiguous(), k.contiguous().to(q.dtype), v.contiguous().to(q.dtype)
         out = extend_attention_tiered(q, k, v, plan.qo_indptr, self._views[layer_id], plan.tables,
                                       sm_scale=self.scale, max_extend_len=plan.max_extend_len,
-                                      max_prefix_len=plan.max_prefix_len)
+                                      max_prefix_len=plan.max_prefix_len, check=False,
+                                      int_tiers=self._tiers != (TIER_FP16,))
         observer = batch.extras.get("attn_observer")
         if observer is not None:  # importance capture: (window queries, every key) of its requests
             start = 0
