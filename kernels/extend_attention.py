@@ -1,7 +1,8 @@
 """Extend (chunked prefill / radix-hit) attention over a tiered cached prefix + new tokens.
 
     extend_attention_tiered(q, k_new, v_new, qo_indptr, layer, prefix_tables,
-                            sm_scale=None, max_extend_len=None, out=None, tiles=None) -> o
+                            sm_scale=None, max_extend_len=None, out=None, tiles=None,
+                            max_prefix_len=None, int_tiers=True) -> o
 
 q            [N, Hq, D]  new query tokens of all requests, concatenated (model dtype)
 k_new, v_new [N, Hkv, D] the same tokens' K (post-RoPE) / V, attended at full precision
@@ -13,10 +14,16 @@ layer        TieredKVLayer; each tier has its own page size (any power of two: t
 o            [N, Hq, D]
 
 New token i of a request sees every prefix token (any tier, order-free) and new tokens
-0..i (causal). grid = (B, Hkv, cdiv(max_extend_len, BLOCK_T)); a program takes BLOCK_T new
-tokens x the KV_GROUP query heads of one kv-head as the rows of one tile
+0..i (causal). grid = (cdiv(max_extend_len, BLOCK_T), Hkv, B) (BLOCKS_FIRST); a program takes
+BLOCK_T new tokens x the KV_GROUP query heads of one kv-head as the rows of one tile
 (row r -> token r // BLOCK_G, head r % BLOCK_G), so each prefix page is read once per
 kv-head and query block.
+
+Two passes (int_tiers=True): PASS_FP16 attends the fp16 prefix and the new tokens and stores
+each row's log2-sum-exp; PASS_INT attends the int8 / int4 prefix and merges it into the
+output in place. Only PASS_FP16 reads no dequantized operand, so only it is tuned over 64-128
+rows (wgmma); PASS_INT runs at a fixed 32-row config. With int_tiers=False PASS_FP16 is the
+only launch.
 
 Prefix walk, per tier (`_attend_prefix_tier`): BLOCK_P virtual slots a step over the listed
 pages, virtual slot l = j * PAGE + s (slot s of listed page j):
@@ -75,6 +82,11 @@ else:
         for r, n, p, w, s in ((128, 64, 64, 8, 2), (128, 64, 64, 4, 3), (128, 64, 128, 8, 2),
                               (64, 64, 64, 4, 3), (32, 32, 64, 2, 3), (32, 64, 64, 4, 3))
     ]
+# Grid order of the untiled launch: (query blocks, kv heads, requests) when True, so the programs
+# resident at once are mostly one request's query blocks of a few kv heads, walking the same
+# prefix tiles together (L2 hits); (requests, kv heads, query blocks) when False. A module value
+# (benchmarks/kernels/extend_prefix.py compares both), part of the tuning key.
+BLOCKS_FIRST = True
 # The tiled (graph) launch's config: the host builds tiles for its BLOCK_ROWS, so it is not tuned.
 GRAPH_CONFIG = (dict(BLOCK_ROWS=16, BLOCK_N=16, BLOCK_P=16, num_warps=4, num_stages=1) if is_interpret()
                 else dict(BLOCK_ROWS=32, BLOCK_N=64, BLOCK_P=PREFIX_TILE, num_warps=4, num_stages=2))
@@ -284,7 +296,7 @@ def _extend_kernel(
     PAGE16: tl.constexpr, PAGE8: tl.constexpr, PAGE4: tl.constexpr, FILLED: tl.constexpr,
     FOLD: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, TILED: tl.constexpr,
-    PASS: tl.constexpr, WRITE_LSE: tl.constexpr,
+    PASS: tl.constexpr, WRITE_LSE: tl.constexpr, BLOCKS_FIRST: tl.constexpr,
 ):
     """PASS_ALL: o = attention over every tier of the prefix and the causal new tokens.
     PASS_FP16: the same over the fp16 prefix and the new tokens only (int tiers not read, so no
@@ -296,6 +308,9 @@ def _extend_kernel(
         tile = tl.program_id(0)
         b = tl.load(tile_req_ptr + tile)
         blk = tl.load(tile_blk_ptr + tile)
+    elif BLOCKS_FIRST:
+        b = tl.program_id(2)
+        blk = tl.program_id(0)
     else:
         b = tl.program_id(0)
         blk = tl.program_id(2)
@@ -400,7 +415,7 @@ def _extend_kernel(
 
 
 _TUNE_KEY = ["HEAD_DIM", "PAGE16", "PAGE8", "PAGE4", "BLOCK_G", "GROUP_SIZE", "FILLED", "FOLD", "DOT_F32",
-             "PREFIX_BUCKET", "PASS", "WRITE_LSE"]
+             "PREFIX_BUCKET", "PASS", "WRITE_LSE", "BLOCKS_FIRST"]
 # PASS_FP16's launches go through the autotuner (TunedLauncher); PASS_ALL and PASS_INT run at
 # fixed configs (_launch_fixed).
 _extend_fp16_kernel = triton.autotune(configs=_FP16_CONFIGS, key=_TUNE_KEY)(_extend_kernel)
@@ -464,9 +479,11 @@ def extend_attention_tiered(
         if any(bool((c[:B] != 0).any()) for c in counts):
             raise ValueError("int_tiers=False, but the prefix tables list int8 / int4 tokens")
 
+    blocks_first = BLOCKS_FIRST
+
     def grid(meta):
-        block_t = max(1, meta["BLOCK_ROWS"] // block_g)
-        return (B, Hkv, triton.cdiv(max_extend_len, block_t))
+        blocks = triton.cdiv(max_extend_len, max(1, meta["BLOCK_ROWS"] // block_g))
+        return (blocks, Hkv, B) if blocks_first else (B, Hkv, blocks)
 
     bucket = prefix_bucket(max_prefix_len) if tiles is None else 0
     lse = qo_indptr  # a placeholder pointer unless PASS_FP16 writes the rows' lse for PASS_INT
@@ -479,13 +496,14 @@ def extend_attention_tiered(
         if int_tiers:
             lse = torch.empty((N, Hq), dtype=torch.float32, device=q.device)
         # the autotuner's key: its key arguments and every tensor argument's dtype
-        tune_key = (D, pages, block_g, layer.group_size, filled, dot_f32, fold, bucket, int_tiers, q.dtype,
+        tune_key = (D, pages, block_g, layer.group_size, filled, dot_f32, fold, bucket, int_tiers, blocks_first,
+                    q.dtype,
                     k_new.dtype, out.dtype, lse.dtype, qo_indptr.dtype, f16.k.dtype, i8.k.dtype, i4.k.dtype,
                     bt[0].dtype, bt[1].dtype, bt[2].dtype,
                     ln[0].dtype, ln[1].dtype, ln[2].dtype, fills[0].dtype, npg[0].dtype)
         launches = [(functools.partial(_launch_fp16, tune_key, grid), PASS_FP16)]
         if int_tiers:
-            fixed = (B, Hkv, triton.cdiv(max_extend_len, max(1, INT_PASS_CONFIG["BLOCK_ROWS"] // block_g)))
+            fixed = grid(INT_PASS_CONFIG)
             launches.append((functools.partial(_launch_fixed, fixed, INT_PASS_CONFIG), PASS_INT))
         tile_args = (qo_indptr, qo_indptr)
     args = (q, k_new, v_new, out, lse, qo_indptr, *tile_args,
@@ -503,7 +521,7 @@ def extend_attention_tiered(
             sm_scale * LOG2E, bucket)
     constexprs = dict(KV_GROUP=kv_group, BLOCK_G=block_g, HEAD_DIM=D, GROUP_SIZE=layer.group_size,
                       PAGE16=pages[0], PAGE8=pages[1], PAGE4=pages[2], FILLED=filled, FOLD=fold,
-                      DOT_F32=dot_f32, TILED=tiles is not None)
+                      DOT_F32=dot_f32, TILED=tiles is not None, BLOCKS_FIRST=blocks_first)
     for launch, pass_ in launches:  # in order on one stream: PASS_INT reads PASS_FP16's o and lse
         launch(*args, **constexprs, PASS=pass_, WRITE_LSE=pass_ == PASS_FP16 and int_tiers)
     return out

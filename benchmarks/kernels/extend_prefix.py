@@ -13,6 +13,7 @@ A prefill chunk of `--chunk` new tokens attends to a cached prefix of each `--pr
             filled tables over consecutive slots, as a fresh store hands them out
     scattered  the same store, the prefix's slots a random permutation (a prompt's rows after
             other prompts' rows were freed in an order of their own)
+    rows_dense the rows layout's slots in the dense table form (no per-slot fill to load)
 
 and `kernels/extend_attention.py` runs it at every config of its autotuner, one at a time (the
 jitted kernel at that config, as `TunedLauncher` launches a tuned one): the one fp16 launch
@@ -42,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.bandwidth import time_rotating  # noqa: E402
 from common.report import device_name, triton_interpreter_for, write_json  # noqa: E402
 
-LAYOUTS = ("pages", "rows", "scattered")
+LAYOUTS = ("pages", "rows", "scattered", "rows_dense")
 PAGE = 64
 
 
@@ -56,6 +57,13 @@ def build(layout: str, prefix: int, num_kv_heads: int, head_dim: int, dtype, dev
         layer = allocate_tiered_layer((n, 1, 1), (PAGE, 16, 16), num_kv_heads, head_dim, head_dim, dtype, device,
                                       fill=0.0)
         tables = TieredBlockTables((torch.arange(n, **i32)[None], torch.zeros(1, 1, **i32), torch.zeros(1, 1, **i32)),
+                                   tuple(torch.tensor([x], **i32) for x in (prefix, 0, 0)))
+    elif layout == "rows_dense":
+        n = max(1, prefix)
+        layer = allocate_tiered_layer((n, 1, 1), (1, 16, 16), num_kv_heads, head_dim, head_dim, dtype, device,
+                                      fill=0.0)
+        zeros = torch.zeros(1, 1, **i32)
+        tables = TieredBlockTables((torch.arange(n, **i32)[None], zeros, zeros),
                                    tuple(torch.tensor([x], **i32) for x in (prefix, 0, 0)))
     elif layout in ("rows", "scattered"):
         n = max(1, prefix)
@@ -90,12 +98,15 @@ def measure(args) -> list[dict]:
     rows = []
     tuned = ea._launch_fp16
     passes = [False, True] if args.int_pass else [False]
+    blocks_first = ea.BLOCKS_FIRST
     try:
         for layout in args.layouts:
             for prefix in args.prefixes:
                 layer, tables = build(layout, prefix, hkv, d, dtype, args.device)
                 first_out = None
-                for int_tiers in passes if layout != "pages" else [False]:
+                for int_tiers, order in [(i, o) for i in (passes if layout != "pages" else [False])
+                                         for o in args.grid_orders]:
+                    ea.BLOCKS_FIRST = order == "blocks"
                     for config in configs:
                         options = config.all_kwargs()
 
@@ -116,7 +127,7 @@ def measure(args) -> list[dict]:
                         if not diff <= 0.05:  # configs change only the summation order (NaN fails too)
                             raise RuntimeError(f"{layout} prefix {prefix}: {config} differs from {configs[0]} "
                                                f"by {diff}")
-                        name = layout + ("+int" if int_tiers else "")
+                        name = layout + ("+int" if int_tiers else "") + ("" if order == "blocks" else "@req")
                         row = {"layout": name, "prefix": prefix, "config": str(config), "options": options,
                                "ms": timed["ms"], "min_ms": timed["ms_min"], "max_ms": timed["ms_max"],
                                "max_abs_diff_vs_first_config": diff}
@@ -125,7 +136,7 @@ def measure(args) -> list[dict]:
                               f"{row['max_ms']:.3f}] {config}", flush=True)
                 del layer, tables
     finally:
-        ea._launch_fp16 = tuned
+        ea._launch_fp16, ea.BLOCKS_FIRST = tuned, blocks_first
     return rows
 
 
@@ -148,7 +159,7 @@ def summarize(rows: list[dict]) -> dict:
     for key, best in out["best"].items():
         layout, at = key.split(" ")
         if layout != "pages" and f"pages {at}" in out["best"]:
-            out.setdefault(f"{layout.replace('+', '_')}_vs_pages", {})[at] = \
+            out.setdefault(f"{layout.replace('+', '_').replace('@', '_')}_vs_pages", {})[at] = \
                 best["ms"] / out["best"][f"pages {at}"]["ms"]
     return out
 
@@ -185,6 +196,9 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", nargs="+", default=["pages", "rows"], choices=LAYOUTS)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--grid-orders", nargs="+", default=["blocks"], choices=["blocks", "requests"],
+                   help="the untiled grid's order: query blocks first (the kernel's BLOCKS_FIRST) or requests "
+                        "first (layout name '@req')")
     p.add_argument("--int-pass", action="store_true",
                    help="also time rows / scattered with the int pass after the fp16 one (layout name '+int')")
     p.add_argument("--device", default="cuda")

@@ -10,14 +10,15 @@ import pytest
 def test_toy_run_writes_rows_for_both_layouts(load_benchmark, tmp_path):
     mod = load_benchmark("kernels/extend_prefix.py")
     assert mod.main(["--device", "cpu", "--prefixes", "0", "40", "--chunk", "16", "--heads", "4", "2", "16",
-                     "--iters", "1", "--layouts", "pages", "rows", "scattered", "--int-pass",
-                     "--out-dir", str(tmp_path)]) == 0
+                     "--iters", "1", "--layouts", "pages", "rows", "scattered", "rows_dense", "--int-pass",
+                     "--grid-orders", "blocks", "requests", "--out-dir", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("extend_prefix_*.json")
     d = json.loads(path.read_text())
-    layouts = ("pages", "rows", "scattered", "rows+int", "scattered+int")
+    layouts = [l + i + o for l in ("rows", "scattered", "rows_dense") for i in ("", "+int") for o in ("", "@req")]
+    layouts += ["pages", "pages@req"]
     assert {(r["layout"], r["prefix"]) for r in d["rows"]} == {(l, p) for l in layouts for p in (0, 40)}
     assert all(r["max_abs_diff_vs_first_config"] <= 0.05 for r in d["rows"])
-    for name in ("rows", "scattered", "rows_int", "scattered_int"):
+    for name in ("rows", "scattered", "rows_int", "scattered_int", "rows_dense", "rows_int_req", "pages_req"):
         assert set(d["summary"][f"{name}_vs_pages"]) == {"@0", "@40"}
     assert (tmp_path / (path.stem + ".png")).exists()
 

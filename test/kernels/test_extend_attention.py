@@ -191,8 +191,8 @@ def test_extend_filled_real_shapes_gpu(Hq, Hkv, D, G, pages, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("Hq,Hkv,D", [(32, 8, 128), (9, 3, 64)])
-@pytest.mark.parametrize("pages,filled", [((1, 64, 64), True), ((64, 64, 64), False)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("pages,filled,dtype", [((1, 64, 64), True, torch.bfloat16),
+                                                 ((64, 64, 64), False, torch.float16)])
 def test_extend_fp16_only_real_shapes_gpu(Hq, Hkv, D, pages, filled, dtype):
     """PASS_FP16 alone at its 64-128-row configs (wgmma on sm_90)."""
     prefix, new = [(3000, 0, 0), (0, 0, 0), (640, 0, 0), (4500, 0, 0)], [700, 1024, 33, 129]
