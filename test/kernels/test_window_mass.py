@@ -33,6 +33,26 @@ def test_matches_reference(w, t, hq, hkv, d, pos0, softcap, sliding):
     assert got.sum().item() == pytest.approx(w * hq, rel=1e-4)  # every row's probabilities sum to 1
 
 
+@pytest.mark.parametrize("splits", [2, 3, 50])
+def test_key_splits_match_reference(splits):
+    """Keys split across programs (the stats pass, then the combine): the same sums; a split count
+    past the key blocks leaves no split empty."""
+    w, t, hq, hkv, d, pos0 = 6, 300, 4, 2, 16, 280
+    q, k = _qk(w, t, hq, hkv, d, torch.float32, seed=9)
+    got = window_mass(q, k, pos0, d ** -0.5, torch.zeros(t, device=DEVICE), splits=splits, block_n=16)
+    want = window_mass_reference(q, k, pos0, d ** -0.5, torch.zeros(t, device=DEVICE))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert got.sum().item() == pytest.approx(w * hq, rel=1e-4)
+
+
+def test_key_split_count():
+    from sgl_kvxfer.kernels.window_mass import key_splits
+
+    assert key_splits(32768, 64, 64) == 8  # Llama-3-8B heads, a 32-query window: 512 programs
+    assert key_splits(300, 64, 64) == 1  # a short prompt: one launch
+    assert key_splits(100000, 1, 64) == 196
+
+
 def test_accumulates_and_takes_bf16():
     q, k = _qk(7, 96, 8, 2, 32, torch.bfloat16, seed=3)
     mass = torch.full((96,), 0.5, device=DEVICE)
