@@ -340,12 +340,10 @@ class TieredKVPool(KVPool):
                 m = down & (td == tier)
                 if bool(m.any()):
                     if whole and self.stacked_store(tier) is not None:
-                        page, off = self.page_offset(tier, dst[m])
-                        layers = torch.arange(self.num_layers)[:, None]
-                        rows = self._k16_all.shape[1]
-                        stacked.append((tier, *stage((layers * rows + src[m]).reshape(-1),
-                                                     (layers * self.num_pages(tier) + page).reshape(-1),
-                                                     off.repeat(self.num_layers))))
+                        # the per-token ids go over; their L-fold expansion is built on the device
+                        # (on the host it was ~25 MB of int64 to make, pin and copy at 32k tokens,
+                        # on the critical path after the last chunk's importance readback)
+                        stacked.append((tier, *stage(src[m], *self.page_offset(tier, dst[m]))))
                     else:
                         fused.append((tier, *stage(src[m], *self.page_offset(tier, dst[m]))))
             rest = rest & ~down
@@ -353,7 +351,7 @@ class TieredKVPool(KVPool):
         relocate = [(tier, tuple(dev[i] for i in s_at), tuple(dev[i] for i in d_at), ok)
                     for tier, s_at, d_at, ok in relocate]
         fused = [(tier, *(dev[i] for i in at)) for tier, *at in fused]
-        stacked = [(tier, *(dev[i] for i in at)) for tier, *at in stacked]
+        stacked = [(tier, *self._stacked_ids(tier, *(dev[i] for i in at))) for tier, *at in stacked]
         if cap_src is not None:
             cap_src = dev[cap_src]
         requant = (self.route(src[rest]), self.route(dst[rest])) if bool(rest.any()) else None
@@ -388,6 +386,13 @@ class TieredKVPool(KVPool):
                 store_rows_quantized(k_all, v_all, rows_at, self.stacked_store(tier), page, off)
         if capture is not None:
             self.cold.end_move(capture)
+
+    def _stacked_ids(self, tier: int, rows: torch.Tensor, page: torch.Tensor, off: torch.Tensor):
+        """Per-token (fp16 row, int page, offset) -> the same for every layer of the stacked stores:
+        layer l's row r is row l * rows + r, its page p page l * pages + p (device ops, no sync)."""
+        layers = torch.arange(self.num_layers, device=rows.device)[:, None]
+        return ((layers * self._k16_all.shape[1] + rows[None, :]).reshape(-1),
+                (layers * self.num_pages(tier) + page[None, :]).reshape(-1), off.repeat(self.num_layers))
 
     # ------------------------------------------------------------------ bytes
     def token_bytes(self, tier: int, with_scales: bool = True) -> float:
