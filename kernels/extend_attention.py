@@ -75,8 +75,8 @@ else:
     # and its TritonGPUOptimizeDotOperands pass crashes on the reshape/join-fed (dequantized)
     # K operand (seen on H200, 2026-11); revisit with a newer Triton or a staged fp16 copy.
     # So only PASS_FP16, which reads no int tier, is tuned over 64-128 rows (16-32 new tokens x
-    # the query heads of one kv head: each prefix tile read 2-4x less often than at 32 rows);
-    # the two 32-row configs are the picks of the kernel's earlier one-pass form.
+    # the query heads of one kv head: each prefix tile read 2-4x less often than at 32 rows),
+    # with two 32-row configs as fallbacks.
     _FP16_CONFIGS = [
         triton.Config({"BLOCK_ROWS": r, "BLOCK_N": n, "BLOCK_P": p}, num_warps=w, num_stages=s)
         for r, n, p, w, s in ((128, 64, 64, 8, 2), (128, 64, 64, 4, 3), (128, 64, 128, 8, 2),
@@ -497,10 +497,9 @@ def extend_attention_tiered(
             lse = torch.empty((N, Hq), dtype=torch.float32, device=q.device)
         # the autotuner's key: its key arguments and every tensor argument's dtype
         tune_key = (D, pages, block_g, layer.group_size, filled, dot_f32, fold, bucket, int_tiers, blocks_first,
-                    q.dtype,
-                    k_new.dtype, out.dtype, lse.dtype, qo_indptr.dtype, f16.k.dtype, i8.k.dtype, i4.k.dtype,
-                    bt[0].dtype, bt[1].dtype, bt[2].dtype,
-                    ln[0].dtype, ln[1].dtype, ln[2].dtype, fills[0].dtype, npg[0].dtype)
+                    q.dtype, k_new.dtype, out.dtype, lse.dtype, qo_indptr.dtype, f16.k.dtype, i8.k.dtype,
+                    i4.k.dtype, bt[0].dtype, bt[1].dtype, bt[2].dtype, ln[0].dtype, ln[1].dtype, ln[2].dtype,
+                    fills[0].dtype, npg[0].dtype)
         launches = [(functools.partial(_launch_fp16, tune_key, grid), PASS_FP16)]
         if int_tiers:
             fixed = grid(INT_PASS_CONFIG)

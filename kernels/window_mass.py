@@ -16,9 +16,9 @@ head and one of S key ranges. Pass 1 finds the rows' running max and sum (log2 d
 keys, pass 2 each key block's probabilities, summed over the rows and atomically added to mass.
 With S = 1 one launch does both over every key; with S > 1 (a long prompt: 8 kv heads x 8 row
 blocks of a 32-query window are 64 programs, too few to keep an H100 reading) a first launch
-stores each split's (max, sum) per row and the second combines them before its pass 2. One launch per
-layer in place of the torch path's dozen (casts, masks, einsum, softmax, sum): on a prefill, whose
-host launches every layer's kernels, that host time is what the capture costs. The products run in
+stores each split's (max, sum) per row and the second combines them before its pass 2. One or
+two launches per layer in place of the torch path's dozen (casts, masks, einsum, softmax, sum): on
+a prefill, whose host launches every layer's kernels, that host time is what the capture costs. The products run in
 the inputs' dtype with float32 accumulation (bf16 / fp16 products are exact in float32), so the
 sums match the float32 torch path up to summation order; atomics make the last bits run-dependent.
 """
