@@ -2,7 +2,8 @@
 `/stop_profile`, `<profile_id>-TP-0.trace.json.gz`) read as per-stream busy time, idle gaps and
 overlap.
 
-    python benchmarks/pd/trace_timeline.py TRACE [TRACE ...] [--gap-ms 1.0] [--bin-ms 10] [--json OUT]
+    python benchmarks/pd/trace_timeline.py TRACE [TRACE ...] [--gap-ms 1.0] [--bin-ms 10] [--copy-mib 1]
+        [--json OUT]
 
 Per trace (GPU activity only: kernels, memcpy and memset events, keyed by their CUDA stream):
 
@@ -15,6 +16,10 @@ Per trace (GPU activity only: kernels, memcpy and memset events, keyed by their 
               compute stream (its 8 largest by time): the median duration of instances that ran
               alone vs beside another stream's work (a ratio above 1: the neighbour slowed it)
     bins      per --bin-ms bin, the busy % of each stream (the timeline at a glance)
+    copies    each copy of at least --copy-mib MiB (a KV segment's write is one): its bytes, GPU
+              time and GB/s, and the host's CUDA runtime call that issued it (matched by CUPTI's
+              correlation id: name, thread, host duration). A copy whose GPU time is its bytes'
+              time at link rate, inside a longer write, spent the rest on the host.
 
 A trace holds whatever the server ran between start and stop (warm-up included if it was
 running): profile one request at a time.
@@ -73,7 +78,33 @@ def _covered(merged: list[tuple[float, float]], s: float, e: float) -> float:
     return got
 
 
-def summarize(events: list[dict], gap_ms: float = 1.0, bin_ms: float = 10.0, top: int = 8) -> dict:
+def _correlation(e: dict):
+    return (e.get("args") or {}).get("correlation")
+
+
+def copies(events: list[dict], min_bytes: int = 1 << 20) -> list[dict]:
+    """GPU copies of at least `min_bytes`, in time order, each with the runtime call that issued
+    it. Times are ms from the first such copy; GB/s is bytes over the GPU's own copy time."""
+    calls = {_correlation(e): e for e in events
+             if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and _correlation(e) is not None}
+    big = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_memcpy" and "dur" in e
+                  and int((e.get("args") or {}).get("bytes", 0)) >= min_bytes), key=lambda e: e["ts"])
+    out = []
+    for e in big:
+        nbytes = int(e["args"]["bytes"])
+        row = {"at_ms": round((e["ts"] - big[0]["ts"]) / 1e3, 3), "name": e.get("name"), "stream": str(_stream(e)),
+               "mib": round(nbytes / (1 << 20), 2), "gpu_ms": round(e["dur"] / 1e3, 4),
+               "gbps": round(nbytes / (e["dur"] * 1e3), 1) if e["dur"] else None}
+        call = calls.get(_correlation(e))
+        if call is not None:
+            row.update(call=call.get("name"), call_tid=call.get("tid"), call_ms=round(call.get("dur", 0) / 1e3, 4),
+                       queued_ms=round((e["ts"] - call["ts"]) / 1e3, 4))  # call start -> copy start
+        out.append(row)
+    return out
+
+
+def summarize(events: list[dict], gap_ms: float = 1.0, bin_ms: float = 10.0, top: int = 8,
+              copy_bytes: int = 1 << 20) -> dict:
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_CATS and "dur" in e]
     if not gpu:
         return {"error": "no GPU events in the trace (a CPU-only profile, or activities without GPU)"}
@@ -138,7 +169,8 @@ def summarize(events: list[dict], gap_ms: float = 1.0, bin_ms: float = 10.0, top
         start = end
     return {"window_ms": round((t1 - t0) / 1e3, 3), "compute_stream": str(compute), "streams": streams,
             "compute_idle_ms": round((t1 - t0) / 1e3 - streams[str(compute)]["busy_ms"], 3),
-            "gaps": gaps, "overlap_ms": round(overlap_ms, 3), "compute_kernels": kernels, "bins": bins}
+            "gaps": gaps, "overlap_ms": round(overlap_ms, 3), "compute_kernels": kernels, "bins": bins,
+            "copies": copies(events, copy_bytes)}
 
 
 def _count(xs) -> dict:
@@ -162,6 +194,11 @@ def text(name: str, s: dict) -> str:
     for k in s["compute_kernels"]:
         lines.append(f"  {k['total_ms']:8.2f} ms alone {k['alone_n']} x {k['alone_median_us']} us, beside "
                      f"{k['beside_n']} x {k['beside_median_us']} us (x{k['beside_over_alone']}) {k['name']}")
+    for c in s.get("copies", []):
+        call = (f", issued by {c['call']} (thread {c['call_tid']}, {c['call_ms']:.3f} ms, copy began "
+                f"{c['queued_ms']:.3f} ms after it)") if "call" in c else ""
+        lines.append(f"  copy at {c['at_ms']:.1f} ms: {c['mib']} MiB in {c['gpu_ms']:.3f} ms on the GPU "
+                     f"({c['gbps']} GB/s) stream {c['stream']} {c['name']}{call}")
     sids = list(s["streams"])
     lines.append("  bins (busy % per stream " + " ".join(sids) + "):")
     lines.append("   " + " ".join(f"{b['at_ms']:.0f}:" + "/".join(str(b.get(sid, 0)) for sid in sids)
@@ -174,14 +211,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--gap-ms", type=float, default=1.0, help="report compute-stream idle stretches above this")
     ap.add_argument("--bin-ms", type=float, default=10.0)
+    ap.add_argument("--copy-mib", type=float, default=1.0, help="list GPU copies of at least this many MiB")
     ap.add_argument("--json", default=None, help="also write the summaries here")
     a = ap.parse_args(argv)
-    if a.gap_ms <= 0 or a.bin_ms <= 0:
-        ap.error("--gap-ms and --bin-ms must be > 0")
+    if a.gap_ms <= 0 or a.bin_ms <= 0 or a.copy_mib <= 0:
+        ap.error("--gap-ms, --bin-ms and --copy-mib must be > 0")
     out = {}
     for path in a.traces:
         try:
-            out[path] = summarize(load(path), a.gap_ms, a.bin_ms)
+            out[path] = summarize(load(path), a.gap_ms, a.bin_ms, copy_bytes=int(a.copy_mib * (1 << 20)))
         except (OSError, ValueError, KeyError) as exc:
             out[path] = {"error": f"{type(exc).__name__}: {exc}"}
         print(text(path, out[path]), flush=True)

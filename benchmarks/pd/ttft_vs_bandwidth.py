@@ -23,8 +23,9 @@ chunk waits for its kernels, so the timed requests run untraced; the traced ones
 kept apart (`traced_ttft_ms`). Streams other than `end` run at `--variant-rates` only (all
 rates when it is omitted). With `--profile-dir`, each point (or those `--profile-rows` names)
 sends one more untraced request under the prefill server's torch profiler (POST /start_profile,
-/stop_profile); the row names its trace file (`profile`), which benchmarks/pd/trace_timeline.py
-reads as per-stream GPU busy time, idle gaps and overlap.
+/stop_profile); the row names its trace file (`profile.file`) and keeps that request's transfer
+(`profile.kv_transfer`), and benchmarks/pd/trace_timeline.py reads the trace as per-stream GPU
+busy time, idle gaps, overlap and the KV writes' copies.
 
 The reference at each budget is a server computing the prompt alone: `--reference single`
 starts a non-disaggregated server (server + prefill args); `--reference prefill` asks the PD
@@ -159,18 +160,21 @@ def profile_id(label: str, n: int) -> str:
 def profiled_request(url: str, n: int, vocab: int, extra: dict | None, profile_url: str, out_dir: str,
                      pid: str) -> str:
     """One more request of n tokens with the torch profiler of the server at `profile_url` running
-    (POST /start_profile ... /stop_profile); returns the trace file's name in `out_dir`."""
+    (POST /start_profile ... /stop_profile); returns the trace file's name in `out_dir` (`file`)
+    and, where KV moved, the request's `kv_transfer` (its wire_ms: the sender's write calls)."""
     # (activities: the server's default, CPU and GPU where it has CUDA)
     r = requests.post(f"{profile_url}/start_profile", json={"output_dir": out_dir, "profile_id": pid}, timeout=60)
     if r.status_code != 200:
         raise RuntimeError(f"/start_profile answered {r.status_code}: {r.text}")
     try:
-        ttft(url, prompt_ids(n, next(_PROMPT_SEEDS), vocab), extra)
+        _, meta = ttft(url, prompt_ids(n, next(_PROMPT_SEEDS), vocab), extra)
     finally:
         r = requests.post(f"{profile_url}/stop_profile", timeout=300)
     if r.status_code != 200:
         raise RuntimeError(f"/stop_profile answered {r.status_code}: {r.text}")
-    return f"{pid}-TP-0.trace.json.gz"
+    # the profiled request's own transfer (its wire_ms against the trace's copies)
+    kv = {k: v for k, v in meta.get("kv_transfer", {}).items() if k != "trace"}
+    return {"file": f"{pid}-TP-0.trace.json.gz", **({"kv_transfer": kv} if kv else {})}
 
 
 def measure(url: str, n: int, repeats: int, vocab: int, label: str, extra: dict | None = None,

@@ -34,9 +34,12 @@
 #   PROFILE_ROWS="reference|b=0.3 chunk@1024 10"  ('|'-separated; unset: none) one more request per
 #                              such row under the prefill server's torch profiler: traces in
 #                              $OUT/profiles, read by benchmarks/pd/trace_timeline.py into
-#                              $OUT/trace_timeline.txt
+#                              $OUT/trace_timeline${NAME_SUFFIX}.txt (the traces themselves are
+#                              deleted after, unless KEEP_TRACES=1)
+#   NAME_SUFFIX=""             appended to the ttft result's and the timeline's names (a second run
+#                              in one call, e.g. under another environment, keeps the first's files)
 # $OUT gets ttft_vs_bandwidth_*.{json,png}, goodput_*.{json,png}, gpu_tests.log, pd_x2.log (7 files);
-# with PROFILE_ROWS also profiles/*.trace.json.gz and trace_timeline.{txt,json}.
+# with PROFILE_ROWS also trace_timeline.{txt,json} (and profiles/*.trace.json.gz with KEEP_TRACES=1).
 # CPU rehearsal at toy size: DEVICE=cpu OUT=/tmp/x bash scripts/gpu/pd_x2.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -101,7 +104,7 @@ assert build_has_cuda(), installed_build()" 2>&1 | tail -3 | tee "$OUT/pd_x2.log
   # goodput: a PD and a co-located server on each GPU (one setup serves at a time), 120k tokens each
   GOODPUT_SERVER="${COMMON/--mem-fraction-static 0.7/--mem-fraction-static 0.9} --max-total-tokens 120000 --cuda-graph-max-bs 64"
   GOODPUT=(--input-len 4096 --output-len 128 --seconds-per-rate 2)
-  TTFT_NAME=ttft_vs_bandwidth_llama-3-8b_${GPU}_x2 GOODPUT_NAME=goodput_llama-3-8b_${GPU}_x2
+  TTFT_NAME=ttft_vs_bandwidth_llama-3-8b_${GPU}_x2${NAME_SUFFIX:-} GOODPUT_NAME=goodput_llama-3-8b_${GPU}_x2
   T_TESTS=${T_TESTS:-50} T_TTFT=${T_TTFT:-300} T_GOODPUT=${T_GOODPUT:-170} T_TOTAL=${T_TOTAL:-530}
   if [ "$T_GOODPUT" -gt 0 ] && [ ! -d /tmp/site/sglang ]; then
     echo "goodput runs sglang.bench_serving: carry .carry_pdx2_b on this machine first, or T_GOODPUT=0" | tee -a "$OUT/pd_x2.log"
@@ -117,7 +120,7 @@ else  # the CPU rehearsal: the same stages on the tiny preset, two CPU servers p
   : "${MORE_S=600}" "${REPEATS=1}" "${REPEATS_LONG=1}" "${GOODPUT_RATES=1}"
   GOODPUT_SERVER="--model-path $MODEL --load-format dummy --device cpu --max-total-tokens 8192 --log-level warning"
   GOODPUT=(--input-len 64 --output-len 8 --min-prompts 3 --seconds-per-rate 1)
-  TTFT_NAME=ttft_vs_bandwidth_tiny_cpu GOODPUT_NAME=goodput_tiny_cpu
+  TTFT_NAME=ttft_vs_bandwidth_tiny_cpu${NAME_SUFFIX:-} GOODPUT_NAME=goodput_tiny_cpu
   T_TESTS=${T_TESTS:-600} T_TTFT=${T_TTFT:-2400} T_GOODPUT=${T_GOODPUT:-1800} T_TOTAL=${T_TOTAL:-4800}
   TESTS=(test/disagg/test_pd_units.py)
 fi
@@ -152,9 +155,12 @@ t(w('$PRESET', '$MODEL'), $VOCAB)" || exit 1
       --server-args "$SERVER" --prefill-args "--base-gpu-id 0" --decode-args "--base-gpu-id 1" \
       --name "$TTFT_NAME" --out-dir "$OUT" "${PROFILE[@]}"
   if [ ${#PROFILE[@]} -gt 0 ] && ls "$OUT"/profiles/*.trace.json.gz > /dev/null 2>&1; then
-    python3 benchmarks/pd/trace_timeline.py "$OUT"/profiles/*.trace.json.gz --json "$OUT/trace_timeline.json" \
-        > "$OUT/trace_timeline.txt" 2>&1
-    head -c 6000 "$OUT/trace_timeline.txt"
+    TIMELINE="$OUT/trace_timeline${NAME_SUFFIX:-}"
+    python3 benchmarks/pd/trace_timeline.py "$OUT"/profiles/*.trace.json.gz --json "$TIMELINE.json" \
+        > "$TIMELINE.txt" 2>&1
+    head -c 6000 "$TIMELINE.txt"
+    grep -E "^== |copy at" "$TIMELINE.txt" | head -60
+    [ "${KEEP_TRACES:-0}" = 1 ] || rm -rf "$OUT/profiles"
   fi
   fi
   if [ "$T_GOODPUT" -gt 0 ]; then

@@ -238,11 +238,15 @@ def test_ttft_vs_bandwidth(tmp_path, smollm2_path):
     pytest.importorskip("mooncake")
     out = run_bench("pd/ttft_vs_bandwidth.py", [
         "--prompts", "64", "--budgets", "1.0", "--rates", "10", "--variant-rates",
+        "--profile-dir", str(tmp_path / "profiles"), "--profile-rows", "b=1.0 end 10",
         "--server-args", f"--model-path {smollm2_path} --device cpu --dtype float32 --max-total-tokens 4096 "
                          "--kv-int4 on"], tmp_path)
     data = result(out, "ttft_vs_bandwidth", ("reference", "pd", "ratios", "params"), png=True)
     pd_row = data["pd"]["b=1.0 end 10"]["64"]
     assert pd_row["ttft_ms"] > 0 and pd_row["bytes"] > 0
+    # the profiled row: its trace on disk, and the profiled request's own transfer beside it
+    assert (tmp_path / "profiles" / pd_row["profile"]["file"]).is_file()
+    assert pd_row["profile"]["kv_transfer"]["status"] == "ok" and pd_row["profile"]["kv_transfer"]["wire_ms"] > 0
 
 
 def test_fusedkv_serve_bench(tmp_path):

@@ -44,6 +44,30 @@ def test_summarize_finds_the_gap_and_the_slowed_kernel(load_benchmark):
     assert len(s["bins"]) == 3 and s["bins"][0]["7"] == 20
 
 
+def test_copies_pairs_each_large_copy_with_the_call_that_issued_it(load_benchmark):
+    mod = load_benchmark("pd/trace_timeline.py")
+    mib = 1 << 20
+    ev = [
+        # a 256 MiB peer copy issued by a synchronous cudaMemcpy on thread 42: 0.7 ms on the GPU
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpy", "ts": 1000, "dur": 760, "tid": 42,
+         "args": {"correlation": 5}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy PtoP (Device -> Device)", "ts": 1040, "dur": 700,
+         "tid": 143, "args": {"stream": 143, "correlation": 5, "bytes": 256 * mib}},
+        # a small copy (below --copy-mib) and a copy whose call is not in the trace
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 900, "dur": 3, "args": {"stream": 7, "bytes": 64}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 3000, "dur": 100,
+         "args": {"stream": 7, "correlation": 9, "bytes": 2 * mib}},
+    ]
+    first, second = mod.copies(ev)
+    assert first["mib"] == 256 and first["gpu_ms"] == pytest.approx(0.7) and first["at_ms"] == 0
+    assert first["gbps"] == pytest.approx(256 * mib / 700e3, rel=1e-3)
+    assert (first["call"], first["call_tid"]) == ("cudaMemcpy", 42)
+    assert first["call_ms"] == pytest.approx(0.76) and first["queued_ms"] == pytest.approx(0.04)
+    assert second["at_ms"] == pytest.approx(1.96) and "call" not in second
+    assert [c["mib"] for c in mod.copies(ev, min_bytes=4 * mib)] == [256]
+    assert "copy at 0.0 ms: 256.0 MiB in 0.700 ms" in mod.text("t", {**mod.summarize(ev), "gaps": []})
+
+
 def test_main_reads_gzip_and_reports_a_trace_without_gpu_events(load_benchmark, tmp_path, capsys):
     mod = load_benchmark("pd/trace_timeline.py")
     good = tmp_path / "a-TP-0.trace.json.gz"
