@@ -73,6 +73,8 @@ def engine_kwargs(args, plan: dict, budget: float, backend: str, batch: int) -> 
     if budget < 1.0:
         # the policy at the budget; int4 forced on (the probe decides int4 for real models only)
         kw.update(kv_tier_budget=budget, kv_tier_policy=args.kv_tier_policy, kv_int4="on")
+        if "kv_tier_staging" in plan:  # the staging share the plan sized the stores with
+            kw["kv_tier_staging"] = plan["kv_tier_staging"]
         if args.kv_tier_page_size:
             kw["kv_tier_page_size"] = args.kv_tier_page_size
     return kw

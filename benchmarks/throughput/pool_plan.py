@@ -20,9 +20,14 @@ b < 1     TieredKVPool. `pool_tokens` (what --max-total-tokens sets) is an fp16-
             int4  likewise
           (a tier that is full falls back one tier up, engine-side). Radix-cached prompts
           then stay resident through the timed calls: nothing is evicted and re-prefilled.
+          The staging share (`kv_tier_staging`, the engine's --kv-tier-staging) is searched
+          with the size: at each size the smallest share whose fp16 store holds its need, so
+          the int stores get the rest (the default 0.25 oversizes the fp16 store at batch 32:
+          16k x 32 at b = 0.5 would need a 64 GiB pool instead of about 37).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -36,6 +41,7 @@ SLACK = 3 * 64  # tokens per request beyond context + n2: the recomputed token, 
 INT_TAIL_PAGES = 2  # partly used int pages a request holds per tier (prefill run, decode runs)
 HEADROOM_BYTES = 6 * 2**30  # activations of a prefill chunk, CUDA graphs, the allocator's slack
 FP16_PAGE = 64  # the paged fp16 pool's page (triton backend)
+MIN_STAGING, MAX_STAGING = 1e-3, 0.999  # the staging share searched (EngineConfig takes (0, 1))
 
 
 def _elem(dtype) -> int:
@@ -96,9 +102,20 @@ def plan_pool(arch, dtype, context: int, batch: int, budget: float, n2: int, pol
 
     need16, need8, need4, fractions, cfg = _tier_needs(arch, context, batch, n2, budget, policy, page_size)
 
+    def stores(size: int, staging: float):
+        return tier_store_plan(dataclasses.replace(cfg, kv_tier_staging=staging), arch, size, dtype, True)
+
     def ok(size: int):
-        plan = tier_store_plan(cfg, arch, size, dtype, True)
-        return plan.n16 >= need16 and plan.n8 >= need8 and plan.n4 >= need4, plan
+        # n16 grows with the staging share (each staged slot costs an fp16 slot, the tiered rest
+        # of the memory keeps its mix): the smallest share whose fp16 store holds need16
+        lo, hi = MIN_STAGING, MAX_STAGING
+        if stores(size, hi).n16 < need16:
+            return False, None, hi
+        while hi - lo > 1e-4:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if stores(size, mid).n16 >= need16 else (mid, hi)
+        plan = stores(size, hi)
+        return plan.n8 >= need8 and plan.n4 >= need4, plan, hi
 
     hi = max(need16, 16)
     while not ok(hi)[0]:
@@ -107,11 +124,11 @@ def plan_pool(arch, dtype, context: int, batch: int, budget: float, n2: int, pol
     while hi - lo > max(1, hi // 1000):
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if ok(mid)[0] else (mid, hi)
-    plan = ok(hi)[1]
+    _, plan, staging = ok(hi)
     return {"pool_tokens": hi, "kv_pool_bytes": hi * full, "kv_full_bytes_per_token": full,
             "tokens_needed": batch * req, "stores": {"n16": plan.n16, "n8": plan.n8, "n4": plan.n4},
             "store_needs": {"n16": need16, "n8": need8, "n4": need4}, "planned_fractions": fractions,
-            "request_bound": plan.n16}
+            "request_bound": plan.n16, "kv_tier_staging": round(staging, 6)}
 
 
 def free_device_bytes(device: str) -> int:

@@ -134,12 +134,15 @@ def test_tiered_pool_plan_holds_the_workload_and_is_small(llama_arch, budget):
     from sgl_kvxfer.mem_cache import tier_store_plan
 
     p = plan_pool(llama_arch, torch.bfloat16, 16384, 8, budget, 40)
-    cfg = EngineConfig(kv_tier_budget=budget, kv_int4="on")
+    assert 0 < p["kv_tier_staging"] < 1
+    cfg = EngineConfig(kv_tier_budget=budget, kv_int4="on", kv_tier_staging=p["kv_tier_staging"])
     stores = tier_store_plan(cfg, llama_arch, p["pool_tokens"], torch.bfloat16, True)  # what the engine builds
     need = p["store_needs"]
     assert stores.n16 >= need["n16"] >= 16384 + 40 and stores.n8 >= need["n8"] and stores.n4 >= need["n4"]
-    smaller = tier_store_plan(cfg, llama_arch, int(p["pool_tokens"] * 0.99), torch.bfloat16, True)
-    assert (smaller.n16 < need["n16"] or smaller.n8 < need["n8"] or smaller.n4 < need["n4"])  # (near) minimal
+    for staging in (p["kv_tier_staging"], 0.05, 0.25, 0.5):  # 1% smaller holds it at no staging share
+        smaller = tier_store_plan(EngineConfig(kv_tier_budget=budget, kv_int4="on", kv_tier_staging=staging),
+                                  llama_arch, int(p["pool_tokens"] * 0.99), torch.bfloat16, True)
+        assert (smaller.n16 < need["n16"] or smaller.n8 < need["n8"] or smaller.n4 < need["n4"])  # (near) minimal
     full = plan_pool(llama_arch, torch.bfloat16, 16384, 8, 1.0, 40)
     assert full["pool_tokens"] >= 8 * (16384 + 40) and p["kv_pool_bytes"] < full["kv_pool_bytes"]
 
@@ -154,6 +157,25 @@ def test_fits_records_bytes_needed(llama_arch):
     assert not ok and need == w + p["kv_pool_bytes"] + (6 << 30) and free == 80 << 30
     q = {**plan_pool(llama_arch, torch.bfloat16, 32768, 32, 0.25, 40), "weight_bytes": w}
     assert fits("cuda", q, 6 << 30, free=80 << 30)[0]  # a quarter budget fits where fp16 does not
+
+
+def test_staging_share_is_sized_to_the_fp16_need(llama_arch):
+    """At batch 32 the default staging share (0.25) would make the fp16 store 4x its need and the
+    pool too large for an 80 GB card at b = 0.5; the plan's own share fits it."""
+    from pool_plan import fits, plan_pool, weight_bytes_resident
+
+    from sgl_kvxfer.config import EngineConfig
+    from sgl_kvxfer.mem_cache import tier_store_plan
+
+    w = weight_bytes_resident(llama_arch, torch.bfloat16)
+    p = plan_pool(llama_arch, torch.bfloat16, 16384, 32, 0.5, 272, page_size=256)
+    assert p["kv_tier_staging"] < 0.25
+    assert p["stores"]["n16"] - p["store_needs"]["n16"] < 0.01 * p["store_needs"]["n16"]
+    assert fits("cuda", {**p, "weight_bytes": w}, 6 << 30, free=78 << 30)[0]
+    default = tier_store_plan(EngineConfig(kv_tier_budget=0.5, kv_int4="on", kv_tier_page_size=256), llama_arch,
+                              p["pool_tokens"], torch.bfloat16, True)
+    need = p["store_needs"]
+    assert default.n8 < need["n8"] or default.n4 < need["n4"]  # at the default share this pool falls short
 
 
 # ---------------------------------------------------------------------------- ncu_decode.py
