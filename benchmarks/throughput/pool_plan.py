@@ -128,7 +128,7 @@ def plan_pool(arch, dtype, context: int, batch: int, budget: float, n2: int, pol
     return {"pool_tokens": hi, "kv_pool_bytes": hi * full, "kv_full_bytes_per_token": full,
             "tokens_needed": batch * req, "stores": {"n16": plan.n16, "n8": plan.n8, "n4": plan.n4},
             "store_needs": {"n16": need16, "n8": need8, "n4": need4}, "planned_fractions": fractions,
-            "request_bound": plan.n16, "kv_tier_staging": round(staging, 6)}
+            "request_bound": plan.n16, "kv_tier_staging": staging}  # exact: the engine rebuilds these stores
 
 
 def free_device_bytes(device: str) -> int:
