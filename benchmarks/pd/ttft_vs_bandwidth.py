@@ -375,7 +375,9 @@ def run_budget(server_args: list[str], budget: float, args, res: dict, save, clo
                         profile_dir=args.profile_dir if profiled(args, "reference") else None)
                     save()
                 set_link(p.url, 0.0, stream, args.latency_ms, args.last_chunk)
-                warm_up(router, [n], args.vocab)
+                # a new prompt: warm_up's would hit the prefill's cache (the reference sent it),
+                # and a cached prompt skips the tiering and packing a first request pays for
+                ttft(router, prompt_ids(n, next(_PROMPT_SEEDS), args.vocab))
                 warmed.update({n, (n, stream, False)})
                 timing.setdefault("warm_s", clock())
             set_link(p.url, rate, stream, args.latency_ms, args.last_chunk)
