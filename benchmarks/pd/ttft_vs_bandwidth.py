@@ -160,7 +160,7 @@ def profile_id(label: str, n: int) -> str:
 
 
 def profiled_request(url: str, n: int, vocab: int, extra: dict | None, profile_url: str, out_dir: str,
-                     pid: str) -> str:
+                     pid: str) -> dict:
     """One more request of n tokens with the torch profiler of the server at `profile_url` running
     (POST /start_profile ... /stop_profile); returns the trace file's name in `out_dir` (`file`)
     and, where KV moved, the request's `kv_transfer` (its wire_ms: the sender's write calls)."""

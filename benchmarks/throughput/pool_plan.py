@@ -23,7 +23,7 @@ b < 1     TieredKVPool. `pool_tokens` (what --max-total-tokens sets) is an fp16-
           The staging share (`kv_tier_staging`, the engine's --kv-tier-staging) is searched
           with the size: at each size the smallest share whose fp16 store holds its need, so
           the int stores get the rest (the default 0.25 oversizes the fp16 store at batch 32:
-          16k x 32 at b = 0.5 would need a 64 GiB pool instead of about 37).
+          16k x 32 at b = 0.5 would need a 64.4 GiB pool instead of 51.8).
 """
 from __future__ import annotations
 

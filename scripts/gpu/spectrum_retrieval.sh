@@ -3,7 +3,7 @@
 # `all` = tests train probe eval resume decode, which needs more than one call's 560 s):
 #   tests   (CUDA only) test/spectrum/test_cold_tier.py, whose GPU test runs the side-stream promotion
 #   train   SmolLM2-135M-Instruct fully fine-tuned on the task suite's key-value retrieval
-#           (KV_VALUE_DIGITS = 10-digit values; KV_NEAR_KEYS = 8 near-duplicate keys one character
+#           (KV_VALUE_DIGITS = 10-digit values; KV_NEAR_KEYS = 6 near-duplicate keys one character
 #           away from the asked one, whose values are the asked value with KV_NEAR_VALUES = 2 digits
 #           changed): the first SHORT_FRAC of the items at SHORT_CTX tokens, then TRAIN_CTX
 #           (scripts/train/finetune.py through scripts/gpu/spectrum_train.py); SmolLM2-135M has 8192
