@@ -374,19 +374,17 @@ def run_budget(server_args: list[str], budget: float, args, res: dict, save, clo
                         p.url, n, repeats_for(n, args), args.vocab, f"reference b={budget} (prefill, no peer)", NO_PEER,
                         profile_dir=args.profile_dir if profiled(args, "reference") else None)
                     save()
-                set_link(p.url, 0.0, stream, args.latency_ms, args.last_chunk)
-                # a new prompt: warm_up's would hit the prefill's cache (the reference sent it),
-                # and a cached prompt skips the tiering and packing a first request pays for
-                ttft(router, prompt_ids(n, next(_PROMPT_SEEDS), args.vocab))
-                warmed.update({n, (n, stream, False)})
-                timing.setdefault("warm_s", clock())
+                warmed.add(n)
             set_link(p.url, rate, stream, args.latency_ms, args.last_chunk)
             if (n, stream, rate > 0) not in warmed:
-                # a stream's first request, paced or not, pays first-use costs (its last chunk's
-                # kernel shapes, the decode's first unpack of a tiered payload, the paced engine):
-                # one untimed request at the point's own settings keeps them out of its runs
-                ttft(router, prompt_ids(n, next(_PROMPT_SEEDS), args.vocab))  # a new prompt: no cache hit
+                # a length's and a stream's first PD request, paced or not, pays first-use costs
+                # (kernel compiles, its last chunk's shapes, the decode's first unpack of a tiered
+                # payload, the paced engine): one untimed request at the point's own settings keeps
+                # them out of its runs. A new prompt: warm_up's would hit the prefill's cache (the
+                # reference sent it), and a cached prompt skips the tiering and packing
+                ttft(router, prompt_ids(n, next(_PROMPT_SEEDS), args.vocab))
                 warmed.add((n, stream, rate > 0))
+                timing.setdefault("warm_s", clock())
             measuring_from = measuring_from or time.time()
             name = f"b={budget} {stream} {rate_name(rate)}"
             res["pd"].setdefault(name, {})[str(n)] = measure(
