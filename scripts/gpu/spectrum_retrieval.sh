@@ -3,8 +3,8 @@
 # `all` = tests train probe eval resume decode, which needs more than one call's 560 s):
 #   tests   (CUDA only) test/spectrum/test_cold_tier.py, whose GPU test runs the side-stream promotion
 #   train   SmolLM2-135M-Instruct fully fine-tuned on the task suite's key-value retrieval
-#           (KV_VALUE_DIGITS = 10-digit values; KV_NEAR_KEYS = 6 near-duplicate keys one character
-#           away from the asked one, whose values are the asked value with KV_NEAR_VALUES = 2 digits
+#           (KV_VALUE_DIGITS = 10-digit values; KV_NEAR_KEYS = 16 near-duplicate keys one character
+#           away from the asked one, whose values are the asked value with KV_NEAR_VALUES = 1 digit
 #           changed): the first SHORT_FRAC of the items at SHORT_CTX tokens, then TRAIN_CTX
 #           (scripts/train/finetune.py through scripts/gpu/spectrum_train.py); SmolLM2-135M has 8192
 #           positions (RoPE theta 1e5), so 8000-token prompts need no RoPE scaling; the weights stay
@@ -16,8 +16,9 @@
 #           profile, lambda and threshold by validation, then the first methods (EVAL_A) at b = 0.3
 #           and 0.2; the JSON is rewritten after every point, in $OUT as it runs
 #   resume  the same JSON continued (--resume: the same trials, fp16 ceilings, profile, lambda and
-#           threshold): every method at b = 0.3 and 0.2, then every method at b = 0.5, the points
-#           already measured skipped; methods in the order they matter to the table
+#           threshold): every method (METHODS) at each '|'-separated group of RESUME_BUDGETS
+#           (default "0.3 0.2|0.5": b = 0.3 and 0.2, then b = 0.5), the points already measured
+#           skipped; methods in the order they matter to the table
 #   decode  benchmarks/throughput/cold_tier_decode.py: the cold tier's decode cost at the
 #           Llama-3-8B shape (dummy weights), 16k x 8, b = 0.2, triton backend, CUDA graphs; modes
 #           off, on@16, on@4, score@16 (scoring without promotions), a synchronized per-part
@@ -104,7 +105,7 @@ else
     --forced-threshold 0.001"}
 fi
 # the test bed: the task's parameters for training and evaluation alike
-KV_VALUE_DIGITS=${KV_VALUE_DIGITS:-10} KV_NEAR_KEYS=${KV_NEAR_KEYS:-6} KV_NEAR_VALUES=${KV_NEAR_VALUES:-2}
+KV_VALUE_DIGITS=${KV_VALUE_DIGITS:-10} KV_NEAR_KEYS=${KV_NEAR_KEYS:-16} KV_NEAR_VALUES=${KV_NEAR_VALUES:-1}
 TASK_TRAIN=(--task-param kv.value_digits="$KV_VALUE_DIGITS" --task-param kv.near_keys="$KV_NEAR_KEYS"
             --task-param kv.near_values="$KV_NEAR_VALUES")
 TASK_EVAL=(--task-param value_digits="$KV_VALUE_DIGITS" --task-param near_keys="$KV_NEAR_KEYS"
@@ -188,7 +189,8 @@ if want resume; then
   else
     reserve=0; want decode && reserve=$T_DECODE  # the decode stage keeps its share
     t_end=$(( T0 + T_TOTAL - 15 - reserve ))
-    for budgets in "0.3 0.2" "0.5"; do
+    IFS='|' read -r -a budget_groups <<< "${RESUME_BUDGETS:-0.3 0.2|0.5}"
+    for budgets in "${budget_groups[@]}"; do
       t=$(( t_end - $(date +%s) ))
       [ "$t" -ge 60 ] || break
       say "resume: $json, every method at b = $budgets ($t s)"
