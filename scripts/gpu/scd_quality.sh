@@ -6,8 +6,15 @@
 #
 #   GPU call 1:  carry [.carry_a]          bash scripts/gpu/stage_weights.sh
 #   GPU call 2:  carry [.carry_b, .whl]    SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/scd_quality.sh
+#   GPU call 3 (optional, same warm machine, right after call 2 run with WORK=DIR):
+#                carry [.whl]  REFINE=1 WORK=DIR SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/scd_quality.sh
+#                the aligners of call 2's calibration train on from their saved state for what
+#                the eval's minimum leaves of WALL (python -m sgl_kvxfer.scd.calib.refine: same
+#                calib tokens, same held-out split), then the eval runs again on the refined
+#                artifacts; repeat it for more aligner time
 #   CPU rehearsal (tiny random base, the same stages at toy sizes):
 #                DEVICE=cpu OUT=<dir> bash scripts/gpu/scd_quality.sh
+#                (WORK=<dir> keeps the specialists and artifacts; then REFINE=1 with the same WORK)
 #
 # Time shares of WALL (default 540 s from the start): on a GPU the three specialists train side by
 # side (PARALLEL_TRAIN=1), T_TRAIN_EACH (100) s each plus 40 s of loading and held-out scoring;
@@ -34,8 +41,15 @@ else
   export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 fi
 exec > >(tee -a "$OUT/scd_quality.log") 2>&1
-W=$(mktemp -d "${TMPDIR:-/tmp}/scd_quality.XXXXXX")
-trap 'rm -rf "$W"' EXIT
+if [ -n "${WORK:-}" ]; then  # kept for a later call on the same machine (REFINE=1)
+  W=$WORK; mkdir -p "$W"
+else
+  W=$(mktemp -d "${TMPDIR:-/tmp}/scd_quality.XXXXXX")
+  trap 'rm -rf "$W"' EXIT
+fi
+if [ "${REFINE:-0}" = 1 ] && [ ! -f "$W/artifacts/calibration.json" ]; then
+  echo "REFINE=1: no calibration in $W/artifacts (run this script with the same WORK first)"; exit 1
+fi
 SPECIALISTS="qa kv code"
 if [ "$DEVICE" = cuda ]; then
   # the host's cores are shared (three trainings here, other parts beside): no 16-thread pools each
@@ -68,7 +82,8 @@ if [ "$DEVICE" = cuda ]; then
   T_EVAL_MIN=${T_EVAL_MIN:-180}
 else
   BASE=$W/base
-  python3 scripts/train/make_tiny_model.py --out "$BASE" --layers 4 --hidden 32 --heads 2 --kv-heads 1 --intermediate 64 || exit 1
+  [ -f "$BASE/config.json" ] || python3 scripts/train/make_tiny_model.py --out "$BASE" --layers 4 --hidden 32 --heads 2 \
+    --kv-heads 1 --intermediate 64 || exit 1
   TRAIN="--method full --steps 2 --batch-size 2 --lr 1e-3 --warmup 1 --eval-n 1 --device cpu --save-dtype float32"
   CALIB="--r-k 8 --r-v 8 --rank-levels 2:2,4:4 --r-h 16 --patch-budget 2 --pool 2 --num-prefixes 6 --batch-size 3
          --select-prompts 3 --aligner-hidden 16 --aligner-steps 20 --aligner-tokens 256 --aligner-joint
@@ -89,32 +104,40 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run, time, record
   echo "  \"$name\": {\"rc\": $rc, \"wall_s\": $wall}," >> "$W/stages.json"
 }
 
-CONSUMERS=""
-train_pids=()
-for s in $SPECIALISTS; do
-  if [ "${PARALLEL_TRAIN:-0}" = 1 ]; then  # side by side on one GPU (a 135M model leaves it idle between kernels)
-    stage "train_$s" $T_TRAIN python3 scripts/train/finetune.py --model "$BASE" --mix "$s=1" --out "$W/specialists/$s" \
-      $TRAIN > "$W/train_$s.log" 2>&1 &
-    train_pids+=($!)
-  else
-    stage "train_$s" $T_TRAIN python3 scripts/train/finetune.py --model "$BASE" --mix "$s=1" --out "$W/specialists/$s" $TRAIN
+if [ "${REFINE:-0}" = 1 ]; then
+  # the aligners of the calibration in $W/artifacts train on from where they stopped; the
+  # specialists and the Reuse fits stay (sgl_kvxfer/scd/calib/refine.py)
+  T_REF=$(( $(left) - T_EVAL_MIN )); [ $T_REF -lt 60 ] && T_REF=60
+  stage refine $T_REF python3 -m sgl_kvxfer.scd.calib.refine --artifacts "$W/artifacts" \
+    --time-budget-s $(( T_REF - 15 )) ${ALIGNER_LR:+--aligner-lr $ALIGNER_LR}
+else
+  CONSUMERS=""
+  train_pids=()
+  for s in $SPECIALISTS; do
+    if [ "${PARALLEL_TRAIN:-0}" = 1 ]; then  # side by side on one GPU (a 135M model leaves it idle between kernels)
+      stage "train_$s" $T_TRAIN python3 scripts/train/finetune.py --model "$BASE" --mix "$s=1" --out "$W/specialists/$s" \
+        $TRAIN > "$W/train_$s.log" 2>&1 &
+      train_pids+=($!)
+    else
+      stage "train_$s" $T_TRAIN python3 scripts/train/finetune.py --model "$BASE" --mix "$s=1" --out "$W/specialists/$s" $TRAIN
+    fi
+    CONSUMERS="$CONSUMERS --consumer $s=$W/specialists/$s"
+  done
+  if [ "${PARALLEL_TRAIN:-0}" = 1 ]; then
+    wait "${train_pids[@]}"  # not a bare wait: that also waits for the log's tee, which never ends
+    for s in $SPECIALISTS; do grep -v "it/s\]$" "$W/train_$s.log" | tail -n 15; done
   fi
-  CONSUMERS="$CONSUMERS --consumer $s=$W/specialists/$s"
-done
-if [ "${PARALLEL_TRAIN:-0}" = 1 ]; then
-  wait "${train_pids[@]}"  # not a bare wait: that also waits for the log's tee, which never ends
-  for s in $SPECIALISTS; do grep -v "it/s\]$" "$W/train_$s.log" | tail -n 15; done
+  # calibration takes what the eval's minimum leaves. Its --time-budget-s (T_CAL - 15) counts from the
+  # python process's start and keeps 10 s of itself for writing the artifacts (calib/budget.py), so
+  # it exits near T_CAL - 25 s; the 15 s outside cover the last aligner turn's overrun (one step
+  # and a held-out check) and a slow disk under the ~300 MB of reuse stats, before timeout's SIGINT
+  # at T_CAL (the artifacts are still written, but the joint aligner pass a SIGINT cuts leaves
+  # every Patch layer Reuse: the budget keeps it clear of that). The eval takes the rest: its rank
+  # sweep starts a consumer only when the time its methods took says it ends 30 s before the limit
+  T_CAL=$(( $(left) - T_EVAL_MIN )); [ $T_CAL -lt 60 ] && T_CAL=60
+  stage calibrate $T_CAL python3 -m sgl_kvxfer.scd.calib --producer "$BASE" $CONSUMERS \
+    --calib task:qa task:kv task:code --out "$W/artifacts" --save-stats --time-budget-s $(( T_CAL - 15 )) $CALIB
 fi
-# calibration takes what the eval's minimum leaves. Its --time-budget-s (T_CAL - 15) counts from the
-# python process's start and keeps 10 s of itself for writing the artifacts (calib/budget.py), so
-# it exits near T_CAL - 25 s; the 15 s outside cover the last aligner turn's overrun (one step
-# and a held-out check) and a slow disk under the ~300 MB of reuse stats, before timeout's SIGINT
-# at T_CAL (the artifacts are still written, but the joint aligner pass a SIGINT cuts leaves
-# every Patch layer Reuse: the budget keeps it clear of that). The eval takes the rest: its rank
-# sweep starts a consumer only when the time its methods took says it ends 30 s before the limit
-T_CAL=$(( $(left) - T_EVAL_MIN )); [ $T_CAL -lt 60 ] && T_CAL=60
-stage calibrate $T_CAL python3 -m sgl_kvxfer.scd.calib --producer "$BASE" $CONSUMERS \
-  --calib task:qa task:kv task:code --out "$W/artifacts" --save-stats --time-budget-s $(( T_CAL - 15 )) $CALIB
 T_EVAL=$(( $(left) )); [ $T_EVAL -lt 60 ] && T_EVAL=60
 stage eval $T_EVAL python3 benchmarks/quality/scd_eval.py --artifacts "$W/artifacts" --out-dir "$W/results" \
   --time-budget-s $(( T_EVAL - 30 )) $EVAL

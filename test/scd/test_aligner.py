@@ -75,3 +75,20 @@ def test_items_with_their_own_codes_equal_each_alone():
         assert err < (kv(z @ lw[0] + lb[0]) - kv(t[0])).pow(2).mean()
     with pytest.raises(ValueError, match="codes"):
         train_aligners([z1], t1 + t2, lw1 + lw2, lb1 + lb2, width=4, steps=1)
+
+
+def test_resume_from_trained_parameters_continues_the_descent():
+    """init=: a second call starts from the first's parameters (its held-out loss is the first's
+    best, on the same split) and goes lower; the linear start arguments are then unused."""
+    z, targets, lin_ws, lin_bs, w_kvs = _data()
+    kw = dict(width=16, lr=1e-2, batch=256, aux=1.0, seed=3, eval_every=20, patience=0)
+    first = train_aligners(z, targets, lin_ws, lin_bs, w_kvs=w_kvs, steps=60, **kw)
+    zeros = [torch.zeros_like(w) for w in lin_ws]
+    second = train_aligners(z, targets, zeros, [torch.zeros_like(b) for b in lin_bs], w_kvs=w_kvs, steps=300,
+                            init=[p for p, _ in first], **kw)
+    for (p1, r1), (p2, r2) in zip(first, second):
+        assert r2["val_loss_linear"] == pytest.approx(r1["val_loss_best"], rel=1e-5)
+        assert r2["val_loss_best"] < r1["val_loss_best"]
+        assert torch.equal(p2["scale"], p1["scale"])  # the codes' normalization is part of the trained map
+    with pytest.raises(ValueError, match="init"):
+        train_aligners(z, targets, lin_ws, lin_bs, width=8, steps=1, init=[p for p, _ in first])

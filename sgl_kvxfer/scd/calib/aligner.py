@@ -60,14 +60,17 @@ def _stacked_forward(p: dict[str, torch.Tensor], z: torch.Tensor) -> torch.Tenso
 def train_aligners(z: torch.Tensor | list[torch.Tensor], targets: list[torch.Tensor], lin_ws: list[torch.Tensor],
                    lin_bs: list[torch.Tensor], width: int, steps: int = 300, lr: float = 1e-3, batch: int = 2048,
                    w_kvs: list[torch.Tensor] | None = None, aux: float = 1.0, seed: int = 0, val_frac: float = 0.1,
-                   eval_every: int = 50, patience: int = 4, time_budget_s: float = 0.0, h_weight: float = 1.0):
+                   eval_every: int = 50, patience: int = 4, time_budget_s: float = 0.0, h_weight: float = 1.0,
+                   init: list[dict[str, torch.Tensor]] | None = None):
     """C aligners trained side by side as one stacked model: z [n, r_h] is the code every item
     reads (the consumers of one patch layer), or a list of C codes [n, r_h] (items of several
     patch layers: rows are the same tokens). Each item's loss depends only on its own parameters
     and Adam is elementwise, so each follows the trajectory it would alone (same split, batches
     and initialization: one seed), at the launch cost of one. Early stopping is per item (a
-    stopped one keeps its best check); time_budget_s bounds the whole. Returns [(params, report)]
-    per item."""
+    stopped one keeps its best check); time_budget_s bounds the whole. init: per item, trained
+    parameters (codec.ALIGNER_PARAMS, scale included) to resume from instead of the linear start
+    (lin_ws / lin_bs are then unused); the report's val_loss_linear is then the resumed loss.
+    Returns [(params, report)] per item."""
     t0 = time.perf_counter()  # the time budget covers the set-up and the checks too
     n_c = len(targets)
     zs = torch.stack(z) if isinstance(z, (list, tuple)) else z.expand(n_c, -1, -1)  # [C, n, r_h]
@@ -79,14 +82,21 @@ def train_aligners(z: torch.Tensor | list[torch.Tensor], targets: list[torch.Ten
     n_val = max(1, int(n * val_frac)) if n > 10 else 0
     val, tr = perm[:n_val], perm[n_val:]
     r_h, hidden = lin_ws[0].shape
-    scale = zs[:, tr].std(1).clamp(min=1e-6)  # [C, r_h]
-    w1 = torch.randn(r_h, width, generator=g).to(dev) / math.sqrt(r_h)
+    w1 = torch.randn(r_h, width, generator=g).to(dev) / math.sqrt(r_h)  # drawn either way: same batches after
     # batches drawn where the data is: a host-side draw copied over each step would make every
     # step wait for the one before it (the copy from pageable memory synchronizes)
     gd = torch.Generator(device=dev).manual_seed(seed)
-    p = {"lin_w": torch.stack([s[:, None] * w for s, w in zip(scale, lin_ws)]), "lin_b": torch.stack(lin_bs).clone(),
-         "w1": w1.expand(n_c, -1, -1).clone(), "b1": torch.zeros(n_c, width, device=dev),
-         "w2": torch.zeros(n_c, width, hidden, device=dev), "b2": torch.zeros(n_c, hidden, device=dev)}
+    if init is not None:
+        if len(init) != n_c or any(q["w1"].shape != (r_h, width) for q in init):
+            raise ValueError(f"init: {n_c} aligners of width {width} expected")
+        p = {k: torch.stack([q[k].to(dev).float() for q in init]).clone() for k in ("lin_w", "lin_b", "w1", "b1",
+                                                                                   "w2", "b2")}
+        scale = torch.stack([q["scale"].to(dev).float() for q in init])
+    else:
+        scale = zs[:, tr].std(1).clamp(min=1e-6)  # [C, r_h]
+        p = {"lin_w": torch.stack([s[:, None] * w for s, w in zip(scale, lin_ws)]), "lin_b": torch.stack(lin_bs).clone(),
+             "w1": w1.expand(n_c, -1, -1).clone(), "b1": torch.zeros(n_c, width, device=dev),
+             "w2": torch.zeros(n_c, width, hidden, device=dev), "b2": torch.zeros(n_c, hidden, device=dev)}
     for v in p.values():
         v.requires_grad_(True)
     p["scale"] = scale
