@@ -11,7 +11,8 @@
 #                the aligners of call 2's calibration train on from their saved state for what
 #                the eval's minimum leaves of WALL (python -m sgl_kvxfer.scd.calib.refine: same
 #                calib tokens, same held-out split), then the eval runs again on the refined
-#                artifacts; repeat it for more aligner time
+#                artifacts; repeat it for more aligner time (SKIP_EVAL=1 T_EVAL_MIN=0 on all but the
+#                last such call gives the aligners the whole WALL)
 #   CPU rehearsal (tiny random base, the same stages at toy sizes):
 #                DEVICE=cpu OUT=<dir> bash scripts/gpu/scd_quality.sh
 #                (WORK=<dir> keeps the specialists and artifacts; then REFINE=1 with the same WORK)
@@ -138,9 +139,13 @@ else
   stage calibrate $T_CAL python3 -m sgl_kvxfer.scd.calib --producer "$BASE" $CONSUMERS \
     --calib task:qa task:kv task:code --out "$W/artifacts" --save-stats --time-budget-s $(( T_CAL - 15 )) $CALIB
 fi
-T_EVAL=$(( $(left) )); [ $T_EVAL -lt 60 ] && T_EVAL=60
-stage eval $T_EVAL python3 benchmarks/quality/scd_eval.py --artifacts "$W/artifacts" --out-dir "$W/results" \
-  --time-budget-s $(( T_EVAL - 30 )) $EVAL
+if [ "${SKIP_EVAL:-0}" = 1 ]; then
+  echo "=== eval: skipped (SKIP_EVAL=1)"
+else
+  T_EVAL=$(( $(left) )); [ $T_EVAL -lt 60 ] && T_EVAL=60
+  stage eval $T_EVAL python3 benchmarks/quality/scd_eval.py --artifacts "$W/artifacts" --out-dir "$W/results" \
+    --time-budget-s $(( T_EVAL - 30 )) $EVAL
+fi
 # the headline rows in the log: each method's score per specialist (base = the producer alone)
 python3 - "$W"/results/scd_eval_*.json <<'PY' 2>/dev/null
 import json, sys

@@ -54,5 +54,8 @@ def test_refine_into_another_dir_keeps_the_source(tiny_pair, tmp_path):
 def test_refine_refuses_what_it_cannot_continue(tmp_path):
     with pytest.raises(FileNotFoundError, match="calibration.json"):
         refine(str(tmp_path), time_budget_s=10.0)
-    with pytest.raises(ValueError, match="time-budget"):
-        refine(str(tmp_path), time_budget_s=0.0)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="time-budget"):
+            refine(str(tmp_path), time_budget_s=bad)
+    with pytest.raises(ValueError, match="aligner-lr"):
+        refine(str(tmp_path), time_budget_s=10.0, lr=float("nan"))

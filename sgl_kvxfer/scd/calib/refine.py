@@ -61,8 +61,10 @@ def refine(art_dir: str, time_budget_s: float, out: str | None = None, lr: float
            device: str | None = None, started: float | None = None) -> dict:
     """Trains the aligners of `art_dir` on for about time_budget_s (from `started`, default now)
     and writes the artifacts to `out` (default: art_dir). Returns the refinement record."""
-    if time_budget_s <= 0:
-        raise ValueError(f"--time-budget-s must be > 0, got {time_budget_s}")
+    if not (0 < time_budget_s < 1e9):  # also refuses NaN and inf
+        raise ValueError(f"--time-budget-s must be a finite number of seconds > 0, got {time_budget_s}")
+    if lr is not None and not (0 < lr < 1e3):
+        raise ValueError(f"--aligner-lr must be finite and > 0, got {lr}")
     cfg = load_config(art_dir, device)
     art = ScdArtifacts.load(art_dir)
     m = art.manifest
@@ -95,7 +97,7 @@ def refine(art_dir: str, time_budget_s: float, out: str | None = None, lr: float
                     zs.append(z)
                     targets.append(samples[layer][1 + i])
                     inits.append({p: art.consumer_tensor(name, f"a_{p}.{layer}").to(z.device) for p in ALIGNER_PARAMS})
-                    w_kvs.append(torch.cat([env.projections[name][layer].w_k, env.projections[name][layer].w_v]).float())
+                    w_kvs.append(stages.kv_rows(env, name, layer))
                     keys.append((name, layer))
             trained = train_aligners(zs, targets, [p["lin_w"] for p in inits], [p["lin_b"] for p in inits],
                                      inits[0]["w1"].shape[-1], cfg.aligner_steps, lr or cfg.aligner_lr,

@@ -259,8 +259,13 @@ def _layer_code(cfg, env: Models, moments, samples, layer: int):
     fit = fit_joint(moments[layer], cfg.r_h, cfg.ridge)
     h_a = samples[layer][0].float()
     z = wire_codes((h_a - fit.mu_a[0].to(h_a.device)) @ fit.enc[0].to(h_a.device), cfg.code_dtype)
-    w_kvs = [torch.cat([env.projections[n][layer].w_k, env.projections[n][layer].w_v]).float() for n in env.consumers]
-    return fit, z, w_kvs
+    return fit, z, [kv_rows(env, n, layer) for n in env.consumers]
+
+
+def kv_rows(env: Models, consumer: str, layer: int) -> torch.Tensor:
+    """A consumer's stacked [W_k; W_v] of a layer (float32): the rows the aligners' K/V loss reads."""
+    proj = env.projections[consumer][layer]
+    return torch.cat([proj.w_k, proj.w_v]).float()
 
 
 def fit_patch_joint(cfg, env: Models, h_data, order, budget: Budget):
