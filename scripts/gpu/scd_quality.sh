@@ -5,10 +5,11 @@
 # (benchmarks/quality/scd_eval.py). The specialists' weights are built here and never leave.
 #
 #   GPU call 1:  carry [.carry_a]          bash scripts/gpu/stage_weights.sh
-#   GPU call 2:  carry [.carry_b, .whl]    SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/scd_quality.sh
-#   GPU call 3 (optional, same warm machine, right after call 2 run with WORK=DIR):
+#   GPU call 2:  carry [.carry_b]          bash scripts/gpu/stage_weights.sh join
+#   GPU call 3:  carry [.whl]              SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/scd_quality.sh
+#   GPU call 4 (optional, same warm machine, right after call 3 run with WORK=DIR):
 #                carry [.whl]  REFINE=1 WORK=DIR SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/scd_quality.sh
-#                the aligners of call 2's calibration train on from their saved state for what
+#                the aligners of call 3's calibration train on from their saved state for what
 #                the eval's minimum leaves of WALL (python -m sgl_kvxfer.scd.calib.refine: same
 #                calib tokens, same held-out split), then the eval runs again on the refined
 #                artifacts; repeat it for more aligner time (SKIP_EVAL=1 T_EVAL_MIN=0 on all but the

@@ -38,10 +38,11 @@
 # holds; peak about 25 GB (the decode stage: the Llama-3-8B dummy weights, 16 GB, and its tiered
 # pool for 16k x 8).
 #
-# GPU, three calls on one warm machine (scripts/gpu/README.md), the last two back to back:
+# GPU, four calls on one warm machine (scripts/gpu/README.md), back to back:
 #   run carry [.carry_a]                      bash scripts/gpu/stage_weights.sh
-#   run carry [.carry_b, .whl, .cache/data]   WORK=/tmp/spectrum_work bash scripts/gpu/spectrum_retrieval.sh tests train probe eval
-#   run carry [.carry_b, .whl, .cache/data]   WORK=/tmp/spectrum_work bash scripts/gpu/spectrum_retrieval.sh resume decode
+#   run carry [.carry_b]                      bash scripts/gpu/stage_weights.sh join
+#   run carry [.whl, .cache/data]             WORK=/tmp/spectrum_work bash scripts/gpu/spectrum_retrieval.sh tests train probe eval
+#   run carry [.whl, .cache/data]             WORK=/tmp/spectrum_work bash scripts/gpu/spectrum_retrieval.sh resume decode
 # beside scd_quality.sh on one H100 (env.sh once first, then each script in its own OUT subfolder):
 #   source scripts/gpu/env.sh; WORK=/tmp/spectrum_work PACK=1 OUT=$OUT/spec bash scripts/gpu/spectrum_retrieval.sh tests train probe eval &
 #   OUT=$OUT/scd bash scripts/gpu/scd_quality.sh; wait

@@ -13,7 +13,8 @@
 # under its own limits and the whole under WALL seconds (default 400); a part cut short keeps what
 # it wrote. Parts share a GPU and the host's cores, so their wall times are not speed results.
 #
-#   run kind nvidia-h100-x2, carry [.carry_b, .whl, .cache/data, .cache/fusedkv]
+#   run kind nvidia-h100-x2, carry [.carry_b]: bash scripts/gpu/stage_weights.sh join (after stage_weights.sh)
+#   run kind nvidia-h100-x2, carry [.whl, .cache/data, .cache/fusedkv]
 #       SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/testbeds_x2.sh
 # The FusedKV call (parts fusedkv and fusedkv2 alone, their settings): scripts/gpu/fusedkv_x2.sh.
 # CPU rehearsal (each part's own CPU mode, tiny shapes): DEVICE=cpu OUT=<dir> bash scripts/gpu/testbeds_x2.sh
