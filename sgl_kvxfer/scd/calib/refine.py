@@ -92,7 +92,9 @@ def refine(art_dir: str, time_budget_s: float, out: str | None = None, lr: float
             share = max(1e-6, left / (len(groups) - j)) if left is not None else 0.0
             zs, targets, inits, w_kvs, keys = [], [], [], [], []
             for layer in layers:
-                z = _wire_codes(cfg, art, samples[layer][0], layer)
+                # the artifacts' own (stored-dtype) encoder: the codes the aligners read when serving
+                z = stages.h_codes(samples[layer][0], art.producer_tensor(f"h_mu.{layer}"),
+                                   art.producer_tensor(f"h_enc.{layer}"), cfg.code_dtype)
                 for i, name in enumerate(names):
                     zs.append(z)
                     targets.append(samples[layer][1 + i])
@@ -129,14 +131,6 @@ def refine(art_dir: str, time_budget_s: float, out: str | None = None, lr: float
     print(f"[refine] {sum(len(v) for v in record['aligners'].values())} aligners, held-out loss at most "
           f"{worst:.3f}x of where this call started; {record['wall_s']['total']:.1f} s -> {dest}", flush=True)
     return record
-
-
-def _wire_codes(cfg: CalibConfig, art: ScdArtifacts, h_a: torch.Tensor, layer: int) -> torch.Tensor:
-    """The producer's H codes of sampled tokens as the consumer receives them, by the artifacts'
-    own (stored-dtype) encoder: what the aligners read at serving time."""
-    enc = art.producer_tensor(f"h_enc.{layer}").to(h_a.device)
-    mu = art.producer_tensor(f"h_mu.{layer}").to(h_a.device)
-    return stages.wire_codes((h_a.float() - mu) @ enc, cfg.code_dtype)
 
 
 def _write_report(art_dir: str, dest: str, record: dict) -> None:

@@ -253,12 +253,18 @@ def wire_codes(z: torch.Tensor, code_dtype: str) -> torch.Tensor:
     return fake_quant(z, bits) if bits else z.to(CODE_DTYPES[code_dtype]).float()
 
 
+def h_codes(h_a: torch.Tensor, mu: torch.Tensor, enc: torch.Tensor, code_dtype: str) -> torch.Tensor:
+    """A Patch layer's H codes of the producer's states h_a [T, hidden] as the consumer receives
+    them (centred, encoded, rounded to the wire dtype), float32."""
+    return wire_codes((h_a.float() - mu.to(h_a.device)) @ enc.to(h_a.device), code_dtype)
+
+
 def _layer_code(cfg, env: Models, moments, samples, layer: int):
     """A patch layer's joint H fit, the producer's codes of its sampled tokens (as received) and
     each consumer's stacked [W_k; W_v]."""
     fit = fit_joint(moments[layer], cfg.r_h, cfg.ridge)
     h_a = samples[layer][0].float()
-    z = wire_codes((h_a - fit.mu_a[0].to(h_a.device)) @ fit.enc[0].to(h_a.device), cfg.code_dtype)
+    z = h_codes(h_a, fit.mu_a[0], fit.enc[0], cfg.code_dtype)
     return fit, z, [kv_rows(env, n, layer) for n in env.consumers]
 
 
