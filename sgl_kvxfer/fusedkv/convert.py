@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="all: every weight trains; top: the reconstruction layers and the final norm only")
     ap.add_argument("--seq", type=_int_at_least(8, 1 << 16), default=d.seq)
     ap.add_argument("--batch", type=_int_at_least(1, 4096), default=d.batch)
+    ap.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of the pretrained weights "
+                    "in the distill phase (fusion weights keep their own)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the blocks and losses for distillation (fewer kernel launches; the "
+                    "compile time counts in the budget)")
     ap.add_argument("--calib-windows", type=_int_at_least(1, 1 << 16), default=d.calib_windows,
                     help="windows of --seq tokens for the source search and the least-squares fit")
     ap.add_argument("--eval-windows", type=_int_at_least(1, 1 << 16), default=d.eval_windows,
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = RetrofitConfig(variant=a.variant, num_storage_layers=a.num_storage_layers, budget_s=a.budget_min * 60,
                              init=a.init.replace("-", "_"),
                              train_scope=a.train_scope, seq=a.seq, batch=a.batch, eval_windows=a.eval_windows,
-                             calib_windows=a.calib_windows)
+                             calib_windows=a.calib_windows, compile=a.compile, lr=a.lr)
     except ValueError as exc:
         ap.error(str(exc))
     data = Tokenized(resolve_data_dir(a.train_data), model_dir)

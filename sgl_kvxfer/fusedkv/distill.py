@@ -36,17 +36,30 @@ def hidden_loss(student_hidden: list, teacher_hidden: list) -> torch.Tensor:
     return torch.stack(terms).mean()
 
 
-def distill_loss(student: LM, teacher: LM, ids: torch.Tensor, hidden_weight: float) -> tuple[torch.Tensor, dict]:
-    """(loss, {"kl", "hidden"}) of one batch ids [B, T]."""
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    """fn under torch.compile, one compiled wrapper per function for the process."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
+
+
+def distill_loss(student: LM, teacher: LM, ids: torch.Tensor, hidden_weight: float,
+                 compiled: bool = False) -> tuple[torch.Tensor, dict]:
+    """(loss, {"kl", "hidden"}) of one batch ids [B, T]. compiled: the two losses under
+    torch.compile (the KL's log-softmaxes over the vocabulary fuse into a few passes)."""
+    kl_fn, hidden_fn = (_compiled(kl_loss), _compiled(hidden_loss)) if compiled else (kl_loss, hidden_loss)
     t_hidden: list = []
     with torch.no_grad():
         t_logits = teacher(ids, hidden_out=t_hidden if hidden_weight else None)
     s_hidden: list = []
     s_logits = student(ids, hidden_out=s_hidden if hidden_weight else None)
-    kl = kl_loss(s_logits, t_logits)
+    kl = kl_fn(s_logits, t_logits)
     if not hidden_weight:
         return kl, {"kl": kl.detach(), "hidden": torch.zeros(())}
-    h = hidden_loss(s_hidden, t_hidden)
+    h = hidden_fn(s_hidden, t_hidden)
     return kl + hidden_weight * h, {"kl": kl.detach(), "hidden": h.detach()}
 
 

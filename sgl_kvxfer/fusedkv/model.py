@@ -168,15 +168,24 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv: dict):
         """x [B, T, hidden]; kv {layer: (K, V) [B, T, Hkv, D] post-RoPE}: storage layers add theirs."""
+        out, own = self.attend_over(x, cos, sin, None if self.stores else self.rebuilt_kv(kv))
+        if own is not None:
+            kv[self.layer] = own
+        return out
+
+    def attend_over(self, x, cos, sin, rebuilt: tuple | None) -> tuple[torch.Tensor, tuple | None]:
+        """(attention output, this layer's own (K, V) or None) over `rebuilt` (a non-storing
+        layer's K, V) or its own projections. No layer index and no dict in here: this is the unit
+        compile_blocks compiles, one graph for every layer of a kind."""
         c, (B, T, _) = self.c, x.shape
         q = self.query(x, cos, sin)
-        if self.stores:
+        if rebuilt is None:
             k = rope(self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
             v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
-            kv[self.layer] = (k, v)
+            own = (k, v)
         else:
-            k, v = self.rebuilt_kv(kv)
-        return self.o_proj(attend(q, k, v))
+            (k, v), own = rebuilt, None
+        return self.o_proj(attend(q, k, v)), own
 
 
 class MLP(nn.Module):
@@ -199,7 +208,11 @@ class Block(nn.Module):
         self.mlp = MLP(c.hidden_size, c.intermediate_of(layer))
 
     def forward(self, x, cos, sin, kv):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
+        return self.feed_forward(x, self.self_attn(self.input_layernorm(x), cos, sin, kv))
+
+    def feed_forward(self, x, attn_out):
+        """The residual add of the attention output, then the MLP's residual branch."""
+        x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -267,6 +280,19 @@ class LM(nn.Module):
     def kv_bytes_per_token(self, elem_bytes: int = 2) -> int:
         c = self.config
         return c.num_storage_layers * 2 * c.num_kv_heads * c.head_dim * elem_bytes
+
+
+def compile_blocks(lm: LM) -> None:
+    """torch.compile every block's dict-free units in place: the input norm, the attention's
+    attend_over and the feed-forward (norm, MLP, both residual adds); the embedding, the head and
+    the kv dict's bookkeeping stay eager. The units hold no layer index, so all layers of a kind
+    (storing / rebuilding) share a graph per grad mode and shape: a few graphs for the whole model,
+    inside dynamo's recompile limit whatever the depth. Parameter names and the state dict are
+    unchanged (nn.Module.compile and instance attributes)."""
+    for block in lm.model.layers:
+        block.input_layernorm.compile()
+        block.self_attn.attend_over = torch.compile(block.self_attn.attend_over)
+        block.feed_forward = torch.compile(block.feed_forward)
 
 
 def matched_recon_intermediate(c: LMConfig, layout: str) -> int | None:

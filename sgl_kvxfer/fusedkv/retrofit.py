@@ -18,7 +18,9 @@ counts training work only, evaluation excluded):
              relative error of every layer's residual stream, AdamW over every weight
              (train_scope "all") or the reconstruction layers and final norm only ("top"); the
              step count is planned from measured step times, linear warm-up then cosine to
-             min_lr_frac; fusion weights at their own learning rate
+             min_lr_frac; fusion weights at their own learning rate. `compile`: the blocks and
+             the losses under torch.compile for this phase (model.compile_blocks); the compile
+             time counts in the budget (the first step's time, `distill_first_step_s`)
 
 Perplexity per eval domain is measured at `eval_points` points along the way: the curve of PPL
 against training GPU-minutes, with the power-law extrapolation of curve.py. No cross-entropy on
@@ -41,7 +43,7 @@ from sgl_kvxfer.fusedkv.closed_form import closed_form_init
 from sgl_kvxfer.fusedkv.checkpoint import load_lm
 from sgl_kvxfer.fusedkv.data import EpochBatches, Tokenized, chunks, mixed_chunks
 from sgl_kvxfer.fusedkv.distill import AttentionMatcher, distill_loss, lstsq_fusion_init, source_search
-from sgl_kvxfer.fusedkv.model import LM
+from sgl_kvxfer.fusedkv.model import LM, compile_blocks
 from sgl_kvxfer.fusedkv.runctl import Progress, StopOnInterrupt, TrainClock
 from sgl_kvxfer.models.fusedkv_math import CONFIG_KEY
 
@@ -74,6 +76,7 @@ class RetrofitConfig:
     calib_windows: int = 64
     max_train_windows: int | None = None
     probe_steps: int = 3
+    compile: bool = False  # torch.compile the blocks and losses for the distill phase (model.compile_blocks)
     seed: int = 0
 
     def __post_init__(self):
@@ -87,6 +90,8 @@ class RetrofitConfig:
             raise ValueError(f"train_scope must be one of {SCOPES}, got {self.train_scope!r}")
         if not (math.isfinite(self.budget_s) and self.budget_s >= 0):
             raise ValueError(f"budget_s must be finite and >= 0, got {self.budget_s}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be finite and > 0, got {self.lr}")
         if not 0 <= self.local_frac < 1 or not 0 <= self.warmup_frac < 1:
             raise ValueError("local_frac and warmup_frac must be in [0, 1)")
         for name in ("seq", "batch", "eval_windows", "eval_points", "calib_windows", "probe_steps"):
@@ -127,7 +132,7 @@ def _lr_factor(step: int, steps: int, warmup: int, floor: float) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
 
-def _trainable(student: LM, scope: str) -> tuple[list, list]:
+def trainable(student: LM, scope: str) -> tuple[list, list]:
     """(matrices + norms, fusion weights) to train."""
     top = {i for i in range(student.config.num_layers) if not student.config.stores(i)}
     main, fusion = [], []
@@ -139,6 +144,31 @@ def _trainable(student: LM, scope: str) -> tuple[list, list]:
         p.requires_grad_(True)
         (fusion if ".kv_fusion." in name else main).append(p)
     return main, fusion
+
+
+class DistillStep:
+    """One distillation step of `student` towards `teacher` on a batch of windows: the loss under
+    autocast, backward, gradient clipping at 1.0, AdamW (fused on CUDA) over the weights of
+    cfg.train_scope, fusion weights at cfg.lr_fusion. The caller sets the learning rates of
+    `opt.param_groups` before each call."""
+
+    def __init__(self, student: LM, teacher: LM, cfg: RetrofitConfig, device: str):
+        self.student, self.teacher, self.cfg = student, teacher, cfg
+        self.autocast = autocast_for(device)
+        self.params = trainable(student, cfg.train_scope)
+        main, fusion = self.params
+        groups = [{"params": main, "lr": cfg.lr}] + ([{"params": fusion, "lr": cfg.lr_fusion}] if fusion else [])
+        self.opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, fused=device.startswith("cuda"))
+
+    def __call__(self, ids: torch.Tensor) -> dict:
+        """ids [B, T] on the device -> {"kl", "hidden"} (detached)."""
+        with self.autocast():
+            loss, parts = distill_loss(self.student, self.teacher, ids, self.cfg.hidden_weight, compiled=self.cfg.compile)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params[0] + self.params[1], 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return parts
 
 
 def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: str,
@@ -222,12 +252,14 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
         point("local", local_steps)
 
     # ---- distill: KL + hidden-state matching -------------------------------------------------
-    main, fusion = _trainable(student, cfg.train_scope)
-    groups = [{"params": main, "lr": cfg.lr}] + ([{"params": fusion, "lr": cfg.lr_fusion}] if fusion else [])
-    opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, fused=device.startswith("cuda"))
+    if cfg.compile:  # after the local phase: its hooks on the teacher's attention stay in eager code
+        compile_blocks(student)
+        compile_blocks(teacher)
+    step_fn = DistillStep(student, teacher, cfg, device)
+    opt = step_fn.opt
     base = [g["lr"] for g in opt.param_groups]
     student.train()
-    step, planned, every, t_start, t_warm = 0, None, None, clock.s, None
+    step, planned, every, t_start, t_warm, t_one = 0, None, None, clock.s, None, None
     kl = hid = float("nan")
 
     def replan(step_s: float) -> None:
@@ -246,18 +278,16 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
         with clock:
             for g, lr in zip(opt.param_groups, base):
                 g["lr"] = lr * lr_factor()
-            with autocast():
-                loss, parts = distill_loss(student, teacher, next(batches).to(device)[:, :-1], cfg.hidden_weight)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(main + fusion, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            parts = step_fn(next(batches).to(device)[:, :-1])
         step += 1
+        if step == 1:  # with compile_blocks this step holds the compile time: no plan from it
+            t_one = clock.s
+            report["distill_first_step_s"] = t_one - t_start
         kl, hid = parts["kl"].item(), parts["hidden"].item()
         bar.update(clock.s, kl=kl, hidden=hid)
-        if step == cfg.probe_steps:  # plan from the probe steps, then again from warm steps only
+        if step == cfg.probe_steps:  # plan from the probe steps after the first, then from warm steps only
             t_warm = clock.s
-            replan((clock.s - t_start) / step)
+            replan((clock.s - t_one) / (step - 1) if step > 1 else clock.s - t_start)
         elif step == REPLAN_STEP and t_warm is not None:
             replan((clock.s - t_warm) / (step - cfg.probe_steps))
         if every and (step % every == 0) and step < planned:
