@@ -192,6 +192,10 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
               "eval_tokens": {d: int(w[:, 1:].numel()) for d, w in evals.items()},
               "train_tokens": int(train[:, 1:].numel()), "calib_tokens": int(calib[:, 1:].numel())}
     report["teacher_ppl"] = curves.domain_ppl(teacher, evals, cfg.batch, autocast)
+    # the same number of windows from the training text: the converted model's PPL ratio there
+    # against the held-out one says how much of what is left is fitting the training windows
+    seen = {d: spaced(chunks(t, cfg.seq), cfg.eval_windows) for d, t in data.split("train").items()}
+    report["train_split_ppl"] = {"original": curves.domain_ppl(teacher, seen, cfg.batch, autocast)}
     clock, points, eval_s = TrainClock(device), [], 0.0
     stop = StopOnInterrupt()
     n = cfg.num_storage_layers or teacher.config.num_layers // 2
@@ -303,6 +307,11 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
     report["curve"] = points
     report["final_ppl"] = points[-1]["ppl"]
     report["final_rel"] = {d: p / report["teacher_ppl"][d] - 1 for d, p in report["final_ppl"].items()}
+    t0 = time.perf_counter()
+    tsp = report["train_split_ppl"]
+    tsp["converted"] = curves.domain_ppl(student, seen, cfg.batch, autocast)
+    tsp["rel"] = {d: p / tsp["original"][d] - 1 for d, p in tsp["converted"].items()}
+    eval_s += time.perf_counter() - t0
     report["meets_targets"] = {d: report["final_ppl"][d] <= targets[d] * report["teacher_ppl"][d] for d in targets}
     warm = max(1, int(cfg.warmup_frac * (planned or 1)))
     skip = next((p["gpu_min"] for p in points if p["phase"] == "distill" and p["step"] >= warm), 0.0)
