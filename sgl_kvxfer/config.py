@@ -231,7 +231,12 @@ class EngineConfig:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend:
             return self.attention_backend
-        if self.tiering_enabled:  # triton (token-gather decode) only when asked for, for now
+        if self.tiering_enabled:
+            # CUDA: the Triton tiered kernels (fp16 / bf16 models); the torch reference on the CPU,
+            # for float32 and for the per-layer int formats the kernels do not read (profile, kivi)
+            custom = self.kv_layer_budget == "profile" or self.kv_tier_policy == "kivi"
+            if self.resolved_device == "cuda" and self.dtype != "float32" and not custom:
+                return "triton"
             return "torch"
         if self.resolved_device == "cpu":
             # fp32 ("auto" on CPU): the exact torch reference; bf16: native in-place decode

@@ -95,7 +95,7 @@ def run(args) -> dict:
     teacher = load_lm(model_dir, args.device)
     teacher.requires_grad_(False)
     n = teacher.config.num_layers // 2
-    sources = tuple(args.sources) if args.sources else (n - 3, n - 1)
+    sources = tuple(args.sources) if args.sources else (max(0, n - 3), n - 1)
     rate = matmul_tflops(args.device, args.matmul_n)
     print(f"{device_name(args.device)}: matmul {rate:.0f} TFLOP/s", flush=True)
     rows = []
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="a model dir or an embedded model name")
     p.add_argument("--variant", default="fusedkv", choices=("fusedkv", "lite"))
-    p.add_argument("--sources", type=int, nargs=2, default=None, help="source layers (default: n-3, n-1)")
+    p.add_argument("--sources", type=int, nargs=2, default=None, help="source layers (default: n-3, n-1 of the n storage layers)")
     p.add_argument("--batches", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))

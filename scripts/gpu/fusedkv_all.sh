@@ -19,8 +19,8 @@
 #   rerun     scratch, then serve with vanilla and lite only (~5 min; no model needed)
 #   curve     retrofit with 3.75 training minutes (the PPL-vs-GPU-minutes curve; T_RETROFIT 320 s),
 #             then scratch (~8.5 min in all; fits one call on a GPU shared with other jobs)
-#   long      retrofit alone with LONG_MIN (6.5) training minutes, 128 calib windows; LONG_TASKS
-#             (e.g. qa,kv,code) adds the task suite after the report is on disk (T_RETROFIT_LONG 470 s)
+#   long      retrofit alone with LONG_MIN (7) training minutes, 128 calib windows, batch 64; LONG_TASKS
+#             (e.g. qa,kv,code) adds the task suite after the report is on disk (T_RETROFIT_LONG 580 s)
 #   STAGE...  the named stages, in the order given
 # Calls (the model: the coordinator's stage_weights.sh call parks the GGUF's first half; `stage`
 # joins the second half and converts it; one call cannot carry both .carry_b and the rest):
@@ -81,11 +81,13 @@ if [ "$DEVICE" = cuda ]; then
   # the longer curve: 225 s of training, ~95 s for start-up, evaluations, the task suite and saving
   [ "$mode" = curve ] && RETROFIT_MIN=3.75 T_RETROFIT=${T_RETROFIT_CURVE:-320}
   RETROFIT_EXTRA="--tasks qa,kv,code --task-n 30"
-  # long: 390 s of training, ~50 s for start-up, the closed-form fit's evaluations, 13 PPL points, saving
-  # and 128 calib windows (65k tokens): the o_proj regression overfits a few thousand tokens.
+  # long: 420 s of training (the compile included: --compile auto is on for CUDA), ~60 s for
+  # start-up, the closed-form fit's evaluations, 14 PPL points, saving; 128 calib windows (65k
+  # tokens: the o_proj regression overfits a few thousand); batch 64 x 512 (4x the tokens per second
+  # of batch 16: benchmarks/fusedkv/distill_step.py) at twice the default peak rate.
   # LONG_TASKS (e.g. qa,kv,code) adds the task suite after the report is written (~45 s, 30 items each)
-  [ "$mode" = long ] && RETROFIT_MIN=${LONG_MIN:-6.5} T_RETROFIT=${T_RETROFIT_LONG:-470} \
-    RETROFIT_EXTRA="--calib-windows 128${LONG_TASKS:+ --tasks $LONG_TASKS --task-n 30}"
+  [ "$mode" = long ] && RETROFIT_MIN=${LONG_MIN:-7} T_RETROFIT=${T_RETROFIT_LONG:-580} \
+    RETROFIT_EXTRA="--calib-windows 128 --batch 64 --lr 4e-4${LONG_TASKS:+ --tasks $LONG_TASKS --task-n 30}"
   RETROFIT_ARGS=${RETROFIT_ARGS:---budget-min $RETROFIT_MIN $RETROFIT_EXTRA}
   SCRATCH_ARGS=${SCRATCH_ARGS:---preset small --seeds 0 1 2 --workers 3}
   SCRATCH_BUDGET=${SCRATCH_BUDGET:-150}

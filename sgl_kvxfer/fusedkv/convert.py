@@ -71,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=_int_at_least(1, 4096), default=d.batch)
     ap.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of the pretrained weights "
                     "in the distill phase (fusion weights keep their own)")
-    ap.add_argument("--compile", action="store_true",
+    ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                     help="torch.compile the blocks and losses for distillation (fewer kernel launches; the "
-                    "compile time counts in the budget)")
+                    "compile time, ~20 s on a GPU, counts in the budget); auto: on for CUDA, off on the CPU")
     ap.add_argument("--calib-windows", type=_int_at_least(1, 1 << 16), default=d.calib_windows,
                     help="windows of --seq tokens for the source search and the least-squares fit")
     ap.add_argument("--eval-windows", type=_int_at_least(1, 1 << 16), default=d.eval_windows,
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = RetrofitConfig(variant=a.variant, num_storage_layers=a.num_storage_layers, budget_s=a.budget_min * 60,
                              init=a.init.replace("-", "_"),
                              train_scope=a.train_scope, seq=a.seq, batch=a.batch, eval_windows=a.eval_windows,
-                             calib_windows=a.calib_windows, compile=a.compile, lr=a.lr)
+                             calib_windows=a.calib_windows, compile=a.compile == "on" or (a.compile == "auto" and a.device.startswith("cuda")), lr=a.lr)
     except ValueError as exc:
         ap.error(str(exc))
     data = Tokenized(resolve_data_dir(a.train_data), model_dir)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     save_model_dir(student, model_dir, a.out)
     del student
     report.update(model=model_dir, model_name=os.path.basename(os.path.normpath(model_dir)), out=a.out,
-                  device=_device_name(a.device), command=shlex.join(["python", "-m", "sgl_kvxfer.fusedkv.convert",
+                  device=_device_name(a.device), commit=_commit(), command=shlex.join(["python", "-m", "sgl_kvxfer.fusedkv.convert",
                                                          *(sys.argv[1:] if argv is None else argv)]))
     # written before the task suite, again after it: a SIGINT or a kill during the suite (a stage's
     # time limit) leaves the PPL report and its curve on disk
@@ -170,6 +170,21 @@ def _write_report(report: dict, path: str | None) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
     plot(report, os.path.splitext(path)[0] + ".png")
+
+
+def _commit() -> str:
+    """SGL_KVXFER_COMMIT (a GPU call's tree has no .git), else the checkout's HEAD, else "unknown"."""
+    import subprocess
+
+    from sgl_kvxfer import env
+
+    if env.COMMIT.get():
+        return env.COMMIT.get()
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
+                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def _device_name(device: str) -> str:

@@ -509,3 +509,19 @@ def test_retrieval_tiers(tmp_path):
                                  | {("greedy", 0.2), ("random-tier", 0.3), ("random-tier", 0.2)})
     assert data2["fp16"] == data["fp16"] and data2["chosen_lambda"] == data["chosen_lambda"]
     assert set(data2["summary"]) >= {"0.3", "0.2"} and "best_vs_random_discordant" in data2["summary"]["0.3"]
+
+
+def test_fusedkv_distill_step(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "test", "fusedkv"))
+    from fkv_tiny import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path / "tiny", vocab=512)
+    out = run_bench("fusedkv/distill_step.py", ["--device", "cpu", "--model", model, "--batches", "1", "2", "--seq", "16",
+                                                "--modes", "eager", "--steps-per-repeat", "1", "--matmul-n", "128"],
+                    tmp_path)
+    data = result(out, "fusedkv_distill_step_tiny_cpu", ("rows", "params", "matmul_tflops", "best"), png=True)
+    rows = data["rows"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [("eager", 1), ("eager", 2)]
+    for r in rows:  # warm repeats >= 5 with their spread; the roofline never exceeds 1
+        assert len(r["step_ms"]) == 5 and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert r["tokens_per_step"] == r["batch"] * 16 and 0 < r["fraction_of_matmul_rate"] <= 1

@@ -37,6 +37,7 @@ def test_convert_writes_a_served_model_and_a_report(tmp_path, tiny_model, text_d
     gpu = [p["gpu_s"] for p in saved["curve"]]
     assert gpu == sorted(gpu) and saved["train_gpu_s"] >= gpu[-1] - 1e-9
     assert all(math.isfinite(v) for v in saved["final_ppl"].values())
+    assert saved["commit"] and saved["device"]
     tsp = saved["train_split_ppl"]  # the training text's PPL, both models, and the converted one's ratio
     assert set(tsp["original"]) == set(tsp["converted"]) == set(tsp["rel"]) == {"prose", "code"}
     assert all(abs(tsp["rel"][d] - (tsp["converted"][d] / tsp["original"][d] - 1)) < 1e-9 for d in tsp["rel"])

@@ -217,3 +217,14 @@ def test_to_device_many_keeps_order_shapes_and_dtypes():
     for x, y in zip(xs, out):
         assert y.dtype == x.dtype and y.shape == x.shape and torch.equal(x, y)
     assert pool._to_device_many([]) == []
+
+
+def test_tiered_default_backend_is_triton_on_cuda_only_where_its_kernels_apply():
+    from sgl_kvxfer.config import EngineConfig
+
+    assert EngineConfig(device="cuda", kv_tier_budget=0.5).resolved_attention_backend == "triton"
+    assert EngineConfig(device="cuda", kv_tier_budget=0.5, dtype="bfloat16").resolved_attention_backend == "triton"
+    assert EngineConfig(device="cuda", kv_tier_budget=0.5, dtype="float32").resolved_attention_backend == "torch"
+    assert EngineConfig(device="cuda", kv_tier_budget=0.5, kv_tier_policy="kivi").resolved_attention_backend == "torch"
+    assert EngineConfig(device="cpu", kv_tier_budget=0.5, dtype="bfloat16").resolved_attention_backend == "torch"
+    assert EngineConfig(device="cuda", kv_tier_budget=0.5, attention_backend="torch").resolved_attention_backend == "torch"
