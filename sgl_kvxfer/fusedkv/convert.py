@@ -112,11 +112,12 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--out must differ from --model")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {a.device}: no CUDA device here")
+    compile_on = a.compile == "on" or (a.compile == "auto" and a.device.startswith("cuda"))
     try:
         cfg = RetrofitConfig(variant=a.variant, num_storage_layers=a.num_storage_layers, budget_s=a.budget_min * 60,
                              init=a.init.replace("-", "_"),
                              train_scope=a.train_scope, seq=a.seq, batch=a.batch, eval_windows=a.eval_windows,
-                             calib_windows=a.calib_windows, compile=a.compile == "on" or (a.compile == "auto" and a.device.startswith("cuda")), lr=a.lr)
+                             calib_windows=a.calib_windows, compile=compile_on, lr=a.lr)
     except ValueError as exc:
         ap.error(str(exc))
     data = Tokenized(resolve_data_dir(a.train_data), model_dir)
@@ -128,8 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     save_model_dir(student, model_dir, a.out)
     del student
     report.update(model=model_dir, model_name=os.path.basename(os.path.normpath(model_dir)), out=a.out,
-                  device=_device_name(a.device), commit=_commit(), command=shlex.join(["python", "-m", "sgl_kvxfer.fusedkv.convert",
-                                                         *(sys.argv[1:] if argv is None else argv)]))
+                  device=_device_name(a.device), commit=_commit(),
+                  command=shlex.join(["python", "-m", "sgl_kvxfer.fusedkv.convert", *(sys.argv[1:] if argv is None else argv)]))
     # written before the task suite, again after it: a SIGINT or a kill during the suite (a stage's
     # time limit) leaves the PPL report and its curve on disk
     _write_report(report, a.report)
