@@ -2,6 +2,9 @@
 # On the GPU machine (one H100): the FusedKV measurements, each stage under `timeout -s INT` (a
 # stage that runs out keeps what it measured; a failed stage does not stop the next). Results into
 # $OUT: the stages' JSONs, fusedkv_results.tar.gz (JSONs + PNGs) and fusedkv_all.log.
+#   teacher   python -m sgl_kvxfer.fusedkv.teacher_text: TEACHER_TOKENS (required) tokens sampled from
+#             SmolLM2-135M-Instruct, prompted from the corpus, added to $DATA as {domain}-teacher
+#             train files for a retrofit stage after it (T_TEACHER, default 240 s)
 #   retrofit  python -m sgl_kvxfer.fusedkv.convert on SmolLM2-135M-Instruct (1.25 minutes of
 #             training), the PPL-vs-GPU-minutes curve, task-suite scores of both models through the
 #             engine; the converted model stays in /tmp for tiers                       (135 s)
@@ -20,7 +23,8 @@
 #   curve     retrofit with 3.75 training minutes (the PPL-vs-GPU-minutes curve; T_RETROFIT 320 s),
 #             then scratch (~8.5 min in all; fits one call on a GPU shared with other jobs)
 #   long      retrofit alone with LONG_MIN (7) training minutes, 128 calib windows, batch 64; LONG_TASKS
-#             (e.g. qa,kv,code) adds the task suite after the report is on disk (T_RETROFIT_LONG 580 s)
+#             (e.g. qa,kv,code) adds the task suite after the report is on disk (T_RETROFIT_LONG 580 s);
+#             with TEACHER_TOKENS the teacher stage runs first (then lower LONG_MIN to fit one call)
 #   STAGE...  the named stages, in the order given
 # Calls (the model: the coordinator's stage_weights.sh call parks the GGUF's first half; `stage`
 # joins the second half and converts it; one call cannot carry both .carry_b and the rest):
@@ -47,11 +51,11 @@ case $mode in
   all) stages="retrofit scratch tiers serve capacity" ;;
   rerun) stages="scratch serve"; SERVE_VARIANTS=${SERVE_VARIANTS:-vanilla lite} ;;
   curve) stages="retrofit scratch" ;;
-  long) stages="retrofit" ;;
-  retrofit|scratch|tiers|serve|capacity)
+  long) stages="${TEACHER_TOKENS:+teacher }retrofit" ;;  # TEACHER_TOKENS: sample more training text first
+  teacher|retrofit|scratch|tiers|serve|capacity)
     stages="$*"
     for s in $stages; do
-      case $s in retrofit|scratch|tiers|serve|capacity) ;; *) echo "unknown stage $s" >&2; exit 2 ;; esac
+      case $s in teacher|retrofit|scratch|tiers|serve|capacity) ;; *) echo "unknown stage $s" >&2; exit 2 ;; esac
     done ;;
   *) sed -n '2,42p' "$0"; exit 2 ;;
 esac
@@ -111,11 +115,11 @@ else
 fi
 DATA=${DATA:-.cache/fusedkv}
 has() { [[ " $stages " == *" $1 "* ]]; }
-if { has retrofit || has scratch || has tiers; } && [ ! -f "$DATA/meta.json" ]; then
+if { has teacher || has retrofit || has scratch || has tiers; } && [ ! -f "$DATA/meta.json" ]; then
   echo "no $DATA: python -m sgl_kvxfer.fusedkv.data --data-dir DIR --out $DATA" >&2; exit 2
 fi
 MODEL=
-if has retrofit || has tiers; then
+if has teacher || has retrofit || has tiers; then
   MODEL=$(python3 -c "from sgl_kvxfer.models.loader import resolve_model_path; print(resolve_model_path(None))" 2>/dev/null)
 fi
 # the names benchmarks/results keeps: fusedkv_retrofit_<model>_<GPU name>.json (cpu on CPU)
@@ -161,6 +165,15 @@ EOF
 # shellcheck disable=SC2086  # *_ARGS and SERVE_VARIANTS are word lists
 for s in $stages; do
   case $s in
+    teacher)
+      if [ -z "${TEACHER_TOKENS:-}" ]; then
+        echo "== teacher skipped: set TEACHER_TOKENS" | tee -a "$log"; failed+=("teacher:no-tokens")
+      elif [ -n "$MODEL" ] && [ -f "$MODEL/config.json" ]; then
+        stage_run teacher "${T_TEACHER:-240}" python3 -m sgl_kvxfer.fusedkv.teacher_text --model "$MODEL" --data "$DATA" \
+            --tokens "$TEACHER_TOKENS" --device "$DEVICE" --force ${TEACHER_ARGS:-}
+      else
+        echo "== teacher skipped: no converted SmolLM2 (run the stage call first)" | tee -a "$log"
+      fi ;;
     retrofit)
       if [ -n "$MODEL" ] && [ -f "$MODEL/config.json" ]; then
         stage_run retrofit "$T_RETROFIT" python3 -m sgl_kvxfer.fusedkv.convert --model "$MODEL" --variant fusedkv \
