@@ -4,7 +4,8 @@
 # $OUT: the stages' JSONs, fusedkv_results.tar.gz (JSONs + PNGs) and fusedkv_all.log.
 #   teacher   python -m sgl_kvxfer.fusedkv.teacher_text: TEACHER_TOKENS (required) tokens sampled from
 #             SmolLM2-135M-Instruct, prompted from the corpus, added to $DATA as {domain}-teacher
-#             train files for a retrofit stage after it (T_TEACHER, default 240 s)
+#             train files for a retrofit stage after it (T_TEACHER, default 240 s; sampling stops
+#             30 s before it and keeps what it has)
 #   retrofit  python -m sgl_kvxfer.fusedkv.convert on SmolLM2-135M-Instruct (1.25 minutes of
 #             training), the PPL-vs-GPU-minutes curve, task-suite scores of both models through the
 #             engine; the converted model stays in /tmp for tiers                       (135 s)
@@ -170,7 +171,7 @@ for s in $stages; do
         echo "== teacher skipped: set TEACHER_TOKENS" | tee -a "$log"; failed+=("teacher:no-tokens")
       elif [ -n "$MODEL" ] && [ -f "$MODEL/config.json" ]; then
         stage_run teacher "${T_TEACHER:-240}" python3 -m sgl_kvxfer.fusedkv.teacher_text --model "$MODEL" --data "$DATA" \
-            --tokens "$TEACHER_TOKENS" --device "$DEVICE" --force ${TEACHER_ARGS:-}
+            --tokens "$TEACHER_TOKENS" --device "$DEVICE" --force --time-budget-s $(( ${T_TEACHER:-240} - 30 )) ${TEACHER_ARGS:-}
       else
         echo "== teacher skipped: no converted SmolLM2 (run the stage call first)" | tee -a "$log"
       fi ;;

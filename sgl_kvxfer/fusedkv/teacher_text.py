@@ -56,11 +56,12 @@ def _prompts(tokens: np.ndarray, count: int, length: int, eot_id: int, rng: np.r
 
 
 def sample_domain(engine, tokens: np.ndarray, target: int, eot_id: int, prompt_tokens: int, new_tokens: int,
-                  temperature: float, batch: int, seed: int, bar=None) -> np.ndarray:
-    """Documents (prompt + sampled continuation + eot) until they hold >= target tokens."""
+                  temperature: float, batch: int, seed: int, bar=None, deadline: float = float("inf")) -> np.ndarray:
+    """Documents (prompt + sampled continuation + eot) until they hold >= target tokens, or until
+    time.perf_counter() passes `deadline` (checked between engine calls; at least one call runs)."""
     rng = np.random.default_rng(seed)
     docs, have, round_ = [], 0, 0
-    while have < target:
+    while have < target and (round_ == 0 or time.perf_counter() < deadline):
         # enough prompts for what is left, at the longest continuation, in whole batches
         want = max(1, -(-(target - have) // (prompt_tokens + new_tokens + 1)))
         prompts = _prompts(tokens, min(batch, want), prompt_tokens, eot_id, rng)
@@ -80,9 +81,11 @@ def sample_domain(engine, tokens: np.ndarray, target: int, eot_id: int, prompt_t
 
 def write_teacher_text(model_dir: str, data_dir: str, tokens: int, prompt_tokens: int = 32, new_tokens: int = 480,
                        temperature: float = 1.0, batch: int = 256, seed: int = 0, device: str = "cuda",
-                       dtype: str = "auto", force: bool = False, progress: bool = True) -> dict:
+                       dtype: str = "auto", force: bool = False, progress: bool = True,
+                       time_budget_s: float | None = None) -> dict:
     """Sample and write `{domain}-teacher_train` token files (tokens split evenly over the train
-    domains); returns meta.json's `teacher_text` record."""
+    domains; with time_budget_s, each domain also stops at its even share of the time left after
+    the engine starts, and writes what it has); returns meta.json's `teacher_text` record."""
     from sgl_kvxfer import Engine
     from sgl_kvxfer.fusedkv.data import Tokenized, is_token_folder
 
@@ -115,16 +118,20 @@ def write_teacher_text(model_dir: str, data_dir: str, tokens: int, prompt_tokens
     with Engine(model_dir, device=device, dtype=dtype, max_total_tokens=batch * longest + 4 * longest,
                 chunked_prefill_size=max(512, prompt_tokens), context_length=longest + 64) as engine:
         record["device"] = torch.cuda.get_device_name(0) if str(device).startswith("cuda") else "cpu"
+        t_start, left = time.perf_counter(), None
+        if time_budget_s is not None:
+            left = time_budget_s - (t_start - t0)
         for k, d in enumerate(domains):
+            deadline = float("inf") if left is None else t_start + left * (k + 1) / len(domains)
             arr = sample_domain(engine, data.tokens(d, "train"), share, data.eot_id, prompt_tokens, new_tokens,
-                                temperature, batch, seed + k, bar)
+                                temperature, batch, seed + k, bar, deadline)
             if arr.max(initial=0) >= meta["vocab_size"]:
                 raise RuntimeError(f"sampled id {int(arr.max())} outside the vocabulary {meta['vocab_size']}")
             tmp = os.path.join(data_dir, names[d] + ".tmp")
             with open(tmp, "wb") as f:
                 f.write(lzma.compress(arr.astype(dtype_np).tobytes(), preset=6))
             os.replace(tmp, os.path.join(data_dir, names[d]))  # a killed run leaves no half file
-            record["files"][f"{d}{SUFFIX}_train"] = {"tokens": int(arr.size)}
+            record["files"][f"{d}{SUFFIX}_train"] = {"tokens": int(arr.size), "short_of_target": arr.size < share}
             meta.setdefault("files", {})[f"{d}{SUFFIX}_train"] = {"tokens": int(arr.size)}
     record["seconds"] = time.perf_counter() - t0
     if bar is not None:
@@ -156,17 +163,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--force", action="store_true", help="replace existing teacher files")
+    ap.add_argument("--time-budget-s", type=float, default=None, help="stop sampling after this many seconds "
+                    "(engine start included; each domain gets an even share) and write what was sampled")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     if not (a.temperature > 0 and a.temperature < 100):
         ap.error(f"--temperature must be in (0, 100), got {a.temperature}")
+    if a.time_budget_s is not None and not (a.time_budget_s > 0 and a.time_budget_s < 1e7):
+        ap.error(f"--time-budget-s must be a positive number of seconds, got {a.time_budget_s}")
     from sgl_kvxfer.models.loader import resolve_model_path
     from sgl_kvxfer.utils.triton_cpu import use_interpreter_on_cpu
 
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     use_interpreter_on_cpu(device)
     rec = write_teacher_text(resolve_model_path(a.model), a.data, a.tokens, a.prompt_tokens, a.new_tokens,
-                             a.temperature, a.batch, a.seed, device, a.dtype, a.force, not a.no_progress)
+                             a.temperature, a.batch, a.seed, device, a.dtype, a.force, not a.no_progress,
+                             a.time_budget_s)
     files = ", ".join(f"{n}: {v['tokens']} tokens" for n, v in rec["files"].items())
     print(f"wrote {files} in {rec['seconds']:.1f} s on {rec['device']}", flush=True)
     return rec

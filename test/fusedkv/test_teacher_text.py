@@ -56,3 +56,14 @@ def test_prompts_stay_inside_one_document():
         assert len(ps) == 6
         for p in ps:  # a contiguous run of one document: no eot, found in the corpus as is
             assert 1 <= len(p) <= 4 and eot not in p and "," + ",".join(map(str, p)) + "," in text
+
+
+def test_time_budget_stops_sampling_and_keeps_what_it_has(token_folder, tiny_model):
+    rec = main(["--model", tiny_model, "--data", token_folder, "--tokens", "10000000", "--prompt-tokens", "8",
+                "--new-tokens", "12", "--batch", "4", "--device", "cpu", "--dtype", "float32", "--no-progress",
+                "--time-budget-s", "0.01"])
+    for name in ("code-teacher_train", "prose-teacher_train"):  # one engine call per domain, then stop
+        f = rec["files"][name]
+        assert 0 < f["tokens"] <= 4 * 21 and f["short_of_target"]
+    with pytest.raises(SystemExit):
+        main(["--model", tiny_model, "--data", token_folder, "--tokens", "10", "--force", "--time-budget-s", "-1"])
