@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     from sgl_kvxfer.fusedkv.data import Tokenized, resolve_data_dir
     from sgl_kvxfer.fusedkv.retrofit import run_retrofit
     from sgl_kvxfer.models.loader import resolve_model_path
+    from sgl_kvxfer.utils.provenance import source_commit
 
     names = None
     if a.tasks:
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     save_model_dir(student, model_dir, a.out)
     del student
     report.update(model=model_dir, model_name=os.path.basename(os.path.normpath(model_dir)), out=a.out,
-                  device=_device_name(a.device), commit=_commit(),
+                  device=_device_name(a.device), commit=source_commit(),
                   command=shlex.join(["python", "-m", "sgl_kvxfer.fusedkv.convert", *(sys.argv[1:] if argv is None else argv)]))
     # written before the task suite, again after it: a SIGINT or a kill during the suite (a stage's
     # time limit) leaves the PPL report and its curve on disk
@@ -171,21 +172,6 @@ def _write_report(report: dict, path: str | None) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
     plot(report, os.path.splitext(path)[0] + ".png")
-
-
-def _commit() -> str:
-    """SGL_KVXFER_COMMIT (a GPU call's tree has no .git), else the checkout's HEAD, else "unknown"."""
-    import subprocess
-
-    from sgl_kvxfer import env
-
-    if env.COMMIT.get():
-        return env.COMMIT.get()
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-                                       cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _device_name(device: str) -> str:

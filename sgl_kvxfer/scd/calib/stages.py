@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import warnings
 from dataclasses import dataclass
@@ -329,11 +328,6 @@ def provenance(device: str) -> dict:
         import platform
 
         name = f"{platform.processor() or 'cpu'} ({os.cpu_count()} cores)"
-    commit = os.environ.get("SGL_KVXFER_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-                                             cwd=os.path.dirname(os.path.abspath(__file__))).strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    return {"device": name, "commit": commit, "command": " ".join(["python -m sgl_kvxfer.scd.calib", *sys.argv[1:]])}
+    from sgl_kvxfer.utils.provenance import source_commit
+
+    return {"device": name, "commit": source_commit(), "command": " ".join(["python -m sgl_kvxfer.scd.calib", *sys.argv[1:]])}
