@@ -39,6 +39,8 @@
 # (.whl_gguf: scripts/gpu/prepare_fusedkv_carry.sh; .cache/fusedkv: python -m sgl_kvxfer.fusedkv.data.)
 # Without the converted model in /tmp/models, retrofit and tiers are skipped (logged). Exit status 1
 # when a stage failed or scratch trained <= 1 step per run.
+# DATA (default .cache/fusedkv): the token folder; teacher adds its files there, so a teacher call
+# and a retrofit call after it share a DATA under /tmp (a carried .cache/fusedkv is replaced each call).
 # DEADLINE (epoch seconds) caps every stage's timeout, and the scratch grid's budget is then
 # SCRATCH_SAFETY (85) % of what it leaves less SCRATCH_MARGIN (25) s, at most SCRATCH_BUDGET (150) s
 # (testbeds_x2.sh sets DEADLINE);
@@ -127,7 +129,9 @@ fi
 DEVTAG=cpu
 [ "$DEVICE" = cuda ] && DEVTAG=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
 work=$(mktemp -d /tmp/fusedkv_all.XXXX)
-fkv_model=$work/smollm2-135m-fusedkv
+# FKV_MODEL: where retrofit writes the converted model (default inside this run's temp folder,
+# removed at the end); a path under /tmp keeps it for a `tiers` call after it on the same machine
+fkv_model=${FKV_MODEL:-$work/smollm2-135m-fusedkv}
 log=$OUT/fusedkv_all.log
 failed=()
 left() {  # seconds to DEADLINE (epoch seconds; unset: no deadline, a large number)
@@ -198,7 +202,7 @@ for s in $stages; do
         stage_run tiers "$T_TIERS" python3 benchmarks/fusedkv/tiers.py --fusedkv-model "$fkv_model" --base-model "$MODEL" \
             --eval-tokens "$DATA/prose_eval.u16.xz" --device "$DEVICE" --out-dir "$work" $TIERS_ARGS
       else
-        echo "== tiers skipped: no converted model (tiers runs after retrofit in the same call)" | tee -a "$log"
+        echo "== tiers skipped: no converted model (tiers runs after retrofit in the same call, or with the FKV_MODEL it wrote)" | tee -a "$log"
       fi ;;
     serve)
       stage_run serve "$T_SERVE" python3 benchmarks/fusedkv/serve_bench.py --device "$DEVICE" --out-dir "$work" \
