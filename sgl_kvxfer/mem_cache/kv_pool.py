@@ -25,6 +25,9 @@ class KVPool(ABC):
     # True when get_kv returns exactly what set_kv stored (no quantization): a backend may then
     # attend a prefill's fresh k/v directly instead of reading them back from the pool.
     stores_exact = False
+    # True when get_kv issues no host sync, so a captured CUDA graph may call it (a backend that
+    # reads the pool through get_kv inside a decode graph needs it).
+    get_kv_graph_safe = True
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str):

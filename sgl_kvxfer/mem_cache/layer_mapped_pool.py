@@ -33,6 +33,7 @@ class LayerMappedKVPool(KVPool):
         self.num_stored = inner.num_layers
         # the inner family's flags: backends pick their variant by them
         self.layout, self.drops_tokens, self.stores_exact = inner.layout, inner.drops_tokens, inner.stores_exact
+        self.get_kv_graph_safe = inner.get_kv_graph_safe
 
     def __getattr__(self, name):
         # Only reached for names this object lacks: family members (k_buffer, page_size,

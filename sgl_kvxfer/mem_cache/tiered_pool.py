@@ -76,6 +76,7 @@ def _read_keys(store, page, off, dtype) -> torch.Tensor:
 
 class TieredKVPool(KVPool):
     drops_tokens = True
+    get_kv_graph_safe = False  # get_kv splits its slots by tier with a host sync (_split)
     layout = "tiered"
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -110,3 +110,21 @@ def test_pd_segment_carries_the_stored_layers(dst_family):
         torch.testing.assert_close(v16, v[:12], atol=0, rtol=0)
         k8, _ = dst.get_kv(layer, d8)
         assert (k8.float() - k[12:].float()).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fusedkv_graphs_only_over_a_graph_safe_get_kv(family):
+    """FusedKV's torch reconstruction path reads the pool with get_kv inside the decode step: a
+    tiered pool's get_kv syncs with the host, so decode graphs must be off over it (capturing one
+    failed with cudaErrorStreamCaptureUnsupported); the flag follows the inner family."""
+    from types import SimpleNamespace
+
+    from sgl_kvxfer.layers.attention.fusedkv_backend import FusedKVAttentionBackend
+
+    cfg = EngineConfig(**FAMILIES[family])
+    pool = create_kv_pool(cfg, ARCH, 512, torch.float32, "cpu", stored_layers=3)
+    assert pool.get_kv_graph_safe == (family != "tiered")
+    inner = SimpleNamespace(supports_cuda_graph=True)
+    backend = FusedKVAttentionBackend(inner, pool, ARCH.num_attention_heads, ARCH.num_key_value_heads, ARCH.head_dim)
+    assert backend.path == "torch"  # float32: the kernels do not apply
+    assert backend.supports_cuda_graph == (family != "tiered")

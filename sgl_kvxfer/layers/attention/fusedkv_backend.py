@@ -89,8 +89,9 @@ class FusedKVAttentionBackend(AttentionBackend):
             self._kernels = _kernel_module()
             why = None if self._kernels is not None else "kernels/fusedkv_attention.py not importable"
         self.path = "torch" if self._kernels is None else "triton"
-        # the torch path's decode plan is graph-safe too (slow, but exact): graphs follow the inner backend
-        self.supports_cuda_graph = inner.supports_cuda_graph
+        # the torch path's decode plan is graph-safe too (slow, but exact) where the pool's get_kv
+        # is: over a tiered pool it syncs per call, and capturing it fails (graphs off there)
+        self.supports_cuda_graph = inner.supports_cuda_graph and (self._kernels is not None or kv_pool.get_kv_graph_safe)
         self.page_size = getattr(kv_pool, "page_size", 1)
         # NOTE: the reconstruction plan of the batch being run lives here (the inner backend owns
         # batch.attn_metadata): a batch's prepare_* and its forward run back to back on the
