@@ -25,9 +25,6 @@ class KVPool(ABC):
     # True when get_kv returns exactly what set_kv stored (no quantization): a backend may then
     # attend a prefill's fresh k/v directly instead of reading them back from the pool.
     stores_exact = False
-    # True when get_kv issues no host sync, so a captured CUDA graph may call it (a backend that
-    # reads the pool through get_kv inside a decode graph needs it).
-    get_kv_graph_safe = True
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str):
@@ -52,6 +49,11 @@ class KVPool(ABC):
     @abstractmethod
     def get_kv(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather K, V at `slots` (any shape S) as [*S, Hkv, D] in the model dtype."""
+
+    def get_kv_no_sync(self, layer_id: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """get_kv without a host sync, so a captured CUDA graph may call it (FusedKV's torch
+        reconstruction inside a decode graph). Slot- and page-indexed families gather: get_kv is it."""
+        return self.get_kv(layer_id, slots)
 
     @abstractmethod
     def bytes_per_token(self, with_scales: bool = True) -> float:

@@ -33,7 +33,6 @@ class LayerMappedKVPool(KVPool):
         self.num_stored = inner.num_layers
         # the inner family's flags: backends pick their variant by them
         self.layout, self.drops_tokens, self.stores_exact = inner.layout, inner.drops_tokens, inner.stores_exact
-        self.get_kv_graph_safe = inner.get_kv_graph_safe
 
     def __getattr__(self, name):
         # Only reached for names this object lacks: family members (k_buffer, page_size,
@@ -61,6 +60,10 @@ class LayerMappedKVPool(KVPool):
     def get_kv(self, layer_id, slots):
         self._check(layer_id)
         return self.inner.get_kv(layer_id, slots)
+
+    def get_kv_no_sync(self, layer_id, slots):
+        self._check(layer_id)
+        return self.inner.get_kv_no_sync(layer_id, slots)
 
     def set_kv_fp16(self, layer_id, slots, k, v):
         self._check(layer_id)

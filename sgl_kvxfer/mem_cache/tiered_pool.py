@@ -76,7 +76,6 @@ def _read_keys(store, page, off, dtype) -> torch.Tensor:
 
 class TieredKVPool(KVPool):
     drops_tokens = True
-    get_kv_graph_safe = False  # get_kv splits its slots by tier with a host sync (_split)
     layout = "tiered"
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -245,6 +244,25 @@ class TieredKVPool(KVPool):
 
     def get_kv(self, layer_id, slots):
         return self.get_kv_routed(layer_id, SlotRoute(tuple(slots.shape), list(self._split(slots.reshape(-1)))))
+
+    def get_kv_no_sync(self, layer_id, slots):
+        """get_kv with no host sync (get_kv splits the ids by store on the host): every id is read
+        from each store with its id clamped into that store's range, and a select keeps the read
+        of the store it is in. About three times get_kv's reads (each store's bytes for every id);
+        dropped tokens (id 0) read the zero padding row."""
+        flat = slots.reshape(-1)
+        b8, b4 = self.base(TIER_INT8), self.base(TIER_INT4)
+        rows = torch.where(flat < b8, flat, 0)
+        k, v = self.k16[layer_id].index_select(0, rows), self.v16[layer_id].index_select(0, rows)
+        for tier, lo, hi in ((TIER_INT8, b8, b4), (TIER_INT4, b4, self.id_end)):
+            if self.num_pages(tier) == 0:
+                continue
+            inside = (flat >= lo) & (flat < hi)
+            kk, vv = self.stores[tier][layer_id].read(*self.page_offset(tier, torch.where(inside, flat, lo)), self.dtype)
+            keep = inside[:, None, None]
+            k, v = torch.where(keep, kk, k), torch.where(keep, vv, v)
+        shape = (*slots.shape, self.num_kv_heads, self.head_dim)
+        return k.view(shape), v.view(shape)
 
     def get_kv_routed(self, layer_id: int, route: SlotRoute):
         n = 1

@@ -113,18 +113,57 @@ def test_pd_segment_carries_the_stored_layers(dst_family):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_fusedkv_graphs_only_over_a_graph_safe_get_kv(family):
-    """FusedKV's torch reconstruction path reads the pool with get_kv inside the decode step: a
-    tiered pool's get_kv syncs with the host, so decode graphs must be off over it (capturing one
-    failed with cudaErrorStreamCaptureUnsupported); the flag follows the inner family."""
-    from types import SimpleNamespace
-
-    from sgl_kvxfer.layers.attention.fusedkv_backend import FusedKVAttentionBackend
+def test_no_sync_read_matches_get_kv(family):
+    """get_kv_no_sync (FusedKV's torch reconstruction inside a decode graph) returns what get_kv
+    does, for ids of every store of the family: fp16 rows, int8 and int4 pages, dropped (0)."""
+    from sgl_kvxfer.spectrum.tiers import TIER_INT4, TIER_INT8
 
     cfg = EngineConfig(**FAMILIES[family])
-    pool = create_kv_pool(cfg, ARCH, 512, torch.float32, "cpu", stored_layers=3)
-    assert pool.get_kv_graph_safe == (family != "tiered")
-    inner = SimpleNamespace(supports_cuda_graph=True)
-    backend = FusedKVAttentionBackend(inner, pool, ARCH.num_attention_heads, ARCH.num_key_value_heads, ARCH.head_dim)
-    assert backend.path == "torch"  # float32: the kernels do not apply
-    assert backend.supports_cuda_graph == (family != "tiered")
+    pool = create_kv_pool(cfg, ARCH, 512, torch.float16, "cpu", stored_layers=3)
+    ids = [1, 2, 3, 7]
+    if family == "tiered":
+        assert pool.num_pages(TIER_INT8) and pool.num_pages(TIER_INT4)
+        ids += [pool.base(TIER_INT8) + j for j in (0, 1, 17)] + [pool.base(TIER_INT4) + j for j in (0, 5, 16)]
+    slots = torch.tensor(ids)
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(len(ids), ARCH.num_key_value_heads, ARCH.head_dim, generator=gen).half()
+    pool.set_kv(1, slots, k, 2 * k)
+    read = torch.tensor([[0, *ids[:3]], ids[-4:]])  # [2, 4] with a dropped token
+    want, got = pool.get_kv(1, read), pool.get_kv_no_sync(1, read)
+    for w, g in zip(want, got):
+        assert g.shape == (2, 4, ARCH.num_key_value_heads, ARCH.head_dim)
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    with pytest.raises(IndexError, match="stores no KV"):
+        pool.get_kv_no_sync(4, read)
+
+
+def test_fusedkv_decode_graphs_over_every_family():
+    """FusedKV's torch reconstruction path is graph-safe over every pool family: its decode reads
+    through get_kv_no_sync (a tiered pool's get_kv syncs with the host, and capturing it failed
+    with cudaErrorStreamCaptureUnsupported)."""
+    from types import SimpleNamespace
+
+    from sgl_kvxfer.layers.attention import fusedkv_backend
+    from sgl_kvxfer.layers.attention.fusedkv_backend import FusedKVAttentionBackend
+    from sgl_kvxfer.spectrum.tiers import TIER_INT4, TIER_INT8
+
+    backends = {}
+    for family in FAMILIES:
+        pool = create_kv_pool(EngineConfig(**FAMILIES[family]), ARCH, 512, torch.float32, "cpu", stored_layers=3)
+        backends[family] = FusedKVAttentionBackend(SimpleNamespace(supports_cuda_graph=True), pool,
+                                                   ARCH.num_attention_heads, ARCH.num_key_value_heads, ARCH.head_dim)
+        assert backends[family].path == "torch"  # float32: the kernels do not apply
+        assert backends[family].supports_cuda_graph
+    # over the tiered pool, a decode step never reaches the host-syncing get_kv
+    backend = backends["tiered"]
+    pool = backend.kv_pool
+
+    def no_host_split(*args):
+        raise AssertionError("decode read through get_kv")
+
+    pool.inner.get_kv = no_host_split
+    slots = torch.tensor([[1, 2, 0, pool.base(TIER_INT8)], [3, pool.base(TIER_INT4), 0, 0]])
+    backend._plan = fusedkv_backend._TorchDecode(slots, (slots != 0)[:, None, None, :])
+    q = torch.randn(2, ARCH.num_attention_heads, ARCH.head_dim)
+    out = backend.forward_reconstruct(q, 4, None, SimpleNamespace(sources=(0, 2), lite=True))
+    assert out.shape == q.shape and torch.isfinite(out).all()

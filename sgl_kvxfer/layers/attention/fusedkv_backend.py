@@ -89,9 +89,9 @@ class FusedKVAttentionBackend(AttentionBackend):
             self._kernels = _kernel_module()
             why = None if self._kernels is not None else "kernels/fusedkv_attention.py not importable"
         self.path = "torch" if self._kernels is None else "triton"
-        # the torch path's decode plan is graph-safe too (slow, but exact) where the pool's get_kv
-        # is: over a tiered pool it syncs per call, and capturing it fails (graphs off there)
-        self.supports_cuda_graph = inner.supports_cuda_graph and (self._kernels is not None or kv_pool.get_kv_graph_safe)
+        # the torch path's decode plan is graph-safe too (slow, but exact): its decode reads the
+        # pool through get_kv_no_sync (a tiered pool's get_kv syncs; capturing it fails)
+        self.supports_cuda_graph = inner.supports_cuda_graph
         self.page_size = getattr(kv_pool, "page_size", 1)
         # NOTE: the reconstruction plan of the batch being run lives here (the inner backend owns
         # batch.attn_metadata): a batch's prepare_* and its forward run back to back on the
@@ -222,7 +222,7 @@ class FusedKVAttentionBackend(AttentionBackend):
         if isinstance(plan, _KernelPlan):
             return self._forward_kernel(q.contiguous(), plan, recon)
         if isinstance(plan, _TorchDecode):
-            keys, values = self._rebuild(plan.slots, recon)  # [B, W, Hkv, D]
+            keys, values = self._rebuild(plan.slots, recon, no_sync=True)  # [B, W, Hkv, D]
             out = F.scaled_dot_product_attention(
                 q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
                 attn_mask=plan.key_mask, scale=self.scale, enable_gqa=True)
@@ -252,13 +252,15 @@ class FusedKVAttentionBackend(AttentionBackend):
                                                       sm_scale=self.scale, split_plan=plan.split_plan,
                                                       even_splits=plan.even_splits)
 
-    def _rebuild(self, slots: torch.Tensor, recon) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [*slots.shape, Hkv, D] of a reconstruction layer at `slots` (torch path)."""
+    def _rebuild(self, slots: torch.Tensor, recon, no_sync: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [*slots.shape, Hkv, D] of a reconstruction layer at `slots` (torch path);
+        no_sync: read with get_kv_no_sync (decode, which a CUDA graph may capture)."""
         from sgl_kvxfer.kernels.reference import fuse_kv
 
         s0, s1 = recon.sources
-        k1, v1 = self.kv_pool.get_kv(s1, slots)
-        k0, v0 = (k1, v1) if s0 == s1 else self.kv_pool.get_kv(s0, slots)
+        read = self.kv_pool.get_kv_no_sync if no_sync else self.kv_pool.get_kv
+        k1, v1 = read(s1, slots)
+        k0, v0 = (k1, v1) if s0 == s1 else read(s0, slots)
         if recon.lite:
             return k1, v0
         return fuse_kv(k0, k1, v0, v1, recon.key_weight, recon.value_weight)
