@@ -36,8 +36,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """logits [B, V] fp32 -> one token id per row.
 
     The sampled rows are drawn together: one softmax and one inverse-CDF lookup for all of them
-    on the logits' device, and one host read for the whole batch (a loop of per-row draws with a
-    host copy each cost ~40 ms a step at batch 256). Each row's uniform number comes from its own
+    on the logits' device, and one host read for the whole batch (not a softmax, a host copy and
+    a draw per row). Each row's uniform number comes from its own
     generator (a `sampling_seed` row) or from torch's default CPU generator, so a seeded row's
     token depends on its seed and its own logits only, never on the rows beside it."""
     out = _greedy(logits)
