@@ -525,3 +525,15 @@ def test_fusedkv_distill_step(tmp_path):
     for r in rows:  # warm repeats >= 5 with their spread; the roofline never exceeds 1
         assert len(r["step_ms"]) == 5 and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
         assert r["tokens_per_step"] == r["batch"] * 16 and 0 < r["fraction_of_matmul_rate"] <= 1
+
+
+def test_sampler(tmp_path):
+    out = run_bench("throughput/sampler.py", ["--device", "cpu", "--vocab", "512", "--batches", "1", "8",
+                                               "--calls", "2"], tmp_path)
+    data = result(out, "sampler_cpu", ("rows", "params", "copy_gbps"), png=True)
+    rows = data["rows"]
+    assert [(r["method"], r["batch"]) for r in rows] == [("batched", 1), ("per_row", 1), ("batched", 8), ("per_row", 8)]
+    for r in rows:  # warm repeats >= 5 with their spread, never under the byte floor
+        assert len(r["samples_ms"]) == 5 and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert r["min_ms"] >= r["byte_floor_ms"] > 0
+    assert all(r["per_row_over_batched"] > 0 for r in rows if r["method"] == "batched")
