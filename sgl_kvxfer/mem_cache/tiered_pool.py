@@ -107,6 +107,9 @@ class TieredKVPool(KVPool):
         self._fused_quantize = str(device).startswith("cuda")
         # int -> same-int moves: one relocation launch per (layer, tier) on CUDA (tier_relocate.py)
         self._fused_relocate = str(device).startswith("cuda")
+        # get_kv_no_sync: one gather launch per layer on CUDA for page-head block stores
+        # (tiered_gather.py); per-layer formats (KIVI pages) and the CPU take the torch form
+        self._fused_gather = str(device).startswith("cuda") and self.formats.is_uniform
         # host fp16 copies of int4 tokens (scheduler/cold_tier.py); None: no cold tier
         self.cold = None
 
@@ -246,12 +249,20 @@ class TieredKVPool(KVPool):
         return self.get_kv_routed(layer_id, SlotRoute(tuple(slots.shape), list(self._split(slots.reshape(-1)))))
 
     def get_kv_no_sync(self, layer_id, slots):
-        """get_kv with no host sync (get_kv splits the ids by store on the host): every id is read
-        from each store with its id clamped into that store's range, and a select keeps the read
-        of the store it is in. About three times get_kv's reads (each store's bytes for every id);
-        dropped tokens (id 0) read the zero padding row."""
+        """get_kv with no host sync (get_kv splits the ids by store on the host). On CUDA one
+        gather launch (kernels/tiered_gather.py: each id read from its own store); elsewhere
+        every id is read from each store with its id clamped into that store's range, and a
+        select keeps the read of the store it is in (about three times get_kv's reads). Dropped
+        tokens (id 0) read the zero padding row."""
         flat = slots.reshape(-1)
         b8, b4 = self.base(TIER_INT8), self.base(TIER_INT4)
+        shape = (*slots.shape, self.num_kv_heads, self.head_dim)
+        if self._fused_gather:
+            from sgl_kvxfer.kernels.tiered_gather import gather_tiered_kv
+
+            int8, int4 = (self.stores[t][layer_id] if self.num_pages(t) else None for t in INT_TIERS)
+            k, v = gather_tiered_kv(self.k16[layer_id], self.v16[layer_id], int8, int4, flat, b8, b4, self.dtype)
+            return k.view(shape), v.view(shape)
         rows = torch.where(flat < b8, flat, 0)
         k, v = self.k16[layer_id].index_select(0, rows), self.v16[layer_id].index_select(0, rows)
         for tier, lo, hi in ((TIER_INT8, b8, b4), (TIER_INT4, b4, self.id_end)):
@@ -261,7 +272,6 @@ class TieredKVPool(KVPool):
             kk, vv = self.stores[tier][layer_id].read(*self.page_offset(tier, torch.where(inside, flat, lo)), self.dtype)
             keep = inside[:, None, None]
             k, v = torch.where(keep, kk, k), torch.where(keep, vv, v)
-        shape = (*slots.shape, self.num_kv_heads, self.head_dim)
         return k.view(shape), v.view(shape)
 
     def get_kv_routed(self, layer_id: int, route: SlotRoute):

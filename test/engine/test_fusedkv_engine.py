@@ -152,3 +152,23 @@ def test_spectrum_tiers_at_half_budget(model_dir):
     assert all(h["meta_info"]["cached_tokens"] >= 32 and len(h["output_ids"]) == 10 for h in hits)
     same_first = sum(g["output_ids"][0] == b["output_ids"][0] for g, b in zip(got, base))
     assert same_first >= 2, (got, base)
+
+
+@pytest.mark.gpu
+def test_tiered_decode_graphs_on_cuda(model_dir):
+    """On CUDA a FusedKV engine over a tiered pool captures its decode graphs (its reconstruction
+    layers read through get_kv_no_sync: the gather kernel) and decodes what the eager engine does."""
+    from sgl_kvxfer import Engine
+
+    prompts = _prompts(5, (60, 45, 80))
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    kw = dict(device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=2048,
+              chunked_prefill_size=32, kv_tier_budget=0.5, kv_int4="on", kv_decode_recent=4,
+              kv_quant_group_size=16, kv_tier_page_size=16)
+    out = {}
+    for graphs in (False, True):
+        with Engine(model_dir, disable_cuda_graph=not graphs, **kw) as eng:
+            assert (eng.runner.graph_runner is not None) == graphs
+            assert eng.runner.kv_pool.inner._fused_gather
+            out[graphs] = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    assert out[True] == out[False]

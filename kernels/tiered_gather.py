@@ -1,0 +1,142 @@
+"""Gather one layer's K and V at global tier ids, dequantized, in one launch (no host sync).
+
+    gather_tiered_kv(rows_k, rows_v, int8, int4, ids, base8, base4, out_dtype) -> (k, v) [n, Hkv, D]
+    gather_tiered_kv_reference(...)                                           (torch, same contract)
+
+The id space of mem_cache/tiered_pool.py: ids < base8 are rows of the fp16 store (rows_k / rows_v
+[rows, Hkv, D], slot-granular, row 0 the zero padding row), ids in [base8, base4) tokens of the
+int8 store at (page, offset) = divmod(id - base8, PAGE), ids >= base4 of the int4 store likewise.
+`int8` / `int4` are TierPages of page-head blocks (paged_layout.py), None where the store is
+empty. Values are code * scale + zero in fp32, cast once to out_dtype (tier_codec.dequantize).
+
+FusedKV's reconstruction layers read their source layers this way during decode (TieredKVPool
+.get_kv_no_sync on CUDA): a captured step cannot split ids by store on the host, and the torch
+form of the same read is tens of kernels over every id per layer. grid (cdiv(n, BLOCK_N), Hkv);
+each lane loads only from the store its id is in (masked loads).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .paged_layout import TierPages
+from .tier_codec import TIER_INT4, TIER_INT8
+
+
+@triton.jit
+def _read_int(kb_ptr, vb_ptr, kh_ptr, vh_ptr, ids, inside, base, h, d, stride_p, stride_h,
+              PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+    """Dequantized K, V [BLOCK_N, D] fp32 of the lanes `inside` one int store (0 elsewhere)."""
+    W: tl.constexpr = D if BITS == 8 else D // 2
+    NG: tl.constexpr = D // G
+    r = tl.where(inside, ids - base, 0).to(tl.int64)
+    page, off = r // PAGE, r % PAGE
+    blk = page * stride_p + h * stride_h  # bytes: the page-head block
+    col = d % W  # int4: byte j holds channel j (low nibble) and j + D/2 (high nibble)
+    m = inside[:, None]
+    kc = tl.load(kb_ptr + blk[:, None] + off[:, None] * W + col[None, :], mask=m, other=0)  # token-major
+    vc = tl.load(vb_ptr + blk[:, None] + col[None, :] * PAGE + off[:, None], mask=m, other=0)  # dim-major
+    if BITS == 4:
+        shift = (d >= W).to(tl.uint8) * 4
+        kc = (kc >> shift[None, :]) & 15
+        vc = (vc >> shift[None, :]) & 15
+    # scale [PAGE, NG] then zero [PAGE, NG], fp16, behind the codes (element offsets of the fp16 view)
+    at = (blk // 2 + PAGE * W // 2 + off * NG)[:, None] + (d // G)[None, :]
+    ks = tl.load(kh_ptr + at, mask=m, other=0.0).to(tl.float32)
+    kz = tl.load(kh_ptr + at + PAGE * NG, mask=m, other=0.0).to(tl.float32)
+    vs = tl.load(vh_ptr + at, mask=m, other=0.0).to(tl.float32)
+    vz = tl.load(vh_ptr + at + PAGE * NG, mask=m, other=0.0).to(tl.float32)
+    return kc.to(tl.float32) * ks + kz, vc.to(tl.float32) * vs + vz
+
+
+@triton.jit
+def _gather_kernel(ids_ptr, n, rk_ptr, rv_ptr, k8_ptr, v8_ptr, hk8_ptr, hv8_ptr, k4_ptr, v4_ptr, hk4_ptr, hv4_ptr,
+                   ko_ptr, vo_ptr, base8, base4, stride_row, stride_rh, stride_p8, stride_h8, stride_p4, stride_h4,
+                   stride_on, stride_oh,
+                   D: tl.constexpr, G: tl.constexpr, PAGE8: tl.constexpr, PAGE4: tl.constexpr,
+                   HAS8: tl.constexpr, HAS4: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = offs < n
+    ids = tl.load(ids_ptr + offs, mask=live, other=0).to(tl.int64)
+    d = tl.arange(0, D)
+    in16 = live & (ids < base8)
+    row = tl.where(in16, ids, 0)
+    at = row[:, None] * stride_row + h * stride_rh + d[None, :]
+    k = tl.load(rk_ptr + at, mask=in16[:, None], other=0.0).to(tl.float32)
+    v = tl.load(rv_ptr + at, mask=in16[:, None], other=0.0).to(tl.float32)
+    if HAS8:
+        in8 = live & (ids >= base8) & (ids < base4)
+        k8, v8 = _read_int(k8_ptr, v8_ptr, hk8_ptr, hv8_ptr, ids, in8, base8, h, d, stride_p8, stride_h8,
+                           PAGE8, D, G, 8)
+        k = tl.where(in8[:, None], k8, k)
+        v = tl.where(in8[:, None], v8, v)
+    if HAS4:
+        in4 = live & (ids >= base4)
+        k4, v4 = _read_int(k4_ptr, v4_ptr, hk4_ptr, hv4_ptr, ids, in4, base4, h, d, stride_p4, stride_h4,
+                           PAGE4, D, G, 4)
+        k = tl.where(in4[:, None], k4, k)
+        v = tl.where(in4[:, None], v4, v)
+    out = offs[:, None].to(tl.int64) * stride_on + h * stride_oh + d[None, :]
+    tl.store(ko_ptr + out, k.to(ko_ptr.dtype.element_ty), mask=live[:, None])
+    tl.store(vo_ptr + out, v.to(vo_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def _check_int(store: TierPages | None, tier: int, head_dim: int, group_size: int) -> None:
+    if store is None:
+        return
+    assert isinstance(store, TierPages) and store.tier == tier, "a TierPages of page-head blocks of that tier"
+    assert store.head_dim == head_dim and store.group_size == group_size, (store.head_dim, store.group_size)
+    assert store.k.is_contiguous() and store.v.is_contiguous() and store.k.stride() == store.v.stride()
+    assert (store.page * store.width) % 2 == 0, "the fp16 scales must start on a 2-byte boundary"
+
+
+def gather_tiered_kv(rows_k: torch.Tensor, rows_v: torch.Tensor, int8: TierPages | None, int4: TierPages | None,
+                     ids: torch.Tensor, base8: int, base4: int, out_dtype: torch.dtype,
+                     block_n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) [n, Hkv, D] in out_dtype of the tokens at global ids `ids` [n] (module docstring)."""
+    n_rows, num_heads, head_dim = rows_k.shape
+    assert rows_v.shape == rows_k.shape and rows_k.stride() == rows_v.stride() and rows_k.stride(2) == 1
+    assert head_dim & (head_dim - 1) == 0 and head_dim >= 16, f"head_dim {head_dim}: a power of two >= 16"
+    group = (int8 or int4).group_size if (int8 or int4) is not None else head_dim
+    _check_int(int8, TIER_INT8, head_dim, group)
+    _check_int(int4, TIER_INT4, head_dim, group)
+    assert 0 < base8 <= base4 and n_rows <= base8, (n_rows, base8, base4)
+    ids = ids.reshape(-1).contiguous()
+    n = ids.numel()
+    k = torch.empty((n, num_heads, head_dim), dtype=out_dtype, device=rows_k.device)
+    v = torch.empty_like(k)
+    if n == 0:
+        return k, v
+    dummy = rows_k.new_empty(0, dtype=torch.uint8)
+    k8, v8 = (int8.k, int8.v) if int8 is not None else (dummy, dummy)
+    k4, v4 = (int4.k, int4.v) if int4 is not None else (dummy, dummy)
+    half = lambda x: x.view(torch.float16) if x.numel() else x.new_empty(0, dtype=torch.float16)  # noqa: E731
+    _gather_kernel[(triton.cdiv(n, block_n), num_heads)](
+        ids, n, rows_k, rows_v, k8, v8, half(k8), half(v8), k4, v4, half(k4), half(v4), k, v, base8, base4,
+        rows_k.stride(0), rows_k.stride(1),
+        k8.stride(0) if int8 is not None else 0, k8.stride(1) if int8 is not None else 0,
+        k4.stride(0) if int4 is not None else 0, k4.stride(1) if int4 is not None else 0,
+        k.stride(0), k.stride(1),
+        D=head_dim, G=group, PAGE8=int8.page if int8 is not None else 1, PAGE4=int4.page if int4 is not None else 1,
+        HAS8=int8 is not None, HAS4=int4 is not None, BLOCK_N=block_n, num_warps=4)
+    return k, v
+
+
+def gather_tiered_kv_reference(rows_k, rows_v, int8, int4, ids, base8, base4, out_dtype):
+    """Torch: each store's tokens gathered and dequantized through TierPages.read."""
+    ids = ids.reshape(-1)
+    k = torch.empty((ids.numel(), *rows_k.shape[1:]), dtype=out_dtype, device=rows_k.device)
+    v = torch.empty_like(k)
+    in16 = ids < base8
+    k[in16], v[in16] = rows_k[ids[in16]].to(out_dtype), rows_v[ids[in16]].to(out_dtype)
+    for store, lo, hi in ((int8, base8, base4), (int4, base4, None)):
+        inside = (ids >= lo) if hi is None else (ids >= lo) & (ids < hi)
+        if store is None or not bool(inside.any()):
+            continue
+        r = ids[inside] - lo
+        kk, vv = store.read(r // store.page, r % store.page, out_dtype)
+        k[inside], v[inside] = kk, vv
+    return k, v
