@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="all: every weight trains; top: the reconstruction layers and the final norm only")
     ap.add_argument("--seq", type=_int_at_least(8, 1 << 16), default=d.seq)
     ap.add_argument("--batch", type=_int_at_least(1, 4096), default=d.batch)
+    ap.add_argument("--shift-windows", action="store_true",
+                    help="cut the training windows at a fresh offset every pass over the text (other contexts for the same tokens)")
     ap.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of the pretrained weights "
                     "in the distill phase (fusion weights keep their own)")
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
@@ -118,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = RetrofitConfig(variant=a.variant, num_storage_layers=a.num_storage_layers, budget_s=a.budget_min * 60,
                              init=a.init.replace("-", "_"),
                              train_scope=a.train_scope, seq=a.seq, batch=a.batch, eval_windows=a.eval_windows,
-                             calib_windows=a.calib_windows, compile=compile_on, lr=a.lr)
+                             calib_windows=a.calib_windows, compile=compile_on, lr=a.lr,
+                             shift_windows=a.shift_windows)
     except ValueError as exc:
         ap.error(str(exc))
     data = Tokenized(resolve_data_dir(a.train_data), model_dir)

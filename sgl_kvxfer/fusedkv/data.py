@@ -170,21 +170,53 @@ def mixed_chunks(split: dict[str, np.ndarray], seq_len: int, max_chunks: int | N
     return torch.cat([chunks(t, seq_len, per) for t in split.values()])
 
 
+class ShiftedWindows:
+    """Training windows whose boundaries move from epoch to epoch: `cut(gen)` splits each
+    domain's token stream into non-overlapping windows of seq_len + 1 tokens starting at a seeded
+    offset in [0, seq_len) (0 for the first cut: the windows of mixed_chunks), so a later pass
+    sees the same text with other contexts. Each domain may lose its last window to the offset."""
+
+    def __init__(self, split: dict[str, np.ndarray], seq_len: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        self.split, self.seq_len, self._cuts = split, seq_len, 0
+        for name, tokens in split.items():
+            if tokens.size < 2 * seq_len + 1:
+                raise ValueError(f"domain {name}: {tokens.size} tokens do not fill two windows of {seq_len + 1}")
+
+    def cut(self, gen: torch.Generator) -> torch.Tensor:
+        parts = []
+        for tokens in self.split.values():
+            offset = 0 if self._cuts == 0 else int(torch.randint(self.seq_len, (1,), generator=gen))
+            parts.append(chunks(tokens[offset:], self.seq_len))
+        self._cuts += 1
+        return torch.cat(parts)
+
+
 class EpochBatches:
     """Batches of windows, a fresh seeded permutation every epoch: every model that uses the
-    same (windows, batch size, seed) sees the same tokens in the same order."""
+    same (windows, batch size, seed) sees the same tokens in the same order. `windows` a
+    ShiftedWindows: each epoch cuts fresh windows first (same seed, same cuts)."""
 
-    def __init__(self, windows: torch.Tensor, batch_size: int, seed: int = 0):
+    def __init__(self, windows: "torch.Tensor | ShiftedWindows", batch_size: int, seed: int = 0):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.source = windows if isinstance(windows, ShiftedWindows) else None
+        if self.source is not None:
+            windows = self.source.cut(self.gen)
         if windows.shape[0] < batch_size:
             raise ValueError(f"{windows.shape[0]} windows < batch size {batch_size}")
         self.windows, self.batch_size = windows, batch_size
-        self.gen = torch.Generator().manual_seed(seed)
         self.per_epoch = windows.shape[0] // batch_size
         self._order, self._pos = None, self.per_epoch
+        self._started = False
         self.epochs = 0.0
 
     def __next__(self) -> torch.Tensor:
         if self._pos >= self.per_epoch:
+            if self.source is not None and self._started:  # the first epoch uses the first cut
+                self.windows = self.source.cut(self.gen)
+                self.per_epoch = max(1, self.windows.shape[0] // self.batch_size)
+            self._started = True
             self._order, self._pos = torch.randperm(self.windows.shape[0], generator=self.gen), 0
         sel = self._order[self._pos * self.batch_size:(self._pos + 1) * self.batch_size]
         self._pos += 1

@@ -41,7 +41,7 @@ import torch
 from sgl_kvxfer.fusedkv import curve as curves
 from sgl_kvxfer.fusedkv.closed_form import closed_form_init
 from sgl_kvxfer.fusedkv.checkpoint import load_lm
-from sgl_kvxfer.fusedkv.data import EpochBatches, Tokenized, chunks, mixed_chunks
+from sgl_kvxfer.fusedkv.data import EpochBatches, ShiftedWindows, Tokenized, chunks, mixed_chunks
 from sgl_kvxfer.fusedkv.distill import AttentionMatcher, distill_loss, lstsq_fusion_init, source_search
 from sgl_kvxfer.fusedkv.model import LM, compile_blocks
 from sgl_kvxfer.fusedkv.runctl import Progress, StopOnInterrupt, TrainClock
@@ -77,6 +77,9 @@ class RetrofitConfig:
     max_train_windows: int | None = None
     probe_steps: int = 3
     compile: bool = False  # torch.compile the blocks and losses for the distill phase (model.compile_blocks)
+    # each pass over the training text cuts its windows at a fresh offset (data.ShiftedWindows);
+    # not with max_train_windows (a capped set of windows stays that set)
+    shift_windows: bool = False
     seed: int = 0
 
     def __post_init__(self):
@@ -97,6 +100,8 @@ class RetrofitConfig:
         for name in ("seq", "batch", "eval_windows", "eval_points", "calib_windows", "probe_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.shift_windows and self.max_train_windows is not None:
+            raise ValueError("shift_windows cuts whole domains: it does not combine with max_train_windows")
 
 
 def autocast_for(device: str):
@@ -224,7 +229,8 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
             report["init_residuals"] = fit(teacher, student, calib, cfg.batch, autocast)
     bar.update(clock.s)
     point("init", 0)
-    batches = EpochBatches(train, cfg.batch, seed=cfg.seed)
+    batches = EpochBatches(ShiftedWindows(data.split("train"), cfg.seq) if cfg.shift_windows else train, cfg.batch,
+                           seed=cfg.seed)
 
     # ---- local: attention-output matching ---------------------------------------------------
     local_steps = 0

@@ -70,12 +70,15 @@ def test_report_is_on_disk_before_the_task_suite(tmp_path, tiny_model, text_data
     assert os.path.isfile(tmp_path / "report.png") and os.path.isfile(tmp_path / "out" / "config.json")
 
 
-def test_retrofit_trains_within_its_budget(tiny_model, text_data):
+@pytest.mark.parametrize("shift", [False, True])
+def test_retrofit_trains_within_its_budget(tiny_model, text_data, shift):
     from sgl_kvxfer.fusedkv.data import Tokenized
     from sgl_kvxfer.fusedkv.retrofit import RetrofitConfig, run_retrofit
 
-    cfg = RetrofitConfig(budget_s=20.0, seq=16, batch=2, eval_windows=2, calib_windows=4, eval_points=3)
+    cfg = RetrofitConfig(budget_s=12.0 if shift else 20.0, seq=16, batch=2, eval_windows=2, calib_windows=4,
+                         eval_points=3, shift_windows=shift)
     student, rep = run_retrofit(tiny_model, Tokenized(text_data, tiny_model), cfg, "cpu", progress=False)
+    assert rep["config"]["shift_windows"] is shift
     assert rep["local_steps"] >= 1 and rep["distill_steps"] >= cfg.probe_steps
     assert rep["distill_steps"] <= rep["distill_planned_steps"]
     # the clock stops at the budget, give or take one step

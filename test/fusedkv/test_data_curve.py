@@ -78,3 +78,48 @@ def test_power_law_fit_and_the_minutes_to_a_target():
     assert extrapolate(flat, teacher, {"prose": 1.03})["prose"]["minutes_to_target"] is None
     done = curve + [{"gpu_min": 9, "ppl": {"prose": 10.1}}]
     assert extrapolate(done, teacher, {"prose": 1.03})["prose"]["met_at_min"] == 9
+
+
+def test_shifted_windows_move_every_epoch():
+    """ShiftedWindows: the first cut is mixed_chunks' windows; later cuts start at other seeded
+    offsets, each window a contiguous run of its domain's stream; EpochBatches re-cuts once per
+    epoch, reproducibly for a seed."""
+    import torch
+
+    from sgl_kvxfer.fusedkv.data import EpochBatches, ShiftedWindows, mixed_chunks
+
+    split = {"a": np.arange(1000, 1203), "b": np.arange(5000, 5150)}  # distinct values: a token says where it sits
+    src = ShiftedWindows(split, 10)
+    gen = torch.Generator().manual_seed(0)
+    first = src.cut(gen)
+    assert torch.equal(first, mixed_chunks(split, 10))
+    offsets = set()
+    for _ in range(6):
+        w = src.cut(gen)
+        for row in w:  # contiguous, inside one domain
+            assert torch.equal(row, torch.arange(int(row[0]), int(row[0]) + 11))
+        offsets.add(int(w[0, 0]) - 1000)
+        starts_b = {int(r[0]) for r in w if r[0] >= 5000}
+        assert len({(s - 5000) % 10 for s in starts_b}) == 1  # one offset per domain and cut
+    assert len(offsets) > 1 and all(0 <= o < 10 for o in offsets)
+
+    def first_tokens(seed, steps):
+        batches = EpochBatches(ShiftedWindows(split, 10), 4, seed=seed)
+        return [next(batches)[:, 0].tolist() for _ in range(steps)], batches
+
+    seen, batches = first_tokens(3, 40)  # 33 windows / 4 = 8 batches an epoch: 5 epochs
+    assert seen == first_tokens(3, 40)[0]
+    assert batches.epochs >= 4
+    fixed = EpochBatches(mixed_chunks(split, 10), 4, seed=3)
+    assert [next(fixed)[:, 0].tolist() for _ in range(8)] == seen[:8]  # the first epoch is the fixed one
+    assert {t % 10 for step in seen[8:] for t in step} != {0}  # later epochs start elsewhere
+
+
+def test_shift_windows_is_validated():
+    from sgl_kvxfer.fusedkv.data import ShiftedWindows
+    from sgl_kvxfer.fusedkv.retrofit import RetrofitConfig
+
+    with pytest.raises(ValueError, match="max_train_windows"):
+        RetrofitConfig(shift_windows=True, max_train_windows=8)
+    with pytest.raises(ValueError, match="two windows"):
+        ShiftedWindows({"a": np.arange(15)}, 10)
