@@ -25,29 +25,50 @@ from .tier_codec import TIER_INT4, TIER_INT8
 
 
 @triton.jit
-def _read_int(kb_ptr, vb_ptr, kh_ptr, vh_ptr, ids, inside, base, h, d, stride_p, stride_h,
-              PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
-    """Dequantized K, V [BLOCK_N, D] fp32 of the lanes `inside` one int store (0 elsewhere)."""
+def _int_values(c_ptr, h_ptr, ids, inside, base, page0, h, d, stride_p, stride_h,
+                PAGE: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, IS_V: tl.constexpr):
+    """K (IS_V False: token-major codes) or V (dim-major codes) [BLOCK_N, D] fp32 of the lanes
+    `inside` one int store, 0 elsewhere. page0: the layer's first page in a stacked store."""
     W: tl.constexpr = D if BITS == 8 else D // 2
     NG: tl.constexpr = D // G
     r = tl.where(inside, ids - base, 0).to(tl.int64)
-    page, off = r // PAGE, r % PAGE
+    page, off = page0 + r // PAGE, r % PAGE
     blk = page * stride_p + h * stride_h  # bytes: the page-head block
     col = d % W  # int4: byte j holds channel j (low nibble) and j + D/2 (high nibble)
     m = inside[:, None]
-    kc = tl.load(kb_ptr + blk[:, None] + off[:, None] * W + col[None, :], mask=m, other=0)  # token-major
-    vc = tl.load(vb_ptr + blk[:, None] + col[None, :] * PAGE + off[:, None], mask=m, other=0)  # dim-major
+    if IS_V:
+        c = tl.load(c_ptr + blk[:, None] + col[None, :] * PAGE + off[:, None], mask=m, other=0)
+    else:
+        c = tl.load(c_ptr + blk[:, None] + off[:, None] * W + col[None, :], mask=m, other=0)
     if BITS == 4:
-        shift = (d >= W).to(tl.uint8) * 4
-        kc = (kc >> shift[None, :]) & 15
-        vc = (vc >> shift[None, :]) & 15
+        c = (c >> ((d >= W).to(tl.uint8) * 4)[None, :]) & 15
     # scale [PAGE, NG] then zero [PAGE, NG], fp16, behind the codes (element offsets of the fp16 view)
     at = (blk // 2 + PAGE * W // 2 + off * NG)[:, None] + (d // G)[None, :]
-    ks = tl.load(kh_ptr + at, mask=m, other=0.0).to(tl.float32)
-    kz = tl.load(kh_ptr + at + PAGE * NG, mask=m, other=0.0).to(tl.float32)
-    vs = tl.load(vh_ptr + at, mask=m, other=0.0).to(tl.float32)
-    vz = tl.load(vh_ptr + at + PAGE * NG, mask=m, other=0.0).to(tl.float32)
-    return kc.to(tl.float32) * ks + kz, vc.to(tl.float32) * vs + vz
+    scale = tl.load(h_ptr + at, mask=m, other=0.0).to(tl.float32)
+    zero = tl.load(h_ptr + at + PAGE * NG, mask=m, other=0.0).to(tl.float32)
+    return c.to(tl.float32) * scale + zero
+
+
+@triton.jit
+def _tier_values(rows_ptr, c8_ptr, h8_ptr, c4_ptr, h4_ptr, layer, ids, live, base8, base4, h, d,
+                 stride_rl, stride_row, stride_rh, pages8, pages4, stride_p8, stride_h8, stride_p4, stride_h4,
+                 D: tl.constexpr, G: tl.constexpr, PAGE8: tl.constexpr, PAGE4: tl.constexpr,
+                 HAS8: tl.constexpr, HAS4: tl.constexpr, IS_V: tl.constexpr):
+    """K or V [BLOCK_N, D] fp32 of layer `layer` at tier ids (lanes not `live`: 0). Each lane
+    loads only from the store its id is in. Strides are elements of the stacked stores: fp16
+    rows [L, rows, Hkv, D]; int blocks [L * pages, Hkv, BLOCK] (layer l's page p at l * pages + p)."""
+    in16 = live & (ids < base8)
+    at = layer * stride_rl + tl.where(in16, ids, 0)[:, None] * stride_row + h * stride_rh + d[None, :]
+    x = tl.load(rows_ptr + at, mask=in16[:, None], other=0.0).to(tl.float32)
+    if HAS8:
+        in8 = live & (ids >= base8) & (ids < base4)
+        x8 = _int_values(c8_ptr, h8_ptr, ids, in8, base8, layer * pages8, h, d, stride_p8, stride_h8, PAGE8, D, G, 8, IS_V)
+        x = tl.where(in8[:, None], x8, x)
+    if HAS4:
+        in4 = live & (ids >= base4)
+        x4 = _int_values(c4_ptr, h4_ptr, ids, in4, base4, layer * pages4, h, d, stride_p4, stride_h4, PAGE4, D, G, 4, IS_V)
+        x = tl.where(in4[:, None], x4, x)
+    return x
 
 
 @triton.jit
@@ -62,23 +83,12 @@ def _gather_kernel(ids_ptr, n, rk_ptr, rv_ptr, k8_ptr, v8_ptr, hk8_ptr, hv8_ptr,
     live = offs < n
     ids = tl.load(ids_ptr + offs, mask=live, other=0).to(tl.int64)
     d = tl.arange(0, D)
-    in16 = live & (ids < base8)
-    row = tl.where(in16, ids, 0)
-    at = row[:, None] * stride_row + h * stride_rh + d[None, :]
-    k = tl.load(rk_ptr + at, mask=in16[:, None], other=0.0).to(tl.float32)
-    v = tl.load(rv_ptr + at, mask=in16[:, None], other=0.0).to(tl.float32)
-    if HAS8:
-        in8 = live & (ids >= base8) & (ids < base4)
-        k8, v8 = _read_int(k8_ptr, v8_ptr, hk8_ptr, hv8_ptr, ids, in8, base8, h, d, stride_p8, stride_h8,
-                           PAGE8, D, G, 8)
-        k = tl.where(in8[:, None], k8, k)
-        v = tl.where(in8[:, None], v8, v)
-    if HAS4:
-        in4 = live & (ids >= base4)
-        k4, v4 = _read_int(k4_ptr, v4_ptr, hk4_ptr, hv4_ptr, ids, in4, base4, h, d, stride_p4, stride_h4,
-                           PAGE4, D, G, 4)
-        k = tl.where(in4[:, None], k4, k)
-        v = tl.where(in4[:, None], v4, v)
+    k = _tier_values(rk_ptr, k8_ptr, hk8_ptr, k4_ptr, hk4_ptr, 0, ids, live, base8, base4, h, d,
+                     0, stride_row, stride_rh, 0, 0, stride_p8, stride_h8, stride_p4, stride_h4,
+                     D, G, PAGE8, PAGE4, HAS8, HAS4, False)
+    v = _tier_values(rv_ptr, v8_ptr, hv8_ptr, v4_ptr, hv4_ptr, 0, ids, live, base8, base4, h, d,
+                     0, stride_row, stride_rh, 0, 0, stride_p8, stride_h8, stride_p4, stride_h4,
+                     D, G, PAGE8, PAGE4, HAS8, HAS4, True)
     out = offs[:, None].to(tl.int64) * stride_on + h * stride_oh + d[None, :]
     tl.store(ko_ptr + out, k.to(ko_ptr.dtype.element_ty), mask=live[:, None])
     tl.store(vo_ptr + out, v.to(vo_ptr.dtype.element_ty), mask=live[:, None])

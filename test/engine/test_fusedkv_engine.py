@@ -157,7 +157,7 @@ def test_spectrum_tiers_at_half_budget(model_dir):
 @pytest.mark.gpu
 def test_tiered_decode_graphs_on_cuda(model_dir):
     """On CUDA a FusedKV engine over a tiered pool captures its decode graphs (its reconstruction
-    layers read through get_kv_no_sync: the gather kernel) and decodes what the eager engine does."""
+    layers decode through kernels/fusedkv_tiered_decode.py) and decodes what the eager engine does."""
     from sgl_kvxfer import Engine
 
     prompts = _prompts(5, (60, 45, 80))
@@ -169,6 +169,6 @@ def test_tiered_decode_graphs_on_cuda(model_dir):
     for graphs in (False, True):
         with Engine(model_dir, disable_cuda_graph=not graphs, **kw) as eng:
             assert (eng.runner.graph_runner is not None) == graphs
-            assert eng.runner.kv_pool.inner._fused_gather
+            assert eng.runner.attn_backend.path == "triton-tiered"
             out[graphs] = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
     assert out[True] == out[False]

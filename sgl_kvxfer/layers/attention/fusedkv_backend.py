@@ -22,12 +22,16 @@ queries are the last c of its p + c keys, query j attending keys [0, p + j]:
     query run:                           | p ...... p + c - 1 | (rest)   pseudo-request: keys 0 .. p + c - 1
 
 Paths (`self.path`, logged once):
+    triton-tiered  a tiered pool under the Triton tiered backend (fp16 / bf16, uniform store
+            formats): DECODE through kernels/fusedkv_tiered_decode.py (each key's sources read
+            from the store its id is in, dequantized and fused in registers); EXTEND on the torch path
     triton  inner pool paged fp16 (triton / flashinfer backends): kernels/fusedkv_attention.py
             reads both sources through the block tables and fuses in registers; DECODE and an
             EXTEND with at most one row per request run its split-K decode kernel (prefill-skip
             is a decode of each prompt's last token), other EXTENDs its extend kernel
-    torch   anything else (fp32 / CPU, tiered pools, the kernels missing): pool.get_kv of
-            both sources, kernels/reference.fuse_kv, SDPA
+    torch   anything else (fp32 / CPU, tiered pools under the torch backend, the kernels
+            missing): pool.get_kv of both sources (get_kv_no_sync in DECODE),
+            kernels/reference.fuse_kv, SDPA
 """
 from __future__ import annotations
 
@@ -55,6 +59,15 @@ class _TorchExtend:
 
 
 @dataclass
+class _TieredDecode:
+    """Tiered-kernel path, DECODE: each request's req-to-token row (its slots' tier ids)."""
+    slots: torch.Tensor  # int64 [B, W]
+    seq_lens: torch.Tensor  # int32 [B]
+    split_plan: tuple
+    even_splits: bool
+
+
+@dataclass
 class _KernelPlan:
     """Kernel path: decode over `block_table` rows (the whole DECODE batch, or the requests of
     an EXTEND with one row each) or extend with `qo_indptr` (EXTEND, several rows)."""
@@ -64,6 +77,15 @@ class _KernelPlan:
     even_splits: bool = False
     qo_indptr: torch.Tensor | None = None  # extend: int32 [B + 1]
     max_q_len: int = 0
+
+
+def _tiered_kernel_module():
+    try:
+        from sgl_kvxfer.kernels import fusedkv_tiered_decode
+    except ImportError as exc:
+        logger.info("FusedKV tiered kernel unavailable (%s)", exc)
+        return None
+    return fusedkv_tiered_decode
 
 
 def _kernel_module():
@@ -88,7 +110,17 @@ class FusedKVAttentionBackend(AttentionBackend):
         if why is None:
             self._kernels = _kernel_module()
             why = None if self._kernels is not None else "kernels/fusedkv_attention.py not importable"
-        self.path = "torch" if self._kernels is None else "triton"
+        # over a tiered pool served by the Triton tiered backend: DECODE through
+        # kernels/fusedkv_tiered_decode.py (sources fused in registers), EXTEND on the torch path
+        self._tiered, self._tiered_stores = None, None
+        if self._kernels is None and kv_pool.layout == "tiered":
+            why = self._tiered_unsupported_reason(inner, kv_pool)
+            if why is None:
+                self._tiered = _tiered_kernel_module()
+                why = None if self._tiered is not None else "kernels/fusedkv_tiered_decode.py not importable"
+            if self._tiered is not None:
+                self._tiered_stores = self._stacked_stores(kv_pool)
+        self.path = "triton" if self._kernels is not None else ("triton-tiered" if self._tiered is not None else "torch")
         # the torch path's decode plan is graph-safe too (slow, but exact): its decode reads the
         # pool through get_kv_no_sync (a tiered pool's get_kv syncs; capturing it fails)
         self.supports_cuda_graph = inner.supports_cuda_graph
@@ -110,6 +142,33 @@ class FusedKVAttentionBackend(AttentionBackend):
             return f"head_dim {pool.head_dim} is not a power of two >= 16"
         return None
 
+    @staticmethod
+    def _tiered_unsupported_reason(inner, pool) -> str | None:
+        from sgl_kvxfer.layers.attention.triton_tiered_backend import TritonTieredAttentionBackend
+
+        if not isinstance(inner, TritonTieredAttentionBackend):
+            return f"the tiered pool is read by {type(inner).__name__}, not the Triton tiered backend"
+        if pool.dtype not in (torch.float16, torch.bfloat16):
+            return f"dtype {pool.dtype}"
+        if pool.head_dim < 16 or pool.head_dim & (pool.head_dim - 1):
+            return f"head_dim {pool.head_dim} is not a power of two >= 16"
+        if not pool.inner.formats.is_uniform:
+            return "per-layer store formats (no stacked stores)"
+        return None
+
+    @staticmethod
+    def _stacked_stores(pool):
+        """The inner tiered pool's stacked stores (allocated once, never moved: graph-safe)."""
+        from sgl_kvxfer.kernels.fusedkv_tiered_decode import TieredStores
+        from sgl_kvxfer.spectrum.tiers import TIER_INT4, TIER_INT8
+
+        tiered = pool.inner
+        rows_k, rows_v = tiered.stacked_rows()
+        p8, p4 = tiered.num_pages(TIER_INT8), tiered.num_pages(TIER_INT4)
+        return TieredStores(rows_k, rows_v, tiered.stacked_store(TIER_INT8) if p8 else None,
+                            tiered.stacked_store(TIER_INT4) if p4 else None, p8, p4,
+                            tiered.base(TIER_INT8), tiered.base(TIER_INT4), tiered.group_size)
+
     # ------------------------------------------------------------------ plans
     def prepare_metadata(self, batch: ForwardBatch) -> None:
         self.inner.prepare_metadata(batch)
@@ -123,6 +182,10 @@ class FusedKVAttentionBackend(AttentionBackend):
 
     def _decode_plan(self, batch: ForwardBatch, width: int, graph: bool):
         """Device ops only (graph-safe); `width` bounds every seq_len."""
+        if self._tiered is not None:
+            slots = batch.req_to_token[batch.req_pool_indices, :width].to(torch.int64)
+            plan = self._tiered.plan_tiered_splits(slots.shape[1], slots.shape[0], self.num_kv_heads, slots.device)
+            return _TieredDecode(slots, batch.seq_lens.to(torch.int32), plan, even_splits=graph)
         if self._kernels is not None:
             table = self._block_table(batch.req_to_token, batch.req_pool_indices, width)
             plan = self._kernels.plan_fusedkv_splits(table.shape[1], table.shape[0], self.num_kv_heads, table.device)
@@ -221,6 +284,12 @@ class FusedKVAttentionBackend(AttentionBackend):
             raise RuntimeError("forward_reconstruct on an EXTEND batch without prepare_reconstruct")
         if isinstance(plan, _KernelPlan):
             return self._forward_kernel(q.contiguous(), plan, recon)
+        if isinstance(plan, _TieredDecode):
+            s0, s1 = recon.sources
+            k_layers, v_layers, weights = ((s1,), (s0,), None) if recon.lite else ((s0, s1), (s0, s1), recon.packed)
+            return self._tiered.fusedkv_tiered_decode(q.contiguous(), self._tiered_stores, k_layers, v_layers,
+                                                      plan.slots, plan.seq_lens, weights, sm_scale=self.scale,
+                                                      split_plan=plan.split_plan, even_splits=plan.even_splits)
         if isinstance(plan, _TorchDecode):
             keys, values = self._rebuild(plan.slots, recon, no_sync=True)  # [B, W, Hkv, D]
             out = F.scaled_dot_product_attention(
