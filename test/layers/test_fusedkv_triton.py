@@ -152,9 +152,9 @@ def test_rope_q_fused_kernel_matches_torch(monkeypatch):
 @pytest.mark.parametrize("variant", ("fusedkv", "lite"))
 def test_tiered_kernel_path_matches_torch(model_dirs, variant):
     """Over a tiered pool (b = 0.5, int8 and int4 tokens) the Triton tiered backend serves the
-    storage layers and kernels/fusedkv_tiered_decode.py the reconstruction layers' decode
-    (`triton-tiered`), against the torch backend on the same checkpoint; the graph capture target
-    (eager replay on CPU) gives the eager tokens."""
+    storage layers and kernels/fusedkv_tiered_decode.py the reconstruction layers' decode and
+    prefill-skip rows (`triton-tiered`), against the torch backend on the same checkpoint; the
+    graph capture target (eager replay on CPU) gives the eager tokens."""
     from sgl_kvxfer import Engine
     from sgl_kvxfer.engine.cuda_graph_runner import CudaGraphRunner
     from sgl_kvxfer.spectrum.tiers import TIER_INT4, TIER_INT8

@@ -90,5 +90,5 @@ def test_large_vocabulary_keeps_its_tail():
     vocab = 49152
     logits = torch.zeros(1, vocab)
     logits[0, 0] = math.log(vocab - 1)  # p(token 0) = 0.5
-    freq = _frequencies(logits, _params(), 8000, seed=3)
-    assert abs(freq[0].item() - 0.5) < 4 * math.sqrt(0.25 / 8000)
+    freq = _frequencies(logits, _params(), 1500, seed=3)
+    assert abs(freq[0].item() - 0.5) < 4 * math.sqrt(0.25 / 1500)

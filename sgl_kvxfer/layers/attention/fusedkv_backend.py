@@ -23,8 +23,9 @@ queries are the last c of its p + c keys, query j attending keys [0, p + j]:
 
 Paths (`self.path`, logged once):
     triton-tiered  a tiered pool under the Triton tiered backend (fp16 / bf16, uniform store
-            formats): DECODE through kernels/fusedkv_tiered_decode.py (each key's sources read
-            from the store its id is in, dequantized and fused in registers); EXTEND on the torch path
+            formats): DECODE and an EXTEND with one row per request (prefill-skip) through
+            kernels/fusedkv_tiered_decode.py (each key's sources read from the store its id is
+            in, dequantized and fused in registers); other EXTENDs on the torch path
     triton  inner pool paged fp16 (triton / flashinfer backends): kernels/fusedkv_attention.py
             reads both sources through the block tables and fuses in registers; DECODE and an
             EXTEND with at most one row per request run its split-K decode kernel (prefill-skip
@@ -216,8 +217,22 @@ class FusedKVAttentionBackend(AttentionBackend):
             runs = [(i, p, c) for i, (p, c) in enumerate(batch.logits_spans) if c]
         else:
             runs = self._runs_from_rows(batch, rows)  # host sync
+        runs = [r for r in runs if r[2]]
+        if self._tiered is not None and runs and all(c == 1 for _, _, c in runs):
+            self._plan = self._tiered_extend_plan(batch, runs)  # prefill-skip: a decode of each last token
+            return
         plan = self._kernel_extend_plan if self._kernels is not None else self._torch_extend_plan
-        self._plan = plan(batch, [r for r in runs if r[2]])
+        self._plan = plan(batch, runs)
+
+    def _tiered_extend_plan(self, batch: ForwardBatch, runs) -> _TieredDecode:
+        """One query per run (the row at position p of request i, seeing keys [0, p]): the tiered
+        decode kernel over each request's row, cut at p + 1 keys."""
+        dev = batch.req_to_token.device
+        req = torch.tensor([i for i, _, _ in runs], dtype=torch.int64, device=dev)
+        lens = [p + 1 for _, p, _ in runs]
+        slots = batch.req_to_token[batch.req_pool_indices[req], :max(lens)].to(torch.int64)
+        plan = self._tiered.plan_tiered_splits(slots.shape[1], len(runs), self.num_kv_heads, dev)
+        return _TieredDecode(slots, torch.tensor(lens, dtype=torch.int32, device=dev), plan, even_splits=False)
 
     @staticmethod
     def _runs_from_rows(batch: ForwardBatch, rows: torch.Tensor) -> list[tuple[int, int, int]]:
