@@ -88,6 +88,17 @@ def _merge_splits_kernel(
              out.to(o_ptr.dtype.element_ty))
 
 
+def split_outputs(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o_part, lse_part) for a split-K decode's stage 1 into `out` [B, Hq, D]: one split writes
+    `out` itself (o_part a [B, Hq, 1, D] view, lse unused; no merge), more write fp32 partials
+    [B, Hq, S, D] and their lse [B, Hq, S] for merge_splits."""
+    if num_splits == 1:
+        return out.unsqueeze(2), out.new_empty((1, 1, 1), dtype=torch.float32)
+    B, Hq, D = out.shape
+    return (torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=out.device),
+            torch.empty((B, Hq, num_splits), dtype=torch.float32, device=out.device))
+
+
 def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out [B, Hq, D] = the LSE-weighted sum of the S partials o_part [B, Hq, S, D] (fp32,
     normalized per split) with lse_part [B, Hq, S] (log2). One program per (request, q head)."""

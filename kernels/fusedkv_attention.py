@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ._tiles import is_interpret, next_pow2, num_sms
-from ._split_k import LOG2E, NEG_BIG, merge_splits, _softmax_step, _store_split_result
+from ._split_k import LOG2E, NEG_BIG, merge_splits, split_outputs, _softmax_step, _store_split_result
 from .paged_fp16_pool_decode import SPLIT_WAVES, _split_pages
 
 # Elements of one K (or V) source tile per loop step: FusedKV holds four tiles (two sources of K
@@ -291,11 +291,7 @@ def fusedkv_decode_attention(
     if B == 0:
         return out
     direct = S == 1
-    if direct:
-        o_part, lse_part = out.unsqueeze(2), out.new_empty((1, 1, 1), dtype=torch.float32)
-    else:
-        o_part = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    o_part, lse_part = split_outputs(out, S)
     kv_group = Hq // Hkv
     _fusedkv_decode_kernel[(B * Hkv, S)](
         q, o_part, lse_part, k0, k1, v0, v1, w, block_table, seq_lens,

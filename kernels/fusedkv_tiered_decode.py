@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._split_k import LOG2E, _softmax_step, _store_split_result, merge_splits
+from ._split_k import LOG2E, _softmax_step, _store_split_result, merge_splits, split_outputs
 from ._tiles import is_interpret, next_pow2
 from .fusedkv_attention import _load_weights, plan_fusedkv_splits
 from .paged_fp16_pool_decode import _split_pages
@@ -160,11 +160,7 @@ def fusedkv_tiered_decode(q: torch.Tensor, stores: TieredStores, k_layers: tuple
     if B == 0:
         return out
     direct = S == 1
-    if direct:
-        o_part, lse_part = out.unsqueeze(2), out.new_empty((1, 1, 1), dtype=torch.float32)
-    else:
-        o_part = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    o_part, lse_part = split_outputs(out, S)
     dummy8 = stores.rows_k.new_empty(0, dtype=torch.uint8)
     dummy16 = stores.rows_k.new_empty(0, dtype=torch.float16)
     i8, i4 = stores.int8, stores.int4

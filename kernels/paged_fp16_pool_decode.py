@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._split_k import LOG2E, NEG_BIG, _softmax_step, _store_split_result, merge_splits
+from ._split_k import LOG2E, NEG_BIG, _softmax_step, _store_split_result, merge_splits, split_outputs
 from ._tiles import is_interpret, next_pow2, num_sms
 
 SPLIT_WAVES = 4  # stage-1 programs per SM the planner aims for
@@ -168,11 +168,7 @@ def paged_fp16_pool_decode(
     if B == 0:
         return out
     direct = S == 1  # one split: stage 1 writes the result, no partials, no merge
-    if direct:
-        o_part, lse_part = out.unsqueeze(2), out.new_empty((1, 1, 1), dtype=torch.float32)
-    else:
-        o_part = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    o_part, lse_part = split_outputs(out, S)
     kv_group = Hq // Hkv
     interp = is_interpret()
     _paged_fp16_decode_kernel[(B * Hkv, S)](
