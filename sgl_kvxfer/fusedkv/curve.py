@@ -52,10 +52,15 @@ def fit_power_law(minutes: list[float], excess: list[float]) -> tuple[float, flo
     return math.exp(my - slope * mx), -slope
 
 
+# A fitted budget past this many GPU-minutes (about two years) is reported as out of reach.
+MAX_EXTRAPOLATED_MINUTES = 1e6
+
+
 def extrapolate(curve: list[dict], teacher: dict[str, float], targets: dict[str, float],
                 skip_minutes: float = 0.0) -> dict:
     """Per domain: the fitted power law over the curve's points past skip_minutes and the minutes at
-    which it reaches PPL <= target x teacher (None where it does not fall, or the target is met)."""
+    which it reaches PPL <= target x teacher (None where it does not fall, or the target is met, or
+    the fit puts it past MAX_EXTRAPOLATED_MINUTES, which then sets "beyond_minutes")."""
     out = {}
     for d, ratio in targets.items():
         pts = [(c["gpu_min"], math.log(c["ppl"][d] / teacher[d])) for c in curve
@@ -67,7 +72,13 @@ def extrapolate(curve: list[dict], teacher: dict[str, float], targets: dict[str,
         if fit is not None:
             A, alpha = fit
             row["fit"] = {"A": A, "alpha": alpha}
-            row["minutes_to_target"] = (A / math.log(ratio)) ** (1 / alpha)
+            # In log space: a shallow fit (alpha near 0) puts the target past any float; such a
+            # budget is reported as unreachable (None) rather than overflowing.
+            log_minutes = (math.log(A) - math.log(math.log(ratio))) / alpha
+            if log_minutes <= math.log(MAX_EXTRAPOLATED_MINUTES):
+                row["minutes_to_target"] = math.exp(log_minutes)
+            else:
+                row["beyond_minutes"] = MAX_EXTRAPOLATED_MINUTES
         out[d] = row
     return out
 

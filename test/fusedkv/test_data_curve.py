@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from sgl_kvxfer.fusedkv.curve import extrapolate, fit_power_law
+from sgl_kvxfer.fusedkv.curve import MAX_EXTRAPOLATED_MINUTES, extrapolate, fit_power_law
 from sgl_kvxfer.fusedkv.data import Tokenized, chunks, is_token_folder, prepare, resolve_data_dir
 
 
@@ -76,6 +76,11 @@ def test_power_law_fit_and_the_minutes_to_a_target():
     # a curve that does not fall gives no extrapolation; one already under the target says so
     flat = [{"gpu_min": t, "ppl": {"prose": 20.0}} for t in ts]
     assert extrapolate(flat, teacher, {"prose": 1.03})["prose"]["minutes_to_target"] is None
+    # a fit that falls too slowly puts the target out of reach, without overflowing a float
+    shallow = [{"gpu_min": t, "ppl": {"prose": 10.0 * math.exp(5.0 * t ** -1e-3)}} for t in ts]
+    far = extrapolate(shallow, teacher, {"prose": 1.03})["prose"]
+    assert far["fit"] is not None and far["minutes_to_target"] is None
+    assert far["beyond_minutes"] == MAX_EXTRAPOLATED_MINUTES
     done = curve + [{"gpu_min": 9, "ppl": {"prose": 10.1}}]
     assert extrapolate(done, teacher, {"prose": 1.03})["prose"]["met_at_min"] == 9
 
