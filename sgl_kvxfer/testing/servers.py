@@ -175,11 +175,11 @@ def _auth(args: list[str]) -> dict:
 
 def start_router(prefills: list[tuple[str, int | None]], decodes: list[str], policy: str = "random",
                  name: str = "router", workers: list[str] | None = None,
-                 health_check_interval_secs: int = 1) -> ServerHandle:
+                 health_check_interval_secs: int = 1, extra_args: tuple[str, ...] = ()) -> ServerHandle:
     """The real `sglang_router.launch_router --pd-disaggregation` in front of PD workers (or, with
     `workers`, in front of plain servers), with health checks every `health_check_interval_secs`
-    (the router's own default is 60); returns once /readiness answers 200 (a healthy prefill and
-    decode, or a healthy worker)."""
+    (the router's own default is 60) and `extra_args` appended to its command line; returns once
+    /readiness answers 200 (a healthy prefill and decode, or a healthy worker)."""
     port = free_port()
     mode = ["--worker-urls", *workers] if workers else ["--pd-disaggregation"]
     cmd = [sys.executable, "-m", "sglang_router.launch_router", *mode, "--host", "127.0.0.1",
@@ -193,6 +193,7 @@ def start_router(prefills: list[tuple[str, int | None]], decodes: list[str], pol
         cmd += ["--prefill", url, str(bootstrap_port) if bootstrap_port is not None else "none"]
     for url in decodes:
         cmd += ["--decode", url]
+    cmd += list(extra_args)
     log_path = os.path.join(tempfile.gettempdir(), f"sgl_kvxfer_{name}_{port}.log")
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "HF_HUB_OFFLINE": "1"})

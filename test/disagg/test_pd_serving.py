@@ -529,8 +529,9 @@ def test_decode_killed_its_rooms_end_fast_on_the_prefill(cluster):
 
 
 # ---------------------------------------------------------------- a decode dead before it registers
-ROUTER_ATTEMPTS = 5  # sglang-router 0.3.2: --retry-max-retries 5 counts every attempt (its
-# --disable-retries sets it to 1); each attempt opens a new room on the same dead decode
+ROUTER_ATTEMPTS = 2  # the routers below run with --retry-max-retries 2 (default 5); sglang-router
+# 0.3.2 counts every attempt in it (its --disable-retries sets it to 1); each attempt opens a new
+# room on the same dead decode
 NEVER = "3600"  # --kv-transfer-timeout of the prefill below: only the claim deadline can end its rooms
 
 
@@ -551,8 +552,8 @@ def test_a_decode_dead_before_it_registers_fails_fast_naming_the_decode():
     try:
         # one router per request: the router's circuit breaker (10 failures) counts the retries
         # of both, and once open it answers "No available prefill workers" whatever failed
-        routers = [start_router([(p.url, bp)], [d.url], name=f"router_claim_{i}", health_check_interval_secs=60)
-                   for i in range(2)]
+        routers = [start_router([(p.url, bp)], [d.url], name=f"router_claim_{i}", health_check_interval_secs=60,
+                                extra_args=("--retry-max-retries", str(ROUTER_ATTEMPTS))) for i in range(2)]
         post(routers[0].url, greedy(PROMPTS[2]))  # the pair works
         _kill_tree(d)
         d.proc.wait(30)

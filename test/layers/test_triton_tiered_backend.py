@@ -122,7 +122,7 @@ def test_engine_triton_matches_torch_at_budget_half(tiny_dir):
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (70, 33, 120)]
     # radix hits: each prompt again plus new tokens, extended over its cached int8/int4 prefix
     hits = [p + [rng.randrange(3, 256) for _ in range(9)] for p in prompts]
-    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     out = {}
     for backend in ("torch", "triton"):
         with Engine(tiny_dir, load_format="dummy", dtype="bfloat16", device=DEVICE, attention_backend=backend,
@@ -144,7 +144,7 @@ def test_engine_triton_matches_torch_at_budget_half(tiny_dir):
     # radix hits: the first token comes from the extend over the cached int8/int4 prefix. Later
     # steps are not compared: the two backends' extends round the new tokens' deeper-layer KV
     # differently (bf16), the decode demotions quantize those slightly different values, and on
-    # this random tiny model the flipped codes grow to ~0.2 nats within 10 steps.
+    # this random tiny model the flipped codes grow to ~0.2 nats within a few steps.
     for g, r in zip(out["triton"][n:], out["torch"][n:]):
         gl, rl = g["meta_info"]["output_token_logprobs"], r["meta_info"]["output_token_logprobs"]
         assert g["output_ids"][0] == r["output_ids"][0] and abs(gl[0][0] - rl[0][0]) < ATOL
