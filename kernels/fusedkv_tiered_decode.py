@@ -55,7 +55,9 @@ class TieredStores:
     group_size: int
 
 
-@triton.jit
+# the source layer ids are plain runtime ints (not specialized on 1): one binary for every layer
+# pair, and they can be widened to int64 in the kernel
+@triton.jit(do_not_specialize=["ka", "kb", "va", "vb"])
 def _fusedkv_tiered_decode_kernel(
     q_ptr, o_part_ptr, lse_part_ptr, slots_ptr, len_ptr, w_ptr,
     rk_ptr, rv_ptr, k8_ptr, hk8_ptr, v8_ptr, hv8_ptr, k4_ptr, hk4_ptr, v4_ptr, hv4_ptr,
@@ -79,6 +81,9 @@ def _fusedkv_tiered_decode_kernel(
         q = q.to(tl.float32)
     a0, a1, b0, b1 = _load_weights(w_ptr, stride_wt, h, d, D, SOURCES)
     pool_t = rk_ptr.dtype.element_ty
+    # HAZARD: layer * stride_rl (a layer's offset in the stacked fp16 rows) passes 2^31 elements in
+    # large pools; int32 layer ids would wrap it
+    ka, kb, va, vb = ka.to(tl.int64), kb.to(tl.int64), va.to(tl.int64), vb.to(tl.int64)
 
     acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
