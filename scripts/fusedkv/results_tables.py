@@ -34,9 +34,9 @@ def retrofit(r: dict) -> list[str]:
     for d, e in sorted(r["extrapolation"].items()):
         fit = e.get("fit")
         out.append(f"- {d}: target x{e['target_ratio']}; " + (
-            f"fit A={fit['A']:.3f}, alpha={fit['alpha']:.3f} over {e['points']} points, target at "
-            (f"{e['minutes_to_target']:.1f} GPU-minutes" if e.get("minutes_to_target") is not None
-             else f"beyond {e.get('beyond_minutes', 0):.0e} GPU-minutes")
+            f"fit A={fit['A']:.3f}, alpha={fit['alpha']:.3f} over {e['points']} points, target "
+            + (f"at {e['minutes_to_target']:.1f} GPU-minutes" if e.get("minutes_to_target") is not None
+               else f"beyond {e.get('beyond_minutes', 0):.0e} GPU-minutes")
             if fit else f"no falling fit over {e['points']} points"))
     return out
 
