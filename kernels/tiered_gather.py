@@ -31,7 +31,10 @@ def _int_values(c_ptr, h_ptr, ids, inside, base, page0, h, d, stride_p, stride_h
     `inside` one int store, 0 elsewhere. page0: the layer's first page in a stacked store."""
     W: tl.constexpr = D if BITS == 8 else D // 2
     NG: tl.constexpr = D // G
-    r = tl.where(inside, ids - base, 0).to(tl.int64)
+    # no tl.where on the ids: Triton 3.6's TritonGPURemoveLayoutConversions rejects that select
+    # (kernels/compile_only.py reproduces it); lanes outside the store compute an address that
+    # their masked loads never read
+    r = (ids - base).to(tl.int64)
     page, off = page0 + r // PAGE, r % PAGE
     blk = page * stride_p + h * stride_h  # bytes: the page-head block
     col = d % W  # int4: byte j holds channel j (low nibble) and j + D/2 (high nibble)
@@ -58,7 +61,7 @@ def _tier_values(rows_ptr, c8_ptr, h8_ptr, c4_ptr, h4_ptr, layer, ids, live, bas
     loads only from the store its id is in. Strides are elements of the stacked stores: fp16
     rows [L, rows, Hkv, D]; int blocks [L * pages, Hkv, BLOCK] (layer l's page p at l * pages + p)."""
     in16 = live & (ids < base8)
-    at = layer * stride_rl + tl.where(in16, ids, 0)[:, None] * stride_row + h * stride_rh + d[None, :]
+    at = layer * stride_rl + ids[:, None] * stride_row + h * stride_rh + d[None, :]  # masked: only in16 lanes read
     x = tl.load(rows_ptr + at, mask=in16[:, None], other=0.0).to(tl.float32)
     if HAS8:
         in8 = live & (ids >= base8) & (ids < base4)

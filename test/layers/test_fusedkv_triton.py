@@ -67,7 +67,8 @@ def test_triton_path_matches_torch(model_dirs, variant):
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     out = {}
     for backend in ("torch", "triton"):
-        with Engine(model_dir, attention_backend=backend, **KW) as eng:
+        # eager decode: a replayed CUDA graph calls no launcher, so the count below needs none
+        with Engine(model_dir, attention_backend=backend, disable_cuda_graph=True, **KW) as eng:
             assert eng.runner.attn_backend.path == backend
             calls = _count_kernel_calls(eng.runner.attn_backend) if backend == "triton" else None
             last = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
@@ -139,6 +140,7 @@ def test_gpu_graphs_match_eager_smollm2_shape(tmp_path, variant):
 
 def test_rope_q_fused_kernel_matches_torch(monkeypatch):
     """Reconstruction layers rotate q alone: the fused RoPE kernel with zero k heads."""
+    from sgl_kvxfer.kernels.testing import assert_rope_close
     from sgl_kvxfer.layers import fused_ops
     from sgl_kvxfer.layers.rope import apply_rope
     from sgl_kvxfer.models.fusedkv_llama import rope_q
@@ -146,7 +148,8 @@ def test_rope_q_fused_kernel_matches_torch(monkeypatch):
     g = torch.Generator().manual_seed(0)
     q, cos, sin = (torch.randn(shape, generator=g).half().to(DEVICE) for shape in ((7, 4, 32), (7, 1, 16), (7, 1, 16)))
     monkeypatch.setattr(fused_ops, "wants_fused", lambda device_type, dtype: True)
-    torch.testing.assert_close(rope_q(q, cos, sin), apply_rope(q, cos, sin), atol=0, rtol=0)
+    # bitwise under the interpreter; compiled, within the rounding bound (products may contract)
+    assert_rope_close(rope_q(q, cos, sin), apply_rope(q, cos, sin), q, cos, sin)
 
 
 @pytest.mark.parametrize("variant", ("fusedkv", "lite"))
