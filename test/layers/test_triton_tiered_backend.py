@@ -337,3 +337,13 @@ def test_observer_routes_a_prompts_own_row_on_the_device_and_a_cached_prefix_thr
         eng.generate(input_ids=stem + [9] * 30, sampling_params=params)  # a radix hit on the stem
     assert own["fp16_route"] >= 1 and own["route"] == 0
     assert calls["route"] >= 1
+
+
+def test_gpu_pool_with_head_dim_16_is_refused_at_start():
+    """Compiled, the int tiers' dot needs head_dim >= 32: a CUDA pool of head_dim 16 is refused
+    with the flag to use instead (the pool is built on CPU and relabelled: only its device is read)."""
+    pool = TieredKVPool(64, LAYERS, HKV, 16, torch.float16, "cpu", TierStorePlan(40, 32, 32), group_size=16,
+                        page_size=PAGE)
+    pool.device = "cuda:0"
+    with pytest.raises(ValueError, match="head_dim >= 32 on a GPU.*--attention-backend torch"):
+        create_attention_backend("triton", kv_pool=pool, num_q_heads=HQ, num_kv_heads=HKV, head_dim=16)

@@ -63,6 +63,11 @@ class TritonTieredAttentionBackend(AttentionBackend):
         if page < 16 or page & (page - 1):
             raise ValueError(f"--attention-backend triton over tiered KV needs --kv-tier-page-size a power of "
                              f"two >= 16, got {page}")
+        if str(kv_pool.device).startswith("cuda") and head_dim < 32:
+            # the int tiers' kernel feeds each int4 half (head_dim / 2 channels) to tl.dot, which
+            # needs K >= 16 when compiled (the interpreter runs any K, so CPU serves head_dim 16)
+            raise ValueError(f"--attention-backend triton over tiered KV needs head_dim >= 32 on a GPU, got "
+                             f"{head_dim}; use --attention-backend torch")
         use_interpreter_on_cpu(str(kv_pool.device))  # normally on already (Engine / scheduler process)
         from sgl_kvxfer import env
         from sgl_kvxfer.kernels.tiered_pool_decode import served_config, tiered_pool_decode
