@@ -12,9 +12,9 @@ from the same arguments (pointer alignment from data_ptr, integers equal to 1 as
 multiples of 16), and skips the launch itself.
 
 Hazards: launchers return their outputs unwritten (torch.empty), so nothing after a launch may
-depend on its values; a launcher that asks torch.cuda about the device gets the answers of
+depend on its values; an autotuned kernel compiles all its configs and records no tuned pick; a launcher that asks torch.cuda about the device gets the answers of
 `num_sms` (kernels/_tiles.py) for CPU tensors. Not reentrant: it swaps Triton's active driver
-and JITFunction's launch for the duration of the block.
+and the kernels' launch (`fn[grid](...)`) for the duration of the block.
 """
 from __future__ import annotations
 
@@ -51,23 +51,25 @@ def compile_only(arch: int = 90, warp_size: int = 32):
         raise RuntimeError("compile_only needs the real JIT: unset TRITON_INTERPRET")
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
-    from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import KernelInterface
 
     compiled = []
-    launch = JITFunction.__getitem__
+    launch = KernelInterface.__getitem__
 
     def compile_instead(self, grid):
+        # warmup: a JITFunction compiles its launch; an Autotuner compiles every (pruned) config
+        # of it, and benchmarks none (nothing runs, so it records no pick either)
         def run(*args, **kwargs):
-            kernel = self.run(*args, grid=grid, warmup=True, **kwargs)
-            compiled.append(kernel)
-            return kernel
+            kernels = self.warmup(*args, grid=grid, **kwargs)
+            compiled.extend(kernels if isinstance(kernels, list) else [kernels])
+            return kernels
         return run
 
     previous = driver._active  # None on a machine without a GPU: reset_active() would build one and fail
     driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, warp_size)))
-    JITFunction.__getitem__ = compile_instead
+    KernelInterface.__getitem__ = compile_instead
     try:
         yield compiled
     finally:
-        JITFunction.__getitem__ = launch
+        KernelInterface.__getitem__ = launch
         driver._active = previous

@@ -3,19 +3,14 @@
     TRITON_INTERPRET=0 PYTHONPATH=.cache/triton-device:test python -m pytest -p compile_sweep test/kernels -q
 
 Each test runs inside kernels/compile_only.py's `compile_only(90)` on CPU tensors. Launches
-return their outputs unwritten, so a test's assertions on values fail: those failures are
-dropped, and only a compile error (a Triton CompilationError, an MLIR pass failure, ptxas)
-fails the test. The summary line counts the kernels compiled. `.cache/triton-device/` holds the
-GPU machine's Triton (kernels/README.md, section 4); about 100 s over test/kernels on two cores
-with an empty Triton cache. A check to run before spending GPU time, not part of CI's run (its
+return their outputs unwritten, so a test's assertions on values fail: AssertionErrors are
+dropped, and any other exception (a Triton CompilationError, an MLIR pass failure, ptxas, a
+launcher error) fails the test. An autotuned kernel compiles every config. The summary line
+counts the kernels compiled. `.cache/triton-device/` holds the GPU machine's Triton
+(kernels/README.md, section 4); 190 s over test/kernels on two cores with an empty Triton cache. A check to run before spending GPU time, not part of CI's run (its
 targeted form, test/kernels/test_gpu_compile.py, is).
 """
 import pytest
-
-
-def _is_compile_error(exc: BaseException) -> bool:
-    text = str(exc)
-    return type(exc).__name__ == "CompilationError" or "PassManager" in text or "ptxas" in text.lower()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -25,7 +20,7 @@ def pytest_runtest_call(item):
     with compile_only(arch=90) as kernels:
         outcome = yield
     failure = outcome.excinfo
-    if failure is not None and not _is_compile_error(failure[1]):
+    if failure is not None and issubclass(failure[0], AssertionError):
         outcome.force_result(None)  # a value check on unwritten outputs: not a compile failure
     item.user_properties.append(("compiled_kernels", len(kernels)))
 
