@@ -36,11 +36,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common.report import device_name, git_commit, write_json  # noqa: E402
-from decode_timing import measure_tpot, random_prompts  # noqa: E402
+from decode_timing import kernel_breakdown, measure_tpot, random_prompts  # noqa: E402
 
 SMOKE = ["--base-model", "@tiny", "--fusedkv-model", "@tiny", "--load-format", "dummy", "--device", "cpu",
          "--dtype", "float32", "--context", "64", "--continuation", "16", "--windows", "2", "--decode-batch", "2",
-         "--decode-context", "48", "--n1", "2", "--n2", "6"]
+         "--decode-context", "48", "--n1", "2", "--n2", "6", "--kernel-breakdown"]
 
 
 def tiny_models(root: str) -> tuple[str, str]:
@@ -142,6 +142,11 @@ def run(args, base_dir: str, fkv_dir: str, on_row) -> dict:
                     engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1})
                     r["decode"] = {"batch": args.decode_batch, "context": args.decode_context,
                                    **measure_tpot(engine, prompts, args.n1, args.n2, args.repeats)}
+                    if args.kernel_breakdown:
+                        r["decode"]["kernels"] = k = kernel_breakdown(engine, prompts, args.n1, args.n2,
+                                                                      args.device != "cpu")
+                        print(f"{name} b={budget:g} per step: " + ", ".join(
+                            f"{g} {s * 1e6:.0f} us" for g, s in k["groups_s"].items()), flush=True)
             r["row_s"] = time.perf_counter() - t0
             rows.append({"model": name, "kv_tier_budget": budget, **r})
             tpot = (r.get("decode") or {}).get("tpot_s")
@@ -212,6 +217,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--n1", type=int, default=8)
     p.add_argument("--n2", type=int, default=40)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kernel-breakdown", action="store_true",
+                   help="also profile the decode step: device time per kernel and kernel group (torch.profiler)")
     p.add_argument("--budgets", type=float, nargs="+", default=[1.0, 0.5])
     p.add_argument("--kv-tier-policy", default="greedy")
     p.add_argument("--kv-int4", default="on", help="on: int4 allowed (no start-up probe); auto: the probe decides")

@@ -320,6 +320,21 @@ def test_fusedkv_tiers(tmp_path):
     for r in data["rows"]:  # decode timing in the same engine: warm, >= 5 pairs, never negative
         d = r["decode"]
         assert d["step_spread_s"]["n"] >= 5 and (d["tpot_s"] is None or d["tpot_s"] > 0)
+        k = d["kernels"]  # --kernel-breakdown (in --smoke): per-step time by operator on the CPU
+        assert k["unit"] == "cpu_op" and k["busy_s"] > 0 and k["top_s"]
+        assert abs(sum(k["groups_s"].values()) - k["busy_s"]) < 1e-9 * max(1.0, k["busy_s"]) + 1e-12
+
+
+def test_kernel_groups():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "fusedkv"))
+    from decode_timing import kernel_group
+
+    assert kernel_group("fusedkv_tiered_decode_kernel") == "fusedkv attention"
+    assert kernel_group("_tiered_decode_splits") == "tiered attention"
+    assert kernel_group("nvjet_hsh_128x64_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert kernel_group("void at::native::(anonymous namespace)::cunn_SoftMaxForward") == "sampling"
+    assert kernel_group("triton_poi_fused_rms_norm_0") == "norm / rope / activation"
+    assert kernel_group("some_unknown_kernel") == "other"
 
 
 def test_fusedkv_capacity(tmp_path):
