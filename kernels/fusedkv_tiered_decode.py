@@ -41,6 +41,28 @@ TILE = 32  # key positions per step: four [TILE, D] source tiles live at once fo
 
 
 @dataclass(frozen=True)
+class TieredLaunch:
+    """Launch shape of the kernel: key positions per loop step, warps, pipeline stages, and
+    stage-1 programs per SM for the split plan (None: fusedkv_attention's default).
+    benchmarks/kernels/fusedkv_tiered.py sweeps them."""
+    tile: int = TILE
+    num_warps: int = 4
+    num_stages: int = 2
+    split_waves: Optional[int] = None
+
+    def __post_init__(self):
+        if self.tile < 16 or self.tile & (self.tile - 1):
+            raise ValueError(f"tile must be a power of two >= 16, got {self.tile}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"num_warps must be 1/2/4/8/16 and num_stages >= 1, got {self.num_warps}, {self.num_stages}")
+        if self.split_waves is not None and self.split_waves < 1:
+            raise ValueError(f"split_waves must be >= 1, got {self.split_waves}")
+
+
+DEFAULT_LAUNCH = TieredLaunch()
+
+
+@dataclass(frozen=True)
 class TieredStores:
     """A tiered pool's stacked stores (module docstring). rows_k / rows_v [L, rows, Hkv, D];
     int8 / int4 TierPages of L * pages8 / L * pages4 page-head blocks, None when empty."""
@@ -142,23 +164,26 @@ def _check(q, stores: TieredStores, k_layers, v_layers, slots, seq_lens, weights
         assert weights is None, "Lite takes no weights"
 
 
-def plan_tiered_splits(width: int, batch: int, num_kv_heads: int, device) -> tuple[int, int]:
-    """-> (tiles per split, S) from the slot rows' width alone (no sync)."""
-    return plan_fusedkv_splits(triton.cdiv(max(1, width), TILE), batch, num_kv_heads, device)
+def plan_tiered_splits(width: int, batch: int, num_kv_heads: int, device,
+                       launch: TieredLaunch = DEFAULT_LAUNCH) -> tuple[int, int]:
+    """-> (tiles of launch.tile per split, S) from the slot rows' width alone (no sync)."""
+    waves = {} if launch.split_waves is None else {"split_waves": launch.split_waves}
+    return plan_fusedkv_splits(triton.cdiv(max(1, width), launch.tile), batch, num_kv_heads, device, **waves)
 
 
 def fusedkv_tiered_decode(q: torch.Tensor, stores: TieredStores, k_layers: tuple, v_layers: tuple,
                           slots: torch.Tensor, seq_lens: torch.Tensor, weights: Optional[torch.Tensor] = None,
                           sm_scale: Optional[float] = None, split_plan=None, even_splits: bool = False,
-                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          out: Optional[torch.Tensor] = None, launch: TieredLaunch = DEFAULT_LAUNCH) -> torch.Tensor:
     """q [B, Hq, D] (one query per request, at position seq_lens[b] - 1) -> o [B, Hq, D].
-    k_layers / v_layers: (s0, s1) for FusedKV, (s1,) / (s0,) for Lite. No host sync."""
+    k_layers / v_layers: (s0, s1) for FusedKV, (s1,) / (s0,) for Lite. No host sync.
+    split_plan counts tiles of launch.tile (plan_tiered_splits with the same launch)."""
     _check(q, stores, k_layers, v_layers, slots, seq_lens, weights)
     B, Hq, D = q.shape
     Hkv = stores.rows_k.shape[2]
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     if split_plan is None:
-        split_plan = plan_tiered_splits(slots.shape[1], B, Hkv, q.device)
+        split_plan = plan_tiered_splits(slots.shape[1], B, Hkv, q.device, launch)
     tps, S = split_plan
     if out is None:
         out = torch.empty_like(q)
@@ -188,8 +213,9 @@ def fusedkv_tiered_decode(q: torch.Tensor, stores: TieredStores, k_layers: tuple
         tps, S, sm_scale * LOG2E,
         NUM_KV_HEADS=Hkv, KV_GROUP=kv_group, BLOCK_G=max(16, next_pow2(kv_group)), D=D, G=stores.group_size,
         PAGE8=i8.page if i8 is not None else 1, PAGE4=i4.page if i4 is not None else 1,
-        HAS8=i8 is not None, HAS4=i4 is not None, TILE=TILE, SOURCES=len(k_layers), EVEN_SPLITS=even_splits,
-        DIRECT=direct, DOT_F32=is_interpret() and q.dtype == torch.bfloat16, num_warps=4, num_stages=2,
+        HAS8=i8 is not None, HAS4=i4 is not None, TILE=launch.tile, SOURCES=len(k_layers), EVEN_SPLITS=even_splits,
+        DIRECT=direct, DOT_F32=is_interpret() and q.dtype == torch.bfloat16, num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     if not direct:
         merge_splits(o_part, lse_part, out)

@@ -122,6 +122,17 @@ def test_launch_overhead(tmp_path):
     assert "extend_attention_tiered (wrapper)" in data["us_per_call"]
 
 
+def test_fusedkv_tiered_launches(tmp_path):
+    out = run_bench("kernels/fusedkv_tiered.py", ["--device", "cpu", "--batch", "2", "--context", "80", "--layers", "2",
+                                                  "--sources", "0,1", "--page", "16", "--recent", "8", "--mix",
+                                                  "0.2:0.4:0.4", "--repeats", "1", "--calls", "1", "--configs",
+                                                  "32:4:2", "64:2:1:4"], tmp_path)
+    data = result(out, "fusedkv_tiered_cpu", ("rows", "params", "bytes_per_launch", "best"), png=True)
+    assert [r["config"] for r in data["rows"]] == ["32:4:2", "64:2:1:4"] and data["rows"][0]["default"]
+    assert all(r["us"] > 0 and r["max_abs_err_vs_default"] < 2e-2 for r in data["rows"])
+    assert sum(data["tokens_per_store"].values()) == 2 * 80 and min(data["tokens_per_store"].values()) > 0
+
+
 # ---------------------------------------------------------------------------- throughput
 def test_offline(tmp_path):
     out = run_bench("throughput/offline.py", [*TINY_WORKLOAD, "--dtype", "float32", "--hf-batch-size", "4"], tmp_path)

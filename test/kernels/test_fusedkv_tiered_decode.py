@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from sgl_kvxfer.kernels.fusedkv_attention import pack_fusion_weights
-from sgl_kvxfer.kernels.fusedkv_tiered_decode import (TieredStores, fusedkv_tiered_decode,
-                                                      fusedkv_tiered_decode_reference)
+from sgl_kvxfer.kernels.fusedkv_tiered_decode import (TieredLaunch, TieredStores, fusedkv_tiered_decode,
+                                                      fusedkv_tiered_decode_reference, plan_tiered_splits)
 from sgl_kvxfer.kernels.paged_layout import int_tier_pages
 from sgl_kvxfer.kernels.tier_codec import TIER_INT4, TIER_INT8
 
@@ -79,6 +79,30 @@ def test_fp16_rows_only_and_graph_width():
     got = fusedkv_tiered_decode(q, stores, (0, 1), (0, 1), slots, lens, w, even_splits=True)
     want = fusedkv_tiered_decode_reference(q, stores, (0, 1), (0, 1), slots, lens, w)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("launch", [TieredLaunch(64, 4, 2), TieredLaunch(128, 8, 3), TieredLaunch(16, 2, 1, 4)],
+                         ids=["64-4-2", "128-8-3", "16-2-1-w4"])
+def test_launch_shapes_match_reference(launch):
+    """Other launch shapes (benchmarks/kernels/fusedkv_tiered.py's sweep): a tile wider than a
+    request and than an int page, planned splits counted in the launch's tiles."""
+    gen = torch.Generator().manual_seed(launch.tile)
+    stores = _stores(L=2, H=3, D=64, G=16, PAGE=8, rows=60, pages=6, with_int=True, gen=gen)
+    slots = _slots(stores, 3, 150, gen)
+    lens = torch.tensor([150, 7, 96], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(3, 9, 64, generator=gen).half().to(DEVICE)
+    w = pack_fusion_weights(torch.rand(2, 3, 64, generator=gen) + 0.2, torch.rand(2, 3, 64, generator=gen)).to(DEVICE)
+    plan = plan_tiered_splits(slots.shape[1], 3, 3, q.device, launch)
+    assert plan[0] * plan[1] * launch.tile >= slots.shape[1]  # the splits cover the row in this tile
+    got = fusedkv_tiered_decode(q, stores, (0, 1), (0, 1), slots, lens, w, split_plan=plan, launch=launch)
+    want = fusedkv_tiered_decode_reference(q, stores, (0, 1), (0, 1), slots, lens, w)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_launch_is_checked():
+    for bad in (dict(tile=48), dict(tile=8), dict(num_warps=3), dict(num_stages=0), dict(split_waves=0)):
+        with pytest.raises(ValueError):
+            TieredLaunch(**bad)
 
 
 def test_inputs_are_checked():
