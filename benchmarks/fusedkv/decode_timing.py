@@ -129,7 +129,7 @@ KERNEL_GROUPS = (
     ("tiered attention", ("tiered", "tier_")),
     ("attention", ("attn", "attention", "flash", "decode")),
     ("matmul", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "matmul", "addmm", "linear")),
-    ("sampling", ("softmax", "cumsum", "searchsorted", "argmax", "topk", "sort")),
+    ("sampling / sort", ("softmax", "cumsum", "searchsorted", "argmax", "topk", "sort")),
     ("norm / rope / activation", ("norm", "rope", "rotary", "silu", "gelu", "act_and_mul")),
     ("copy / index", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")),
 )

@@ -343,7 +343,7 @@ def test_kernel_groups():
     assert kernel_group("fusedkv_tiered_decode_kernel") == "fusedkv attention"
     assert kernel_group("_tiered_decode_splits") == "tiered attention"
     assert kernel_group("nvjet_hsh_128x64_64x4_1x2_h_bz_coopA_NNT") == "matmul"
-    assert kernel_group("void at::native::(anonymous namespace)::cunn_SoftMaxForward") == "sampling"
+    assert kernel_group("void at::native::(anonymous namespace)::cunn_SoftMaxForward") == "sampling / sort"
     assert kernel_group("triton_poi_fused_rms_norm_0") == "norm / rope / activation"
     assert kernel_group("some_unknown_kernel") == "other"
 
