@@ -79,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--calib-windows", type=_int_at_least(1, 1 << 16), default=d.calib_windows,
                     help="windows of --seq tokens for the source search and the least-squares fit")
     ap.add_argument("--eval-windows", type=_int_at_least(1, 1 << 16), default=d.eval_windows,
-                    help="held-out windows of --seq tokens per eval domain")
+                    help="held-out windows per eval domain")
+    ap.add_argument("--eval-seq", type=_int_at_least(8, 1 << 16), default=None,
+                    help="tokens per held-out window (default: --seq); longer windows score positions "
+                    "past the training windows' length")
     ap.add_argument("--tasks", default=None, help="after converting, score the original and the converted model "
                     "on these task-suite tasks through the engine, e.g. qa,kv,needle,code (sgl_kvxfer/tasks)")
     ap.add_argument("--task-n", type=_int_at_least(1, 10**5), default=50, help="eval items per task")
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = RetrofitConfig(variant=a.variant, num_storage_layers=a.num_storage_layers, budget_s=a.budget_min * 60,
                              init=a.init.replace("-", "_"),
                              train_scope=a.train_scope, seq=a.seq, batch=a.batch, eval_windows=a.eval_windows,
+                             eval_seq=a.eval_seq,
                              calib_windows=a.calib_windows, compile=compile_on, lr=a.lr,
                              shift_windows=a.shift_windows)
     except ValueError as exc:

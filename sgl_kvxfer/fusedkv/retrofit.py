@@ -72,6 +72,9 @@ class RetrofitConfig:
     hidden_weight: float = 0.5
     train_scope: str = "all"
     eval_windows: int = 32  # per domain
+    # held-out windows' length (None: seq). Longer than seq, the PPL covers positions the training
+    # windows never reach: the fit is to the distances trained at
+    eval_seq: int | None = None
     eval_points: int = 12
     calib_windows: int = 64
     max_train_windows: int | None = None
@@ -100,6 +103,8 @@ class RetrofitConfig:
         for name in ("seq", "batch", "eval_windows", "eval_points", "calib_windows", "probe_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_seq is not None and self.eval_seq < 1:
+            raise ValueError(f"eval_seq must be >= 1, got {self.eval_seq}")
         if self.shift_windows and self.max_train_windows is not None:
             raise ValueError("shift_windows cuts whole domains: it does not combine with max_train_windows")
 
@@ -188,7 +193,10 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
         raise SystemExit(f"{model_dir} is already a FusedKV model (its config.json has a '{CONFIG_KEY}' section)")
     teacher = load_lm(model_dir, device)
     teacher.requires_grad_(False)
-    evals = {d: spaced(chunks(t, cfg.seq), cfg.eval_windows) for d, t in data.split("eval").items()}
+    eval_seq = cfg.eval_seq or cfg.seq
+    evals = {d: spaced(chunks(t, eval_seq), cfg.eval_windows) for d, t in data.split("eval").items()}
+    # evaluation batches hold about as many tokens as a training batch (logits of longer windows)
+    eval_batch = max(1, cfg.batch * cfg.seq // eval_seq)
     calib_split = data.split("calib") if data.domains("calib") else data.split("train")
     calib = mixed_chunks(calib_split, cfg.seq, cfg.calib_windows)
     train = mixed_chunks(data.split("train"), cfg.seq, cfg.max_train_windows)
@@ -196,7 +204,8 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
     report = {"variant": cfg.variant, "config": asdict(cfg), "targets": targets,
               "eval_tokens": {d: int(w[:, 1:].numel()) for d, w in evals.items()},
               "train_tokens": int(train[:, 1:].numel()), "calib_tokens": int(calib[:, 1:].numel())}
-    report["teacher_ppl"] = curves.domain_ppl(teacher, evals, cfg.batch, autocast)
+    report["eval_seq"] = eval_seq
+    report["teacher_ppl"] = curves.domain_ppl(teacher, evals, eval_batch, autocast)
     # the same number of windows from the training text: the converted model's PPL ratio there
     # against the held-out one says how much of what is left is fitting the training windows
     seen = {d: spaced(chunks(t, cfg.seq), cfg.eval_windows) for d, t in data.split("train").items()}
@@ -217,7 +226,7 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
     def point(phase: str, step: int, **extra) -> None:
         nonlocal eval_s
         t0 = time.perf_counter()
-        ppl = curves.domain_ppl(student, evals, cfg.batch, autocast)
+        ppl = curves.domain_ppl(student, evals, eval_batch, autocast)
         eval_s += time.perf_counter() - t0
         points.append({"phase": phase, "step": step, "gpu_s": clock.s, "gpu_min": clock.s / 60, "ppl": ppl, **extra})
         rel = ", ".join(f"{d} {p:.3f} ({100 * (p / report['teacher_ppl'][d] - 1):+.1f}%)" for d, p in ppl.items())

@@ -88,11 +88,30 @@ def test_retrofit_trains_within_its_budget(tiny_model, text_data, shift):
     assert rep["tokens_seen"] == (rep["local_steps"] + rep["distill_steps"]) * 2 * 16
 
 
+def test_held_out_windows_can_outreach_the_training_windows(tiny_model, text_data):
+    """--eval-seq: the held-out PPL over windows longer than the training windows (positions the
+    retrofit never trains at), in evaluation batches of about a training batch's tokens."""
+    from sgl_kvxfer.fusedkv.data import Tokenized
+    from sgl_kvxfer.fusedkv.retrofit import RetrofitConfig, run_retrofit
+
+    data = Tokenized(text_data, tiny_model)
+    reps = {}
+    for eval_seq in (None, 48):
+        cfg = RetrofitConfig(budget_s=0.0, seq=16, batch=2, eval_windows=2, calib_windows=4, eval_seq=eval_seq)
+        _, reps[eval_seq] = run_retrofit(tiny_model, data, cfg, "cpu", progress=False)
+    assert reps[None]["eval_seq"] == 16 and reps[48]["eval_seq"] == 48
+    assert reps[None]["eval_tokens"] == {"prose": 2 * 16, "code": 2 * 16}
+    assert reps[48]["eval_tokens"] == {"prose": 2 * 48, "code": 2 * 48}
+    assert reps[48]["teacher_ppl"] != reps[None]["teacher_ppl"]  # other windows, other positions
+    with pytest.raises(ValueError, match="eval_seq"):
+        RetrofitConfig(eval_seq=0)
+
+
 @pytest.mark.parametrize("flags,err", [
     (["--budget-min", "-1"], "--budget-min"), (["--budget-min", "nan"], "--budget-min"),
     (["--budget-min", "inf"], "--budget-min"), (["--batch", "0"], "--batch"), (["--seq", "x"], "--seq"),
     (["--variant", "gqa"], "--variant"), (["--tasks", "chess"], "--tasks"), (["--task-n", "0"], "--task-n"),
-    (["--init", "random"], "--init"),
+    (["--init", "random"], "--init"), (["--eval-seq", "4"], "--eval-seq"),
 ])
 def test_bad_flags_are_argparse_errors(tmp_path, flags, err, capsys):
     args = ["--model", "m", "--variant", "fusedkv", "--out", str(tmp_path / "o")]
