@@ -46,9 +46,14 @@ def _int_values(c_ptr, h_ptr, ids, inside, base, page0, h, d, stride_p, stride_h
     if BITS == 4:
         c = (c >> ((d >= W).to(tl.uint8) * 4)[None, :]) & 15
     # scale [PAGE, NG] then zero [PAGE, NG], fp16, behind the codes (element offsets of the fp16 view)
-    at = (blk // 2 + PAGE * W // 2 + off * NG)[:, None] + (d // G)[None, :]
-    scale = tl.load(h_ptr + at, mask=m, other=0.0).to(tl.float32)
-    zero = tl.load(h_ptr + at + PAGE * NG, mask=m, other=0.0).to(tl.float32)
+    row = blk // 2 + PAGE * W // 2 + off * NG
+    if NG == 1:  # one pair per token-head (the engine's default group): one load a token, broadcast
+        scale = tl.load(h_ptr + row, mask=inside, other=0.0).to(tl.float32)[:, None]
+        zero = tl.load(h_ptr + row + PAGE, mask=inside, other=0.0).to(tl.float32)[:, None]
+    else:
+        at = row[:, None] + (d // G)[None, :]
+        scale = tl.load(h_ptr + at, mask=m, other=0.0).to(tl.float32)
+        zero = tl.load(h_ptr + at + PAGE * NG, mask=m, other=0.0).to(tl.float32)
     return c.to(tl.float32) * scale + zero
 
 

@@ -52,8 +52,8 @@ def build(args, gen: torch.Generator):
     from sgl_kvxfer.kernels.paged_layout import int_tier_pages
     from sgl_kvxfer.kernels.tier_codec import TIER_INT4, TIER_INT8
 
-    dev, B, T, H, D, L, P, G = args.device, args.batch, args.context, args.kv_heads, args.head_dim, args.layers, \
-        args.page, args.group_size
+    dev, B, T, H, D, L, P = args.device, args.batch, args.context, args.kv_heads, args.head_dim, args.layers, args.page
+    G = args.group_size or D
     fr = [float(x) for x in args.mix.split(":")]
     if len(fr) != 3 or min(fr) < 0 or sum(fr) <= 0:
         raise SystemExit(f"--mix is fp16:int8:int4 fractions, got {args.mix!r}")
@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--layers", type=int, default=15, help="stacked storage layers (SmolLM2 FusedKV: 15)")
     p.add_argument("--sources", default="9,11", help="the two source layers (k and v read from both)")
     p.add_argument("--page", type=int, default=64, help="tokens per int8 / int4 page (--kv-tier-page-size)")
-    p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--group-size", type=int, default=0,
+                   help="channels per int scale / zero pair (0: head_dim, the engine's default)")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--recent", type=int, default=64, help="last tokens still in fp16 rows (staged)")
     p.add_argument("--mix", default="0:1:0", help="fp16:int8:int4 fractions of the other tokens (b = 0.5: all int8)")
