@@ -185,6 +185,9 @@ def fusedkv_tiered_decode(q: torch.Tensor, stores: TieredStores, k_layers: tuple
     if split_plan is None:
         split_plan = plan_tiered_splits(slots.shape[1], B, Hkv, q.device, launch)
     tps, S = split_plan
+    # a plan counted in another tile would leave keys past tps * S * tile unread, silently
+    assert even_splits or tps * S * launch.tile >= slots.shape[1], \
+        f"split_plan {split_plan} covers {tps * S * launch.tile} keys of {slots.shape[1]} at tile {launch.tile}"
     if out is None:
         out = torch.empty_like(q)
     if B == 0:

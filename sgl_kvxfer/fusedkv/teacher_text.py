@@ -115,8 +115,7 @@ def write_teacher_text(model_dir: str, data_dir: str, tokens: int, prompt_tokens
               "files": {}}
     longest = prompt_tokens + new_tokens + 1
     t0 = time.perf_counter()
-    # decode graphs for the whole batch (the engine's default stops at 256 rows; larger batches
-    # would decode eagerly, bound by kernel launches at this model size)
+    # decode graphs for the whole batch (the engine's default captures up to 256 rows)
     graphs = {"cuda_graph_max_bs": batch} if str(device).startswith("cuda") else {}
     with Engine(model_dir, device=device, dtype=dtype, max_total_tokens=batch * longest + 4 * longest,
                 chunked_prefill_size=max(512, prompt_tokens), context_length=longest + 64, **graphs) as engine:

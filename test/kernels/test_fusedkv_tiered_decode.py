@@ -100,6 +100,12 @@ def test_launch_shapes_match_reference(launch):
 
 
 def test_launch_is_checked():
+    gen = torch.Generator().manual_seed(3)
+    stores = _stores(L=2, H=2, D=32, G=32, PAGE=8, rows=20, pages=2, with_int=True, gen=gen)
+    q = torch.randn(1, 2, 32).half().to(DEVICE)
+    slots, lens = torch.zeros(1, 100, dtype=torch.int64, device=DEVICE), torch.ones(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(AssertionError, match="covers 64 keys of 100"):  # a plan counted in 32-key tiles
+        fusedkv_tiered_decode(q, stores, (0,), (1,), slots, lens, split_plan=(2, 2), launch=TieredLaunch(16, 4, 2))
     for bad in (dict(tile=48), dict(tile=8), dict(num_warps=3), dict(num_stages=0), dict(split_waves=0)):
         with pytest.raises(ValueError):
             TieredLaunch(**bad)
