@@ -8,14 +8,16 @@ drawn at random, ids of one tier in position order). After --warmup-s of launche
 times every config in turn, --calls back-to-back launches each (CUDA events; the LSE merge of
 split-K included); per config the median of --repeats such timings with min / max, the bytes the
 launch must read (both sources' K and V of every live token, codes and scales, plus q), GB/s and
-the fraction of a device-to-device copy's bandwidth measured in the same run. Every config's
-output is checked against the default launch's (a config that computes something else fails); a
-config that cannot launch (shared memory beyond the device's) is listed under `skipped`.
+the fraction of a device-to-device copy's bandwidth (common/bandwidth.py) measured in the same
+run. Every config's output is checked against the default launch's (a config that computes
+something else fails); a config that cannot launch (shared memory beyond the device's) is listed
+under `skipped`. --group-size (default head_dim, as the engine's pools) sets the int stores'
+channels per scale and zero.
 
     python benchmarks/kernels/fusedkv_tiered.py                        # SmolLM2 heads, 8 x 2048, b = 0.5 (int8)
     python benchmarks/kernels/fusedkv_tiered.py --mix 0.2:0.3:0.5       # some of each store
-    python benchmarks/kernels/fusedkv_tiered.py --device cpu --batch 2 --context 64 --layers 2 --repeats 1 --calls 1 \\
-        --configs 32:4:2 16:2:1                                        # CPU smoke run (Triton's interpreter)
+    python benchmarks/kernels/fusedkv_tiered.py --device cpu --batch 2 --context 80 --layers 2 --sources 0,1 \\
+        --page 16 --repeats 1 --calls 1 --configs 32:4:2 16:2:1      # CPU smoke run (Triton's interpreter)
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from dataclasses import asdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.bandwidth import copy_bandwidth_Bps  # noqa: E402
 from common.report import RESULTS_DIR, device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
 
 DEFAULT_CONFIGS = [f"{t}:{w}:{s}" for t in (32, 64, 128) for w in (2, 4, 8) for s in (2, 3)] + \
@@ -121,16 +124,6 @@ def time_launch(fn, calls: int, repeats: int, cuda: bool) -> list[float]:
     return out
 
 
-def copy_bandwidth(cuda: bool) -> float | None:
-    """Read + write bytes per second of a 256 MiB device-to-device copy (median of 5)."""
-    if not cuda:
-        return None
-    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    s = statistics.median(time_launch(lambda: dst.copy_(src), 5, 5, True))
-    return 2 * src.numel() / s
-
-
 def plot(path: str, rows: list[dict], title: str) -> None:
     import matplotlib
 
@@ -189,7 +182,7 @@ def main(argv: list[str] | None = None) -> str:
         p.error(f"--sources: two layer ids below --layers {args.layers}")
     run = lambda launch: fusedkv_tiered_decode(q, stores, src, src, slots, lens, w, launch=launch)  # noqa: E731
     want = run(DEFAULT_LAUNCH).float()
-    bw = copy_bandwidth(cuda)
+    bw = copy_bandwidth_Bps(torch.device("cuda")) if cuda else None  # read + write bytes / s
     ok, skipped = [], {}
     for text, launch in zip(args.configs, launches):  # compile, check, and drop what cannot launch
         try:
