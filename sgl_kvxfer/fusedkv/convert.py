@@ -37,6 +37,22 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _float_in(lo: float, hi: float, hi_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}")
+        if not (math.isfinite(v) and lo <= v and (v < hi if hi_open else v <= hi)):
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}{')' if hi_open else ']'}, got {text!r}")
+        return v
+    return parse
+
+
+_nonneg_float = _float_in(0.0, 1e6)
+_ema_decay = _float_in(0.0, 1.0, hi_open=True)
+
+
 def _int_at_least(lo: int, hi: int):
     def parse(text: str) -> int:
         try:
@@ -73,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cut the training windows at a fresh offset every pass over the text (other contexts for the same tokens)")
     ap.add_argument("--lr", type=float, default=d.lr, help="peak learning rate of the pretrained weights "
                     "in the distill phase (fusion weights keep their own)")
+    ap.add_argument("--anchor-decay", type=_nonneg_float, default=d.anchor_decay,
+                    help="distill phase: after each step pull every pretrained weight towards its value at the "
+                    "phase's start by lr x this of the gap (0: off)")
+    ap.add_argument("--ema", type=_ema_decay, default=d.ema,
+                    help="distill phase: evaluate and save an exponential moving average of the weights with "
+                    "this decay, e.g. 0.999 (0: off)")
     ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                     help="torch.compile the blocks and losses for distillation (fewer kernel launches; the "
                     "compile time, ~20 s on a GPU, counts in the budget); auto: on for CUDA, off on the CPU")
@@ -125,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
                              train_scope=a.train_scope, seq=a.seq, batch=a.batch, eval_windows=a.eval_windows,
                              eval_seq=a.eval_seq,
                              calib_windows=a.calib_windows, compile=compile_on, lr=a.lr,
-                             shift_windows=a.shift_windows)
+                             shift_windows=a.shift_windows, anchor_decay=a.anchor_decay, ema=a.ema)
     except ValueError as exc:
         ap.error(str(exc))
     data = Tokenized(resolve_data_dir(a.train_data), model_dir)

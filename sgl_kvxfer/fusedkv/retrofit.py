@@ -18,9 +18,12 @@ counts training work only, evaluation excluded):
              relative error of every layer's residual stream, AdamW over every weight
              (train_scope "all") or the reconstruction layers and final norm only ("top"); the
              step count is planned from measured step times, linear warm-up then cosine to
-             min_lr_frac; fusion weights at their own learning rate. `compile`: the blocks and
-             the losses under torch.compile for this phase (model.compile_blocks); the compile
-             time counts in the budget (the first step's time, `distill_first_step_s`)
+             min_lr_frac; fusion weights at their own learning rate; optional regularizers
+             against fitting the training windows: `anchor_decay` (a pull towards the phase's
+             starting weights) and `ema` (an average of the weights, evaluated and kept).
+             `compile`: the blocks and the losses under torch.compile for this phase
+             (model.compile_blocks); the compile time counts in the budget (the first step's
+             time, `distill_first_step_s`)
 
 Perplexity per eval domain is measured at `eval_points` points along the way: the curve of PPL
 against training GPU-minutes, with the power-law extrapolation of curve.py. No cross-entropy on
@@ -83,6 +86,14 @@ class RetrofitConfig:
     # each pass over the training text cuts its windows at a fresh offset (data.ShiftedWindows);
     # not with max_train_windows (a capped set of windows stays that set)
     shift_windows: bool = False
+    # distill phase, regularizers against fitting the training windows (0: off).
+    # anchor_decay: after each step every pretrained weight moves towards its value at the start of
+    # the phase by lr * anchor_decay of the gap (decoupled, like AdamW's weight decay, but towards
+    # the starting weights rather than zero). ema: an exponential moving average of the trained
+    # weights (decay min(ema, (1 + t) / (10 + t)) at step t) is what the curve evaluates and what
+    # the converter saves
+    anchor_decay: float = 0.0
+    ema: float = 0.0
     seed: int = 0
 
     def __post_init__(self):
@@ -105,6 +116,10 @@ class RetrofitConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_seq is not None and self.eval_seq < 1:
             raise ValueError(f"eval_seq must be >= 1, got {self.eval_seq}")
+        if not (math.isfinite(self.anchor_decay) and self.anchor_decay >= 0):
+            raise ValueError(f"anchor_decay must be finite and >= 0, got {self.anchor_decay}")
+        if not 0 <= self.ema < 1:
+            raise ValueError(f"ema must be in [0, 1), got {self.ema}")
         if self.shift_windows and self.max_train_windows is not None:
             raise ValueError("shift_windows cuts whole domains: it does not combine with max_train_windows")
 
@@ -159,8 +174,10 @@ def trainable(student: LM, scope: str) -> tuple[list, list]:
 class DistillStep:
     """One distillation step of `student` towards `teacher` on a batch of windows: the loss under
     autocast, backward, gradient clipping at 1.0, AdamW (fused on CUDA) over the weights of
-    cfg.train_scope, fusion weights at cfg.lr_fusion. The caller sets the learning rates of
-    `opt.param_groups` before each call."""
+    cfg.train_scope, fusion weights at cfg.lr_fusion; then cfg.anchor_decay's pull towards the
+    starting weights and cfg.ema's average (RetrofitConfig). The caller sets the learning rates of
+    `opt.param_groups` before each call; `averaged()` puts the average in the student for a while,
+    `settle()` for good."""
 
     def __init__(self, student: LM, teacher: LM, cfg: RetrofitConfig, device: str):
         self.student, self.teacher, self.cfg = student, teacher, cfg
@@ -169,16 +186,50 @@ class DistillStep:
         main, fusion = self.params
         groups = [{"params": main, "lr": cfg.lr}] + ([{"params": fusion, "lr": cfg.lr_fusion}] if fusion else [])
         self.opt = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0, fused=device.startswith("cuda"))
+        self.anchor = [p.detach().clone() for p in main] if cfg.anchor_decay else None
+        self.average = [p.detach().clone() for p in main + fusion] if cfg.ema else None
+        self.steps = 0
 
     def __call__(self, ids: torch.Tensor) -> dict:
         """ids [B, T] on the device -> {"kl", "hidden"} (detached)."""
         with self.autocast():
             loss, parts = distill_loss(self.student, self.teacher, ids, self.cfg.hidden_weight, compiled=self.cfg.compile)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params[0] + self.params[1], 1.0)
+        main, fusion = self.params
+        torch.nn.utils.clip_grad_norm_(main + fusion, 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            if self.anchor is not None:
+                pull = min(1.0, self.opt.param_groups[0]["lr"] * self.cfg.anchor_decay)
+                torch._foreach_lerp_(main, self.anchor, pull)
+            if self.average is not None:
+                decay = min(self.cfg.ema, (1 + self.steps) / (10 + self.steps))
+                torch._foreach_lerp_(self.average, main + fusion, 1.0 - decay)
+        self.steps += 1
         return parts
+
+    @contextlib.contextmanager
+    def averaged(self):
+        """The student holds the averaged weights inside the block (no average: as it is)."""
+        if self.average is None:
+            yield
+            return
+        params = self.params[0] + self.params[1]
+        with torch.no_grad():
+            trained = [p.detach().clone() for p in params]
+            torch._foreach_copy_(params, self.average)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(params, trained)
+
+    def settle(self) -> None:
+        """The averaged weights become the student's for good (a no-op without cfg.ema)."""
+        if self.average is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params[0] + self.params[1], self.average)
 
 
 def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: str,
@@ -310,7 +361,9 @@ def run_retrofit(model_dir: str, data: Tokenized, cfg: RetrofitConfig, device: s
         elif step == REPLAN_STEP and t_warm is not None:
             replan((clock.s - t_warm) / (step - cfg.probe_steps))
         if every and (step % every == 0) and step < planned:
-            point("distill", step, kl=kl, hidden=hid, epochs=batches.epochs)
+            with step_fn.averaged():
+                point("distill", step, kl=kl, hidden=hid, epochs=batches.epochs)
+    step_fn.settle()
     student.eval()
     bar.close()
     stop.restore()

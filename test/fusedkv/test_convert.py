@@ -111,7 +111,8 @@ def test_held_out_windows_can_outreach_the_training_windows(tiny_model, text_dat
     (["--budget-min", "-1"], "--budget-min"), (["--budget-min", "nan"], "--budget-min"),
     (["--budget-min", "inf"], "--budget-min"), (["--batch", "0"], "--batch"), (["--seq", "x"], "--seq"),
     (["--variant", "gqa"], "--variant"), (["--tasks", "chess"], "--tasks"), (["--task-n", "0"], "--task-n"),
-    (["--init", "random"], "--init"), (["--eval-seq", "4"], "--eval-seq"),
+    (["--init", "random"], "--init"), (["--eval-seq", "4"], "--eval-seq"), (["--ema", "1"], "--ema"),
+    (["--ema", "nan"], "--ema"), (["--anchor-decay", "-1"], "--anchor-decay"), (["--anchor-decay", "inf"], "--anchor-decay"),
 ])
 def test_bad_flags_are_argparse_errors(tmp_path, flags, err, capsys):
     args = ["--model", "m", "--variant", "fusedkv", "--out", str(tmp_path / "o")]
