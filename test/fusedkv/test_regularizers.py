@@ -102,8 +102,8 @@ def test_retrofit_runs_with_both(tiny_model, text_data):
     from sgl_kvxfer.fusedkv.data import Tokenized
     from sgl_kvxfer.fusedkv.retrofit import run_retrofit
 
-    cfg = RetrofitConfig(budget_s=5.0, seq=16, batch=2, eval_windows=2, calib_windows=4, eval_points=3,
-                         anchor_decay=10.0, ema=0.99)
+    cfg = RetrofitConfig(budget_s=3.0, seq=16, batch=2, eval_windows=2, calib_windows=4, eval_points=2,
+                         local_frac=0.0, anchor_decay=10.0, ema=0.99)
     _, rep = run_retrofit(tiny_model, Tokenized(text_data, tiny_model), cfg, "cpu", progress=False)
     assert rep["config"]["anchor_decay"] == 10.0 and rep["config"]["ema"] == 0.99
     assert rep["distill_steps"] >= 1 and rep["curve"][-1]["phase"] == "final"
