@@ -347,6 +347,7 @@ def test_tiered_pd_matches_the_tiered_single_server():
 
 
 # ---------------------------------------------------------------- several workers, one killed
+@pytest.mark.heavy  # tens of seconds on 2 cores; CI runs -m "not heavy" (README, Tests)
 def test_two_prefills_two_decodes_survive_a_killed_decode(cluster):
     bp = free_port()
     p3, d3 = start_all([(pd_args("prefill", bp), None, "pd_prefill_2"), (pd_args("decode"), None, "pd_decode_2")])

@@ -27,6 +27,7 @@ def _pair(layers: int):
     return teacher, student
 
 
+@pytest.mark.heavy  # tens of seconds on 2 cores; CI runs -m "not heavy" (README, Tests)
 def test_compiled_distill_step_matches_eager_and_keeps_names():
     teacher, student = _pair(4)
     ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0))

@@ -130,7 +130,7 @@ def test_missing_data_is_a_clear_error(tmp_path, tiny_model, monkeypatch):
                       "--train-data", str(tmp_path / "nowhere")])
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # tens of seconds on 2 cores; CI runs -m "not heavy" (README, Tests)
 def test_cli_converts_and_launch_server_serves_it(tmp_path, tiny_model, text_data):
     """The documented commands as a user runs them: the CLI in a subprocess (data from the
     environment variable), then launch_server --model-path on its output."""

@@ -81,7 +81,7 @@ def test_one_toy_run_per_layout(tiny_model, text_data):
     assert len(runs["fusedkv"]["fusion_mean_abs"]["key"]) == 2 and "fusion_mean_abs_init" in runs["fusedkv"]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # tens of seconds on 2 cores; CI runs -m "not heavy" (README, Tests)
 def test_compare_scratch_grid_on_two_workers(tmp_path, tiny_model, text_data):
     """Under a time budget (the GPU path) and on a token folder with no tokenizer (the GPU machine
     has no model dir): every run trains the planned steps, > 1, and the audit is clean."""
