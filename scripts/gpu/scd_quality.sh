@@ -14,6 +14,11 @@
 #                calib tokens, same held-out split), then the eval runs again on the refined
 #                artifacts; repeat it for more aligner time (SKIP_EVAL=1 T_EVAL_MIN=0 on all but the
 #                last such call gives the aligners the whole WALL)
+#   EVAL_ONLY=1 WORK=DIR (same warm machine): the eval alone on the artifacts in DIR, e.g. after a
+#                call with SKIP_EVAL=1 T_EVAL_MIN=0 that gave calibration the whole WALL
+#   NUM_PREFIXES (768) and ALIGNER_TOKENS (262144): the calibration's paired prefixes (task items,
+#                about 390 tokens each) and the tokens sampled from them for the aligners; GPU
+#                memory of the aligner pass grows with ALIGNER_TOKENS (about 85 GB at 786432)
 #   CPU rehearsal (tiny random base, the same stages at toy sizes):
 #                DEVICE=cpu OUT=<dir> bash scripts/gpu/scd_quality.sh
 #                (WORK=<dir> keeps the specialists and artifacts; then REFINE=1 with the same WORK)
@@ -49,8 +54,8 @@ else
   W=$(mktemp -d "${TMPDIR:-/tmp}/scd_quality.XXXXXX")
   trap 'rm -rf "$W"' EXIT
 fi
-if [ "${REFINE:-0}" = 1 ] && [ ! -f "$W/artifacts/calibration.json" ]; then
-  echo "REFINE=1: no calibration in $W/artifacts (run this script with the same WORK first)"; exit 1
+if { [ "${REFINE:-0}" = 1 ] || [ "${EVAL_ONLY:-0}" = 1 ]; } && [ ! -f "$W/artifacts/calibration.json" ]; then
+  echo "REFINE=1 / EVAL_ONLY=1: no calibration in $W/artifacts (run this script with the same WORK first)"; exit 1
 fi
 SPECIALISTS="qa kv code"
 if [ "$DEVICE" = cuda ]; then
@@ -72,9 +77,9 @@ if [ "$DEVICE" = cuda ]; then
   # (--aligner-h-weight 0.25: the K/V term is the error attention reads; the hidden-state term
   # keeps the rest of h in check); patience 40 checks (2000 steps) for the larger, less noisy steps
   CALIB="--r-k 32 --r-v 64 --rank-levels 4:12,8:28,16:48 --r-h 128 --patch-budget 6 --k-max 6
-         --num-prefixes 768 --batch-size 32 --select-prompts 48 --aligner-hidden 512 --aligner-steps 200000
+         --num-prefixes ${NUM_PREFIXES:-768} --batch-size 32 --select-prompts 48 --aligner-hidden 512 --aligner-steps 200000
          --aligner-joint --aligner-batch 8192 --aligner-lr ${ALIGNER_LR:-0.002} --aligner-h-weight 0.25
-         --aligner-patience 40 --aligner-time-s 400 --aligner-tokens 262144 --storage-dtype float16 --device cuda"
+         --aligner-patience 40 --aligner-time-s 400 --aligner-tokens ${ALIGNER_TOKENS:-262144} --storage-dtype float16 --device cuda"
   # int4 codes only (CODE_QUANT="int4 int8" adds the int8 rows): every level of them, 4:12 to
   # 32:64, lands between 1788 and 3948 B/token, the region of the 1/8-of-raw-KV (2880) target
   EVAL="--n 100 --batch-size 50 --code-quant ${CODE_QUANT:-int4} --device cuda"
@@ -106,7 +111,9 @@ stage() {  # stage NAME TIMEOUT_S CMD...: run, time, record
   echo "  \"$name\": {\"rc\": $rc, \"wall_s\": $wall}," >> "$W/stages.json"
 }
 
-if [ "${REFINE:-0}" = 1 ]; then
+if [ "${EVAL_ONLY:-0}" = 1 ]; then
+  echo "=== EVAL_ONLY=1: the artifacts in $W/artifacts as they are"
+elif [ "${REFINE:-0}" = 1 ]; then
   # the aligners of the calibration in $W/artifacts train on from where they stopped; the
   # specialists and the Reuse fits stay (sgl_kvxfer/scd/calib/refine.py)
   T_REF=$(( $(left) - T_EVAL_MIN )); [ $T_REF -lt 60 ] && T_REF=60
