@@ -4,10 +4,12 @@ over a tiered pool, per TieredLaunch (key positions per step, warps, stages, spl
 The stores hold --layers stacked storage layers; each request's ids are laid out as the pool
 lays them out: --sinks first tokens and --recent last tokens in fp16 rows, the rest spread over
 the fp16 / int8 / int4 stores by --mix (fractions of the tokens in between, each token's tier
-drawn at random, ids of one tier in position order). After --warmup-s of launches, each repeat
-times every config in turn, --calls back-to-back launches each (CUDA events; the LSE merge of
-split-K included); per config the median of --repeats such timings with min / max, the bytes the
-launch must read (both sources' K and V of every live token, codes and scales, plus q), GB/s and
+drawn at random, ids of one tier in position order). On a GPU each config's --calls launches
+are captured in one CUDA graph, as the engine's decode runs them; after --warmup-s of replays,
+each repeat times one replay of every config in turn (CUDA events; the LSE merge of split-K
+included), and the same launches issued eagerly from the host beside it (`us_eager`: above `us`
+where the host's launch cost, not the kernel, sets the rate); per config the median of
+--repeats such timings with min / max, the bytes the launch must read (both sources' K and V of every live token, codes and scales, plus q), GB/s and
 the fraction of a device-to-device copy's bandwidth (common/bandwidth.py) measured in the same
 run. Every config's output is checked against the default launch's (a config that computes
 something else fails); a config that cannot launch (shared memory beyond the device's) is listed
@@ -101,7 +103,8 @@ def build(args, gen: torch.Generator):
 
 
 def time_launch(fn, calls: int, repeats: int, cuda: bool) -> list[float]:
-    """Seconds per launch, one sample per repeat of `calls` launches."""
+    """Seconds per launch, one sample per repeat of `calls` back-to-back launches from the host
+    (on a GPU this includes any host time per launch that exceeds the kernel's)."""
     fn()
     if not cuda:
         out = []
@@ -122,6 +125,31 @@ def time_launch(fn, calls: int, repeats: int, cuda: bool) -> list[float]:
         b.synchronize()
         out.append(a.elapsed_time(b) * 1e-3 / calls)
     return out
+
+
+def capture_graph(fn, calls: int) -> torch.cuda.CUDAGraph:
+    """`calls` launches of fn captured in one CUDA graph (as the engine's decode runs them): a
+    replay costs the device time alone, whatever the host's launch cost."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm on a side stream first, as capture requires
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def time_graph(graph: torch.cuda.CUDAGraph, calls: int) -> float:
+    """Seconds per launch of one replay of a graph of `calls` launches."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    graph.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e-3 / calls
 
 
 def plot(path: str, rows: list[dict], title: str) -> None:
@@ -195,25 +223,37 @@ def main(argv: list[str] | None = None) -> str:
         if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
             raise SystemExit(f"config {text}: output differs from the default launch's (max abs err {err:.3g})")
         ok.append((text, launch, err))
+    # on a GPU each config's launches are captured in a CUDA graph (device time, as the engine's
+    # decode runs them); eager back-to-back launches are timed beside it (`us_eager`: where it is
+    # well above `us`, the host's launch cost, not the kernel, sets the eager rate)
+    graphs = {text: capture_graph(lambda launch=launch: run(launch), args.calls) for text, launch, _ in ok} \
+        if cuda else {}
     # warm-up (clocks up), then the configs in turn within each repeat: a drift in the device's
     # clocks during the run spreads over every config rather than landing on the first ones
     warm_end = time.perf_counter() + (args.warmup_s if cuda else 0.0)
     while time.perf_counter() < warm_end:
-        time_launch(lambda: run(ok[0][1]), args.calls, 1, cuda)
+        time_graph(graphs[ok[0][0]], args.calls)
     samples = {text: [] for text, _, _ in ok}
+    eager = {text: [] for text, _, _ in ok}
     for _ in range(args.repeats):
         for text, launch, _ in ok:
-            samples[text] += time_launch(lambda: run(launch), args.calls, 1, cuda)
+            if cuda:
+                samples[text].append(time_graph(graphs[text], args.calls))
+            eager[text] += time_launch(lambda: run(launch), args.calls, 1, cuda)
+    if not cuda:  # no graphs on the interpreter: the eager timings are all there is
+        samples = eager
     rows = []
     for text, launch, err in ok:
         s = samples[text]
         med = statistics.median(s)
         row = {"config": text, "launch": asdict(launch),
                "default": launch == DEFAULT_LAUNCH, "us": med * 1e6, "us_min": min(s) * 1e6, "us_max": max(s) * 1e6,
+               "us_eager": statistics.median(eager[text]) * 1e6,
                "GBps": read / med / 1e9, "of_copy_bw": read / med / bw if bw else None, "max_abs_err_vs_default": err}
         rows.append(row)
         print(f"{text:>12}: {row['us']:8.1f} us ({row['us_min']:.1f}..{row['us_max']:.1f}), {row['GBps']:7.1f} GB/s"
-              + (f", {100 * row['of_copy_bw']:.0f}% of copy" if bw else "") + (" (default)" if row["default"] else ""),
+              + (f", {100 * row['of_copy_bw']:.0f}% of copy" if bw else "")
+              + (f", eager {row['us_eager']:.1f} us" if cuda else "") + (" (default)" if row["default"] else ""),
               flush=True)
     best = min(rows, key=lambda r: r["us"])
     default = next((r for r in rows if r["default"]), None)

@@ -8,7 +8,7 @@ import torch
 
 from sgl_kvxfer.scd import ScdArtifacts
 from sgl_kvxfer.scd.calib.calibrate import calibrate, parse_args
-from sgl_kvxfer.scd.calib.refine import refine
+from sgl_kvxfer.scd.calib.refine import REFINE_LR_FRACTION, refine
 from test_calibrate import _tiny_args
 
 
@@ -37,6 +37,8 @@ def test_refine_resumes_each_aligner_where_calibration_left_it(tiny_pair, tmp_pa
     assert after.manifest.to_dict() == before.manifest.to_dict()
     cal = json.load(open(os.path.join(out, "calibration.json")))
     assert len(cal["refinements"]) == 1 and cal["refinements"][0]["wall_s"]["total"] > 0
+    # by default the restart peaks near where the calibration's annealing ended, not at its peak
+    assert cal["refinements"][0]["lr"] == pytest.approx(cal["config"]["aligner_lr"] * REFINE_LR_FRACTION)
     assert all(r["refined"] == 1 for per in cal["aligners"].values() for r in per.values())
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".refine.")]
 
