@@ -18,7 +18,8 @@
 #                call with SKIP_EVAL=1 T_EVAL_MIN=0 that gave calibration the whole WALL
 #   NUM_PREFIXES (768) and ALIGNER_TOKENS (262144): the calibration's paired prefixes (task items,
 #                about 390 tokens each) and the tokens sampled from them for the aligners; GPU
-#                memory of the aligner pass grows with ALIGNER_TOKENS (about 85 GB at 786432)
+#                memory of the aligner pass grows with ALIGNER_TOKENS (by its tensors' sizes about
+#                80 GB at 786432: an H200's, not an 80 GB card's)
 #   CPU rehearsal (tiny random base, the same stages at toy sizes):
 #                DEVICE=cpu OUT=<dir> bash scripts/gpu/scd_quality.sh
 #                (WORK=<dir> keeps the specialists and artifacts; then REFINE=1 with the same WORK)
