@@ -33,6 +33,7 @@ def test_block_has_no_placeholders_or_machine_paths():
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # ~45 s on 2 cores; test/disagg/test_scd_serving.py serves the same toy models over PD
 @pytest.mark.skipif(not _mooncake_loads(), reason="Mooncake's transfer engine does not load here (libibverbs)")
 def test_quickstart_runs_as_printed():
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
