@@ -20,6 +20,9 @@
 #                about 390 tokens each) and the tokens sampled from them for the aligners; GPU
 #                memory of the aligner pass grows with ALIGNER_TOKENS (by its tensors' sizes about
 #                80 GB at 786432: an H200's, not an 80 GB card's)
+#   SELECT_PROMPTS (48): held-out items the layer selection scores; CODE_DTYPE (bfloat16): the
+#                codes' wire dtype at calibration (int8 / int4: the aligners train on the rounded
+#                codes, and the table's SCD rows send them)
 #   CPU rehearsal (tiny random base, the same stages at toy sizes):
 #                DEVICE=cpu OUT=<dir> bash scripts/gpu/scd_quality.sh
 #                (WORK=<dir> keeps the specialists and artifacts; then REFINE=1 with the same WORK)
@@ -78,9 +81,10 @@ if [ "$DEVICE" = cuda ]; then
   # (--aligner-h-weight 0.25: the K/V term is the error attention reads; the hidden-state term
   # keeps the rest of h in check); patience 40 checks (2000 steps) for the larger, less noisy steps
   CALIB="--r-k 32 --r-v 64 --rank-levels 4:12,8:28,16:48 --r-h 128 --patch-budget 6 --k-max 6
-         --num-prefixes ${NUM_PREFIXES:-768} --batch-size 32 --select-prompts 48 --aligner-hidden 512 --aligner-steps 200000
+         --num-prefixes ${NUM_PREFIXES:-768} --batch-size 32 --select-prompts ${SELECT_PROMPTS:-48} --aligner-hidden 512 --aligner-steps 200000
          --aligner-joint --aligner-batch 8192 --aligner-lr ${ALIGNER_LR:-0.002} --aligner-h-weight 0.25
-         --aligner-patience 40 --aligner-time-s 400 --aligner-tokens ${ALIGNER_TOKENS:-262144} --storage-dtype float16 --device cuda"
+         --aligner-patience 40 --aligner-time-s 400 --aligner-tokens ${ALIGNER_TOKENS:-262144} --storage-dtype float16 --code-dtype ${CODE_DTYPE:-bfloat16}
+         --device cuda"
   # int4 codes only (CODE_QUANT="int4 int8" adds the int8 rows): every level of them, 4:12 to
   # 32:64, lands between 1788 and 3948 B/token, the region of the 1/8-of-raw-KV (2880) target
   EVAL="--n 100 --batch-size 50 --code-quant ${CODE_QUANT:-int4} --device cuda"
