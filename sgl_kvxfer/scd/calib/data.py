@@ -65,6 +65,13 @@ def task_items(tokenizer, task: str, n: int, seed: int, start: int = 0, params: 
     return out
 
 
+# A task's selection items are its calib items from this index on, its fit items from 0: the
+# layer selection scores the same items whatever --num-prefixes is (were they the items after the
+# fit ones, more prefixes would move them, and with them the chosen layers), and the two sets
+# stay disjoint up to this many fit items per task.
+SELECT_ITEMS_START = 1 << 20
+
+
 def calib_data(specs, tokenizer, num_prefixes: int, prefix_len: int, select_prompts: int, select_prefix: int,
                select_cont: int, seed: int, task_params: dict | None = None):
     """(fit sequences [ids], selection pairs [(prefix ids, continuation ids)]), round-robin over
@@ -73,12 +80,15 @@ def calib_data(specs, tokenizer, num_prefixes: int, prefix_len: int, select_prom
     per_fit, per_sel = [], []
     n_fit = -(-num_prefixes // len(specs))
     n_sel = max(1, -(-select_prompts // len(specs)))
+    if n_fit > SELECT_ITEMS_START:
+        raise ValueError(f"--num-prefixes {num_prefixes}: at most {SELECT_ITEMS_START} per calib spec")
     for i, spec in enumerate(specs):
         if spec.startswith("task:"):
             name = spec[len("task:"):]
-            items = task_items(tokenizer, name, n_fit + n_sel, seed, params=(task_params or {}).get(name))
-            per_fit.append([p + a for p, a in items[:n_fit]])
-            per_sel.append([(p[:-1], p[-1:] + a) for p, a in items[n_fit:]])
+            params = (task_params or {}).get(name)
+            per_fit.append([p + a for p, a in task_items(tokenizer, name, n_fit, seed, params=params)])
+            per_sel.append([(p[:-1], p[-1:] + a)
+                            for p, a in task_items(tokenizer, name, n_sel, seed, SELECT_ITEMS_START, params)])
             continue
         path = corpus_path(spec[len("corpus:"):], "calib") if spec.startswith("corpus:") else spec
         texts = read_texts(path)
