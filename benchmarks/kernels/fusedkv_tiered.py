@@ -9,9 +9,9 @@ are captured in one CUDA graph, as the engine's decode runs them; after --warmup
 each repeat times one replay of every config in turn (CUDA events; the LSE merge of split-K
 included), and the same launches issued eagerly from the host beside it (`us_eager`: above `us`
 where the host's launch cost, not the kernel, sets the rate); per config the median of
---repeats such timings with min / max, the bytes the launch must read (both sources' K and V of every live token, codes and scales, plus q), GB/s and
-the fraction of a device-to-device copy's bandwidth (common/bandwidth.py) measured in the same
-run. Every config's output is checked against the default launch's (a config that computes
+--repeats such timings with min / max, the bytes the launch must read (both sources' K and V of
+every live token, codes and scales, plus q), GB/s and the fraction of a device-to-device copy's
+bandwidth (common/bandwidth.py) measured in the same run. Every config's output is checked against the default launch's (a config that computes
 something else fails); a config that cannot launch (shared memory beyond the device's) is listed
 under `skipped`. --group-size (default head_dim, as the engine's pools) sets the int stores'
 channels per scale and zero.

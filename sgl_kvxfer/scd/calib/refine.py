@@ -8,8 +8,9 @@ it loads the producer and consumers named in calibration.json's `config`, repeat
 calibration's second paired pass (`collect_h`, same calib data, same seed: the same sampled
 tokens), encodes them with the artifacts' own H encoder as the wire delivers the codes, and
 resumes every aligner from its saved parameters (warm start, a fresh cosine LR schedule over
-the budget, peaking by default at a tenth of the calibration's LR: REFINE_LR_FRACTION). The Reuse fits, the Patch layer set and the H encoders stay as they are; only the
-aligner tensors change, and each keeps its best held-out check, so no aligner gets worse on
+the budget, peaking by default at a tenth of the calibration's LR: REFINE_LR_FRACTION). The
+Reuse fits, the Patch layer set and the H encoders stay as they are; only the aligner tensors
+change, and each keeps its best held-out check, so no aligner gets worse on
 the held-out split than it was.
 
 Invariant: the held-out split is the calibration's. train_aligners splits the sampled tokens by
