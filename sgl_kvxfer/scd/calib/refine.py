@@ -2,7 +2,7 @@
 
     python -m sgl_kvxfer.scd.calib.refine --artifacts ARTIFACTS --time-budget-s 500
 
-A calibration's aligners stop on its time budget, often still improving. This command takes
+A calibration's aligners stop on its time budget, their LR annealed. This command takes
 the artifacts it wrote (manifest, tensors and calibration.json) and trains the same aligners on:
 it loads the producer and consumers named in calibration.json's `config`, repeats the
 calibration's second paired pass (`collect_h`, same calib data, same seed: the same sampled
