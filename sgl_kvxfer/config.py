@@ -43,6 +43,8 @@ CLI_HELP = {
                 "from the link rate; sgl_kvxfer/scd/rank_policy.py)",
     "scd_wire_frac": "SCD prefill, --scd-rank auto: the highest level whose codes cross the link within this "
                      "fraction of the prefill's own time (default 0.25)",
+    "scd_min_rank": "SCD prefill, --scd-rank auto: never send a level below this R_K:R_V (a level of the "
+                    "artifacts; default: the lowest level may go)",
     "kv_claim_timeout": "PD prefill: seconds from a request's arrival within which a decode must register for "
                         "its room, else the room ends naming the decode (default 5; at most --kv-transfer-timeout)",
     "shutdown_grace_period_secs": "on SIGTERM / Ctrl-C: seconds in-flight requests may run on before they end "
@@ -333,6 +335,7 @@ class SchedulerConfig:
     # budget scd_wire_frac x the prefill's own time)
     scd_rank: str = "top"
     scd_wire_frac: float = 0.25
+    scd_min_rank: str | None = None  # auto's floor level "R_K:R_V" (the rule weighs time only)
 
     def __post_init__(self):
         if self.max_running_requests is not None and self.max_running_requests < 1:
@@ -382,6 +385,11 @@ class SchedulerConfig:
             raise ValueError(f"--scd-wire-frac must be a finite number > 0, got {self.scd_wire_frac}")
         if self.scd_rank not in ("top", "auto") and not re.fullmatch(r"[1-9][0-9]{0,4}:[1-9][0-9]{0,4}", self.scd_rank):
             raise ValueError(f"--scd-rank must be top, auto or R_K:R_V (a level of the artifacts), got {self.scd_rank!r}")
+        if self.scd_min_rank is not None:
+            if not re.fullmatch(r"[1-9][0-9]{0,4}:[1-9][0-9]{0,4}", self.scd_min_rank):
+                raise ValueError(f"--scd-min-rank must be R_K:R_V (a level of the artifacts), got {self.scd_min_rank!r}")
+            if self.scd_rank != "auto":
+                raise ValueError(f"--scd-min-rank bounds --scd-rank auto, not --scd-rank {self.scd_rank}")
         if self.scd_artifacts is None:
             if self.scd_consumer is not None or self.scd_fanout != 1 or self.scd_rank != "top":
                 raise ValueError("--scd-consumer, --scd-fanout and --scd-rank need --scd-artifacts")

@@ -23,7 +23,14 @@ INT`) writes what finished, marked "interrupted", and exits 130.
 Adaptive codes: per eval item and link rate, TTFT = the producer's prefill + wire time of the
 level's bytes + the level's rebuild + the consumer's first step, from batch-1 timings measured
 here (scaled by prompt length); the adaptive policy (sgl_kvxfer/scd/rank_policy.py) picks a
-level per item, each fixed policy always sends its level. Writes NAME.json and NAME.png.
+level per item, each fixed policy always sends its level; with --min-level R_K:R_V also the
+policy with that floor (--scd-min-rank), as `adaptive_floor`. Writes NAME.json and NAME.png.
+
+    python benchmarks/quality/scd_eval.py --adaptive-from RESULT.json --min-level 16:48 [--rates ...]
+
+recomputes the adaptive rows alone from a finished eval's measured timings and per-item scores
+(no models: the prompts' lengths come from the task generator and the producer's tokenizer,
+--producer or the embedded SmolLM2's) into scd_adaptive_<device>.json.
 """
 from __future__ import annotations
 
@@ -43,7 +50,11 @@ from benchmarks.common.report import RESULTS_DIR, device_name, git_commit, write
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--artifacts", required=True)
+    ap.add_argument("--artifacts", default=None, help="the SCD artifacts to evaluate (required but with --adaptive-from)")
+    ap.add_argument("--adaptive-from", default=None, metavar="RESULT.json",
+                    help="recompute the adaptive rows from this eval result's timings and item scores (no models)")
+    ap.add_argument("--min-level", default=None, metavar="R_K:R_V",
+                    help="also model the adaptive policy with this floor level (--scd-min-rank)")
     ap.add_argument("--producer", default=None, help="producer model dir (default: the manifest's source)")
     ap.add_argument("--consumer", action="append", default=[], metavar="NAME=PATH",
                     help="consumer model dir (default: the manifest's sources)")
@@ -74,11 +85,15 @@ def parse_args(argv=None):
         ap.error("--n, --batch-size, --drift-prompts, --timing-repeats >= 1; --rates > 0")
     if not 0 < args.wire_frac < 1e6:
         ap.error("--wire-frac must be > 0")
+    if (args.artifacts is None) == (args.adaptive_from is None):
+        ap.error("one of --artifacts (an eval) or --adaptive-from (the adaptive rows of a finished one)")
     return args
 
 
 def main(argv=None) -> str:
     args = parse_args(argv)
+    if args.adaptive_from:
+        return adaptive_from(args)
     import torch
     from task_data import parse_task_params
     from tqdm import tqdm
@@ -124,7 +139,7 @@ def main(argv=None) -> str:
 
     def save():
         payload["summary"] = summarize(payload, h, variants + sweep)
-        payload["adaptive"] = adaptive(payload, h, lengths, args)
+        payload["adaptive"] = adaptive(payload, m.levels, [m.bytes_per_token_at(lv) for lv in m.levels], lengths, args)
         payload["wall_s"] = {k: round(v, 2) for k, v in {**wall, "total": time.perf_counter() - t0}.items()}
         path = write_json(name, payload, args.out_dir)
         plot(payload, path[:-5] + ".png")
@@ -239,19 +254,24 @@ def matched(meths: dict) -> dict:
     return out
 
 
-def adaptive(p: dict, h, lengths: dict, args) -> dict:
-    """Score and modelled TTFT per link rate: each fixed level, and the adaptive choice."""
-    from sgl_kvxfer.scd.rank_policy import choose_level, wire_seconds
+def adaptive(p: dict, levels, bpt: list[int], lengths: dict, args) -> dict:
+    """Score and modelled TTFT per link rate: each fixed level, the adaptive choice, and with
+    --min-level the adaptive choice with that floor. levels: the artifacts' (R_K, R_V) levels,
+    ascending, the top last; bpt: their bytes per token."""
+    from sgl_kvxfer.scd.rank_policy import choose_level, level_index, wire_seconds
 
-    m = h.m
-    labels = [f"scd@{a}:{b}" for a, b in m.rank_levels] + ["scd"]
-    bpt = [m.bytes_per_token_at(lv) for lv in m.levels]
-    out = {"levels": [list(x) for x in m.levels], "bytes_per_token": bpt, "wire_frac": args.wire_frac, "rates": {}}
+    levels = [tuple(x) for x in levels]
+    labels = [f"scd@{a}:{b}" for a, b in levels[:-1]] + ["scd"]
+    floor = level_index(levels, args.min_level, "--min-level") if args.min_level else None
+    out = {"levels": [list(x) for x in levels], "bytes_per_token": bpt, "wire_frac": args.wire_frac, "rates": {}}
+    if floor is not None:
+        out["min_level"] = args.min_level
     if not all(all(lab in r for lab in labels) for r in p["results"].values()) or not p["timings"]:
         return {**out, "skipped": "the sweep has not run every level"}
+    policies = {"adaptive": 0, **({"adaptive_floor": floor} if floor is not None else {})}
     for rate in args.rates:
-        acc = {lab: {"score": [], "ttft_ms": []} for lab in [*labels, "adaptive", "oracle"]}
-        chosen = []
+        acc = {lab: {"score": [], "ttft_ms": []} for lab in [*labels, *policies, "oracle"]}
+        chosen = {name: [] for name in policies}
         for cname, ns in lengths.items():
             tm, res = p["timings"][cname], p["results"][cname]
             for i, n in enumerate(ns):
@@ -262,21 +282,61 @@ def adaptive(p: dict, h, lengths: dict, args) -> dict:
                 for j, lab in enumerate(labels):
                     acc[lab]["score"].append(res[lab]["item_scores"][i])
                     acc[lab]["ttft_ms"].append(1e3 * ttft[j])
-                j = choose_level(bpt, n, rate, prefill, args.wire_frac)
-                chosen.append(j)
-                acc["adaptive"]["score"].append(res[labels[j]]["item_scores"][i])
-                acc["adaptive"]["ttft_ms"].append(1e3 * ttft[j])
+                for name, lowest in policies.items():
+                    j = choose_level(bpt, n, rate, prefill, args.wire_frac, lowest)
+                    chosen[name].append(j)
+                    acc[name]["score"].append(res[labels[j]]["item_scores"][i])
+                    acc[name]["ttft_ms"].append(1e3 * ttft[j])
                 acc["oracle"]["score"].append(res["oracle"]["item_scores"][i])
                 acc["oracle"]["ttft_ms"].append(1e3 * (tm["rebuild_s"]["oracle"] * scale + tm["first_step_s"]))
         row = {lab: {"score": statistics.mean(a["score"]), "ttft_ms": statistics.mean(a["ttft_ms"])}
                for lab, a in acc.items()}
-        row["adaptive"]["level_counts"] = {labels[k]: chosen.count(k) for k in sorted(set(chosen))}
         best_ttft = min(row[lab]["ttft_ms"] for lab in labels)
         best_score = max(row[lab]["score"] for lab in labels)
-        row["adaptive"]["ttft_vs_best_fixed"] = row["adaptive"]["ttft_ms"] / best_ttft
-        row["adaptive"]["score_minus_best_fixed"] = row["adaptive"]["score"] - best_score
+        for name, picks in chosen.items():
+            row[name]["level_counts"] = {labels[k]: picks.count(k) for k in sorted(set(picks))}
+            row[name]["ttft_vs_best_fixed"] = row[name]["ttft_ms"] / best_ttft
+            row[name]["score_minus_best_fixed"] = row[name]["score"] - best_score
         out["rates"][f"{rate:g}"] = row
     return out
+
+
+def adaptive_from(args) -> str:
+    """The adaptive rows of a finished eval, recomputed from its JSON (module docstring)."""
+    import json
+
+    from task_data import parse_task_params
+
+    from sgl_kvxfer import tasks
+    from sgl_kvxfer.models.loader import load_tokenizer, resolve_model_path, resolve_tokenizer_path
+
+    with open(args.adaptive_from) as f:
+        src = json.load(f)
+    old = src.get("adaptive") or {}
+    if "levels" not in old or "bytes_per_token" not in old:
+        raise SystemExit(f"{args.adaptive_from}: no adaptive levels in it (an scd_eval result is needed)")
+    sp = src["params"]
+    tok = load_tokenizer(resolve_tokenizer_path(resolve_model_path(args.producer)))
+    tparams = parse_task_params(sp.get("task_param") or [])
+    lengths = {c: [len(tasks.chat_prompt_ids(tok, ex)) for t in ts
+                   for ex in tasks.generate(t, "eval", sp["n"], sp["seed"], tokenizer=tok, **tparams.get(t, {}))]
+               for c, ts in src["consumer_tasks"].items()}
+    for c, ns in lengths.items():  # the same items the eval scored, or the scores would be misaligned
+        scored = len(src["results"][c]["scd"]["item_scores"])
+        if scored != len(ns):
+            raise SystemExit(f"{args.adaptive_from}: {scored} scored items for {c}, the generator gives {len(ns)}")
+    # "device": where the timings and scores were measured; this step is arithmetic on them
+    payload = {"benchmark": "scd_adaptive", "device": src["device"], "recomputed_on": device_name("cpu"),
+               "source": os.path.basename(args.adaptive_from),
+               "source_commit": src.get("commit"), "params": {k: v for k, v in vars(args).items() if k != "out_dir"},
+               "adaptive": adaptive(src, old["levels"], old["bytes_per_token"], lengths, args)}
+    name = args.name or f"scd_adaptive_{src['device'].split(' (')[0].replace(' ', '_')}"
+    path = write_json(name, payload, args.out_dir)
+    for rate, row in payload["adaptive"].get("rates", {}).items():
+        print(f"{rate:>5} Gbit/s: " + ", ".join(
+            f"{k} {v['score']:.3f} / {v['ttft_ms']:.1f} ms" for k, v in row.items() if k.startswith("adaptive")))
+    print(f"wrote {path}")
+    return path
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ most `wire_frac` of the producer's own prefill time for it,
     level = max{ i : bytes_per_token[i] * tokens * 8 / link_bps <= wire_frac * prefill_s }
 
 (the lowest level when none fits; the top level when the link rate or the prefill time is
-unknown). SCD pays off when the consumer's wait for codes is small next to the prefill it
+unknown), never below a floor level (`--scd-min-rank`) when one is set: the rule weighs time
+only, and on a slow link it would otherwise send codes too coarse to answer from. SCD pays off when the consumer's wait for codes is small next to the prefill it
 skips; `wire_frac` bounds that wait, and a faster link buys a higher rank at the same bound.
 """
 from __future__ import annotations
@@ -17,19 +18,29 @@ from typing import Sequence
 
 
 def choose_level(bytes_per_token: Sequence[int], tokens: int, link_gbps: float | None, prefill_s: float | None,
-                 wire_frac: float) -> int:
-    """Index into the levels (ascending bytes per token)."""
+                 wire_frac: float, floor: int = 0) -> int:
+    """Index into the levels (ascending bytes per token); never below `floor`."""
     if not bytes_per_token:
         raise ValueError("no levels")
     top = len(bytes_per_token) - 1
+    if not 0 <= floor <= top:
+        raise ValueError(f"floor {floor}: not one of the {top + 1} levels")
     if not link_gbps or not prefill_s or not math.isfinite(link_gbps) or not math.isfinite(prefill_s) or tokens <= 0:
         return top
     budget = wire_frac * prefill_s
-    best = 0
+    best = floor
     for i, b in enumerate(bytes_per_token):
-        if b * tokens * 8 / (link_gbps * 1e9) <= budget:
+        if i > floor and b * tokens * 8 / (link_gbps * 1e9) <= budget:
             best = i
     return best
+
+
+def level_index(levels: Sequence[tuple[int, int]], rank: str, flag: str = "--scd-rank") -> int:
+    """The index of "R_K:R_V" among the levels, or a ValueError naming the flag and the levels."""
+    want = tuple(int(x) for x in rank.split(":"))
+    if want not in levels:
+        raise ValueError(f"{flag} {rank}: the artifacts hold levels {', '.join(f'{a}:{b}' for a, b in levels)}")
+    return list(levels).index(want)
 
 
 def wire_seconds(bytes_per_token: int, tokens: int, link_gbps: float) -> float:
@@ -38,19 +49,21 @@ def wire_seconds(bytes_per_token: int, tokens: int, link_gbps: float) -> float:
 
 class LevelChooser:
     """A producer's per-request level: fixed (`rank` "top" or "R_K:R_V") or "auto" (choose_level
-    with the link rate it is told, else the one it measured, and its measured prefill speed).
-    Plain Python, no locks: the prefill role calls it from the scheduler thread only."""
+    with the link rate it is told, else the one it measured, and its measured prefill speed; never
+    below `min_rank` "R_K:R_V" when given). Plain Python, no locks: the prefill role calls it
+    from the scheduler thread only."""
 
-    def __init__(self, levels: Sequence[tuple[int, int]], bytes_per_token: Sequence[int], rank: str, wire_frac: float):
+    def __init__(self, levels: Sequence[tuple[int, int]], bytes_per_token: Sequence[int], rank: str, wire_frac: float,
+                 min_rank: str | None = None):
         self.levels, self.bytes_per_token, self.rank, self.wire_frac = tuple(levels), list(bytes_per_token), rank, wire_frac
         self.fixed: int | None = None
         if rank == "top":
             self.fixed = len(self.levels) - 1
         elif rank != "auto":
-            want = tuple(int(x) for x in rank.split(":"))
-            if want not in self.levels:
-                raise ValueError(f"--scd-rank {rank}: the artifacts hold levels {', '.join(f'{a}:{b}' for a, b in self.levels)}")
-            self.fixed = self.levels.index(want)
+            self.fixed = level_index(self.levels, rank)
+        if min_rank is not None and rank != "auto":
+            raise ValueError(f"--scd-min-rank bounds --scd-rank auto, not --scd-rank {rank}")
+        self.floor = 0 if min_rank is None else level_index(self.levels, min_rank, "--scd-min-rank")
         self.link_gbps: float | None = None  # measured write rate, moving average
         self.prefill_tps: float | None = None  # prompt tokens per second, moving average
         self.counts = [0] * len(self.levels)
@@ -62,7 +75,7 @@ class LevelChooser:
         else:
             rate = paced_gbps if paced_gbps and math.isfinite(paced_gbps) else self.link_gbps
             prefill_s = tokens / self.prefill_tps if self.prefill_tps else None
-            i = choose_level(self.bytes_per_token, tokens, rate, prefill_s, self.wire_frac)
+            i = choose_level(self.bytes_per_token, tokens, rate, prefill_s, self.wire_frac, self.floor)
         self.counts[i] += 1
         return i
 
@@ -78,5 +91,6 @@ class LevelChooser:
 
     def info(self) -> dict:
         return {"rank": self.rank, "levels": [list(x) for x in self.levels],
+                "min_level": "{}:{}".format(*self.levels[self.floor]),
                 "level_counts": {f"{a}:{b}": n for (a, b), n in zip(self.levels, self.counts)},
                 "link_gbps_measured": self.link_gbps, "prefill_tokens_per_s": self.prefill_tps}

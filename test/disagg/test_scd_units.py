@@ -166,6 +166,13 @@ def test_scd_flags_are_validated(tiny):
         SchedulerConfig(disaggregation_mode="decode", scd_artifacts=tiny.arts["a"], scd_rank="auto")
     with pytest.raises(ValueError, match="need --scd-artifacts"):
         SchedulerConfig(disaggregation_mode="prefill", scd_rank="auto")
+    SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_rank="auto", scd_min_rank="4:12")
+    for bad in ("4", "0:3", "top", ""):
+        with pytest.raises(ValueError, match="--scd-min-rank must be"):
+            SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_rank="auto",
+                            scd_min_rank=bad)
+    with pytest.raises(ValueError, match="bounds --scd-rank auto"):
+        SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_min_rank="4:12")
 
 
 def test_rank_policy():
@@ -179,6 +186,12 @@ def test_rank_policy():
     assert choose_level(bpt, 1000, 1.0, 0.01, 0.25) == 0  # 8 ms for the lowest: nothing fits, the lowest
     assert choose_level(bpt, 1000, 8.0, 0.01, 0.25) == 1  # 2 ms / 4 ms
     assert choose_level(bpt, 1000, float("nan"), 0.01, 0.25) == 2
+    # a floor: the slow link that sends the lowest level sends the floor; a fast one still the top
+    assert choose_level(bpt, 1000, 1.0, 0.01, 0.25, floor=1) == 1
+    assert choose_level(bpt, 1000, 8.0, 0.01, 0.25, floor=1) == 1
+    assert choose_level(bpt, 1000, 100.0, 0.01, 0.25, floor=1) == 2
+    with pytest.raises(ValueError, match="floor"):
+        choose_level(bpt, 1000, 1.0, 0.01, 0.25, floor=3)
 
 
 def test_manifest_id_names_the_calibration_run(tiny):
@@ -280,6 +293,14 @@ def test_level_chooser():
     auto.observe_write(10, 1.0)  # a small write times latency: ignored
     assert auto.link_gbps == pytest.approx(100.0) and auto.choose(1000) == 2
     assert auto.info()["level_counts"] == {"2:2": 1, "4:4": 1, "8:8": 3}
+    assert auto.info()["min_level"] == "2:2"
+    floored = LevelChooser(levels, bpt, "auto", 0.25, min_rank="4:4")
+    floored.observe_prefill(1000, 0.01)
+    assert floored.choose(1000, paced_gbps=1.0) == 1 and floored.info()["min_level"] == "4:4"
+    with pytest.raises(ValueError, match="--scd-min-rank 3:3: the artifacts hold levels"):
+        LevelChooser(levels, bpt, "auto", 0.25, min_rank="3:3")
+    with pytest.raises(ValueError, match="bounds --scd-rank auto"):
+        LevelChooser(levels, bpt, "top", 0.25, min_rank="4:4")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

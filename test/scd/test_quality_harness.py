@@ -111,6 +111,16 @@ def test_scd_eval_quick_writes_table_sweep_drift_and_adaptive(tiny_pair, tmp_pat
     assert set(p["drift"]) == {"qa", "code"} and len(p["drift"]["qa"]["k_cos"]) == 4
     assert set(p["adaptive"]["rates"]) == {"1", "100"} and "ttft_vs_best_fixed" in p["adaptive"]["rates"]["1"]["adaptive"]
     assert "int4" in p["summary"]["matched_bytes"] and os.path.isfile(path[:-5] + ".png")
+    # the adaptive rows recomputed from the result alone are the eval's own; with a floor, the
+    # policy never sends a level below it
+    again = json.load(open(scd_eval.main(["--adaptive-from", path, "--min-level", "4:4", "--rates", "1", "100",
+                                          "--out-dir", str(tmp_path / "res2")])))["adaptive"]
+    for rate, row in p["adaptive"]["rates"].items():
+        got, want = again["rates"][rate]["adaptive"], row["adaptive"]
+        assert got["level_counts"] == want["level_counts"], rate
+        assert (got["score"], got["ttft_ms"]) == pytest.approx((want["score"], want["ttft_ms"])), rate
+        assert set(again["rates"][rate]["adaptive_floor"]["level_counts"]) <= {"scd@4:4", "scd"}, rate
+    assert again["min_level"] == "4:4"
 
 
 @pytest.mark.slow
