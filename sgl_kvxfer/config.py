@@ -17,6 +17,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+# an SCD nested rank level as the flags name it: R_K:R_V, each 1-99999
+_SCD_LEVEL = re.compile(r"[1-9][0-9]{0,4}:[1-9][0-9]{0,4}")
+
 DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "gguf", "dummy")
 KV_INT4_CHOICES = ("auto", "on", "off")
@@ -383,10 +386,10 @@ class SchedulerConfig:
             raise ValueError(f"scd_fanout must be >= 1, got {self.scd_fanout}")
         if not (isinstance(self.scd_wire_frac, (int, float)) and 0 < self.scd_wire_frac < float("inf")):
             raise ValueError(f"--scd-wire-frac must be a finite number > 0, got {self.scd_wire_frac}")
-        if self.scd_rank not in ("top", "auto") and not re.fullmatch(r"[1-9][0-9]{0,4}:[1-9][0-9]{0,4}", self.scd_rank):
+        if self.scd_rank not in ("top", "auto") and not _SCD_LEVEL.fullmatch(self.scd_rank):
             raise ValueError(f"--scd-rank must be top, auto or R_K:R_V (a level of the artifacts), got {self.scd_rank!r}")
         if self.scd_min_rank is not None:
-            if not re.fullmatch(r"[1-9][0-9]{0,4}:[1-9][0-9]{0,4}", self.scd_min_rank):
+            if not _SCD_LEVEL.fullmatch(self.scd_min_rank):
                 raise ValueError(f"--scd-min-rank must be R_K:R_V (a level of the artifacts), got {self.scd_min_rank!r}")
             if self.scd_rank != "auto":
                 raise ValueError(f"--scd-min-rank bounds --scd-rank auto, not --scd-rank {self.scd_rank}")

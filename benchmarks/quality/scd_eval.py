@@ -50,7 +50,8 @@ from benchmarks.common.report import RESULTS_DIR, device_name, git_commit, write
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--artifacts", default=None, help="the SCD artifacts to evaluate (required but with --adaptive-from)")
+    ap.add_argument("--artifacts", default=None,
+                    help="the SCD artifacts to evaluate (required but with --adaptive-from)")
     ap.add_argument("--adaptive-from", default=None, metavar="RESULT.json",
                     help="recompute the adaptive rows from this eval result's timings and item scores (no models)")
     ap.add_argument("--min-level", default=None, metavar="R_K:R_V",
@@ -133,9 +134,7 @@ def main(argv=None) -> str:
                "levels": [list(x) for x in m.levels], "results": {}, "drift": {}, "timings": {},
                "diagnostics": {k: v for k, v in DIAGNOSTICS.items() if args.diagnostics}}
     name = args.name or f"scd_eval_{payload['device'].split(' (')[0].replace(' ', '_')}"
-    examples = {c: [ex for t in ts for ex in tasks.generate(t, "eval", args.n, args.seed, tokenizer=h.tokenizer,
-                                                             **tparams.get(t, {}))] for c, ts in ctasks.items()}
-    lengths = {c: [len(tasks.chat_prompt_ids(h.tokenizer, ex)) for ex in exs] for c, exs in examples.items()}
+    examples, lengths = eval_items(h.tokenizer, ctasks, args.n, args.seed, tparams)
 
     def save():
         payload["summary"] = summarize(payload, h, variants + sweep)
@@ -254,6 +253,16 @@ def matched(meths: dict) -> dict:
     return out
 
 
+def eval_items(tokenizer, ctasks: dict, n: int, seed: int, tparams: dict) -> tuple[dict, dict]:
+    """Per consumer: its tasks' eval items (n per task) and each item's prompt length in tokens."""
+    from sgl_kvxfer import tasks
+
+    examples = {c: [ex for t in ts for ex in tasks.generate(t, "eval", n, seed, tokenizer=tokenizer,
+                                                             **tparams.get(t, {}))] for c, ts in ctasks.items()}
+    lengths = {c: [len(tasks.chat_prompt_ids(tokenizer, ex)) for ex in exs] for c, exs in examples.items()}
+    return examples, lengths
+
+
 def adaptive(p: dict, levels, bpt: list[int], lengths: dict, args) -> dict:
     """Score and modelled TTFT per link rate: each fixed level, the adaptive choice, and with
     --min-level the adaptive choice with that floor. levels: the artifacts' (R_K, R_V) levels,
@@ -307,7 +316,6 @@ def adaptive_from(args) -> str:
 
     from task_data import parse_task_params
 
-    from sgl_kvxfer import tasks
     from sgl_kvxfer.models.loader import load_tokenizer, resolve_model_path, resolve_tokenizer_path
 
     with open(args.adaptive_from) as f:
@@ -318,9 +326,7 @@ def adaptive_from(args) -> str:
     sp = src["params"]
     tok = load_tokenizer(resolve_tokenizer_path(resolve_model_path(args.producer)))
     tparams = parse_task_params(sp.get("task_param") or [])
-    lengths = {c: [len(tasks.chat_prompt_ids(tok, ex)) for t in ts
-                   for ex in tasks.generate(t, "eval", sp["n"], sp["seed"], tokenizer=tok, **tparams.get(t, {}))]
-               for c, ts in src["consumer_tasks"].items()}
+    _, lengths = eval_items(tok, src["consumer_tasks"], sp["n"], sp["seed"], tparams)
     for c, ns in lengths.items():  # the same items the eval scored, or the scores would be misaligned
         scored = len(src["results"][c]["scd"]["item_scores"])
         if scored != len(ns):
