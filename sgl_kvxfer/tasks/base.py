@@ -65,7 +65,8 @@ class Task:
     name: str = ""
     metrics: tuple[str, ...] = ("em",)
     defaults: dict = {}
-    max_answer_tokens: int = 16  # enough for every gold answer of the task
+    max_answer_tokens: int = 16  # generation cap: every gold answer of the task and its end of turn fit
+    # (test_tasks.py checks it with SmolLM2's tokenizer)
 
     def make(self, rng: random.Random, uid: str, count: TokenCounter, **params) -> Example:
         raise NotImplementedError

@@ -54,6 +54,21 @@ def test_code_pass_is_unit_tested_not_string_matched():
     assert safe_eval("f(x, 2) * 3", {"x": 4}, {"f": (("a", "b"), "a - b")}) == 6
 
 
+@pytest.mark.parametrize("task", tasks.task_names())
+def test_generation_cap_holds_every_gold_answer(task, smollm2_path):
+    """max_answer_tokens caps generation in every scorer: a gold answer longer than the cap
+    (its end of turn included) could never be produced, and the task would score a method's
+    truncation instead of its answer (code's once cut a third of its answers)."""
+    from sgl_kvxfer.models.loader import load_tokenizer
+
+    tok = load_tokenizer(smollm2_path)
+    cap = tasks.get_task(task).max_answer_tokens
+    for split in tasks.SPLITS:
+        answers = [tasks.train_ids(tok, ex) for ex in tasks.generate(task, split, 400, seed=0, tokenizer=tok)]
+        longest = max(len(ids) - n_prompt for ids, n_prompt in answers)
+        assert longest <= cap, f"{task}/{split}: a gold answer takes {longest} tokens with its end of turn, cap {cap}"
+
+
 @pytest.mark.parametrize("task,n_tokens", [("kv", 600), ("needle", 2048), ("needle", 8192)])
 def test_context_tokens_with_a_tokenizer(task, n_tokens, smollm2_path):
     from sgl_kvxfer.models.loader import load_tokenizer
