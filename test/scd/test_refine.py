@@ -37,6 +37,7 @@ def test_refine_resumes_each_aligner_where_calibration_left_it(tiny_pair, tmp_pa
     assert after.manifest.to_dict() == before.manifest.to_dict()
     cal = json.load(open(os.path.join(out, "calibration.json")))
     assert len(cal["refinements"]) == 1 and cal["refinements"][0]["wall_s"]["total"] > 0
+    assert cal["refinements"][0]["command"].startswith("python -m sgl_kvxfer.scd.calib.refine ")
     # by default the restart peaks near where the calibration's annealing ended, not at its peak
     assert cal["refinements"][0]["lr"] == pytest.approx(cal["config"]["aligner_lr"] * REFINE_LR_FRACTION)
     assert all(r["refined"] == 1 for per in cal["aligners"].values() for r in per.values())

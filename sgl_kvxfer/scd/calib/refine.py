@@ -124,7 +124,7 @@ def refine(art_dir: str, time_budget_s: float, out: str | None = None, lr: float
         # written beside, then moved in file by file: an interrupted save leaves the old artifacts whole
         tmp = tempfile.mkdtemp(prefix=".refine.", dir=os.path.dirname(os.path.abspath(dest)))
         ScdArtifacts(m, updated).save(tmp, getattr(torch, cfg.storage_dtype))
-    record.update({**stages.provenance(env.device), "time_budget_s": time_budget_s, "lr": lr,
+    record.update({**stages.provenance(env.device, "sgl_kvxfer.scd.calib.refine"), "time_budget_s": time_budget_s, "lr": lr,
                    "wall_s": {**timer.wall, "total": round(time.perf_counter() - t_start, 3)}})
     _write_report(art_dir, tmp, record)
     os.makedirs(dest, exist_ok=True)

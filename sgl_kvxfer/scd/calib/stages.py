@@ -321,7 +321,8 @@ def assemble(cfg, env: Models, reuse_all: ScdArtifacts, patch, patch_t) -> ScdAr
     return ScdArtifacts(manifest_for(cfg, env, patch), {**keep, **patch_t})
 
 
-def provenance(device: str) -> dict:
+def provenance(device: str, module: str = "sgl_kvxfer.scd.calib") -> dict:
+    """device, commit and the command line as `python -m MODULE ARGS` (the process's own module)."""
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(0)
     else:
@@ -330,4 +331,4 @@ def provenance(device: str) -> dict:
         name = f"{platform.processor() or 'cpu'} ({os.cpu_count()} cores)"
     from sgl_kvxfer.utils.provenance import source_commit
 
-    return {"device": name, "commit": source_commit(), "command": " ".join(["python -m sgl_kvxfer.scd.calib", *sys.argv[1:]])}
+    return {"device": name, "commit": source_commit(), "command": " ".join([f"python -m {module}", *sys.argv[1:]])}
