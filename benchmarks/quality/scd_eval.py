@@ -131,6 +131,8 @@ def main(argv=None) -> str:
                "manifest": {k: v for k, v in m.to_dict().items() if k not in ("producer", "consumers")},
                "models": {"producer": m.producer.to_dict(), "consumers": [c.to_dict() for c in m.consumers]},
                "consumer_tasks": ctasks, "droidspeak_layers": list(h.droid_layers),
+               # each task's generation cap: a score is only as good as the cap that produced it
+               "max_answer_tokens": {t: tasks.get_task(t).max_answer_tokens for ts in ctasks.values() for t in ts},
                "levels": [list(x) for x in m.levels], "results": {}, "drift": {}, "timings": {},
                "diagnostics": {k: v for k, v in DIAGNOSTICS.items() if args.diagnostics}}
     name = args.name or f"scd_eval_{payload['device'].split(' (')[0].replace(' ', '_')}"

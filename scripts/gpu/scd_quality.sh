@@ -23,6 +23,9 @@
 #   SELECT_PROMPTS (48): held-out items the layer selection scores; CODE_DTYPE (bfloat16): the
 #                codes' wire dtype at calibration (int8 / int4: the aligners train on the rounded
 #                codes, and the table's SCD rows send them)
+#   R_H (128), ALIGNER_HIDDEN (512), PATCH_BUDGET (6): a Patch layer's hidden-state code rank (its
+#                bytes per token: R_H x the code's width), the aligners' MLP width, and how many
+#                layers are patched (--patch-budget and --k-max)
 #   CPU rehearsal (tiny random base, the same stages at toy sizes):
 #                DEVICE=cpu OUT=<dir> bash scripts/gpu/scd_quality.sh
 #                (WORK=<dir> keeps the specialists and artifacts; then REFINE=1 with the same WORK)
@@ -68,7 +71,9 @@ if [ "$DEVICE" = cuda ]; then
   BASE=smollm2-135m
   # TRAIN_LR (5e-5): at 2e-4 each task's loss is under 0.3 within 15 steps and the specialists
   # drift so far that raw producer KV keeps under a quarter of the oracle's score; a lower rate
-  # keeps them closer to the base (the drift table of scd_eval.py measures how close)
+  # keeps their K/V closer to the base (the drift table of scd_eval.py), but at 2e-5 raw producer
+  # KV still kept about a quarter (0.232 of 0.883; sgl_kvxfer/scd/README.md, "Specialists nearer
+  # the base")
   TRAIN="--method full --steps 3000 --time-limit-s ${T_TRAIN_EACH:-100} --batch-size 32 --lr ${TRAIN_LR:-5e-5} --warmup 30 --eval-n 50 --device cuda"
   # Top level 32:64 (V at full rank: Reuse there is the ridge translator with no truncation) over
   # nested 4:12 / 8:28 / 16:48, so the sweep reaches past the point where Reuse meets raw KV
@@ -80,8 +85,8 @@ if [ "$DEVICE" = cuda ]; then
   # 8192-token steps on 1/3 more sampled tokens, the loss weighted towards the consumer's own K/V
   # (--aligner-h-weight 0.25: the K/V term is the error attention reads; the hidden-state term
   # keeps the rest of h in check); patience 40 checks (2000 steps) for the larger, less noisy steps
-  CALIB="--r-k 32 --r-v 64 --rank-levels 4:12,8:28,16:48 --r-h 128 --patch-budget 6 --k-max 6
-         --num-prefixes ${NUM_PREFIXES:-768} --batch-size 32 --select-prompts ${SELECT_PROMPTS:-48} --aligner-hidden 512 --aligner-steps 200000
+  CALIB="--r-k 32 --r-v 64 --rank-levels 4:12,8:28,16:48 --r-h ${R_H:-128} --patch-budget ${PATCH_BUDGET:-6} --k-max ${PATCH_BUDGET:-6}
+         --num-prefixes ${NUM_PREFIXES:-768} --batch-size 32 --select-prompts ${SELECT_PROMPTS:-48} --aligner-hidden ${ALIGNER_HIDDEN:-512} --aligner-steps 200000
          --aligner-joint --aligner-batch 8192 --aligner-lr ${ALIGNER_LR:-0.002} --aligner-h-weight 0.25
          --aligner-patience 40 --aligner-time-s 400 --aligner-tokens ${ALIGNER_TOKENS:-262144} --storage-dtype float16 --code-dtype ${CODE_DTYPE:-bfloat16}
          --device cuda"

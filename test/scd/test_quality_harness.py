@@ -89,6 +89,10 @@ def test_scd_eval_quick_writes_table_sweep_drift_and_adaptive(tiny_pair, tmp_pat
     path = scd_eval.main(["--artifacts", out, "--quick", "--device", "cpu", "--out-dir", str(tmp_path / "res"),
                           "--rates", "1", "100"])
     p = json.load(open(path))
+    from sgl_kvxfer import tasks
+
+    # the generation caps the scores were produced under
+    assert p["max_answer_tokens"] == {t: tasks.get_task(t).max_answer_tokens for t in ("qa", "code")}
     meths = p["summary"]["methods"]
     assert {"oracle", "base", "raw", "int8", "int4", "reuse", "droidspeak", "scd", "scd@2:2", "reuse@4:4",
             "scd-oracle-patch", "scd:int4", "scd:int4@2:2", "reuse:int8@4:4"} <= set(meths)
