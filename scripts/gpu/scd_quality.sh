@@ -23,8 +23,8 @@
 #   SELECT_PROMPTS (48): held-out items the layer selection scores; CODE_DTYPE (bfloat16): the
 #                codes' wire dtype at calibration (int8 / int4: the aligners train on the rounded
 #                codes, and the table's SCD rows send them)
-#   R_H (128), ALIGNER_HIDDEN (512), PATCH_BUDGET (6): a Patch layer's hidden-state code rank (its
-#                bytes per token: R_H x the code's width), the aligners' MLP width, and how many
+#   R_H (128), ALIGNER_HIDDEN (512), PATCH_BUDGET (6): a Patch layer's hidden-state code rank (R_H
+#                values a token at the code dtype's width), the aligners' MLP width, and how many
 #                layers are patched (--patch-budget and --k-max)
 #   CPU rehearsal (tiny random base, the same stages at toy sizes):
 #                DEVICE=cpu OUT=<dir> bash scripts/gpu/scd_quality.sh
