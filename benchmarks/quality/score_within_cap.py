@@ -4,8 +4,8 @@
 
 A scorer that generates at most CAP tokens cannot produce a gold answer longer than that (its
 end of turn included), so on those items every method scores its truncation. This regenerates
-the eval's items (the task generator, the result's `params.n` and `params.seed`, the producer's
-tokenizer: --producer, default the embedded SmolLM2's), counts each gold answer's tokens with
+the eval's items (scd_eval.eval_items with the result's `params`: n, seed and task parameters;
+the producer's tokenizer: --producer, default the embedded SmolLM2's), counts each gold answer's tokens with
 its end of turn as training does (tasks.train_ids), and averages each method's stored per-item
 scores (`results.<consumer>.<method>.item_scores`) over the items of TASK that fit in CAP.
 No models run. Items of the consumer's other tasks, if any, are left out.
@@ -19,37 +19,36 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-
-
-def fitting_mask(tokenizer, task: str, n: int, seed: int, cap: int) -> list[bool]:
-    """Per eval item of TASK (the order scd_eval scores them in): does its gold answer and end of
-    turn fit in CAP generated tokens?"""
-    from sgl_kvxfer import tasks
-
-    out = []
-    for ex in tasks.generate(task, "eval", n, seed, tokenizer=tokenizer):
-        ids, n_prompt = tasks.train_ids(tokenizer, ex)
-        out.append(len(ids) - n_prompt <= cap)
-    return out
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts", "train"))
 
 
 def rescore(result: dict, tokenizer, task: str, cap: int) -> dict:
     """{consumer: {"items": fitting count, "of": n, "methods": {method: mean score on them}}} for
     every consumer whose tasks include TASK."""
-    n, seed = result["params"]["n"], result["params"]["seed"]
-    mask = fitting_mask(tokenizer, task, n, seed, cap)
+    from scd_eval import eval_items
+    from task_data import parse_task_params
+
+    from sgl_kvxfer import tasks
+
+    sp = result["params"]
+    ctasks = {c: ts for c, ts in result["consumer_tasks"].items() if task in ts}
+    # the items the eval scored, in its order (its task parameters included)
+    examples, _ = eval_items(tokenizer, ctasks, sp["n"], sp["seed"], parse_task_params(sp.get("task_param") or []))
     out = {}
-    for consumer, ctasks in result["consumer_tasks"].items():
-        if task not in ctasks:
-            continue
-        start = ctasks.index(task) * n  # scd_eval concatenates the consumer's tasks, n items each
-        keep = [start + i for i, fits in enumerate(mask) if fits]
+    for consumer, exs in examples.items():
+        keep = []
+        for i, ex in enumerate(exs):
+            if ex.task == task:
+                ids, n_prompt = tasks.train_ids(tokenizer, ex)  # the answer and its end of turn, as trained
+                if len(ids) - n_prompt <= cap:
+                    keep.append(i)
         methods = {}
         for method, r in result["results"].get(consumer, {}).items():
             scores = r.get("item_scores")
             if scores and keep:
                 methods[method] = sum(scores[i] for i in keep) / len(keep)
-        out[consumer] = {"items": len(keep), "of": n, "methods": methods}
+        out[consumer] = {"items": len(keep), "of": sp["n"], "methods": methods}
     return out
 
 
