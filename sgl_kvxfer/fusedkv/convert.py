@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="FusedKV's start: closed-form (fusion weights, q_proj rotations and o_proj fitted to the "
                     "original's activations) or channel-lstsq (the fusion weights alone, per channel)")
     ap.add_argument("--train-scope", choices=SCOPES, default=d.train_scope,
-                    help="all: every weight trains; top: the reconstruction layers and the final norm only")
+                    help="all: every weight trains; blocks: all but the token embedding (and output head); attn: the "
+                    "attention projections and fusion weights; top: the reconstruction layers and the final norm only")
     ap.add_argument("--seq", type=_int_at_least(8, 1 << 16), default=d.seq)
     ap.add_argument("--batch", type=_int_at_least(1, 4096), default=d.batch)
     ap.add_argument("--shift-windows", action="store_true",

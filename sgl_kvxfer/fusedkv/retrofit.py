@@ -16,7 +16,9 @@ counts training work only, evaluation excluded):
              fusion weights; distill.AttentionMatcher)
     distill  the rest: KL(teacher || student) on next-token distributions + hidden_weight x the
              relative error of every layer's residual stream, AdamW over every weight
-             (train_scope "all") or the reconstruction layers and final norm only ("top"); the
+             (train_scope "all"), all but the token embedding and output head ("blocks"), the
+             attention projections and fusion weights ("attn"), or the reconstruction layers
+             and final norm only ("top"); the
              step count is planned from measured step times, linear warm-up then cosine to
              min_lr_frac; fusion weights at their own learning rate; optional regularizers
              against fitting the training windows: `anchor_decay` (a pull towards the phase's
@@ -51,7 +53,11 @@ from sgl_kvxfer.fusedkv.runctl import Progress, StopOnInterrupt, TrainClock
 from sgl_kvxfer.models.fusedkv_math import CONFIG_KEY
 
 TARGETS = {"prose": 1.03, "code": 1.05}  # PPL ratio to the teacher per domain; other domains: 1.03
-SCOPES = ("all", "top")
+# what the distill phase trains (trainable()): every weight; every weight but the token
+# embedding (tied to the output head in SmolLM2: the largest matrix, and its rows of tokens the
+# training windows hold get updates that rows of other tokens do not); the attention projections
+# and fusion weights only; the reconstruction layers and the final norm only
+SCOPES = ("all", "blocks", "attn", "top")
 SOURCES = ("search", "paper")
 INITS = ("closed_form", "channel_lstsq")
 REPLAN_STEP = 25  # the distill step count is planned after the probe steps and again here
@@ -157,13 +163,25 @@ def _lr_factor(step: int, steps: int, warmup: int, floor: float) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
 
+def _in_scope(name: str, scope: str, top: set[int]) -> bool:
+    """Whether parameter `name` of a student trains under `scope` (SCOPES)."""
+    if scope == "all":
+        return True
+    if scope == "blocks":
+        return not (name.startswith("model.embed_tokens.") or name.startswith("lm_head."))
+    if scope == "attn":
+        return ".self_attn." in name or ".kv_fusion." in name
+    if scope == "top":
+        return name == "model.norm.weight" or (name.startswith("model.layers.") and int(name.split(".")[2]) in top)
+    raise ValueError(f"train scope must be one of {SCOPES}, got {scope!r}")
+
+
 def trainable(student: LM, scope: str) -> tuple[list, list]:
-    """(matrices + norms, fusion weights) to train."""
+    """(matrices + norms, fusion weights) to train under `scope`; every other weight is frozen."""
     top = {i for i in range(student.config.num_layers) if not student.config.stores(i)}
     main, fusion = [], []
     for name, p in student.named_parameters():
-        if scope == "top" and not (name == "model.norm.weight" or
-                                   (name.startswith("model.layers.") and int(name.split(".")[2]) in top)):
+        if not _in_scope(name, scope, top):
             p.requires_grad_(False)
             continue
         p.requires_grad_(True)
