@@ -47,7 +47,8 @@ CLI_HELP = {
     "scd_wire_frac": "SCD prefill, --scd-rank auto: the highest level whose codes cross the link within this "
                      "fraction of the prefill's own time (default 0.25)",
     "scd_min_rank": "SCD prefill, --scd-rank auto: never send a level below this R_K:R_V (a level of the "
-                    "artifacts; default: the lowest level may go)",
+                    "artifacts), or auto: below the lowest level whose calibrated agreement with the consumer's "
+                    "own prefill is within one point of the top level's (default: the lowest level may go)",
     "kv_claim_timeout": "PD prefill: seconds from a request's arrival within which a decode must register for "
                         "its room, else the room ends naming the decode (default 5; at most --kv-transfer-timeout)",
     "shutdown_grace_period_secs": "on SIGTERM / Ctrl-C: seconds in-flight requests may run on before they end "
@@ -338,7 +339,7 @@ class SchedulerConfig:
     # budget scd_wire_frac x the prefill's own time)
     scd_rank: str = "top"
     scd_wire_frac: float = 0.25
-    scd_min_rank: str | None = None  # auto's floor level "R_K:R_V" (the rule weighs time only)
+    scd_min_rank: str | None = None  # auto's floor level "R_K:R_V" or "auto" (rank_policy.quality_floor)
 
     def __post_init__(self):
         if self.max_running_requests is not None and self.max_running_requests < 1:
@@ -389,8 +390,9 @@ class SchedulerConfig:
         if self.scd_rank not in ("top", "auto") and not _SCD_LEVEL.fullmatch(self.scd_rank):
             raise ValueError(f"--scd-rank must be top, auto or R_K:R_V (a level of the artifacts), got {self.scd_rank!r}")
         if self.scd_min_rank is not None:
-            if not _SCD_LEVEL.fullmatch(self.scd_min_rank):
-                raise ValueError(f"--scd-min-rank must be R_K:R_V (a level of the artifacts), got {self.scd_min_rank!r}")
+            if self.scd_min_rank != "auto" and not _SCD_LEVEL.fullmatch(self.scd_min_rank):
+                raise ValueError(f"--scd-min-rank must be auto or R_K:R_V (a level of the artifacts), "
+                                 f"got {self.scd_min_rank!r}")
             if self.scd_rank != "auto":
                 raise ValueError(f"--scd-min-rank bounds --scd-rank auto, not --scd-rank {self.scd_rank}")
         if self.scd_artifacts is None:

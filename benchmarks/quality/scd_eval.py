@@ -24,7 +24,11 @@ Adaptive codes: per eval item and link rate, TTFT = the producer's prefill + wir
 level's bytes + the level's rebuild + the consumer's first step, from batch-1 timings measured
 here (scaled by prompt length); the adaptive policy (sgl_kvxfer/scd/rank_policy.py) picks a
 level per item, each fixed policy always sends its level; with --min-level R_K:R_V also the
-policy with that floor (--scd-min-rank), as `adaptive_floor`. Writes NAME.json and NAME.png.
+policy with that floor (--scd-min-rank), as `adaptive_floor`; with artifacts whose manifest holds
+the calibration's level agreement, also the policy with `--scd-min-rank auto`'s floor
+(rank_policy.quality_floor), as `adaptive_quality`. Each adaptive row is compared with the fastest
+fixed level and the best-scoring one, and with the fastest fixed level within a point of the best
+score (`vs_fastest_within_a_point`). Writes NAME.json and NAME.png.
 
     python benchmarks/quality/scd_eval.py --adaptive-from RESULT.json --min-level 16:48 [--rates ...]
 
@@ -269,7 +273,7 @@ def adaptive(p: dict, levels, bpt: list[int], lengths: dict, args) -> dict:
     """Score and modelled TTFT per link rate: each fixed level, the adaptive choice, and with
     --min-level the adaptive choice with that floor. levels: the artifacts' (R_K, R_V) levels,
     ascending, the top last; bpt: their bytes per token."""
-    from sgl_kvxfer.scd.rank_policy import choose_level, level_index, wire_seconds
+    from sgl_kvxfer.scd.rank_policy import AGREEMENT_SLACK, choose_level, level_index, quality_floor, wire_seconds
 
     levels = [tuple(x) for x in levels]
     labels = [f"scd@{a}:{b}" for a, b in levels[:-1]] + ["scd"]
@@ -280,6 +284,11 @@ def adaptive(p: dict, levels, bpt: list[int], lengths: dict, args) -> dict:
     if not all(all(lab in r for lab in labels) for r in p["results"].values()) or not p["timings"]:
         return {**out, "skipped": "the sweep has not run every level"}
     policies = {"adaptive": 0, **({"adaptive_floor": floor} if floor is not None else {})}
+    agreement = (p.get("manifest") or {}).get("level_agreement") or []
+    if len(agreement) == len(levels):  # the calibration measured it: the --scd-min-rank auto floor
+        policies["adaptive_quality"] = quality_floor(agreement)
+        out["level_agreement"] = agreement
+        out["quality_floor"] = "{}:{}".format(*levels[policies["adaptive_quality"]])
     for rate in args.rates:
         acc = {lab: {"score": [], "ttft_ms": []} for lab in [*labels, *policies, "oracle"]}
         chosen = {name: [] for name in policies}
@@ -304,10 +313,17 @@ def adaptive(p: dict, levels, bpt: list[int], lengths: dict, args) -> dict:
                for lab, a in acc.items()}
         best_ttft = min(row[lab]["ttft_ms"] for lab in labels)
         best_score = max(row[lab]["score"] for lab in labels)
+        # the fixed level a user who knew every level's score and TTFT at this rate would pick:
+        # the fastest within a point of the best score
+        pick = min((lab for lab in labels if row[lab]["score"] >= best_score - AGREEMENT_SLACK),
+                   key=lambda lab: row[lab]["ttft_ms"])
         for name, picks in chosen.items():
             row[name]["level_counts"] = {labels[k]: picks.count(k) for k in sorted(set(picks))}
             row[name]["ttft_vs_best_fixed"] = row[name]["ttft_ms"] / best_ttft
             row[name]["score_minus_best_fixed"] = row[name]["score"] - best_score
+            row[name]["vs_fastest_within_a_point"] = {
+                "level": pick, "ttft_ratio": row[name]["ttft_ms"] / row[pick]["ttft_ms"],
+                "score_minus": row[name]["score"] - row[pick]["score"]}
         out["rates"][f"{rate:g}"] = row
     return out
 

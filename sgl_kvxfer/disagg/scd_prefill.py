@@ -144,7 +144,8 @@ class ScdPrefillRole(PrefillRole):
         self.layouts = [CodeLayout.from_manifest(self.manifest, lv) for lv in self.levels]
         try:
             self.chooser = LevelChooser(self.levels, [lay.bytes_per_token for lay in self.layouts],
-                                        settings.scd_rank, settings.scd_wire_frac, settings.scd_min_rank)
+                                        settings.scd_rank, settings.scd_wire_frac, settings.scd_min_rank,
+                                        self.manifest.level_agreement)
         except ValueError as e:
             raise ScdSetupError(f"--scd-artifacts {settings.scd_artifacts}: {e}") from e
         self.patch_layers = frozenset(self.manifest.patch_layers)

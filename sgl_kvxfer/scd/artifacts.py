@@ -87,6 +87,10 @@ class ScdManifest:
     version: int = VERSION
     # lower nested (r_k, r_v) levels a producer may send instead of the top (r_k, r_v); ascending
     rank_levels: tuple[tuple[int, int], ...] = ()
+    # per level of `levels` (ascending, the top last): the calibration's held-out share of
+    # continuation tokens whose argmax matches the consumer's own prefill (mean over consumers;
+    # calib/stages.level_agreement); () when not measured. `--scd-min-rank auto` reads it
+    level_agreement: tuple[float, ...] = ()
 
     def __post_init__(self):
         names = [c.name for c in self.consumers]
@@ -113,6 +117,9 @@ class ScdManifest:
                 raise ValueError(f"rank_levels {self.rank_levels}: ascending (r_k, r_v) pairs below "
                                  f"({self.r_k}, {self.r_v}), each rank at most the next one's")
             prev = (a, b)
+        if self.level_agreement and (len(self.level_agreement) != len(self.levels)
+                                     or not all(0.0 <= a <= 1.0 for a in self.level_agreement)):
+            raise ValueError(f"level_agreement {self.level_agreement}: one share in [0, 1] per level of {self.levels}")
         if self.version != VERSION:
             raise ValueError(f"artifacts version {self.version}, this code reads version {VERSION}")
 
@@ -190,6 +197,7 @@ class ScdManifest:
         for key in ("reuse_layers", "patch_layers"):
             d[key] = tuple(int(x) for x in d[key])
         d["rank_levels"] = tuple((int(a), int(b)) for a, b in d.get("rank_levels", ()))
+        d["level_agreement"] = tuple(float(a) for a in d.get("level_agreement", ()))
         return cls(**d)
 
 
@@ -228,8 +236,14 @@ class ScdArtifacts:
         for side, tensors in groups.items():
             fname = PRODUCER_FILE if side == "producer" else consumer_file(side)
             save_file(tensors, os.path.join(out_dir, fname), metadata={"scd_version": str(VERSION)})
-        with open(os.path.join(out_dir, MANIFEST), "w") as f:
+        self.save_manifest(out_dir)
+
+    def save_manifest(self, out_dir: str) -> None:
+        """manifest.json alone (written through a temporary file: a reader never sees half of it)."""
+        path = os.path.join(out_dir, MANIFEST)
+        with open(path + ".tmp", "w") as f:
             json.dump(self.manifest.to_dict(), f, indent=2)
+        os.replace(path + ".tmp", path)
 
     @classmethod
     def load(cls, art_dir: str, producer: bool = True, consumers: list[str] | None = None,

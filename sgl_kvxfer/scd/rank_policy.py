@@ -8,13 +8,30 @@ most `wire_frac` of the producer's own prefill time for it,
 
 (the lowest level when none fits; the top level when the link rate or the prefill time is
 unknown), never below a floor level (`--scd-min-rank`) when one is set: the rule weighs time
-only, and on a slow link it would otherwise send codes too coarse to answer from. SCD pays off when the consumer's wait for codes is small next to the prefill it
+only, and on a slow link it would otherwise send codes too coarse to answer from. The floor
+`auto` is the lowest level whose calibrated agreement with the consumer's own prefill
+(manifest.level_agreement) is within AGREEMENT_SLACK of the top level's (`quality_floor`). SCD pays off when the consumer's wait for codes is small next to the prefill it
 skips; `wire_frac` bounds that wait, and a faster link buys a higher rank at the same bound.
 """
 from __future__ import annotations
 
 import math
 from typing import Sequence
+
+
+# `--scd-min-rank auto`: a level is good enough when its calibrated agreement is at most this far
+# (a share of tokens: one point) below the top level's
+AGREEMENT_SLACK = 0.01
+
+
+def quality_floor(level_agreement: Sequence[float], slack: float = AGREEMENT_SLACK) -> int:
+    """The lowest level index whose agreement is >= the top level's less `slack`."""
+    if not level_agreement:
+        raise ValueError("--scd-min-rank auto needs the artifacts' level_agreement, which these lack "
+                         "(calibrated before it was measured): re-run python -m sgl_kvxfer.scd.calib, "
+                         "or give the floor as R_K:R_V")
+    top = level_agreement[-1]
+    return next(i for i, a in enumerate(level_agreement) if a >= top - slack)
 
 
 def choose_level(bytes_per_token: Sequence[int], tokens: int, link_gbps: float | None, prefill_s: float | None,
@@ -50,11 +67,12 @@ def wire_seconds(bytes_per_token: int, tokens: int, link_gbps: float) -> float:
 class LevelChooser:
     """A producer's per-request level: fixed (`rank` "top" or "R_K:R_V") or "auto" (choose_level
     with the link rate it is told, else the one it measured, and its measured prefill speed; never
-    below `min_rank` "R_K:R_V" when given). Plain Python, no locks: the prefill role calls it
-    from the scheduler thread only."""
+    below `min_rank` "R_K:R_V" when given, or below quality_floor(level_agreement) with
+    `min_rank` "auto"). Plain Python, no locks: the prefill role calls it from the scheduler
+    thread only."""
 
     def __init__(self, levels: Sequence[tuple[int, int]], bytes_per_token: Sequence[int], rank: str, wire_frac: float,
-                 min_rank: str | None = None):
+                 min_rank: str | None = None, level_agreement: Sequence[float] = ()):
         self.levels, self.bytes_per_token, self.rank, self.wire_frac = tuple(levels), list(bytes_per_token), rank, wire_frac
         self.fixed: int | None = None
         if rank == "top":
@@ -63,7 +81,12 @@ class LevelChooser:
             self.fixed = level_index(self.levels, rank)
         if min_rank is not None and rank != "auto":
             raise ValueError(f"--scd-min-rank bounds --scd-rank auto, not --scd-rank {rank}")
-        self.floor = 0 if min_rank is None else level_index(self.levels, min_rank, "--scd-min-rank")
+        if min_rank is None:
+            self.floor = 0
+        elif min_rank == "auto":
+            self.floor = quality_floor(level_agreement)
+        else:
+            self.floor = level_index(self.levels, min_rank, "--scd-min-rank")
         self.link_gbps: float | None = None  # measured write rate, moving average
         self.prefill_tps: float | None = None  # prompt tokens per second, moving average
         self.counts = [0] * len(self.levels)

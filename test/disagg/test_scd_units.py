@@ -166,7 +166,8 @@ def test_scd_flags_are_validated(tiny):
         SchedulerConfig(disaggregation_mode="decode", scd_artifacts=tiny.arts["a"], scd_rank="auto")
     with pytest.raises(ValueError, match="need --scd-artifacts"):
         SchedulerConfig(disaggregation_mode="prefill", scd_rank="auto")
-    SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_rank="auto", scd_min_rank="4:12")
+    for floor in ("4:12", "auto"):
+        SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_rank="auto", scd_min_rank=floor)
     for bad in ("4", "0:3", "top", ""):
         with pytest.raises(ValueError, match="--scd-min-rank must be"):
             SchedulerConfig(disaggregation_mode="prefill", scd_artifacts=tiny.arts["a"], scd_rank="auto",
@@ -301,6 +302,25 @@ def test_level_chooser():
         LevelChooser(levels, bpt, "auto", 0.25, min_rank="3:3")
     with pytest.raises(ValueError, match="bounds --scd-rank auto"):
         LevelChooser(levels, bpt, "top", 0.25, min_rank="4:4")
+    # the quality floor: the lowest level within one point of the top level's calibrated agreement
+    for agreement, floor in (((0.50, 0.90, 0.91), 1), ((0.50, 0.89, 0.91), 2), ((0.905, 0.90, 0.91), 0),
+                             ((0.2, 0.95, 0.93), 1)):
+        q = LevelChooser(levels, bpt, "auto", 0.25, min_rank="auto", level_agreement=agreement)
+        q.observe_prefill(1000, 0.01)
+        assert q.floor == floor and q.choose(1000, paced_gbps=1.0) == floor, agreement
+        assert q.info()["min_level"] == "{}:{}".format(*levels[floor])
+    with pytest.raises(ValueError, match="level_agreement"):
+        LevelChooser(levels, bpt, "auto", 0.25, min_rank="auto")
+
+
+def test_quality_floor_slack():
+    from sgl_kvxfer.scd.rank_policy import AGREEMENT_SLACK, quality_floor
+
+    assert AGREEMENT_SLACK == 0.01
+    assert quality_floor([0.1, 0.5, 0.9]) == 2
+    assert quality_floor([0.1, 0.5, 0.9], slack=0.4) == 1
+    assert quality_floor([0.1, 0.5, 0.9], slack=1.0) == 0
+    assert quality_floor([0.7]) == 0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

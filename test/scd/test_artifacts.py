@@ -57,6 +57,30 @@ def test_manifest_validation(tiny_pair):
     assert [e[:2] for e in m.code_layout()[:3]] == [(0, "h"), (1, "k"), (1, "v")]
 
 
+def test_level_agreement_is_one_share_per_level_and_optional(tiny_pair, tmp_path):
+    from sgl_kvxfer.scd.artifacts import ScdManifest
+
+    arch = ModelArchConfig.from_dir(tiny_pair["producer"])
+    art = make_random_artifacts(arch, 1, r_k=4, r_v=4, r_h=8, patch_layers=[0], seed=0, rank_levels=[(2, 2)])
+    m = art.manifest
+    assert m.level_agreement == () and len(m.levels) == 2
+    for bad in ((0.5,), (0.5, 0.6, 0.7), (0.5, 1.5), (-0.1, 0.5)):
+        with pytest.raises(ValueError, match="level_agreement"):
+            dataclasses.replace(m, level_agreement=bad)
+    art.manifest = dataclasses.replace(m, level_agreement=(0.25, 0.75))
+    art.save(str(tmp_path))
+    assert ScdArtifacts.load(str(tmp_path)).manifest.level_agreement == (0.25, 0.75)
+    # a manifest written without the field (older artifacts) still loads, without it
+    d = m.to_dict()
+    del d["level_agreement"]
+    assert ScdManifest.from_dict(d).level_agreement == ()
+    # save_manifest rewrites the manifest alone
+    art.manifest = dataclasses.replace(m, level_agreement=(0.5, 0.5))
+    art.save_manifest(str(tmp_path))
+    assert ScdArtifacts.load(str(tmp_path)).manifest.level_agreement == (0.5, 0.5)
+    assert not os.path.exists(os.path.join(str(tmp_path), "manifest.json.tmp"))
+
+
 def test_runtime_imports_no_offline_tooling():
     """The serving runtime (server, scheduler, disagg, the SCD codec) never imports calibration,
     the task suite or training code."""

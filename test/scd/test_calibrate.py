@@ -4,6 +4,7 @@ import json
 import os
 import random
 
+import pytest
 import torch
 
 from sgl_kvxfer.models.loader import load_model
@@ -42,6 +43,11 @@ def test_calibrate_tiny_pair_end_to_end(tiny_pair, tmp_path):
     for f in ("manifest.json", "producer.safetensors", "consumer_a.safetensors", "consumer_b.safetensors",
               "calibration.json", "reuse_stats.safetensors"):
         assert os.path.isfile(os.path.join(out, f)), f
+    # level agreement, measured after the save and written into the manifest
+    la = report["level_agreement"]
+    assert la["levels"] == [[8, 8]] and len(la["agreement"]) == 1 and 0 <= la["agreement"][0] <= 1
+    assert la["tokens"] > 0 and set(la["per_consumer"]) == {"a", "b"}
+    assert ScdArtifacts.load(out).manifest.level_agreement == tuple(la["agreement"])
     # The fits are real: the reuse error grows with depth as the perturbation compounds, and is < 1.
     errs = report["reuse_fit_rel_err"]["b"]["k_rel_err"]
     assert 0 < errs[0] < errs[-1] < 1
@@ -212,3 +218,26 @@ def test_joint_aligners_and_int4_codes(tiny_pair, tmp_path):
                 ["--aligner-h-weight", "nan"]):
         with pytest.raises(ValueError):
             parse_args(["--consumer", "a=x", *bad])
+
+
+def test_level_agreement_per_nested_level(tiny_pair, tmp_path):
+    """With nested levels the calibration measures each level's agreement with the consumers' own
+    prefill on the held-out selection items; the manifest carries the consumer mean per level, and
+    `--scd-min-rank auto` on a producer floors at the lowest level within a point of the top."""
+    from sgl_kvxfer.scd.rank_policy import LevelChooser, quality_floor
+
+    out = str(tmp_path / "art")
+    report = calibrate(parse_args(_tiny_args(tiny_pair, tmp_path, out, "--patch-budget", "1",
+                                             "--rank-levels", "1:1,4:4")))
+    la = report["level_agreement"]
+    assert la["levels"] == [[1, 1], [4, 4], [8, 8]]
+    for i, lv in enumerate(la["levels"]):
+        per = [la["per_consumer"][n]["{}:{}".format(*lv)]["agreement"] for n in ("a", "b")]
+        assert la["agreement"][i] == pytest.approx(sum(per) / 2, abs=1e-6)
+    # rank 1 of 8 loses agreement the top level keeps (log-probs of random text say nothing here)
+    assert la["agreement"][0] < la["agreement"][-1] and len(la["logprob"]) == 3
+    m = ScdArtifacts.load(out).manifest
+    assert m.level_agreement == tuple(la["agreement"])
+    chooser = LevelChooser(m.levels, [m.bytes_per_token_at(lv) for lv in m.levels], "auto", 0.25, "auto",
+                           m.level_agreement)
+    assert chooser.floor == quality_floor(m.level_agreement) >= 1

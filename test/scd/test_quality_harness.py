@@ -125,6 +125,22 @@ def test_scd_eval_quick_writes_table_sweep_drift_and_adaptive(tiny_pair, tmp_pat
         assert (got["score"], got["ttft_ms"]) == pytest.approx((want["score"], want["ttft_ms"])), rate
         assert set(again["rates"][rate]["adaptive_floor"]["level_counts"]) <= {"scd@4:4", "scd"}, rate
     assert again["min_level"] == "4:4"
+    # the calibration measured each level's agreement: the policy with --scd-min-rank auto's floor
+    # is modelled too, and never sends a level below that floor
+    from sgl_kvxfer.scd.rank_policy import quality_floor
+
+    agreement = p["manifest"]["level_agreement"]
+    assert len(agreement) == 3 and p["adaptive"]["level_agreement"] == agreement
+    floor = quality_floor(agreement)
+    labels = ["scd@2:2", "scd@4:4", "scd"]
+    assert p["adaptive"]["quality_floor"] == ["2:2", "4:4", "8:8"][floor]
+    for rate, row in p["adaptive"]["rates"].items():
+        assert set(row["adaptive_quality"]["level_counts"]) <= set(labels[floor:]), rate
+        vs = row["adaptive_quality"]["vs_fastest_within_a_point"]
+        best = max(row[lab]["score"] for lab in labels)
+        assert row[vs["level"]]["score"] >= best - 0.01, rate
+        assert all(row[lab]["ttft_ms"] >= row[vs["level"]]["ttft_ms"] for lab in labels
+                   if row[lab]["score"] >= best - 0.01), rate
 
 
 @pytest.mark.slow

@@ -35,6 +35,9 @@ def test_refine_resumes_each_aligner_where_calibration_left_it(tiny_pair, tmp_pa
         if "/a_" not in k:
             assert torch.equal(after.tensors[k], t), k
     assert after.manifest.to_dict() == before.manifest.to_dict()
+    # the level agreement is measured again with the refined (here unchanged) aligners
+    assert before.manifest.level_agreement and record["level_agreement"]["agreement"] == list(
+        after.manifest.level_agreement)
     cal = json.load(open(os.path.join(out, "calibration.json")))
     assert len(cal["refinements"]) == 1 and cal["refinements"][0]["wall_s"]["total"] > 0
     assert cal["refinements"][0]["command"].startswith("python -m sgl_kvxfer.scd.calib.refine ")

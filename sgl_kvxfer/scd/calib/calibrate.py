@@ -22,7 +22,10 @@ A consumer is NAME=PATH: a model dir, or a peft LoRA adapter dir merged onto --c
               greedy order; each layer's turn (fit and training) at most --aligner-time-s. With
               --aligner-joint every layer's H fit comes first, then all aligners of all layers
               train in one stacked pass over the time left (at most --aligner-time-s)
-  save        manifest.json, producer.safetensors, consumer_<name>.safetensors, calibration.json
+  save        manifest.json, producer.safetensors, consumer_<name>.safetensors
+  level_agreement  per nested level, on the held-out selection items with the saved artifacts: the
+              share of continuation tokens whose argmax matches each consumer's own prefill
+              (manifest.json's level_agreement, for --scd-min-rank auto); then calibration.json
 
 --time-budget-s bounds the whole process (from its start, imports included; a call of calibrate()
 from its call) so the artifacts
@@ -39,12 +42,13 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from sgl_kvxfer.scd.artifacts import WIRE_DTYPES
+from sgl_kvxfer.scd.artifacts import WIRE_DTYPES, ScdArtifacts
 from sgl_kvxfer.scd.calib import stages
 from sgl_kvxfer.scd.calib.budget import Budget, process_start
 
@@ -190,6 +194,16 @@ def calibrate(cfg: CalibConfig, started: float | None = None) -> dict:
 
             save_file({k: v.cpu().contiguous() for k, v in moments.state().items()},
                       os.path.join(cfg.out, "reuse_stats.safetensors"))
+    # after the artifacts are on disk, so an interrupt here loses only this measurement
+    agreement = None
+    try:
+        with timer("level_agreement"):  # the artifacts as saved (their stored dtype): what serves
+            agreement = stages.level_agreement(env, ScdArtifacts.load(cfg.out), sel_chunks)
+        art.manifest = dataclasses.replace(art.manifest, level_agreement=tuple(agreement["agreement"]))
+        art.save_manifest(cfg.out)
+    except KeyboardInterrupt:
+        warnings.warn("interrupted while measuring level agreement: the artifacts are saved without it "
+                      "(--scd-min-rank auto will refuse them)")
     m = art.manifest
     report = {
         **stages.provenance(env.device),
@@ -205,6 +219,7 @@ def calibrate(cfg: CalibConfig, started: float | None = None) -> dict:
         "time_budget": {"total_s": cfg.time_budget_s, "save_reserve_s": budget.reserve_s,
                         "left_before_save_s": None if left_at_save is None else round(left_at_save + budget.reserve_s, 3)},
         "droidspeak_restore_one": {str(k): v for k, v in droid.items()},
+        "level_agreement": agreement,
         "reuse_fit_rel_err": fit_report, "heldout_kv_rel_err": heldout, "aligners": aligner_report,
         "bytes_per_token": {"scd": m.bytes_per_token, "raw_bf16": m.raw_kv_bytes_per_token(2)},
         "artifact_bytes": {f: os.path.getsize(os.path.join(cfg.out, f)) for f in sorted(os.listdir(cfg.out))

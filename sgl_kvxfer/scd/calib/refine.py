@@ -88,7 +88,7 @@ def refine(art_dir: str, time_budget_s: float, out: str | None = None, lr: float
     if tuple(names) != tuple(m.consumer_names):
         raise ValueError(f"calibration.json names consumers {names}, the manifest {list(m.consumer_names)}")
     with timer("data"):
-        fit_chunks, _ = stages.calib_chunks(cfg, env.tokenizer)
+        fit_chunks, sel_chunks = stages.calib_chunks(cfg, env.tokenizer)
     with timer("collect_h"):
         _, samples = stages.collect_h(cfg, env, fit_chunks, patch)
     # one stacked pass over every (layer, consumer) for a joint calibration, else layer by layer
@@ -124,6 +124,12 @@ def refine(art_dir: str, time_budget_s: float, out: str | None = None, lr: float
         # written beside, then moved in file by file: an interrupted save leaves the old artifacts whole
         tmp = tempfile.mkdtemp(prefix=".refine.", dir=os.path.dirname(os.path.abspath(dest)))
         ScdArtifacts(m, updated).save(tmp, getattr(torch, cfg.storage_dtype))
+    if m.level_agreement:  # measured with the old aligners: measure it again with the saved new ones
+        with timer("level_agreement"):
+            saved = ScdArtifacts.load(tmp)
+            record["level_agreement"] = stages.level_agreement(env, saved, sel_chunks)
+            saved.manifest = dataclasses.replace(m, level_agreement=tuple(record["level_agreement"]["agreement"]))
+            saved.save_manifest(tmp)
     record.update({**stages.provenance(env.device, "sgl_kvxfer.scd.calib.refine"), "time_budget_s": time_budget_s, "lr": lr,
                    "wall_s": {**timer.wall, "total": round(time.perf_counter() - t_start, 3)}})
     _write_report(art_dir, tmp, record)
@@ -146,6 +152,8 @@ def _write_report(art_dir: str, dest: str, record: dict) -> None:
     with open(os.path.join(art_dir, "calibration.json")) as f:
         report = json.load(f)
     report.setdefault("refinements", []).append(record)
+    if "level_agreement" in record:  # the manifest's, with the refined aligners
+        report["level_agreement"] = record["level_agreement"]
     for name, per in record["aligners"].items():  # the aligners' current state, with the earlier fields
         for layer, rep in per.items():
             old = report.get("aligners", {}).get(name, {}).get(layer, {})

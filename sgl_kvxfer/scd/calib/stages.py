@@ -321,6 +321,40 @@ def assemble(cfg, env: Models, reuse_all: ScdArtifacts, patch, patch_t) -> ScdAr
     return ScdArtifacts(manifest_for(cfg, env, patch), {**keep, **patch_t})
 
 
+def level_agreement(env: Models, art: ScdArtifacts, pairs) -> dict:
+    """How near each level's codes bring a consumer to its own prefill, on the held-out selection
+    items with the final artifacts (Reuse at the level, Patch through the trained aligners): per
+    level (ascending, the top last) the share of continuation tokens whose teacher-forced argmax
+    equals the oracle's (the consumer over its own K/V), mean over consumers; and the mean
+    log-prob of the true continuation. The producer's `--scd-min-rank auto` floor reads the
+    agreement (rank_policy.quality_floor)."""
+    m = art.manifest
+    ids, pos, valid, cont, mask, start = selection_batch(pairs, env.device)
+    state = methods.producer_state(env.producer, ids, pos, valid, h_layers=m.patch_layers)
+    enc = ScdEncoder(art, env.device)
+    agree = {lv: [] for lv in m.levels}
+    logprob = {lv: [] for lv in m.levels}
+    per_consumer = {}
+    for name, runner in env.consumers.items():
+        oracle, _ = runner.prefill_cache(ids, pos, valid)
+        lp_o, tgt = methods.continuation_logprob(runner, oracle, cont, start)
+        want = lp_o.argmax(-1)[mask]
+        dec = ScdDecoder(art, name, env.device)
+        rows = per_consumer[name] = {"oracle_logprob": round(float(lp_o.gather(-1, tgt[..., None])[..., 0][mask].mean()), 6)}
+        for lv in m.levels:
+            cache = methods.scd_cache(state, enc, dec, env.projections[name], runner.dtype, level=lv)
+            lp, _ = methods.continuation_logprob(runner, cache, cont, start)
+            a = float((lp.argmax(-1)[mask] == want).float().mean())
+            f = float(lp.gather(-1, tgt[..., None])[..., 0][mask].mean())
+            rows[f"{lv[0]}:{lv[1]}"] = {"agreement": round(a, 6), "logprob": round(f, 6)}
+            agree[lv].append(a)
+            logprob[lv].append(f)
+    return {"levels": [list(lv) for lv in m.levels],
+            "agreement": [round(sum(agree[lv]) / len(agree[lv]), 6) for lv in m.levels],
+            "logprob": [round(sum(logprob[lv]) / len(logprob[lv]), 6) for lv in m.levels],
+            "tokens": int(mask.sum()), "per_consumer": per_consumer}
+
+
 def provenance(device: str, module: str = "sgl_kvxfer.scd.calib") -> dict:
     """device, commit and the command line as `python -m MODULE ARGS` (the process's own module)."""
     if device.startswith("cuda"):
