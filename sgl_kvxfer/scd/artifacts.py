@@ -87,9 +87,10 @@ class ScdManifest:
     version: int = VERSION
     # lower nested (r_k, r_v) levels a producer may send instead of the top (r_k, r_v); ascending
     rank_levels: tuple[tuple[int, int], ...] = ()
-    # per level of `levels` (ascending, the top last): the calibration's held-out share of
-    # continuation tokens whose argmax matches the consumer's own prefill (mean over consumers;
-    # calib/stages.level_agreement); () when not measured. `--scd-min-rank auto` reads it
+    # per level of `levels` (ascending, the top last): the calibration's held-out share of items
+    # whose teacher-forced continuation argmax matches the consumer's own prefill at every token
+    # (mean over consumers; calib/stages.level_agreement); () when not measured.
+    # `--scd-min-rank auto` reads it
     level_agreement: tuple[float, ...] = ()
 
     def __post_init__(self):

@@ -234,8 +234,12 @@ def test_level_agreement_per_nested_level(tiny_pair, tmp_path):
     for i, lv in enumerate(la["levels"]):
         per = [la["per_consumer"][n]["{}:{}".format(*lv)]["agreement"] for n in ("a", "b")]
         assert la["agreement"][i] == pytest.approx(sum(per) / 2, abs=1e-6)
-    # rank 1 of 8 loses agreement the top level keeps (log-probs of random text say nothing here)
-    assert la["agreement"][0] < la["agreement"][-1] and len(la["logprob"]) == 3
+    # rank 1 of 8 loses agreement the top level keeps (log-probs of random text say nothing here);
+    # a whole item agrees less often than its tokens do
+    assert la["token_agreement"][0] < la["token_agreement"][-1] and len(la["logprob"]) == 3
+    assert la["agreement"][0] <= la["agreement"][-1]
+    assert all(a <= t for a, t in zip(la["agreement"], la["token_agreement"]))
+    assert la["items"] == 4
     m = ScdArtifacts.load(out).manifest
     assert m.level_agreement == tuple(la["agreement"])
     chooser = LevelChooser(m.levels, [m.bytes_per_token_at(lv) for lv in m.levels], "auto", 0.25, "auto",

@@ -24,8 +24,9 @@ A consumer is NAME=PATH: a model dir, or a peft LoRA adapter dir merged onto --c
               train in one stacked pass over the time left (at most --aligner-time-s)
   save        manifest.json, producer.safetensors, consumer_<name>.safetensors
   level_agreement  per nested level, on the held-out selection items with the saved artifacts: the
-              share of continuation tokens whose argmax matches each consumer's own prefill
-              (manifest.json's level_agreement, for --scd-min-rank auto); then calibration.json
+              share of items whose argmax matches each consumer's own prefill at every
+              continuation token (manifest.json's level_agreement, for --scd-min-rank auto);
+              then calibration.json
 
 --time-budget-s bounds the whole process (from its start, imports included; a call of calibrate()
 from its call) so the artifacts

@@ -323,36 +323,39 @@ def assemble(cfg, env: Models, reuse_all: ScdArtifacts, patch, patch_t) -> ScdAr
 
 def level_agreement(env: Models, art: ScdArtifacts, pairs) -> dict:
     """How near each level's codes bring a consumer to its own prefill, on the held-out selection
-    items with the final artifacts (Reuse at the level, Patch through the trained aligners): per
-    level (ascending, the top last) the share of continuation tokens whose teacher-forced argmax
-    equals the oracle's (the consumer over its own K/V), mean over consumers; and the mean
-    log-prob of the true continuation. The producer's `--scd-min-rank auto` floor reads the
-    agreement (rank_policy.quality_floor)."""
+    items with the given artifacts (Reuse at the level, Patch through the trained aligners): per
+    level (ascending, the top last), the share of items whose teacher-forced argmax equals the
+    oracle's (the consumer over its own K/V) at every continuation token: an exact-match proxy
+    (`agreement`, which the producer's `--scd-min-rank auto` floor reads,
+    rank_policy.quality_floor); the same per token (`token_agreement`: a per-token share hides
+    how answers fail as a whole), and the mean log-prob of the true continuation; means over
+    consumers."""
     m = art.manifest
     ids, pos, valid, cont, mask, start = selection_batch(pairs, env.device)
     state = methods.producer_state(env.producer, ids, pos, valid, h_layers=m.patch_layers)
     enc = ScdEncoder(art, env.device)
-    agree = {lv: [] for lv in m.levels}
-    logprob = {lv: [] for lv in m.levels}
+    keys = ("agreement", "token_agreement", "logprob")
+    sums = {k: [0.0] * len(m.levels) for k in keys}
     per_consumer = {}
     for name, runner in env.consumers.items():
         oracle, _ = runner.prefill_cache(ids, pos, valid)
         lp_o, tgt = methods.continuation_logprob(runner, oracle, cont, start)
-        want = lp_o.argmax(-1)[mask]
+        want = lp_o.argmax(-1)
         dec = ScdDecoder(art, name, env.device)
         rows = per_consumer[name] = {"oracle_logprob": round(float(lp_o.gather(-1, tgt[..., None])[..., 0][mask].mean()), 6)}
-        for lv in m.levels:
+        for i, lv in enumerate(m.levels):
             cache = methods.scd_cache(state, enc, dec, env.projections[name], runner.dtype, level=lv)
             lp, _ = methods.continuation_logprob(runner, cache, cont, start)
-            a = float((lp.argmax(-1)[mask] == want).float().mean())
-            f = float(lp.gather(-1, tgt[..., None])[..., 0][mask].mean())
-            rows[f"{lv[0]}:{lv[1]}"] = {"agreement": round(a, 6), "logprob": round(f, 6)}
-            agree[lv].append(a)
-            logprob[lv].append(f)
-    return {"levels": [list(lv) for lv in m.levels],
-            "agreement": [round(sum(agree[lv]) / len(agree[lv]), 6) for lv in m.levels],
-            "logprob": [round(sum(logprob[lv]) / len(logprob[lv]), 6) for lv in m.levels],
-            "tokens": int(mask.sum()), "per_consumer": per_consumer}
+            same = (lp.argmax(-1) == want) | ~mask  # unscored positions count as agreeing
+            vals = {"agreement": float(same.all(-1).float().mean()),
+                    "token_agreement": float(same[mask].float().mean()),
+                    "logprob": float(lp.gather(-1, tgt[..., None])[..., 0][mask].mean())}
+            rows["{}:{}".format(*lv)] = {k: round(v, 6) for k, v in vals.items()}
+            for k in keys:
+                sums[k][i] += vals[k]
+    n = len(env.consumers)
+    return {"levels": [list(lv) for lv in m.levels], **{k: [round(v / n, 6) for v in sums[k]] for k in keys},
+            "items": len(pairs), "tokens": int(mask.sum()), "per_consumer": per_consumer}
 
 
 def provenance(device: str, module: str = "sgl_kvxfer.scd.calib") -> dict:
