@@ -107,3 +107,27 @@ def test_retrofit_runs_with_both(tiny_model, text_data):
     _, rep = run_retrofit(tiny_model, Tokenized(text_data, tiny_model), cfg, "cpu", progress=False)
     assert rep["config"]["anchor_decay"] == 10.0 and rep["config"]["ema"] == 0.99
     assert rep["distill_steps"] >= 1 and rep["curve"][-1]["phase"] == "final"
+
+
+def test_retrofit_leaves_the_teacher_bit_equal(tiny_model, text_data, monkeypatch):
+    """The converted model is compared with the original as loaded: no step of the retrofit (init,
+    local phase, distillation with both regularizers) may write into the teacher's weights."""
+    from sgl_kvxfer.fusedkv import retrofit
+    from sgl_kvxfer.fusedkv.data import Tokenized
+
+    seen = {}
+    load = retrofit.load_lm
+
+    def spy(*a, **k):
+        t = load(*a, **k)
+        seen["teacher"], seen["weights"] = t, {n: p.detach().clone() for n, p in t.state_dict().items()}
+        return t
+
+    monkeypatch.setattr(retrofit, "load_lm", spy)
+    cfg = RetrofitConfig(budget_s=3.0, seq=16, batch=2, eval_windows=2, calib_windows=4, eval_points=2,
+                         local_frac=0.2, anchor_decay=1.0, ema=0.9, shift_windows=True)
+    _, rep = retrofit.run_retrofit(tiny_model, Tokenized(text_data, tiny_model), cfg, "cpu", progress=False)
+    assert rep["distill_steps"] >= 1 and rep["local_steps"] >= 1
+    after = seen["teacher"].state_dict()
+    assert set(after) == set(seen["weights"])
+    assert all(torch.equal(after[n], w) for n, w in seen["weights"].items())
