@@ -141,6 +141,20 @@ def test_scd_eval_quick_writes_table_sweep_drift_and_adaptive(tiny_pair, tmp_pat
         assert row[vs["level"]]["score"] >= best - 0.01, rate
         assert all(row[lab]["ttft_ms"] >= row[vs["level"]]["ttft_ms"] for lab in labels
                    if row[lab]["score"] >= best - 0.01), rate
+    # whatever this tiny calibration measured: with agreement only the top level keeps, the
+    # modelled policy sends the top level at every rate, where the rule alone (a wire budget too
+    # small for any level) sends the lowest
+    src = json.load(open(path))
+    src["manifest"]["level_agreement"] = [0.1, 0.5, 0.9]
+    forced = tmp_path / "forced.json"
+    forced.write_text(json.dumps(src))
+    top_only = json.load(open(scd_eval.main(["--adaptive-from", str(forced), "--rates", "1", "100",
+                                             "--wire-frac", "1e-9", "--out-dir", str(tmp_path / "res3")])))
+    top_only = top_only["adaptive"]
+    assert top_only["quality_floor"] == "8:8"
+    for rate, row in top_only["rates"].items():
+        assert row["adaptive_quality"]["level_counts"] == {"scd": 6}, rate
+        assert row["adaptive"]["level_counts"] == {"scd@2:2": 6}, rate
 
 
 @pytest.mark.slow
