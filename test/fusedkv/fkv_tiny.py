@@ -49,3 +49,23 @@ def jsonl_dir(path, docs: int = 6, words: int = 120) -> str:
                     f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(words))}) + "\n")
     return str(path)
 
+
+
+def teacher_student_pair(noise: float):
+    """(teacher, student) of a 4-layer LM for distillation-step tests: the student is the
+    teacher's FusedKV retrofit (sources 0 and 1) with every weight moved by noise x N(0, 1), so
+    the loss and every gradient are non-zero; the noise comes from the torch RNG as the caller seeded it."""
+    import torch
+
+    from sgl_kvxfer.fusedkv.retrofit import RetrofitConfig, student_from
+
+    c = LMConfig(vocab_size=64, hidden_size=16, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=8,
+                 intermediate_size=24)
+    teacher = LM(c)
+    teacher.init_weights(seed=1, std=0.2)
+    teacher.requires_grad_(False)
+    student = student_from(teacher, RetrofitConfig(variant="fusedkv"), (0, 1))
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(noise * torch.randn_like(p))
+    return teacher, student

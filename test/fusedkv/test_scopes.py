@@ -4,22 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fkv_tiny import teacher_student_pair
 
-from sgl_kvxfer.fusedkv.model import LM, LMConfig
-from sgl_kvxfer.fusedkv.retrofit import SCOPES, DistillStep, RetrofitConfig, student_from, trainable
+from sgl_kvxfer.fusedkv.retrofit import SCOPES, DistillStep, RetrofitConfig, trainable
 
 
 def _pair():
-    c = LMConfig(vocab_size=64, hidden_size=16, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=8,
-                 intermediate_size=24)
-    teacher = LM(c)
-    teacher.init_weights(seed=1, std=0.2)
-    teacher.requires_grad_(False)
-    student = student_from(teacher, RetrofitConfig(variant="fusedkv"), (0, 1))
-    with torch.no_grad():  # a student that differs from its teacher: every weight gets a gradient
-        for p in student.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return teacher, student
+    return teacher_student_pair(0.05)
 
 
 # the expected scope of each parameter name of the 4-layer student (layers 2 and 3 reconstruct)
