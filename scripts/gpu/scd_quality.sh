@@ -26,6 +26,11 @@
 #   R_H (128), ALIGNER_HIDDEN (512), PATCH_BUDGET (6): a Patch layer's hidden-state code rank (R_H
 #                values a token at the code dtype's width), the aligners' MLP width, and how many
 #                layers are patched (--patch-budget and --k-max)
+#   GEN_STEPS (0: off): first fine-tune a generalist producer from the base on the mixed suite
+#                (GEN_MIX, default qa=1,kv=1,code=1) for GEN_STEPS steps at GEN_LR (5e-5), then
+#                every specialist from it and the generalist as the producer: the paper's pair (a
+#                model that already reads the documents, and fine-tunes of it), where the plain
+#                base reads none of the suite's documents the way its specialists learn to
 #   CPU rehearsal (tiny random base, the same stages at toy sizes):
 #                DEVICE=cpu OUT=<dir> bash scripts/gpu/scd_quality.sh
 #                (WORK=<dir> keeps the specialists and artifacts; then REFINE=1 with the same WORK)
@@ -40,7 +45,7 @@
 # the time its methods took says it ends inside the budget). testbeds_x2.sh passes WALL = its own
 # WALL less its set-up, less 20 s.
 #
-# Back in $OUT (6 files): specialists.tar (train_log.json + loss.png per specialist, no weights),
+# Back in $OUT (6 files): specialists.tar (train_log.json + loss.png per specialist and generalist, no weights),
 # calibration.json, scd_eval_<device>.json / .png, stages.json (wall time and exit code per stage),
 # scd_quality.log. Every stage runs under `timeout -s INT`; a failed stage does not stop the next.
 set -uo pipefail
@@ -75,6 +80,7 @@ if [ "$DEVICE" = cuda ]; then
   # KV still kept about a quarter (0.232 of 0.883; sgl_kvxfer/scd/README.md, "Specialists nearer
   # the base")
   TRAIN="--method full --steps 3000 --time-limit-s ${T_TRAIN_EACH:-100} --batch-size 32 --lr ${TRAIN_LR:-5e-5} --warmup 30 --eval-n 50 --device cuda"
+  GEN_TRAIN="--method full --steps ${GEN_STEPS:-0} --batch-size 32 --lr ${GEN_LR:-5e-5} --warmup 10 --eval-n 50 --device cuda"
   # Top level 32:64 (V at full rank: Reuse there is the ridge translator with no truncation) over
   # nested 4:12 / 8:28 / 16:48, so the sweep reaches past the point where Reuse meets raw KV
   # (8:28 with six Patch layers: 6720 B/token, the most within int4 of raw KV's 7200; 16:48 with
@@ -102,6 +108,7 @@ else
   [ -f "$BASE/config.json" ] || python3 scripts/train/make_tiny_model.py --out "$BASE" --layers 4 --hidden 32 --heads 2 \
     --kv-heads 1 --intermediate 64 || exit 1
   TRAIN="--method full --steps 2 --batch-size 2 --lr 1e-3 --warmup 1 --eval-n 1 --device cpu --save-dtype float32"
+  GEN_TRAIN="--method full --steps ${GEN_STEPS:-0} --batch-size 2 --lr 1e-3 --warmup 1 --eval-n 1 --device cpu --save-dtype float32"
   CALIB="--r-k 8 --r-v 8 --rank-levels 2:2,4:4 --r-h 16 --patch-budget 2 --pool 2 --num-prefixes 6 --batch-size 3
          --select-prompts 3 --aligner-hidden 16 --aligner-steps 20 --aligner-tokens 256 --aligner-joint
          --aligner-batch 64 --aligner-h-weight 0.25 --device cpu"
@@ -130,6 +137,12 @@ elif [ "${REFINE:-0}" = 1 ]; then
   stage refine $T_REF python3 -m sgl_kvxfer.scd.calib.refine --artifacts "$W/artifacts" \
     --time-budget-s $(( T_REF - 15 )) ${ALIGNER_LR:+--aligner-lr $ALIGNER_LR}
 else
+  if [ "${GEN_STEPS:-0}" -gt 0 ]; then  # the generalist producer; the specialists start from it
+    stage train_generalist $(( T_TRAIN + 60 )) python3 scripts/train/finetune.py --model "$BASE" \
+      --mix "${GEN_MIX:-qa=1,kv=1,code=1}" --out "$W/specialists/generalist" $GEN_TRAIN
+    [ -f "$W/specialists/generalist/config.json" ] || { echo "the generalist was not written"; exit 1; }
+    BASE=$W/specialists/generalist
+  fi
   CONSUMERS=""
   train_pids=()
   for s in $SPECIALISTS; do
