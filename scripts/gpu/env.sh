@@ -21,8 +21,8 @@ done
 [ -e sgl_kvxfer/kernels ] || ln -s ../kernels sgl_kvxfer/kernels
 export PYTHONPATH=/tmp/site:$PWD
 export SGL_KVXFER_MODEL_CACHE=/tmp/models HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-if [ -f .carry_b/part_b ] && [ -f /tmp/m/part_a ] && [ ! -f /tmp/m/smollm2.gguf ]; then
-  cat /tmp/m/part_a .carry_b/part_b > /tmp/m/smollm2.gguf
+if [ -f .carry_c/part_c ] && [ -f /tmp/m/has_b ] && [ ! -f /tmp/m/smollm2.gguf ]; then
+  cat /tmp/m/partial .carry_c/part_c > /tmp/m/smollm2.gguf
 fi
 if [ -f /tmp/m/smollm2.gguf ]; then
   python3 -c "

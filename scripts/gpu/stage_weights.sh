@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
-# On the GPU machine, the embedded GGUF in two halves (one call cannot carry both beside the rest):
-#   bash scripts/gpu/stage_weights.sh         (carry .carry_a)  park the first half in /tmp/m
-#   bash scripts/gpu/stage_weights.sh join    (carry .carry_b)  join the second half to it, for a
-#       next call whose carry has no room for .carry_b (env.sh finds the joined file)
-# Otherwise the next call, made while the machine is still warm, carries .carry_b and env.sh joins
-# the halves; either way env.sh converts the model to /tmp/models.
+# On the GPU machine, the embedded GGUF in three parts (one call carries <= 64 MiB with the
+# working tree, about 19 MB of it), over three calls of one warm machine:
+#   bash scripts/gpu/stage_weights.sh         (carry .carry_a)  park the first part in /tmp/m
+#   bash scripts/gpu/stage_weights.sh add     (carry .carry_b)  append the second part to it
+#   bash scripts/gpu/stage_weights.sh join    (carry .carry_c)  append the third: /tmp/m/smollm2.gguf,
+#       for a next call whose carry has no room for .carry_c (env.sh finds the joined file)
+# Otherwise the next call, made while the machine is still warm, carries .carry_c and env.sh joins
+# the parts; either way env.sh converts the model to /tmp/models.
 set -euo pipefail
-if [ "${1:-}" = join ]; then
-  [ -f /tmp/m/part_a ] || { echo "no first half in /tmp/m: run stage_weights.sh (carry .carry_a) first" >&2; exit 1; }
-  cat /tmp/m/part_a .carry_b/part_b > /tmp/m/smollm2.gguf && ls -la /tmp/m
-  exit 0
-fi
-mkdir -p /tmp/m && cp .carry_a/part_a /tmp/m/part_a && ls -la /tmp/m && nvidia-smi -L
+case "${1:-}" in
+  add|join)
+    [ -f /tmp/m/partial ] || { echo "no first part in /tmp/m: run stage_weights.sh (carry .carry_a) first" >&2; exit 1; }
+    if [ "$1" = add ]; then
+      [ -f /tmp/m/has_b ] && { echo "the second part is already in /tmp/m/partial" >&2; exit 1; }
+      cat .carry_b/part_b >> /tmp/m/partial && touch /tmp/m/has_b
+    else
+      [ -f /tmp/m/has_b ] || { echo "no second part: run stage_weights.sh add (carry .carry_b) first" >&2; exit 1; }
+      cat /tmp/m/partial .carry_c/part_c > /tmp/m/smollm2.gguf
+    fi
+    ls -la /tmp/m; exit 0 ;;
+  "") ;;
+  *) sed -n '2,9p' "$0"; exit 2 ;;
+esac
+rm -rf /tmp/m && mkdir -p /tmp/m && cp .carry_a/part_a /tmp/m/partial && ls -la /tmp/m && nvidia-smi -L
