@@ -1,6 +1,7 @@
 # Sourced by the other scripts on the GPU machine: the carried wheels (.whl) into /tmp/site, the
-# repo on PYTHONPATH, and, once both GGUF halves are there (stage_weights.sh, then a call carrying
-# .carry_b), the embedded model converted to $SGL_KVXFER_MODEL_CACHE (/tmp/models).
+# repo on PYTHONPATH, and, once the three GGUF parts are there (stage_weights.sh and its add, then
+# its join or a call carrying .carry_c), the embedded model converted to $SGL_KVXFER_MODEL_CACHE
+# (/tmp/models).
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/m
 # Once per machine: scripts that run side by side (testbeds_x2.sh) source this file at the same time,

@@ -27,10 +27,11 @@
 #             (e.g. qa,kv,code) adds the task suite after the report is on disk (T_RETROFIT_LONG 580 s);
 #             with TEACHER_TOKENS the teacher stage runs first (then lower LONG_MIN to fit one call)
 #   STAGE...  the named stages, in the order given
-# Calls (the model: the coordinator's stage_weights.sh call parks the GGUF's first half; `stage`
-# joins the second half and converts it; one call cannot carry both .carry_b and the rest):
+# Calls (the model: stage_weights.sh and its add park the GGUF's first two parts; `stage` joins the
+# third and converts it; one call cannot carry a part and the rest):
 #   run carry [.carry_a]                 bash scripts/gpu/stage_weights.sh
-#   run carry [.carry_b, .whl_gguf]      bash scripts/gpu/fusedkv_all.sh stage                   (~30 s)
+#   run carry [.carry_b]                 bash scripts/gpu/stage_weights.sh add
+#   run carry [.carry_c, .whl_gguf]      bash scripts/gpu/fusedkv_all.sh stage                   (~30 s)
 #   run carry [.whl, .cache/fusedkv]     SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/fusedkv_all.sh retrofit tiers  (~5 min)
 #   run carry [.whl, .cache/fusedkv]     SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/fusedkv_all.sh rerun           (~5 min)
 #   run carry [.whl]                     SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/fusedkv_all.sh serve capacity  (~6 min)
@@ -69,7 +70,8 @@ mkdir -p "$OUT"
 
 if [ "$mode" = stage ]; then  # join the GGUF halves, convert into /tmp/models (gguf is all it needs)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl_gguf/*.whl || exit 1
-  mkdir -p /tmp/m && cat /tmp/m/part_a .carry_b/part_b > /tmp/m/smollm2.gguf || exit 1
+  [ -f /tmp/m/has_b ] || { echo "no staged parts: stage_weights.sh (.carry_a), then its add (.carry_b)" >&2; exit 1; }
+  cat /tmp/m/partial .carry_c/part_c > /tmp/m/smollm2.gguf || exit 1
   PYTHONPATH=/tmp/site:$PWD SGL_KVXFER_MODEL_CACHE=/tmp/models python3 -c "
 from sgl_kvxfer.models.convert import convert_gguf, default_cache_dir, is_converted
 d = default_cache_dir()

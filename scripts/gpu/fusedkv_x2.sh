@@ -16,10 +16,11 @@
 # 64x8192 and 16x32768 are not points: vanilla's KV there does not fit beside its weights on one H100.
 #
 #   run kind nvidia-h100-x2, carry [.carry_a]: bash scripts/gpu/stage_weights.sh
-#   run kind nvidia-h100-x2, carry [.carry_b]: bash scripts/gpu/stage_weights.sh join
+#   run kind nvidia-h100-x2, carry [.carry_b]: bash scripts/gpu/stage_weights.sh add
+#   run kind nvidia-h100-x2, carry [.carry_c]: bash scripts/gpu/stage_weights.sh join
 #   run kind nvidia-h100-x2, carry [.whl, .cache/fusedkv]:
 #       SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/fusedkv_x2.sh
-# (.carry_b beside .whl, .cache/fusedkv and the tree passes the 64 MiB one call carries.)
+# (a GGUF part beside .whl, .cache/fusedkv and the tree passes the 64 MiB one call carries.)
 # CPU rehearsal (fusedkv_all.sh's CPU shapes, both parts at once; ~10 min on two loaded cores):
 #   DEVICE=cpu OUT=$(mktemp -d) bash scripts/gpu/fusedkv_x2.sh
 # Every setting below can be overridden from the environment (LONG_TASKS= : no task suite).

@@ -2,7 +2,7 @@
 # Here, once (after prepare_carry.sh): the git-ignored folders the FusedKV GPU calls carry
 # (scripts/gpu/fusedkv_all.sh says which call carries which).
 #   .whl_gguf/       the gguf wheel alone: the `stage` call converts the embedded GGUF with it
-#                    (.carry_b and the full .whl together exceed one call's 64 MiB)
+#                    (a GGUF part and the full .whl together exceed one call's 64 MiB)
 #   .cache/fusedkv/  the FusedKV token data: python -m sgl_kvxfer.fusedkv.data over DATA_DIR
 #                    ({prose,code}_{train,calib,eval}.jsonl), SmolLM2's tokenizer (3.7 MB)
 # Usage: DATA_DIR=/path/to/jsonl bash scripts/gpu/prepare_fusedkv_carry.sh

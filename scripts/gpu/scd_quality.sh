@@ -4,8 +4,8 @@
 # rank levels, then the quality table, rank sweep, drift and adaptive-rank sweep
 # (benchmarks/quality/scd_eval.py). The specialists' weights are built here and never leave.
 #
-#   GPU call 1:  carry [.carry_a]          bash scripts/gpu/stage_weights.sh
-#   GPU call 2:  carry [.carry_b]          bash scripts/gpu/stage_weights.sh join
+#   GPU calls 1-2: carry [.carry_a], then [.carry_b]: bash scripts/gpu/stage_weights.sh, then ... add
+#   GPU call 2b: carry [.carry_c]          bash scripts/gpu/stage_weights.sh join
 #   GPU call 3:  carry [.whl]              SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/scd_quality.sh
 #   GPU call 4 (optional, same warm machine, right after call 3 run with WORK=DIR):
 #                carry [.whl]  REFINE=1 WORK=DIR SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/scd_quality.sh

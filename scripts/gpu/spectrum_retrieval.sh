@@ -40,7 +40,8 @@
 #
 # GPU, four calls on one warm machine (scripts/gpu/README.md), back to back:
 #   run carry [.carry_a]                      bash scripts/gpu/stage_weights.sh
-#   run carry [.carry_b]                      bash scripts/gpu/stage_weights.sh join
+#   run carry [.carry_b]                      bash scripts/gpu/stage_weights.sh add
+#   run carry [.carry_c]                      bash scripts/gpu/stage_weights.sh join
 #   run carry [.whl, .cache/data]             WORK=/tmp/spectrum_work bash scripts/gpu/spectrum_retrieval.sh tests train probe eval
 #   run carry [.whl, .cache/data]             WORK=/tmp/spectrum_work bash scripts/gpu/spectrum_retrieval.sh resume decode
 # beside scd_quality.sh on one H100 (env.sh once first, then each script in its own OUT subfolder):

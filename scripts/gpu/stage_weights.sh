@@ -22,4 +22,6 @@ case "${1:-}" in
   "") ;;
   *) sed -n '2,9p' "$0"; exit 2 ;;
 esac
-rm -rf /tmp/m && mkdir -p /tmp/m && cp .carry_a/part_a /tmp/m/partial && ls -la /tmp/m && nvidia-smi -L
+# a fresh start: this script's own two marker files from an earlier staging go, nothing else
+M=/tmp/m
+mkdir -p "$M" && cp .carry_a/part_a "$M/partial" && rm -f "$M/has_b" "$M/smollm2.gguf" && ls -la "$M" && nvidia-smi -L

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The three fine-tuned test beds side by side in ONE call on a two-GPU host (nvidia-h100-x2), after
-# the GGUF halves are staged (stage_weights.sh / .carry_a1 + .carry_a2, see scripts/gpu/README.md):
+# the GGUF parts are staged (stage_weights.sh, its add and join; see scripts/gpu/README.md):
 #   GPU 1  scripts/gpu/scd_quality.sh         SCD specialists, calibration, quality table
 #   GPU 0  scripts/gpu/spectrum_retrieval.sh $SPECTRUM_STAGES (default: train probe eval) SpectrumKV
 #                                             retrieval model, its int4 probe and tier table (+ tests,
@@ -13,7 +13,7 @@
 # under its own limits and the whole under WALL seconds (default 400); a part cut short keeps what
 # it wrote. Parts share a GPU and the host's cores, so their wall times are not speed results.
 #
-#   run kind nvidia-h100-x2, carry [.carry_b]: bash scripts/gpu/stage_weights.sh join (after stage_weights.sh)
+#   run kind nvidia-h100-x2, carry [.carry_b], then [.carry_c]: bash scripts/gpu/stage_weights.sh add, then ... join (after stage_weights.sh)
 #   run kind nvidia-h100-x2, carry [.whl, .cache/data, .cache/fusedkv]
 #       SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/testbeds_x2.sh
 # The FusedKV call (parts fusedkv and fusedkv2 alone, their settings): scripts/gpu/fusedkv_x2.sh.
