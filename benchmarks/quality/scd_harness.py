@@ -114,7 +114,8 @@ class Harness:
         m = self.m
         patch = () if all_layers else m.patch_layers
         layers = [x for x in range(m.num_layers) if x not in patch]
-        tensors, _ = fit_reuse(self.stats, layers, m.r_k, m.r_v, list(m.consumer_names), self.ridge, m.rank_levels)
+        tensors, _ = fit_reuse(self.stats, layers, m.r_k, m.r_v, list(m.consumer_names), self.ridge, m.rank_levels,
+                               unit_codes=m.code_scale == "unit")
         keep = {k: v for k, v in self.art.tensors.items() if not all_layers and _layer(k) in patch}
         man = dataclasses.replace(m, reuse_layers=tuple(layers), patch_layers=tuple(patch))
         return ScdArtifacts(man, {**{k: v.to(self.device) for k, v in tensors.items()}, **keep})

@@ -43,6 +43,7 @@ CODE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": 
 # one bfloat16 scale per token and field; the codecs hand them over as float32 on the wire grid)
 WIRE_DTYPES = (*CODE_DTYPES, *WIRE_BITS)
 HEAD_MODES = ("joint", "per_head")
+CODE_SCALES = ("none", "unit")
 MANIFEST = "manifest.json"
 PRODUCER_FILE = "producer.safetensors"
 VERSION = 1
@@ -92,6 +93,11 @@ class ScdManifest:
     # (mean over consumers; calib/stages.level_agreement); () when not measured.
     # `--scd-min-rank auto` reads it
     level_agreement: tuple[float, ...] = ()
+    # "unit": every Reuse / Patch code column scaled to unit variance on the calibration data
+    # (calib/fit.py `unit_codes`: what a quantised wire needs); "none": the principal components'
+    # own scale. Informs refits (the quality harness's Reuse-only variant); the codecs read only
+    # the matrices
+    code_scale: str = "none"
 
     def __post_init__(self):
         names = [c.name for c in self.consumers]
@@ -121,6 +127,8 @@ class ScdManifest:
         if self.level_agreement and (len(self.level_agreement) != len(self.levels)
                                      or not all(0.0 <= a <= 1.0 for a in self.level_agreement)):
             raise ValueError(f"level_agreement {self.level_agreement}: one share in [0, 1] per level of {self.levels}")
+        if self.code_scale not in CODE_SCALES:
+            raise ValueError(f"code_scale must be one of {CODE_SCALES}, got {self.code_scale!r}")
         if self.version != VERSION:
             raise ValueError(f"artifacts version {self.version}, this code reads version {VERSION}")
 

@@ -210,12 +210,13 @@ def test_joint_aligners_and_int4_codes(tiny_pair, tmp_path):
         assert all(r["joint"] and r["val_loss_best"] <= r["val_loss_linear"] for r in report["aligners"][name].values())
     m = ScdArtifacts.load(out).manifest
     assert m.dtype == "int4" and m.wire_bits == 4
+    assert m.code_scale == "unit"  # --code-scale auto on a quantised wire
     h = m.num_kv_heads
     assert m.bytes_per_token == 2 * (field_bytes(h * 8, 4) + field_bytes(h * 8, 4)) + 2 * field_bytes(16, 4)
     import pytest
 
     for bad in (["--code-dtype", "int3"], ["--aligner-batch", "0"], ["--aligner-aux", "0", "--aligner-h-weight", "0"],
-                ["--aligner-h-weight", "nan"]):
+                ["--aligner-h-weight", "nan"], ["--code-scale", "whiten"]):
         with pytest.raises(ValueError):
             parse_args(["--consumer", "a=x", *bad])
 

@@ -52,11 +52,12 @@ class ReuseMoments:
 
 
 def fit_reuse(moments: ReuseMoments, layers, r_k: int, r_v: int, consumers: list[str],
-              ridge: float = 1e-4, levels=()) -> tuple[dict[str, torch.Tensor], dict]:
+              ridge: float = 1e-4, levels=(), unit_codes: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
     """Artifact tensors (producer k/v enc + mu; per consumer k/v dec + mu) for `layers`, and a
     report {consumer: {"k_rel_err": [per layer], "v_rel_err": [...]}} on the fit data.
     levels: lower (r_k', r_v') pairs of nested codes: each consumer also gets `k_dec@r_k'.l` /
-    `v_dec@r_v'.l`, the decoders of the first r' code columns (the producer's encoder is shared)."""
+    `v_dec@r_v'.l`, the decoders of the first r' code columns (the producer's encoder is shared).
+    unit_codes: every code column at unit variance (fit.py; the manifest's code_scale "unit")."""
     tensors: dict[str, torch.Tensor] = {}
     report = {c: {"layers": list(layers), "k_rel_err": [], "v_rel_err": []} for c in consumers}
     h, d = moments.num_heads, moments.head_dim
@@ -65,7 +66,7 @@ def fit_reuse(moments: ReuseMoments, layers, r_k: int, r_v: int, consumers: list
     for layer in layers:
         for kind, rank, jm in (("k", r_k, moments.k[layer]), ("v", r_v, moments.v[layer])):
             scale = h if joint else 1
-            fit = fit_joint(jm, scale * rank, ridge, [scale * r for r in nested[kind]])
+            fit = fit_joint(jm, scale * rank, ridge, [scale * r for r in nested[kind]], unit_codes=unit_codes)
             # joint: enc [H*D, H*r], dec [H*r, H*D]; per_head: enc [H, D, r], dec [H, r, D]; mu [H, D]
             tensors[f"producer/{kind}_enc.{layer}"] = fit.enc[0] if joint else fit.enc
             tensors[f"producer/{kind}_mu.{layer}"] = fit.mu_a.reshape(h, d)

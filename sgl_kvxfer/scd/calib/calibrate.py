@@ -49,7 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvxfer.scd.artifacts import WIRE_DTYPES, ScdArtifacts
+from sgl_kvxfer.mem_cache.scd_quant import WIRE_BITS
+from sgl_kvxfer.scd.artifacts import CODE_SCALES, WIRE_DTYPES, ScdArtifacts
 from sgl_kvxfer.scd.calib import stages
 from sgl_kvxfer.scd.calib.budget import Budget, process_start
 
@@ -91,6 +92,9 @@ class CalibConfig:
     aligner_joint: bool = False
     ridge: float = 1e-4
     code_dtype: str = "bfloat16"
+    # code columns at unit variance ("unit", calib/fit.py) or as fitted ("none"); "auto": "unit"
+    # for a quantised code dtype (int8 / int4), "none" otherwise
+    code_scale: str = "auto"
     storage_dtype: str = "float32"
     device: str = "auto"
     dtype: str = "auto"  # model dtype: bf16 on CUDA, float32 on CPU
@@ -122,11 +126,20 @@ class CalibConfig:
             raise ValueError("--aligner-patience, --aligner-time-s and --time-budget-s must be >= 0 and finite")
         if self.code_dtype not in WIRE_DTYPES or self.storage_dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"--code-dtype: one of {WIRE_DTYPES}; --storage-dtype: bfloat16, float16 or float32")
+        if self.code_scale not in ("auto", *CODE_SCALES):
+            raise ValueError(f"--code-scale: auto, {', '.join(CODE_SCALES)}; got {self.code_scale!r}")
         if not (0 <= self.aligner_aux < 1e6 and 0 <= self.aligner_h_weight < 1e6) or \
                 self.aligner_aux + self.aligner_h_weight <= 0:
             raise ValueError("--aligner-aux and --aligner-h-weight: finite, >= 0, not both 0")
         if not 1 <= self.aligner_batch <= 1 << 20:
             raise ValueError(f"--aligner-batch must be in [1, 2^20], got {self.aligner_batch}")
+
+    @property
+    def unit_codes(self) -> bool:
+        """The code_scale this run fits with (auto resolved against the code dtype)."""
+        if self.code_scale == "auto":
+            return self.code_dtype in WIRE_BITS
+        return self.code_scale == "unit"
 
     @property
     def levels(self) -> tuple[tuple[int, int], ...]:

@@ -19,6 +19,16 @@ of the code at rank r. The decoder of a lower rank is refitted from the codes it
 (`levels`): a producer encodes once at the top rank and may send any prefix. lam = ridge * mean
 eigenvalue of the Gram it regularizes (scale-free).
 
+Unit codes (`unit_codes=True`): column j of W is divided by the std of code j on the calibration
+data (sqrt of diag W^T C_aa W), and the decoders are fitted from those scaled codes, so float codes
+decode to the same K/V up to the ridge's share. A quantised wire (int8 / int4, one scale per
+token and field: mem_cache/scd_quant.py) needs it: the principal columns' variance falls by orders
+of magnitude across a field, so one scale set by the leading columns rounds the tail columns to
+zero; with every column at unit variance each gets the same share of the grid, which minimises the
+decoded error for a shared per-token step (error ~ sum_j c_j^2 max_j(s_j / c_j)^2 >= sum_j s_j^2,
+equal at c_j = s_j). Scaling a column keeps the nesting (a prefix of the code is still the
+lower rank's code).
+
 Where it runs: the eigendecompositions and solves run in float64 on the moments' device (or
 `device`): cuSOLVER on a GPU, where a few hundred M x M problems take seconds; LAPACK on a CPU,
 which a host shared with other jobs can slow by orders of magnitude (thread oversubscription).
@@ -96,10 +106,12 @@ def _canonical_signs(v: torch.Tensor) -> torch.Tensor:
     return v * torch.where(peak < 0, -1.0, 1.0).to(v.dtype)
 
 
-def fit_joint(moments: JointMoments, rank: int, ridge: float = 1e-4, levels=(), device=None) -> JointFit:
+def fit_joint(moments: JointMoments, rank: int, ridge: float = 1e-4, levels=(), device=None,
+              unit_codes: bool = False) -> JointFit:
     """Fit encoder / decoders of rank `rank` for every group, and decoders of each lower rank in
     `levels` for the first columns of the same encoder (see the module docstring). Runs on
-    `device` (default: the moments' device); the fit's tensors are on that device."""
+    `device` (default: the moments' device); the fit's tensors are on that device. unit_codes:
+    every code column at unit variance on the calibration data (the module docstring)."""
     mu, cov = moments.mean_cov()
     dev = torch.device(device) if device is not None else cov.device
     mu, cov = mu.to(dev), cov.to(dev)
@@ -114,6 +126,10 @@ def fit_joint(moments: JointMoments, rank: int, ridge: float = 1e-4, levels=(), 
     v_r = v_r * live[:, None, :]
     c_aa = cov[:, :d, :d]
     enc = _ridge_solve(c_aa, cov[:, :d, :] @ v_r, ridge)  # [G, d, r]
+    if unit_codes:
+        var = (enc * (c_aa @ enc)).sum(-2)  # diag of the code's covariance W^T C_aa W, [G, r]
+        # a dead column (zeroed above) stays zero: its scale is 1, not 1 / 0
+        enc = enc / torch.where(var > 0, var, torch.ones_like(var)).sqrt()[:, None, :]
     decs, mus, errs = _decoders(enc, cov, mu, d, blocks, ridge)
     dec_at, err_at = {}, {}
     for r in sorted(set(levels)):

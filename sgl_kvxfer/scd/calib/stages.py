@@ -108,13 +108,13 @@ def manifest_for(cfg, env: Models, patch) -> ScdManifest:
         max_position_embeddings=a.max_position_embeddings,
         reuse_layers=tuple(x for x in range(a.num_hidden_layers) if x not in patch), patch_layers=tuple(sorted(patch)),
         r_k=cfg.r_k, r_v=cfg.r_v, r_h=cfg.r_h, dtype=cfg.code_dtype, aligner_hidden=cfg.aligner_hidden,
-        head_mode=cfg.head_mode, rank_levels=cfg.levels)
+        head_mode=cfg.head_mode, rank_levels=cfg.levels, code_scale="unit" if cfg.unit_codes else "none")
 
 
 def fit_reuse_all(cfg, env: Models, moments) -> tuple[ScdArtifacts, dict]:
     """Reuse fits of EVERY layer (the all-Reuse baseline that selection starts from)."""
     tensors, report = fit_reuse(moments, range(env.arch.num_hidden_layers), cfg.r_k, cfg.r_v,
-                                list(env.consumers), cfg.ridge, cfg.levels)
+                                list(env.consumers), cfg.ridge, cfg.levels, unit_codes=cfg.unit_codes)
     return ScdArtifacts(manifest_for(cfg, env, ()), {k: v.to(env.device) for k, v in tensors.items()}), report
 
 
@@ -261,7 +261,7 @@ def h_codes(h_a: torch.Tensor, mu: torch.Tensor, enc: torch.Tensor, code_dtype: 
 def _layer_code(cfg, env: Models, moments, samples, layer: int):
     """A patch layer's joint H fit, the producer's codes of its sampled tokens (as received) and
     each consumer's stacked [W_k; W_v]."""
-    fit = fit_joint(moments[layer], cfg.r_h, cfg.ridge)
+    fit = fit_joint(moments[layer], cfg.r_h, cfg.ridge, unit_codes=cfg.unit_codes)
     h_a = samples[layer][0].float()
     z = h_codes(h_a, fit.mu_a[0], fit.enc[0], cfg.code_dtype)
     return fit, z, [kv_rows(env, n, layer) for n in env.consumers]
