@@ -46,6 +46,10 @@ def run_one(args, code_dtype: str, scale: str, work: str) -> dict:
             "--code-dtype", code_dtype, "--code-scale", scale, "--device", args.device]
     t0 = time.time()
     report = calibrate(parse_args(argv))
+    # the record names the model as given and the data relative to the repo, not this machine's paths
+    shown = [args.model_arg if a == args.model else os.path.relpath(a, ROOT) if os.path.isabs(a) and a != out
+             else "OUT" if a == out else a for a in argv]
+    shown = [f"self={args.model_arg}" if a == f"self={args.model}" else a for a in shown]
     held = report["heldout_kv_rel_err"]["self"]
     sel = report["selection"]
     la = report["level_agreement"]
@@ -55,7 +59,8 @@ def run_one(args, code_dtype: str, scale: str, work: str) -> dict:
             "mean_k_rel_err": sum(held["reuse_k"]) / len(held["reuse_k"]),
             "mean_v_rel_err": sum(held["reuse_v"]) / len(held["reuse_v"]),
             "F_codes": sel["F_empty"], "F_own": sel["F_oracle"], "F_loss": sel["F_oracle"] - sel["F_empty"],
-            "levels": la["levels"], "token_agreement": la["token_agreement"], "calib_command": " ".join(argv)}
+            "levels": la["levels"], "token_agreement": la["token_agreement"],
+            "calib_command": "python -m sgl_kvxfer.scd.calib " + " ".join(shown)}
 
 
 def plot(result: dict, path: str) -> None:
@@ -78,7 +83,7 @@ def plot(result: dict, path: str) -> None:
     names = [f"{r['code_dtype']}\n{r['code_scale']}" for r in result["runs"]]
     axes[2].bar(names, [r["F_loss"] for r in result["runs"]])
     axes[2].set_ylabel("log-prob lost per token vs own cache (nats)")
-    fig.suptitle(f"SCD codes, {os.path.basename(result['model'].rstrip('/'))} paired with itself ({result['device']})",
+    fig.suptitle(f"SCD codes, {result['model']} paired with itself ({result['device']})",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -106,9 +111,9 @@ def main(argv=None) -> dict:
         ap.error(f"no calibration file {missing[0]} (pass --calib PATH ... or task:NAME)")
     from sgl_kvxfer.models.loader import resolve_model_path
 
-    args.model = resolve_model_path(args.model)
+    args.model_arg, args.model = args.model, resolve_model_path(args.model)
     dev = device_name(args.device)
-    result = {"benchmark": "scd_code_floor", "device": dev, "model": args.model, "params": {
+    result = {"benchmark": "scd_code_floor", "device": dev, "model": args.model_arg, "params": {
         k: getattr(args, k) for k in ("code_dtypes", "scales", "num_prefixes", "prefix_len", "select_prompts",
                                       "r_k", "r_v", "rank_levels")}, "runs": []}
     tag = dev.split(" (")[0].replace(" ", "_")
