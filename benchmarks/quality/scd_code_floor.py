@@ -14,9 +14,9 @@ linear aligners: the Reuse layers are what this measures), in a temp folder.
 
     python benchmarks/quality/scd_code_floor.py [--model DIR] [--calib A.jsonl B.jsonl]
         [--code-dtypes int4 int8] [--scales none unit] [--num-prefixes 96] [--prefix-len 256]
-        [--select-prompts 16] [--r-k 32] [--r-v 64] [--device cpu] [--name NAME]
+        [--select-prompts 16] [--r-k 32] [--r-v 64] [--device cpu] [--name NAME] [--out-dir DIR]
 
-Writes benchmarks/results/NAME.json and .png (default NAME: scd_code_floor_<device tag>).
+Writes DIR/NAME.json and .png (default DIR benchmarks/results, NAME scd_code_floor_<device tag>).
 """
 from __future__ import annotations
 
@@ -39,16 +39,19 @@ def run_one(args, code_dtype: str, scale: str, work: str) -> dict:
 
     out = os.path.join(work, f"{code_dtype}_{scale}")
     argv = ["--producer", args.model, "--consumer", f"self={args.model}", "--calib", *args.calib, "--out", out,
-            "--r-k", str(args.r_k), "--r-v", str(args.r_v), "--rank-levels", args.rank_levels, "--r-h", "64",
+            "--r-k", str(args.r_k), "--r-v", str(args.r_v), "--rank-levels", args.rank_levels, "--r-h", str(args.r_h),
             "--patch-budget", "1", "--k-max", "1", "--pool", "2", "--prefix-len", str(args.prefix_len),
             "--num-prefixes", str(args.num_prefixes), "--batch-size", "8", "--select-prompts", str(args.select_prompts),
+            "--select-prefix", str(args.select_prefix), "--select-cont", str(args.select_cont),
             "--aligner-hidden", "0", "--aligner-steps", "20", "--aligner-tokens", "2048",
             "--code-dtype", code_dtype, "--code-scale", scale, "--device", args.device]
     t0 = time.time()
     report = calibrate(parse_args(argv))
-    # the record names the model as given and the data relative to the repo, not this machine's paths
-    shown = [args.model_arg if a == args.model else os.path.relpath(a, ROOT) if os.path.isabs(a) and a != out
-             else "OUT" if a == out else a for a in argv]
+    # the record names the model as given, the data beside the repo relative to it (../shared/data)
+    # and the temp output as OUT, not this machine's paths
+    beside = os.path.dirname(ROOT) + os.sep
+    shown = [args.model_arg if a == args.model else "OUT" if a == out
+             else os.path.relpath(a, ROOT) if a.startswith(beside) else a for a in argv]
     shown = [f"self={args.model_arg}" if a == f"self={args.model}" else a for a in shown]
     held = report["heldout_kv_rel_err"]["self"]
     sel = report["selection"]
@@ -103,8 +106,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--r-k", type=int, default=32)
     ap.add_argument("--r-v", type=int, default=64)
     ap.add_argument("--rank-levels", default="16:48")
+    ap.add_argument("--r-h", type=int, default=64, help="the one Patch layer's code rank")
+    ap.add_argument("--select-prefix", type=int, default=256, help="held-out window: prefix tokens")
+    ap.add_argument("--select-cont", type=int, default=64, help="held-out window: scored continuation tokens")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--name", default=None)
+    ap.add_argument("--out-dir", default=RESULTS_DIR)
     args = ap.parse_args(argv)
     missing = [p for p in args.calib if not p.startswith("task:") and not os.path.isfile(p)]
     if missing:
@@ -115,7 +122,7 @@ def main(argv=None) -> dict:
     dev = device_name(args.device)
     result = {"benchmark": "scd_code_floor", "device": dev, "model": args.model_arg, "params": {
         k: getattr(args, k) for k in ("code_dtypes", "scales", "num_prefixes", "prefix_len", "select_prompts",
-                                      "r_k", "r_v", "rank_levels")}, "runs": []}
+                                      "select_prefix", "select_cont", "r_k", "r_v", "r_h", "rank_levels")}, "runs": []}
     tag = dev.split(" (")[0].replace(" ", "_")
     name = args.name or f"scd_code_floor_{tag}"
     with tempfile.TemporaryDirectory() as work:
@@ -125,8 +132,8 @@ def main(argv=None) -> dict:
                 result["runs"].append(row)
                 print(f"[floor] {dtype} {scale}: K {row['mean_k_rel_err']:.4f} V {row['mean_v_rel_err']:.4f} "
                       f"log-prob lost {row['F_loss']:.4f} nats/token, {row['bytes_per_token']} B/token", flush=True)
-                write_json(name, result)  # after every run: a run cut short keeps what it measured
-    plot(result, os.path.join(RESULTS_DIR, name + ".png"))
+                write_json(name, result, args.out_dir)  # after every run: a run cut short keeps what it measured
+    plot(result, os.path.join(args.out_dir, name + ".png"))
     return result
 
 
