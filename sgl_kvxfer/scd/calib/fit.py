@@ -24,9 +24,10 @@ data (sqrt of diag W^T C_aa W), and the decoders are fitted from those scaled co
 decode to the same K/V up to the ridge's share. A quantised wire (int8 / int4, one scale per
 token and field: mem_cache/scd_quant.py) needs it: the principal columns' variance falls by orders
 of magnitude across a field, so one scale set by the leading columns rounds the tail columns to
-zero; with every column at unit variance each gets the same share of the grid, which minimises the
-decoded error for a shared per-token step (error ~ sum_j c_j^2 max_j(s_j / c_j)^2 >= sum_j s_j^2,
-equal at c_j = s_j). Scaling a column keeps the nesting (a prefix of the code is still the
+zero; with every column at unit variance each gets the same share of the grid. Under the
+uniform-noise model of rounding that minimises the decoded error for a shared per-token step:
+column j scaled by 1 / c_j (std sigma_j) decodes with error ~ sum_j c_j^2 max_i(sigma_i / c_i)^2
+>= sum_j sigma_j^2, equal at c_j = sigma_j. Scaling a column keeps the nesting (a prefix of the code is still the
 lower rank's code).
 
 Where it runs: the eigendecompositions and solves run in float64 on the moments' device (or
