@@ -63,3 +63,15 @@ def test_cuda_fit_equals_cpu_fit():
     _assert_same(out, ref, atol=1e-4)
     # the moments on the CPU, the solve on the GPU
     _assert_same(fit_joint(cpu, 24, 1e-4, levels=(4, 12), device="cuda"), ref, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_unit_codes_fit_equals_cpu_fit():
+    """Unit codes (each column divided by its code's std) come out the same from cuSOLVER as
+    from LAPACK, encoders, decoders and nested levels."""
+    cpu = _moments(width=64, blocks=4, n=4000)
+    ref = fit_joint(cpu, 24, 1e-4, levels=(4, 12), unit_codes=True)
+    out = fit_joint(cpu, 24, 1e-4, levels=(4, 12), device="cuda", unit_codes=True)
+    assert out.enc.device.type == "cuda"
+    _assert_same(out, ref, atol=1e-4)
