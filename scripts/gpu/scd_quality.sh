@@ -72,6 +72,7 @@ if { [ "${REFINE:-0}" = 1 ] || [ "${EVAL_ONLY:-0}" = 1 ]; } && [ ! -f "$W/artifa
   echo "REFINE=1 / EVAL_ONLY=1: no calibration in $W/artifacts (run this script with the same WORK first)"; exit 1
 fi
 SPECIALISTS="qa kv code"
+case "${GEN_STEPS:-0}" in ''|*[!0-9]*) echo "GEN_STEPS must be a step count (0: no generalist), got '$GEN_STEPS'"; exit 2 ;; esac
 if [ "$DEVICE" = cuda ]; then
   # the host's cores are shared (three trainings here, other parts beside): no 16-thread pools each
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
