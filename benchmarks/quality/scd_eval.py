@@ -192,7 +192,10 @@ def compact(res: dict) -> dict:
     out = {}
     for label, o in res.items():
         scores = [x for x in o["scores"] if x is not None]
-        metrics = {k: sum(x[k] for x in scores) / len(scores) for k in scores[0]} if scores else {}
+        # a consumer asked several tasks (--consumer-tasks NAME=qa+code) has items of different
+        # metrics (f1 / em / pass): each metric is the mean over the items that have it
+        keys = list(dict.fromkeys(k for x in scores for k in x))
+        metrics = {k: sum(x[k] for x in scores if k in x) / sum(k in x for x in scores) for k in keys}
         out[label] = {"metrics": metrics, "item_scores": [next(iter(x.values())) for x in scores],
                       "kl": o["kl_sum"] / max(1, o["tokens"]), "top1": o["top1_sum"] / max(1, o["tokens"]),
                       "answer_tokens": o["tokens"],

@@ -185,3 +185,15 @@ def test_oracle_patch_diagnostic_is_the_oracle_when_every_layer_is_patch(tiny_pa
     assert kl[4]["scd-oracle-patch"] < 1e-6 and full["top1_sum"] == full["tokens"]
     assert kl[4]["scd"] > 1e-3  # the aligners are not perfect: the diagnostic is not SCD itself
     assert kl[1]["scd-oracle-patch"] > 1e-3  # three Reuse layers left: not the oracle
+
+
+def test_compact_averages_each_metric_over_the_items_that_have_it():
+    """A consumer asked several tasks (--consumer-tasks NAME=qa+code) scores items with different
+    metrics: each metric is averaged over its own items, and every item keeps its headline."""
+    import scd_eval
+
+    res = {"raw": {"scores": [{"f1": 0.5, "em": 0.0}, {"pass": 1.0, "em": 1.0}, None, {"f1": 1.0, "em": 1.0}],
+                   "kl_sum": 2.0, "tokens": 4, "top1_sum": 3.0, "rebuild_s": 0.0, "prefix_tokens": 10, "preds": []}}
+    row = scd_eval.compact(res)["raw"]
+    assert row["metrics"] == {"f1": 0.75, "em": 2 / 3, "pass": 1.0}
+    assert row["item_scores"] == [0.5, 1.0, 1.0] and row["kl"] == 0.5 and row["top1"] == 0.75
