@@ -94,7 +94,7 @@ class ScdManifest:
     # `--scd-min-rank auto` reads it
     level_agreement: tuple[float, ...] = ()
     # "unit": every Reuse / Patch code column scaled to unit variance on the calibration data
-    # (calib/fit.py `unit_codes`: what a quantised wire needs); "none": the principal components'
+    # (calib/fit.py `unit_codes`, for a quantised wire); "none": the principal components'
     # own scale. Informs refits (the quality harness's Reuse-only variant); the codecs read only
     # the matrices
     code_scale: str = "none"

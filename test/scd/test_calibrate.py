@@ -202,7 +202,7 @@ def test_joint_aligners_and_int4_codes(tiny_pair, tmp_path):
 
     out = str(tmp_path / "art")
     report = calibrate(parse_args(_tiny_args(tiny_pair, tmp_path, out, "--patch-budget", "2", "--aligner-joint",
-                                             "--code-dtype", "int4", "--aligner-h-weight", "0.1",
+                                             "--code-dtype", "int4", "--code-scale", "unit", "--aligner-h-weight", "0.1",
                                              "--aligner-batch", "64")))
     assert len(report["patch_layers"]) == 2 and not report["patch_dropped"]
     for name in ("a", "b"):
@@ -210,7 +210,7 @@ def test_joint_aligners_and_int4_codes(tiny_pair, tmp_path):
         assert all(r["joint"] and r["val_loss_best"] <= r["val_loss_linear"] for r in report["aligners"][name].values())
     m = ScdArtifacts.load(out).manifest
     assert m.dtype == "int4" and m.wire_bits == 4
-    assert m.code_scale == "unit"  # --code-scale auto on a quantised wire
+    assert m.code_scale == "unit"
     h = m.num_kv_heads
     assert m.bytes_per_token == 2 * (field_bytes(h * 8, 4) + field_bytes(h * 8, 4)) + 2 * field_bytes(16, 4)
     import pytest

@@ -49,7 +49,6 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_kvxfer.mem_cache.scd_quant import WIRE_BITS
 from sgl_kvxfer.scd.artifacts import CODE_SCALES, WIRE_DTYPES, ScdArtifacts
 from sgl_kvxfer.scd.calib import stages
 from sgl_kvxfer.scd.calib.budget import Budget, process_start
@@ -92,9 +91,10 @@ class CalibConfig:
     aligner_joint: bool = False
     ridge: float = 1e-4
     code_dtype: str = "bfloat16"
-    # code columns at unit variance ("unit", calib/fit.py) or as fitted ("none"); "auto": "unit"
-    # for a quantised code dtype (int8 / int4), "none" otherwise
-    code_scale: str = "auto"
+    # code columns at unit variance ("unit", calib/fit.py) or at the principal components' own
+    # scale ("none"). Opt-in: on held-out text unit int4 Reuse codes halve the codes' own error,
+    # but an SCD row with a briefly trained Patch aligner scored worse with them (scd/README.md)
+    code_scale: str = "none"
     storage_dtype: str = "float32"
     device: str = "auto"
     dtype: str = "auto"  # model dtype: bf16 on CUDA, float32 on CPU
@@ -126,8 +126,8 @@ class CalibConfig:
             raise ValueError("--aligner-patience, --aligner-time-s and --time-budget-s must be >= 0 and finite")
         if self.code_dtype not in WIRE_DTYPES or self.storage_dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"--code-dtype: one of {WIRE_DTYPES}; --storage-dtype: bfloat16, float16 or float32")
-        if self.code_scale not in ("auto", *CODE_SCALES):
-            raise ValueError(f"--code-scale: auto, {', '.join(CODE_SCALES)}; got {self.code_scale!r}")
+        if self.code_scale not in CODE_SCALES:
+            raise ValueError(f"--code-scale: one of {', '.join(CODE_SCALES)}; got {self.code_scale!r}")
         if not (0 <= self.aligner_aux < 1e6 and 0 <= self.aligner_h_weight < 1e6) or \
                 self.aligner_aux + self.aligner_h_weight <= 0:
             raise ValueError("--aligner-aux and --aligner-h-weight: finite, >= 0, not both 0")
@@ -136,9 +136,7 @@ class CalibConfig:
 
     @property
     def unit_codes(self) -> bool:
-        """The code_scale this run fits with (auto resolved against the code dtype)."""
-        if self.code_scale == "auto":
-            return self.code_dtype in WIRE_BITS
+        """Whether this run fits unit-variance code columns (calib/fit.py)."""
         return self.code_scale == "unit"
 
     @property

@@ -21,8 +21,8 @@ eigenvalue of the Gram it regularizes (scale-free).
 
 Unit codes (`unit_codes=True`): column j of W is divided by the std of code j on the calibration
 data (sqrt of diag W^T C_aa W), and the decoders are fitted from those scaled codes, so float codes
-decode to the same K/V up to the ridge's share. A quantised wire (int8 / int4, one scale per
-token and field: mem_cache/scd_quant.py) needs it: the principal columns' variance falls by orders
+decode to the same K/V up to the ridge's share. It is meant for a quantised wire (int8 / int4,
+one scale per token and field: mem_cache/scd_quant.py): the principal columns' variance falls by orders
 of magnitude across a field, so one scale set by the leading columns rounds the tail columns to
 zero; with every column at unit variance each gets the same share of the grid. Under the
 uniform-noise model of rounding that minimises the decoded error for a shared per-token step:
