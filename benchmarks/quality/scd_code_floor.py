@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from benchmarks.common.report import RESULTS_DIR, device_name, write_json  # noqa: E402
+from sgl_kvxfer.scd.artifacts import CODE_SCALES  # noqa: E402
 
 SHARED = os.path.join(os.path.dirname(ROOT), "shared", "data")
 
@@ -50,9 +51,8 @@ def run_one(args, code_dtype: str, scale: str, work: str) -> dict:
     # the record names the model as given, the data beside the repo relative to it (../shared/data)
     # and the temp output as OUT, not this machine's paths
     beside = os.path.dirname(ROOT) + os.sep
-    shown = [args.model_arg if a == args.model else "OUT" if a == out
-             else os.path.relpath(a, ROOT) if a.startswith(beside) else a for a in argv]
-    shown = [f"self={args.model_arg}" if a == f"self={args.model}" else a for a in shown]
+    named = {args.model: args.model_arg, f"self={args.model}": f"self={args.model_arg}", out: "OUT"}
+    shown = [named.get(a, os.path.relpath(a, ROOT) if a.startswith(beside) else a) for a in argv]
     held = report["heldout_kv_rel_err"]["self"]
     sel = report["selection"]
     la = report["level_agreement"]
@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--calib", nargs="+", default=[os.path.join(SHARED, f"{c}_calib.jsonl") for c in ("prose", "code")],
                     help="calibration JSONL paths or task:NAME specs (default: the shared prose and code calib splits)")
     ap.add_argument("--code-dtypes", nargs="+", default=["int4", "int8"], choices=("int4", "int8", "bfloat16"))
-    ap.add_argument("--scales", nargs="+", default=["none", "unit"], choices=("none", "unit"))
+    ap.add_argument("--scales", nargs="+", default=list(CODE_SCALES), choices=CODE_SCALES)
     ap.add_argument("--num-prefixes", type=int, default=96)
     ap.add_argument("--prefix-len", type=int, default=256)
     ap.add_argument("--select-prompts", type=int, default=16)

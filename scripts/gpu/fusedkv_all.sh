@@ -70,8 +70,7 @@ mkdir -p "$OUT"
 
 if [ "$mode" = stage ]; then  # join the GGUF halves, convert into /tmp/models (gguf is all it needs)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl_gguf/*.whl || exit 1
-  [ -f /tmp/m/has_b ] || { echo "no staged parts: stage_weights.sh (.carry_a), then its add (.carry_b)" >&2; exit 1; }
-  cat /tmp/m/partial .carry_c/part_c > /tmp/m/smollm2.gguf || exit 1
+  bash scripts/gpu/stage_weights.sh join || exit 1
   PYTHONPATH=/tmp/site:$PWD SGL_KVXFER_MODEL_CACHE=/tmp/models python3 -c "
 from sgl_kvxfer.models.convert import convert_gguf, default_cache_dir, is_converted
 d = default_cache_dir()
