@@ -94,7 +94,7 @@ if [ "$DEVICE" = cuda ]; then
   # 8192-token steps on 1/3 more sampled tokens, the loss weighted towards the consumer's own K/V
   # (--aligner-h-weight 0.25: the K/V term is the error attention reads; the hidden-state term
   # keeps the rest of h in check); patience 40 checks (2000 steps) for the larger, less noisy steps
-  CALIB="--r-k 32 --r-v 64 --rank-levels 4:12,8:28,16:48 --r-h ${R_H:-128} --patch-budget ${PATCH_BUDGET:-6} --k-max ${PATCH_BUDGET:-6}
+  CALIB="--r-k ${R_K:-32} --r-v ${R_V:-64} --rank-levels ${RANK_LEVELS:-4:12,8:28,16:48} --r-h ${R_H:-128} --patch-budget ${PATCH_BUDGET:-6} --k-max ${PATCH_BUDGET:-6}
          --num-prefixes ${NUM_PREFIXES:-768} --batch-size 32 --select-prompts ${SELECT_PROMPTS:-48} --aligner-hidden ${ALIGNER_HIDDEN:-512} --aligner-steps 200000
          --aligner-joint --aligner-batch 8192 --aligner-lr ${ALIGNER_LR:-0.002} --aligner-h-weight 0.25
          --aligner-patience 40 --aligner-time-s 400 --aligner-tokens ${ALIGNER_TOKENS:-262144} --storage-dtype float16 --code-dtype ${CODE_DTYPE:-bfloat16}
