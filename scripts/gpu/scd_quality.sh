@@ -22,9 +22,11 @@
 #                80 GB at 786432: an H200's, not an 80 GB card's)
 #   SELECT_PROMPTS (48): held-out items the layer selection scores; CODE_DTYPE (bfloat16): the
 #                codes' wire dtype at calibration (int8 / int4: the aligners train on the rounded
-#                codes, and the table's SCD rows send them); CODE_SCALE (none): --code-scale, unit =
+#                codes, and the table's SCD rows send them); CODE_SCALE (auto): --code-scale, unit =
 #                every code column at unit variance (calib/fit.py), none = the principal
-#                components' own scale
+#                components' own scale, auto = unit for int4 codes, none otherwise
+#   R_K, R_V (32, 64), RANK_LEVELS (4:12,8:28,16:48): the calibration's top rank per kv head and
+#                its nested levels (--r-k, --r-v, --rank-levels)
 #   R_H (128), ALIGNER_HIDDEN (512), PATCH_BUDGET (6): a Patch layer's hidden-state code rank (R_H
 #                values a token at the code dtype's width), the aligners' MLP width, and how many
 #                layers are patched (--patch-budget and --k-max)
@@ -98,7 +100,7 @@ if [ "$DEVICE" = cuda ]; then
          --num-prefixes ${NUM_PREFIXES:-768} --batch-size 32 --select-prompts ${SELECT_PROMPTS:-48} --aligner-hidden ${ALIGNER_HIDDEN:-512} --aligner-steps 200000
          --aligner-joint --aligner-batch 8192 --aligner-lr ${ALIGNER_LR:-0.002} --aligner-h-weight 0.25
          --aligner-patience 40 --aligner-time-s 400 --aligner-tokens ${ALIGNER_TOKENS:-262144} --storage-dtype float16 --code-dtype ${CODE_DTYPE:-bfloat16}
-         --code-scale ${CODE_SCALE:-none} --device cuda"
+         --code-scale ${CODE_SCALE:-auto} --device cuda"
   # int4 codes only (CODE_QUANT="int4 int8" adds the int8 rows): every level of them, 4:12 to
   # 32:64, lands between 1788 and 3948 B/token, the region of the 1/8-of-raw-KV (2880) target
   EVAL="--n 100 --batch-size 50 --code-quant ${CODE_QUANT:-int4} --device cuda"

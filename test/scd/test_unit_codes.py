@@ -82,8 +82,12 @@ def test_manifest_and_config_name_the_code_scale(tmp_path):
     with pytest.raises(ValueError, match="code_scale"):
         ScdManifest.from_dict({**d, "code_scale": "whiten"})
     cons = ("a=x",)
-    assert not CalibConfig(consumers=cons, code_dtype="int4").unit_codes  # opt-in
-    assert CalibConfig(consumers=cons, code_dtype="int4", code_scale="unit").unit_codes
+    # auto (the default): unit for int4 codes only
+    assert CalibConfig(consumers=cons, code_dtype="int4").unit_codes
+    for dtype in ("int8", "bfloat16", "float32"):
+        assert not CalibConfig(consumers=cons, code_dtype=dtype).unit_codes
+    assert not CalibConfig(consumers=cons, code_dtype="int4", code_scale="none").unit_codes
+    assert CalibConfig(consumers=cons, code_dtype="int8", code_scale="unit").unit_codes
     assert CalibConfig(consumers=cons, code_scale="unit").unit_codes
     with pytest.raises(ValueError, match="code-scale"):
-        CalibConfig(consumers=cons, code_scale="auto")
+        CalibConfig(consumers=cons, code_scale="whiten")
