@@ -85,9 +85,11 @@ class TieredDecodeConfig:
     dot_cvt): codes become exact fp16 subnormals c * 2^-24 (one PRMT per two int8 codes, no bias
     subtraction), the factor taken out by exact power-of-two multiplies. split_waves: stage-1
     programs per SM the planner aims for; min_split_tokens: no split gets fewer context tokens.
-    fused_merge: the last split program merges (no merge launch). min_steps: a split whose
-    tokens fill fewer steps than this runs half the tile with half the warps (at least 4), down to
-    a 64-token tile (short splits, e.g. batch 1, keep more steps in the pipeline; 0: off).
+    fused_merge: the last split program merges (no merge launch). min_steps (int tiers): a split
+    whose tokens fill fewer steps than this runs half the tile with half the warps (at least 4),
+    down to a 64-token tile (short splits, e.g. batch 1, keep more steps in the pipeline; 0: off).
+    The fp16 tier keeps its tile: on an H200 at Llama-3-8B heads, batch 1, 32k its halved launch
+    (64 rows, 4 warps, 3 stages) took 50.4 us and the whole 128-row tile at 4 warps 44.2-44.8 us.
     row_splits: a tier walked several pages a step (PAGE < tile: the fp16 store's rows) splits each
     request at slot granularity, not at step granularity (equal bytes per split program).
     merge_prefetch: the merge issues the next chunk's partial loads before it reduces this chunk
@@ -139,10 +141,10 @@ class TieredDecodeConfig:
 
     def launch(self, tier: int, split_tokens: Optional[int] = None) -> tuple[int, int, int]:
         """(tile, num_warps, num_stages) of a tier; split_tokens (a host number: the widest
-        request's tokens of this tier over the split count) applies min_steps."""
+        request's tokens of this tier over the split count) applies min_steps to an int tier."""
         sfx = {TIER_FP16: "16", TIER_INT8: "8", TIER_INT4: "4"}[tier]
         tile, warps, stages = getattr(self, "tile" + sfx), getattr(self, "warps" + sfx), getattr(self, "stages" + sfx)
-        if self.min_steps and split_tokens is not None:
+        if self.min_steps and split_tokens is not None and tier != TIER_FP16:
             while tile > 64 and split_tokens < self.min_steps * tile:
                 tile, warps = tile // 2, max(min(4, warps), warps // 2)
         return tile, warps, stages
@@ -158,7 +160,9 @@ INTERPRET_CONFIG = TieredDecodeConfig(tile16=16, tile8=16, tile4=16, stages16=1,
 # several pages a step), the timings are not.
 SERVED_CONFIGS: dict[tuple[int, int], TieredDecodeConfig] = {
     (64, 3): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, warps16=4, split_waves=3),  # SmolLM2
-    (128, 4): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, min_steps=8, stages4=5, row_splits=False),  # Llama-3-8B
+    # Llama-3-8B; warps16=4 from the H200 fp16 sweep (attention_fp16_sweep2_NVIDIA_H200.json):
+    # batch 1 44.2 us against 50.4 served before, batch 8 253.5 against 256.0
+    (128, 4): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, min_steps=8, stages4=5, row_splits=False, warps16=4),
 }
 # The int page (--kv-tier-page-size) each SERVED_CONFIGS entry was timed at. The H100 sweep at
 # c7b4604 (benchmarks/results/attention_*.json, sweep.rows) timed its served Llama-3-8B config at

@@ -287,16 +287,17 @@ def test_min_steps_halves_short_splits():
     cfg = with_config(DEFAULT_CONFIG, tile16=128, warps16=8, tile4=256, warps4=4, min_steps=8)
     assert cfg.launch(0) == (128, 8, cfg.stages16)  # no split size: as configured
     assert cfg.launch(0, 8192) == (128, 8, cfg.stages16)  # 64 steps
-    assert cfg.launch(0, 993) == (64, 4, cfg.stages16)  # 7.8 steps of 128 -> 15.5 of 64
+    assert cfg.launch(0, 993) == (128, 8, cfg.stages16)  # the fp16 tier keeps its tile
+    assert cfg.launch(1, 993) == (64, 4, cfg.stages8)  # 3.9 steps of 256 -> 15.5 of 64
     assert cfg.launch(2, 993) == (64, 4, cfg.stages4)  # 256 -> 128 -> 64, never below 64 or 4 warps
     assert cfg.launch(2, 10) == (64, 4, cfg.stages4)
-    assert with_config(cfg, min_steps=0).launch(0, 10) == (128, 8, cfg.stages16)
+    assert with_config(cfg, min_steps=0).launch(2, 10) == (256, 4, cfg.stages4)
     with pytest.raises(ValueError):
         with_config(cfg, min_steps=-1)
 
 
 def test_min_steps_launch_matches_the_reference():
-    """A launch whose tiles min_steps halves (tiles 128 -> 64 over 64-token pages)."""
+    """A launch whose int tiles min_steps halves (128 -> 64 over 64-token pages; the fp16 tier keeps 128)."""
     cfg = with_config(BASE, tile16=128, tile8=128, tile4=128, min_steps=4, stages16=1, stages8=1, stages4=1)
     assert cfg.launch(1, 128) == (64, 4, 1)
     _close(*_run([(40, 100, 70), (3, 64, 1)], 4, 2, 32, 32, (64, 64, 64), splits=2, config=cfg))
