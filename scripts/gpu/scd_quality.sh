@@ -20,6 +20,7 @@
 #                about 390 tokens each) and the tokens sampled from them for the aligners; GPU
 #                memory of the aligner pass grows with ALIGNER_TOKENS (by its tensors' sizes about
 #                80 GB at 786432: an H200's, not an 80 GB card's)
+#   EVAL_N (100): held-out items per task the eval scores (300 on an H200: about 225 s)
 #   SELECT_PROMPTS (48): held-out items the layer selection scores; CODE_DTYPE (bfloat16): the
 #                codes' wire dtype at calibration (int8 / int4: the aligners train on the rounded
 #                codes, and the table's SCD rows send them); CODE_SCALE (auto): --code-scale, unit =
@@ -103,7 +104,7 @@ if [ "$DEVICE" = cuda ]; then
          --code-scale ${CODE_SCALE:-auto} --device cuda"
   # int4 codes only (CODE_QUANT="int4 int8" adds the int8 rows): every level of them, 4:12 to
   # 32:64, lands between 1788 and 3948 B/token, the region of the 1/8-of-raw-KV (2880) target
-  EVAL="--n 100 --batch-size 50 --code-quant ${CODE_QUANT:-int4} --device cuda"
+  EVAL="--n ${EVAL_N:-100} --batch-size 50 --code-quant ${CODE_QUANT:-int4} --device cuda"
   T_TRAIN=$(( ${T_TRAIN_EACH:-100} + 40 )); WALL=${WALL:-540}; PARALLEL_TRAIN=${PARALLEL_TRAIN:-1}
   # the table's methods for 3 x 100 items, drift and timings, then the sweep (6 bf16 + 8
   # int4-code variants per consumer)
