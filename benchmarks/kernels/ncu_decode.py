@@ -1,9 +1,11 @@
 """Nsight Compute figures of the tiered pool's decode kernels at one point (default Llama-3-8B heads,
 batch 8, 32k): DRAM throughput (% of peak), achieved occupancy, issue slots busy, registers, shared memory and the
-top warp stall reason of each tier's kernel, from one ncu run.
+top warp stall reason of each tier's kernel, from one ncu run; `sdpa` adds torch SDPA on dense K/V
+at the same point (`--sdpa-backend`, cuDNN by default: the attention table's SDPA there) in a
+second ncu run, every kernel it launches inside the NVTX range `profile`.
 
     python benchmarks/kernels/ncu_decode.py --out-dir DIR [--point llama3-8b:8:32768]
-        [--variants int8 int4 fp16] [--config JSON]          # runs ncu on itself, writes ncu_decode.json
+        [--variants int8 int4 fp16 sdpa] [--config JSON] [--name NAME]   # runs ncu on itself, writes NAME.json
     python benchmarks/kernels/ncu_decode.py --target ...      # what ncu profiles (one warm-up, then the launches)
 
 The layouts are attention.py's (engine_layout.py: the engine's TieredKVPool, its int page). ncu
@@ -25,13 +27,42 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-KERNELS = {"fp16": "_fp16_tier_kernel", "int8": "_int_tier_kernel", "int4": "_int_tier_kernel"}
+KERNELS = {"fp16": "_fp16_tier_kernel", "int8": "_int_tier_kernel", "int4": "_int_tier_kernel",
+           "sdpa": None}  # None: every kernel inside the NVTX range PROFILE_RANGE (its own ncu run)
+PROFILE_RANGE = "profile"
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "ComputeWorkloadAnalysis")
+
+
+def sdpa_target(args) -> None:
+    """torch SDPA (enable_gqa) of one decode step over dense K/V [B, Hkv, ctx, D] at the point,
+    the backend forced: one warm-up, then one call inside the NVTX range PROFILE_RANGE."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from attention import MODELS, parse_point
+
+    model, B, ctx = parse_point(args.point)
+    Hq, Hkv, D = MODELS[model]
+    dev = torch.device("cuda")
+    q = torch.randn(B, Hq, 1, D, dtype=torch.float16, device=dev)
+    k = torch.randn(B, Hkv, ctx, D, dtype=torch.float16, device=dev)
+    v = torch.randn_like(k)
+    with sdpa_kernel(getattr(SDPBackend, args.sdpa_backend)):
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # warm-up (and cuDNN's plan)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push(PROFILE_RANGE)
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
 
 
 def target(args) -> None:
     """Build each variant's layout, launch its decode once to compile, then once per variant (the
     launches ncu profiles, in --variants order)."""
+    if args.variants == ["sdpa"]:
+        sdpa_target(args)
+        return
     import torch
 
     from attention import MODELS, parse_point, split_config, tiered_layout
@@ -113,24 +144,44 @@ def drive(args) -> dict:
     if ncu is None:
         out["error"] = "ncu not on PATH"
         return out
-    names = "|".join(sorted({KERNELS[v] for v in args.variants}))
-    cmd = [ncu, "--target-processes", "all", "--kernel-name", f"regex:{names}",
-           "--launch-skip", str(len(args.variants)), "--launch-count", str(len(args.variants)),
-           *[a for s in SECTIONS for a in ("--section", s)], "--csv", "--page", "raw",
-           sys.executable, os.path.abspath(__file__), "--target", "--point", args.point,
-           "--variants", *args.variants] + (["--config", args.config] if args.config else [])
-    out["command"] = " ".join(cmd)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    out["returncode"] = proc.returncode
-    kernels = parse_raw_csv(proc.stdout)
-    if not kernels:
-        out["error"] = "no kernel profiled"
-        out["stdout_tail"] = proc.stdout[-3000:]
-        out["stderr_tail"] = proc.stderr[-3000:]
-        return out
-    out["kernels"] = [dict(variant=v, **summarize(k)) for v, k in zip(args.variants, kernels)]
-    out["raw"] = kernels
+    tiered = [v for v in args.variants if KERNELS[v]]
+    runs = ([(tiered, ncu_command(ncu, args, tiered))] if tiered else []) + (
+        [(["sdpa"], ncu_command(ncu, args, ["sdpa"]))] if "sdpa" in args.variants else [])
+    out["command"] = " ; ".join(" ".join(cmd) for _, cmd in runs)
+    out["kernels"], out["raw"] = [], []
+    for variants, cmd in runs:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        out.setdefault("returncodes", []).append(proc.returncode)
+        kernels = parse_raw_csv(proc.stdout)
+        if not kernels:
+            out["error"] = f"no kernel profiled for {variants}"
+            out["stdout_tail"] = proc.stdout[-3000:]
+            out["stderr_tail"] = proc.stderr[-3000:]
+            continue
+        # the tiered run: one kernel per variant, in order; SDPA's: every kernel of its call
+        names = variants if KERNELS[variants[0]] else ["sdpa"] * len(kernels)
+        out["kernels"] += [dict(variant=v, **summarize(k)) for v, k in zip(names, kernels)]
+        out["raw"] += kernels
     return out
+
+
+def ncu_command(ncu: str, args, variants: list[str]) -> list[str]:
+    """The ncu command line profiling `variants` of this script's --target: the tiered kernels by
+    name after their compile launches, SDPA (alone) as every kernel inside PROFILE_RANGE."""
+    if variants == ["sdpa"]:
+        select = ["--nvtx", "--nvtx-include", f"{PROFILE_RANGE}/"]
+        extra = ["--sdpa-backend", args.sdpa_backend]
+    else:
+        if "sdpa" in variants:
+            raise ValueError("sdpa runs in its own ncu command")
+        names = "|".join(sorted({KERNELS[v] for v in variants}))
+        select = ["--kernel-name", f"regex:{names}", "--launch-skip", str(len(variants)),
+                  "--launch-count", str(len(variants))]
+        extra = ["--config", args.config] if args.config else []
+    return [ncu, "--target-processes", "all", *select,
+            *[a for s in SECTIONS for a in ("--section", s)], "--csv", "--page", "raw",
+            sys.executable, os.path.abspath(__file__), "--target", "--point", args.point,
+            "--variants", *variants, *extra]
 
 
 def main(argv=None) -> None:
@@ -138,6 +189,10 @@ def main(argv=None) -> None:
     ap.add_argument("--point", default="llama3-8b:8:32768", help="MODEL:BATCH:CONTEXT")
     ap.add_argument("--variants", nargs="+", default=["int8", "int4"], choices=list(KERNELS))
     ap.add_argument("--config", default=None, help="JSON object: TieredDecodeConfig fields (+ int_page)")
+    ap.add_argument("--sdpa-backend", default="CUDNN_ATTENTION",
+                    choices=["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"],
+                    help="the SDPA backend the sdpa variant forces")
+    ap.add_argument("--name", default="ncu_decode", help="the JSON's name in --out-dir")
     ap.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds ncu may run")
     ap.add_argument("--out-dir", default=None)
@@ -157,7 +212,7 @@ def main(argv=None) -> None:
               f"{k['registers_per_thread']}, smem {k['shared_mem_per_block_bytes']}, top stalls {k['top_stalls']}")
     if "error" in res:
         print("ncu:", res["error"], res.get("stderr_tail", "")[-1500:])
-    print("wrote", write_json("ncu_decode", res, args.out_dir))
+    print("wrote", write_json(args.name, res, args.out_dir))
 
 
 if __name__ == "__main__":

@@ -201,3 +201,22 @@ def test_ncu_raw_csv_summary():
     assert a["registers_per_thread"] == 168 and a["top_stalls"][0] == {"reason": "mio_throttle", "warps_per_issue": 5.4}
     assert b["top_stalls"][0]["reason"] == "long_scoreboard"
     assert parse_raw_csv("==ERROR== ERR_NVGPUCTRPERM") == []
+
+
+def test_ncu_commands_split_sdpa_from_the_tiered_kernels():
+    """The tiered kernels are picked by name after their compile launches; SDPA runs in its own ncu
+    command, every kernel inside the NVTX range its target pushes, with the forced backend."""
+    import argparse
+
+    from ncu_decode import PROFILE_RANGE, ncu_command
+
+    args = argparse.Namespace(point="llama3-8b:1:32768", config='{"warps16": 4}', sdpa_backend="CUDNN_ATTENTION")
+    tiered = ncu_command("ncu", args, ["fp16", "int8"])
+    assert "regex:_fp16_tier_kernel|_int_tier_kernel" in tiered and "--nvtx" not in tiered
+    assert tiered[tiered.index("--launch-skip") + 1] == "2" and tiered[tiered.index("--launch-count") + 1] == "2"
+    assert tiered[-2:] == ["--config", '{"warps16": 4}']
+    sdpa = ncu_command("ncu", args, ["sdpa"])
+    assert sdpa[sdpa.index("--nvtx-include") + 1] == f"{PROFILE_RANGE}/" and "--kernel-name" not in sdpa
+    assert sdpa[-2:] == ["--sdpa-backend", "CUDNN_ATTENTION"] and "--config" not in sdpa
+    with pytest.raises(ValueError):
+        ncu_command("ncu", args, ["fp16", "sdpa"])
