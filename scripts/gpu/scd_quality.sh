@@ -106,7 +106,7 @@ if [ "$DEVICE" = cuda ]; then
   # 32:64, lands between 1788 and 3948 B/token, the region of the 1/8-of-raw-KV (2880) target
   EVAL="--n ${EVAL_N:-100} --batch-size 50 --code-quant ${CODE_QUANT:-int4} --device cuda"
   T_TRAIN=$(( ${T_TRAIN_EACH:-100} + 40 )); WALL=${WALL:-540}; PARALLEL_TRAIN=${PARALLEL_TRAIN:-1}
-  # the table's methods for 3 x 100 items, drift and timings, then the sweep (6 bf16 + 8
+  # the table's methods for 3 x EVAL_N items, drift and timings, then the sweep (6 bf16 + 8
   # int4-code variants per consumer)
   T_EVAL_MIN=${T_EVAL_MIN:-180}
 else
