@@ -161,8 +161,12 @@ INTERPRET_CONFIG = TieredDecodeConfig(tile16=16, tile8=16, tile4=16, stages16=1,
 SERVED_CONFIGS: dict[tuple[int, int], TieredDecodeConfig] = {
     (64, 3): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, warps16=4, split_waves=3),  # SmolLM2
     # Llama-3-8B; warps16=4 from the H200 fp16 sweep (attention_fp16_sweep2_NVIDIA_H200.json):
-    # batch 1 44.2 us against 50.4 served before, batch 8 253.5 against 256.0
-    (128, 4): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, min_steps=8, stages4=5, row_splits=False, warps16=4),
+    # batch 1 44.2 us against 50.4 served before, batch 8 253.5 against 256.0. one_launch from the
+    # same-run A/B on the H200 (attention_one_launch_ab_NVIDIA_H200.json; the H100 sweep at e014cdc
+    # picked it too): the b = 0.5 mix at 32k 42.1 / 150.0 / 525.2 us against 52.8 / 158.6 / 531.9
+    # per tier at batch 1 / 8 / 32; a single tier runs its own launch either way
+    (128, 4): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, min_steps=8, stages4=5, row_splits=False, warps16=4,
+                                 one_launch=True),
 }
 # The int page (--kv-tier-page-size) each SERVED_CONFIGS entry was timed at. The H100 sweep at
 # c7b4604 (benchmarks/results/attention_*.json, sweep.rows) timed its served Llama-3-8B config at
