@@ -159,7 +159,7 @@ def drive(args) -> dict:
             out["stderr_tail"] = proc.stderr[-3000:]
             continue
         # the tiered run: one kernel per variant, in order; SDPA's: every kernel of its call
-        names = variants if KERNELS[variants[0]] else ["sdpa"] * len(kernels)
+        names = ["sdpa"] * len(kernels) if variants == ["sdpa"] else variants
         out["kernels"] += [dict(variant=v, **summarize(k)) for v, k in zip(names, kernels)]
         out["raw"] += kernels
     return out
@@ -185,12 +185,13 @@ def ncu_command(ncu: str, args, variants: list[str]) -> list[str]:
 
 
 def main(argv=None) -> None:
+    from common.bandwidth import SDPA_BACKENDS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--point", default="llama3-8b:8:32768", help="MODEL:BATCH:CONTEXT")
     ap.add_argument("--variants", nargs="+", default=["int8", "int4"], choices=list(KERNELS))
     ap.add_argument("--config", default=None, help="JSON object: TieredDecodeConfig fields (+ int_page)")
-    ap.add_argument("--sdpa-backend", default="CUDNN_ATTENTION",
-                    choices=["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"],
+    ap.add_argument("--sdpa-backend", default="CUDNN_ATTENTION", choices=SDPA_BACKENDS,
                     help="the SDPA backend the sdpa variant forces")
     ap.add_argument("--name", default="ncu_decode", help="the JSON's name in --out-dir")
     ap.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
