@@ -29,6 +29,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import kernel_profile  # noqa: E402
+from common.kernel_profile import kernel_group  # noqa: E402,F401  (re-exported)
 from common.roofline import ModelShape  # noqa: E402
 
 VARIANTS = ("vanilla", "fusedkv", "lite")
@@ -123,61 +125,10 @@ def measure_tpot(engine, prompts, n1: int, n2: int, repeats: int) -> dict:
             "unstable": any(x <= 0 for x in steps), "n1_s": [a for a, _ in pairs], "n2_s": [b for _, b in pairs]}
 
 
-# first match wins: the tier and FusedKV kernels before the generic attention names
-KERNEL_GROUPS = (
-    ("fusedkv attention", ("fusedkv",)),
-    ("tiered attention", ("tiered", "tier_")),
-    ("attention", ("attn", "attention", "flash", "decode")),
-    ("matmul", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "matmul", "addmm", "linear")),
-    ("sampling / sort", ("softmax", "cumsum", "searchsorted", "argmax", "topk", "sort")),
-    ("norm / rope / activation", ("norm", "rope", "rotary", "silu", "gelu", "act_and_mul")),
-    ("copy / index", ("memcpy", "memset", "copy", "cat", "index", "gather", "scatter")),
-)
-
-
-def kernel_group(name: str) -> str:
-    low = name.lower()
-    return next((group for group, keys in KERNEL_GROUPS if any(k in low for k in keys)), "other")
-
-
-def _profiled_kernel_s(engine, prompts, n: int, cuda: bool) -> dict[str, float]:
-    """Seconds per kernel name over one generate(n) under torch.profiler: CUDA kernels (those a
-    CUDA graph replays included) on a GPU, operators' self CPU time on the CPU."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        timed(engine, prompts, n)
-    out: dict[str, float] = {}
-    if cuda:
-        from torch.autograd import DeviceType
-
-        for e in prof.profiler.kineto_results.events():
-            if e.device_type() == DeviceType.CUDA:
-                out[e.name()] = out.get(e.name(), 0.0) + e.duration_ns() * 1e-9
-    else:
-        for e in prof.key_averages():
-            out[e.key] = out.get(e.key, 0.0) + e.self_cpu_time_total * 1e-6
-    return out
-
-
 def kernel_breakdown(engine, prompts, n1: int, n2: int, cuda: bool, top: int = 12) -> dict:
-    """Device time of one decode step per kernel and per group (KERNEL_GROUPS), by the same
-    difference as measure_tpot: (time in generate(n2) - time in generate(n1)) / (n2 - n1), so the
-    re-prefill both calls share cancels. `busy_s`: the summed kernel time of a step, which against
-    the unprofiled TPOT says how much of a step the GPU computes (the rest is launch and host
-    gaps). On the CPU the same over operators' self time (no kernels to list)."""
-    a = _profiled_kernel_s(engine, prompts, n1, cuda)
-    b = _profiled_kernel_s(engine, prompts, n2, cuda)
-    per_step = {k: (b.get(k, 0.0) - a.get(k, 0.0)) / (n2 - n1) for k in set(a) | set(b)}
-    per_step = {k: v for k, v in per_step.items() if v > 0}
-    groups: dict[str, float] = {}
-    for k, v in per_step.items():
-        groups[kernel_group(k)] = groups.get(kernel_group(k), 0.0) + v
-    ranked = sorted(per_step.items(), key=lambda kv: -kv[1])
-    return {"unit": "kernel" if cuda else "cpu_op", "busy_s": sum(per_step.values()),
-            "groups_s": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
-            "top_s": [{"name": k[:160], "group": kernel_group(k), "s": v} for k, v in ranked[:top]]}
+    """Device time of one decode step of `prompts` (already prefilled) per kernel and per group:
+    common.kernel_profile.kernel_breakdown over generate(n), the same difference as measure_tpot."""
+    return kernel_profile.kernel_breakdown(lambda n: timed(engine, prompts, n), n1, n2, cuda, top)
 
 
 def step_roofline(row: dict, arch, dtype: str, variant: str, batch: int, context: int, n1: int, n2: int,

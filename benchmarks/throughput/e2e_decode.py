@@ -19,6 +19,10 @@ planner, the fp16 store holding one whole request plus every request's fp16 shar
 window). A point whose weights + pool + headroom exceed the device's free memory is skipped and
 recorded with the bytes it needs; a budget that fits runs even where b = 1.0 does not.
 
+--kernel-breakdown profiles one generate(n1) and one generate(n2) more (torch.profiler, CUDA-graph
+replays included) and stores one decode step's device time per kernel and kernel group with its
+launches (common/kernel_profile.py): what of a step the GPU computes, and in which kernels.
+
 Roofline per step: (weight bytes one forward reads + resident KV bytes the step attends) over a
 bandwidth measured in the same run, twice: torch's copy (read + write bytes / s) and SDPA's
 effective read bandwidth on one decode step at the point's (batch, context) and head shape
@@ -47,6 +51,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common.bandwidth import copy_bandwidth_Bps, sdpa_decode  # noqa: E402
+from common.kernel_profile import kernel_breakdown  # noqa: E402
 from common.report import device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
 from pool_plan import FP16_PAGE, HEADROOM_BYTES, fits, plan_pool, weight_bytes_read, weight_bytes_resident  # noqa: E402
 
@@ -208,6 +213,10 @@ def run_engine(args, model_dir: str, preset: dict, context: int, batch: int, bud
             with StepBreakdown(engine) as bd:
                 wall, _ = timed_generate(engine, prompts, args.n2)
             breakdown = bd.result(wall)
+        kernels = None
+        if args.kernel_breakdown:
+            kernels = kernel_breakdown(lambda n: timed_generate(engine, prompts, n), args.n1, args.n2,
+                                       torch.cuda.is_available() and args.device != "cpu", top=args.kernel_top)
     finally:
         engine.shutdown()
         del engine
@@ -225,7 +234,8 @@ def run_engine(args, model_dir: str, preset: dict, context: int, batch: int, bud
             "kv_bytes_per_token": per_token, "kv_full_bytes_per_token": plan["kv_full_bytes_per_token"],
             "kv_fraction_of_fp16": per_token / plan["kv_full_bytes_per_token"],
             "kv_tokens_per_step": kv_tokens, "kv_resident_bytes": per_token * kv_tokens,
-            "max_total_num_tokens": info.get("max_total_num_tokens"), "breakdown": breakdown}
+            "max_total_num_tokens": info.get("max_total_num_tokens"), "breakdown": breakdown,
+            "kernels": kernels}
 
 
 def roofline(row: dict, bandwidths: dict) -> None:
@@ -319,6 +329,10 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True,
                    help="one more generate(n2) with synchronized timers: forward ms per decode step, graph "
                    "replays, time in SpectrumKV's hooks (row['breakdown'])")
+    p.add_argument("--kernel-breakdown", action="store_true",
+                   help="profile generate(n1) and generate(n2) once more: one decode step's device time per "
+                   "kernel and kernel group, and its launches (row['kernels'], common/kernel_profile.py)")
+    p.add_argument("--kernel-top", type=int, default=16, help="kernels listed by --kernel-breakdown")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="run each engine in a child process (its GPU memory is all back when it exits, "
                    "so every point finds the card as empty as the first); default: on CUDA only")
@@ -475,6 +489,14 @@ def run_point(args, model_dir, preset, arch, dtype, context, batch, budget, back
         print(f"{tag}: breakdown over {bd['decode_steps']} decode steps: forward {bd['decode_forward_ms_per_step']:.2f} "
               f"ms/step, graph replays {bd['graph_replays']}, tiering hooks {bd['tiering_hooks_s']:.2f} s, "
               f"extend forward {bd['extend_forward_s']:.2f} s, wall {bd['wall_s']:.2f} s", flush=True)
+    k = row.get("kernels")
+    if k:
+        unit = "ms" if k["unit"] == "kernel" else "ms of CPU operators"
+        groups = ", ".join(f"{g} {s * 1e3:.3f} ({k['group_launches_per_step'][g]:.0f})" for g, s in k["groups_s"].items())
+        print(f"{tag}: kernels per decode step: busy {k['busy_s'] * 1e3:.3f} {unit} in {k['launches_per_step']:.0f} "
+              f"launches; {groups}", flush=True)
+        for t in k["top_s"]:
+            print(f"{tag}:   {t['s'] * 1e6:9.1f} us  x{t['launches']:5.1f}  [{t['group']}] {t['name'][:110]}", flush=True)
     return row
 
 

@@ -172,7 +172,7 @@ def test_decode_step(tmp_path):
 def test_e2e_decode(tmp_path):
     out = run_bench("throughput/e2e_decode.py", ["--device", "cpu", "--preset", "tiny", "--context", "64", "--batch",
                                                  "2", "--n1", "1", "--n2", "2", "--repeats", "1",
-                                                 "--kv-tier-budgets", "1.0", "0.5"], tmp_path)
+                                                 "--kv-tier-budgets", "1.0", "0.5", "--kernel-breakdown"], tmp_path)
     data = result(out, "e2e_decode_tiny", ("rows", "params", "copy_bandwidth_Bps", "sdpa_read_bandwidth"), png=True)
     assert [r["kv_tier_budget"] for r in data["rows"]] == [1.0, 0.5] and not data["partial"]
     full, half = data["rows"]
@@ -184,6 +184,23 @@ def test_e2e_decode(tmp_path):
     assert "attention_config" not in full
     for r in data["rows"]:
         assert {"decode_tok_s", "fraction_of_roofline_copy", "fraction_of_roofline_sdpa", "bytes_needed"} <= set(r)
+        k = r["kernels"]  # --kernel-breakdown: per-step time by operator on the CPU, groups summing to it
+        assert k["unit"] == "cpu_op" and k["busy_s"] > 0 and k["top_s"] and k["launches_per_step"] > 0
+        assert abs(sum(k["groups_s"].values()) - k["busy_s"]) < 1e-9 * max(1.0, k["busy_s"]) + 1e-12
+
+
+def test_dense_linear(tmp_path):
+    out = run_bench("kernels/dense_linear.py", ["--device", "cpu", "--preset", "tiny", "--batches", "2", "--iters", "5",
+                                                "--name", "dense_linear_tiny"], tmp_path)
+    data = result(out, "dense_linear_tiny", ("rows", "params", "copy_bandwidth_Bps", "dense_step"), png=True)
+    assert {(r["variant"], r["matmul"]) for r in data["rows"]} == {
+        (v, m) for v in ("linear", "kn") for m in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")}
+    for r in data["rows"]:  # both storages compute x W^T (fp32 reference)
+        assert r["rel_err"] < 2e-2 and r["bytes"] >= r["n"] * r["k"] * 2
+    for s in data["dense_step"]:  # the step sums layers x the four projections + lm_head
+        rows = [r for r in data["rows"] if r["variant"] == s["variant"] and r["m"] == s["m"]]
+        want = sum(r["ms"] * 1e-3 * (1 if r["matmul"] == "lm_head" else 2) for r in rows)  # tiny: 2 layers
+        assert abs(s["dense_s"] - want) < 1e-9
 
 
 def test_backend_agreement(tmp_path):
@@ -337,14 +354,15 @@ def test_fusedkv_tiers(tmp_path):
 
 
 def test_kernel_groups():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "fusedkv"))
-    from decode_timing import kernel_group
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from common.kernel_profile import kernel_group
 
     assert kernel_group("fusedkv_tiered_decode_kernel") == "fusedkv attention"
     assert kernel_group("_tiered_decode_splits") == "tiered attention"
     assert kernel_group("nvjet_hsh_128x64_64x4_1x2_h_bz_coopA_NNT") == "matmul"
     assert kernel_group("void at::native::(anonymous namespace)::cunn_SoftMaxForward") == "sampling / sort"
     assert kernel_group("triton_poi_fused_rms_norm_0") == "norm / rope / activation"
+    assert kernel_group("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>") == "elementwise"
     assert kernel_group("some_unknown_kernel") == "other"
 
 
