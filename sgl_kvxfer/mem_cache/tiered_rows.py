@@ -32,34 +32,19 @@ from sgl_kvxfer.spectrum.tiers import TIER_FP16, TIER_INT4, TIER_INT8
 
 def tier_block_tables(pool: TieredKVPool, slots: torch.Tensor, seq_lens: torch.Tensor) -> TieredBlockTables:
     """slots int64 [B, L] (req_to_token rows), seq_lens [B] -> filled TieredBlockTables, every
-    tensor int32 of width L. Dropped tokens (slot 0) and columns >= seq_len are left out."""
+    tensor int32 of width L. Dropped tokens (slot 0) and columns >= seq_len are left out. On CUDA
+    the run-length encoding is one launch (kernels/tier_tables.py), elsewhere its torch reference;
+    the sort runs on int32 keys (half the radix passes of int64)."""
     B, L = slots.shape
     dev, end = slots.device, pool.id_end
     cols = torch.arange(L, device=dev)
     live = (cols[None, :] < seq_lens[:, None]) & (slots != 0)
-    s = torch.where(live, slots, end).sort(dim=1).values
-    b8, b4 = pool.base(TIER_INT8), pool.base(TIER_INT4)
-    tier = (s >= b8).to(torch.int8) + (s >= b4).to(torch.int8) + (s >= end).to(torch.int8)
-    is16 = tier == TIER_FP16
-    n16 = is16.sum(1, dtype=torch.int32)
-    tables, lens, fills, num_pages = [torch.where(is16, s, 0).to(torch.int32)], [n16], [is16.to(torch.int32)], [n16]
-    # one spare column takes the scatters of columns outside the tier
-    for t, base in ((TIER_INT8, b8), (TIER_INT4, b4)):
-        in_t = tier == t
-        page = torch.where(in_t, s - base, 0) // pool.page_size
-        prev = torch.cat([torch.full((B, 1), -1, dtype=page.dtype, device=dev), page[:, :-1]], dim=1)
-        prev_in = torch.cat([torch.zeros((B, 1), dtype=torch.bool, device=dev), in_t[:, :-1]], dim=1)
-        starts = in_t & ((page != prev) | ~prev_in)
-        rank = torch.cumsum(starts.to(torch.int32), dim=1) - 1
-        table = torch.zeros((B, L + 1), dtype=torch.int32, device=dev)
-        table.scatter_(1, torch.where(starts, rank, L).long(), page.to(torch.int32))
-        fill = torch.zeros((B, L + 1), dtype=torch.int32, device=dev)
-        fill.scatter_add_(1, torch.where(in_t, rank, L).long(), in_t.to(torch.int32))
-        tables.append(table[:, :L])
-        fills.append(fill[:, :L])
-        lens.append(in_t.sum(1, dtype=torch.int32))
-        num_pages.append(starts.sum(1, dtype=torch.int32))
-    return TieredBlockTables(tuple(tables), tuple(lens), tuple(fills), tuple(num_pages))
+    keys = torch.where(live, slots, end).to(torch.int32).sort(dim=1).values
+    # imported here: triton.jit reads TRITON_INTERPRET when the kernel module loads (utils/triton_cpu.py)
+    from sgl_kvxfer.kernels.tier_tables import tier_tables, tier_tables_reference
+
+    build = tier_tables if keys.is_cuda else tier_tables_reference
+    return build(keys, pool.base(TIER_INT8), pool.base(TIER_INT4), end, pool.page_size)
 
 
 def tier_layer_view(pool: TieredKVPool, layer_id: int) -> TieredKVLayer:

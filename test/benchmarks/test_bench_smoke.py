@@ -203,6 +203,15 @@ def test_dense_linear(tmp_path):
         assert abs(s["dense_s"] - want) < 1e-9
 
 
+def test_block_tables(tmp_path):
+    out = run_bench("kernels/block_tables.py", ["--device", "cpu", "--points", "2:300", "--iters", "5",
+                                                "--name", "block_tables_cpu"], tmp_path)
+    data = result(out, "block_tables_cpu", ("rows", "params"), png=True)
+    row, = data["rows"]
+    assert row["tables_equal"] and row["torch_over_kernel"] > 0  # the kernel's tables are the reference's
+    assert all(row[k]["iters"] == 5 for k in ("sort", "kernel", "torch"))
+
+
 def test_backend_agreement(tmp_path):
     # float16: the triton backend's bfloat16 path in Triton's CPU interpreter does not match torch
     out = run_bench("throughput/backend_agreement.py", ["--device", "cpu", "--preset", "tiny", "--num-prompts", "2",
