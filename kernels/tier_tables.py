@@ -1,4 +1,4 @@
-"""A decode step's per-tier block tables from the batch's sorted slot rows: one launch.
+"""A decode step's per-tier block tables from the batch's sorted slot rows: two launches.
 
     tier_tables(keys, b8, b4, end, page) -> TieredBlockTables     (filled form, int32, width L)
     tier_tables_reference(...)                                     (torch: the same tensors)
@@ -14,14 +14,17 @@ and inside an int run the ids of one page are adjacent. Outputs (paged_layout.Ti
     int t  tables[t][b, r] = the r-th distinct page (id - base) // page of the run, fills[t][b, r]
            its tokens; entries r >= num_pages[t][b] are 0; lens[t][b] = the run's length
 
-Grid (B, 3), one program per (request, tier). Each first counts the row's three runs (a pass over
-the row: the runs' bounds are where the tier ids change, and every program needs its own), then
-writes its tier: the fp16 program copies the run, an int program walks its run in blocks, marks
-where a page starts (its page differs from the previous id's) and ends, ranks the starts with a
-running count, stores each start's page at its rank and adds (end + 1 - start) to the rank's fill
-with two atomic adds (-start at the start, end + 1 at the end: the two may sit in different
-blocks, and atomics commute). Replaces the torch path's dozen launches (cumsum, scatter,
-scatter_add, casts and masks per tier), which at 16k x 8 tokens took ~0.3 ms of a decode step.
+Two launches over blocks of BLOCK columns, grid (B, cdiv(L, BLOCK)), then no host sync:
+  _tier_counts_kernel  per block: tokens of each tier and page starts of each int tier (a column
+                       starts a run where the previous column holds another tier or page)
+  (torch)              a cumsum of those counts over the blocks: each block's first rank, and
+                       per row the tier lengths and page counts
+  _tier_write_kernel   per block: the fp16 columns, each start's page at its rank (the block's
+                       first plus the starts before it here) and each run's fill by two atomic
+                       adds, -start at its start and end + 1 at its end (the two may sit in
+                       different blocks; atomics commute)
+Every block works at once: no program walks a whole row. Replaces the torch path's dozen
+launches (cumsum, scatter, scatter_add, casts and masks per tier).
 """
 from __future__ import annotations
 
@@ -35,64 +38,69 @@ BLOCK = 1024
 
 
 @triton.jit
-def _tier_tables_kernel(keys_ptr, stride_k, L, b8, b4, end,
-                        t16_ptr, f16_ptr, t8_ptr, f8_ptr, t4_ptr, f4_ptr, stride_t, lens_ptr, npages_ptr, B,
-                        PAGE: tl.constexpr, BLOCK: tl.constexpr):
+def _block_marks(keys_ptr, stride_k, L, b8, b4, end, PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns j of this program's block and, per column: its key, int tier masks, page, and
+    whether it starts / ends a page run of its int tier (the previous / next column holds another
+    tier or another page, or there is none)."""
     b = tl.program_id(0)
-    tier = tl.program_id(1)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = j < L
     row = keys_ptr + b * stride_k
-    offs = tl.arange(0, BLOCK)
-    n16 = tl.full([], 0, tl.int32)
-    n8 = tl.full([], 0, tl.int32)
-    n4 = tl.full([], 0, tl.int32)
-    for j0 in range(0, L, BLOCK):  # the three runs' lengths
-        j = j0 + offs
-        s = tl.load(row + j, mask=j < L, other=end)
-        n16 += tl.sum((s < b8).to(tl.int32), 0)
-        n8 += tl.sum(((s >= b8) & (s < b4)).to(tl.int32), 0)
-        n4 += tl.sum(((s >= b4) & (s < end)).to(tl.int32), 0)
+    s = tl.load(row + j, mask=m, other=end)
+    prev = tl.load(row + j - 1, mask=m & (j > 0), other=end)
+    nxt = tl.load(row + j + 1, mask=m & (j + 1 < L), other=end)
+    is16 = m & (s < b8)
+    is8 = m & (s >= b8) & (s < b4)
+    is4 = m & (s >= b4) & (s < end)
+    base = tl.where(is8, b8, b4)
+    page = (s - base) // PAGE
+    # prev / next in the same tier as s: compare their pages; in another tier (or none): a run edge
+    prev_same = tl.where(is8, (prev >= b8) & (prev < b4), (prev >= b4) & (prev < end)) & (j > 0)
+    next_same = tl.where(is8, (nxt >= b8) & (nxt < b4), (nxt >= b4) & (nxt < end)) & (j + 1 < L)
+    starts = (is8 | is4) & (~prev_same | ((prev - base) // PAGE != page))
+    ends = (is8 | is4) & (~next_same | ((nxt - base) // PAGE != page))
+    return b, j, m, s, is16, is8, is4, page, starts, ends
+
+
+@triton.jit
+def _tier_counts_kernel(keys_ptr, stride_k, L, b8, b4, end, counts_ptr, NB,
+                        PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    """counts[b, k] = (fp16, int8, int4 tokens, int8, int4 page starts) of block k of row b."""
+    b, j, m, s, is16, is8, is4, page, starts, ends = _block_marks(keys_ptr, stride_k, L, b8, b4, end, PAGE, BLOCK)
+    out = counts_ptr + (b * NB + tl.program_id(1)) * 5
+    tl.store(out, tl.sum(is16.to(tl.int32), 0))
+    tl.store(out + 1, tl.sum(is8.to(tl.int32), 0))
+    tl.store(out + 2, tl.sum(is4.to(tl.int32), 0))
+    tl.store(out + 3, tl.sum((starts & is8).to(tl.int32), 0))
+    tl.store(out + 4, tl.sum((starts & is4).to(tl.int32), 0))
+
+
+@triton.jit
+def _tier_write_kernel(keys_ptr, stride_k, L, b8, b4, end, counts_ptr, cum_ptr, NB,
+                       t16_ptr, f16_ptr, t8_ptr, f8_ptr, t4_ptr, f4_ptr, stride_t,
+                       PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    """Block k of row b: its fp16 columns, and each int page run's page at its rank (the starts
+    of earlier blocks, cum - counts, plus those before it here) and fill (-start, end + 1)."""
+    b, j, m, s, is16, is8, is4, page, starts, ends = _block_marks(keys_ptr, stride_k, L, b8, b4, end, PAGE, BLOCK)
+    at = (b * NB + tl.program_id(1)) * 5
     out = b * stride_t
-    if tier == 0:
-        for j0 in range(0, L, BLOCK):
-            j = j0 + offs
-            m = j < L
-            s = tl.load(row + j, mask=m, other=0)
-            is16 = j < n16
-            tl.store(t16_ptr + out + j, tl.where(is16, s, 0), mask=m)
-            tl.store(f16_ptr + out + j, is16.to(tl.int32), mask=m)
-        tl.store(lens_ptr + b, n16)
-        tl.store(npages_ptr + b, n16)
-    else:
-        if tier == 1:
-            lo = n16
-            hi = n16 + n8
-            base = b8
-            t_ptr = t8_ptr
-            f_ptr = f8_ptr
-        else:
-            lo = n16 + n8
-            hi = n16 + n8 + n4
-            base = b4
-            t_ptr = t4_ptr
-            f_ptr = f4_ptr
-        pages = tl.full([], 0, tl.int32)
-        for j0 in range(lo, hi, BLOCK):
-            j = j0 + offs
-            m = j < hi
-            page = (tl.load(row + j, mask=m, other=base) - base) // PAGE
-            has_prev = m & (j > lo)
-            has_next = m & (j + 1 < hi)
-            prev = (tl.load(row + j - 1, mask=has_prev, other=base) - base) // PAGE
-            nxt = (tl.load(row + j + 1, mask=has_next, other=base) - base) // PAGE
-            starts = m & (~has_prev | (page != prev))
-            ends = m & (~has_next | (page != nxt))
-            rank = pages + tl.cumsum(starts.to(tl.int32), 0) - 1
-            tl.store(t_ptr + out + rank, page, mask=starts)
-            tl.atomic_add(f_ptr + out + rank, -j, mask=starts)
-            tl.atomic_add(f_ptr + out + rank, j + 1, mask=ends)
-            pages += tl.sum(starts.to(tl.int32), 0)
-        tl.store(lens_ptr + tier * B + b, hi - lo)
-        tl.store(npages_ptr + tier * B + b, pages)
+    tl.store(t16_ptr + out + j, tl.where(is16, s, 0), mask=m)
+    tl.store(f16_ptr + out + j, is16.to(tl.int32), mask=m)
+    _write_runs(t8_ptr + out, f8_ptr + out, tl.load(cum_ptr + at + 3) - tl.load(counts_ptr + at + 3),
+                is8, starts, ends, page, j)
+    _write_runs(t4_ptr + out, f4_ptr + out, tl.load(cum_ptr + at + 4) - tl.load(counts_ptr + at + 4),
+                is4, starts, ends, page, j)
+
+
+@triton.jit
+def _write_runs(t_ptr, f_ptr, first, in_t, starts, ends, page, j):
+    """One int tier's page runs of a block: rank = the block's first + the starts before the column
+    here (a column's run, at its start and end alike); page at the start, fill by atomics."""
+    st = starts & in_t
+    rank = first + tl.cumsum(st.to(tl.int32), 0) - 1
+    tl.store(t_ptr + rank, page, mask=st)
+    tl.atomic_add(f_ptr + rank, -j, mask=st)
+    tl.atomic_add(f_ptr + rank, j + 1, mask=ends & in_t)
 
 
 def _check(keys: torch.Tensor, b8: int, b4: int, end: int, page: int) -> None:
@@ -105,17 +113,20 @@ def tier_tables(keys: torch.Tensor, b8: int, b4: int, end: int, page: int) -> Ti
     _check(keys, b8, b4, end, page)
     B, L = keys.shape
     dev = keys.device
+    nb = triton.cdiv(max(L, 1), BLOCK)
     t16, f16 = torch.empty((B, L), dtype=torch.int32, device=dev), torch.empty((B, L), dtype=torch.int32, device=dev)
     ints = torch.zeros((4, B, L), dtype=torch.int32, device=dev)  # t8, f8, t4, f4: unused entries stay 0
-    counts = torch.empty((2, 3, B), dtype=torch.int32, device=dev)  # lens, num_pages per tier
+    counts = torch.zeros((B, nb, 5), dtype=torch.int32, device=dev)
+    args = (keys, keys.stride(0), L, b8, b4, end)
+    meta = dict(PAGE=page, BLOCK=BLOCK, num_warps=4)
     if B and L:
-        _tier_tables_kernel[(B, 3)](keys, keys.stride(0), L, b8, b4, end, t16, f16, ints[0], ints[1], ints[2],
-                                    ints[3], L, counts[0], counts[1], B, PAGE=page, BLOCK=BLOCK, num_warps=4)
-    else:
-        counts.zero_()
-    lens, npages = counts[0], counts[1]
-    return TieredBlockTables((t16, ints[0], ints[2]), (lens[0], lens[1], lens[2]), (f16, ints[1], ints[3]),
-                             (npages[0], npages[1], npages[2]))
+        _tier_counts_kernel[(B, nb)](*args, counts, nb, **meta)
+    cum = counts.cumsum(1, dtype=torch.int32)
+    if B and L:
+        _tier_write_kernel[(B, nb)](*args, counts, cum, nb, t16, f16, ints[0], ints[1], ints[2], ints[3], L, **meta)
+    total = cum[:, -1].t().contiguous()  # [5, B]: tokens per tier, then int8 / int4 pages
+    return TieredBlockTables((t16, ints[0], ints[2]), (total[0], total[1], total[2]), (f16, ints[1], ints[3]),
+                             (total[0], total[3], total[4]))
 
 
 def tier_tables_reference(keys: torch.Tensor, b8: int, b4: int, end: int, page: int) -> TieredBlockTables:
