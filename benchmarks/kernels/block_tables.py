@@ -17,6 +17,7 @@ a tiered pool's ids at a b = 0.5-like mix (64 fp16 tokens per request, the rest 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> str:
     payload = {"benchmark": "block_tables", "device": device_name(args.device), "torch": torch.__version__,
                "params": {**vars(args), "page": PAGE}, "rows": rows}
     path = write_json(name, payload, args.out_dir)
-    _plot(payload, path[:-5] + ".png")
+    with open(path) as f:
+        _plot(json.load(f), path[:-5] + ".png")  # as written: commit and command filled in
     print("wrote", path, "and its .png")
     return path
 
