@@ -33,7 +33,7 @@ from sgl_kvxfer.spectrum.tiers import TIER_FP16, TIER_INT4, TIER_INT8
 def tier_block_tables(pool: TieredKVPool, slots: torch.Tensor, seq_lens: torch.Tensor) -> TieredBlockTables:
     """slots int64 [B, L] (req_to_token rows), seq_lens [B] -> filled TieredBlockTables, every
     tensor int32 of width L. Dropped tokens (slot 0) and columns >= seq_len are left out. On CUDA
-    the run-length encoding is one launch (kernels/tier_tables.py), elsewhere its torch reference;
+    the run-length encoding is two launches (kernels/tier_tables.py), elsewhere their torch reference;
     the sort runs on int32 keys (half the radix passes of int64)."""
     B, L = slots.shape
     dev, end = slots.device, pool.id_end
