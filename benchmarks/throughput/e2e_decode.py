@@ -213,10 +213,13 @@ def run_engine(args, model_dir: str, preset: dict, context: int, batch: int, bud
             with StepBreakdown(engine) as bd:
                 wall, _ = timed_generate(engine, prompts, args.n2)
             breakdown = bd.result(wall)
-        kernels = None
+        kernels, interrupted = None, False
         if args.kernel_breakdown:
-            kernels = kernel_breakdown(lambda n: timed_generate(engine, prompts, n), args.n1, args.n2,
-                                       torch.cuda.is_available() and args.device != "cpu", top=args.kernel_top)
+            try:
+                kernels = kernel_breakdown(lambda n: timed_generate(engine, prompts, n), args.n1, args.n2,
+                                           torch.cuda.is_available() and args.device != "cpu", top=args.kernel_top)
+            except KeyboardInterrupt:  # the point's timing is complete: keep it, mark the profile missing
+                kernels, interrupted = {"error": "interrupted (SIGINT) during the kernel profile"}, True
     finally:
         engine.shutdown()
         del engine
@@ -235,7 +238,7 @@ def run_engine(args, model_dir: str, preset: dict, context: int, batch: int, bud
             "kv_fraction_of_fp16": per_token / plan["kv_full_bytes_per_token"],
             "kv_tokens_per_step": kv_tokens, "kv_resident_bytes": per_token * kv_tokens,
             "max_total_num_tokens": info.get("max_total_num_tokens"), "breakdown": breakdown,
-            "kernels": kernels}
+            "kernels": kernels, "interrupted": interrupted}
 
 
 def roofline(row: dict, bandwidths: dict) -> None:
@@ -396,6 +399,8 @@ def main(argv: list[str] | None = None) -> str:
                                 rows.append(run_point(args, model_dir, preset, arch, dtype, context, batch, budget,
                                                       backend, bws))
                             write_json(name, payload(True), args.out_dir)
+                            if rows[-1].get("interrupted"):  # a SIGINT the point outlived: stop after it
+                                raise KeyboardInterrupt
         partial = False
     except KeyboardInterrupt:
         print("interrupted: writing the points measured so far", flush=True)
@@ -406,6 +411,11 @@ def main(argv: list[str] | None = None) -> str:
     if plot(path[:-5] + ".png", title, rows):
         print("wrote", path[:-5] + ".png")
     return path
+
+
+# seconds a SIGINT-ed parent waits for its child to write a finished point (lowbit.sh's `timeout
+# -k 20` kills both 20 s after the SIGINT)
+CHILD_GRACE_S = 15
 
 
 def run_isolated(args, argv, model_dir, context, batch, budget, backend, bandwidths) -> dict:
@@ -419,15 +429,25 @@ def run_isolated(args, argv, model_dir, context, batch, budget, backend, bandwid
              "model_dir": model_dir, "row_out": row_out}
     cmd = [sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
            "--child-point", json.dumps(point)]
+    proc = subprocess.Popen(cmd)
     try:
-        proc = subprocess.run(cmd, check=False)
-        if proc.returncode != 0:
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            # the child got the same SIGINT (`timeout` signals the group): one whose timing was done
+            # keeps its row (kernel profile marked interrupted) and exits 0; any other stops here
+            try:
+                rc = proc.wait(timeout=CHILD_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise KeyboardInterrupt from None
+            if rc != 0 or not os.path.getsize(row_out):
+                raise
+        if rc != 0:
             return {"context": context, "batch": batch, "kv_tier_budget": budget, "backend": backend,
-                    "error": f"child exited {proc.returncode}"}
+                    "error": f"child exited {rc}"}
         with open(row_out) as f:
             return json.load(f)
-    except KeyboardInterrupt:  # the child got the same SIGINT and wrote nothing: stop here
-        raise
     finally:
         if os.path.exists(row_out):
             os.unlink(row_out)
@@ -490,7 +510,9 @@ def run_point(args, model_dir, preset, arch, dtype, context, batch, budget, back
               f"ms/step, graph replays {bd['graph_replays']}, tiering hooks {bd['tiering_hooks_s']:.2f} s, "
               f"extend forward {bd['extend_forward_s']:.2f} s, wall {bd['wall_s']:.2f} s", flush=True)
     k = row.get("kernels")
-    if k:
+    if k and "error" in k:
+        print(f"{tag}: kernels: {k['error']}", flush=True)
+    elif k:
         unit = "ms" if k["unit"] == "kernel" else "ms of CPU operators"
         groups = ", ".join(f"{g} {s * 1e3:.3f} ({k['group_launches_per_step'][g]:.0f})" for g, s in k["groups_s"].items())
         print(f"{tag}: kernels per decode step: busy {k['busy_s'] * 1e3:.3f} {unit} in {k['launches_per_step']:.0f} "

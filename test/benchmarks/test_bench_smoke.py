@@ -189,6 +189,24 @@ def test_e2e_decode(tmp_path):
         assert abs(sum(k["groups_s"].values()) - k["busy_s"]) < 1e-9 * max(1.0, k["busy_s"]) + 1e-12
 
 
+def test_e2e_decode_keeps_a_point_interrupted_in_its_kernel_profile(tmp_path, monkeypatch):
+    """SIGINT during --kernel-breakdown (the last, optional part of a point): the point's timing is
+    kept, its profile marked interrupted, and the run stops there with a partial JSON."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "throughput"))
+    import e2e_decode
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(e2e_decode, "kernel_breakdown", interrupted)
+    path = e2e_decode.main(["--device", "cpu", "--preset", "tiny", "--context", "64", "--batch", "2", "--n1", "1",
+                            "--n2", "2", "--repeats", "1", "--kv-tier-budgets", "1.0", "0.5", "--kernel-breakdown",
+                            "--out-dir", str(tmp_path)])
+    with open(path) as f:
+        data = json.load(f)
+    row, = data["rows"]  # b = 0.5 never started
+    assert data["partial"] and row["interrupted"] and row["decode_step_s"] > 0 and "error" in row["kernels"]
+
+
 def test_dense_linear(tmp_path):
     out = run_bench("kernels/dense_linear.py", ["--device", "cpu", "--preset", "tiny", "--batches", "2", "--iters", "5",
                                                 "--name", "dense_linear_tiny"], tmp_path)

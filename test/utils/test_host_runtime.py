@@ -88,7 +88,9 @@ def test_settle_freezes_and_release_unfreezes(monkeypatch):
     try:
         facts = settle_scheduler_host("cpu")
         assert facts["torch_threads"] == 1 == torch.get_num_threads()
-        assert facts["gc_frozen"] > 0 and gc.get_freeze_count() == facts["gc_frozen"]
+        # frozen objects that die afterwards leave the permanent generation (threads left by
+        # earlier tests free some), so the count may only fall from the one settle saw
+        assert facts["gc_frozen"] > 0 and 0 < gc.get_freeze_count() <= facts["gc_frozen"]
         release_scheduler_host(facts)
         assert gc.get_freeze_count() == 0
     finally:
