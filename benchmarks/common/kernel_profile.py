@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-# first match wins: the tier and FusedKV kernels before the generic attention names
+# first match wins: the block tables and the tier and FusedKV kernels before the generic names
 KERNEL_GROUPS = (
+    ("block tables", ("_tier_tables", "_tier_counts", "_tier_write")),
     ("fusedkv attention", ("fusedkv",)),
-    ("tiered attention", ("tiered", "tier_")),
+    ("tiered attention", ("tiered", "tier_", "one_launch")),
     ("attention", ("attn", "attention", "flash", "decode")),
     ("matmul", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "matmul", "addmm", "linear")),
     ("sampling / sort", ("softmax", "cumsum", "searchsorted", "argmax", "topk", "sort")),

@@ -30,7 +30,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import kernel_profile  # noqa: E402
-from common.kernel_profile import kernel_group  # noqa: E402,F401  (re-exported)
 from common.roofline import ModelShape  # noqa: E402
 
 VARIANTS = ("vanilla", "fusedkv", "lite")

@@ -11,7 +11,8 @@ weight copies to keep them out of L2 (common/bandwidth.time_rotating). Per matmu
 and per M the whole dense step: layers x (the four projections) + lm_head, summed, against the
 same bytes at the copy rate (`dense_step`). Variants, each on the same weights:
 
-    linear   torch.nn.functional.linear(x, W), W [N, K] row-major: what the engine runs
+    linear   x @ W.T with W [N, K] row-major (the engine's nn.Linear product; torch.matmul with
+             out=, so the graph allocates nothing)
     kn       x @ Wt with Wt [K, N] row-major (the transposed storage: another cuBLAS kernel)
 
     python benchmarks/kernels/dense_linear.py --preset llama-3-8b --batches 1 8 32    # GPU

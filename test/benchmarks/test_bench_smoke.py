@@ -390,6 +390,8 @@ def test_kernel_groups():
     assert kernel_group("void at::native::(anonymous namespace)::cunn_SoftMaxForward") == "sampling / sort"
     assert kernel_group("triton_poi_fused_rms_norm_0") == "norm / rope / activation"
     assert kernel_group("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>") == "elementwise"
+    assert kernel_group("_one_launch_kernel") == "tiered attention"
+    assert kernel_group("_tier_counts_kernel") == kernel_group("_tier_write_kernel") == "block tables"
     assert kernel_group("some_unknown_kernel") == "other"
 
 
