@@ -36,6 +36,8 @@
 #                              $OUT/profiles, read by benchmarks/pd/trace_timeline.py into
 #                              $OUT/trace_timeline${NAME_SUFFIX}.txt (the traces themselves are
 #                              deleted after, unless KEEP_TRACES=1)
+#   CHUNK=""                   --chunked-prefill-size of every ttft server (unset: the servers' default,
+#                              2048; SGLang's own default on an 80-160 GB card is 8192)
 #   NAME_SUFFIX=""             appended to the ttft result's and the timeline's names (a second run
 #                              in one call, e.g. under another environment, keeps the first's files)
 # $OUT gets ttft_vs_bandwidth_*.{json,png}, goodput_*.{json,png}, gpu_tests.log, pd_x2.log (7 files);
@@ -125,6 +127,7 @@ else  # the CPU rehearsal: the same stages on the tiny preset, two CPU servers p
   TESTS=(test/disagg/test_pd_units.py)
 fi
 : "${BUDGETS=1.0 0.5 0.3}" "${STREAMS=end chunk-upgrade}"
+[ -z "${CHUNK:-}" ] || SERVER="$SERVER --chunked-prefill-size $CHUNK"
 # word lists (an empty MORE_* list: no extra points)
 read -ra BUDGETS <<< "$BUDGETS"; read -ra PROMPTS <<< "$PROMPTS"; read -ra RATES <<< "$RATES"
 read -ra STREAMS <<< "$STREAMS"; read -ra VARIANT_RATES <<< "$VARIANT_RATES"; read -ra GOODPUT_RATES <<< "$GOODPUT_RATES"

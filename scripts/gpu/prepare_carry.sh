@@ -15,7 +15,8 @@ mkdir -p .carry_a .carry_b .whl .whl_bench .whl_pd_a/deb .whl_pd_b
 # three parts of 32 MB, 32 MB and the rest: each call also moves the ~19 MB working tree
 mkdir -p .carry_c
 head -c 32000000 "$G" > .carry_a/part_a
-tail -c +32000001 "$G" | head -c 32000000 > .carry_b/part_b
+# dd, not `tail | head`: head closing the pipe early is a SIGPIPE failure under pipefail
+dd if="$G" of=.carry_b/part_b bs=1M iflag=skip_bytes,count_bytes skip=32000000 count=32000000 status=none
 tail -c +64000001 "$G" > .carry_c/part_c
 PLAT="--platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any"
 get() { python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLAT -d "$1" "${@:2}"; }
