@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import re
 from dataclasses import dataclass, field
@@ -30,10 +31,18 @@ AUTO_INT8_STREAM_MIN_BUDGET = 0.5  # --kv-transfer-stream auto: int8 stream on a
 
 
 CPU_DEFAULT_PAGE_SIZE = 16
+# --chunked-prefill-size auto, SGLang's rule by device memory (GiB below which each size applies;
+# above the last: 16384); on the CPU 2048
+AUTO_CHUNK_BY_GPU_GIB = ((35, 2048), (60, 4096), (160, 8192))
 CLI_HELP = {
     "kv_transfer_last_chunk": "PD prefill, --kv-transfer-stream chunk / chunk-upgrade at --kv-tier-budget < 1: "
                               "the prompt's last N tokens are a chunk of their own, so little KV is left to "
                               "send when the prompt ends (0: off; else 32 .. 1048576; default 512)",
+    "kv_transfer_stream_chunk": "PD prefill: while its KV crosses a link slower than NVLink (RDMA, TCP, or a paced "
+                                "link), prompt chunks are at most N tokens, so each chunk's KV leaves while the next "
+                                "computes (0: off; else 32 .. 1048576; default 2048)",
+    "chunked_prefill_size": "the most tokens per prefill chunk; -1: no chunking (default: by device memory as "
+                            "SGLang does: 8192 on a GPU of 60-160 GiB such as an H100 or H200, 2048 on the CPU)",
     "kv_quant_group_size": "SpectrumKV int8/int4 quantization group (channels per scale/zero pair); "
                            "0 (default) = head_dim, one pair per token and kv head",
     "kv_tier_page_size": "SpectrumKV: tokens per page of the int8/int4 stores (power of two >= 16, "
@@ -54,6 +63,24 @@ CLI_HELP = {
     "shutdown_grace_period_secs": "on SIGTERM / Ctrl-C: seconds in-flight requests may run on before they end "
                                   "with a 503 (default 20); new requests get 503 at once; a second signal stops",
 }
+
+
+def auto_chunk_size(gpu_gib: float | None) -> int:
+    """--chunked-prefill-size when unset: SGLang's size for a GPU of this much memory (GiB), 2048
+    on the CPU (None)."""
+    if gpu_gib is None:
+        return 2048
+    for below, size in AUTO_CHUNK_BY_GPU_GIB:
+        if gpu_gib < below:
+            return size
+    return 16384
+
+
+@functools.cache
+def _gpu_memory_gib(index: int) -> float:
+    import torch
+
+    return torch.cuda.get_device_properties(min(index, torch.cuda.device_count() - 1)).total_memory / (1 << 30)
 
 
 @dataclass(frozen=True)
@@ -321,6 +348,9 @@ class SchedulerConfig:
     # chunk of their own (when what remains of the prompt is one chunk and at least twice this),
     # so the segment written after the prompt ends is short; 0: chunks as chunked_prefill_size cuts them
     kv_transfer_last_chunk: int = 512
+    # prefill: chunks of at most this many tokens while the KV link is slower than NVLink
+    # (PrefillRole.stream_chunk_tokens), so the KV streams under the compute; 0: off
+    kv_transfer_stream_chunk: int = 2048
     kv_transfer_rate_gbps: float = 0.0
     kv_transfer_latency_ms: float = 0.0
     # Every PD reply's meta_info.kv_transfer.trace: the request's phases on both servers
@@ -369,6 +399,9 @@ class SchedulerConfig:
         last = self.kv_transfer_last_chunk
         if isinstance(last, bool) or not isinstance(last, int) or not (last == 0 or 32 <= last <= 1 << 20):
             raise ValueError(f"kv_transfer_last_chunk must be 0 (off) or tokens in [32, {1 << 20}], got {last!r}")
+        cap = self.kv_transfer_stream_chunk
+        if isinstance(cap, bool) or not isinstance(cap, int) or not (cap == 0 or 32 <= cap <= 1 << 20):
+            raise ValueError(f"kv_transfer_stream_chunk must be 0 (off) or tokens in [32, {1 << 20}], got {cap!r}")
         if not (0 <= self.kv_transfer_rate_gbps < 1e6 and 0 <= self.kv_transfer_latency_ms < 1e6):
             raise ValueError("kv_transfer_rate_gbps and kv_transfer_latency_ms must be in [0, 1e6)")
         if self.disaggregation_ib_device is not None:
@@ -433,10 +466,13 @@ class SchedulerConfig:
 
     @property
     def resolved_chunked_prefill_size(self) -> int | None:
-        """Tokens per prefill chunk, or None for no chunking."""
+        """Tokens per prefill chunk, or None for no chunking; unset: by device memory (auto_chunk_size)."""
         if self.chunked_prefill_size == -1:
             return None
-        return self.chunked_prefill_size or 2048
+        if self.chunked_prefill_size:
+            return self.chunked_prefill_size
+        e = self.engine
+        return auto_chunk_size(_gpu_memory_gib(e.base_gpu_id) if e.resolved_device == "cuda" else None)
 
 
 @dataclass(frozen=True)

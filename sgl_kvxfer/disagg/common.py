@@ -37,6 +37,7 @@ class DisaggSettings:
     trace: bool = False  # --enable-pd-trace (disagg/trace.py)
     claim_timeout_s: float = 5.0  # --kv-claim-timeout (prefill.py)
     last_chunk: int = 0  # --kv-transfer-last-chunk (prefill_chunks.py: last_chunk_tokens)
+    stream_chunk: int = 0  # --kv-transfer-stream-chunk (prefill_chunks.py: stream_chunk_tokens)
     scd_min_rank: str | None = None  # --scd-min-rank: --scd-rank auto's floor level (scd/rank_policy.py)
 
     @property
@@ -52,7 +53,8 @@ class DisaggSettings:
                    cfg.kv_transfer_rate_gbps, cfg.kv_transfer_latency_ms, cfg.scd_artifacts, cfg.scd_consumer,
                    cfg.scd_fanout, cfg.scd_rank, cfg.scd_wire_frac, cfg.disaggregation_ib_device,
                    cfg.engine.base_gpu_id, cfg.enable_pd_trace, cfg.kv_claim_timeout,
-                   cfg.kv_transfer_last_chunk, scd_min_rank=cfg.scd_min_rank)
+                   cfg.kv_transfer_last_chunk, stream_chunk=cfg.kv_transfer_stream_chunk,
+                   scd_min_rank=cfg.scd_min_rank)
 
 
 # ---------------------------------------------------------------- bootstrap server client

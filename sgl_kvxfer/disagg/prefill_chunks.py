@@ -113,6 +113,22 @@ class PrefillChunkStream:
             return 0  # (an SCD room streams codes, not chunk tiers)
         return room.last_chunk
 
+    def stream_chunk_tokens(self, req) -> int:
+        """--kv-transfer-stream-chunk for a request whose chunks leave as they are computed (an
+        untiered pool, or a tiered one streaming int8 or chunk tiers) while the link is slower
+        than NVLink: paced, or Mooncake over RDMA or TCP. Over unpaced NVLink a whole prompt's
+        KV crosses in milliseconds (1 GiB in about 3 ms between two H200s), so chunks keep the
+        chunk size and the write does not share GPU 0 with the next chunk's forward (0 here)."""
+        cap = self.settings.stream_chunk
+        if not cap or self.fake:
+            return 0
+        room = self._room_of(req)
+        if not isinstance(room, PrefillRoom) or (self.tiered and room.stream == "end"):
+            return 0  # (an SCD room streams codes; a tiered "end" room sends nothing before the end)
+        engine = self.engine
+        transport = getattr(getattr(engine, "inner", engine), "transport", None)
+        return 0 if transport == "nvlink_intra" and not getattr(engine, "paced", False) else cap
+
     def _on_final_tiers(self, req, start: int, slots: torch.Tensor, tiers: torch.Tensor) -> None:
         try:
             self._pack_final(req, start, slots, tiers)

@@ -97,6 +97,11 @@ class PDRole:
         """Tokens the scheduler computes as req's last chunk on their own (0: none)."""
         return 0
 
+    def stream_chunk_tokens(self, req) -> int:
+        """The most tokens per chunk of req's prompt while this role streams its KV under the
+        compute (0: the chunk size alone decides)."""
+        return 0
+
     def on_prompt_done(self, req) -> bool:
         return False
 

@@ -87,13 +87,19 @@ class BatchFormationMixin:
         return True
 
     def _chunk_limit(self, req: Req, remaining: int) -> int | None:
-        """Tokens of req's next chunk when its role wants the last `last` tokens on their own:
-        what remains is one chunk and at least twice `last`, so this chunk stops `last` short."""
-        chunk = self.config.resolved_chunked_prefill_size
-        if not self._role_prefill or chunk is None:
+        """Tokens of req's next chunk when its PD prefill role cuts it shorter than the chunk size:
+        to a streaming chunk while the KV link is slow (role.stream_chunk_tokens), and, when what
+        remains is one chunk and at least twice `last` (role.last_chunk_tokens), `last` short
+        of the end, so the last `last` tokens are a chunk of their own."""
+        size = self.config.resolved_chunked_prefill_size
+        if not self._role_prefill or size is None:
             return None
+        cap = self.role.stream_chunk_tokens(req)
+        chunk = min(size, cap) if cap else size
         last = self.role.last_chunk_tokens(req)
-        return remaining - last if last and 2 * last <= remaining <= chunk else None
+        if last and 2 * last <= remaining <= chunk:
+            return remaining - last
+        return chunk if chunk < size else None
 
     def _decode_batch(self) -> ScheduleBatch | None:
         if not self.running:

@@ -70,6 +70,7 @@ def build_scheduler(server_args: ServerArgs):
         "load_format": cfg.engine.load_format, "max_running_requests": runner.max_running_requests,
         "kv_bytes_per_token": runner.kv_pool.bytes_per_token(), "dtype": str(runner.dtype).replace("torch.", ""),
         "device": runner.device, "attention_backend": cfg.engine.resolved_attention_backend,
+        "chunked_prefill_size": cfg.resolved_chunked_prefill_size or -1,
     }
     return scheduler, info
 

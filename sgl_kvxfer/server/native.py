@@ -125,6 +125,8 @@ async def get_server_info(request: Request):
         "max_total_num_tokens": info.get("max_total_num_tokens"), "max_req_input_len": info.get("max_req_input_len"),
         "startup_time": app.state.startup_time, "kv_events": None, "internal_states": states,
         "host_runtime": info.get("host_runtime"),
+        # the size prefill chunks have (-1: none), where the flag left it to the device
+        "chunked_prefill_size": info.get("chunked_prefill_size", flat.get("chunked_prefill_size")),
         "version": SGLANG_VERSION, "frontend": "python",
     })
     return JSONResponse(flat)

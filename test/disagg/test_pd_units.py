@@ -207,9 +207,9 @@ def test_last_chunk_cuts_the_final_chunk_short_for_tiered_chunk_streams_only():
     from sgl_kvxfer.scheduler.policy import PrefillAdder
     from sgl_kvxfer.scheduler.scheduler import Scheduler
 
-    def chunks(prompt: int, chunk: int | None, last: int) -> list[int]:
+    def chunks(prompt: int, chunk: int | None, last: int, cap: int = 0) -> list[int]:
         me = SimpleNamespace(config=SimpleNamespace(resolved_chunked_prefill_size=chunk), _role_prefill=True,
-                             role=SimpleNamespace(last_chunk_tokens=lambda req: last))
+                             role=SimpleNamespace(last_chunk_tokens=lambda req: last, stream_chunk_tokens=lambda req: cap))
         out, done = [], 0
         while done < prompt:
             adm = PrefillAdder(1 << 20, chunk, 1 << 20, 8).try_add(
@@ -228,6 +228,65 @@ def test_last_chunk_cuts_the_final_chunk_short_for_tiered_chunk_streams_only():
     assert chunks(8192, None, 512) == [8192]  # no chunking: nothing to cut
     assert chunks(8192, 2048, 1024) == [2048, 2048, 2048, 1024, 1024]
     assert chunks(64, 64, 32) == [32, 32]
+    # a streaming cap (--kv-transfer-stream-chunk on a slow link) cuts chunks first
+    assert chunks(8192, 8192, 512, cap=2048) == [2048, 2048, 2048, 1536, 512]
+    assert chunks(8192, 8192, 0, cap=2048) == [2048] * 4
+    assert chunks(8192, 8192, 512, cap=0) == [7680, 512]
+    assert chunks(8192, 1024, 0, cap=2048) == [1024] * 8  # a cap above the chunk size changes nothing
+    assert chunks(8192, None, 0, cap=2048) == [8192]  # chunking off stays off
+
+
+def test_stream_chunk_caps_only_chunks_that_stream_over_a_slow_link():
+    """--kv-transfer-stream-chunk: over unpaced NVLink chunks keep the chunk size; paced, RDMA or
+    TCP, an untiered pool's chunks and tiered int8 / chunk streams are capped; a tiered "end"
+    room, an SCD room and the fake backend never are."""
+    from types import SimpleNamespace
+
+    from sgl_kvxfer.disagg.prefill import PrefillRole
+    from sgl_kvxfer.disagg.prefill_room import PrefillRoom
+    from sgl_kvxfer.disagg.role import PDRole
+
+    def cap(transport: str | None, paced: bool = False, tiered: bool = False, stream: str = "end",
+            room_kind=PrefillRoom, setting: int = 2048, fake: bool = False, shaped: bool = True) -> int:
+        inner = SimpleNamespace(transport=transport)
+        engine = SimpleNamespace(inner=inner, paced=paced) if shaped else inner
+        room = room_kind(1) if room_kind is PrefillRoom else room_kind()
+        room.stream = stream
+        me = SimpleNamespace(settings=SimpleNamespace(stream_chunk=setting), fake=fake, tiered=tiered,
+                             engine=engine, _room_of=lambda req: room)
+        return PrefillRole.stream_chunk_tokens(me, object())
+
+    assert cap("nvlink_intra") == 0 and cap("nvlink_intra", shaped=False) == 0
+    assert cap("nvlink_intra", paced=True) == 2048
+    assert cap("rdma") == 2048 and cap("tcp", shaped=False) == 2048 and cap(None) == 2048
+    assert [cap("rdma", tiered=True, stream=s) for s in ("end", "int8", "chunk", "chunk-upgrade")] == [0, 2048, 2048, 2048]
+    assert cap("rdma", setting=0) == 0 and cap("rdma", fake=True) == 0
+    assert cap("rdma", room_kind=SimpleNamespace) == 0  # not a PrefillRoom: an SCD room
+    assert PDRole().stream_chunk_tokens(object()) == 0
+
+
+def test_chunked_prefill_size_defaults_by_device_memory_as_sglang():
+    from sgl_kvxfer.config import ServerArgs, auto_chunk_size
+
+    assert [auto_chunk_size(g) for g in (None, 15.0, 23.6, 39.4, 47.5, 79.6, 139.8, 178.4)] == \
+        [2048, 2048, 2048, 4096, 4096, 8192, 8192, 16384]
+    cpu = ServerArgs.from_flat(device="cpu").scheduler
+    assert cpu.chunked_prefill_size is None and cpu.resolved_chunked_prefill_size == 2048
+    assert ServerArgs.from_flat(device="cpu", chunked_prefill_size=512).scheduler.resolved_chunked_prefill_size == 512
+    assert ServerArgs.from_flat(device="cpu", chunked_prefill_size=-1).scheduler.resolved_chunked_prefill_size is None
+
+
+def test_stream_chunk_flag_is_validated():
+    from sgl_kvxfer.config import ServerArgs
+    from sgl_kvxfer.server.flags import parse_server_args
+
+    assert ServerArgs.from_flat().scheduler.kv_transfer_stream_chunk == 2048
+    assert parse_server_args(["--kv-transfer-stream-chunk", "0"]).scheduler.kv_transfer_stream_chunk == 0
+    for bad in (-1, 16, 1 << 21, 1.5, "2048", True):
+        with pytest.raises(ValueError, match="kv_transfer_stream_chunk"):
+            ServerArgs.from_flat(kv_transfer_stream_chunk=bad)
+    with pytest.raises(SystemExit):
+        parse_server_args(["--kv-transfer-stream-chunk", "16"])
 
 
 def test_last_chunk_is_asked_for_tiered_chunk_stream_rooms_only():
