@@ -7,8 +7,8 @@
 #   run kind nvidia-h100-x2, carry [.whl, .carry_pdx2_b]  SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/pd_x2.sh
 #
 # .carry_pdx2_b holds what goodput needs (sglang.bench_serving); with T_GOODPUT=0 the run needs
-# only the stage's installs, so both fit one call: carry [.carry_pdx2_a, .whl],
-#   bash scripts/gpu/pd_x2.sh stage && T_GOODPUT=0 SGL_KVXFER_COMMIT=<hash> bash scripts/gpu/pd_x2.sh
+# only the stage's installs and .whl (both calls in one fit only while the tree, .carry_pdx2_a
+# and .whl stay under a call's 64 MiB: scripts/gpu/README.md)
 #
 # stage (about 1 min): Mooncake's engine, sglang-router and rdma-core's libraries into /tmp/site and
 #   /tmp/pdlibs, then a 2-process GPU0 -> GPU1 write through sgl_kvxfer's engine (the GPU test).
@@ -37,7 +37,7 @@
 #                              $OUT/trace_timeline${NAME_SUFFIX}.txt (the traces themselves are
 #                              deleted after, unless KEEP_TRACES=1)
 #   CHUNK=""                   --chunked-prefill-size of every ttft server (unset: the servers' default,
-#                              2048; SGLang's own default on an 80-160 GB card is 8192)
+#                              SGLang's by device memory: 8192 on an H100 or H200)
 #   NAME_SUFFIX=""             appended to the ttft result's and the timeline's names (a second run
 #                              in one call, e.g. under another environment, keeps the first's files)
 # $OUT gets ttft_vs_bandwidth_*.{json,png}, goodput_*.{json,png}, gpu_tests.log, pd_x2.log (7 files);

@@ -338,7 +338,8 @@ def capturing_prefill(side: bool, tiered: bool = True):
         def has_work(self):
             return False  # (nothing reports: a finished prompt's room would wait forever)
 
-    settings = NS(backend="capture", stream="chunk", trace=False, last_chunk=0, claim_deadline_s=1e9, timeout_s=1e9)
+    settings = NS(backend="capture", stream="chunk", trace=False, last_chunk=0, stream_chunk=0, claim_deadline_s=1e9,
+                  timeout_s=1e9)
     role = CapturingPrefill(settings, "127.0.0.1")
     return role
 

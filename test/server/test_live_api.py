@@ -272,6 +272,7 @@ def test_info_health_metrics_routes(live_server):
     assert mi == requests.get(url + "/model_info").json() and mi["model_path"] and mi["is_generation"]
     si = requests.get(url + "/server_info").json()
     assert si["version"] == "0.5.23" and si["tp_size"] == 1 and si["status"] == "ready"
+    assert si["chunked_prefill_size"] == 512  # LIVE_ARGS; unset, the scheduler reports its device's size
     st = si["internal_states"][0]
     for key in ("last_gen_throughput", "kv_bytes_per_token", "token_usage", "kv_used_tokens", "max_total_num_tokens"):
         assert key in st
