@@ -90,7 +90,7 @@ def test_stacked_rebuild_equals_the_per_layer_decode(arch, head_mode, bias, leve
 
 def test_a_segment_rebuilt_in_pieces_equals_it_rebuilt_whole(arch):
     """Segment k's K/V depend on its own positions only: [0, 40) in 3 segments (one a single
-    token) is [0, 40) at once."""
+    token) is [0, 40) at once, within one bf16 rounding."""
     m, dec, projs = _setup(arch)
     stacked = StackedRebuild(dec, projs, "cpu")
     codes = _codes(m, 40, (m.r_k, m.r_v), torch.Generator().manual_seed(2))
@@ -105,8 +105,12 @@ def test_a_segment_rebuilt_in_pieces_equals_it_rebuilt_whole(arch):
                                 m.num_layers))
     for layer in range(m.num_layers):
         for j in range(2):
-            joined = torch.cat([p[layer][j] for p in pieces])
-            assert torch.equal(joined, whole[layer][j]), layer
+            joined = torch.cat([p[layer][j] for p in pieces]).float()
+            want = whole[layer][j].float()
+            # one bf16 rounding apart at most: a one-token piece's float32 GEMMs may take
+            # another kernel (another summation order) than the whole segment's on some CPUs
+            torch.testing.assert_close(joined, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item(),
+                                       msg=f"layer {layer}")
 
 
 def test_codes_of_an_unknown_rank_are_refused(arch):
