@@ -52,7 +52,7 @@ setup(
         "test": [
             # PD tests run over the host-memory build
             "mooncake-transfer-engine-non-cuda",
-            "pytest", "pytest-timeout", "requests", "aiohttp", "openai", "matplotlib", "psutil",
+            "pytest", "pytest-timeout", "pytest-xdist", "requests", "aiohttp", "openai", "matplotlib", "psutil",
             # sglang.lang (the frontend DSL)
             "orjson", "pybase64", "pillow", "IPython", "packaging", "pydantic", "starlette",
             # sglang.bench_serving (torchvision: benchmarks/common/torchvision_stub)

@@ -166,16 +166,16 @@ def launch_server(server_args: ServerArgs, scheduler_target=None, launch_command
 
 
 def _preload_http_modules() -> None:
+    import transformers  # noqa: F401  (the tokenizer's; this process needs no torch)
     import uvicorn  # noqa: F401
 
-    import sgl_kvxfer.models.loader  # noqa: F401  (torch + transformers)
     import sgl_kvxfer.server.app  # noqa: F401
 
 
 def _load_tokenizer(server_args: ServerArgs, info: dict):
     if server_args.skip_tokenizer_init:
         return None
-    from sgl_kvxfer.models.loader import load_tokenizer
+    from sgl_kvxfer.utils.tokenizer_loading import load_tokenizer
 
     return load_tokenizer(info["tokenizer_path"])
 

@@ -36,8 +36,9 @@ if not torch.cuda.is_available():
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running test (model conversion, real weights)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
-    config.addinivalue_line("markers", "heavy: an end-to-end run of minutes on 2 cores whose path a cheaper test also "
-                                       "covers; CI's `-m \"not heavy\"` leaves it out, `-m heavy` runs the set")
+    config.addinivalue_line("markers", "heavy: a benchmark smoke run of over 10 s on 2 cores, or an end-to-end run of "
+                                       "tens of seconds or more whose path a cheaper test also covers; CI's "
+                                       "`-m \"not heavy\"` leaves it out, `-m heavy` runs the set")
     if not config.option.basetemp:
         config.option.basetemp = os.path.join(TMP_ROOT, "pytest")
 

@@ -55,6 +55,33 @@ from common.kernel_profile import kernel_breakdown  # noqa: E402
 from common.report import device_name, git_commit, triton_interpreter_for, write_json  # noqa: E402
 from pool_plan import FP16_PAGE, HEADROOM_BYTES, fits, plan_pool, weight_bytes_read, weight_bytes_resident  # noqa: E402
 
+# timed (n1, n2) pairs added, at most, while T(n2) <= T(n1): the window is inside the host's noise
+EXTRA_PAIRS_FOR_NOISE = 5
+
+
+def time_decode_step(generate, n1, n2, repeats):
+    """generate(n) -> (seconds, cached tokens). Times `repeats` (n1, n2) pairs and returns
+    (T(n1)s, T(n2)s, cached, step) with step = (min T(n2) - min T(n1)) / (n2 - n1): the min over
+    repeats, as host noise only ever adds time. A window n1..n2 shorter than that noise can leave
+    T(n2) <= T(n1): up to EXTRA_PAIRS_FOR_NOISE more pairs, then a clear error (no negative step)."""
+    t1, t2, cached = [], [], []
+
+    def time_pair():
+        for n, ts in ((n1, t1), (n2, t2)):
+            s, c = generate(n)
+            ts.append(s)
+            cached.append(c)
+    for _ in range(repeats):
+        time_pair()
+    for _ in range(EXTRA_PAIRS_FOR_NOISE):
+        if min(t2) > min(t1):
+            break
+        time_pair()
+    if min(t2) <= min(t1):
+        raise RuntimeError(f"T(n2) <= T(n1) after {len(t1)} timed pairs: the decode window {n1}..{n2} is shorter "
+                           f"than the timing noise; raise --n2")
+    return t1, t2, cached, (min(t2) - min(t1)) / (n2 - n1)
+
 
 def sync():
     if torch.cuda.is_available():
@@ -199,14 +226,8 @@ def run_engine(args, model_dir: str, preset: dict, context: int, batch: int, bud
                                f"engine_kwargs {kw}")
         prefill_s, _ = timed_generate(engine, prompts, 1)
         timed_generate(engine, prompts, args.n1)  # warm-up: the first decode calls JIT-compile and plan
-        t1, t2, cached = [], [], []
-        for _ in range(args.repeats):
-            for n, ts in ((args.n1, t1), (args.n2, t2)):
-                s, c = timed_generate(engine, prompts, n)
-                ts.append(s)
-                cached.append(c)
-        # min over repeats: host noise only ever adds time
-        step = (min(t2) - min(t1)) / (args.n2 - args.n1)
+        t1, t2, cached, step = time_decode_step(lambda n: timed_generate(engine, prompts, n), args.n1, args.n2,
+                                                args.repeats)
         info = engine.get_server_info()
         breakdown = None
         if args.breakdown:

@@ -77,7 +77,7 @@ def run_detokenizer_process(server_args: ServerArgs, conn) -> None:
     stop), we ack {"status": "ready"|"error"}. Started together with the scheduler, so the heavy
     imports below overlap with model loading."""
     logging.basicConfig(level=server_args.log_level.upper(), format="[detokenizer] %(asctime)s %(levelname)s %(message)s")
-    from sgl_kvxfer.models.loader import load_tokenizer
+    from sgl_kvxfer.utils.tokenizer_loading import load_tokenizer  # (torch-free)
 
     tokenizer_path = conn.recv()
     try:

@@ -102,10 +102,10 @@ def resolve_tokenizer_path(model_dir: str, tokenizer_path: str | None = None) ->
 
 
 def load_tokenizer(tokenizer_dir: str):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
+    """AutoTokenizer's tokenizer for the folder, its class choice cached (utils/tokenizer_loading.py)."""
+    from sgl_kvxfer.utils.tokenizer_loading import load_tokenizer as load
 
-    return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    return load(tokenizer_dir)
 
 
 def resolve_dtype(dtype_str: str, arch_config: ModelArchConfig, device: str) -> torch.dtype:

@@ -6,8 +6,8 @@ Triton's interpreter, dummy-weight presets (`tiny`) or the embedded SmolLM2. It 
 status, that the result JSON records device, commit and command plus the script's own keys, and
 the PNG where the script draws one. The numbers are not checked: these runs only show that the
 scripts still work. Every temp file of a script goes under the test's tmp_path, and a script
-must remove the temp folders it makes. The two that take minutes on 2 cores are marked `heavy`
-(CI's default run leaves them out; `-m heavy` runs them).
+must remove the temp folders it makes. The runs that take over 10 s on 2 cores are marked
+`heavy` (CI's default run leaves them out; `-m heavy` runs them).
 """
 from __future__ import annotations
 
@@ -96,6 +96,7 @@ def test_write_json_records_device_commit_and_command(tmp_path):
 
 
 # ---------------------------------------------------------------------------- kernels
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_attention(tmp_path):
     out = run_bench("kernels/attention.py", ["--device", "cpu", "--points", "smollm2:1:128", "--iters", "1"], tmp_path)
     data = result(out, "attention_", ("results", "copy_bandwidth_Bps", "params", "served_configs"), png=True)
@@ -115,6 +116,7 @@ def test_decode_plan(tmp_path):
     assert len(data["rows"]) == 2 and all(r["max_abs_diff"] == 0 for r in data["rows"])
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_launch_overhead(tmp_path):
     out = run_bench("kernels/launch_overhead.py", ["--device", "cpu", "--tokens", "64", "--calls", "1",
                                                    "--repeats", "1"], tmp_path)
@@ -122,6 +124,7 @@ def test_launch_overhead(tmp_path):
     assert "extend_attention_tiered (wrapper)" in data["us_per_call"]
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_fusedkv_tiered_launches(tmp_path):
     out = run_bench("kernels/fusedkv_tiered.py", ["--device", "cpu", "--batch", "2", "--context", "80", "--layers", "2",
                                                   "--sources", "0,1", "--page", "16", "--recent", "8", "--mix",
@@ -153,6 +156,7 @@ def test_host_breakdown(tmp_path):
     assert any(r["name"] == "Scheduler.step" for r in data["phases"]["decode"])
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_host_overhead(tmp_path, smollm2_path):
     out = run_bench("throughput/host_overhead.py", ["--model-path", smollm2_path, "--num-prompts", "4",
                                                     "--input-len-min", "16", "--input-len-max", "32",
@@ -169,6 +173,7 @@ def test_decode_step(tmp_path):
     assert row["batch"] == 2 and row["timed_steps"] >= 2 and not row["cuda_graph"]
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_e2e_decode(tmp_path):
     out = run_bench("throughput/e2e_decode.py", ["--device", "cpu", "--preset", "tiny", "--context", "64", "--batch",
                                                  "2", "--n1", "1", "--n2", "2", "--repeats", "1",
@@ -189,6 +194,7 @@ def test_e2e_decode(tmp_path):
         assert abs(sum(k["groups_s"].values()) - k["busy_s"]) < 1e-9 * max(1.0, k["busy_s"]) + 1e-12
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_e2e_decode_keeps_a_point_interrupted_in_its_kernel_profile(tmp_path, monkeypatch):
     """SIGINT during --kernel-breakdown (the last, optional part of a point): the point's timing is
     kept, its profile marked interrupted, and the run stops there with a partial JSON."""
@@ -230,6 +236,7 @@ def test_block_tables(tmp_path):
     assert all(row[k]["iters"] == 5 for k in ("sort", "kernel", "torch"))
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_backend_agreement(tmp_path):
     # float16: the triton backend's bfloat16 path in Triton's CPU interpreter does not match torch
     out = run_bench("throughput/backend_agreement.py", ["--device", "cpu", "--preset", "tiny", "--num-prompts", "2",
@@ -239,6 +246,7 @@ def test_backend_agreement(tmp_path):
     assert data["results"]["float16"]["sequences"] == 2
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 @pytest.mark.slow
 def test_serving(tmp_path, smollm2_path):
     if importlib.util.find_spec("sglang") is None:  # bench_serving imports only with common/torchvision_stub
@@ -253,6 +261,7 @@ def test_serving(tmp_path, smollm2_path):
 
 
 # ---------------------------------------------------------------------------- quality
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_ppl_sweep(tmp_path, smollm2_path, prose):
     out = run_bench("quality/ppl_sweep.py", ["--device", "cpu", "--model", smollm2_path, "--prose", prose,
                                              "--context", "64", "--chunk", "16", "--windows", "1", "--budgets", "0.5",
@@ -261,6 +270,7 @@ def test_ppl_sweep(tmp_path, smollm2_path, prose):
     assert data["complete"] and [r["method"] for r in data["results"]] == ["greedy"]
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_niah(tmp_path, smollm2_path, prose):
     out = run_bench("quality/niah.py", ["--device", "cpu", "--model", smollm2_path, "--prose", prose, "--quick",
                                         "--tokens", "256", "--budgets", "0.5", "--methods", "pdtrim",
@@ -270,6 +280,7 @@ def test_niah(tmp_path, smollm2_path, prose):
     assert len(data["grid"]["pdtrim"]["0.5"]) == 3  # --quick: 3 depths x 1 trial
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_decode_rule(tmp_path, smollm2_path, prose):
     out = run_bench("quality/decode_rule.py", ["--device", "cpu", "--model", smollm2_path, "--prose", prose,
                                                "--prompts", "1", "--prompt-tokens", "64", "--new-tokens", "8",
@@ -287,6 +298,7 @@ def test_shaped_link(tmp_path):
     assert [r["set_gbps"] for r in data["results"]] == [None, 10.0]
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 @pytest.mark.slow
 def test_ttft_vs_bandwidth(tmp_path, smollm2_path):
     pytest.importorskip("sglang_router")
@@ -304,6 +316,7 @@ def test_ttft_vs_bandwidth(tmp_path, smollm2_path):
     assert pd_row["profile"]["kv_transfer"]["status"] == "ok" and pd_row["profile"]["kv_transfer"]["wire_ms"] > 0
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_fusedkv_serve_bench(tmp_path):
     out = run_bench("fusedkv/serve_bench.py", ["--smoke"], tmp_path)
     data = result(out, "fusedkv_serve_tiny_cpu", ("rows", "params", "targets", "vs_vanilla", "copy_bandwidth_Bps"),
@@ -363,6 +376,7 @@ def test_fusedkv_serve_interrupted_keeps_the_finished_variants(tmp_path, monkeyp
     assert data["vs_vanilla"] == {}
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_fusedkv_tiers(tmp_path):
     out = run_bench("fusedkv/tiers.py", ["--smoke"], tmp_path)
     data = result(out, "fusedkv_tiers_tiny_cpu", ("rows", "params", "vanilla_fp16_bytes_per_token"), png=True)
@@ -395,6 +409,7 @@ def test_kernel_groups():
     assert kernel_group("some_unknown_kernel") == "other"
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_fusedkv_capacity(tmp_path):
     out = run_bench("fusedkv/capacity.py", ["--smoke"], tmp_path)
     data = result(out, "fusedkv_capacity_tiny_cpu", ("rows", "params", "vs_vanilla", "copy_bandwidth_Bps"), png=True)
@@ -406,6 +421,7 @@ def test_fusedkv_capacity(tmp_path):
     assert all(r["tpot_s"] is None or r["tpot_s"] > 0 for r in rows.values())
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 @pytest.mark.slow
 def test_scd_ttft(tmp_path):
     pytest.importorskip("sglang_router")
@@ -490,6 +506,7 @@ def test_cold_tier_decode(tmp_path):
     assert pieces["copy_worker.job"] >= pieces["copy_worker.gather"] > 0  # the promotions' copy jobs, timed apart
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_cold_tier_decode_time_budget(tmp_path):
     """A budget the first repeat already overruns: that repeat is kept, the rest not started."""
     out = run_bench("throughput/cold_tier_decode.py", ["--preset", "tiny", "--context", "64", "--batch", "2",

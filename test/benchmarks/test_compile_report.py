@@ -34,6 +34,7 @@ def test_bad_flags_are_refused():
         assert r.returncode == 2 and "error" in r.stderr, (bad, r.stderr[-300:])
 
 
+@pytest.mark.heavy  # a compile report of about 13 s on 2 cores: CI leaves it out (README, Tests)
 @pytest.mark.slow
 def test_conversion_knobs_shorten_the_int_loops(tmp_path):
     """dot_cvt + sub_cvt: the int loops keep every load prefetched and no spill, and their SASS

@@ -64,6 +64,7 @@ def test_engine_layout_is_the_pools_own_view_and_tables():
 
 
 # ---------------------------------------------------------------------------- attention.py sweep
+@pytest.mark.heavy  # a sweep of about 40 s on 2 cores: CI leaves it out (README, Tests)
 def test_sweep_times_every_config_and_measures_with_the_best(tmp_path):
     """The sweep times the served config and each --configs entry on every sweep variant (the mix
     included), the best at the point (lowest geometric mean) measures the table, the best per model
@@ -220,3 +221,19 @@ def test_ncu_commands_split_sdpa_from_the_tiered_kernels():
     assert sdpa[-2:] == ["--sdpa-backend", "CUDNN_ATTENTION"] and "--config" not in sdpa
     with pytest.raises(ValueError):
         ncu_command("ncu", args, ["fp16", "sdpa"])
+
+
+def test_decode_step_needs_a_window_longer_than_the_noise():
+    """e2e_decode's step is (min T(n2) - min T(n1)) / (n2 - n1): pairs whose T(n2) <= T(n1) (host
+    noise larger than the window) are retried, and a window that never resolves is an error, never
+    a negative step."""
+    from e2e_decode import EXTRA_PAIRS_FOR_NOISE, time_decode_step
+
+    noisy = iter([0.5, 0.4, 0.3, 0.35])  # the first pair inverted by noise, the second resolves
+    t1, t2, cached, step = time_decode_step(lambda n: (next(noisy), 7), 1, 3, repeats=1)
+    assert t1 == [0.5, 0.3] and t2 == [0.4, 0.35] and cached == [7] * 4
+    assert step == pytest.approx((0.35 - 0.3) / 2)
+    calls = []
+    with pytest.raises(RuntimeError, match="shorter than the timing noise"):
+        time_decode_step(lambda n: (calls.append(n) or 1.0, 0), 1, 2, repeats=2)
+    assert len(calls) == 2 * (2 + EXTRA_PAIRS_FOR_NOISE)

@@ -7,6 +7,7 @@ import json
 import pytest
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of about 30 s on 2 cores: CI leaves it out (README, Tests)
 def test_toy_run_writes_rows_for_both_layouts(load_benchmark, tmp_path):
     mod = load_benchmark("kernels/extend_prefix.py")
     assert mod.main(["--device", "cpu", "--prefixes", "0", "40", "--chunk", "16", "--heads", "4", "2", "16",

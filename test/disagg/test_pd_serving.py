@@ -536,6 +536,7 @@ ROUTER_ATTEMPTS = 2  # the routers below run with --retry-max-retries 2 (default
 NEVER = "3600"  # --kv-transfer-timeout of the prefill below: only the claim deadline can end its rooms
 
 
+@pytest.mark.heavy  # a fault run of about a minute on 2 cores: CI leaves it out (README, Tests)
 @pytest.mark.timeout(1800)
 def test_a_decode_dead_before_it_registers_fails_fast_naming_the_decode():
     """The decode is SIGKILLed; the real router, whose health checks run at its default interval

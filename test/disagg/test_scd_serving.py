@@ -314,6 +314,7 @@ def test_unclaimed_rooms_close_and_nothing_leaks(cluster):
     assert closed.get("served", 0) >= 2 and closed.get("fan-out timed out", 0) >= 3, closed
 
 
+@pytest.mark.heavy  # about 25 s on 2 cores: CI leaves it out (README, Tests)
 def test_int4_codes_over_the_wire(pair, reference):
     """Artifacts whose manifest sends int4 codes: the producer quantises and packs them, the
     consumer unpacks and decodes exactly as the in-process reference with the same artifacts, at

@@ -50,6 +50,7 @@ def test_off_unless_enabled_and_on_cuda(tiny_dir):
             assert "not CUDA" in reason and eng.runner.prefill_graph_runner is None
 
 
+@pytest.mark.heavy  # about a minute under the interpreter on 2 cores (the static prefill path serves only on CUDA): CI leaves it out (README, Tests)
 def test_static_prefill_matches_eager(tiny_dir):
     """Every extend batch runs twice from the same KV state: the eager forward, then the graph
     runner's static path. The batches cover several requests at once, radix-cache prefixes,

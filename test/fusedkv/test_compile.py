@@ -57,6 +57,7 @@ def test_compiled_distill_step_matches_eager_and_keeps_names():
     assert last["kl"] < first["kl"]
 
 
+@pytest.mark.heavy  # about a minute on 2 cores: CI leaves it out (README, Tests)
 def test_compiled_graph_count_does_not_grow_with_depth():
     import torch._dynamo
 

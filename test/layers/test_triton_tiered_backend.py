@@ -150,6 +150,7 @@ def test_engine_triton_matches_torch_at_budget_half(tiny_dir):
         assert g["output_ids"][0] == r["output_ids"][0] and abs(gl[0][0] - rl[0][0]) < ATOL
 
 
+@pytest.mark.heavy  # about a minute under the interpreter on 2 cores: CI leaves it out (README, Tests)
 def test_fused_rope_store_into_fp16_rows_matches_unfused(tiny_dir, monkeypatch):
     """forward_qkv's fused RoPE + store into the tiered pool's fp16 rows (kernels/rope_store.py
     over the rows viewed as pages of one token), forced on under the interpreter by treating CPU
@@ -206,6 +207,7 @@ def test_gpu_smollm2_shape_tiered_triton_vs_torch(tmp_path):
     assert_greedy_close(out["triton"], out["torch"], 0.1)
 
 
+@pytest.mark.heavy  # about a minute under the interpreter on 2 cores: CI leaves it out (README, Tests)
 def test_engine_static_graph_path_matches_eager_on_tiered_pool(tiny_dir):
     """The CUDA-graph capture target (CudaGraphRunner.decode_step_static, eager replay on CPU)
     over the tiered pool: fixed-width filled tables, padding rows on the scratch slot, retiering

@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 from test_calibrate import synthetic_calib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.heavy  # a script's smoke run of about 12 s on 2 cores: CI leaves it out (README, Tests)
 def test_code_floor_script_writes_json_and_png(tiny_pair, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "benchmarks/quality/scd_code_floor.py", "--model", tiny_pair["producer"],

@@ -73,6 +73,7 @@ def test_harness_same_model_full_rank_is_exact(tiny_pair, tmp_path, smollm2_path
     assert t["prefill_s"] > 0 and set(t["rebuild_s"]) == {v[0] for v in variants} - {"base"}
 
 
+@pytest.mark.heavy  # about 25 s on 2 cores: CI leaves it out (README, Tests)
 @pytest.mark.slow
 def test_scd_eval_quick_writes_table_sweep_drift_and_adaptive(tiny_pair, tmp_path, smollm2_path):
     import json
