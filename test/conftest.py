@@ -32,6 +32,12 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist: the workers share the cores, so each worker's own torch ops take its share of
+# them (two workers of two intra-op threads each on 2 cores made the in-process model tests 5x
+# slower than one worker); servers a test starts keep their own defaults
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running test (model conversion, real weights)")

@@ -108,6 +108,7 @@ def test_attention(tmp_path):
     assert "skipped" in row["flashinfer_fp16"] and "skipped" in row["flashinfer_fp8"]  # CUDA only
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 5 s on 2 cores: CI leaves it out (README, Tests)
 def test_decode_plan(tmp_path):
     out = run_bench("kernels/decode_plan.py", ["--device", "cpu", "--batch", "2", "--ctx-min", "16", "--ctx-max",
                                                "64", "--max-seq", "128", "--splits", "1", "2",
@@ -137,18 +138,21 @@ def test_fusedkv_tiered_launches(tmp_path):
 
 
 # ---------------------------------------------------------------------------- throughput
+@pytest.mark.heavy  # a benchmark's smoke run of over 5 s on 2 cores: CI leaves it out (README, Tests)
 def test_offline(tmp_path):
     out = run_bench("throughput/offline.py", [*TINY_WORKLOAD, "--dtype", "float32", "--hf-batch-size", "4"], tmp_path)
     data = result(out, "offline_tiny_cpu", ("sgl_kvxfer", "hf_generate", "ratio_output_tok_s", "params"), png=True)
     assert data["sgl_kvxfer"]["output_tokens"] == data["hf_generate"]["output_tokens"] == 16
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 5 s on 2 cores: CI leaves it out (README, Tests)
 def test_phase_profile(tmp_path):
     out = run_bench("throughput/phase_profile.py", [*TINY_WORKLOAD, "--host-breakdown"], tmp_path)
     data = result(out, "phase_profile_tiny_cpu", ("unsynced", "synced", "host_breakdown", "params"), png=False)
     assert data["synced"]["phases"]["decode"]["steps"] > 0
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 5 s on 2 cores: CI leaves it out (README, Tests)
 def test_host_breakdown(tmp_path):
     out = run_bench("throughput/host_breakdown.py", TINY_WORKLOAD, tmp_path)
     data = result(out, "host_breakdown_tiny_cpu", ("phases", "wall_s", "output_tokens", "params"), png=False)
@@ -165,6 +169,7 @@ def test_host_overhead(tmp_path, smollm2_path):
     assert data["median"]["decode_steps"] > 0
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 5 s on 2 cores: CI leaves it out (README, Tests)
 def test_decode_step(tmp_path):
     out = run_bench("throughput/decode_step.py", ["--device", "cpu", "--presets", "tiny", "--batches", "2",
                                                   "--context", "32", "--steps", "2", "--warmup", "1"], tmp_path)
@@ -290,6 +295,7 @@ def test_decode_rule(tmp_path, smollm2_path, prose):
 
 
 # ---------------------------------------------------------------------------- pd
+@pytest.mark.heavy  # a benchmark's smoke run of over 5 s on 2 cores: CI leaves it out (README, Tests)
 def test_shaped_link(tmp_path):
     pytest.importorskip("mooncake")
     out = run_bench("pd/shaped_link.py", ["--mib", "1", "--segment-mib", "0.25", "--rates", "10", "--repeats", "1"],
@@ -470,6 +476,7 @@ def test_scd_e2e(tmp_path):
     assert ranks["4:8"]["scd@25"]["bytes_per_token"] < data["fanout"]["1"]["40"]["scd@25"]["bytes_per_token"]
     assert sum(ranks["auto"]["level_counts"].values()) == 2 + 2  # warm-up and one request per rate
 # ---------------------------------------------------------------------------- SpectrumKV retrieval test bed
+@pytest.mark.heavy  # a benchmark's smoke run of over 5 s on 2 cores: CI leaves it out (README, Tests)
 def test_cold_tier_decode(tmp_path):
     out = run_bench("throughput/cold_tier_decode.py", ["--preset", "tiny", "--context", "96", "--batch", "2",
                                                         "--n1", "2", "--n2", "4", "--repeats", "1", "--device", "cpu",
@@ -601,6 +608,7 @@ def test_retrieval_tiers(tmp_path):
     assert set(data2["summary"]) >= {"0.3", "0.2"} and "best_vs_random_discordant" in data2["summary"]["0.3"]
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 5 s on 2 cores: CI leaves it out (README, Tests)
 def test_fusedkv_distill_step(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "test", "fusedkv"))
     from fkv_tiny import tiny_model_dir
@@ -617,6 +625,7 @@ def test_fusedkv_distill_step(tmp_path):
         assert r["tokens_per_step"] == r["batch"] * 16 and 0 < r["fraction_of_matmul_rate"] <= 1
 
 
+@pytest.mark.heavy  # a benchmark's smoke run of over 5 s on 2 cores: CI leaves it out (README, Tests)
 def test_sampler(tmp_path):
     out = run_bench("throughput/sampler.py", ["--device", "cpu", "--vocab", "512", "--batches", "1", "8",
                                                "--calls", "2"], tmp_path)

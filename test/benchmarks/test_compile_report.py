@@ -11,6 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.heavy  # over 10 s on 2 cores: CI leaves it out (README, Tests)
 @pytest.mark.slow
 @pytest.mark.parametrize("int_page,head_dim,kv_group", [(64, 128, 4), (256, 64, 3)])
 def test_decode_loops_prefetch_every_load(tmp_path, int_page, head_dim, kv_group):

@@ -41,6 +41,7 @@ def test_bad_flags_are_argparse_errors(args, message):
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-600:]
 
 
+@pytest.mark.heavy  # over 10 s on 2 cores: CI leaves it out (README, Tests)
 @pytest.mark.slow
 def test_runs_on_a_tiny_model(tmp_path):
     from tiny_models import tiny_task_model

@@ -288,6 +288,7 @@ def test_pools_are_empty_after_the_module(cluster):
 
 
 # ---------------------------------------------------------------- SpectrumKV-tiered payload
+@pytest.mark.heavy  # over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_tiered_pd_matches_the_tiered_single_server():
     """b=0.5 on every server: the payload is the prefill's stored tier codes, the decode holds
     them bit for bit, so greedy outputs equal a tiered single server's, for both transfer

@@ -91,6 +91,7 @@ def _assert_kv_differs_only_in_new_slots(after_eager, after_static, fb, page_siz
             "the static path wrote KV outside the batch's new slots"
 
 
+@pytest.mark.heavy  # over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_static_decode_matches_eager(tiny_dir):
     """Every decode step runs twice from the same KV state: the eager forward, then the graph
     runner's static path. Decode batch sizes 4, 3, 2, 2, 1 (bucket 4 without and with a padding

@@ -90,8 +90,8 @@ def _reference(engine, prompts, params):
     return _REFERENCE["small_pool"]
 
 
-# forced retraction: CI leaves it out (retraction itself: test/scheduler/test_overlap.py)
-@pytest.mark.parametrize("force_retraction", [False, pytest.param(True, marks=pytest.mark.heavy)])
+@pytest.mark.heavy  # over 10 s on 2 cores: CI leaves it out (README, Tests)
+@pytest.mark.parametrize("force_retraction", [False, True])
 def test_small_pool_32_concurrent(smollm2_path, engine, monkeypatch, force_retraction):
     """A pool far smaller than 32 requests need: admission queues them (default) or, with the
     decode reserve disabled, decode runs out of KV and retracts + recomputes. Outputs must not change."""

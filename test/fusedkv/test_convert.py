@@ -18,9 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SMALL = ["--seq", "16", "--batch", "2", "--eval-windows", "2", "--calib-windows", "4", "--no-progress"]
 
 
-# lite with task data: CI leaves it out (FusedKV-Lite conversion stays in the retrofit tests)
-@pytest.mark.parametrize("variant,tasks", [("fusedkv", []), pytest.param("lite", ["--tasks", "qa,kv", "--task-n", "2"],
-                                                                    marks=pytest.mark.heavy)])
+@pytest.mark.parametrize("variant,tasks", [("fusedkv", []), ("lite", ["--tasks", "qa,kv", "--task-n", "2"])])
+@pytest.mark.heavy  # over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_convert_writes_a_served_model_and_a_report(tmp_path, tiny_model, text_data, capsys, variant, tasks):
     out, report_path = tmp_path / "out", tmp_path / "r" / "report.json"
     report = convert.main(["--model", tiny_model, "--variant", variant, "--out", str(out), "--train-data", text_data,

@@ -106,6 +106,7 @@ def test_compare_scratch_grid_on_two_workers(tmp_path, tiny_model, text_data):
     assert set(res["comparisons"]["minus_vanilla"]) == {"fusedkv[init=lite]"}
 
 
+@pytest.mark.heavy  # over 10 s on 2 cores: CI leaves it out (README, Tests)
 @pytest.mark.slow
 def test_compare_scratch_budget_too_small_runs_the_floor(tmp_path, tiny_model, text_data):
     tok = str(tmp_path / "tok")

@@ -87,6 +87,7 @@ def test_triton_path_matches_torch(model_dirs, variant):
     _compare(out["triton"], out["torch"])
 
 
+@pytest.mark.heavy  # over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_graph_capture_target_matches_eager(model_dirs):
     from sgl_kvxfer import Engine
     from sgl_kvxfer.engine.cuda_graph_runner import CudaGraphRunner
@@ -152,8 +153,8 @@ def test_rope_q_fused_kernel_matches_torch(monkeypatch):
     assert_rope_close(rope_q(q, cos, sin), apply_rope(q, cos, sin), q, cos, sin)
 
 
-# lite: its own layer map over the same tiered kernel path; half a minute on 2 cores, CI leaves it out
-@pytest.mark.parametrize("variant", ("fusedkv", pytest.param("lite", marks=pytest.mark.heavy)))
+@pytest.mark.heavy  # over 10 s on 2 cores: CI leaves it out (README, Tests)
+@pytest.mark.parametrize("variant", ("fusedkv", "lite"))
 def test_tiered_kernel_path_matches_torch(model_dirs, variant):
     """Over a tiered pool (b = 0.5, int8 and int4 tokens) the Triton tiered backend serves the
     storage layers and kernels/fusedkv_tiered_decode.py the reconstruction layers' decode and

@@ -114,6 +114,7 @@ def test_gpu_smollm2_shape_triton_vs_torch(tmp_path, dtype):
         assert abs(t["meta_info"]["output_token_logprobs"][0][0] - r["meta_info"]["output_token_logprobs"][0][0]) < atol
 
 
+@pytest.mark.heavy  # over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_fused_rope_store_matches_unfused(tiny_dir, monkeypatch):
     """forward_qkv's fused RoPE + KV store (kernels/rope_store.py), forced on under the
     interpreter by treating CPU as CUDA: chunked prefill, a radix hit and a batched decode across

@@ -112,6 +112,7 @@ TINY = tiny_llama(torch_dtype="bfloat16")
 ATOL = 5e-2  # logprobs: bf16 activations, different attention summation orders
 
 
+@pytest.mark.heavy  # over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_engine_triton_matches_torch_at_budget_half(tiny_dir):
     from sgl_kvxfer import Engine
     from sgl_kvxfer.config import EngineConfig

@@ -18,7 +18,8 @@ def test_refine_resumes_each_aligner_where_calibration_left_it(tiny_pair, tmp_pa
     extra = ["--patch-budget", "2", "--aligner-batch", "64"] + (["--aligner-joint"] if joint else [])
     report = calibrate(parse_args(_tiny_args(tiny_pair, tmp_path, out, *extra)))
     before = ScdArtifacts.load(out)
-    record = refine(out, time_budget_s=120.0, device="cpu")
+    argv = ["--artifacts", out, "--time-budget-s", "120", "--device", "cpu"]  # as main() passes them
+    record = refine(out, time_budget_s=120.0, device="cpu", argv=argv)
     after = ScdArtifacts.load(out)
     # the same split, codes and parameters: each aligner resumes at the held-out loss it was saved at
     for name in ("a", "b"):
@@ -40,7 +41,7 @@ def test_refine_resumes_each_aligner_where_calibration_left_it(tiny_pair, tmp_pa
         after.manifest.level_agreement)
     cal = json.load(open(os.path.join(out, "calibration.json")))
     assert len(cal["refinements"]) == 1 and cal["refinements"][0]["wall_s"]["total"] > 0
-    assert cal["refinements"][0]["command"].startswith("python -m sgl_kvxfer.scd.calib.refine ")
+    assert cal["refinements"][0]["command"] == "python -m sgl_kvxfer.scd.calib.refine " + " ".join(argv)
     # by default the restart peaks near where the calibration's annealing ended, not at its peak
     assert cal["refinements"][0]["lr"] == pytest.approx(cal["config"]["aligner_lr"] * REFINE_LR_FRACTION)
     assert all(r["refined"] == 1 for per in cal["aligners"].values() for r in per.values())

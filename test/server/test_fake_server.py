@@ -253,6 +253,7 @@ def test_the_routers_grpc_probe_is_closed_quietly_and_bad_http_still_answered(fa
     assert log_count() == before + 1  # the malformed request's warning only
 
 
+@pytest.mark.heavy  # over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_a_server_whose_port_was_taken_starts_on_another(monkeypatch):
     """free_port() cannot reserve its port: another process may bind it before the server does.
     start_server sees the bind error and starts the server again on a new port."""

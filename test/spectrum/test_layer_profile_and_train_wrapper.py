@@ -49,6 +49,7 @@ def test_profile_restore_one_has_no_gain_when_nothing_is_quantized(tiny):
     assert prof.meta["scored_tokens"] == 24
 
 
+@pytest.mark.heavy  # over 10 s on 2 cores: CI leaves it out (README, Tests)
 def test_profile_command_writes_a_profile(tiny, tmp_path):
     prose = tmp_path / "prose.jsonl"
     with open(prose, "w") as f:

@@ -54,6 +54,7 @@ def test_code_pass_is_unit_tested_not_string_matched():
     assert safe_eval("f(x, 2) * 3", {"x": 4}, {"f": (("a", "b"), "a - b")}) == 6
 
 
+@pytest.mark.heavy  # over 10 s on 2 cores: CI leaves it out (README, Tests)
 @pytest.mark.parametrize("task", tasks.task_names())
 def test_generation_cap_holds_every_gold_answer(task, smollm2_path):
     """max_answer_tokens caps generation in every scorer: a gold answer longer than the cap

@@ -31,6 +31,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -66,7 +67,7 @@ def load_config(art_dir: str, device: str | None = None) -> CalibConfig:
 
 
 def refine(art_dir: str, time_budget_s: float, out: str | None = None, lr: float | None = None,
-           device: str | None = None, started: float | None = None) -> dict:
+           device: str | None = None, started: float | None = None, argv: list[str] | None = None) -> dict:
     """Trains the aligners of `art_dir` on for about time_budget_s (from `started`, default now)
     and writes the artifacts to `out` (default: art_dir). Returns the refinement record."""
     if not (0 < time_budget_s < 1e9):  # also refuses NaN and inf
@@ -130,7 +131,7 @@ def refine(art_dir: str, time_budget_s: float, out: str | None = None, lr: float
             record["level_agreement"] = stages.level_agreement(env, saved, sel_chunks)
             saved.manifest = dataclasses.replace(m, level_agreement=tuple(record["level_agreement"]["agreement"]))
             saved.save_manifest(tmp)
-    record.update({**stages.provenance(env.device, "sgl_kvxfer.scd.calib.refine"), "time_budget_s": time_budget_s, "lr": lr,
+    record.update({**stages.provenance(env.device, "sgl_kvxfer.scd.calib.refine", argv), "time_budget_s": time_budget_s, "lr": lr,
                    "wall_s": {**timer.wall, "total": round(time.perf_counter() - t_start, 3)}})
     _write_report(art_dir, tmp, record)
     os.makedirs(dest, exist_ok=True)
@@ -175,7 +176,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default=None, help="default: the calibration's")
     args = ap.parse_args(argv)
     try:
-        refine(args.artifacts, args.time_budget_s, args.out, args.aligner_lr, args.device, started=process_start())
+        refine(args.artifacts, args.time_budget_s, args.out, args.aligner_lr, args.device, started=process_start(),
+               argv=sys.argv[1:] if argv is None else list(argv))
     except KeyboardInterrupt:
         print("[refine] interrupted: the artifacts are unchanged", flush=True)
         raise SystemExit(130)

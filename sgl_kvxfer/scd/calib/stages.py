@@ -358,8 +358,9 @@ def level_agreement(env: Models, art: ScdArtifacts, pairs) -> dict:
             "items": len(pairs), "tokens": int(mask.sum()), "per_consumer": per_consumer}
 
 
-def provenance(device: str, module: str = "sgl_kvxfer.scd.calib") -> dict:
-    """device, commit and the command line as `python -m MODULE ARGS` (the process's own module)."""
+def provenance(device: str, module: str = "sgl_kvxfer.scd.calib", argv: list[str] | None = None) -> dict:
+    """device, commit and the command line as `python -m MODULE ARGS`: the arguments main() parsed
+    (argv), else the process's own (a library call inside another program names its arguments)."""
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(0)
     else:
@@ -368,4 +369,4 @@ def provenance(device: str, module: str = "sgl_kvxfer.scd.calib") -> dict:
         name = f"{platform.processor() or 'cpu'} ({os.cpu_count()} cores)"
     from sgl_kvxfer.utils.provenance import source_commit
 
-    return {"device": name, "commit": source_commit(), "command": " ".join([f"python -m {module}", *sys.argv[1:]])}
+    return {"device": name, "commit": source_commit(), "command": " ".join([f"python -m {module}", *(sys.argv[1:] if argv is None else argv)])}
