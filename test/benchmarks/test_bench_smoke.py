@@ -6,7 +6,7 @@ Triton's interpreter, dummy-weight presets (`tiny`) or the embedded SmolLM2. It 
 status, that the result JSON records device, commit and command plus the script's own keys, and
 the PNG where the script draws one. The numbers are not checked: these runs only show that the
 scripts still work. Every temp file of a script goes under the test's tmp_path, and a script
-must remove the temp folders it makes. The runs that take over 10 s on 2 cores are marked
+must remove the temp folders it makes. The runs that take over 5 s on 2 cores are marked
 `heavy` (CI's default run leaves them out; `-m heavy` runs them).
 """
 from __future__ import annotations
