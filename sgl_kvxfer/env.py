@@ -28,6 +28,13 @@ class EnvVar:
 
 MODEL_CACHE = EnvVar("SGL_KVXFER_MODEL_CACHE", None,
                      "root folder for converted models (default ~/.cache/sgl_kvxfer/models)")
+
+
+def model_cache_root() -> str:
+    """The converted-models folder: $SGL_KVXFER_MODEL_CACHE or ~/.cache/sgl_kvxfer/models."""
+    return os.path.expanduser(MODEL_CACHE.get() or "~/.cache/sgl_kvxfer/models")
+
+
 PROBE_CACHE = EnvVar("SGL_KVXFER_PROBE_CACHE", None,
                      "folder for cached int4-probe decisions (default ~/.cache/sgl_kvxfer/int4_probe)")
 STARTUP_TIMEOUT = EnvVar("SGL_KVXFER_STARTUP_TIMEOUT", "900",

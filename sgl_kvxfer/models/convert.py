@@ -44,10 +44,7 @@ def embedded_gguf_path() -> str:
 
 
 def default_cache_dir(name: str = "smollm2-135m-instruct") -> str:
-    root = env.MODEL_CACHE.get()
-    if root:
-        return os.path.join(os.path.expanduser(root), name)
-    return os.path.join(os.path.expanduser("~/.cache/sgl_kvxfer/models"), name)
+    return os.path.join(env.model_cache_root(), name)
 
 
 def is_converted(out_dir: str) -> bool:

@@ -30,8 +30,7 @@ _KEY_FILES = ("tokenizer_config.json", "config.json", "tokenizer.json")
 def _records_dir() -> str:
     from sgl_kvxfer import env
 
-    root = env.MODEL_CACHE.get() or "~/.cache/sgl_kvxfer/models"
-    return os.path.join(os.path.expanduser(root), "_tokenizer_classes")
+    return os.path.join(env.model_cache_root(), "_tokenizer_classes")
 
 
 def class_key(tokenizer_dir: str) -> str:

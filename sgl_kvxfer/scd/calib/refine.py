@@ -31,7 +31,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 
@@ -177,7 +176,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     try:
         refine(args.artifacts, args.time_budget_s, args.out, args.aligner_lr, args.device, started=process_start(),
-               argv=sys.argv[1:] if argv is None else list(argv))
+               argv=argv)
     except KeyboardInterrupt:
         print("[refine] interrupted: the artifacts are unchanged", flush=True)
         raise SystemExit(130)
