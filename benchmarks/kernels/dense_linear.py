@@ -14,13 +14,19 @@ same bytes at the copy rate (`dense_step`). Variants, each on the same weights:
     linear   x @ W.T with W [N, K] row-major (the engine's nn.Linear product; torch.matmul with
              out=, so the graph allocates nothing)
     kn       x @ Wt with Wt [K, N] row-major (the transposed storage: another cuBLAS kernel)
+    skinny   kernels/skinny_linear.py on W [N, K] (M <= 16 only): the launch of
+             `default_config`, or with --skinny-configs each listed launch timed and the fastest
+             kept (its row lists every launch's time under `sweep`)
 
     python benchmarks/kernels/dense_linear.py --preset llama-3-8b --batches 1 8 32    # GPU
     python benchmarks/kernels/dense_linear.py --device cpu --preset tiny --batches 2  # CPU smoke run
+    python benchmarks/kernels/dense_linear.py --batches 1 8 16 --variants linear skinny \
+        --skinny-configs '[{"block_n": 32, "block_k": 256, "num_stages": 4, "num_warps": 4}, ...]'
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -31,8 +37,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.bandwidth import copy_bandwidth_Bps, rotation_copies, time_rotating  # noqa: E402
 from common.report import device_name, write_json  # noqa: E402
+from sgl_kvxfer.kernels.skinny_linear import MAX_ROWS, SkinnyConfig, default_config  # noqa: E402
 
-VARIANTS = ("linear", "kn")
+VARIANTS = ("linear", "kn", "skinny")
 
 
 def projections(preset: str) -> dict[str, tuple[int, int]]:
@@ -47,17 +54,22 @@ def projections(preset: str) -> dict[str, tuple[int, int]]:
 
 
 def time_matmul(variant: str, n: int, k: int, m: int, dtype: torch.dtype, device: torch.device,
-                iters: int, max_bytes: int) -> dict:
+                iters: int, max_bytes: int, skinny_config=None) -> dict:
     esize = torch.finfo(dtype).bits // 8
     w_bytes = n * k * esize
     copies = rotation_copies(w_bytes, device, max_bytes)
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(m, k, dtype=dtype, device=device, generator=g)
-    shape = (n, k) if variant == "linear" else (k, n)
+    shape = (k, n) if variant == "kn" else (n, k)
     ws = [torch.randn(*shape, dtype=dtype, device=device, generator=g) * 0.02 for _ in range(copies)]
     outs = [torch.empty(m, n, dtype=dtype, device=device) for _ in range(copies)]
     if variant == "linear":
         calls = [lambda w=w, o=o: torch.matmul(x, w.t(), out=o) for w, o in zip(ws, outs)]
+        ref = F.linear(x.float(), ws[0].float())
+    elif variant == "skinny":
+        from sgl_kvxfer.kernels.skinny_linear import skinny_linear
+
+        calls = [lambda w=w, o=o: skinny_linear(x, w, config=skinny_config, out=o) for w, o in zip(ws, outs)]
         ref = F.linear(x.float(), ws[0].float())
     else:
         calls = [lambda w=w, o=o: torch.matmul(x, w, out=o) for w, o in zip(ws, outs)]
@@ -67,6 +79,33 @@ def time_matmul(variant: str, n: int, k: int, m: int, dtype: torch.dtype, device
     nbytes = w_bytes + (m * k + m * n) * esize
     del ws, outs
     return {**t, "bytes": nbytes, "Bps": nbytes / (t["ms"] * 1e-3), "rel_err": err}
+
+
+def time_variant(variant: str, n: int, k: int, m: int, dtype: torch.dtype, device: torch.device, iters: int,
+                 max_bytes: int, skinny_configs: list | None) -> dict:
+    """time_matmul, and for the skinny variant with configs: each launch timed, the fastest's
+    row returned with every launch's time under `sweep` (and its launch under `config`)."""
+    if variant != "skinny":
+        return time_matmul(variant, n, k, m, dtype, device, iters, max_bytes)
+    configs = skinny_configs or [default_config(n, k)]
+    sweep, best = [], None
+    for c in configs:
+        try:
+            r = time_matmul(variant, n, k, m, dtype, device, iters, max_bytes, skinny_config=c)
+        except Exception as e:  # a launch the GPU cannot hold (shared memory): listed, not fatal
+            if len(configs) == 1 or "OutOfResources" not in type(e).__name__:
+                raise
+            sweep.append({**dataclasses.asdict(c), "skipped": f"{type(e).__name__}: {e}"[:200]})
+            torch.cuda.empty_cache()
+            continue
+        sweep.append({**dataclasses.asdict(c), "ms": r["ms"], "ms_min": r["ms_min"], "ms_max": r["ms_max"],
+                      "rel_err": r["rel_err"]})
+        r["config"] = dataclasses.asdict(c)
+        if best is None or r["ms"] < best["ms"]:
+            best = r
+    if len(sweep) > 1:
+        best["sweep"] = sweep
+    return best
 
 
 def plot(payload: dict, path: str) -> None:
@@ -107,12 +146,23 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--max-gib", type=float, default=8.0, help="most GiB of weight copies a matmul rotates over")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--name", default=None)
+    p.add_argument("--skinny-configs", default=None,
+                   help="JSON list of SkinnyConfig fields, or a file holding one: the skinny variant times "
+                        "each launch and keeps the fastest")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args(argv)
     if args.iters < 5:
         p.error("--iters >= 5 (the spread needs repeats)")
     from sgl_kvxfer.models.presets import PRESETS
 
+    try:
+        text = args.skinny_configs
+        if text and not text.lstrip().startswith("["):
+            with open(text) as f:
+                text = f.read()
+        skinny_configs = [SkinnyConfig(**c) for c in json.loads(text)] if text else None
+    except (OSError, ValueError, TypeError) as e:
+        p.error(f"--skinny-configs: a JSON list of SkinnyConfig fields ({e})")
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     layers = PRESETS[args.preset]["num_hidden_layers"]
@@ -123,7 +173,10 @@ def main(argv: list[str] | None = None) -> str:
         for variant in args.variants:
             step_s, step_bytes = 0.0, 0
             for name, (n, k) in projections(args.preset).items():
-                r = time_matmul(variant, n, k, m, dtype, device, args.iters, int(args.max_gib * 2**30))
+                if variant == "skinny" and m > MAX_ROWS:
+                    continue
+                r = time_variant(variant, n, k, m, dtype, device, args.iters, int(args.max_gib * 2**30),
+                                 skinny_configs)
                 r.update(matmul=name, n=n, k=k, m=m, variant=variant, of_copy=r["Bps"] / copy_bps)
                 rows.append(r)
                 times = 1 if name == "lm_head" else layers
@@ -132,6 +185,8 @@ def main(argv: list[str] | None = None) -> str:
                 print(f"M {m:3d} {variant:6s} {name:13s} [{n} x {k}]: {r['ms'] * 1e3:8.1f} us "
                       f"[{r['ms_min'] * 1e3:.1f}-{r['ms_max'] * 1e3:.1f}], {r['Bps'] / 1e9:7.1f} GB/s, "
                       f"{r['of_copy']:.0%} of copy", flush=True)
+            if not step_bytes:
+                continue
             steps.append({"m": m, "variant": variant, "dense_s": step_s, "bytes": step_bytes,
                           "roofline_s": step_bytes / copy_bps, "of_copy": step_bytes / copy_bps / step_s})
             print(f"M {m:3d} {variant:6s} dense step: {step_s * 1e3:.3f} ms against {step_bytes / copy_bps * 1e3:.3f} "

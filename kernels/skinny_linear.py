@@ -1,0 +1,132 @@
+"""Linear layer for decode-sized batches: y = x @ W^T (+ bias) with few rows, read at the weight's
+byte rate.
+
+    skinny_linear(x, weight, bias=None, config=None) -> y
+
+x      [M, K] fp16 / bf16, 1 <= M <= MAX_ROWS, rows may be strided, last dim contiguous
+weight [N, K] same dtype, row-major (nn.Linear's layout), contiguous
+bias   [N] or None
+y      [M, N] contiguous, x's dtype (new, or `out`)
+grid = (cdiv(N, BLOCK_N),): one program streams BLOCK_N whole rows of W (all of K) and keeps
+every x row; no split over K, so there is no second launch and no atomics.
+
+Why: at M = 8 a decode step's small projections are bound by reading W, and cuBLAS's kernels
+read the two smallest Llama-3-8B ones (qkv 6144 x 4096, o_proj 4096 x 4096) at 61-67% of a
+device copy's rate on an H200 (kernels/README.md, section 7b). Here W is the dot's A operand
+([BLOCK_N, BLOCK_K] tiles, K contiguous as stored), x^T the B operand (rows padded to
+BLOCK_M >= 16, the smallest tensor-core tile); both loads feed the dot, so Triton's pipeliner
+prefetches them `num_stages` ahead.
+
+Invariants and hazards:
+- Rows past M and past N are clamped to the last valid row for the loads (no mask, so the
+  loads stay cp.async prefetches); the store is masked, so they are never written.
+- K need not divide BLOCK_K: the last step masks along K (EVEN_K=False).
+- fp32 accumulation over K in BLOCK_K steps, one rounding to the output dtype: equal to F.linear
+  up to fp32 summation order (at most one output-dtype rounding apart; tested).
+- Under the CPU interpreter bf16 dots are wrong, so operands go to the dot as fp32 there.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # one BLOCK_M tile; more rows are F.linear's (the prefill path)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int = 32
+    block_k: int = 256
+    num_stages: int = 4
+    num_warps: int = 4
+
+    def as_launch(self) -> dict:
+        return dict(BLOCK_N=self.block_n, BLOCK_K=self.block_k, num_stages=self.num_stages,
+                    num_warps=self.num_warps)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                          HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: loads unmasked along N
+    rows_x = tl.minimum(offs_m, M - 1)
+    w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + rows_x[None, :] * stride_xm + offs_k[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            xt = tl.load(x_ptrs)
+        else:
+            k_ok = k0 + offs_k < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
+        if DOT_F32:
+            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
+        else:
+            acc += tl.dot(w, xt)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
+
+
+def default_config(n: int, k: int, num_sms: int | None = None) -> SkinnyConfig:
+    """The launch for an [n, k] weight: the widest BLOCK_N (of 16..128) that still gives every SM
+    at least two programs, so the weight's read is spread over the whole GPU."""
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+    block_n = 16
+    for b in (32, 64, 128):
+        if triton.cdiv(n, b) >= 2 * num_sms:
+            block_n = b
+    return SkinnyConfig(block_n=block_n)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: SkinnyConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> x @ weight.T + bias, [M, N]; 1 <= M <= MAX_ROWS. CUDA-graph capturable.
+    out: a contiguous [M, N] tensor of x's dtype to write instead of a new one."""
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1], (x.shape, weight.shape)
+    assert x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16), (x.dtype, weight.dtype)
+    assert 1 <= x.shape[0] <= MAX_ROWS, f"{x.shape[0]} rows: skinny_linear takes 1..{MAX_ROWS}"
+    assert x.stride(1) == 1 and weight.is_contiguous()
+    M, K = x.shape
+    N = weight.shape[0]
+    cfg = config or default_config(N, K)
+    block_k = min(cfg.block_k, triton.next_power_of_2(K))
+    if out is None:
+        y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    else:
+        assert out.shape == (M, N) and out.dtype == x.dtype and out.is_contiguous(), (out.shape, out.dtype)
+        y = out
+    launch = cfg.as_launch()
+    launch["BLOCK_K"] = max(16, block_k)
+    _skinny_linear_kernel[(triton.cdiv(N, cfg.block_n),)](
+        x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, DOT_F32=_interpreting(), EVEN_K=K % launch["BLOCK_K"] == 0,
+        BLOCK_M=MAX_ROWS, **launch,
+    )
+    return y
+
+
+def skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 math, one rounding to x's dtype: what the kernel computes up to summation order."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
