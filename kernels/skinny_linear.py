@@ -43,6 +43,7 @@ class SkinnyConfig:
     block_k: int = 256
     num_stages: int = 4
     num_warps: int = 4
+    pdl: bool = False  # programmatic dependent launch: see the module doc
 
     def as_launch(self) -> dict:
         return dict(BLOCK_N=self.block_n, BLOCK_K=self.block_k, num_stages=self.num_stages,
@@ -56,6 +57,7 @@ def _interpreting() -> bool:
 @triton.jit
 def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                           HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr,
+                          PDL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -65,7 +67,27 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, str
     w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + rows_x[None, :] * stride_xm + offs_k[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if PDL:
+        # Launched as a programmatic dependent: this grid may start while the previous kernel
+        # still runs. Let the next kernel launch as early, read the first W tile (weights: no
+        # kernel of the stream writes them), and only then wait for the previous kernel's
+        # writes (x, and y's memory) before touching x or y.
+        tl.extra.cuda.gdc_launch_dependents()
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=offs_k[None, :] < K, other=0.0)
+        tl.extra.cuda.gdc_wait()
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+        else:
+            xt = tl.load(x_ptrs, mask=offs_k[:, None] < K, other=0.0)
+        acc += tl.dot(w, xt)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
             xt = tl.load(x_ptrs)
@@ -114,12 +136,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     else:
         assert out.shape == (M, N) and out.dtype == x.dtype and out.is_contiguous(), (out.shape, out.dtype)
         y = out
+    pdl = cfg.pdl and x.is_cuda and not _interpreting()
     launch = cfg.as_launch()
     launch["BLOCK_K"] = max(16, block_k)
     _skinny_linear_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, DOT_F32=_interpreting(), EVEN_K=K % launch["BLOCK_K"] == 0,
-        BLOCK_M=MAX_ROWS, **launch,
+        PDL=pdl, BLOCK_M=MAX_ROWS, **launch, **({"launch_pdl": True} if pdl else {}),
     )
     return y
 

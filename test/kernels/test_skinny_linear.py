@@ -90,3 +90,36 @@ def test_llama3_8b_shapes_on_gpu(m, n, k):
     ref = skinny_linear_reference(x, w)
     _one_rounding(got, ref)
     torch.testing.assert_close(got.float(), F.linear(x, w).float(), atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_pdl_chain_reads_each_previous_output(graph):
+    """Launched as programmatic dependents, each linear starts before the previous one ends and
+    reads its first W tile early: x (the previous output) must still be read only after it is
+    complete. A chain of 6, eager and as a CUDA graph replay, equals the same chain without PDL."""
+    g = torch.Generator().manual_seed(3)
+    ws = [(torch.randn(1024, 1024, generator=g) / 32).to(torch.bfloat16).cuda() for _ in range(6)]
+    x = torch.randn(8, 1024, generator=g).to(torch.bfloat16).cuda()
+    plain, pdl = SkinnyConfig(block_n=16, block_k=256), SkinnyConfig(block_n=16, block_k=256, pdl=True)
+
+    def chain(cfg):
+        y = x
+        for w in ws:
+            y = skinny_linear(y, w, config=cfg)
+        return y
+
+    want = chain(plain)
+    if not graph:
+        got = chain(pdl)
+    else:
+        chain(pdl)  # JIT outside the capture
+        torch.cuda.synchronize()
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            got = chain(pdl)
+        x.mul_(-1)  # new input: a replay that read stale x would not follow
+        want = chain(plain)
+        cg.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(got, want)
