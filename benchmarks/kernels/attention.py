@@ -62,7 +62,7 @@ from engine_layout import build_engine_layout, build_paged_fp16, engine_int_page
 
 MODELS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64)}
 TIERED = ("tiered_fp16", "tiered_int8", "tiered_int4", "tiered_mix_b0.5")
-VARIANTS = ("sdpa", "fp16_pool", *TIERED, "flashinfer_fp16", "flashinfer_fp8")
+VARIANTS = ("sdpa", "fp16_pool", *TIERED, "tiered_fp16_head_major", "flashinfer_fp16", "flashinfer_fp8")
 DEFAULT_POINTS = tuple(f"llama3-8b:{b}:{c}" for b in (8, 1, 32) for c in (32768, 16384, 65536, 131072)) + \
     ("smollm2:8:32768",)
 DEFAULT_SWEEP_POINTS = ("llama3-8b:8:32768", "llama3-8b:1:32768", "smollm2:8:32768")
@@ -215,6 +215,22 @@ def tiered_timing(B, ctx, Hq, Hkv, D, q, mix, dev, iters, max_bytes, entry=None,
     return res
 
 
+def head_major_fp16(layout):
+    """The layout with its fp16 rows stored head-major ([Hkv, P, PAGE, D] underneath, the same
+    [P, Hkv, PAGE, D] view and values): a head's rows of a request are then contiguous in memory,
+    as SDPA's dense K / V are, where the engine's token-major store interleaves the heads (one
+    D-wide row per head every Hkv * D elements). The kernel addresses rows through the store's
+    strides, so it reads either layout unchanged."""
+    import dataclasses
+
+    layer = layout.layer
+    fp16 = layer.pages[0]
+    def hm(x):
+        return x.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3)
+    pages = (dataclasses.replace(fp16, k=hm(fp16.k), v=hm(fp16.v)), *layer.pages[1:])
+    return dataclasses.replace(layout, layer=dataclasses.replace(layer, pages=pages))
+
+
 def agrees_with_served(row: dict) -> bool:
     """A sweep row whose output matches the served config's (finite, within 5% of the output's
     largest magnitude): rounding differs between configs (qk_int8 rounds q), wrong results do not."""
@@ -266,6 +282,10 @@ def measure_point(args, env, model, B, ctx, entries, cache: LayoutCache | None =
             elif v.startswith("flashinfer"):
                 r = (flashinfer_timing(B, ctx, Hq, Hkv, D, q, dev, iters, env["max_bytes"], v.endswith("fp8"))
                      if dev.type == "cuda" else {"skipped": "CUDA only"})
+            elif v == "tiered_fp16_head_major":
+                lay = head_major_fp16(tiered_layout(B, ctx, Hkv, D, q, "fp16", dev, env["max_bytes"]))
+                r = tiered_timing(B, ctx, Hq, Hkv, D, q, "fp16", dev, iters, env["max_bytes"], entry, layout=lay)
+                r["config_source"] = source
             else:
                 r = tiered_timing(B, ctx, Hq, Hkv, D, q, v[len("tiered_"):], dev, iters, env["max_bytes"],
                                   entry, layout=cache.getter(B, ctx, Hkv, D, q) if cache else None, parts=True)
