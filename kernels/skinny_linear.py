@@ -10,12 +10,22 @@ y      [M, N] contiguous, x's dtype (new, or `out`)
 grid = (cdiv(N, BLOCK_N),): one program streams BLOCK_N whole rows of W (all of K) and keeps
 every x row; no split over K, so there is no second launch and no atomics.
 
-Why: at M = 8 a decode step's small projections are bound by reading W, and cuBLAS's kernels
-read the two smallest Llama-3-8B ones (qkv 6144 x 4096, o_proj 4096 x 4096) at 61-67% of a
-device copy's rate on an H200 (kernels/README.md, section 7b). Here W is the dot's A operand
-([BLOCK_N, BLOCK_K] tiles, K contiguous as stored), x^T the B operand (rows padded to
-BLOCK_M >= 16, the smallest tensor-core tile); both loads feed the dot, so Triton's pipeliner
-prefetches them `num_stages` ahead.
+Why it exists: at M = 8 a decode step's small projections are bound by reading W, and cuBLAS
+reads the two smallest Llama-3-8B ones (qkv 6144 x 4096, o_proj 4096 x 4096) at 61-67% of a
+device copy's rate on an H200. This kernel is the test of whether another GEMM closes that: W is
+the dot's A operand ([BLOCK_N, BLOCK_K] tiles, K contiguous as stored), x^T the B operand (rows
+padded to BLOCK_M = 16, the smallest tensor-core tile), both loads prefetched `num_stages` ahead.
+Measured (kernels/README.md, section 7, "What a GEMM for few rows changes"): at the best of 16
+launches it reads qkv in 16.0-16.7 us against cuBLAS's 18.0-18.2 and o_proj in 12.5-12.8 against
+13.1-13.3, no faster for gate_up and down: the small projections' shortfall is a fixed cost per
+kernel, not cuBLAS's kernel choice. So the model keeps F.linear; `benchmarks/kernels/dense_linear.py
+--variants skinny` times this kernel beside it.
+
+pdl (SkinnyConfig): launched as a programmatic dependent (Triton's launch_pdl), the program lets
+the next kernel launch at once, reads its first W tile, then waits for the previous kernel
+(gdc_wait) before it reads x or writes y. W must not be written by an earlier kernel of the
+stream that has not finished (weights are written at load time only). Measured: within 0.6 us
+of the plain launch at every shape.
 
 Invariants and hazards:
 - Rows past M and past N are clamped to the last valid row for the loads (no mask, so the
@@ -39,7 +49,7 @@ MAX_ROWS = 16  # one BLOCK_M tile; more rows are F.linear's (the prefill path)
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    block_n: int = 32
+    block_n: int = 64
     block_k: int = 256
     num_stages: int = 4
     num_warps: int = 4
@@ -107,16 +117,11 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, str
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
 
 
-def default_config(n: int, k: int, num_sms: int | None = None) -> SkinnyConfig:
-    """The launch for an [n, k] weight: the widest BLOCK_N (of 16..128) that still gives every SM
-    at least two programs, so the weight's read is spread over the whole GPU."""
-    if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-    block_n = 16
-    for b in (32, 64, 128):
-        if triton.cdiv(n, b) >= 2 * num_sms:
-            block_n = b
-    return SkinnyConfig(block_n=block_n)
+def default_config(n: int, k: int) -> SkinnyConfig:
+    """The launch for an [n, k] weight: 64 rows of W a program, 256-wide K steps, 4 stages, 4
+    warps, the fastest or within 1 us of the fastest of 16 launches at every Llama-3-8B
+    projection at M = 8 on an H200 (benchmarks/results/dense_linear_skinny_llama-3-8b_NVIDIA_H200.json)."""
+    return SkinnyConfig(block_n=64, block_k=256, num_stages=4, num_warps=4)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -36,10 +36,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.bandwidth import copy_bandwidth_Bps, rotation_copies, time_rotating  # noqa: E402
-from common.report import device_name, write_json  # noqa: E402
-from sgl_kvxfer.kernels.skinny_linear import MAX_ROWS, SkinnyConfig, default_config  # noqa: E402
+from common.report import device_name, triton_interpreter_for, write_json  # noqa: E402
 
 VARIANTS = ("linear", "kn", "skinny")
+DEFAULT_VARIANTS = ("linear", "kn")  # skinny when asked: under the CPU interpreter it is slow
 
 
 def projections(preset: str) -> dict[str, tuple[int, int]]:
@@ -87,6 +87,8 @@ def time_variant(variant: str, n: int, k: int, m: int, dtype: torch.dtype, devic
     row returned with every launch's time under `sweep` (and its launch under `config`)."""
     if variant != "skinny":
         return time_matmul(variant, n, k, m, dtype, device, iters, max_bytes)
+    from sgl_kvxfer.kernels.skinny_linear import default_config
+
     configs = skinny_configs or [default_config(n, k)]
     sweep, best = [], None
     for c in configs:
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="llama-3-8b")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=VARIANTS)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--max-gib", type=float, default=8.0, help="most GiB of weight copies a matmul rotates over")
@@ -154,6 +156,9 @@ def main(argv: list[str] | None = None) -> str:
     if args.iters < 5:
         p.error("--iters >= 5 (the spread needs repeats)")
     from sgl_kvxfer.models.presets import PRESETS
+
+    triton_interpreter_for(args.device)  # before the kernel module is imported
+    from sgl_kvxfer.kernels.skinny_linear import MAX_ROWS, SkinnyConfig
 
     try:
         text = args.skinny_configs
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> str:
         for variant in args.variants:
             step_s, step_bytes = 0.0, 0
             for name, (n, k) in projections(args.preset).items():
-                if variant == "skinny" and m > MAX_ROWS:
+                if variant == "skinny" and m > MAX_ROWS:  # the kernel's rows: one BLOCK_M tile
                     continue
                 r = time_variant(variant, n, k, m, dtype, device, args.iters, int(args.max_gib * 2**30),
                                  skinny_configs)

@@ -74,11 +74,8 @@ def test_bad_input_is_refused(device):
         skinny_linear(x[:2], w[:, :16])  # K mismatch
 
 
-def test_default_config_spreads_the_weight_over_every_sm():
-    assert default_config(4096, 4096, num_sms=132).block_n == 16  # 256 programs at 16, 128 at 32
-    assert default_config(6144, 4096, num_sms=132).block_n == 16
-    assert default_config(28672, 4096, num_sms=132).block_n == 64  # 448 programs
-    assert default_config(128256, 4096, num_sms=132).block_n == 128
+def test_default_config_is_the_dataclass_default():
+    assert default_config(4096, 4096) == SkinnyConfig() == SkinnyConfig(64, 256, 4, 4, False)
 
 
 @pytest.mark.gpu
