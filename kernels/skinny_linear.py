@@ -15,11 +15,11 @@ reads the two smallest Llama-3-8B ones (qkv 6144 x 4096, o_proj 4096 x 4096) at 
 device copy's rate on an H200. This kernel is the test of whether another GEMM closes that: W is
 the dot's A operand ([BLOCK_N, BLOCK_K] tiles, K contiguous as stored), x^T the B operand (rows
 padded to BLOCK_M = 16, the smallest tensor-core tile), both loads prefetched `num_stages` ahead.
-Measured (kernels/README.md, section 7, "What a GEMM for few rows changes"): at the best of 16
-launches it reads qkv in 16.0-16.7 us against cuBLAS's 18.0-18.2 and o_proj in 12.5-12.8 against
-13.1-13.3, no faster for gate_up and down: the small projections' shortfall is a fixed cost per
-kernel, not cuBLAS's kernel choice. So the model keeps F.linear; `benchmarks/kernels/dense_linear.py
---variants skinny` times this kernel beside it.
+Measured (kernels/README.md, section 5, "What a GEMM for few rows changes"): at the best of 32
+launches it reads qkv in 16.0-16.7 us against cuBLAS's 18.0-18.7 at M = 8 and 16 and o_proj in
+12.5-12.8 against 13.1-13.6, no faster for gate_up and down, and slower at M = 1: the small
+projections' shortfall is a fixed cost per kernel, not cuBLAS's kernel choice. So the model
+keeps F.linear; `benchmarks/kernels/dense_linear.py --variants skinny` times this kernel beside it.
 
 pdl (SkinnyConfig): launched as a programmatic dependent (Triton's launch_pdl), the program lets
 the next kernel launch at once, reads its first W tile, then waits for the previous kernel
@@ -119,8 +119,9 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, str
 
 def default_config(n: int, k: int) -> SkinnyConfig:
     """The launch for an [n, k] weight: 64 rows of W a program, 256-wide K steps, 4 stages, 4
-    warps, the fastest or within 1 us of the fastest of 16 launches at every Llama-3-8B
-    projection at M = 8 on an H200 (benchmarks/results/dense_linear_skinny_llama-3-8b_NVIDIA_H200.json)."""
+    warps. In the 32-launch sweep on an H200 at M = 8 (benchmarks/results/
+    dense_linear_skinny_sweep_llama-3-8b_NVIDIA_H200.json) the fastest at qkv and o_proj, within
+    1 us at gate_up and down and 4 us at lm_head; in the second call 1.8 us off at qkv."""
     return SkinnyConfig(block_n=64, block_k=256, num_stages=4, num_warps=4)
 
 

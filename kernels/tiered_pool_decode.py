@@ -159,9 +159,9 @@ INTERPRET_CONFIG = TieredDecodeConfig(tile16=16, tile8=16, tile4=16, stages16=1,
 # (--kv-tier-page-size 256); the knobs are page-size independent (the kernels walk PAGE < tile
 # several pages a step), the timings are not.
 SERVED_CONFIGS: dict[tuple[int, int], TieredDecodeConfig] = {
-    # SmolLM2; the fp16 tier's 64-row steps at 2 warps and 5 stages from two same-call sweeps on
-    # an H200 (attention_smollm2_fp16_sweep_{a,b}_NVIDIA_H200.json): 58.6 / 59.3 us... 57.8 against
-    # 63.9 / 66.0 us for 128-row steps at 4 warps
+    # SmolLM2; the fp16 tier at 64-row steps, 2 warps, 5 stages from two same-call sweeps on an
+    # H200 (attention_smollm2_fp16_sweep_{a,b}_NVIDIA_H200.json): 59.3 / 57.8 us against 63.9 /
+    # 66.0 for 128-row steps at 4 warps; split_waves (the int tiers' plan) unchanged
     (64, 3): TieredDecodeConfig(dot_cvt=True, sub_cvt=True, tile16=64, warps16=2, stages16=5, split_waves=3),
     # Llama-3-8B; warps16=4 from the H200 fp16 sweep (attention_fp16_sweep2_NVIDIA_H200.json):
     # batch 1 44.2 us against 50.4 served before, batch 8 253.5 against 256.0. one_launch from the
