@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -475,6 +476,19 @@ class SchedulerConfig:
         return auto_chunk_size(_gpu_memory_gib(e.base_gpu_id) if e.resolved_device == "cuda" else None)
 
 
+# The server's cross-process links (ServerArgs.ipc_addr): Unix sockets in one folder.
+IPC_LINKS = ("scheduler_input", "detokenizer_input", "tokenizer_input")
+# HAZARD: a Unix socket's path is at most 107 bytes on Linux (sockaddr_un.sun_path, 108 with its
+# NUL; 103 on macOS); zmq refuses a longer one only when the process binds, after start-up.
+IPC_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
+
+
+def ipc_dir_fits(ipc_dir: str) -> bool:
+    """Every link's socket path in ipc_dir within IPC_PATH_MAX bytes."""
+    longest = max(IPC_LINKS, key=len)
+    return len(os.fsencode(os.path.join(ipc_dir, longest))) <= IPC_PATH_MAX
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -500,6 +514,9 @@ class ServerArgs:
                              f"spaces, got {name[:64]!r}")
         if not 0.0 <= self.shutdown_grace_period_secs <= 86400.0:  # NaN fails too
             raise ValueError(f"shutdown_grace_period_secs must be in [0, 86400], got {self.shutdown_grace_period_secs}")
+        if self.ipc_dir is not None and not ipc_dir_fits(self.ipc_dir):
+            raise ValueError(f"ipc_dir {self.ipc_dir!r} is too long for a socket path (at most {IPC_PATH_MAX} bytes "
+                             "with the link name)")
 
     @property
     def resolved_served_model_name(self) -> str:
@@ -516,16 +533,27 @@ class ServerArgs:
 
     # Every cross-process link is named here, and only here.
     def ipc_addr(self, link: str) -> str:
-        assert link in ("scheduler_input", "detokenizer_input", "tokenizer_input"), link
+        assert link in IPC_LINKS, link
         assert self.ipc_dir is not None, "ServerArgs.with_ipc_dir() must run before processes start"
         return f"ipc://{os.path.join(self.ipc_dir, link)}"
 
     def with_ipc_dir(self) -> "ServerArgs":
+        """A fresh folder for the ipc:// sockets: in the temp dir (TMPDIR), or in /tmp where the
+        temp dir is too deep for a socket path (a Unix socket's path holds at most
+        IPC_PATH_MAX bytes; pytest's per-test temp dirs exceed it)."""
         if self.ipc_dir is not None:
             return self
         import tempfile
 
-        return dataclasses.replace(self, ipc_dir=tempfile.mkdtemp(prefix="sgl_kvxfer_ipc_"))
+        for base in (None, "/tmp"):
+            if base is not None and not os.path.isdir(base):
+                continue
+            d = tempfile.mkdtemp(prefix="sgl_kvxfer_ipc_", dir=base)
+            if ipc_dir_fits(d):
+                return dataclasses.replace(self, ipc_dir=d)
+            os.rmdir(d)
+        raise RuntimeError(f"no temp folder short enough for the server's sockets (paths of at most {IPC_PATH_MAX} "
+                           f"bytes): {tempfile.gettempdir()!r} is too deep; set TMPDIR to a shorter folder")
 
     # ---------------------------------------------------------------- flat views
     @classmethod

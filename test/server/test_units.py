@@ -127,6 +127,36 @@ def test_served_model_name():
             parse_server_args(["--served-model-name", bad])
 
 
+def test_socket_folder_fits_a_socket_path_under_a_deep_temp_dir(tmp_path, monkeypatch):
+    """The ipc:// sockets go in a fresh temp folder; where TMPDIR is too deep for a Unix socket's
+    path (pytest's per-test folders under xdist were), in /tmp. A bound socket proves the fit."""
+    import os
+    import tempfile
+
+    import zmq
+
+    from sgl_kvxfer.config import IPC_LINKS, IPC_PATH_MAX, ServerArgs, ipc_dir_fits
+
+    deep = tmp_path / ("d" * 60) / ("e" * 30)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    assert not ipc_dir_fits(os.path.join(str(deep), "sgl_kvxfer_ipc_12345678"))
+    args = ServerArgs().with_ipc_dir()
+    try:
+        assert args.ipc_dir.startswith("/tmp/sgl_kvxfer_ipc_") and ipc_dir_fits(args.ipc_dir)
+        ctx = zmq.Context.instance()
+        for link in IPC_LINKS:
+            sock = ctx.socket(zmq.PULL)
+            sock.bind(args.ipc_addr(link))
+            sock.close(linger=0)
+    finally:
+        import shutil
+
+        shutil.rmtree(args.ipc_dir, ignore_errors=True)
+    with pytest.raises(ValueError, match="too long for a socket path"):  # an explicit one: refused up front
+        ServerArgs(ipc_dir="/" + "x" * IPC_PATH_MAX)
+
+
 def _finished(ids, finish, no_stop_trim=False, skip_special=True, spaces=True):
     return ReqOutput(rid="r", new_output_ids=ids, finish_reason=finish, prompt_tokens=1, completion_tokens=len(ids),
                      cached_tokens=0, skip_special_tokens=skip_special, spaces_between_special_tokens=spaces,
