@@ -17,6 +17,8 @@ same bytes at the copy rate (`dense_step`). Variants, each on the same weights:
     skinny   kernels/skinny_linear.py on W [N, K] (M <= 16 only): the launch of
              `default_config`, or with --skinny-configs each listed launch timed and the fastest
              kept (its row lists every launch's time under `sweep`)
+    copy     a device copy moving W's bytes (half read, half written; M does not apply): the
+             time a kernel of that size takes with no arithmetic, the floor for that projection
 
     python benchmarks/kernels/dense_linear.py --preset llama-3-8b --batches 1 8 32    # GPU
     python benchmarks/kernels/dense_linear.py --device cpu --preset tiny --batches 2  # CPU smoke run
@@ -38,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.bandwidth import copy_bandwidth_Bps, rotation_copies, time_rotating  # noqa: E402
 from common.report import device_name, triton_interpreter_for, write_json  # noqa: E402
 
-VARIANTS = ("linear", "kn", "skinny")
+VARIANTS = ("linear", "kn", "skinny", "copy")
 DEFAULT_VARIANTS = ("linear", "kn")  # skinny when asked: under the CPU interpreter it is slow
 
 
@@ -81,10 +83,26 @@ def time_matmul(variant: str, n: int, k: int, m: int, dtype: torch.dtype, device
     return {**t, "bytes": nbytes, "Bps": nbytes / (t["ms"] * 1e-3), "rel_err": err}
 
 
+def time_copy(n: int, k: int, dtype: torch.dtype, device: torch.device, iters: int, max_bytes: int) -> dict:
+    """A device copy that moves W's bytes (reads half of them, writes the other half), timed the
+    same way as the matmuls: what a kernel of that size costs with no arithmetic at all."""
+    esize = torch.finfo(dtype).bits // 8
+    half = n * k // 2
+    copies = rotation_copies(2 * half * esize, device, max_bytes)
+    srcs = [torch.empty(half, dtype=dtype, device=device).fill_(i) for i in range(copies)]
+    dsts = [torch.empty(half, dtype=dtype, device=device) for _ in range(copies)]
+    t = time_rotating([lambda s=s, d=d: d.copy_(s) for s, d in zip(srcs, dsts)], device, iters)
+    nbytes = 2 * half * esize
+    del srcs, dsts
+    return {**t, "bytes": nbytes, "Bps": nbytes / (t["ms"] * 1e-3), "rel_err": 0.0}
+
+
 def time_variant(variant: str, n: int, k: int, m: int, dtype: torch.dtype, device: torch.device, iters: int,
                  max_bytes: int, skinny_configs: list | None) -> dict:
     """time_matmul, and for the skinny variant with configs: each launch timed, the fastest's
     row returned with every launch's time under `sweep` (and its launch under `config`)."""
+    if variant == "copy":
+        return time_copy(n, k, dtype, device, iters, max_bytes)
     if variant != "skinny":
         return time_matmul(variant, n, k, m, dtype, device, iters, max_bytes)
     from sgl_kvxfer.kernels.skinny_linear import default_config

@@ -232,6 +232,17 @@ def test_dense_linear(tmp_path):
         assert abs(s["dense_s"] - want) < 1e-9
 
 
+def test_dense_linear_copy_floor(tmp_path):
+    """The copy variant moves each projection's weight bytes with no arithmetic (the floor a
+    kernel of that size sets); it is timed like the matmuls and summed into its own dense step."""
+    out = run_bench("kernels/dense_linear.py", ["--device", "cpu", "--preset", "tiny", "--batches", "2", "--iters", "5",
+                                                "--variants", "copy", "--name", "dense_linear_copy"], tmp_path)
+    data = result(out, "dense_linear_copy", ("rows", "params", "dense_step"), png=True)
+    assert {r["matmul"] for r in data["rows"]} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    for r in data["rows"]:
+        assert r["variant"] == "copy" and r["bytes"] == r["n"] * r["k"] * 2 and r["ms"] > 0
+
+
 def test_block_tables(tmp_path):
     out = run_bench("kernels/block_tables.py", ["--device", "cpu", "--points", "2:300", "--iters", "5",
                                                 "--name", "block_tables_cpu"], tmp_path)
