@@ -37,12 +37,13 @@ Invariants and hazards:
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from ._tiles import is_interpret
 
 MAX_ROWS = 16  # one BLOCK_M tile; more rows are F.linear's (the prefill path)
 
@@ -60,8 +61,13 @@ class SkinnyConfig:
                     num_warps=self.num_warps)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+@triton.jit
+def _tiles_at(w_ptrs, x_ptrs, k0, offs_k, K, EVEN_K: tl.constexpr):
+    """The W tile [BLOCK_N, BLOCK_K] and the x^T tile [BLOCK_K, BLOCK_M] of the K step at k0."""
+    if EVEN_K:
+        return tl.load(w_ptrs), tl.load(x_ptrs)
+    k_ok = k0 + offs_k < K
+    return tl.load(w_ptrs, mask=k_ok[None, :], other=0.0), tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
 
 
 @triton.jit
@@ -98,13 +104,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, str
         x_ptrs += BLOCK_K
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            xt = tl.load(x_ptrs)
-        else:
-            k_ok = k0 + offs_k < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            xt = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
+        w, xt = _tiles_at(w_ptrs, x_ptrs, k0, offs_k, K, EVEN_K)
         if DOT_F32:
             acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
         else:
@@ -122,7 +122,7 @@ def default_config(n: int, k: int) -> SkinnyConfig:
     warps. In the 32-launch sweep on an H200 at M = 8 (benchmarks/results/
     dense_linear_skinny_sweep_llama-3-8b_NVIDIA_H200.json) the fastest at qkv and o_proj, within
     1 us at gate_up and down and 4 us at lm_head; in the second call 1.8 us off at qkv."""
-    return SkinnyConfig(block_n=64, block_k=256, num_stages=4, num_warps=4)
+    return SkinnyConfig()
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -142,12 +142,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     else:
         assert out.shape == (M, N) and out.dtype == x.dtype and out.is_contiguous(), (out.shape, out.dtype)
         y = out
-    pdl = cfg.pdl and x.is_cuda and not _interpreting()
+    pdl = cfg.pdl and x.is_cuda and not is_interpret()
     launch = cfg.as_launch()
     launch["BLOCK_K"] = max(16, block_k)
     _skinny_linear_kernel[(triton.cdiv(N, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, DOT_F32=_interpreting(), EVEN_K=K % launch["BLOCK_K"] == 0,
+        HAS_BIAS=bias is not None, DOT_F32=is_interpret(), EVEN_K=K % launch["BLOCK_K"] == 0,
         PDL=pdl, BLOCK_M=MAX_ROWS, **launch, **({"launch_pdl": True} if pdl else {}),
     )
     return y

@@ -42,7 +42,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: long-running test (model conversion, real weights)")
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
-    config.addinivalue_line("markers", "heavy: a benchmark smoke run of over 10 s on 2 cores, or an end-to-end run of "
+    config.addinivalue_line("markers", "heavy: a benchmark smoke run of over 5 s on 2 cores, or an end-to-end run of "
                                        "tens of seconds or more whose path a cheaper test also covers; CI's "
                                        "`-m \"not heavy\"` leaves it out, `-m heavy` runs the set")
     if not config.option.basetemp:
